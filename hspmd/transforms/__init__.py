@@ -1,0 +1,36 @@
+"""Passes over hspmd IR, one per file, each registered here under its kebab-case name.
+
+`get_all_passes()` maps names to loaders so that importing the registry imports no pass;
+`hspmd-opt -p name{opt=value}` and `run_pipeline` speak the same names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from xdsl.passes import ModulePass
+
+# name -> "module:Class"
+_PASSES = {
+    "autodiff": "hspmd.transforms.autodiff:Autodiff",
+    "sgd": "hspmd.transforms.sgd:SGD",
+    "apply-strategy": "hspmd.transforms.apply_strategy:ApplyStrategy",
+    "propagate-layouts": "hspmd.transforms.propagate_layouts:PropagateLayouts",
+    "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",
+    "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
+    "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
+}
+
+
+def _loader(target: str) -> Callable[[], type[ModulePass]]:
+    def load() -> type[ModulePass]:
+        module, cls = target.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+    return load
+
+
+def get_all_passes() -> dict[str, Callable[[], type[ModulePass]]]:
+    """Return {pass name: loader of its ModulePass class} for every hspmd pass."""
+    return {name: _loader(target) for name, target in _PASSES.items()}

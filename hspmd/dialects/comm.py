@@ -1,0 +1,201 @@
+"""The `comm` dialect: collectives and point-to-point transfers over explicit rank groups.
+
+`groups` lists disjoint tuples of global ranks; every rank of the program takes part in the
+one tuple that holds it, and its position in that tuple is its chunk index. The program text
+is the same on every rank (SPMD): a rank finds its own group and offsets at run time.
+
+At the annotated level these ops carry layouts in their types (global shapes); after
+specialisation the types are the local pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from xdsl.dialects.builtin import ArrayAttr, DenseArrayBase, IntegerAttr, TensorType, i64
+from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.irdl import (
+    IRDLOperation,
+    ParsePropInAttrDict,
+    irdl_op_definition,
+    operand_def,
+    prop_def,
+    result_def,
+)
+from xdsl.utils.exceptions import VerifyException
+
+from hspmd.dialects.graph import i64_array, tensor_shape
+
+__all__ = ["Comm", "groups_attr", "groups_of"]
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def groups_attr(groups: Sequence[Sequence[int]]) -> ArrayAttr:
+    """Return `[array<i64: 0, 1>, ...]` for a list of rank groups."""
+    return ArrayAttr([i64_array(g) for g in groups])
+
+
+def groups_of(attr: ArrayAttr) -> Groups:
+    """Return the rank groups an ArrayAttr of i64 arrays holds."""
+    return tuple(tuple(g.get_values()) for g in attr.data)  # type: ignore[union-attr]
+
+
+class _Collective(IRDLOperation):
+    """A collective over `groups`: `%r = comm.X %x {groups = [...], ...} : T -> T`."""
+
+    irdl_options = (ParsePropInAttrDict(),)
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    groups = prop_def(ArrayAttr)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+
+    def __init__(self, input: SSAValue, groups: Sequence[Sequence[int]], result_type: Attribute, **props: int):
+        properties: dict[str, Attribute] = {"groups": groups_attr(groups)}
+        properties.update({k: IntegerAttr(v, i64) for k, v in props.items()})
+        super().__init__(operands=[input], result_types=[result_type], properties=properties)
+
+    @property
+    def rank_groups(self) -> Groups:
+        """The rank groups of this collective as tuples."""
+        return groups_of(self.groups)
+
+    def group_size(self) -> int:
+        return len(self.rank_groups[0])
+
+    def verify_(self) -> None:
+        if not all(isinstance(g, DenseArrayBase) for g in self.groups.data):
+            raise VerifyException(f"'{self.name}' groups must be a list of array<i64: ...>")
+        seen: set[int] = set()
+        sizes = set()
+        for g in self.rank_groups:
+            if seen & set(g) or len(set(g)) != len(g):
+                raise VerifyException(f"'{self.name}' groups {self.rank_groups} overlap")
+            seen |= set(g)
+            sizes.add(len(g))
+        if len(sizes) != 1:
+            raise VerifyException(f"'{self.name}' groups {self.rank_groups} differ in size")
+        if self.input.type.element_type != self.result.type.element_type:  # type: ignore[attr-defined]
+            raise VerifyException(f"'{self.name}' keeps the element type")
+        self.verify_shapes(tensor_shape(self.input), tensor_shape(self.result))
+
+    def verify_shapes(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        if src != dst:
+            raise VerifyException(f"'{self.name}' keeps the shape, got {list(src)} -> {list(dst)}")
+
+    def _dim(self, name: str) -> int:
+        return getattr(self, name).value.data
+
+
+class _Resizing(_Collective):
+    """A collective that changes dim `dim` by the group size at the physical level."""
+
+    dim = prop_def(IntegerAttr)
+    GROWS: ClassVar[bool] = True
+
+    def verify_shapes(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        d = self._dim("dim")
+        if not 0 <= d < len(src) or len(src) != len(dst):
+            raise VerifyException(f"'{self.name}' dim {d} is not a dim of {list(src)}")
+        if src == dst:  # annotated level: global shapes do not change
+            return
+        n = self.group_size()
+        small, big = (src, dst) if self.GROWS else (dst, src)
+        expect = tuple(s * n if i == d else s for i, s in enumerate(small))
+        if big != expect:
+            raise VerifyException(
+                f"'{self.name}' over groups of {n} along dim {d} cannot turn {list(src)} into {list(dst)}"
+            )
+
+
+@irdl_op_definition
+class AllReduceOp(_Collective):
+    """Sum over each group; every member gets the sum."""
+
+    name = "comm.all_reduce"
+
+
+@irdl_op_definition
+class BroadcastOp(_Collective):
+    """Every member gets the value of the member at position `root` of its group."""
+
+    name = "comm.broadcast"
+    root = prop_def(IntegerAttr)
+
+
+@irdl_op_definition
+class AllGatherOp(_Resizing):
+    """Concatenation of the members' pieces along `dim`, in group order."""
+
+    name = "comm.all_gather"
+
+
+@irdl_op_definition
+class ReduceScatterOp(_Resizing):
+    """Sum over each group; member i keeps chunk i along `dim`."""
+
+    name = "comm.reduce_scatter"
+    GROWS: ClassVar[bool] = False
+
+
+@irdl_op_definition
+class LocalSplitOp(_Resizing):
+    """No transfer: member i keeps chunk i along `dim` of its (replicated) value."""
+
+    name = "comm.local_split"
+    GROWS: ClassVar[bool] = False
+
+
+@irdl_op_definition
+class AllToAllOp(_Collective):
+    """Member i sends chunk j along `split_dim` to member j; received chunks join along `concat_dim`."""
+
+    name = "comm.all_to_all"
+    split_dim = prop_def(IntegerAttr)
+    concat_dim = prop_def(IntegerAttr)
+
+    def verify_shapes(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        if src == dst:
+            return
+        n, s, c = self.group_size(), self._dim("split_dim"), self._dim("concat_dim")
+        expect = list(src)
+        expect[s] //= n
+        expect[c] *= n
+        if tuple(expect) != dst or src[s] % n:
+            raise VerifyException(f"'{self.name}' cannot turn {list(src)} into {list(dst)}")
+
+
+@irdl_op_definition
+class SendOp(IRDLOperation):
+    """Sends the value along `pairs` ([src, dst] rank pairs): a rank that is a src sends to its dst."""
+
+    name = "comm.send"
+    irdl_options = (ParsePropInAttrDict(),)
+    input = operand_def(TensorType)
+    pairs = prop_def(ArrayAttr)
+    assembly_format = "$input attr-dict `:` type($input)"
+
+    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]]):
+        super().__init__(operands=[input], properties={"pairs": groups_attr(pairs)})
+
+
+@irdl_op_definition
+class RecvOp(IRDLOperation):
+    """Receives a value along `pairs` ([src, dst] rank pairs): a rank that is a dst receives from its src."""
+
+    name = "comm.recv"
+    irdl_options = (ParsePropInAttrDict(),)
+    result = result_def(TensorType)
+    pairs = prop_def(ArrayAttr)
+    assembly_format = "attr-dict `:` type($result)"
+
+    def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute):
+        super().__init__(result_types=[result_type], properties={"pairs": groups_attr(pairs)})
+
+
+Comm = Dialect(
+    "comm",
+    [AllReduceOp, BroadcastOp, AllGatherOp, ReduceScatterOp, LocalSplitOp, AllToAllOp, SendOp, RecvOp],
+    [],
+)

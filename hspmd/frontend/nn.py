@@ -1,0 +1,130 @@
+"""Neural-network modules written as for one device: parameters named by the module tree.
+
+A `Module` holds `Parameter`s and sub-modules as attributes; `named_parameters()` gives
+names such as `layers.0.weight`, which strategies and checkpoints use. During a trace each
+parameter is bound to the `graph.parameter` value made for it (see `bind_parameters`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from hspmd.frontend.tracing import Tensor, Tracer, fail, relu
+
+
+class Parameter:
+    """A trainable tensor: shape, dtype and initialiser text (`normal:0.02`, `zeros`, ...)."""
+
+    def __init__(self, shape: Sequence[int], init: str = "zeros", dtype: str = "float32") -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.init = init
+        self.dtype = dtype
+        self._traced: Tensor | None = None
+
+    def traced(self, op: str = "use") -> Tensor:
+        """Return the tensor this parameter is bound to in the running trace."""
+        if self._traced is None:
+            raise fail(op, "a parameter was used outside a trace (call the model inside the loss function)")
+        return self._traced
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={self.shape}, init={self.init!r})"
+
+    # operators forward to the bound tensor, so modules can write `x @ self.weight`
+    def __getattr__(self, item):
+        if item.startswith("_"):
+            raise AttributeError(item)
+        return getattr(self.traced(item), item)
+
+    def __matmul__(self, o):
+        return self.traced("matmul") @ o
+
+    def __rmatmul__(self, o):
+        return o @ self.traced("matmul")
+
+    def __add__(self, o):
+        return self.traced("add") + o
+
+    def __radd__(self, o):
+        return o + self.traced("add")
+
+    def __mul__(self, o):
+        return self.traced("mul") * o
+
+    def __rmul__(self, o):
+        return o * self.traced("mul")
+
+
+class Module:
+    """Base class of models: attributes that are Parameters or Modules form the tree."""
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Yield (dotted name, parameter) in attribute definition order."""
+        for key, value in vars(self).items():
+            name = f"{prefix}{key}"
+            if isinstance(value, Parameter):
+                yield name, value
+            elif isinstance(value, Module):
+                yield from value.named_parameters(name + ".")
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield from item.named_parameters(f"{name}.{i}.")
+                    elif isinstance(item, Parameter):
+                        yield f"{name}.{i}", item
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} must define forward()")
+
+
+@contextmanager
+def bind_parameters(model: Module, tracer: Tracer):
+    """Within the block, every parameter of `model` stands for a `graph.parameter` value."""
+    params = list(model.named_parameters())
+    try:
+        for name, p in params:
+            p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
+        yield
+    finally:
+        for _, p in params:
+            p._traced = None
+
+
+class Linear(Module):
+    """`y = x @ weight + bias`, weight [in, out], initialised uniform(±1/sqrt(in)) like PyTorch."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        bound = 1.0 / math.sqrt(in_features)
+        self.weight = Parameter((in_features, out_features), f"uniform:{-bound!r}:{bound!r}")
+        self.bias = Parameter((out_features,), f"uniform:{-bound!r}:{bound!r}") if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight
+        return y + self.bias.traced("add") if self.bias is not None else y
+
+
+class ReLU(Module):
+    """Elementwise `max(x, 0)`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return relu(x)
+
+
+class Sequential(Module):
+    """Applies its modules in order; parameters are named `layers.I.NAME`."""
+
+    def __init__(self, *layers: Module) -> None:
+        self.layers = list(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -1,0 +1,115 @@
+"""Model scripts: loading a user's script and tracing its training step.
+
+A model script is a Python file that defines:
+
+- `config`: a dict of settings (`batch_size`, `lr`, `steps`, `seed`, and anything the model
+  uses); `--set KEY=VALUE` on the command line overrides entries;
+- `model(config)`: returns an `hspmd.nn.Module`;
+- `loss(model, batch)`: given the model and a dict of input tensors, returns a scalar loss;
+- `batches(config)`: yields global batches, dicts of NumPy arrays with fixed shapes, the
+  same sequence on every call (the runtime gives each rank its piece of each batch).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+
+from hspmd.frontend.nn import Module, bind_parameters
+from hspmd.frontend.tracing import Tensor, TraceError, Tracer
+
+REQUIRED = ("config", "model", "loss", "batches")
+
+
+class ScriptError(Exception):
+    """A model script is missing, broken, or lacks part of the contract."""
+
+
+@dataclass
+class ModelScript:
+    """A loaded model script and its (overridden) config."""
+
+    path: str
+    module: ModuleType
+    config: dict = field(default_factory=dict)
+
+    def batches(self):
+        """Return an iterator over the script's global batches."""
+        return iter(self.module.batches(self.config))
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """Return {key: value} from `KEY=VALUE` strings (values parsed as Python literals if they can be)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ScriptError(f"--set {item!r}: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = raw
+    return out
+
+
+def load_script(path: str, overrides: dict | None = None) -> ModelScript:
+    """Return the model script at `path`, its config updated by `overrides`."""
+    if not os.path.isfile(path):
+        raise ScriptError(f"{path}: no such model script")
+    name = "hspmd_script_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # the user's code: report it as a script error, with its line
+        import traceback
+
+        tb = traceback.extract_tb(err.__traceback__)
+        where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if f.filename == path), path)
+        raise ScriptError(f"{where}: loading the script failed: {type(err).__name__}: {err}") from None
+    missing = [n for n in REQUIRED if not hasattr(module, n)]
+    if missing:
+        raise ScriptError(f"{path}: a model script must define {', '.join(REQUIRED)}; missing {', '.join(missing)}")
+    config = dict(module.config)
+    for key, value in (overrides or {}).items():
+        if key not in config:
+            raise ScriptError(f"--set {key}: the script's config has no such key (keys: {', '.join(sorted(config))})")
+        config[key] = value
+    return ModelScript(os.path.abspath(path), module, config)
+
+
+def trace_script(script: ModelScript) -> ModuleOp:
+    """Return the logical IR of the script's forward step: parameters, inputs, `graph.output "loss"`."""
+    try:
+        first = next(script.batches())
+    except StopIteration:
+        raise ScriptError(f"{script.path}: batches(config) yields no batch") from None
+    model = script.module.model(script.config)
+    if not isinstance(model, Module):
+        raise ScriptError(f"{script.path}: model(config) must return an hspmd.nn.Module, got {type(model).__name__}")
+    tracer = Tracer()
+    with bind_parameters(model, tracer):
+        inputs = {
+            name: tracer.input(name, np.shape(value), np.asarray(value).dtype.name) for name, value in first.items()
+        }
+        try:
+            loss = script.module.loss(model, inputs)
+        except TraceError:
+            raise
+        except Exception as err:
+            import traceback
+
+            tb = traceback.extract_tb(err.__traceback__)
+            where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if f.filename == script.path), script.path)
+            raise TraceError(f"{where}: tracing failed: {type(err).__name__}: {err}") from None
+        if not isinstance(loss, Tensor) or loss.shape != ():
+            raise TraceError(f"{script.path}: loss(model, batch) must return a scalar tensor, got {loss!r}")
+        tracer.output("loss", loss)
+    return tracer.finish()

@@ -1,0 +1,28 @@
+"""Small helpers shared by passes: finding the step function and named ops."""
+
+from __future__ import annotations
+
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
+
+
+class PassError(Exception):
+    """A pass cannot apply to this IR; the message says which op or name and why."""
+
+
+def step_function(module: ModuleOp, name: str = "train_step") -> func.FuncOp:
+    """Return the `func.func @name` of `module` (the training step)."""
+    for op in module.walk():
+        if isinstance(op, func.FuncOp) and op.sym_name.data == name:
+            return op
+    raise PassError(f"no function @{name} in the module")
+
+
+def terminator(fn: func.FuncOp) -> Operation:
+    """Return the `func.return` that ends the step function's single block."""
+    block = fn.body.block
+    last = block.last_op
+    if not isinstance(last, func.ReturnOp):
+        raise PassError(f"@{fn.sym_name.data} does not end with func.return")
+    return last
