@@ -1,0 +1,190 @@
+"""Layout text for people (lark grammar, DESIGN.md section 3): parse and print.
+
+    [0-3]: split(0)=2, dup=2                               one group, order as written
+    [0-3]: split(1)=4 | [4,5]: split(1)=2 ; hetero=dup      two replicas, TP4 and TP2
+    [0,1]: dup=2 | [2]: dup=1 ; hetero=split(0), shares=3:1 batch split 3:1 over groups
+
+Device lists take numbers and ranges (`[0,1,4-5]`); whitespace is free. Printing is
+canonical (`str(layout)`): runs of three or more consecutive devices become `a-b`, the
+hetero clause appears only with several groups, shares only with hetero split. Syntax errors
+raise `LayoutSyntaxError` (line, column, caret, what was expected); well-formed text that
+describes an impossible layout raises `LayoutError`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
+
+__all__ = ["LayoutSyntaxError", "parse_layout", "parse_states", "format_layout", "caret_message"]
+
+DEVLIST_GRAMMAR = r"""
+devlist: devitem ("," devitem)*
+devitem: INT             -> dev
+       | INT "-" INT     -> devrange
+%import common.INT
+%import common.WS
+%ignore WS
+"""
+
+_LAYOUT_GRAMMAR = r"""
+layout: group ("|" group)* hetero?
+states: axisdeg ("," axisdeg)*
+group: "[" devlist "]" ":" states
+axisdeg: axis "=" INT
+axis: NAME ("(" INT ")")?
+hetero: ";" "hetero" "=" axis ("," "shares" "=" shares)?
+shares: INT (":" INT)*
+NAME: /[A-Za-z_][A-Za-z_0-9]*/
+""" + DEVLIST_GRAMMAR
+
+_PARSER = Lark(_LAYOUT_GRAMMAR, start=["layout", "states"], parser="lalr", maybe_placeholders=False)
+
+
+def caret_message(message: str, text: str, line: int, column: int, expected: str | None) -> str:
+    """Return `message`, the offending line of `text`, and a caret under `column` with what was expected."""
+    lines = text.split("\n")
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    caret = " " * (column - 1) + "^" + (f" expected {expected}" if expected else "")
+    return f"{message}\n{src}\n{caret}"
+
+
+class LayoutSyntaxError(ValueError):
+    """Bad layout syntax; `text`, `line`, `column` (1-based) and `expected` (human words) say where and what."""
+
+    def __init__(self, message: str, text: str, line: int, column: int, expected: str | None = None):
+        self.message, self.text, self.line, self.column, self.expected = message, text, line, column, expected
+        super().__init__(caret_message(message, text, line, column, expected))
+
+
+def _words(names: Iterable[str]) -> str:
+    """Return 'a, b or c' for a few human words."""
+    items = sorted(set(names))
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def terminal_words(parser: Lark, special: dict[str, str]) -> Callable[[Iterable[str]], str]:
+    """Return a function naming a set of lark terminals in human words."""
+    patterns = {t.name: t.pattern for t in parser.terminals}
+
+    def name(term: str) -> str:
+        if term in special:
+            return special[term]
+        pat = patterns.get(term)
+        if pat is not None and pat.type == "str":
+            return f"'{pat.value}'"
+        return term.lower()
+
+    return lambda terms: _words(name(t) for t in terms)
+
+
+_LAYOUT_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "an axis (split(d), dup or partial)",
+                                          "$END": "end of text"})
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    """Return (line, column) just after the last non-blank character of `text`."""
+    body = text.rstrip()
+    line = body.count("\n") + 1
+    return line, len(body) - (body.rfind("\n") + 1) + 1
+
+
+def syntax_error(err: UnexpectedInput, text: str, what: str, words: Callable[[Iterable[str]], str],
+                 cls: type[ValueError]) -> ValueError:
+    """Return a `cls` error (caret style) for a lark parse error in `text`."""
+    if isinstance(err, UnexpectedToken):
+        if err.token.type == "$END":
+            line, column = _end_position(text)
+            found = "end of text"
+        else:
+            line, column = err.line, err.column
+            found = f"'{err.token.value}'"
+        expected = err.accepts or err.expected
+    elif isinstance(err, UnexpectedCharacters):
+        line, column = err.line, err.column
+        found = f"'{err.char}'"
+        expected = err.allowed or set()
+    else:  # pragma: no cover - other lark errors (UnexpectedEOF) do not occur with LALR
+        line, column = _end_position(text)
+        found = "end of text"
+        expected = getattr(err, "expected", set())
+    exp = words(expected) if expected else None
+    return cls(f"bad {what} at line {line}, column {column}: unexpected {found}", text, line, column, exp)
+
+
+def _err(text: str, tok: Token, message: str, expected: str | None = None) -> LayoutSyntaxError:
+    return LayoutSyntaxError(f"bad layout text at line {tok.line}, column {tok.column}: {message}",
+                             text, tok.line, tok.column, expected)
+
+
+def devices_of(tree: Tree, text: str, error: Callable[[str, Token, str, str | None], ValueError]) -> tuple[int, ...]:
+    """Return the device ids of a `devlist` tree (ranges expanded, order kept)."""
+    out: list[int] = []
+    for item in tree.children:
+        if item.data == "dev":
+            out.append(int(item.children[0]))
+        else:
+            lo, hi = item.children
+            if int(hi) < int(lo):
+                raise error(text, lo, f"range {lo}-{hi} runs backwards", "a range a-b with a <= b")
+            out.extend(range(int(lo), int(hi) + 1))
+    return tuple(out)
+
+
+def _axis(tree: Tree, text: str) -> Axis:
+    name, *dim = tree.children
+    if name == "split":
+        if not dim:
+            raise _err(text, name, "split needs a tensor dim", "split(d)")
+        return split(int(dim[0]))
+    if name in ("dup", "partial"):
+        if dim:
+            raise _err(text, name, f"{name} takes no dim", f"'{name}' without '(...)'")
+        return DUP if name == "dup" else PARTIAL
+    raise _err(text, name, f"unknown axis '{name}'", "split(d), dup or partial")
+
+
+def _states(tree: Tree, text: str) -> DistributedStates:
+    return DistributedStates(tuple((_axis(ad.children[0], text), int(ad.children[1])) for ad in tree.children))
+
+
+def _parse(text: str, start: str) -> Tree:
+    if not isinstance(text, str):
+        raise TypeError(f"layout text must be a str, got {type(text).__name__}")
+    try:
+        return _PARSER.parse(text, start=start)
+    except UnexpectedInput as err:
+        raise syntax_error(err, text, "layout text", _LAYOUT_WORDS, LayoutSyntaxError) from None
+
+
+def parse_layout(text: str) -> Layout:
+    """Return the Layout that `text` describes.
+
+    >>> str(parse_layout("[0,1]:dup=2|[2]:dup=1;hetero=split(0),shares=3:1"))
+    '[0,1]: dup=2 | [2]: dup=1 ; hetero=split(0), shares=3:1'
+    """
+    tree = _parse(text, "layout")
+    groups, hetero, shares = [], DUP, None
+    for child in tree.children:
+        if child.data == "group":
+            devlist, states = child.children
+            groups.append(Group(devices_of(devlist, text, _err), _states(states, text)))
+        else:
+            hetero = _axis(child.children[0], text)
+            if len(child.children) > 1:
+                shares = tuple(int(t) for t in child.children[1].children)
+    return Layout(tuple(groups), hetero, shares)
+
+
+def parse_states(text: str) -> DistributedStates:
+    """Return the DistributedStates that `text` (e.g. `split(0)=2, dup=2`) describes."""
+    return _states(_parse(text, "states"), text)
+
+
+def format_layout(layout: Layout) -> str:
+    """Return the canonical text of `layout` (the same as `str(layout)`)."""
+    return str(layout)
