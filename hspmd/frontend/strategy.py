@@ -1,0 +1,178 @@
+"""Strategy text (lark grammar, DESIGN.md section 3): how a run spreads over devices.
+
+    [0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2 pp=1 share=1
+
+One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`)
+degrees and the group's batch `share`. Keys come in any order, separated by spaces or commas,
+and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
+group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
+unknown keys raise `StrategyError` with a caret under the offending column; impossible
+strategies raise it with one sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lark import Lark, Token
+from lark.exceptions import UnexpectedInput
+
+from hspmd.ir.layout import format_devices
+from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message, devices_of, syntax_error
+
+__all__ = ["StrategyError", "StrategyGroup", "Strategy", "parse_strategy"]
+
+_KEYS = ("dp", "tp", "pp", "share")
+
+_GRAMMAR = r"""
+strategy: sgroup ("|" sgroup)*
+sgroup: "[" devlist "]" ":" (kv (","? kv)*)?
+kv: NAME "=" INT
+NAME: /[A-Za-z_][A-Za-z_0-9]*/
+""" + DEVLIST_GRAMMAR
+
+_PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
+_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp or share)",
+                                   "$END": "end of text"})
+
+
+class StrategyError(ValueError):
+    """A bad strategy. For syntax errors `text`, `line`, `column` and `expected` say where; else they are None."""
+
+    def __init__(self, message: str, text: str | None = None, line: int | None = None,
+                 column: int | None = None, expected: str | None = None):
+        self.message, self.text, self.line, self.column, self.expected = message, text, line, column, expected
+        if text is None or line is None or column is None:
+            super().__init__(message)
+        else:
+            super().__init__(caret_message(message, text, line, column, expected))
+
+
+def _describe(devices: tuple[int, ...]) -> str:
+    """Return a short description of a device set: `0-3` when contiguous, else the sorted list."""
+    s = sorted(devices)
+    if s and s == list(range(s[0], s[-1] + 1)):
+        return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
+    return format_devices(s)
+
+
+@dataclass(frozen=True)
+class StrategyGroup:
+    """One device group of a strategy: its devices and dp/tp/pp degrees and batch share.
+
+    >>> str(StrategyGroup((0, 1, 2, 3), tp=2, pp=2, share=2))
+    '[0-3]: dp=1 tp=2 pp=2 share=2'
+    """
+
+    devices: tuple[int, ...]
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+        text = str(self)
+        for key in _KEYS:
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp and share must be integers >= 1")
+        if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
+            raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
+        n = self.dp * self.tp * self.pp
+        if n != len(self.devices):
+            fit = len(self.devices) // (self.tp * self.pp)
+            hint = f" (dp={fit} would fit)" if fit * self.tp * self.pp == len(self.devices) else ""
+            raise StrategyError(
+                f"group '{text}' has dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {n} but {len(self.devices)} "
+                f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
+
+    def __str__(self) -> str:
+        return (f"[{format_devices(self.devices)}]: dp={self.dp} tp={self.tp} pp={self.pp} share={self.share}")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A whole strategy: one StrategyGroup per device group, on disjoint devices.
+
+    >>> s = parse_strategy("[0-3]: tp=2, pp=2 share=2 | [4,5]: tp=2")
+    >>> str(s)
+    '[0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2 pp=1 share=1'
+    >>> s.num_devices
+    6
+    """
+
+    groups: tuple[StrategyGroup, ...]
+
+    def __post_init__(self) -> None:
+        groups = tuple(self.groups)
+        object.__setattr__(self, "groups", groups)
+        if not groups:
+            raise StrategyError("a strategy needs at least one group")
+        seen: set[int] = set()
+        for g in groups:
+            both = seen.intersection(g.devices)
+            if both:
+                raise StrategyError(f"strategy '{self}' puts device {min(both)} in more than one group")
+            seen.update(g.devices)
+
+    def __str__(self) -> str:
+        return " | ".join(str(g) for g in self.groups)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Return all devices, group by group."""
+        return tuple(d for g in self.groups for d in g.devices)
+
+    @property
+    def num_devices(self) -> int:
+        """Return the number of devices the strategy uses."""
+        return len(self.devices)
+
+    def check_devices(self, n: int) -> None:
+        """Return None if the strategy uses exactly devices 0..n-1; else raise StrategyError."""
+        devs = self.devices
+        if sorted(devs) == list(range(n)):
+            return
+        count = f"{len(devs)} device{'s' if len(devs) != 1 else ''}"
+        if sorted(devs) == list(range(len(devs))):
+            raise StrategyError(f"strategy '{self}' uses {count} ({_describe(devs)}) but the run has -n {n}")
+        raise StrategyError(f"strategy '{self}' uses devices {_describe(devs)} but the run has -n {n}, "
+                            f"which needs devices {_describe(tuple(range(n)))} exactly")
+
+
+def _err(text: str, tok: Token, message: str, expected: str | None = None) -> StrategyError:
+    return StrategyError(f"bad strategy at line {tok.line}, column {tok.column}: {message}",
+                         text, tok.line, tok.column, expected)
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Return the Strategy that `text` describes.
+
+    >>> str(parse_strategy("[0,1]: dp=2"))
+    '[0,1]: dp=2 tp=1 pp=1 share=1'
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"strategy text must be a str, got {type(text).__name__}")
+    try:
+        tree = _PARSER.parse(text)
+    except UnexpectedInput as err:
+        raise syntax_error(err, text, "strategy", _WORDS, StrategyError) from None
+    groups = []
+    for sg in tree.children:
+        devlist, *kvs = sg.children
+        devices = devices_of(devlist, text, _err)
+        values: dict[str, int] = {}
+        for kv in kvs:
+            key, value = kv.children
+            if key not in _KEYS:
+                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp or share")
+            if key in values:
+                raise _err(text, key, f"key '{key}' is given twice")
+            if int(value) < 1:
+                raise _err(text, value, f"{key}={value} must be >= 1", "a number >= 1")
+            values[str(key)] = int(value)
+        if not {"dp", "tp", "pp"} & values.keys():
+            values["dp"] = len(devices)
+        groups.append(StrategyGroup(devices, **values))
+    return Strategy(tuple(groups))

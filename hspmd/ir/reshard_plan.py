@@ -1,0 +1,209 @@
+"""Resharding as primitive communication steps, and a NumPy simulator that defines them.
+
+`plan_transition(src, dst)` turns one single-group layout into another over the same devices
+as a sequence of `CommStep`s; `simulate(steps, pieces)` says exactly what every rank holds
+afterwards. Each step lists disjoint rank groups (global device ids); a rank uses the group
+containing it, its *position* is its index in that group, and chunk order is group order.
+Ranks in no group of a step keep their piece. "Chunk p of x along dim" means x split into
+len(group) equal parts along dim, part p (the dim must divide evenly).
+
+    all_reduce        every member gets the sum of the members' pieces.
+    all_gather(dim)   every member gets the members' pieces concatenated along dim.
+    reduce_scatter(dim)  the member at position p gets chunk p of the sum.
+    local_split(dim)  (no communication) the member at position p keeps chunk p of its own piece.
+    local_zero        (no communication) position 0 keeps its piece, the others hold zeros;
+                      turns replicas into partial sums.
+    all_to_all(dim, src_dim)  the member at position p gets chunk p along dim of every member's
+                      piece, concatenated along src_dim in group order: dim becomes split,
+                      src_dim (split across the group, in group order) becomes whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout
+
+__all__ = ["CommStep", "KINDS", "plan_transition", "simulate"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_split", "local_zero", "all_to_all")
+_WITH_DIM = ("all_gather", "reduce_scatter", "local_split", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One primitive step of a reshard; see the module docstring for its exact meaning.
+
+    >>> str(CommStep("all_gather", ((0, 1), (2, 3)), dim=0))
+    'all_gather(dim=0) [0,1] [2,3]'
+    """
+
+    kind: str
+    groups: tuple[tuple[int, ...], ...]
+    dim: int = -1
+    src_dim: int = -1
+
+    def __post_init__(self) -> None:
+        groups = tuple(tuple(int(r) for r in g) for g in self.groups)
+        object.__setattr__(self, "groups", groups)
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown comm step kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        ranks = [r for g in groups for r in g]
+        if not groups or not all(groups) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"{self.kind} needs disjoint, non-empty rank groups, got {groups}")
+        if (self.kind in _WITH_DIM) != (self.dim >= 0):
+            raise ValueError(f"{self.kind} {'needs' if self.kind in _WITH_DIM else 'takes no'} dim, got dim={self.dim}")
+        if (self.kind == "all_to_all") != (self.src_dim >= 0) or (self.kind == "all_to_all" and self.src_dim == self.dim):
+            raise ValueError(f"{self.kind} got src_dim={self.src_dim}; only all_to_all takes one, different from dim")
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in (("dim", self.dim), ("src_dim", self.src_dim)) if v >= 0)
+        groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups)
+        return f"{self.kind}({args}) {groups}"
+
+
+# --------------------------------------------------------------------------------------
+# Simulator
+
+
+def _chunk(x: np.ndarray, k: int, dim: int, p: int) -> np.ndarray:
+    if dim >= x.ndim or x.shape[dim] % k:
+        raise ValueError(f"cannot cut a piece of shape {x.shape} into {k} equal chunks along dim {dim}")
+    n = x.shape[dim] // k
+    return x[(slice(None),) * dim + (slice(p * n, (p + 1) * n),)]
+
+
+def simulate(steps: Iterable[CommStep], pieces: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Return {rank: piece} after running `steps` on `pieces` (the inputs are not modified)."""
+    out = {r: np.array(p, copy=True) for r, p in pieces.items()}
+    for step in steps:
+        new = dict(out)
+        for group in step.groups:
+            missing = [r for r in group if r not in out]
+            if missing:
+                raise ValueError(f"{step} names ranks {missing} that hold no piece")
+            xs = [out[r] for r in group]
+            k = len(group)
+            if step.kind in ("all_reduce", "reduce_scatter"):
+                total = sum(xs[1:], xs[0].copy())
+            for p, r in enumerate(group):
+                if step.kind == "all_reduce":
+                    new[r] = total.copy()
+                elif step.kind == "all_gather":
+                    new[r] = np.concatenate(xs, axis=step.dim)
+                elif step.kind == "reduce_scatter":
+                    new[r] = _chunk(total, k, step.dim, p).copy()
+                elif step.kind == "local_split":
+                    new[r] = _chunk(xs[p], k, step.dim, p).copy()
+                elif step.kind == "local_zero":
+                    new[r] = xs[p] if p == 0 else np.zeros_like(xs[p])
+                else:  # all_to_all
+                    new[r] = np.concatenate([_chunk(x, k, step.dim, p) for x in xs], axis=step.src_dim)
+        out = new
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Planner
+
+
+def _mesh_groups(devices: Sequence[int], ds: DistributedStates, j: int) -> tuple[tuple[int, ...], ...]:
+    """Return the device groups along mesh axis `j` of `ds` (members differ only in coordinate j)."""
+    return tuple(tuple(devices[i] for i in sg) for sg in ds.subgroups(ds.axes[j][0]))
+
+
+def _axis_steps(src: Axis, dst: Axis, groups: tuple[tuple[int, ...], ...]) -> list[CommStep]:
+    """Return the steps turning one mesh axis from role `src` into role `dst` (other axes untouched)."""
+    if src == PARTIAL:
+        if dst == DUP:
+            return [CommStep("all_reduce", groups)]
+        return [CommStep("reduce_scatter", groups, dim=dst.dim)]
+    if src == DUP:
+        if dst == PARTIAL:
+            return [CommStep("local_zero", groups)]
+        return [CommStep("local_split", groups, dim=dst.dim)]
+    # src is split
+    if dst.kind == "split":
+        return [CommStep("all_to_all", groups, dim=dst.dim, src_dim=src.dim)]
+    gather = CommStep("all_gather", groups, dim=src.dim)
+    return [gather] if dst == DUP else [gather, CommStep("local_zero", groups)]
+
+
+# Cheaper steps first: shrink pieces before moving them, grow them last.
+_RANK = {"local_split": 0, "reduce_scatter": 1, "all_to_all": 2, "all_reduce": 3, "all_gather": 4, "local_zero": 5}
+
+
+def _per_axis(devices: Sequence[int], sds: DistributedStates, dds: DistributedStates) -> list[CommStep]:
+    """Return steps converting mesh axis by mesh axis, for states with the same degree sequence.
+
+    Every intermediate state keeps each tensor dim split on at most one mesh axis, so each
+    step cuts a dim that is whole in the current piece, into a number of chunks (its
+    destination degree) that divides it; a cycle of split moves is broken by gathering one
+    of its axes to `dup` first.
+    """
+    roles = [a for a, _ in sds.axes]
+    target = [b for b, _ in dds.axes]
+    pending = [j for j in range(len(roles)) if roles[j] != target[j]]
+    steps: list[CommStep] = []
+    while pending:
+        ready = [j for j in pending
+                 if target[j].kind != "split" or all(roles[k] != target[j] for k in range(len(roles)) if k != j)]
+        if ready:
+            j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], j))
+            to = target[j]
+            pending.remove(j)
+        else:  # a cycle of split(i) -> split(j) moves: gather one of them first
+            j = next(j for j in pending if roles[j].kind == "split")
+            to = DUP
+        steps += _axis_steps(roles[j], to, _mesh_groups(devices, sds, j))
+        roles[j] = to
+    return steps
+
+
+def _via_replicas(src: tuple[int, ...], sds: DistributedStates,
+                  dst: tuple[int, ...], dds: DistributedStates) -> list[CommStep]:
+    """Return steps that reduce and gather to full replicas on every device, then cut out `dds`."""
+    steps: list[CommStep] = []
+    for j, (axis, _) in enumerate(sds.axes):
+        if axis == PARTIAL:
+            steps.append(CommStep("all_reduce", _mesh_groups(src, sds, j)))
+    for j, (axis, _) in enumerate(sds.axes):
+        if axis.kind == "split":
+            steps.append(CommStep("all_gather", _mesh_groups(src, sds, j), dim=axis.dim))
+    for j, (axis, _) in enumerate(dds.axes):
+        if axis.kind == "split":
+            steps.append(CommStep("local_split", _mesh_groups(dst, dds, j), dim=axis.dim))
+        elif axis == PARTIAL:
+            steps.append(CommStep("local_zero", _mesh_groups(dst, dds, j)))
+    return steps
+
+
+def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
+    """Return the steps that turn pieces laid out as `src` into pieces laid out as `dst`.
+
+    Both layouts must be single groups over the same device set. With the same devices in the
+    same order and the same degree sequence the plan works mesh axis by mesh axis (partial->dup
+    all_reduce, partial->split reduce_scatter, split->dup all_gather, dup->split local_split,
+    dup->partial local_zero, split(i)->split(j) all_to_all); otherwise it reduces and gathers
+    to full replicas and cuts out the destination. Equal layouts give ().
+
+    >>> from hspmd.ir.layout_text import parse_layout
+    >>> [str(s) for s in plan_transition(parse_layout("[0-3]: partial=2, split(0)=2"),
+    ...                                  parse_layout("[0-3]: split(1)=2, dup=2"))]
+    ['reduce_scatter(dim=1) [0,2] [1,3]', 'all_gather(dim=0) [0,1] [2,3]']
+    """
+    if src == dst:
+        return ()
+    if len(src.groups) > 1 or len(dst.groups) > 1 or set(src.devices) != set(dst.devices):
+        raise NotImplementedError(
+            f"cannot plan '{src}' -> '{dst}': only single groups over the same devices are handled; "
+            f"heterogeneous resharding is not supported yet")
+    (sg,), (dg,) = src.groups, dst.groups
+    sds, dds = sg.states, dg.states
+    if sg.devices == dg.devices and [d for _, d in sds.axes] == [d for _, d in dds.axes]:
+        return tuple(_per_axis(sg.devices, sds, dds))
+    return tuple(_via_replicas(sg.devices, sds, dg.devices, dds))
+
