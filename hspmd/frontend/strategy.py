@@ -7,7 +7,8 @@ degrees and the group's batch `share`. Keys come in any order, separated by spac
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
-strategies raise it with one sentence.
+strategies raise it with one sentence. Printing is canonical: dp always, the other keys
+when they are not 1.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _describe(devices: tuple[int, ...]) -> str:
 class StrategyGroup:
     """One device group of a strategy: its devices and dp/tp/pp degrees and batch share.
 
-    >>> str(StrategyGroup((0, 1, 2, 3), tp=2, pp=2, share=2))
-    '[0-3]: dp=1 tp=2 pp=2 share=2'
+    >>> str(StrategyGroup((0, 1, 2, 3), tp=2, pp=2, share=2)), str(StrategyGroup((4, 5), dp=2))
+    ('[0-3]: dp=1 tp=2 pp=2 share=2', '[4,5]: dp=2')
     """
 
     devices: tuple[int, ...]
@@ -88,7 +89,8 @@ class StrategyGroup:
                 f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
 
     def __str__(self) -> str:
-        return (f"[{format_devices(self.devices)}]: dp={self.dp} tp={self.tp} pp={self.pp} share={self.share}")
+        keys = " ".join(f"{k}={getattr(self, k)}" for k in _KEYS if k == "dp" or getattr(self, k) != 1)
+        return f"[{format_devices(self.devices)}]: {keys}"
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class Strategy:
 
     >>> s = parse_strategy("[0-3]: tp=2, pp=2 share=2 | [4,5]: tp=2")
     >>> str(s)
-    '[0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2 pp=1 share=1'
+    '[0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2'
     >>> s.num_devices
     6
     """
@@ -149,8 +151,8 @@ def _err(text: str, tok: Token, message: str, expected: str | None = None) -> St
 def parse_strategy(text: str) -> Strategy:
     """Return the Strategy that `text` describes.
 
-    >>> str(parse_strategy("[0,1]: dp=2"))
-    '[0,1]: dp=2 tp=1 pp=1 share=1'
+    >>> str(parse_strategy("[0,1]: dp=2, share=1"))
+    '[0,1]: dp=2'
     """
     if not isinstance(text, str):
         raise TypeError(f"strategy text must be a str, got {type(text).__name__}")

@@ -20,7 +20,9 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
 
-__all__ = ["LayoutSyntaxError", "parse_layout", "parse_states", "format_layout", "caret_message"]
+__all__ = ["LayoutSyntaxError", "LayoutError", "parse_layout", "parse_states", "format_layout",
+           # shared with the strategy grammar
+           "DEVLIST_GRAMMAR", "caret_message", "terminal_words", "syntax_error", "devices_of"]
 
 DEVLIST_GRAMMAR = r"""
 devlist: devitem ("," devitem)*
