@@ -148,6 +148,13 @@ class LocalSplitOp(_Resizing):
 
 
 @irdl_op_definition
+class LocalZeroOp(_Collective):
+    """No transfer: the member at position 0 keeps its value, the others hold zeros (replicas to partial sums)."""
+
+    name = "comm.local_zero"
+
+
+@irdl_op_definition
 class AllToAllOp(_Collective):
     """Member i sends chunk j along `split_dim` to member j; received chunks join along `concat_dim`."""
 
@@ -196,6 +203,6 @@ class RecvOp(IRDLOperation):
 
 Comm = Dialect(
     "comm",
-    [AllReduceOp, BroadcastOp, AllGatherOp, ReduceScatterOp, LocalSplitOp, AllToAllOp, SendOp, RecvOp],
+    [AllReduceOp, BroadcastOp, AllGatherOp, ReduceScatterOp, LocalSplitOp, LocalZeroOp, AllToAllOp, SendOp, RecvOp],
     [],
 )

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from xdsl.dialects.builtin import NoneAttr, TensorType
 from xdsl.ir import Attribute, Data, Dialect, SSAValue
-from xdsl.irdl import IRDLOperation, irdl_attr_definition, irdl_op_definition, operand_def, result_def
+from xdsl.irdl import (
+    IRDLOperation,
+    ParsePropInAttrDict,
+    irdl_attr_definition,
+    irdl_op_definition,
+    operand_def,
+    opt_prop_def,
+    result_def,
+)
 from xdsl.parser import AttrParser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
@@ -64,23 +72,45 @@ def without_layout(typ: Attribute, shape: tuple[int, ...] | None = None) -> Tens
 
 @irdl_op_definition
 class ReshardOp(IRDLOperation):
-    """Same tensor, another layout: the compiler lowers it into `comm` ops."""
+    """Same tensor, another layout: the compiler lowers it into `comm` ops.
+
+    At the annotated level the two layouts are in the operand and result types. After
+    `specialize-groups` the types are local pieces and the layouts move to `src` and `dst`,
+    until `lower-reshard` replaces the op with collectives.
+    """
 
     name = "dist.reshard"
+    irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
     result = result_def(TensorType)
+    src = opt_prop_def(LayoutAttr)
+    dst = opt_prop_def(LayoutAttr)
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
-    def __init__(self, input: SSAValue, result_type: Attribute):
-        super().__init__(operands=[input], result_types=[result_type])
+    def __init__(self, input: SSAValue, result_type: Attribute, src: Layout | None = None, dst: Layout | None = None):
+        props = {} if src is None or dst is None else {"src": LayoutAttr(src), "dst": LayoutAttr(dst)}
+        super().__init__(operands=[input], result_types=[result_type], properties=props)
+
+    def layouts(self) -> tuple[Layout, Layout]:
+        """Return (source layout, destination layout), from the types or the properties."""
+        if self.src is not None and self.dst is not None:
+            return self.src.data, self.dst.data
+        src, dst = layout_of(self.input), layout_of(self.result)
+        assert src is not None and dst is not None
+        return src, dst
 
     def verify_(self) -> None:
         src, dst = self.input.type, self.result.type
         assert isinstance(src, TensorType) and isinstance(dst, TensorType)
-        if src.get_shape() != dst.get_shape() or src.element_type != dst.element_type:
-            raise VerifyException("'dist.reshard' keeps shape and element type; only the layout changes")
-        if layout_of(src) is None or layout_of(dst) is None:
-            raise VerifyException("'dist.reshard' needs a layout on its operand and its result")
+        if src.element_type != dst.element_type:
+            raise VerifyException("'dist.reshard' keeps the element type; only the layout changes")
+        if (self.src is None) != (self.dst is None):
+            raise VerifyException("'dist.reshard' needs both 'src' and 'dst' or neither")
+        if self.src is None:
+            if layout_of(src) is None or layout_of(dst) is None:
+                raise VerifyException("'dist.reshard' needs a layout on its operand and its result")
+            if src.get_shape() != dst.get_shape():
+                raise VerifyException("'dist.reshard' keeps the global shape; only the layout changes")
 
 
 Dist = Dialect("dist", [ReshardOp], [LayoutAttr])

@@ -1,0 +1,270 @@
+"""Sharding rules of the `graph` ops: which operand layouts an op accepts, which result follows.
+
+Each op is described by *factors* (as in einsum, or Shardy's factor rules): one name per
+dim of each operand and result. `matmul` is `[i,k] x [k,j] -> [i,j]`; `k` appears in no
+result, so it is a reduction factor and splitting it leaves partial sums. An op is *linear*
+in some operands (partial sums may pass through it): jointly (`add`: all partial together)
+or separately (`mul`, `matmul`: one operand partial, the others replicated on that axis).
+
+`infer` works on the mesh of one SPMD group: each mesh axis of the operands' states gets
+one role (a factor, partial, or nothing). The roles give every operand the layout the op
+needs (a consumer inserts `dist.reshard` where a producer differs) and every result its
+layout. A layout that is replicated on its whole group (`dup=n`) fits any mesh.
+Heterogeneous unions: each group is inferred alike when all layouts share the group
+structure (same device lists, hetero axis and shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from xdsl.ir import Operation
+
+from hspmd.dialects import graph
+from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
+
+
+class ShardingError(Exception):
+    """Layouts that an op's rule cannot reconcile; names the op and the layouts."""
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """Factors per dim of each operand and result, linearity and unsplittable factors."""
+
+    operands: tuple[tuple[str, ...], ...]
+    results: tuple[tuple[str, ...], ...]
+    linear: frozenset[int] = frozenset()
+    joint: bool = True
+    blocked: frozenset[str] = frozenset()
+
+
+def _dims(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def _shape(value) -> tuple[int, ...]:
+    return value.type.get_shape()
+
+
+def rule_for(op: Operation) -> OpRule | None:
+    """Return the sharding rule of a compute op (None for leaves, outputs and assigns)."""
+    match op:
+        case graph.AddOp() | graph.SubOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d, d), (d,), frozenset({0, 1}), joint=True)
+        case graph.MulOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d, d), (d,), frozenset({0, 1}), joint=False)
+        case graph.ReluGradOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d, d), (d,), frozenset({1}))
+        case graph.ReluOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d,), (d,))
+        case graph.ScaleOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d,), (d,), frozenset({0}))
+        case graph.MatmulOp():
+            return OpRule((("i", "k"), ("k", "j")), (("i", "j"),), frozenset({0, 1}), joint=False)
+        case graph.TransposeOp():
+            d = _dims("d", len(_shape(op.input)))
+            return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
+        case graph.ReshapeOp():
+            src, dst = _reshape_factors(_shape(op.input), _shape(op.result))
+            blocked = frozenset(f for f in (*src, *dst) if f.startswith("r"))
+            return OpRule((src,), (dst,), frozenset({0}), blocked=blocked)
+        case graph.BroadcastOp():
+            dims = op.dims.get_values()
+            src_shape, dst_shape = _shape(op.input), _shape(op.result)
+            out = list(_dims("o", len(dst_shape)))
+            src = tuple(out[d] if src_shape[i] == dst_shape[d] else f"one{i}" for i, d in enumerate(dims))
+            return OpRule((src,), (tuple(out),), frozenset({0}))
+        case graph.ReduceSumOp():
+            d = _dims("d", len(_shape(op.input)))
+            dims = set(op.dims.get_values())
+            return OpRule((d,), (tuple(f for i, f in enumerate(d) if i not in dims),), frozenset({0}))
+        case graph.SoftmaxCrossEntropyOp():
+            return OpRule((("b", "c"), ("b",)), (("b",),), blocked=frozenset({"c"}))
+        case graph.SoftmaxCrossEntropyGradOp():
+            return OpRule((("b", "c"), ("b",), ("b",)), (("b", "c"),), frozenset({2}), blocked=frozenset({"c"}))
+    return None
+
+
+def _reshape_factors(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Return factors for a reshape: dims kept whole at the same offset share a factor."""
+
+    def offsets(shape):
+        out, acc = [], 1
+        for s in reversed(shape):
+            out.append(acc)
+            acc *= s
+        return list(reversed(out))
+
+    so, do = offsets(src), offsets(dst)
+    shared = {}
+    for i, (s, o) in enumerate(zip(src, so)):
+        for j, (t, p) in enumerate(zip(dst, do)):
+            if s == t and o == p and j not in shared.values():
+                shared[i] = j
+                break
+    a = tuple(f"f{shared[i]}" if i in shared else f"rs{i}" for i in range(len(src)))
+    b = tuple(f"f{j}" if j in shared.values() else f"rd{j}" for j in range(len(dst)))
+    return a, b
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+def _flexible(ds: DistributedStates) -> bool:
+    return all(a == DUP for a, _ in ds.axes)
+
+
+def _states_from_roles(roles: list[tuple[Axis, int]]) -> DistributedStates | None:
+    """Return states from per-mesh-axis roles, merging neighbouring dups; None if not expressible."""
+    merged: list[tuple[Axis, int]] = []
+    for axis, deg in roles:
+        if merged and merged[-1][0] == axis and axis.kind != "split":
+            merged[-1] = (axis, merged[-1][1] * deg)
+        else:
+            merged.append((axis, deg))
+    if len({a for a, _ in merged}) != len(merged):
+        return None
+    return DistributedStates(tuple(merged))
+
+
+@dataclass(frozen=True)
+class Inference:
+    """What an op needs of its operands and gives its results, as layouts."""
+
+    operands: tuple[Layout, ...]
+    results: tuple[Layout, ...]
+
+
+def _infer_group(
+    rule: OpRule, ins: Sequence[DistributedStates | None], hint: DistributedStates | None, n: int
+) -> tuple[list[DistributedStates], list[DistributedStates]]:
+    """Infer per-group states; `ins[i]` None means the operand takes whatever the op needs."""
+    candidates = [(i, ds) for i, ds in enumerate(ins) if ds is not None and not _flexible(ds)]
+    if hint is not None and not _flexible(hint):
+        candidates.append((len(ins), hint))
+    if candidates:
+        driver = max(candidates, key=lambda c: (sum(a != DUP for a, _ in c[1].axes), -c[0]))[1]
+        mesh = [deg for _, deg in driver.axes]
+    else:
+        mesh = [n] if n > 1 else []
+    roles: list[tuple[str, str | int] | None] = [None] * len(mesh)  # ("factor", f) | ("partial", operand)
+    used: set[str] = set()
+    partial_ops: dict[int, set[int]] = {}
+
+    def offer(axes, factors, idx: int | None) -> None:
+        if [d for _, d in axes] != mesh:
+            return
+        for m, (axis, _) in enumerate(axes):
+            if axis.kind == "split":
+                f = factors[axis.dim]
+                if roles[m] is None and f not in used and f not in rule.blocked:
+                    roles[m] = ("factor", f)
+                    used.add(f)
+            elif axis == PARTIAL and idx is not None and idx in rule.linear:
+                if rule.joint and not all(_partial_on(ins[j], m) for j in rule.linear if ins[j] is not None):
+                    continue  # reduce the partial operand rather than make the others partial
+                if roles[m] is None or roles[m][0] == "partial":
+                    roles[m] = ("partial", 0)
+                    partial_ops.setdefault(m, set()).add(idx)
+            elif axis == PARTIAL and idx is None and roles[m] is None:
+                roles[m] = ("partial", 0)  # a result wanted partial: make a linear operand partial
+
+    def _partial_on(ds: DistributedStates, m: int) -> bool:
+        return [d for _, d in ds.axes] == mesh and ds.axes[m][0] == PARTIAL
+
+    order = sorted(range(len(ins)), key=lambda i: ins[i] is not driver if candidates else 0)
+    for i in order:
+        if ins[i] is not None and not _flexible(ins[i]):
+            offer(ins[i].axes, rule.operands[i], i)
+    if hint is not None and not _flexible(hint) and len(rule.results) == 1:
+        offer(hint.axes, rule.results[0], None)
+
+    def layout_for(factors: Sequence[str], idx: int | None) -> DistributedStates:
+        axes: list[tuple[Axis, int]] = []
+        for m, role in enumerate(roles):
+            axis = DUP
+            if role is not None and role[0] == "factor":
+                f = role[1]
+                if f in factors:
+                    axis = split(list(factors).index(f))
+                elif idx is None and all(f not in r for r in rule.results):
+                    axis = PARTIAL  # a split reduction factor leaves partial sums
+            elif role is not None and role[0] == "partial":
+                if idx is None:
+                    axis = PARTIAL
+                elif rule.joint:
+                    axis = PARTIAL if idx in rule.linear else DUP
+                else:  # bilinear: exactly one operand carries the partial sums
+                    axis = PARTIAL if idx == min(partial_ops.get(m) or rule.linear) else DUP
+            axes.append((axis, mesh[m]))
+        ds = _states_from_roles(axes)
+        if ds is None:
+            raise ShardingError("the layouts cannot be expressed in one device order")
+        return ds
+
+    if any(r is not None and r[0] == "partial" for r in roles) and not rule.linear:
+        raise ShardingError("op is not linear in any operand but a partial layout was asked for")
+    return ([layout_for(f, i) for i, f in enumerate(rule.operands)], [layout_for(f, None) for f in rule.results])
+
+
+def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = None) -> Inference:
+    """Return the operand layouts `op` needs and the result layouts it gives.
+
+    `ins[i]` is the layout operand i has now (None: not decided, take what the op needs);
+    `hint` is a layout wanted for the (single) result, used where operands leave room.
+    """
+    rule = rule_for(op)
+    if rule is None:
+        raise ShardingError(f"'{op.name}' has no sharding rule")
+    if all(x is None for x in (*ins, hint)):
+        raise ShardingError(f"'{op.name}': no layout to start from")
+    tensors = [(x, rule.operands[i]) for i, x in enumerate(ins) if x is not None]
+    if hint is not None:
+        tensors.append((hint, rule.results[0]))
+    base, base_factors = next(
+        (t for t in tensors if not all(_flexible(g.states) for g in t[0].groups)), tensors[0]
+    )
+    groups = base.groups
+
+    def same_structure(x: Layout) -> bool:
+        return [g.devices for g in x.groups] == [g.devices for g in groups] and (
+            len(groups) == 1 or (x.hetero, x.shares) == (base.hetero, base.shares)
+        )
+
+    if len(groups) > 1 and base.hetero.kind == "partial":
+        raise ShardingError(f"'{op.name}': compute on a hetero=partial layout needs a reshard first")
+    per_group_ops: list[list[DistributedStates]] = []
+    per_group_res: list[list[DistributedStates]] = []
+    for gi, group in enumerate(groups):
+        def states(x: Layout | None) -> DistributedStates | None:
+            return x.groups[gi].states if x is not None and same_structure(x) else None
+
+        try:
+            o, r = _infer_group(rule, [states(x) for x in ins], states(hint), len(group.devices))
+        except ShardingError as err:
+            raise ShardingError(f"'{op.name}': {err} (operands {', '.join(map(str, ins))})") from None
+        per_group_ops.append(o)
+        per_group_res.append(r)
+
+    def assemble(k: int, per_group: list[list[DistributedStates]], factors: Sequence[str]) -> Layout:
+        hetero, shares = base.hetero, base.shares
+        if len(groups) > 1 and hetero.kind == "split":
+            f = base_factors[hetero.dim]
+            if f not in factors:
+                raise ShardingError(f"'{op.name}': the hetero split dim does not survive this op")
+            hetero = split(list(factors).index(f))
+        return Layout(tuple(Group(g.devices, per_group[gi][k]) for gi, g in enumerate(groups)), hetero, shares)
+
+    try:
+        operands = tuple(assemble(i, per_group_ops, rule.operands[i]) for i in range(len(ins)))
+        results = tuple(assemble(i, per_group_res, rule.results[i]) for i in range(len(rule.results)))
+    except LayoutError as err:
+        raise ShardingError(f"'{op.name}': {err}") from None
+    return Inference(operands, results)

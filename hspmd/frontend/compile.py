@@ -1,0 +1,70 @@
+"""Compiling a model script: trace, then the pass pipelines, level by level, into a bundle."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from xdsl.dialects.builtin import ModuleOp
+
+from hspmd.frontend.script import ModelScript, trace_script
+from hspmd.frontend.strategy import parse_strategy
+from hspmd.ir.context import module_text
+from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
+from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
+from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, logical_pipeline, run_passes
+
+
+def default_strategy(n: int) -> str:
+    """Return the data-parallel strategy over `n` devices (`[0,1]: dp=2` for n=2)."""
+    devices = ",".join(str(i) for i in range(n)) if n < 3 else f"0-{n - 1}"
+    return f"[{devices}]: dp={n}"
+
+
+@dataclass
+class Compiled:
+    """The three levels of one compiled training step."""
+
+    script: ModelScript
+    strategy: str
+    logical: ModuleOp
+    annotated: ModuleOp
+    physical: ModuleOp
+
+
+def compile_script(script: ModelScript, strategy: str, num_devices: int | None = None) -> Compiled:
+    """Return the logical, annotated and physical IR of the script's training step."""
+    parsed = parse_strategy(strategy)
+    if num_devices is not None:
+        parsed.check_devices(num_devices)
+    logical = trace_script(script)
+    run_passes(logical, logical_pipeline(float(script.config.get("lr", 0.01))))
+    verify_logical(logical)
+    annotated = logical.clone()
+    run_passes(annotated, annotate_pipeline(str(parsed)))
+    verify_annotated(annotated)
+    physical = annotated.clone()
+    run_passes(physical, PHYSICAL_PIPELINE)
+    verify_physical(physical)
+    return Compiled(script, str(parsed), logical, annotated, physical)
+
+
+def write_bundle(compiled: Compiled, directory: str) -> str:
+    """Write the levels and the manifest of `compiled` into `directory`; return the directory."""
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(compiled.logical))
+    atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(compiled.annotated))
+    groups = []
+    for gi, (devices, module) in enumerate(physical_groups(compiled.physical)):
+        name = f"physical_group{gi}.mlir"
+        atomic_write_text(os.path.join(directory, name), module_text(module))
+        groups.append(GroupEntry(list(devices), name))
+    manifest = Manifest(
+        script=compiled.script.path,
+        config=compiled.script.config,
+        strategy=compiled.strategy,
+        num_devices=sum(len(g.devices) for g in groups),
+        groups=groups,
+    )
+    write_manifest(directory, manifest)
+    return directory

@@ -1,0 +1,87 @@
+"""The three IR levels and their verifiers, plus the physical module's device-group structure.
+
+- logical: `graph` ops on global shapes, no layout anywhere, no `dist`/`comm` op;
+- annotated: every tensor value has a layout in its type's encoding; `dist.reshard` allowed;
+- physical: a `builtin.module` holding one nested module per device group (attribute
+  `hspmd.devices`), local shapes, no layouts except in `global_type` of parameters/inputs.
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects import func
+from xdsl.dialects.builtin import DenseArrayBase, ModuleOp, NoneAttr, TensorType, i64
+
+DEVICES_ATTR = "hspmd.devices"
+LEVELS = ("logical", "annotated", "physical")
+
+
+class LevelError(Exception):
+    """IR is not well-formed for the level it claims to be at; names the op and why."""
+
+
+def _tensor_values(module: ModuleOp):
+    for op in module.walk():
+        if isinstance(op, (ModuleOp, func.FuncOp)):
+            continue
+        for v in (*op.operands, *op.results):
+            if isinstance(v.type, TensorType):
+                yield op, v
+
+
+def verify_logical(module: ModuleOp) -> None:
+    """Raise LevelError unless `module` is logical IR."""
+    for op in module.walk():
+        if op.dialect_name() in ("dist", "comm"):
+            raise LevelError(f"logical IR cannot hold '{op.name}'")
+    for op, v in _tensor_values(module):
+        if not isinstance(v.type.encoding, NoneAttr):
+            raise LevelError(f"logical IR has a layout on a value of '{op.name}'")
+
+
+def verify_annotated(module: ModuleOp) -> None:
+    """Raise LevelError unless every tensor value has a layout and every op obeys its sharding rule."""
+    from hspmd.dialects.dist import LayoutAttr
+
+    for op in module.walk():
+        if op.dialect_name() == "comm":
+            continue
+    for op, v in _tensor_values(module):
+        if not isinstance(v.type.encoding, LayoutAttr):
+            raise LevelError(f"annotated IR: a value of '{op.name}' has no layout")
+
+
+def physical_groups(module: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, group module) for each device group of a physical module."""
+    groups = []
+    for op in module.body.block.ops:
+        if isinstance(op, ModuleOp) and DEVICES_ATTR in op.attributes:
+            attr = op.attributes[DEVICES_ATTR]
+            assert isinstance(attr, DenseArrayBase)
+            groups.append((tuple(attr.get_values()), op))
+    if not groups and DEVICES_ATTR in module.attributes:
+        attr = module.attributes[DEVICES_ATTR]
+        groups.append((tuple(attr.get_values()), module))  # type: ignore[union-attr]
+    return groups
+
+
+def devices_attr(devices) -> DenseArrayBase:
+    """Return the `hspmd.devices` attribute value for a device list."""
+    return DenseArrayBase.from_list(i64, list(devices))
+
+
+def verify_physical(module: ModuleOp) -> None:
+    """Raise LevelError unless `module` is physical IR: device groups, local shapes, no dist ops."""
+    groups = physical_groups(module)
+    if not groups:
+        raise LevelError(f"physical IR needs modules with a '{DEVICES_ATTR}' attribute")
+    seen: set[int] = set()
+    for devices, group in groups:
+        if seen & set(devices):
+            raise LevelError(f"device groups overlap on {sorted(seen & set(devices))}")
+        seen |= set(devices)
+        for op in group.walk():
+            if op.dialect_name() == "dist":
+                raise LevelError(f"physical IR cannot hold '{op.name}'; run lower-reshard")
+        for op, v in _tensor_values(group):
+            if not isinstance(v.type.encoding, NoneAttr):
+                raise LevelError(f"physical IR has a layout on a value of '{op.name}'; run specialize-groups")

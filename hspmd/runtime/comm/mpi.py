@@ -1,0 +1,390 @@
+"""The communicator over MPI (mpi4py), for runs started with ``mpiexec`` / ``hspmd run``.
+
+mpi4py is imported when an :class:`MPICommunicator` is created, not when this module is.
+
+Determinism: MPI is used only to *move* bytes (Alltoall(v), Allgather(v), Bcast, Send/Recv,
+all on ``MPI.BYTE``); every sum is computed locally by NumPy as the left fold in group order
+(:func:`~.base.fold_sum`).  MPI's own reductions are never used, because their order depends
+on the algorithm MPI picks (message size, process count, placement).
+
+Algorithms (n = len(group), M = bytes of ``buf``):
+
+* ``all_reduce``: for ``M < small_all_reduce_bytes`` (default 256 KiB) every member gathers all buffers
+  (one Allgather) and folds them itself.  Above it, a reduce-scatter + all-gather: the flat
+  buffer is cut into n near-equal pieces, piece j of every member goes to member j
+  (Alltoallv), member j folds the n copies of its piece in group order, and the folded
+  pieces are gathered into the result (Allgatherv).  Each rank sends and receives
+  2 (n-1)/n M bytes, like a ring all-reduce, and the bits equal a whole-buffer fold since
+  addition is elementwise.
+* ``reduce_scatter``: the same first half along ``axis`` (Alltoall of the chunks, local fold).
+* ``all_gather``: Allgatherv; members' extents along ``axis`` are exchanged first (one small
+  Allgather) unless ``sizes=`` gives them.
+* ``all_to_all``: Alltoall of the chunks, then a local concatenation along ``concat_axis``.
+
+Sub-communicators are created on first use of a group (``Comm.Create_group``, collective
+over the group's members only) and cached per group tuple; rank i of the sub-communicator is
+``group[i]``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import (
+    CommError,
+    Communicator,
+    Group,
+    as_buffer,
+    check_out,
+    chunk_bounds,
+    fold_sum,
+    normalize_axis,
+    normalize_group,
+    split_equal,
+)
+
+__all__ = ["MPICommunicator", "SMALL_ALL_REDUCE_BYTES"]
+
+#: Below this many bytes, all_reduce gathers whole buffers (fewer steps, more bytes).
+SMALL_ALL_REDUCE_BYTES = 256 * 1024
+
+_TAG_CREATE_GROUP = 7301
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """Return a C-contiguous array's memory as a flat uint8 view."""
+    return a.reshape(-1).view(np.uint8)
+
+
+class MPICommunicator(Communicator):
+    """A :class:`~.base.Communicator` over an MPI communicator (default ``MPI.COMM_WORLD``).
+
+    The given communicator is duplicated, so messages of this object never mix with the
+    caller's own MPI traffic.  Creating one is collective over ``comm``; so is :meth:`close`.
+    """
+
+    def __init__(self, comm: Any = None, *, small_all_reduce_bytes: int = SMALL_ALL_REDUCE_BYTES) -> None:
+        from mpi4py import MPI
+
+        #: all_reduce of fewer bytes gathers whole buffers instead of reduce-scatter + all-gather.
+        self.small_all_reduce_bytes = small_all_reduce_bytes
+
+        self._MPI = MPI
+        base = MPI.COMM_WORLD if comm is None else comm
+        self._comm = base.Dup()
+        self._rank = self._comm.Get_rank()
+        self._size = self._comm.Get_size()
+        self._world_group: Group = tuple(range(self._size))
+        self._subcomms: dict[Group, Any] = {}
+        self._groups: dict[Any, Group] = {}
+        self._closed = False
+        self._scratch_bufs: dict[int, np.ndarray] = {}
+
+    # -- basics --------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def mpi_comm(self) -> Any:
+        """Return the (duplicated) MPI communicator used for the world."""
+        return self._comm
+
+    def check_group(self, group: Sequence[int]) -> Group:
+        key = group if type(group) is tuple else tuple(group)
+        g = self._groups.get(key)
+        if g is None:
+            g = normalize_group(key, self._rank, self._size)
+            self._groups[key] = g
+        return g
+
+    def _sub(self, g: Group) -> Any:
+        """Return the MPI communicator whose rank i is ``g[i]`` (created on first use)."""
+        if self._closed:
+            raise CommError("MPICommunicator is closed")
+        c = self._subcomms.get(g)
+        if c is None:
+            if g == self._world_group:
+                c = self._comm
+            else:
+                mpi_group = self._comm.Get_group()
+                sub_group = mpi_group.Incl(list(g))
+                try:
+                    c = self._comm.Create_group(sub_group, _TAG_CREATE_GROUP)
+                finally:
+                    sub_group.Free()
+                    mpi_group.Free()
+            self._subcomms[g] = c
+        return c
+
+    def _scratch(self, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """Return a reusable uninitialised array (scratch ``slot``; valid until the next call)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = self._scratch_bufs.get(slot)
+        if raw is None or raw.nbytes < nbytes:
+            raw = np.empty(max(nbytes, 64), dtype=np.uint8)
+            self._scratch_bufs[slot] = raw
+        return raw[:nbytes].view(dtype).reshape(shape)
+
+    def _contiguous(self, buf: np.ndarray, axis: int = 0) -> np.ndarray:
+        """Return ``buf`` with ``axis`` first, C-contiguous (``buf`` itself, or scratch slot 2)."""
+        moved = np.moveaxis(buf, axis, 0) if axis else buf
+        if moved.flags.c_contiguous:
+            return moved
+        tmp = self._scratch(2, moved.shape, buf.dtype)
+        np.copyto(tmp, moved)
+        return tmp
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for g in sorted(self._subcomms):
+            c = self._subcomms[g]
+            if c is not self._comm:
+                c.Free()
+        self._subcomms.clear()
+        self._scratch_bufs.clear()
+        self._comm.Free()
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def all_reduce(self, buf, group, out=None):
+        buf = as_buffer(buf, "all_reduce")
+        g = self.check_group(group)
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        n = len(g)
+        if n == 1:
+            return _result(buf, out)
+        c = self._sub(g)
+        flat = self._contiguous(buf).reshape(-1)
+        total = flat.size
+        if total < n or flat.nbytes < self.small_all_reduce_bytes:
+            everyone = self._scratch(0, (n, total), buf.dtype)
+            c.Allgather(_bytes(flat), _bytes(everyone))
+            return fold_sum([row.reshape(buf.shape) for row in everyone], out)
+
+        # Reduce-scatter: piece j of every member goes to member j (nothing is sent to
+        # oneself), member j folds the n copies in group order straight into its slice of
+        # the result, then the slices are gathered in place.
+        item = buf.dtype.itemsize
+        idx = c.Get_rank()
+        bounds = chunk_bounds(total, n)
+        mine = bounds[idx + 1] - bounds[idx]
+        counts = [(bounds[j + 1] - bounds[j]) * item for j in range(n)]
+        displs = [b * item for b in bounds[:-1]]
+        send_counts = list(counts)
+        send_counts[idx] = 0
+        recv_counts = [mine * item] * n
+        recv_counts[idx] = 0
+        recv_displs = [j * mine * item for j in range(n)]
+        pieces = self._scratch(0, (n, mine), buf.dtype)
+        B = self._MPI.BYTE
+        c.Alltoallv([_bytes(flat), send_counts, displs, B], [_bytes(pieces), recv_counts, recv_displs, B])
+        own = flat[bounds[idx] : bounds[idx + 1]]
+        terms = [own if j == idx else pieces[j] for j in range(n)]
+        direct = out is not None and out.flags.c_contiguous
+        target = out.reshape(-1) if direct else np.empty(total, dtype=buf.dtype)
+        slot = target[bounds[idx] : bounds[idx + 1]]
+        if idx > 0 and np.shares_memory(slot, own):  # in place: own is read after slot is written
+            fold_sum(terms, self._scratch(1, (mine,), buf.dtype))
+            np.copyto(slot, self._scratch(1, (mine,), buf.dtype))
+        else:
+            fold_sum(terms, slot)
+        c.Allgatherv(self._MPI.IN_PLACE, [_bytes(target), counts, displs, B])
+        if direct:
+            return out
+        if out is not None:
+            np.copyto(out, target.reshape(buf.shape))
+            return out
+        return target.reshape(buf.shape)
+
+    def all_gather(self, buf, group, axis, out=None, sizes: Sequence[int] | None = None):
+        """Return the concatenation of the members' ``buf`` along ``axis``, in group order.
+
+        ``sizes`` (optional) gives every member's extent along ``axis`` in group order and
+        saves the exchange of extents.
+        """
+        buf = as_buffer(buf, "all_gather")
+        g = self.check_group(group)
+        axis = normalize_axis(axis, buf.ndim)
+        n = len(g)
+        if n == 1:
+            if out is not None:
+                check_out(out, buf.shape, buf.dtype, "all_gather")
+            return _result(buf, out)
+        c = self._sub(g)
+        if sizes is None:
+            mine = np.array([buf.shape[axis]], dtype=np.int64)
+            ext = np.empty(n, dtype=np.int64)
+            c.Allgather(_bytes(mine), _bytes(ext))
+            sizes = [int(e) for e in ext]
+        else:
+            sizes = [int(e) for e in sizes]
+            if len(sizes) != n or sizes[g.index(self._rank)] != buf.shape[axis]:
+                raise CommError(
+                    f"all_gather: sizes {sizes} do not fit group {g} and this rank's extent "
+                    f"{buf.shape[axis]}"
+                )
+        shape = list(buf.shape)
+        shape[axis] = sum(sizes)
+        shape = tuple(shape)
+        if out is not None:
+            check_out(out, shape, buf.dtype, "all_gather")
+        moved = self._contiguous(buf, axis)
+        row = int(np.prod(moved.shape[1:], dtype=np.int64)) * buf.dtype.itemsize
+        counts = [s * row for s in sizes]
+        displs = [0] * n
+        for j in range(1, n):
+            displs[j] = displs[j - 1] + counts[j - 1]
+        gathered_shape = (shape[axis],) + moved.shape[1:]
+        direct = axis == 0 and out is not None and out.flags.c_contiguous
+        gathered = out if direct else self._scratch(0, gathered_shape, buf.dtype)
+        if direct and np.shares_memory(moved, out):  # e.g. buf is this rank's slice of out
+            moved = np.array(moved, copy=True)
+        c.Allgatherv(_bytes(moved), [_bytes(gathered), counts, displs, self._MPI.BYTE])
+        if direct:
+            return out
+        return _result_moved(gathered, axis, out)
+
+    def reduce_scatter(self, buf, group, axis, out=None):
+        buf = as_buffer(buf, "reduce_scatter")
+        g = self.check_group(group)
+        axis = normalize_axis(axis, buf.ndim)
+        n = len(g)
+        chunk_shape = split_equal(buf, n, axis)[0].shape
+        if out is not None:
+            check_out(out, chunk_shape, buf.dtype, "reduce_scatter")
+        if n == 1:
+            return _result(buf, out)
+        c = self._sub(g)
+        moved = self._contiguous(buf, axis)
+        step = moved.shape[0] // n
+        received = self._scratch(0, (n, step) + moved.shape[1:], buf.dtype)
+        c.Alltoall(_bytes(moved), _bytes(received))
+        return fold_sum([np.moveaxis(received[j], 0, axis) for j in range(n)], out)
+
+    def broadcast(self, buf, group, root, out=None):
+        buf = as_buffer(buf, "broadcast")
+        g = self.check_group(group)
+        root = int(root)
+        if root not in g:
+            raise CommError(f"broadcast root {root} is not a member of group {g}")
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "broadcast")
+        if len(g) == 1:
+            return _result(buf, out)
+        c = self._sub(g)
+        direct = out is not None and out.flags.c_contiguous
+        target = out if direct else np.empty(buf.shape, dtype=buf.dtype)
+        if root == self._rank and target is not buf:
+            np.copyto(target, buf)  # NumPy copes with partial overlap
+        c.Bcast(_bytes(target), root=g.index(root))
+        if out is not None and not direct:
+            np.copyto(out, target)
+            return out
+        return target
+
+    def all_to_all(self, buf, group, split_axis, concat_axis, out=None):
+        buf = as_buffer(buf, "all_to_all")
+        g = self.check_group(group)
+        split_axis = normalize_axis(split_axis, buf.ndim)
+        concat_axis = normalize_axis(concat_axis, buf.ndim)
+        n = len(g)
+        chunk_shape = split_equal(buf, n, split_axis)[0].shape
+        shape = list(chunk_shape)
+        shape[concat_axis] *= n
+        if out is not None:
+            check_out(out, tuple(shape), buf.dtype, "all_to_all")
+        if n == 1:
+            return _result(buf, out)
+        c = self._sub(g)
+        moved = self._contiguous(buf, split_axis)
+        step = moved.shape[0] // n
+        received = self._scratch(0, (n, step) + moved.shape[1:], buf.dtype)
+        c.Alltoall(_bytes(moved), _bytes(received))
+        pieces = [np.moveaxis(received[j], 0, split_axis) for j in range(n)]
+        if out is not None:
+            return np.concatenate(pieces, axis=concat_axis, out=out)
+        return np.concatenate(pieces, axis=concat_axis)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    # -- point to point ------------------------------------------------------------------
+
+    def _check_peer(self, peer: int, what: str) -> int:
+        peer = int(peer)
+        if not 0 <= peer < self._size:
+            raise CommError(f"{what}: rank {peer} is outside a world of size {self._size}")
+        if peer == self._rank:
+            raise CommError(f"{what}: rank {peer} cannot exchange messages with itself")
+        return peer
+
+    def send(self, buf, dest, tag=0):
+        buf = as_buffer(buf, "send")
+        dest = self._check_peer(dest, "send")
+        self._comm.Send(_bytes(np.ascontiguousarray(buf)), dest=dest, tag=int(tag))
+
+    def _recv_target(self, out: np.ndarray) -> np.ndarray:
+        if not isinstance(out, np.ndarray) or not out.flags.writeable:
+            raise CommError("recv: out must be a writeable numpy array")
+        return out if out.flags.c_contiguous else np.empty(out.shape, dtype=out.dtype)
+
+    def recv(self, out, source, tag=0):
+        source = self._check_peer(source, "recv")
+        target = self._recv_target(out)
+        status = self._MPI.Status()
+        self._comm.Recv(_bytes(target), source=source, tag=int(tag), status=status)
+        self._check_count(status, target, source, tag)
+        if target is not out:
+            np.copyto(out, target)
+        return out
+
+    def sendrecv(self, buf, dest, out, source, sendtag=0, recvtag=0):
+        buf = as_buffer(buf, "sendrecv")
+        dest = self._check_peer(dest, "sendrecv")
+        source = self._check_peer(source, "sendrecv")
+        target = self._recv_target(out)
+        status = self._MPI.Status()
+        self._comm.Sendrecv(
+            _bytes(np.ascontiguousarray(buf)), dest=dest, sendtag=int(sendtag),
+            recvbuf=_bytes(target), source=source, recvtag=int(recvtag), status=status,
+        )
+        self._check_count(status, target, source, recvtag)
+        if target is not out:
+            np.copyto(out, target)
+        return out
+
+    def _check_count(self, status: Any, target: np.ndarray, source: int, tag: int) -> None:
+        got = status.Get_count(self._MPI.BYTE)
+        if got != target.nbytes:
+            raise CommError(
+                f"recv from rank {source} (tag {tag}): message has {got} byte(s), "
+                f"out has {target.nbytes}"
+            )
+
+
+def _result(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """Return a fresh C-contiguous copy of ``data``, or ``out`` filled with it."""
+    if out is None:
+        return np.array(data, copy=True, order="C")
+    np.copyto(out, data)
+    return out
+
+
+def _result_moved(front: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray:
+    """Return ``front`` with its first axis moved back to ``axis`` (fresh C array, or ``out``)."""
+    back = np.moveaxis(front, 0, axis)
+    if out is None:
+        return np.array(back, copy=True, order="C")  # never hand out scratch memory
+    np.copyto(out, back)
+    return out

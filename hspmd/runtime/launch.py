@@ -1,0 +1,145 @@
+"""Starting multi-process runs with ``mpiexec`` (the one the ``mpich`` wheel installs).
+
+The MPICH ``mpiexec`` (Hydra) runs more processes than cores without extra flags, so
+``mpiexec_command`` adds none; set ``HSPMD_MPIEXEC`` to use a different ``mpiexec``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["LaunchError", "LaunchTimeout", "find_mpiexec", "launch", "mpiexec_command"]
+
+_NAMES = ("mpiexec", "mpiexec.hydra")
+
+
+class LaunchError(RuntimeError):
+    """A multi-process run could not be started (or did not end in time)."""
+
+
+class LaunchTimeout(LaunchError):
+    """A multi-process run was killed because it ran past its timeout."""
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _wheel_mpiexec() -> Path | None:
+    """Return the mpiexec installed by the ``mpich`` wheel, if that wheel is installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        dist = distribution("mpich")
+    except (ImportError, PackageNotFoundError):
+        return None
+    for f in dist.files or ():
+        if f.name in _NAMES and f.parent.name == "bin":
+            p = Path(dist.locate_file(f))
+            if _executable(p):
+                return p.resolve()
+    return None
+
+
+def find_mpiexec() -> str:
+    """Return the path of the ``mpiexec`` to use.
+
+    Looked for in this order: ``$HSPMD_MPIEXEC``; beside ``sys.executable`` (a virtual
+    environment's ``bin``); the ``mpich`` wheel's own; the interpreter's scripts
+    directory; ``PATH``.  Raises :class:`LaunchError` if there is none.
+    """
+    override = os.environ.get("HSPMD_MPIEXEC")
+    if override:
+        p = Path(override)
+        found = str(p) if _executable(p) else shutil.which(override)
+        if not found:
+            raise LaunchError(f"HSPMD_MPIEXEC={override!r} is not an executable mpiexec")
+        return found
+    # Not resolved: a venv's python is a symlink to the base interpreter.
+    beside = Path(sys.executable).parent
+    for name in _NAMES:
+        if _executable(beside / name):
+            return str(beside / name)
+    wheel = _wheel_mpiexec()
+    if wheel is not None:
+        return str(wheel)
+    scripts = sysconfig.get_path("scripts")
+    if scripts:
+        for name in _NAMES:
+            if _executable(Path(scripts) / name):
+                return str(Path(scripts) / name)
+    for name in _NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise LaunchError(
+        "no mpiexec found: install the 'mpich' wheel (pip install mpich) into this "
+        "environment, put mpiexec on PATH, or set HSPMD_MPIEXEC"
+    )
+
+
+def mpiexec_command(n: int, python_args: Sequence[str]) -> list[str]:
+    """Return the command line that runs ``python *python_args`` on ``n`` MPI processes.
+
+    It is ``[mpiexec, "-n", str(n), sys.executable, *python_args]``; MPICH needs no flag to
+    run more processes than there are cores.
+    """
+    if isinstance(python_args, (str, bytes)):
+        raise TypeError("python_args must be a sequence of arguments, not one string")
+    n = int(n)
+    if n < 1:
+        raise LaunchError(f"the number of processes must be at least 1, got {n}")
+    return [find_mpiexec(), "-n", str(n), sys.executable, *map(str, python_args)]
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Return once ``proc`` and its process group are gone (SIGTERM, then SIGKILL)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def launch(
+    n: int,
+    python_args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Return the exit code of ``mpiexec -n n python *python_args``, run to completion.
+
+    Output streams straight to this process's stdout/stderr.  ``env`` replaces the
+    environment as in :mod:`subprocess` (``None`` inherits it).  If the run takes longer
+    than ``timeout`` seconds, all its processes are killed and :class:`LaunchTimeout`
+    is raised; on KeyboardInterrupt they are killed too.
+    """
+    cmd = mpiexec_command(n, python_args)
+    try:
+        proc = subprocess.Popen(
+            cmd, env=None if env is None else dict(env), start_new_session=True
+        )
+    except OSError as exc:
+        raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise LaunchTimeout(
+            f"{' '.join(cmd[:3])} ... did not finish within {timeout} s and was killed"
+        ) from None
+    except BaseException:
+        _kill_group(proc)
+        raise

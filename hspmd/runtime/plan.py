@@ -1,0 +1,196 @@
+"""Execution plans: a physical step function turned, once, into a flat list of NumPy calls.
+
+`build_plan` reads the IR of one device group's step function for one rank and resolves
+everything a step needs: kernels, constants, the rank's communicator groups, where each
+parameter and input comes from. `Plan.run` then replays the list each step without looking
+at an xDSL object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.ir import Operation, SSAValue
+
+from hspmd.dialects import comm, graph
+from hspmd.dialects.dist import layout_of
+from hspmd.ir.init_spec import initial_value
+from hspmd.ir.layout import Layout
+from hspmd.ir.types import dtype_name
+from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.numpy_ops import kernel_for
+
+
+class PlanError(Exception):
+    """The physical IR cannot be run by this rank (wrong level, missing group, unknown op)."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A parameter or input: its slot, global shape, layout and dtype (and initialiser)."""
+
+    name: str
+    slot: int
+    global_shape: tuple[int, ...]
+    layout: Layout
+    dtype: str
+    init: str = ""
+
+
+@dataclass
+class Plan:
+    """The flat program of one rank: `steps` read and write numbered slots."""
+
+    rank: int
+    steps: list[tuple[Callable[..., np.ndarray], tuple[int, ...], int]] = field(default_factory=list)
+    num_slots: int = 0
+    constants: dict[int, np.ndarray] = field(default_factory=dict)
+    params: list[Leaf] = field(default_factory=list)
+    inputs: list[Leaf] = field(default_factory=list)
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+    assigns: list[tuple[str, int]] = field(default_factory=list)
+
+    def initial_state(self, seed: int) -> dict[str, np.ndarray]:
+        """Return this rank's pieces of every parameter's initial value."""
+        state = {}
+        for p in self.params:
+            full = initial_value(p.init, p.global_shape, p.dtype, p.name, seed)
+            state[p.name] = _contiguous(full[p.layout.slices(self.rank, p.global_shape)])
+        return state
+
+    def local_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Return this rank's piece of each input of a global batch."""
+        out = {}
+        for leaf in self.inputs:
+            if leaf.name not in batch:
+                raise PlanError(f"the batch has no input '{leaf.name}' (it has {', '.join(sorted(batch))})")
+            value = np.asarray(batch[leaf.name], dtype=leaf.dtype)
+            if value.shape != leaf.global_shape:
+                raise PlanError(
+                    f"input '{leaf.name}' has shape {value.shape}, the program was compiled for {leaf.global_shape}"
+                )
+            out[leaf.name] = _contiguous(value[leaf.layout.slices(self.rank, leaf.global_shape)])
+        return out
+
+    def run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one step on local pieces; update `state` in place and return the named outputs."""
+        env: list = [None] * self.num_slots
+        for slot, value in self.constants.items():
+            env[slot] = value
+        for p in self.params:
+            env[p.slot] = state[p.name]
+        for leaf in self.inputs:
+            env[leaf.slot] = inputs[leaf.name]
+        for fn, args, out in self.steps:
+            result = fn(*[env[a] for a in args])
+            if out >= 0:
+                env[out] = result
+        for name, slot in self.assigns:
+            state[name] = env[slot]
+        return {name: env[slot] for name, slot in self.outputs}
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    """Return `x` as a C-contiguous array of the same shape (0-d stays 0-d)."""
+    return x if x.flags.c_contiguous else x.copy(order="C")
+
+
+def _group_of(groups: tuple[tuple[int, ...], ...], rank: int, op: Operation) -> tuple[int, ...]:
+    for g in groups:
+        if rank in g:
+            return g
+    raise PlanError(f"rank {rank} is in no group of '{op.name}' {list(groups)}")
+
+
+def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
+    """Return the call that performs collective `op` for `rank`."""
+    if isinstance(op, comm.SendOp):
+        peers = {s: d for s, d in comm.groups_of(op.pairs)}
+        dest = peers.get(rank)
+        return (lambda x: communicator.send(_contiguous(x), dest)) if dest is not None else (lambda x: None)
+    if isinstance(op, comm.RecvOp):
+        peers = {d: s for s, d in comm.groups_of(op.pairs)}
+        src = peers.get(rank)
+        shape, dtype = op.result.type.get_shape(), dtype_name(op.result.type)
+        return lambda: communicator.recv(np.empty(shape, dtype), src)
+    group = _group_of(op.rank_groups, rank, op)
+    match op:
+        case comm.AllReduceOp():
+            return lambda x: communicator.all_reduce(_contiguous(x), group)
+        case comm.AllGatherOp():
+            d = op.dim.value.data
+            return lambda x: communicator.all_gather(_contiguous(x), group, d)
+        case comm.ReduceScatterOp():
+            d = op.dim.value.data
+            return lambda x: communicator.reduce_scatter(_contiguous(x), group, d)
+        case comm.BroadcastOp():
+            root = group[op.root.value.data]
+            return lambda x: communicator.broadcast(_contiguous(x), group, root)
+        case comm.AllToAllOp():
+            s, c = op.split_dim.value.data, op.concat_dim.value.data
+            return lambda x: communicator.all_to_all(_contiguous(x), group, s, c)
+        case comm.LocalSplitOp():
+            d, index, n = op.dim.value.data, group.index(rank), len(group)
+
+            def local_split(x: np.ndarray) -> np.ndarray:
+                size = x.shape[d] // n
+                return np.ascontiguousarray(np.take(x, np.arange(index * size, (index + 1) * size), axis=d))
+
+            return local_split
+        case comm.LocalZeroOp():
+            keep = group.index(rank) == 0
+            return (lambda x: x) if keep else (lambda x: np.zeros_like(x))
+    raise PlanError(f"no runtime for '{op.name}'")
+
+
+def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Layout]:
+    typ = op.global_type
+    layout = layout_of(typ) if typ is not None else None
+    if not isinstance(typ, TensorType) or layout is None:
+        raise PlanError(f"'{op.name}' \"{op.tensor_name.data}\" has no global_type with a layout: not physical IR")
+    return typ.get_shape(), layout
+
+
+def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
+    """Return the plan that runs physical step function `fn` as `rank`."""
+    plan = Plan(rank)
+    slots: dict[SSAValue, int] = {}
+
+    def slot(value: SSAValue) -> int:
+        if value not in slots:
+            slots[value] = len(slots)
+        return slots[value]
+
+    for op in fn.body.block.ops:
+        match op:
+            case func.ReturnOp():
+                pass
+            case graph.ParameterOp() | graph.InputOp():
+                shape, layout = _global(op)
+                leaf = Leaf(op.tensor_name.data, slot(op.result), shape, layout, dtype_name(op.result.type))
+                if isinstance(op, graph.ParameterOp):
+                    plan.params.append(Leaf(**{**leaf.__dict__, "init": op.init.data}))
+                else:
+                    plan.inputs.append(leaf)
+            case graph.ConstantOp():
+                typ = op.result.type
+                plan.constants[slot(op.result)] = np.full(typ.get_shape(), op.value.value.data, dtype_name(typ))
+            case graph.OutputOp():
+                plan.outputs.append((op.tensor_name.data, slot(op.value)))
+            case graph.AssignOp():
+                plan.assigns.append((op.tensor_name.data, slot(op.value)))
+            case _:
+                if op.dialect_name() == "comm":
+                    kernel = _comm_kernel(op, rank, communicator)
+                elif op.dialect_name() == "graph":
+                    kernel = kernel_for(op)
+                else:
+                    raise PlanError(f"'{op.name}' cannot run: lower it to graph/comm ops first")
+                out = slot(op.results[0]) if op.results else -1
+                plan.steps.append((kernel, tuple(slot(v) for v in op.operands), out))
+    plan.num_slots = len(slots)
+    return plan

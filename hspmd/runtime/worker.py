@@ -1,0 +1,130 @@
+"""One rank of a training run: load the bundle's program for this rank, build the plan, train.
+
+`python -m hspmd.runtime.worker BUNDLE [--steps K] [--log FILE] [--checkpoint FILE]` is what
+`hspmd run` starts under mpiexec; `train` is the same loop for any communicator, so tests run
+it on in-process ranks too. Rank 0 prints one progress line per step and writes the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hspmd.ir.context import IRTextError, parse_module
+from hspmd.ir.levels import LevelError, physical_groups, verify_physical
+from hspmd.runtime.bundle import BundleError, read_manifest
+from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
+from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.plan import PlanError, build_plan
+
+
+class RunError(Exception):
+    """A run cannot start or go on; the message says why."""
+
+
+@dataclass
+class RunResult:
+    """What a rank saw: the losses per step and, on rank 0, the final global parameters."""
+
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, np.ndarray] | None = None
+
+
+def load_batches(script: str, config: dict):
+    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
+    spec = importlib.util.spec_from_file_location("hspmd_data_" + os.path.basename(script).split(".")[0], script)
+    if spec is None or spec.loader is None or not os.path.isfile(script):
+        raise RunError(f"{script}: the bundle's model script is missing (it provides the data)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return iter(module.batches(config))
+
+
+def train(
+    bundle: str,
+    comm: Communicator,
+    steps: int | None = None,
+    log: str | None = None,
+    checkpoint: str | None = None,
+    quiet: bool = False,
+) -> RunResult:
+    """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw."""
+    manifest = read_manifest(bundle)
+    if comm.size != manifest.num_devices:
+        raise RunError(
+            f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
+            f"but the run has {comm.size} ranks"
+        )
+    entry = manifest.group_for(comm.rank)
+    path = os.path.join(bundle, entry.program)
+    module = parse_module(open(path).read(), path)
+    verify_physical(module)
+    (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
+    fn = next(op for op in group_module.walk() if op.name == "func.func")
+    plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
+
+    config = manifest.config
+    steps = int(config.get("steps", 10) if steps is None else steps)
+    state = plan.initial_state(int(config.get("seed", 0)))
+    batches = load_batches(manifest.script, config)
+    result = RunResult()
+    log_file = open(log, "w") if log and comm.rank == 0 else None
+    try:
+        for step in range(1, steps + 1):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise RunError(f"the script's batches ran out after {step - 1} steps") from None
+            start = time.perf_counter()
+            outputs = plan.run(state, plan.local_batch(batch))
+            elapsed = time.perf_counter() - start
+            loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
+            result.losses.append(loss)
+            if comm.rank == 0:
+                if not quiet:
+                    print(f"step {step}/{steps}  loss {loss:.6f}  {elapsed * 1e3:.1f} ms", flush=True)
+                if log_file:
+                    record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
+                    log_file.write(json.dumps(record) + "\n")
+                    log_file.flush()
+    finally:
+        if log_file:
+            log_file.close()
+    result.params = gather_parameters(plan, state, comm)
+    if checkpoint and comm.rank == 0 and result.params is not None:
+        save_checkpoint(checkpoint, result.params, steps)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one MPI rank; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m hspmd.runtime.worker")
+    parser.add_argument("bundle")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--log")
+    parser.add_argument("--checkpoint")
+    args = parser.parse_args(argv)
+    from hspmd.runtime.comm.mpi import MPICommunicator
+
+    comm = MPICommunicator()
+    try:
+        train(args.bundle, comm, args.steps, args.log, args.checkpoint)
+    except (RunError, BundleError, PlanError, IRTextError, LevelError) as err:
+        print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
+        if comm.size > 1:  # the others may wait in a collective: end the whole job
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Pass pipelines: the standard level-to-level pipelines and a runner for pass specs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass, PassPipeline
+from xdsl.utils.arg_spec import parse_pipeline
+
+from hspmd.transforms import get_all_passes
+
+
+def logical_pipeline(lr: float) -> str:
+    """Return the pass spec that turns a traced forward step into a training step."""
+    return f"autodiff,sgd{{lr={lr!r}}}"
+
+
+def annotate_pipeline(strategy: str) -> str:
+    """Return the pass spec that takes logical IR to annotated IR under `strategy`."""
+    quoted = strategy.replace("\\", "\\\\").replace('"', '\\"')
+    return f'apply-strategy{{strategy="{quoted}"}},propagate-layouts,insert-reshard'
+
+
+PHYSICAL_PIPELINE = "specialize-groups,lower-reshard"
+
+
+def build_passes(spec: str, extra: dict[str, Callable[[], type[ModulePass]]] | None = None) -> list[ModulePass]:
+    """Return the passes a textual pipeline spec (`a,b{opt=1}`) names."""
+    available = {**get_all_passes(), **(extra or {})}
+    return list(PassPipeline.parse_spec(available, spec).passes)
+
+
+def run_passes(module: ModuleOp, spec: str, ctx: Context | None = None) -> ModuleOp:
+    """Run the passes of `spec` on `module` in place, verify, and return it."""
+    from hspmd.ir.context import make_context
+
+    ctx = ctx or make_context()
+    for p in build_passes(spec):
+        p.apply(ctx, module)
+    module.verify()
+    return module

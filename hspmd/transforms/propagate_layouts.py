@@ -1,0 +1,175 @@
+"""`propagate-layouts`: give every tensor value of the step a layout, from the few it has.
+
+Start: the values whose types already carry a `#dist.layout` (parameters and inputs from
+`apply-strategy`, or any value a user annotated). Then, to a fixed point:
+
+1. forward, in program order: an op whose operands have layouts gets result layouts from its
+   sharding rule; a constant operand takes the layout the op needs (constants are free to
+   make in any layout);
+2. backward, in reverse order: a value still without a layout takes the layout its first
+   consumer needs (an output needs a replicated value; an assign the parameter's layout),
+   and the op making it is asked what its operands need for that.
+
+Conflicts are resolved in this order: a layout already on a value (the user's) wins; then the
+operand of an op with the most split or partial axes drives its rule; then the first
+consumer. Values nobody constrains are replicated. The layouts are written into the types;
+`insert-reshard` then adds `dist.reshard` wherever a consumer needs another layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.ir import Operation, SSAValue
+from xdsl.passes import ModulePass
+from xdsl.rewriter import Rewriter
+
+from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of, with_layout
+from hspmd.dialects.sharding import ShardingError, infer, rule_for
+from hspmd.ir.layout import DUP, DistributedStates, Group, Layout
+from hspmd.transforms.util import PassError, step_function
+
+
+def replicated_like(layout: Layout) -> Layout:
+    """Return the layout with `layout`'s groups where every device holds the whole value."""
+    groups = tuple(Group(g.devices, DistributedStates(((DUP, len(g.devices)),))) for g in layout.groups)
+    return Layout(groups, DUP)
+
+
+def required_operand_layouts(
+    op: Operation, layouts: dict[SSAValue, Layout], params: dict[str, Layout]
+) -> list[Layout | None]:
+    """Return the layout each operand of `op` needs given the layouts known now (None: no need)."""
+    if isinstance(op, graph.OutputOp):
+        lay = layouts.get(op.value)
+        return [replicated_like(lay) if lay is not None else None]
+    if isinstance(op, graph.AssignOp):
+        return [params.get(op.tensor_name.data)]
+    if rule_for(op) is None:
+        return [None] * len(op.operands)
+    ins = [layouts.get(v) for v in op.operands]
+    hint = layouts.get(op.results[0]) if len(op.results) == 1 else None
+    if all(x is None for x in (*ins, hint)):
+        return [None] * len(op.operands)
+    return list(infer(op, ins, hint).operands)
+
+
+@dataclass(frozen=True)
+class PropagateLayouts(ModulePass):
+    """Write a layout into the type of every tensor value of the step function."""
+
+    name = "propagate-layouts"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        block = step_function(op).body.block
+        ops = list(block.ops)
+        layouts: dict[SSAValue, Layout] = {}
+        for o in ops:
+            for v in o.results:
+                if (lay := layout_of(v)) is not None:
+                    layouts[v] = lay
+        if not layouts:
+            raise PassError("propagate-layouts: no value has a layout to start from; run apply-strategy first")
+        params = {o.tensor_name.data: layouts[o.result] for o in ops if isinstance(o, graph.ParameterOp) and o.result in layouts}
+        reference = next(iter(layouts.values()))
+
+        # values made from constants only: nothing upstream decides them, their consumers do
+        free: set[SSAValue] = set()
+        for o in ops:
+            if not any(v in layouts for v in o.results) and all(v in free for v in o.operands):
+                free.update(o.results)
+        try:
+            changed = True
+            while changed:
+                changed = self._forward(ops, layouts)
+                changed |= self._backward(ops, layouts, params, free)
+            self._refine(ops, layouts, params)
+        except ShardingError as err:
+            raise PassError(f"propagate-layouts: {err}") from None
+
+        for o in ops:
+            for v in o.results:
+                if isinstance(v.type, TensorType) and layout_of(v) is None:
+                    lay = layouts.get(v, replicated_like(reference))
+                    Rewriter.replace_value_with_new_type(v, with_layout(v.type, lay))
+
+    @staticmethod
+    def _refine(ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout]) -> None:
+        """Let a producer give its first consumer's layout where that costs its operands nothing.
+
+        A broadcast of a replicated bias can be made directly split like the activations it is
+        added to, instead of being made replicated and then cut.
+        """
+        for o in ops:
+            if rule_for(o) is None or len(o.results) != 1 or o.results[0] not in layouts:
+                continue
+            v = o.results[0]
+            ins = [layouts.get(x) for x in o.operands]
+            if any(x is None for x in ins):
+                continue
+            for use in v.uses:
+                need = required_operand_layouts(use.operation, layouts, params)[use.index]
+                if need is None or need == layouts[v]:
+                    break
+                try:
+                    alt = infer(o, ins, need)
+                except ShardingError:
+                    break
+                if alt.results[0] == need and list(alt.operands) == list(infer(o, ins, layouts[v]).operands):
+                    if list(alt.operands) == ins:
+                        layouts[v] = need
+                break
+
+    @staticmethod
+    def _forward(ops: list[Operation], layouts: dict[SSAValue, Layout]) -> bool:
+        changed = False
+        for o in ops:
+            if rule_for(o) is None or all(v in layouts for v in o.results):
+                continue
+            ins = [layouts.get(v) for v in o.operands]
+            if all(x is None for x in ins):
+                continue
+            if any(x is None and not isinstance(v.owner, graph.ConstantOp) for x, v in zip(ins, o.operands)):
+                continue  # wait until the backward sweep decides that operand
+            inference = infer(o, ins)
+            for v, need in zip(o.operands, inference.operands):
+                if v not in layouts:
+                    layouts[v] = need
+            for v, lay in zip(o.results, inference.results):
+                layouts.setdefault(v, lay)
+            changed = True
+        return changed
+
+    @staticmethod
+    def _backward(
+        ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout], free: set[SSAValue]
+    ) -> bool:
+        changed = False
+        for o in reversed(ops):
+            for v in o.results:
+                if v in layouts or v not in free or not isinstance(v.type, TensorType):
+                    continue
+                for use in v.uses:
+                    needs = required_operand_layouts(use.operation, layouts, params)
+                    need = needs[use.index]
+                    if need is None and rule_for(use.operation) is not None:
+                        ins = [layouts.get(x) for x in use.operation.operands]
+                        hint = layouts.get(use.operation.results[0]) if use.operation.results else None
+                        if hint is not None:
+                            need = infer(use.operation, ins, hint).operands[use.index]
+                    if need is not None and not any(g.states.is_partial for g in need.groups):
+                        layouts[v] = need
+                        changed = True
+                        break
+            if rule_for(o) is not None and o.results and o.results[0] in layouts:
+                ins = [layouts.get(x) for x in o.operands]
+                if any(x is None for x in ins):
+                    inference = infer(o, ins, layouts[o.results[0]])
+                    for x, need in zip(o.operands, inference.operands):
+                        if x not in layouts:
+                            layouts[x] = need
+                            changed = True
+        return changed

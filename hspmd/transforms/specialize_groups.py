@@ -1,0 +1,89 @@
+"""`specialize-groups`: annotated IR -> physical IR, one module per device group.
+
+The step function is cloned once per device group (the groups of the layouts in the
+function: for a single SPMD group, one module). In each clone every tensor type becomes the
+local piece of that group's devices (`Layout.local_shape`), without layout. Parameters and
+inputs keep their annotated type as `global_type`, so that the runtime can cut its piece of
+the global value; `dist.reshard` keeps its two layouts as `src`/`dst` for `lower-reshard`.
+The program is the same for every rank of a group: it does not grow with the group's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType
+from xdsl.passes import ModulePass
+from xdsl.rewriter import Rewriter
+
+from hspmd.dialects import dist, graph
+from hspmd.dialects.dist import LayoutAttr, layout_of, without_layout
+from hspmd.ir.layout import Layout, LayoutError
+from hspmd.ir.levels import DEVICES_ATTR, devices_attr
+from hspmd.transforms.util import PassError, step_function
+
+
+def device_groups(fn: func.FuncOp) -> list[tuple[int, ...]]:
+    """Return the device groups of the layouts in `fn`, in first-seen order."""
+    groups: list[tuple[int, ...]] = []
+    for op in fn.walk():
+        for v in op.results:
+            lay = layout_of(v)
+            if lay is None:
+                continue
+            for g in lay.groups:
+                if g.devices not in groups:
+                    if any(set(g.devices) & set(h) for h in groups):
+                        raise PassError(
+                            f"specialize-groups: device group {list(g.devices)} overlaps another group; "
+                            "layouts that regroup devices are not supported yet"
+                        )
+                    groups.append(g.devices)
+    return groups
+
+
+def _local_type(typ: TensorType, group: tuple[int, ...], what: str) -> TensorType:
+    lay = layout_of(typ)
+    if lay is None:
+        raise PassError(f"specialize-groups: {what} has no layout; run propagate-layouts first")
+    if group[0] not in lay.devices:
+        raise PassError(f"specialize-groups: {what} with layout '{lay}' does not live on devices {list(group)}")
+    try:
+        return without_layout(typ, lay.local_shape(group[0], typ.get_shape()))
+    except LayoutError as err:
+        raise PassError(f"specialize-groups: {what}: {err}") from None
+
+
+@dataclass(frozen=True)
+class SpecializeGroups(ModulePass):
+    """Replace the annotated module's body by one local-shape module per device group."""
+
+    name = "specialize-groups"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        fn = step_function(op)
+        groups = device_groups(fn)
+        if not groups:
+            raise PassError("specialize-groups: no layouts in the step function; the input is not annotated IR")
+        modules = []
+        for gi, group in enumerate(groups):
+            clone = fn.clone()
+            for o in clone.walk():  # record global facts before any type becomes local
+                if isinstance(o, (graph.ParameterOp, graph.InputOp)):
+                    o.properties["global_type"] = o.result.type
+                if isinstance(o, dist.ReshardOp) and o.src is None:
+                    src, dst = o.layouts()
+                    o.properties["src"], o.properties["dst"] = LayoutAttr(src), LayoutAttr(dst)
+            for o in list(clone.walk()):
+                for v in o.results:
+                    if isinstance(v.type, TensorType) and layout_of(v) is not None:
+                        Rewriter.replace_value_with_new_type(v, _local_type(v.type, group, f"a value of '{o.name}'"))
+            module = ModuleOp([clone], attributes={DEVICES_ATTR: devices_attr(group)})
+            module.sym_name = StringAttr(f"group{gi}")
+            modules.append(module)
+        fn.detach()
+        fn.erase()
+        for m in modules:
+            op.body.block.add_op(m)
