@@ -28,6 +28,7 @@ class LaunchTimeout(LaunchError):
 
 
 def _executable(path: Path) -> bool:
+    """Return whether ``path`` is an executable file."""
     return path.is_file() and os.access(path, os.X_OK)
 
 

@@ -70,6 +70,8 @@ class _Op:
 
 
 class _Msg:
+    """A point-to-point message: a private copy of the data, and whether it was received."""
+
     __slots__ = ("data", "taken")
 
     def __init__(self, data: np.ndarray) -> None:
@@ -345,6 +347,7 @@ class InProcessCommunicator(Communicator):
     # -- point to point ------------------------------------------------------------------
 
     def _check_peer(self, peer: int, what: str) -> int:
+        """Return ``peer`` as an int after checking it is another rank of the world."""
         peer = int(peer)
         if not 0 <= peer < self._world.n:
             raise CommError(f"{what}: rank {peer} is outside a world of size {self._world.n}")
@@ -353,6 +356,7 @@ class InProcessCommunicator(Communicator):
         return peer
 
     def _post(self, buf: np.ndarray, dest: int, tag: int) -> _Msg:
+        """Return the message holding a copy of ``buf``, queued for ``dest`` (does not wait)."""
         w = self._world
         msg = _Msg(np.array(buf, copy=True))
         with w.cond:
@@ -363,6 +367,7 @@ class InProcessCommunicator(Communicator):
         return msg
 
     def _await_taken(self, msg: _Msg, dest: int, tag: int) -> None:
+        """Return once the receiver has taken ``msg``."""
         w = self._world
         with w.cond:
             w.wait(self._rank, f"send(dest={dest}, tag={tag})", lambda: msg.taken)
@@ -417,6 +422,7 @@ def _check_same(bufs: list[np.ndarray], g: Group, what: str, except_axis: int | 
     first = bufs[0]
 
     def key(b: np.ndarray) -> tuple:
+        """Return what must agree between members: dtype and shape (but ``except_axis``)."""
         shape = list(b.shape)
         if except_axis is not None and len(shape) > except_axis:
             shape[except_axis] = -1
@@ -448,6 +454,7 @@ def run_spmd(n: int, fn: Callable[[Communicator], T], timeout: float = 60.0) -> 
     finished = [0]
 
     def body(r: int) -> None:
+        """Return nothing; runs rank ``r`` and records its result or exception."""
         try:
             results[r] = fn(comms[r])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
@@ -499,6 +506,7 @@ def run_spmd(n: int, fn: Callable[[Communicator], T], timeout: float = 60.0) -> 
 
 
 def _annotate(exc: BaseException, rank: int, note: str) -> None:
+    """Return nothing; marks ``exc`` with the rank that raised it (attribute and note)."""
     try:
         exc.rank = rank  # type: ignore[attr-defined]
     except (AttributeError, TypeError):

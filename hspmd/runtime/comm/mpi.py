@@ -74,6 +74,8 @@ class MPICommunicator(Communicator):
         self._MPI = MPI
         base = MPI.COMM_WORLD if comm is None else comm
         self._comm = base.Dup()
+        # Point-to-point traffic gets its own context, apart from group creation's tags.
+        self._p2p = self._comm.Dup()
         self._rank = self._comm.Get_rank()
         self._size = self._comm.Get_size()
         self._world_group: Group = tuple(range(self._size))
@@ -152,6 +154,7 @@ class MPICommunicator(Communicator):
                 c.Free()
         self._subcomms.clear()
         self._scratch_bufs.clear()
+        self._p2p.Free()
         self._comm.Free()
 
     # -- collectives ---------------------------------------------------------------------
@@ -322,6 +325,7 @@ class MPICommunicator(Communicator):
     # -- point to point ------------------------------------------------------------------
 
     def _check_peer(self, peer: int, what: str) -> int:
+        """Return ``peer`` as an int after checking it is another rank of the world."""
         peer = int(peer)
         if not 0 <= peer < self._size:
             raise CommError(f"{what}: rank {peer} is outside a world of size {self._size}")
@@ -332,9 +336,10 @@ class MPICommunicator(Communicator):
     def send(self, buf, dest, tag=0):
         buf = as_buffer(buf, "send")
         dest = self._check_peer(dest, "send")
-        self._comm.Send(_bytes(np.ascontiguousarray(buf)), dest=dest, tag=int(tag))
+        self._p2p.Send(_bytes(np.ascontiguousarray(buf)), dest=dest, tag=int(tag))
 
     def _recv_target(self, out: np.ndarray) -> np.ndarray:
+        """Return ``out`` if MPI can receive into it directly, else a contiguous temporary."""
         if not isinstance(out, np.ndarray) or not out.flags.writeable:
             raise CommError("recv: out must be a writeable numpy array")
         return out if out.flags.c_contiguous else np.empty(out.shape, dtype=out.dtype)
@@ -343,7 +348,7 @@ class MPICommunicator(Communicator):
         source = self._check_peer(source, "recv")
         target = self._recv_target(out)
         status = self._MPI.Status()
-        self._comm.Recv(_bytes(target), source=source, tag=int(tag), status=status)
+        self._p2p.Recv(_bytes(target), source=source, tag=int(tag), status=status)
         self._check_count(status, target, source, tag)
         if target is not out:
             np.copyto(out, target)
@@ -355,7 +360,7 @@ class MPICommunicator(Communicator):
         source = self._check_peer(source, "sendrecv")
         target = self._recv_target(out)
         status = self._MPI.Status()
-        self._comm.Sendrecv(
+        self._p2p.Sendrecv(
             _bytes(np.ascontiguousarray(buf)), dest=dest, sendtag=int(sendtag),
             recvbuf=_bytes(target), source=source, recvtag=int(recvtag), status=status,
         )
@@ -365,6 +370,7 @@ class MPICommunicator(Communicator):
         return out
 
     def _check_count(self, status: Any, target: np.ndarray, source: int, tag: int) -> None:
+        """Return nothing if the received message filled ``target``; CommError otherwise."""
         got = status.Get_count(self._MPI.BYTE)
         if got != target.nbytes:
             raise CommError(
