@@ -8,7 +8,7 @@ import numpy as np
 
 import hspmd as hs
 
-config = {"batch_size": 64, "hidden": 128, "lr": 0.5, "steps": 60, "seed": 0}
+config = {"batch_size": 64, "hidden": 128, "lr": 0.3, "steps": 200, "seed": 0}
 
 
 class MLP(hs.nn.Module):

@@ -44,7 +44,8 @@ def parse_module(text: str, name: str = "<input>", ctx: Context | None = None) -
     except ParseError as err:
         loc = err.span.get_location()
         lines = str(err).splitlines()
-        raise IRTextError(f"{loc.file}:{loc.line}:{loc.col}", err.msg, "\n".join(lines[1:])) from None
+        context = "\n".join(line for line in lines[1:] if line.strip() != err.msg.strip())
+        raise IRTextError(f"{loc.file}:{loc.line}:{loc.col}", err.msg, context) from None
     verify_located(module, name)
     return module
 

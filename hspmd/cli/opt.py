@@ -1,0 +1,133 @@
+"""`hspmd-opt`: parse IR, run a pass pipeline, print — with mlir-opt/xdsl-opt habits.
+
+    hspmd-opt FILE [-p pass1,pass2{opt=v}] [--print-between-passes] [-o OUT]
+    hspmd-opt FILE --load-pass my_passes.py -p my-pass
+
+Built on xDSL's `xDSLOptMain`: hspmd's dialects and passes are added to xDSL's own (cse,
+dce, canonicalize, ...). `--load-pass` loads every `ModulePass` subclass defined in a Python
+file or an importable module, under the pass's `name`. Errors are one located message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Sequence
+
+from xdsl.passes import ModulePass
+from xdsl.utils.exceptions import ArgSpecParseError, ParseError
+from xdsl.xdsl_opt_main import xDSLOptMain
+
+from hspmd.cli.errors import describe
+
+
+class LoadPassError(Exception):
+    """A `--load-pass` file or module could not be loaded or defines no pass."""
+
+
+def load_user_passes(source: str) -> dict[str, type[ModulePass]]:
+    """Return {name: pass class} for every ModulePass defined in a Python file or module."""
+    if source.endswith(".py") or os.sep in source:
+        if not os.path.isfile(source):
+            raise LoadPassError(f"--load-pass {source}: no such file")
+        spec = importlib.util.spec_from_file_location(f"hspmd_user_passes_{abs(hash(source))}", source)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # user code
+            raise LoadPassError(f"--load-pass {source}: {type(err).__name__}: {err}") from None
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as err:
+            raise LoadPassError(f"--load-pass {source}: {err}") from None
+    found = {
+        cls.name: cls
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if issubclass(cls, ModulePass) and cls is not ModulePass and cls.__module__ == module.__name__
+        and isinstance(getattr(cls, "name", None), str)
+    }
+    if not found:
+        raise LoadPassError(f"--load-pass {source}: defines no ModulePass subclass with a 'name'")
+    return found
+
+
+class HspmdOptMain(xDSLOptMain):
+    """xDSLOptMain with hspmd's dialects and passes, plus passes loaded by the user."""
+
+    def __init__(self, args: Sequence[str] | None, user_passes: dict[str, type[ModulePass]]):
+        self._user_passes = user_passes
+        super().__init__(description="hspmd IR optimizer driver", args=args)
+
+    def register_all_dialects(self) -> None:
+        super().register_all_dialects()
+        from hspmd.dialects.comm import Comm
+        from hspmd.dialects.dist import Dist
+        from hspmd.dialects.graph import Graph
+
+        for dialect in (Graph, Dist, Comm):
+            if dialect.name not in self.ctx.registered_dialect_names:
+                self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
+
+    def register_all_passes(self) -> None:
+        super().register_all_passes()
+        from hspmd.transforms import get_all_passes
+
+        for name, loader in get_all_passes().items():
+            self.register_pass(name, loader)
+        for name, cls in self._user_passes.items():
+            self.register_pass(name, lambda c=cls: c)
+
+    def register_all_arguments(self, arg_parser) -> None:
+        super().register_all_arguments(arg_parser)
+        arg_parser.add_argument(
+            "--load-pass",
+            action="append",
+            default=[],
+            metavar="FILE_OR_MODULE",
+            help="load ModulePass subclasses from a Python file or module (repeatable)",
+        )
+
+
+def _pre_scan_load_pass(argv: list[str]) -> list[str]:
+    sources = []
+    for i, arg in enumerate(argv):
+        if arg == "--load-pass" and i + 1 < len(argv):
+            sources.append(argv[i + 1])
+        elif arg.startswith("--load-pass="):
+            sources.append(arg.split("=", 1)[1])
+    return sources
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run hspmd-opt; return the exit code (1 on any user error, with one message)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        user = {}
+        for source in _pre_scan_load_pass(argv):
+            user.update(load_user_passes(source))
+        tool = HspmdOptMain(argv, user)
+        tool.run()
+    except LoadPassError as err:
+        print(f"hspmd-opt: error: {err}", file=sys.stderr)
+        return 1
+    except ParseError as err:
+        loc = err.span.get_location()
+        context = "\n".join(line for line in str(err).splitlines()[1:] if line.strip() != err.msg.strip())
+        print(f"{loc.file}:{loc.line}:{loc.col}: error: {err.msg}\n{context}", file=sys.stderr)
+        return 1
+    except ArgSpecParseError as err:
+        print(f"hspmd-opt: error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # verifier, pass or I/O errors: one message, no traceback
+        print(f"hspmd-opt: error: {describe(err)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
