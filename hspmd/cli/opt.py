@@ -82,6 +82,14 @@ class HspmdOptMain(xDSLOptMain):
         for name, cls in self._user_passes.items():
             self.register_pass(name, lambda c=cls: c)
 
+    def output_resulting_program(self, prog) -> str:
+        """Return the program as `hspmd compile` writes it, so dumps print back unchanged."""
+        if self.args.target != "mlir":
+            return super().output_resulting_program(prog)
+        from hspmd.ir.context import module_text
+
+        return module_text(prog)
+
     def register_all_arguments(self, arg_parser) -> None:
         super().register_all_arguments(arg_parser)
         arg_parser.add_argument(
