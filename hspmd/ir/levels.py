@@ -40,14 +40,28 @@ def verify_logical(module: ModuleOp) -> None:
 
 def verify_annotated(module: ModuleOp) -> None:
     """Raise LevelError unless every tensor value has a layout and every op obeys its sharding rule."""
-    from hspmd.dialects.dist import LayoutAttr
+    from hspmd.dialects.dist import LayoutAttr, layout_of
+    from hspmd.dialects.sharding import ShardingError, infer, rule_for
 
-    for op in module.walk():
-        if op.dialect_name() == "comm":
-            continue
     for op, v in _tensor_values(module):
         if not isinstance(v.type.encoding, LayoutAttr):
             raise LevelError(f"annotated IR: a value of '{op.name}' has no layout")
+    for op in module.walk():
+        if op.dialect_name() == "comm":
+            raise LevelError(f"annotated IR cannot hold '{op.name}'; collectives appear after specialize-groups")
+        if rule_for(op) is None:
+            continue
+        ins = [layout_of(v) for v in op.operands]
+        outs = [layout_of(v) for v in op.results]
+        try:
+            inference = infer(op, ins, outs[0] if len(outs) == 1 else None)
+        except ShardingError as err:
+            raise LevelError(f"annotated IR: {err}") from None
+        if list(inference.operands) != ins or list(inference.results) != outs:
+            raise LevelError(
+                f"annotated IR: '{op.name}' with operands {', '.join(map(str, ins))} gives "
+                f"{', '.join(map(str, inference.results))}, not {', '.join(map(str, outs))}; insert dist.reshard"
+            )
 
 
 def physical_groups(module: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
