@@ -94,6 +94,16 @@ def test_opt_loads_a_user_pass_from_a_file(tmp_path):
     assert "factor = 3.000000e+00" in proc.stdout
 
 
+def test_opt_loads_a_user_pass_from_a_module(tmp_path):
+    (tmp_path / "user_passes_mod.py").write_text(USER_PASS)
+    (tmp_path / "in.mlir").write_text(SCALE_IR)
+    proc = run_cli(
+        "hspmd-opt", str(tmp_path / "in.mlir"), "--load-pass", "user_passes_mod", "-p", "double-scale,double-scale",
+        check=True, env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert "factor = 6.000000e+00" in proc.stdout
+
+
 def test_hspmd_opt_subcommand_is_the_same_tool(tmp_path):
     (tmp_path / "in.mlir").write_text(SCALE_IR)
     proc = run_cli("hspmd", "opt", str(tmp_path / "in.mlir"), check=True)
