@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import hspmd as hs
@@ -45,8 +45,12 @@ def build(ops, shape, with_ce):
         elif op == "sum_dim":
             h = h.sum(1).reshape((rows, 1))
     if with_ce:
-        if h.shape[0] != shape[0]:
+        if h.shape[0] != shape[0] and h.shape[1] == shape[0]:
             h = h.T
+        elif h.shape[0] != shape[0]:
+            h = h.reshape((shape[0], -1)) if (h.shape[0] * h.shape[1]) % shape[0] == 0 else h.sum().reshape((1, 1))
+        if h.shape[0] != shape[0]:
+            assume(False)
         loss = hs.cross_entropy(h, labels)
     else:
         loss = (h * h).sum() * 0.5
