@@ -9,13 +9,16 @@ or separately (`mul`, `matmul`: one operand partial, the others replicated on th
 `infer` works on the mesh of one SPMD group: each mesh axis of the operands' states gets
 one role (a factor, partial, or nothing). The roles give every operand the layout the op
 needs (a consumer inserts `dist.reshard` where a producer differs) and every result its
-layout. A layout that is replicated on its whole group (`dup=n`) fits any mesh.
+layout. A layout that is replicated on its whole group (`dup=n`) fits any mesh. Where the
+roles would give a tensor a layout one device order cannot express (two dup axes that are not
+neighbours), roles are dropped (those mesh axes replicate) until every layout is expressible.
 Heterogeneous unions: each group is inferred alike when all layouts share the group
 structure (same device lists, hetero axis and shares).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -186,7 +189,7 @@ def _infer_group(
     if hint is not None and not _flexible(hint) and len(rule.results) == 1:
         offer(hint.axes, rule.results[0], None)
 
-    def layout_for(factors: Sequence[str], idx: int | None) -> DistributedStates:
+    def layout_for(roles, factors: Sequence[str], idx: int | None) -> DistributedStates | None:
         axes: list[tuple[Axis, int]] = []
         for m, role in enumerate(roles):
             axis = DUP
@@ -204,14 +207,24 @@ def _infer_group(
                 else:  # bilinear: exactly one operand carries the partial sums
                     axis = PARTIAL if idx == min(partial_ops.get(m) or rule.linear) else DUP
             axes.append((axis, mesh[m]))
-        ds = _states_from_roles(axes)
-        if ds is None:
-            raise ShardingError("the layouts cannot be expressed in one device order")
-        return ds
+        return _states_from_roles(axes)
 
     if any(r is not None and r[0] == "partial" for r in roles) and not rule.linear:
         raise ShardingError("op is not linear in any operand but a partial layout was asked for")
-    return ([layout_for(f, i) for i, f in enumerate(rule.operands)], [layout_for(f, None) for f in rule.results])
+    # Roles can give some tensor a layout one DistributedStates cannot express (on a 3-axis mesh
+    # `dup, split(1), dup`: two dup axes that are not neighbours). Then drop roles, fewest and
+    # most minor first: a dropped mesh axis is replicated for every operand and result, which is
+    # always correct (insert-reshard gathers what arrives split or partial on it).
+    assigned = [m for m, r in enumerate(roles) if r is not None]
+    for k in range(len(assigned) + 1):
+        for drop in itertools.combinations(reversed(assigned), k):
+            trial = [None if m in drop else r for m, r in enumerate(roles)]
+            operands = [layout_for(trial, f, i) for i, f in enumerate(rule.operands)]
+            results = [layout_for(trial, f, None) for f in rule.results]
+            if all(ds is not None for ds in (*operands, *results)):
+                return operands, results  # type: ignore[return-value]
+    # unreachable: with every role dropped each layout is all dup, which merges into one axis
+    raise ShardingError("the layouts cannot be expressed in one device order")
 
 
 def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = None) -> Inference:

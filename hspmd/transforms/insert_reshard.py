@@ -3,7 +3,10 @@
 Runs after `propagate-layouts`. For each op, its sharding rule (or, for outputs, "replicated",
 and for assigns, "the parameter's layout") says which layout each operand needs; an operand
 whose type carries another gets a `dist.reshard` in front of the op. Reshards of one value to
-one layout are shared by all its consumers. The result is annotated IR.
+one layout are shared by all its consumers. An op whose rule gives its result another layout
+than the result is typed with (a user's annotation, or a consumer's need that the producer
+cannot meet, e.g. a reshape asked to split a dim its rule blocks) gets its result retyped to
+what it gives and a `dist.reshard` after it to the typed layout. The result is annotated IR.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
+from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
 from hspmd.dialects.dist import ReshardOp, layout_of, with_layout
@@ -41,17 +45,12 @@ class InsertReshard(ModulePass):
         for o in list(block.ops):
             if rule_for(o) is None and not isinstance(o, (graph.OutputOp, graph.AssignOp)):
                 continue
+            got: tuple[Layout, ...] = ()
             try:
                 needs = required_operand_layouts(o, layouts, params)
                 if rule_for(o) is not None:
                     hint = layouts.get(o.results[0]) if len(o.results) == 1 else None
                     got = infer(o, [layouts.get(v) for v in o.operands], hint).results
-                    for v, lay in zip(o.results, got):
-                        if layouts.get(v) != lay:
-                            raise PassError(
-                                f"insert-reshard: '{o.name}' gives {lay} but its result is typed {layouts.get(v)}; "
-                                "run propagate-layouts again"
-                            )
             except ShardingError as err:
                 raise PassError(f"insert-reshard: {err}") from None
             for i, (v, need) in enumerate(zip(o.operands, needs)):
@@ -64,3 +63,14 @@ class InsertReshard(ModulePass):
                     made[key] = reshard.result
                     layouts[reshard.result] = need
                 o.operands[i] = made[key]
+            for v, lay in zip(list(o.results), got):
+                typed = layouts.get(v)
+                if typed is None or typed == lay:
+                    continue
+                # the op gives `lay`: type its result so, and reshard that to what the result was typed
+                given = Rewriter.replace_value_with_new_type(v, with_layout(v.type, lay))
+                reshard = ReshardOp(given, with_layout(given.type, typed))
+                block.insert_op_after(reshard, o)
+                given.replace_uses_with_if(reshard.result, lambda use: use.operation is not reshard)
+                del layouts[v]
+                layouts[given], layouts[reshard.result] = lay, typed

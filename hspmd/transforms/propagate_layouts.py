@@ -101,7 +101,8 @@ class PropagateLayouts(ModulePass):
         """Let a producer give its first consumer's layout where that costs its operands nothing.
 
         A broadcast of a replicated bias can be made directly split like the activations it is
-        added to, instead of being made replicated and then cut.
+        added to, instead of being made replicated and then cut. The change is kept only if
+        every consumer's rule still gives its results the layouts they have.
         """
         for o in ops:
             if rule_for(o) is None or len(o.results) != 1 or o.results[0] not in layouts:
@@ -120,8 +121,22 @@ class PropagateLayouts(ModulePass):
                     break
                 if alt.results[0] == need and list(alt.operands) == list(infer(o, ins, layouts[v]).operands):
                     if list(alt.operands) == ins:
-                        layouts[v] = need
+                        old, layouts[v] = layouts[v], need
+                        if not all(PropagateLayouts._still_gives(use.operation, layouts) for use in v.uses):
+                            layouts[v] = old  # another consumer's result would change: keep it
                 break
+
+    @staticmethod
+    def _still_gives(op: Operation, layouts: dict[SSAValue, Layout]) -> bool:
+        """Return whether `op`'s rule still gives its results the layouts they have."""
+        if rule_for(op) is None:
+            return True
+        hint = layouts.get(op.results[0]) if len(op.results) == 1 else None
+        try:
+            got = infer(op, [layouts.get(x) for x in op.operands], hint).results
+        except ShardingError:
+            return False
+        return all(layouts.get(r) == g for r, g in zip(op.results, got))
 
     @staticmethod
     def _forward(ops: list[Operation], layouts: dict[SSAValue, Layout]) -> bool:
