@@ -52,7 +52,14 @@ def _shape(value) -> tuple[int, ...]:
 
 
 def rule_for(op: Operation) -> OpRule | None:
-    """Return the sharding rule of a compute op (None for leaves, outputs and assigns)."""
+    """Return the sharding rule of a compute op (None for leaves, outputs and assigns).
+
+    An op class of any dialect can give its own rule with a `sharding_rule(self) -> OpRule`
+    method; the `graph` ops' rules are below.
+    """
+    own = getattr(op, "sharding_rule", None)
+    if own is not None:
+        return own()
     match op:
         case graph.AddOp() | graph.SubOp():
             d = _dims("d", len(_shape(op.result)))

@@ -24,6 +24,9 @@ from hspmd.ir.types import dtype_name
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.numpy_ops import kernel_for
 
+# dialect name -> maker of the NumPy function that computes one of its ops
+KERNELS: dict[str, Callable[[Operation], Callable]] = {"graph": kernel_for}
+
 
 class PlanError(Exception):
     """The physical IR cannot be run by this rank (wrong level, missing group, unknown op)."""
@@ -46,7 +49,7 @@ class Plan:
     """The flat program of one rank: `steps` read and write numbered slots."""
 
     rank: int
-    steps: list[tuple[Callable[..., np.ndarray], tuple[int, ...], int]] = field(default_factory=list)
+    steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     num_slots: int = 0
     constants: dict[int, np.ndarray] = field(default_factory=dict)
     params: list[Leaf] = field(default_factory=list)
@@ -85,10 +88,13 @@ class Plan:
             env[p.slot] = state[p.name]
         for leaf in self.inputs:
             env[leaf.slot] = inputs[leaf.name]
-        for fn, args, out in self.steps:
+        for fn, args, outs in self.steps:
             result = fn(*[env[a] for a in args])
-            if out >= 0:
-                env[out] = result
+            if len(outs) == 1:
+                env[outs[0]] = result
+            elif outs:  # several results come back as a tuple
+                for slot, value in zip(outs, result):
+                    env[slot] = value
         for name, slot in self.assigns:
             state[name] = env[slot]
         return {name: env[slot] for name, slot in self.outputs}
@@ -186,11 +192,10 @@ def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
             case _:
                 if op.dialect_name() == "comm":
                     kernel = _comm_kernel(op, rank, communicator)
-                elif op.dialect_name() == "graph":
-                    kernel = kernel_for(op)
+                elif op.dialect_name() in KERNELS:
+                    kernel = KERNELS[op.dialect_name()](op)
                 else:
-                    raise PlanError(f"'{op.name}' cannot run: lower it to graph/comm ops first")
-                out = slot(op.results[0]) if op.results else -1
-                plan.steps.append((kernel, tuple(slot(v) for v in op.operands), out))
+                    raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
+                plan.steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
     plan.num_slots = len(slots)
     return plan
