@@ -6,7 +6,8 @@
 """
 
 from hspmd.frontend import nn
-from hspmd.frontend.tracing import Tensor, TraceError, cross_entropy, matmul, relu
+from hspmd.frontend.ops import cross_entropy, matmul, relu
+from hspmd.frontend.tracing import Tensor, TraceError
 
 __all__ = ["Tensor", "TraceError", "cross_entropy", "matmul", "nn", "relu"]
 __version__ = "0.1.0"

@@ -30,7 +30,8 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
 from hspmd.dialects.dist import with_layout
-from hspmd.frontend.tracing import Tracer, cross_entropy, relu
+from hspmd.frontend.ops import cross_entropy, relu
+from hspmd.frontend.tracing import Tracer
 from hspmd.ir.init_spec import initial_value
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.levels import physical_groups, verify_annotated, verify_physical

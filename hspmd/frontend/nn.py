@@ -11,7 +11,8 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from hspmd.frontend.tracing import Tensor, Tracer, fail, relu
+from hspmd.frontend.ops import relu
+from hspmd.frontend.tracing import Tensor, Tracer, fail
 
 
 class Parameter:
