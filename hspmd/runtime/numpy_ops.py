@@ -40,8 +40,12 @@ def softmax_cross_entropy_grad(logits: np.ndarray, labels: np.ndarray, dloss: np
     return (p * dloss[:, None]).astype(logits.dtype)
 
 
-def kernel_for(op: Operation) -> Kernel:
-    """Return the NumPy function that computes `op` from its operand arrays."""
+def kernel_for(op: Operation, rank: int = 0) -> Kernel:
+    """Return the NumPy function that computes `op` from its operand arrays on `rank`.
+
+    Most kernels ignore the rank; ops whose values depend on where a piece lies in the global
+    tensor (counter-based dropout, positions) use it with the op's `global_type` layout.
+    """
     match op:
         case graph.AddOp():
             return np.add

@@ -24,8 +24,8 @@ from hspmd.ir.types import dtype_name
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.numpy_ops import kernel_for
 
-# dialect name -> maker of the NumPy function that computes one of its ops
-KERNELS: dict[str, Callable[[Operation], Callable]] = {"graph": kernel_for}
+# dialect name -> maker of the NumPy function that computes one of its ops on a given rank
+KERNELS: dict[str, Callable[[Operation, int], Callable]] = {"graph": kernel_for}
 
 
 class PlanError(Exception):
@@ -193,7 +193,7 @@ def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
                 if op.dialect_name() == "comm":
                     kernel = _comm_kernel(op, rank, communicator)
                 elif op.dialect_name() in KERNELS:
-                    kernel = KERNELS[op.dialect_name()](op)
+                    kernel = KERNELS[op.dialect_name()](op, rank)
                 else:
                     raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
                 plan.steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
