@@ -59,7 +59,13 @@ class Parameter:
 
 
 class Module:
-    """Base class of models: attributes that are Parameters or Modules form the tree."""
+    """Base class of models: attributes that are Parameters or Modules form the tree.
+
+    A subclass that sets `function = True` is traced once into a function and called per
+    use (see `hspmd.frontend.functions`): set it on repeated layers such as transformer blocks.
+    """
+
+    function = False
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """Yield (dotted name, parameter) in attribute definition order."""
@@ -80,6 +86,10 @@ class Module:
         return [p for _, p in self.named_parameters()]
 
     def __call__(self, *args, **kwargs):
+        if self.function and not kwargs and args and all(isinstance(a, Tensor) for a in args):
+            from hspmd.frontend.functions import call_module
+
+            return call_module(args[0].tracer, self, args)
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):

@@ -44,10 +44,13 @@ def fail(op: str, message: str) -> TraceError:
 class Tracer:
     """Builds the logical `func.func @train_step` one op at a time."""
 
-    def __init__(self, func_name: str = "train_step") -> None:
+    def __init__(self, func_name: str = "train_step", functions: dict | None = None) -> None:
         self.block = Block()
         self.func_name = func_name
         self.names: set[str] = set()
+        # callee functions traced once and called per use (see hspmd.frontend.functions),
+        # shared with the tracers of those functions
+        self.functions: dict = {} if functions is None else functions
 
     def emit(self, op) -> Tensor:
         """Append `op` and return its (single) result as a Tensor."""
@@ -83,7 +86,7 @@ class Tracer:
         """Return the module holding the traced function (the tracer is spent afterwards)."""
         self.block.add_op(func.ReturnOp())
         fn = func.FuncOp(self.func_name, ((), ()), Region(self.block))
-        return ModuleOp([fn])
+        return ModuleOp([fn, *(f for f in self.functions.values())])
 
 
 def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -162,9 +162,14 @@ def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Lay
 
 
 def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
-    """Return the plan that runs physical step function `fn` as `rank`."""
+    """Return the plan that runs physical step function `fn` as `rank`.
+
+    Functions that `fn` calls (repeated layers) are compiled once each into sub-plans.
+    """
     plan = Plan(rank)
     slots: dict[SSAValue, int] = {}
+    module = fn.parent_op()
+    callees: dict[str, Callable] = {}
 
     def slot(value: SSAValue) -> int:
         if value not in slots:
@@ -183,19 +188,81 @@ def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
                 else:
                     plan.inputs.append(leaf)
             case graph.ConstantOp():
-                typ = op.result.type
-                plan.constants[slot(op.result)] = np.full(typ.get_shape(), op.value.value.data, dtype_name(typ))
+                plan.constants[slot(op.result)] = _constant(op)
             case graph.OutputOp():
                 plan.outputs.append((op.tensor_name.data, slot(op.value)))
             case graph.AssignOp():
                 plan.assigns.append((op.tensor_name.data, slot(op.value)))
             case _:
-                if op.dialect_name() == "comm":
-                    kernel = _comm_kernel(op, rank, communicator)
-                elif op.dialect_name() in KERNELS:
-                    kernel = KERNELS[op.dialect_name()](op, rank)
-                else:
-                    raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
+                kernel = _kernel(op, rank, communicator, module, callees)
                 plan.steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
     plan.num_slots = len(slots)
     return plan
+
+
+def _constant(op: graph.ConstantOp) -> np.ndarray:
+    typ = op.result.type
+    return np.full(typ.get_shape(), op.value.value.data, dtype_name(typ))
+
+
+def _kernel(op: Operation, rank: int, communicator: Communicator, module, callees: dict[str, Callable]) -> Callable:
+    """Return the call that computes `op` on `rank`."""
+    if isinstance(op, func.CallOp):
+        name = op.callee.root_reference.data
+        if name not in callees:
+            callees[name] = _function_kernel(_lookup(module, name, op), rank, communicator, module, callees)
+        return callees[name]
+    if op.dialect_name() == "comm":
+        return _comm_kernel(op, rank, communicator)
+    if op.dialect_name() in KERNELS:
+        return KERNELS[op.dialect_name()](op, rank)
+    raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
+
+
+def _lookup(module, name: str, op: Operation) -> func.FuncOp:
+    for candidate in module.body.block.ops if module is not None else ():
+        if isinstance(candidate, func.FuncOp) and candidate.sym_name.data == name:
+            return candidate
+    raise PlanError(f"'{op.name}' calls @{name}, which the module does not define")
+
+
+def _function_kernel(fn: func.FuncOp, rank: int, communicator: Communicator, module, callees) -> Callable:
+    """Return a Python function that runs the body of `fn` (a sub-plan) on its arguments."""
+    block = fn.body.block
+    slots: dict[SSAValue, int] = {arg: i for i, arg in enumerate(block.args)}
+    steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...]]] = []
+    constants: list[tuple[int, np.ndarray]] = []
+    returns: tuple[int, ...] = ()
+
+    def slot(value: SSAValue) -> int:
+        if value not in slots:
+            slots[value] = len(slots)
+        return slots[value]
+
+    for op in block.ops:
+        if isinstance(op, func.ReturnOp):
+            returns = tuple(slot(v) for v in op.operands)
+        elif isinstance(op, graph.ConstantOp):
+            constants.append((slot(op.result), _constant(op)))
+        elif op.dialect_name() == "graph" and isinstance(op, (graph.ParameterOp, graph.InputOp, graph.OutputOp, graph.AssignOp)):
+            raise PlanError(f"@{fn.sym_name.data}: '{op.name}' belongs in the step function, not a callee")
+        else:
+            kernel = _kernel(op, rank, communicator, module, callees)
+            steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
+    num_slots, nargs, single = len(slots), len(block.args), len(returns) == 1
+
+    def call(*args):
+        env: list = [None] * num_slots
+        env[:nargs] = args
+        for s, value in constants:
+            env[s] = value
+        for kernel, ins, outs in steps:
+            result = kernel(*[env[a] for a in ins])
+            if len(outs) == 1:
+                env[outs[0]] = result
+            elif outs:
+                for s, value in zip(outs, result):
+                    env[s] = value
+        return env[returns[0]] if single else tuple(env[r] for r in returns)
+
+    return call

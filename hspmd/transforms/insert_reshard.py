@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import SSAValue
+from xdsl.dialects import func
+from xdsl.ir import Block, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
@@ -34,16 +35,21 @@ class InsertReshard(ModulePass):
     name = "insert-reshard"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        block = step_function(op).body.block
+        step_function(op)  # the module must have a step function
+        for fn in [f for f in op.body.block.ops if isinstance(f, func.FuncOp)]:
+            self._insert(fn.body.block)
+
+    @staticmethod
+    def _insert(block: Block) -> None:
+        """Insert the reshards one function body needs (callees included: they are functions too)."""
         layouts: dict[SSAValue, Layout] = {}
-        for o in block.ops:
-            for v in o.results:
-                if (lay := layout_of(v)) is not None:
-                    layouts[v] = lay
+        for v in (*block.args, *(r for o in block.ops for r in o.results)):
+            if (lay := layout_of(v)) is not None:
+                layouts[v] = lay
         params = {o.tensor_name.data: layouts[o.result] for o in block.ops if isinstance(o, graph.ParameterOp)}
         made: dict[tuple[SSAValue, Layout], SSAValue] = {}
         for o in list(block.ops):
-            if rule_for(o) is None and not isinstance(o, (graph.OutputOp, graph.AssignOp)):
+            if rule_for(o) is None and not isinstance(o, (graph.OutputOp, graph.AssignOp, func.CallOp)):
                 continue
             got: tuple[Layout, ...] = ()
             try:

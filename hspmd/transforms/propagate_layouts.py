@@ -14,6 +14,11 @@ Conflicts are resolved in this order: a layout already on a value (the user's) w
 operand of an op with the most split or partial axes drives its rule; then the first
 consumer. Values nobody constrains are replicated. The layouts are written into the types;
 `insert-reshard` then adds `dist.reshard` wherever a consumer needs another layout.
+
+Calls (repeated layers): when the layouts of a `func.call`'s operands are known, the callee
+is propagated with its arguments laid out so, and the call's results take the layouts of
+what the callee returns. Calls with the same argument layouts share one callee; a call with
+other layouts gets its own copy of the callee (`@Block_0_l1`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Operation, SSAValue
+from xdsl.dialects.builtin import ModuleOp, StringAttr, SymbolRefAttr, TensorType
+from xdsl.dialects import func
+from xdsl.ir import Block, Operation, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
@@ -30,7 +36,7 @@ from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.sharding import ShardingError, infer, rule_for
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout
-from hspmd.transforms.util import PassError, step_function
+from hspmd.transforms.util import PassError, callee_of, step_function
 
 
 def replicated_like(layout: Layout) -> Layout:
@@ -48,6 +54,8 @@ def required_operand_layouts(
         return [replicated_like(lay) if lay is not None else None]
     if isinstance(op, graph.AssignOp):
         return [params.get(op.tensor_name.data)]
+    if isinstance(op, func.CallOp):
+        return [layout_of(arg) for arg in callee_of(op).body.block.args]
     if rule_for(op) is None:
         return [None] * len(op.operands)
     ins = [layouts.get(v) for v in op.operands]
@@ -65,27 +73,36 @@ class PropagateLayouts(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         block = step_function(op).body.block
+        seeds = {v: lay for o in block.ops for v in o.results if (lay := layout_of(v)) is not None}
+        if not seeds:
+            raise PassError("propagate-layouts: no value has a layout to start from; run apply-strategy first")
+        self._propagate(block, next(iter(seeds.values())), {})
+
+    def _propagate(self, block: Block, reference: Layout, specialized: dict[tuple, func.FuncOp]) -> None:
+        """Lay out every value of `block` (a function body whose seeds have layouts)."""
         ops = list(block.ops)
         layouts: dict[SSAValue, Layout] = {}
-        for o in ops:
-            for v in o.results:
-                if (lay := layout_of(v)) is not None:
-                    layouts[v] = lay
-        if not layouts:
-            raise PassError("propagate-layouts: no value has a layout to start from; run apply-strategy first")
+        for v in (*block.args, *(r for o in ops for r in o.results)):
+            if (lay := layout_of(v)) is not None:
+                layouts[v] = lay
         params = {o.tensor_name.data: layouts[o.result] for o in ops if isinstance(o, graph.ParameterOp) and o.result in layouts}
-        reference = next(iter(layouts.values()))
 
         # values made from constants only: nothing upstream decides them, their consumers do
         free: set[SSAValue] = set()
         for o in ops:
             if not any(v in layouts for v in o.results) and all(v in free for v in o.operands):
                 free.update(o.results)
+
+        def calls() -> bool:
+            return self._calls(ops, layouts, free, reference, specialized)
+
         try:
             changed = True
             while changed:
-                changed = self._forward(ops, layouts)
+                changed = self._forward(ops, layouts) | calls()
                 changed |= self._backward(ops, layouts, params, free)
+                if not changed:  # a call still waiting on values nobody constrains: replicate them
+                    changed = self._calls(ops, layouts, free, reference, specialized, force=True)
             self._refine(ops, layouts, params)
         except ShardingError as err:
             raise PassError(f"propagate-layouts: {err}") from None
@@ -95,6 +112,49 @@ class PropagateLayouts(ModulePass):
                 if isinstance(v.type, TensorType) and layout_of(v) is None:
                     lay = layouts.get(v, replicated_like(reference))
                     Rewriter.replace_value_with_new_type(v, with_layout(v.type, lay))
+
+    def _calls(self, ops, layouts, free, reference: Layout, specialized: dict, force: bool = False) -> bool:
+        """Specialise the callee of each call whose operand layouts are known; True if any was."""
+        changed = False
+        for o in ops:
+            if not isinstance(o, func.CallOp) or all(r in layouts for r in o.results):
+                continue
+            if force:
+                unknown = [v for v in o.operands if v not in layouts]
+                if not unknown or not all(v in free for v in unknown):
+                    continue
+                for v in unknown:
+                    layouts[v] = replicated_like(reference)
+            if any(v not in layouts for v in o.operands):
+                continue
+            callee = self._specialize(o, [layouts[v] for v in o.operands], reference, specialized)
+            ret = callee.body.block.last_op
+            assert isinstance(ret, func.ReturnOp)
+            for r, v in zip(o.results, ret.operands):
+                layouts[r] = layout_of(v)  # type: ignore[assignment]
+            changed = True
+            if force:
+                break
+        return changed
+
+    def _specialize(self, call: func.CallOp, args: list[Layout], reference: Layout, specialized: dict) -> func.FuncOp:
+        """Return the callee laid out for `args` (made once per argument layouts) and point `call` at it."""
+        original = callee_of(call)
+        key = (original.sym_name.data, tuple(args))
+        if key not in specialized:
+            taken = any(k[0] == key[0] for k in specialized)
+            fn = original.clone() if taken else original
+            if taken:
+                fn.sym_name = StringAttr(f"{key[0]}_l{sum(1 for k in specialized if k[0] == key[0])}")
+                original.parent_block().insert_op_after(fn, original)  # type: ignore[union-attr]
+            for arg, lay in zip(list(fn.body.block.args), args):
+                Rewriter.replace_value_with_new_type(arg, with_layout(arg.type, lay))
+            self._propagate(fn.body.block, reference, specialized)
+            fn.update_function_type()
+            specialized[key] = fn
+        fn = specialized[key]
+        call.callee = SymbolRefAttr(fn.sym_name.data)
+        return fn
 
     @staticmethod
     def _refine(ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout]) -> None:

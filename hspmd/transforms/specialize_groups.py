@@ -1,7 +1,7 @@
 """`specialize-groups`: annotated IR -> physical IR, one module per device group.
 
-The step function is cloned once per device group (the groups of the layouts in the
-function: for a single SPMD group, one module). In each clone every tensor type becomes the
+The step function and the functions it calls are cloned once per device group (the groups
+of the layouts in the functions: for a single SPMD group, one module). In each clone every tensor type becomes the
 local piece of that group's devices (`Layout.local_shape`), without layout. Parameters and
 inputs keep their annotated type as `global_type`, so that the runtime can cut its piece of
 the global value; `dist.reshard` keeps its two layouts as `src`/`dst` for `lower-reshard`.
@@ -25,11 +25,11 @@ from hspmd.ir.levels import DEVICES_ATTR, devices_attr
 from hspmd.transforms.util import PassError, step_function
 
 
-def device_groups(fn: func.FuncOp) -> list[tuple[int, ...]]:
-    """Return the device groups of the layouts in `fn`, in first-seen order."""
+def device_groups(functions: list[func.FuncOp]) -> list[tuple[int, ...]]:
+    """Return the device groups of the layouts in `functions`, in first-seen order."""
     groups: list[tuple[int, ...]] = []
-    for op in fn.walk():
-        for v in op.results:
+    for fn in functions:
+        for v in (*fn.body.block.args, *(r for op in fn.walk() for r in op.results)):
             lay = layout_of(v)
             if lay is None:
                 continue
@@ -63,27 +63,39 @@ class SpecializeGroups(ModulePass):
     name = "specialize-groups"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        fn = step_function(op)
-        groups = device_groups(fn)
+        step_function(op)
+        functions = [f for f in op.body.block.ops if isinstance(f, func.FuncOp)]
+        groups = device_groups(functions)
         if not groups:
             raise PassError("specialize-groups: no layouts in the step function; the input is not annotated IR")
         modules = []
         for gi, group in enumerate(groups):
-            clone = fn.clone()
-            for o in clone.walk():  # record global facts before any type becomes local
-                if isinstance(o, (graph.ParameterOp, graph.InputOp)):
-                    o.properties["global_type"] = o.result.type
-                if isinstance(o, dist.ReshardOp) and o.src is None:
-                    src, dst = o.layouts()
-                    o.properties["src"], o.properties["dst"] = LayoutAttr(src), LayoutAttr(dst)
-            for o in list(clone.walk()):
-                for v in o.results:
-                    if isinstance(v.type, TensorType) and layout_of(v) is not None:
-                        Rewriter.replace_value_with_new_type(v, _local_type(v.type, group, f"a value of '{o.name}'"))
-            module = ModuleOp([clone], attributes={DEVICES_ATTR: devices_attr(group)})
+            clones = [self._localize(fn.clone(), group) for fn in functions]
+            module = ModuleOp(clones, attributes={DEVICES_ATTR: devices_attr(group)})
             module.sym_name = StringAttr(f"group{gi}")
             modules.append(module)
-        fn.detach()
-        fn.erase()
+        for fn in functions:
+            fn.detach()
+            fn.erase()
         for m in modules:
             op.body.block.add_op(m)
+
+    @staticmethod
+    def _localize(fn: func.FuncOp, group: tuple[int, ...]) -> func.FuncOp:
+        """Return `fn` with every type made local to `group` (arguments and signature included)."""
+        for o in fn.walk():  # record global facts before any type becomes local
+            if isinstance(o, (graph.ParameterOp, graph.InputOp)):
+                o.properties["global_type"] = o.result.type
+            if isinstance(o, dist.ReshardOp) and o.src is None:
+                src, dst = o.layouts()
+                o.properties["src"], o.properties["dst"] = LayoutAttr(src), LayoutAttr(dst)
+        name = fn.sym_name.data
+        for arg in list(fn.body.block.args):
+            if isinstance(arg.type, TensorType) and layout_of(arg) is not None:
+                Rewriter.replace_value_with_new_type(arg, _local_type(arg.type, group, f"an argument of @{name}"))
+        for o in list(fn.walk()):
+            for v in o.results:
+                if isinstance(v.type, TensorType) and layout_of(v) is not None:
+                    Rewriter.replace_value_with_new_type(v, _local_type(v.type, group, f"a value of '{o.name}'"))
+        fn.update_function_type()
+        return fn

@@ -26,3 +26,13 @@ def terminator(fn: func.FuncOp) -> Operation:
     if not isinstance(last, func.ReturnOp):
         raise PassError(f"@{fn.sym_name.data} does not end with func.return")
     return last
+
+
+def callee_of(call: func.CallOp) -> func.FuncOp:
+    """Return the `func.func` that `call` calls."""
+    from xdsl.traits import SymbolTable
+
+    callee = SymbolTable.lookup_symbol(call, call.callee)
+    if not isinstance(callee, func.FuncOp):
+        raise PassError(f"func.call of @{call.callee.root_reference.data}: no such function")
+    return callee

@@ -1,0 +1,78 @@
+"""Repeated layers as functions: a module traced once, then called once per use.
+
+A module class that sets `function = True` (a transformer block, say) is traced, the first
+time it is called with given parameter and input shapes, into a private `func.func @Block_0`
+whose arguments are its parameters followed by its inputs. Every call, the first included,
+becomes a `func.call` with the caller's parameter values, so a 48-layer model's IR is the
+2-layer IR plus calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from xdsl.dialects import func
+from xdsl.dialects.builtin import TensorType
+from xdsl.ir import Block, Region
+
+from hspmd.frontend.tracing import Tensor, Tracer, fail
+
+
+def function_key(module, args: Sequence[Tensor]) -> tuple:
+    """Return what decides whether two calls can share one traced function.
+
+    Class, parameter shapes/dtypes (names differ per layer and do not matter), input
+    shapes/dtypes, and the module tree's plain settings (ints, floats, strings, bools).
+    """
+    settings = []
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        for key, value in sorted(vars(m).items()):
+            if isinstance(value, (bool, int, float, str)) and not key.startswith("_"):
+                settings.append((prefix + key, value))
+            elif hasattr(value, "named_parameters"):
+                stack.append((f"{prefix}{key}.", value))
+    params = tuple((p.shape, p.dtype) for _, p in module.named_parameters())
+    inputs = tuple((a.shape, a.dtype) for a in args)
+    return (type(module).__qualname__, params, inputs, tuple(sorted(settings)))
+
+
+def call_module(tracer: Tracer, module, args: Sequence[Tensor]):
+    """Trace `module(*args)` as a call of its (possibly new) function; return its results."""
+    for a in args:
+        if not isinstance(a, Tensor) or a.tracer is not tracer:
+            raise fail(type(module).__name__, "a function module takes tensors of the running trace only")
+    params = [p for _, p in module.named_parameters()]
+    key = function_key(module, args)
+    if key not in tracer.functions:
+        tracer.functions[key] = _trace_function(tracer, module, params, args, key)
+    callee = tracer.functions[key]
+    operands = [p.traced(type(module).__name__).value for p in params] + [a.value for a in args]
+    call = func.CallOp(callee.sym_name.data, operands, callee.function_type.outputs.data)
+    tracer.emit_void(call)
+    results = tuple(Tensor(r, tracer) for r in call.results)
+    return results[0] if len(results) == 1 else results
+
+
+def _trace_function(tracer: Tracer, module, params, args: Sequence[Tensor], key) -> func.FuncOp:
+    name = f"{type(module).__name__}_{sum(1 for k in tracer.functions if k[0] == key[0])}"
+    arg_types = [p.traced("call").value.type for p in params] + [a.value.type for a in args]
+    block = Block(arg_types=arg_types)
+    inner = Tracer(name, tracer.functions)
+    inner.block = block
+    saved = [p._traced for p in params]
+    try:
+        for p, arg in zip(params, block.args):
+            p._traced = Tensor(arg, inner)
+        outs = module.forward(*[Tensor(arg, inner) for arg in block.args[len(params) :]])
+    finally:
+        for p, s in zip(params, saved):
+            p._traced = s
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if not outs or not all(isinstance(o, Tensor) and o.tracer is inner for o in outs):
+        raise fail(type(module).__name__, "a function module must return tensors it computed")
+    block.add_op(func.ReturnOp(*[o.value for o in outs]))
+    result_types = [o.value.type for o in outs]
+    assert all(isinstance(t, TensorType) for t in result_types)
+    return func.FuncOp(name, (arg_types, result_types), Region(block), visibility="private")

@@ -1,0 +1,85 @@
+"""Repeated layers as functions: traced once, called per layer, same numbers as inlined."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hspmd as hs
+from hspmd.frontend.nn import bind_parameters
+from hspmd.frontend.tracing import Tracer
+from hspmd.ir.context import module_text, parse_module
+from hspmd.ir.levels import physical_groups
+from hspmd.runtime.comm import run_spmd
+from hspmd.runtime.plan import build_plan
+from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+
+
+class Block(hs.nn.Module):
+    function = True
+
+    def __init__(self, d):
+        self.fc = hs.nn.Linear(d, d)
+
+    def forward(self, x):
+        return hs.relu(self.fc(x)) + x
+
+
+class Net(hs.nn.Module):
+    def __init__(self, layers, d, as_function):
+        self.blocks = [Block(d) for _ in range(layers)]
+        for b in self.blocks:
+            b.function = as_function
+        self.head = hs.nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def trace(layers, as_function, batch=4):
+    model = Net(layers, 4, as_function)
+    t = Tracer()
+    with bind_parameters(model, t):
+        x = t.input("x", (batch, 4), "float32")
+        y = t.input("y", (batch,), "int32")
+        t.output("loss", hs.cross_entropy(model(x), y))
+    return t.finish()
+
+
+def run(module, n):
+    run_passes(module, annotate_pipeline(f"[0-{n - 1}]: dp={n}" if n > 2 else f"[{','.join(map(str, range(n)))}]: dp={n}"))
+    run_passes(module, PHYSICAL_PIPELINE)
+    ((_, group),) = physical_groups(module)
+    step = next(o for o in group.body.block.ops if o.sym_name.data == "train_step")
+    batch = {"x": np.arange(16.0).reshape(4, 4) / 10, "y": np.array([0, 2, 1, 1])}
+
+    def body(comm):
+        plan = build_plan(step, comm.rank, comm)
+        return plan.run(plan.initial_state(0), plan.local_batch(batch))["loss"]
+
+    return run_spmd(n, body)
+
+
+def test_one_function_per_repeated_layer_and_a_call_per_use():
+    text = module_text(trace(3, True))
+    assert text.count("func.func private @Block_0") == 1
+    assert text.count("func.call @Block_0") == 3
+    parse_module(text)
+
+
+def test_ir_size_does_not_grow_with_layers_except_for_calls_and_parameters():
+    def count(module):
+        return sum(1 for _ in module.walk())
+
+    small, big = count(trace(2, True)), count(trace(48, True))
+    per_layer = 3  # two graph.parameter ops and one func.call
+    assert big - small == 46 * per_layer
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_calls_give_the_numbers_of_inlined_layers(n):
+    inlined = run(trace(3, False), 1)[0]
+    for loss in run(trace(3, True), n):
+        np.testing.assert_allclose(loss, inlined, rtol=1e-6)
