@@ -110,12 +110,17 @@ def bind_parameters(model: Module, tracer: Tracer):
 
 
 class Linear(Module):
-    """`y = x @ weight + bias`, weight [in, out], initialised uniform(±1/sqrt(in)) like PyTorch."""
+    """`y = x @ weight + bias` over the last dim, weight [in, out].
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    Initialised uniform(±1/sqrt(in)) like PyTorch, or with `init` for the weight (then the
+    bias starts at zero), e.g. `init="normal:0.02"` as GPT-2 does.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, init: str | None = None) -> None:
         bound = 1.0 / math.sqrt(in_features)
-        self.weight = Parameter((in_features, out_features), f"uniform:{-bound!r}:{bound!r}")
-        self.bias = Parameter((out_features,), f"uniform:{-bound!r}:{bound!r}") if bias else None
+        default = f"uniform:{-bound!r}:{bound!r}"
+        self.weight = Parameter((in_features, out_features), init or default)
+        self.bias = Parameter((out_features,), "zeros" if init else default) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         y = x @ self.weight
@@ -139,3 +144,43 @@ class Sequential(Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class Embedding(Module):
+    """Rows of `weight` [num, dim] looked up by integer ids: [...] -> [..., dim]."""
+
+    def __init__(self, num: int, dim: int, init: str = "normal:1.0") -> None:
+        self.weight = Parameter((num, dim), init)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from hspmd.frontend.ops import embedding
+
+        return embedding(self.weight.traced("embedding"), ids)
+
+
+class LayerNorm(Module):
+    """Normalises the last dim to zero mean and unit variance, then scales and shifts."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        self.weight = Parameter((dim,), "ones")
+        self.bias = Parameter((dim,), "zeros")
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        from hspmd.frontend.ops import layer_norm
+
+        return layer_norm(x, self.weight.traced("layer_norm"), self.bias.traced("layer_norm"), self.eps)
+
+
+class RMSNorm(Module):
+    """`x * rsqrt(mean(x^2, last dim) + eps) * weight`, as LLaMA normalises."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        self.weight = Parameter((dim,), "ones")
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        from hspmd.frontend.ops import rms_norm
+
+        return rms_norm(x, self.weight.traced("rms_norm"), self.eps)
+

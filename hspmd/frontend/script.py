@@ -2,17 +2,22 @@
 
 A model script is a Python file that defines:
 
-- `config`: a dict of settings (`batch_size`, `lr`, `steps`, `seed`, and anything the model
-  uses); `--set KEY=VALUE` on the command line overrides entries;
+- `config`: a dict of settings, possibly nested (`{"model": {"layers": 2}, "steps": 200}`).
+  `--set KEY=VALUE` on the command line overrides an entry; a dotted KEY walks into nested
+  dicts (`--set model.layers=48`). Top-level `steps` (training steps) and `seed` (initial
+  values, data order) are read by hspmd itself;
 - `model(config)`: returns an `hspmd.nn.Module`;
 - `loss(model, batch)`: given the model and a dict of input tensors, returns a scalar loss;
 - `batches(config)`: yields global batches, dicts of NumPy arrays with fixed shapes, the
-  same sequence on every call (the runtime gives each rank its piece of each batch).
+  same sequence on every call (the runtime gives each rank its piece of each batch);
+- optionally `optimizer(config)`: returns an optimizer of `hspmd.optim` (default: plain SGD
+  with `config["lr"]`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -77,12 +82,29 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
     missing = [n for n in REQUIRED if not hasattr(module, n)]
     if missing:
         raise ScriptError(f"{path}: a model script must define {', '.join(REQUIRED)}; missing {', '.join(missing)}")
-    config = dict(module.config)
+    config = copy.deepcopy(dict(module.config))
     for key, value in (overrides or {}).items():
-        if key not in config:
-            raise ScriptError(f"--set {key}: the script's config has no such key (keys: {', '.join(sorted(config))})")
-        config[key] = value
+        set_config(config, key, value)
     return ModelScript(os.path.abspath(path), module, config)
+
+
+def set_config(config: dict, key: str, value) -> None:
+    """Set the (dotted) `key` of a nested config dict; ScriptError if the key does not exist."""
+    *path, last = key.split(".")
+    node = config
+    for i, part in enumerate(path):
+        if not isinstance(node.get(part), dict):
+            raise ScriptError(f"--set {key}: the script's config has no section '{'.'.join(path[: i + 1])}'")
+        node = node[part]
+    if last not in node:
+        where = f"section '{'.'.join(path)}'" if path else "config"
+        raise ScriptError(f"--set {key}: the script's {where} has no key '{last}' (keys: {', '.join(sorted(node))})")
+    old = node[last]
+    if isinstance(old, dict):
+        raise ScriptError(f"--set {key}: '{key}' is a section; set one of its keys ({', '.join(sorted(old))})")
+    if isinstance(old, (int, float)) and not isinstance(old, bool) and isinstance(value, str):
+        raise ScriptError(f"--set {key}={value}: expected a number")
+    node[last] = value
 
 
 def trace_script(script: ModelScript) -> ModuleOp:

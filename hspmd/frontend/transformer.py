@@ -1,0 +1,184 @@
+"""Transformer language models written as for one device: GPT and a LLaMA-style variant.
+
+Both are built from a config (`GPTConfig`) and name their parameters after the module tree
+(`blocks.3.attn.qkv.weight`), so strategies and checkpoints can refer to them. A block is a
+function module (`function = True`): traced once, called per layer, so the IR of a 48-layer
+model is the IR of a 2-layer one plus calls.
+
+    GPT:    token + position embeddings; pre-LayerNorm blocks of causal self-attention and a
+            GELU (tanh) MLP; a final LayerNorm and a linear head.
+    LLaMA:  token embeddings; pre-RMSNorm blocks of causal self-attention with rotary
+            position embeddings (no biases) and a SwiGLU MLP; a final RMSNorm and a head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from hspmd.frontend import ops
+from hspmd.frontend.nn import Embedding, LayerNorm, Linear, Module, Parameter, RMSNorm
+from hspmd.frontend.tracing import Tensor
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a GPT/LLaMA model; `d_ff` defaults to 4*d_model (GPT) or 8/3*d_model rounded (LLaMA)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    layers: int = 2
+    heads: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    dropout: float = 0.0
+    init_std: float = 0.02
+    eps: float = 1e-5
+    rope_base: float = 10000.0
+    extra: dict = field(default_factory=dict)
+
+    @staticmethod
+    def from_dict(values: dict) -> GPTConfig:
+        """Return the config with the known keys of `values` (others are kept in `extra`)."""
+        names = {f.name for f in fields(GPTConfig)}
+        known = {k: v for k, v in values.items() if k in names and k != "extra"}
+        return GPTConfig(**known, extra={k: v for k, v in values.items() if k not in names})
+
+    def check(self) -> None:
+        """Raise ValueError naming the setting when the sizes do not fit together."""
+        if self.d_model % self.heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if (self.d_model // self.heads) % 2:
+            raise ValueError(f"the head size {self.d_model // self.heads} must be even (rotary embeddings)")
+        for name in ("vocab_size", "seq_len", "layers", "heads", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention on [B, T, D]; rotary positions if `rotary`."""
+
+    def __init__(self, cfg: GPTConfig, rotary: bool = False) -> None:
+        std, d = cfg.init_std, cfg.d_model
+        self.heads = cfg.heads
+        self.rotary = rotary
+        self.rope_base = cfg.rope_base
+        self.dropout = cfg.dropout
+        proj_std = f"normal:{std / math.sqrt(2 * cfg.layers)!r}"
+        if rotary:  # LLaMA: separate projections, no biases
+            self.wq = Linear(d, d, bias=False, init=f"normal:{std!r}")
+            self.wk = Linear(d, d, bias=False, init=f"normal:{std!r}")
+            self.wv = Linear(d, d, bias=False, init=f"normal:{std!r}")
+            self.proj = Linear(d, d, bias=False, init=proj_std)
+        else:
+            self.qkv = Linear(d, 3 * d, init=f"normal:{std!r}")
+            self.proj = Linear(d, d, init=proj_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.heads
+        hd = d // h
+        if self.rotary:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            q, k, v = ops.split(self.qkv(x), [d, d, d], 2)
+        q, k, v = (z.reshape((b, t, h, hd)) for z in (q, k, v))
+        if self.rotary:
+            q, k = ops.rope(q, self.rope_base), ops.rope(k, self.rope_base)
+        q, k, v = (z.transpose((0, 2, 1, 3)) for z in (q, k, v))  # [B, H, T, hd]
+        scores = (q @ k.transpose((0, 1, 3, 2))) * (1.0 / math.sqrt(hd))
+        att = ops.softmax(ops.causal_mask(scores), -1)
+        if self.dropout:
+            att = ops.dropout(att, self.dropout)
+        y = (att @ v).transpose((0, 2, 1, 3)).reshape((b, t, d))
+        y = self.proj(y)
+        return ops.dropout(y, self.dropout) if self.dropout else y
+
+
+class MLP(Module):
+    """GELU (tanh) MLP `proj(gelu(fc(x)))`, or SwiGLU `w2(silu(w1 x) * w3 x)` if `swiglu`."""
+
+    def __init__(self, cfg: GPTConfig, swiglu: bool = False) -> None:
+        std, d = cfg.init_std, cfg.d_model
+        proj_std = f"normal:{std / math.sqrt(2 * cfg.layers)!r}"
+        self.swiglu = swiglu
+        self.dropout = cfg.dropout
+        if swiglu:
+            hidden = cfg.d_ff or 4 * ((int(8 * d / 3) + 3) // 4)
+            self.w1 = Linear(d, hidden, bias=False, init=f"normal:{std!r}")
+            self.w3 = Linear(d, hidden, bias=False, init=f"normal:{std!r}")
+            self.w2 = Linear(hidden, d, bias=False, init=proj_std)
+        else:
+            hidden = cfg.d_ff or 4 * d
+            self.fc = Linear(d, hidden, init=f"normal:{std!r}")
+            self.proj = Linear(hidden, d, init=proj_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            y = self.w2(ops.silu(self.w1(x)) * self.w3(x))
+        else:
+            y = self.proj(ops.gelu(self.fc(x), approximate="tanh"))
+        return ops.dropout(y, self.dropout) if self.dropout else y
+
+
+class Block(Module):
+    """A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    function = True
+
+    def __init__(self, cfg: GPTConfig, llama: bool = False) -> None:
+        norm = (lambda: RMSNorm(cfg.d_model, cfg.eps)) if llama else (lambda: LayerNorm(cfg.d_model, cfg.eps))
+        self.ln1 = norm()
+        self.attn = CausalSelfAttention(cfg, rotary=llama)
+        self.ln2 = norm()
+        self.mlp = MLP(cfg, swiglu=llama)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(Module):
+    """A GPT language model: ids [B, T] -> logits [B, T, vocab]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        cfg.check()
+        self.cfg = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model, f"normal:{cfg.init_std!r}")
+        self.wpe = Parameter((cfg.seq_len, cfg.d_model), f"normal:{cfg.init_std!r}")
+        self.blocks = [Block(cfg) for _ in range(cfg.layers)]
+        self.ln_f = LayerNorm(cfg.d_model, cfg.eps)
+        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False, init=f"normal:{cfg.init_std!r}")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        t = ids.shape[1]
+        pos = self.wpe.traced("wpe") if t == self.cfg.seq_len else ops.slice(self.wpe.traced("wpe"), 0, 0, t)
+        x = self.wte(ids) + pos
+        if self.cfg.dropout:
+            x = ops.dropout(x, self.cfg.dropout)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class LLaMA(Module):
+    """A LLaMA-style language model: RMSNorm, rotary attention, SwiGLU; ids [B, T] -> logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        cfg.check()
+        self.cfg = cfg
+        self.tok = Embedding(cfg.vocab_size, cfg.d_model, f"normal:{cfg.init_std!r}")
+        self.blocks = [Block(cfg, llama=True) for _ in range(cfg.layers)]
+        self.norm = RMSNorm(cfg.d_model, cfg.eps)
+        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False, init=f"normal:{cfg.init_std!r}")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(model: Module, batch: dict) -> Tensor:
+    """Return the next-token cross-entropy of `model` on `batch["ids"]` against `batch["targets"]`."""
+    return ops.cross_entropy(model(batch["ids"]), batch["targets"])
