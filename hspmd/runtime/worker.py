@@ -35,6 +35,8 @@ class RunResult:
 
     losses: list[float] = field(default_factory=list)
     params: dict[str, np.ndarray] | None = None
+    initial_params: dict[str, np.ndarray] | None = None  # with keep_outputs, on rank 0
+    outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # with keep_outputs: this rank's, per step
 
 
 def load_batches(script: str, config: dict):
@@ -54,8 +56,13 @@ def train(
     log: str | None = None,
     checkpoint: str | None = None,
     quiet: bool = False,
+    keep_outputs: bool = False,
 ) -> RunResult:
-    """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw."""
+    """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
+
+    With `keep_outputs`, the result also holds every step's named outputs (gradients of a
+    program compiled without an optimizer, for instance) and the initial parameters.
+    """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
         raise RunError(
@@ -75,6 +82,8 @@ def train(
     state = plan.initial_state(int(config.get("seed", 0)))
     batches = load_batches(manifest.script, config)
     result = RunResult()
+    if keep_outputs:
+        result.initial_params = gather_parameters(plan, state, comm)
     log_file = open(log, "w") if log and comm.rank == 0 else None
     try:
         for step in range(1, steps + 1):
@@ -87,6 +96,8 @@ def train(
             elapsed = time.perf_counter() - start
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
+            if keep_outputs:
+                result.outputs.append(outputs)
             if comm.rank == 0:
                 if not quiet:
                     print(f"step {step}/{steps}  loss {loss:.6f}  {elapsed * 1e3:.1f} ms", flush=True)
