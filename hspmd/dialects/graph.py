@@ -12,12 +12,16 @@ Parameters, inputs, outputs and parameter updates are named ops, so a training s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from xdsl.dialects.builtin import (
+    I64,
+    AnyFloat,
     DenseArrayBase,
     Float32Type,
     Float64Type,
     FloatAttr,
+    IntegerAttr,
     IntegerType,
     StringAttr,
     TensorType,
@@ -34,6 +38,8 @@ from xdsl.irdl import (
     prop_def,
     result_def,
     traits_def,
+    var_operand_def,
+    var_result_def,
 )
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
@@ -258,7 +264,9 @@ class ScaleOp(_Unary):
 
 @irdl_op_definition
 class MatmulOp(_TensorOp):
-    """`lhs @ rhs` for 2-D tensors: [m, k] x [k, n] -> [m, n]."""
+    """Batched `lhs @ rhs`: [..., m, k] x [..., k, n] -> [..., m, n] (the same batch dims), or
+    [..., m, k] x [k, n] -> [..., m, n] (a 2-D right operand, e.g. a weight applied to
+    [B, T, D] activations). With no batch dims it is the plain 2-D product."""
 
     name = "graph.matmul"
     lhs = operand_def(TensorType)
@@ -271,8 +279,35 @@ class MatmulOp(_TensorOp):
 
     def verify_(self) -> None:
         a, b, r = tensor_shape(self.lhs), tensor_shape(self.rhs), tensor_shape(self.result)
-        if len(a) != 2 or len(b) != 2 or a[1] != b[0] or r != (a[0], b[1]):
+        ok = len(a) >= 2 and len(b) >= 2 and a[-1] == b[-2] and (len(b) == 2 or b[:-2] == a[:-2])
+        if not ok or r != (*a[:-2], a[-2], b[-1]):
             raise VerifyException(f"'graph.matmul' cannot multiply {list(a)} by {list(b)} into {list(r)}")
+        _same_element_type(self, self.lhs, self.rhs, self.result)
+
+
+@irdl_op_definition
+class MatmulRhsGradOp(_TensorOp):
+    """`sum over batch dims of lhs^T @ dy`: [..., m, k], [..., m, n] -> [k, n].
+
+    The gradient of a 2-D right operand of a batched matmul: every batch dim and `m` are
+    contracted (splitting any of them leaves partial sums, so data parallelism over the batch
+    needs one all-reduce of the weight gradient, as for a 2-D matmul)."""
+
+    name = "graph.matmul_rhs_grad"
+    lhs = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, lhs: SSAValue, dy: SSAValue, result_type: Attribute):
+        super().__init__(operands=[lhs, dy], result_types=[result_type])
+
+    def verify_(self) -> None:
+        a, g, r = tensor_shape(self.lhs), tensor_shape(self.dy), tensor_shape(self.result)
+        if len(a) < 2 or a[:-1] != g[:-1] or len(g) != len(a) or r != (a[-1], g[-1]):
+            raise VerifyException(f"'{self.name}' needs lhs [..., m, k] and dy [..., m, n] giving [k, n], "
+                                  f"got {list(a)}, {list(g)} -> {list(r)}")
+        _same_element_type(self, self.lhs, self.dy, self.result)
 
 
 @irdl_op_definition
@@ -353,45 +388,619 @@ class ReduceSumOp(_Reduce):
     name = "graph.reduce_sum"
 
 
+def _float(op: Operation, *values: SSAValue) -> None:
+    for v in values:
+        if not isinstance(v.type.element_type, AnyFloat):  # type: ignore[attr-defined]
+            raise VerifyException(f"'{op.name}' needs float tensors, got {v.type}")
+
+
+def _integer(op: Operation, value: SSAValue, what: str) -> None:
+    if not isinstance(value.type.element_type, IntegerType):  # type: ignore[attr-defined]
+        raise VerifyException(f"'{op.name}' needs integer {what}, got {value.type}")
+
+
+def _dim(op: Operation, dim: IntegerAttr, rank: int) -> int:
+    d = dim.value.data
+    if not 0 <= d < rank:
+        raise VerifyException(f"'{op.name}' dim {d} is not a dim of a {rank}-d tensor")
+    return d
+
+
+def int_attr(value: int) -> IntegerAttr:
+    """Return `value : i64`."""
+    return IntegerAttr(int(value), i64)
+
+
+def float_attr(value: float) -> FloatAttr:
+    """Return `value : f64`."""
+    return FloatAttr(float(value), Float64Type())
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+class _Elementwise(_Unary):
+    """A float elementwise op: result of the input's shape and element type."""
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _same_element_type(self, self.input, self.result)
+        _float(self, self.input)
+
+
+@irdl_op_definition
+class ExpOp(_Elementwise):
+    """Elementwise `exp(x)`."""
+
+    name = "graph.exp"
+
+
+@irdl_op_definition
+class LogOp(_Elementwise):
+    """Elementwise natural `log(x)`."""
+
+    name = "graph.log"
+
+
+@irdl_op_definition
+class SqrtOp(_Elementwise):
+    """Elementwise `sqrt(x)`."""
+
+    name = "graph.sqrt"
+
+
+@irdl_op_definition
+class RsqrtOp(_Elementwise):
+    """Elementwise `1 / sqrt(x)`."""
+
+    name = "graph.rsqrt"
+
+
+@irdl_op_definition
+class TanhOp(_Elementwise):
+    """Elementwise `tanh(x)`."""
+
+    name = "graph.tanh"
+
+
+@irdl_op_definition
+class SiluOp(_Elementwise):
+    """Elementwise `x * sigmoid(x)` (SiLU, swish)."""
+
+    name = "graph.silu"
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@irdl_op_definition
+class GeluOp(_Elementwise):
+    """Elementwise GELU: `x * Phi(x)` (`approximate = "none"`, with erf) or the tanh form
+    `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (`approximate = "tanh"`, GPT-2)."""
+
+    name = "graph.gelu"
+    approximate = prop_def(StringAttr)
+
+    def __init__(self, input: SSAValue, approximate: str = "tanh"):
+        super().__init__(input, approximate=StringAttr(approximate))
+
+    def verify_(self) -> None:
+        super().verify_()
+        if self.approximate.data not in GELU_APPROXIMATIONS:
+            raise VerifyException(f"'{self.name}' approximate must be one of {GELU_APPROXIMATIONS}")
+
+
+@irdl_op_definition
+class PowOp(_Elementwise):
+    """Elementwise `x ** exponent` for a compile-time constant exponent."""
+
+    name = "graph.pow"
+    exponent = prop_def(FloatAttr)
+
+    def __init__(self, input: SSAValue, exponent: float):
+        super().__init__(input, exponent=float_attr(exponent))
+
+
+@irdl_op_definition
+class CastOp(_Unary):
+    """Elementwise conversion to the result type's element type (same shape)."""
+
+    name = "graph.cast"
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _float(self, self.input, self.result)
+
+
+@irdl_op_definition
+class DivOp(_Binary):
+    """Elementwise `lhs / rhs` (same shapes)."""
+
+    name = "graph.div"
+
+
+class _UnaryGrad(_Binary):
+    """`f'(at) * dy` for an elementwise `f`: `lhs` is the forward input (or result), `rhs` the
+    incoming gradient."""
+
+    def __init__(self, at: SSAValue, dy: SSAValue, **props: Attribute):
+        IRDLOperation.__init__(self, operands=[at, dy], result_types=[dy.type], properties=props)
+
+
+@irdl_op_definition
+class TanhGradOp(_UnaryGrad):
+    """`dy * (1 - y^2)` at the result `y` of `graph.tanh`."""
+
+    name = "graph.tanh_grad"
+
+
+@irdl_op_definition
+class SiluGradOp(_UnaryGrad):
+    """`dy * s * (1 + x (1 - s))`, `s = sigmoid(x)`: the gradient of `graph.silu` at `x`."""
+
+    name = "graph.silu_grad"
+
+
+@irdl_op_definition
+class GeluGradOp(_UnaryGrad):
+    """The gradient of `graph.gelu` (same `approximate`) at `x`, times `dy`."""
+
+    name = "graph.gelu_grad"
+    approximate = prop_def(StringAttr)
+
+    def __init__(self, at: SSAValue, dy: SSAValue, approximate: str):
+        super().__init__(at, dy, approximate=StringAttr(approximate))
+
+
+@irdl_op_definition
+class PowGradOp(_UnaryGrad):
+    """`dy * exponent * x ** (exponent - 1)`: the gradient of `graph.pow` at `x`."""
+
+    name = "graph.pow_grad"
+    exponent = prop_def(FloatAttr)
+
+    def __init__(self, at: SSAValue, dy: SSAValue, exponent: float):
+        super().__init__(at, dy, exponent=float_attr(exponent))
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+@irdl_op_definition
+class SoftmaxOp(_Unary):
+    """`exp(x - max) / sum(exp(x - max))` along `dim`."""
+
+    name = "graph.softmax"
+    dim = prop_def(IntegerAttr[I64])
+
+    def __init__(self, input: SSAValue, dim: int):
+        super().__init__(input, dim=int_attr(dim))
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _float(self, self.input)
+        _dim(self, self.dim, len(tensor_shape(self.input)))
+
+
+@irdl_op_definition
+class SoftmaxGradOp(_UnaryGrad):
+    """`y * (dy - sum(dy * y, dim))`: the gradient of `graph.softmax` given its result `y`."""
+
+    name = "graph.softmax_grad"
+    dim = prop_def(IntegerAttr[I64])
+
+    def __init__(self, y: SSAValue, dy: SSAValue, dim: int):
+        super().__init__(y, dy, dim=int_attr(dim))
+
+    def verify_(self) -> None:
+        super().verify_()
+        _dim(self, self.dim, len(tensor_shape(self.lhs)))
+
+
+@irdl_op_definition
+class LayerNormOp(_TensorOp):
+    """`(x - mean) / sqrt(var + eps) * weight + bias` over the last dim (biased variance):
+    x [..., n], weight [n], bias [n] -> [..., n]."""
+
+    name = "graph.layer_norm"
+    x = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    bias = operand_def(TensorType)
+    result = result_def(TensorType)
+    eps = prop_def(FloatAttr)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, weight: SSAValue, bias: SSAValue, eps: float):
+        super().__init__(operands=[x, weight, bias], result_types=[x.type], properties={"eps": float_attr(eps)})
+
+    def verify_(self) -> None:
+        x, w, b = tensor_shape(self.x), tensor_shape(self.weight), tensor_shape(self.bias)
+        if not x or w != x[-1:] or b != x[-1:]:
+            raise VerifyException(f"'{self.name}' needs x [..., n], weight [n], bias [n], got {list(x)}, {list(w)}, {list(b)}")
+        _same_shape(self, self.x, self.result)
+        _same_element_type(self, self.x, self.weight, self.bias, self.result)
+        _float(self, self.x)
+
+
+@irdl_op_definition
+class LayerNormGradOp(_TensorOp):
+    """The gradients of `graph.layer_norm` (same eps) at `x`, `weight`, given `dy`:
+    results dx [..., n], dweight [n], dbias [n] (the latter two summed over the leading dims)."""
+
+    name = "graph.layer_norm_grad"
+    x = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    dx = result_def(TensorType)
+    dweight = result_def(TensorType)
+    dbias = result_def(TensorType)
+    eps = prop_def(FloatAttr)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, weight: SSAValue, dy: SSAValue, eps: float):
+        super().__init__(
+            operands=[x, weight, dy], result_types=[x.type, weight.type, weight.type], properties={"eps": float_attr(eps)}
+        )
+
+    def verify_(self) -> None:
+        x, w = tensor_shape(self.x), tensor_shape(self.weight)
+        if not x or w != x[-1:] or tensor_shape(self.dy) != x:
+            raise VerifyException(f"'{self.name}' needs x [..., n], weight [n], dy [..., n]")
+        _same_shape(self, self.x, self.dx)
+        _same_shape(self, self.weight, self.dweight, self.dbias)
+
+
+@irdl_op_definition
+class RmsNormOp(_TensorOp):
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last dim (LLaMA): x [..., n], weight [n]."""
+
+    name = "graph.rms_norm"
+    x = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    result = result_def(TensorType)
+    eps = prop_def(FloatAttr)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, weight: SSAValue, eps: float):
+        super().__init__(operands=[x, weight], result_types=[x.type], properties={"eps": float_attr(eps)})
+
+    def verify_(self) -> None:
+        x, w = tensor_shape(self.x), tensor_shape(self.weight)
+        if not x or w != x[-1:]:
+            raise VerifyException(f"'{self.name}' needs x [..., n] and weight [n], got {list(x)}, {list(w)}")
+        _same_shape(self, self.x, self.result)
+        _same_element_type(self, self.x, self.weight, self.result)
+        _float(self, self.x)
+
+
+@irdl_op_definition
+class RmsNormGradOp(_TensorOp):
+    """The gradients of `graph.rms_norm` (same eps): dx [..., n], dweight [n] (summed over the
+    leading dims)."""
+
+    name = "graph.rms_norm_grad"
+    x = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    dx = result_def(TensorType)
+    dweight = result_def(TensorType)
+    eps = prop_def(FloatAttr)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, weight: SSAValue, dy: SSAValue, eps: float):
+        super().__init__(operands=[x, weight, dy], result_types=[x.type, weight.type], properties={"eps": float_attr(eps)})
+
+    def verify_(self) -> None:
+        x, w = tensor_shape(self.x), tensor_shape(self.weight)
+        if not x or w != x[-1:] or tensor_shape(self.dy) != x:
+            raise VerifyException(f"'{self.name}' needs x [..., n], weight [n], dy [..., n]")
+        _same_shape(self, self.x, self.dx)
+        _same_shape(self, self.weight, self.dweight)
+
+
+# ----------------------------------------------------------------------------- indexing
+
+
+@irdl_op_definition
+class EmbeddingOp(_TensorOp):
+    """Row lookup `table[ids]`: table [V, D], integer ids [...] -> [..., D]."""
+
+    name = "graph.embedding"
+    table = operand_def(TensorType)
+    ids = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, table: SSAValue, ids: SSAValue, result_type: Attribute):
+        super().__init__(operands=[table, ids], result_types=[result_type])
+
+    def verify_(self) -> None:
+        t, i, r = tensor_shape(self.table), tensor_shape(self.ids), tensor_shape(self.result)
+        if len(t) != 2 or r != (*i, t[1]):
+            raise VerifyException(f"'{self.name}' needs table [V, D] and ids [...] giving [..., D], "
+                                  f"got {list(t)}, {list(i)} -> {list(r)}")
+        _integer(self, self.ids, "ids")
+        _same_element_type(self, self.table, self.result)
+
+
+@irdl_op_definition
+class EmbeddingGradOp(_TensorOp):
+    """Scatter-add `out[ids[...]] += dy[...]` into zeros [V, D] (V from the result type)."""
+
+    name = "graph.embedding_grad"
+    ids = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, ids: SSAValue, dy: SSAValue, result_type: Attribute):
+        super().__init__(operands=[ids, dy], result_types=[result_type])
+
+    def verify_(self) -> None:
+        i, g, r = tensor_shape(self.ids), tensor_shape(self.dy), tensor_shape(self.result)
+        if len(r) != 2 or g != (*i, r[1]):
+            raise VerifyException(f"'{self.name}' needs ids [...] and dy [..., D] giving [V, D], "
+                                  f"got {list(i)}, {list(g)} -> {list(r)}")
+        _integer(self, self.ids, "ids")
+        _same_element_type(self, self.dy, self.result)
+
+
+@irdl_op_definition
+class CausalMaskOp(_Unary):
+    """Scores [..., Tq, Tk]: entries with key index j > query index i become `value` (-inf in
+    the forward pass, so that softmax gives them 0; 0.0 for the gradient)."""
+
+    name = "graph.causal_mask"
+    value = prop_def(FloatAttr)
+
+    def __init__(self, input: SSAValue, value: float = float("-inf")):
+        super().__init__(input, value=float_attr(value))
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _float(self, self.input)
+        if len(tensor_shape(self.input)) < 2:
+            raise VerifyException(f"'{self.name}' needs scores [..., Tq, Tk]")
+
+
+@irdl_op_definition
+class SliceOp(_Unary):
+    """`x[..., start:start + n, ...]` along `dim`, n the result's size there."""
+
+    name = "graph.slice"
+    dim = prop_def(IntegerAttr[I64])
+    start = prop_def(IntegerAttr[I64])
+
+    def __init__(self, input: SSAValue, dim: int, start: int, result_type: Attribute):
+        super().__init__(input, result_type, dim=int_attr(dim), start=int_attr(start))
+
+    def verify_(self) -> None:
+        src, dst = tensor_shape(self.input), tensor_shape(self.result)
+        d = _dim(self, self.dim, len(src))
+        start = self.start.value.data
+        same_rest = len(src) == len(dst) and all(a == b for i, (a, b) in enumerate(zip(src, dst)) if i != d)
+        if not same_rest or start < 0 or start + dst[d] > src[d]:
+            raise VerifyException(f"'{self.name}' cannot take {list(dst)} at {start} along dim {d} of {list(src)}")
+        _same_element_type(self, self.input, self.result)
+
+
+@irdl_op_definition
+class SplitOp(_TensorOp):
+    """Consecutive pieces of `input` along `dim`; the results' sizes there sum to the input's."""
+
+    name = "graph.split"
+    input = operand_def(TensorType)
+    outputs = var_result_def(TensorType)
+    dim = prop_def(IntegerAttr[I64])
+    traits = traits_def(Pure())
+
+    def __init__(self, input: SSAValue, dim: int, result_types: Sequence[Attribute]):
+        super().__init__(operands=[input], result_types=[list(result_types)], properties={"dim": int_attr(dim)})
+
+    def verify_(self) -> None:
+        src = tensor_shape(self.input)
+        d = _dim(self, self.dim, len(src))
+        shapes = [tensor_shape(r) for r in self.outputs]
+        ok = bool(shapes) and all(len(s) == len(src) and all(a == b for i, (a, b) in enumerate(zip(s, src)) if i != d)
+                                  for s in shapes)
+        if not ok or sum(s[d] for s in shapes) != src[d]:
+            raise VerifyException(f"'{self.name}' of {list(src)} along dim {d} cannot give {[list(s) for s in shapes]}")
+        _same_element_type(self, self.input, *self.outputs)
+
+
+@irdl_op_definition
+class ConcatOp(_TensorOp):
+    """The operands joined along `dim` (same shapes elsewhere)."""
+
+    name = "graph.concat"
+    inputs = var_operand_def(TensorType)
+    result = result_def(TensorType)
+    dim = prop_def(IntegerAttr[I64])
+    traits = traits_def(Pure())
+
+    def __init__(self, inputs: Sequence[SSAValue], dim: int, result_type: Attribute):
+        super().__init__(operands=[list(inputs)], result_types=[result_type], properties={"dim": int_attr(dim)})
+
+    def verify_(self) -> None:
+        dst = tensor_shape(self.result)
+        d = _dim(self, self.dim, len(dst))
+        shapes = [tensor_shape(x) for x in self.inputs]
+        ok = bool(shapes) and all(len(s) == len(dst) and all(a == b for i, (a, b) in enumerate(zip(s, dst)) if i != d)
+                                  for s in shapes)
+        if not ok or sum(s[d] for s in shapes) != dst[d]:
+            raise VerifyException(f"'{self.name}' cannot join {[list(s) for s in shapes]} along dim {d} into {list(dst)}")
+        _same_element_type(self, *self.inputs, self.result)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+@irdl_op_definition
+class ReduceMaxOp(_Reduce):
+    """Maximum over `dims` (removed from the shape)."""
+
+    name = "graph.reduce_max"
+
+
+@irdl_op_definition
+class ReduceMaxGradOp(_TensorOp):
+    """The gradient of `graph.reduce_max` (same dims): `dy` goes to the positions of `x` equal
+    to the maximum `y`, split evenly between ties."""
+
+    name = "graph.reduce_max_grad"
+    x = operand_def(TensorType)
+    y = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    result = result_def(TensorType)
+    dims = prop_def(DenseArrayBase)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, y: SSAValue, dy: SSAValue, dims: Sequence[int]):
+        super().__init__(operands=[x, y, dy], result_types=[x.type], properties={"dims": i64_array(dims)})
+
+    def verify_(self) -> None:
+        dims = self.dims.get_values()
+        src = tensor_shape(self.x)
+        kept = tuple(s for i, s in enumerate(src) if i not in dims)
+        if tensor_shape(self.y) != kept or tensor_shape(self.dy) != kept:
+            raise VerifyException(f"'{self.name}' needs y and dy of shape {list(kept)}")
+        _same_shape(self, self.x, self.result)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
 @irdl_op_definition
 class SoftmaxCrossEntropyOp(_TensorOp):
-    """Per-sample loss `logsumexp(logits[b]) - logits[b, labels[b]]`: [B, C], [B] -> [B]."""
+    """Per-sample loss `logsumexp(logits[s]) - logits[s, labels[s]]`: [..., C], [...] -> [...].
+
+    With `ignore_index`, samples whose label equals it get loss 0."""
 
     name = "graph.softmax_cross_entropy"
     logits = operand_def(TensorType)
     labels = operand_def(TensorType)
     result = result_def(TensorType)
+    ignore_index = opt_prop_def(IntegerAttr[I64])
     traits = traits_def(Pure())
 
-    def __init__(self, logits: SSAValue, labels: SSAValue, result_type: Attribute):
-        super().__init__(operands=[logits, labels], result_types=[result_type])
+    def __init__(self, logits: SSAValue, labels: SSAValue, result_type: Attribute, ignore_index: int | None = None):
+        props = {} if ignore_index is None else {"ignore_index": int_attr(ignore_index)}
+        super().__init__(operands=[logits, labels], result_types=[result_type], properties=props)
 
     def verify_(self) -> None:
         lg, lb, r = tensor_shape(self.logits), tensor_shape(self.labels), tensor_shape(self.result)
-        if len(lg) != 2 or lb != lg[:1] or r != lg[:1]:
-            raise VerifyException(f"'{self.name}' needs logits [B, C] and labels [B], got {list(lg)} and {list(lb)}")
-        if not isinstance(self.labels.type.element_type, IntegerType):  # type: ignore[attr-defined]
-            raise VerifyException(f"'{self.name}' needs integer labels")
+        if len(lg) < 1 or lb != lg[:-1] or r != lg[:-1]:
+            raise VerifyException(f"'{self.name}' needs logits [..., C] and labels [...], got {list(lg)} and {list(lb)}")
+        _integer(self, self.labels, "labels")
 
 
 @irdl_op_definition
 class SoftmaxCrossEntropyGradOp(_TensorOp):
-    """`(softmax(logits) - onehot(labels)) * dloss[:, None]`: the gradient w.r.t. the logits."""
+    """`(softmax(logits) - onehot(labels)) * dloss[..., None]`: the gradient w.r.t. the logits
+    (0 for samples whose label is `ignore_index`)."""
 
     name = "graph.softmax_cross_entropy_grad"
     logits = operand_def(TensorType)
     labels = operand_def(TensorType)
     dloss = operand_def(TensorType)
     result = result_def(TensorType)
+    ignore_index = opt_prop_def(IntegerAttr[I64])
     traits = traits_def(Pure())
 
-    def __init__(self, logits: SSAValue, labels: SSAValue, dloss: SSAValue):
-        super().__init__(operands=[logits, labels, dloss], result_types=[logits.type])
+    def __init__(self, logits: SSAValue, labels: SSAValue, dloss: SSAValue, ignore_index: int | None = None):
+        props = {} if ignore_index is None else {"ignore_index": int_attr(ignore_index)}
+        super().__init__(operands=[logits, labels, dloss], result_types=[logits.type], properties=props)
 
     def verify_(self) -> None:
         lg, lb, d = tensor_shape(self.logits), tensor_shape(self.labels), tensor_shape(self.dloss)
-        if len(lg) != 2 or lb != lg[:1] or d != lg[:1] or tensor_shape(self.result) != lg:
-            raise VerifyException(f"'{self.name}' needs logits [B, C], labels [B], dloss [B]")
+        if len(lg) < 1 or lb != lg[:-1] or d != lg[:-1] or tensor_shape(self.result) != lg:
+            raise VerifyException(f"'{self.name}' needs logits [..., C], labels [...], dloss [...]")
+
+
+@irdl_op_definition
+class LabelMaskOp(_Unary):
+    """1.0 where the integer `labels` differ from `ignore_index`, else 0.0 (a float result)."""
+
+    name = "graph.label_mask"
+    ignore_index = prop_def(IntegerAttr[I64])
+
+    def __init__(self, labels: SSAValue, ignore_index: int, result_type: Attribute):
+        super().__init__(labels, result_type, ignore_index=int_attr(ignore_index))
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _integer(self, self.input, "labels")
+        _float(self, self.result)
+
+
+# ----------------------------------------------------------------------------- positions, randomness
+
+
+class _Rope(_Unary):
+    base = prop_def(FloatAttr)
+
+    def __init__(self, input: SSAValue, base: float = 10000.0):
+        super().__init__(input, base=float_attr(base))
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _float(self, self.input)
+        shape = tensor_shape(self.input)
+        if len(shape) < 3 or shape[-1] % 2:
+            raise VerifyException(f"'{self.name}' needs x [..., T, H, Dh] with Dh even, got {list(shape)}")
+
+
+@irdl_op_definition
+class RopeOp(_Rope):
+    """Rotary position embedding of x [..., T, H, Dh] (HuggingFace LLaMA `rotate_half` form):
+    `x * cos + rotate_half(x) * sin`, angles `t * base ** (-2i / Dh)` for position t (dim -3)
+    and `i < Dh / 2`, repeated for both halves of Dh."""
+
+    name = "graph.rope"
+
+
+@irdl_op_definition
+class RopeGradOp(_Rope):
+    """The transposed rotation of `graph.rope` (same base): `dy * cos - rotate_half(dy) * sin`."""
+
+    name = "graph.rope_grad"
+
+
+@irdl_op_definition
+class DropoutOp(_TensorOp):
+    """`x * keep / (1 - rate)`: `keep` is a counter-based random mask, a pure function of
+    (`seed`, `salt`, the scalar integer `step`, the element's index in the global tensor), so it
+    does not depend on how the tensor is sharded. `salt` tells dropouts of one step apart.
+    `global_type` is set at the physical level (the annotated type of the result: global shape
+    and layout), where the kernel finds its piece's global offset from it."""
+
+    name = "graph.dropout"
+    input = operand_def(TensorType)
+    step = operand_def(TensorType)
+    result = result_def(TensorType)
+    rate = prop_def(FloatAttr)
+    seed = prop_def(IntegerAttr[I64])
+    salt = prop_def(IntegerAttr[I64])
+    global_type = opt_prop_def(TypeAttribute)
+    traits = traits_def(Pure())
+    #: specialize-groups records the annotated result type in `global_type`
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
+
+    def __init__(self, input: SSAValue, step: SSAValue, rate: float, seed: int, salt: int):
+        super().__init__(
+            operands=[input, step],
+            result_types=[input.type],
+            properties={"rate": float_attr(rate), "seed": int_attr(seed), "salt": int_attr(salt)},
+        )
+
+    def verify_(self) -> None:
+        _same_shape(self, self.input, self.result)
+        _float(self, self.input)
+        if tensor_shape(self.step) != ():
+            raise VerifyException(f"'{self.name}' needs a scalar integer step")
+        _integer(self, self.step, "step")
+        if not 0.0 <= self.rate.value.data < 1.0:
+            raise VerifyException(f"'{self.name}' rate must be in [0, 1), got {self.rate.value.data}")
 
 
 FLOAT_TYPES = (Float32Type, Float64Type)
@@ -407,16 +1016,49 @@ Graph = Dialect(
         AddOp,
         SubOp,
         MulOp,
+        DivOp,
         ReluOp,
         ReluGradOp,
         ScaleOp,
         MatmulOp,
+        MatmulRhsGradOp,
         TransposeOp,
         ReshapeOp,
         BroadcastOp,
         ReduceSumOp,
+        ReduceMaxOp,
+        ReduceMaxGradOp,
+        ExpOp,
+        LogOp,
+        SqrtOp,
+        RsqrtOp,
+        TanhOp,
+        TanhGradOp,
+        SiluOp,
+        SiluGradOp,
+        GeluOp,
+        GeluGradOp,
+        PowOp,
+        PowGradOp,
+        CastOp,
+        SoftmaxOp,
+        SoftmaxGradOp,
+        LayerNormOp,
+        LayerNormGradOp,
+        RmsNormOp,
+        RmsNormGradOp,
+        EmbeddingOp,
+        EmbeddingGradOp,
+        CausalMaskOp,
+        SliceOp,
+        SplitOp,
+        ConcatOp,
         SoftmaxCrossEntropyOp,
         SoftmaxCrossEntropyGradOp,
+        LabelMaskOp,
+        RopeOp,
+        RopeGradOp,
+        DropoutOp,
     ],
     [],
 )

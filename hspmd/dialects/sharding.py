@@ -34,7 +34,12 @@ class ShardingError(Exception):
 
 @dataclass(frozen=True)
 class OpRule:
-    """Factors per dim of each operand and result, linearity and unsplittable factors."""
+    """Factors per dim of each operand and result, linearity and unsplittable factors.
+
+    A factor split on a mesh axis that is missing from a result was summed over for that
+    result, which is then partial on that axis (for every result alike: `layer_norm_grad`'s
+    dx keeps the batch factors, its dweight and dbias do not and come out partial).
+    """
 
     operands: tuple[tuple[str, ...], ...]
     results: tuple[tuple[str, ...], ...]
@@ -77,7 +82,12 @@ def rule_for(op: Operation) -> OpRule | None:
             d = _dims("d", len(_shape(op.result)))
             return OpRule((d,), (d,), frozenset({0}))
         case graph.MatmulOp():
-            return OpRule((("i", "k"), ("k", "j")), (("i", "j"),), frozenset({0, 1}), joint=False)
+            b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
+            rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
+            return OpRule(((*b, "i", "k"), rhs), ((*b, "i", "j"),), frozenset({0, 1}), joint=False)
+        case graph.MatmulRhsGradOp():  # batch dims and i are contracted: split, they leave partial sums
+            b = _dims("b", len(_shape(op.lhs)) - 2)
+            return OpRule(((*b, "i", "k"), (*b, "i", "j")), (("k", "j"),), frozenset({0, 1}), joint=False)
         case graph.TransposeOp():
             d = _dims("d", len(_shape(op.input)))
             return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
@@ -95,10 +105,94 @@ def rule_for(op: Operation) -> OpRule | None:
             d = _dims("d", len(_shape(op.input)))
             dims = set(op.dims.get_values())
             return OpRule((d,), (tuple(f for i, f in enumerate(d) if i not in dims),), frozenset({0}))
+    return _rule_for_more(op)
+
+
+def _elementwise(op: Operation, linear: frozenset[int] = frozenset()) -> OpRule:
+    d = _dims("d", len(_shape(op.results[0])))
+    return OpRule(tuple(d for _ in op.operands), (d,), linear)
+
+
+def _last_dim_rule(op: Operation, n_operands_full: Sequence[bool], results_full: Sequence[bool],
+                   linear: frozenset[int] = frozenset()) -> OpRule:
+    """Rule of an op normalising over the last dim `n` of x [..., n] (blocked), with [n]-shaped
+    operands/results where `*_full` is False (their leading dims are reductions)."""
+    lead = _dims("b", len(_shape(op.operands[0])) - 1)
+    full, vec = (*lead, "n"), ("n",)
+    return OpRule(
+        tuple(full if f else vec for f in n_operands_full),
+        tuple(full if f else vec for f in results_full),
+        linear,
+        blocked=frozenset({"n"}),
+    )
+
+
+def _rule_for_more(op: Operation) -> OpRule | None:
+    """Rules of the transformer op set (elementwise, normalisation, indexing, losses)."""
+    match op:
+        case graph.DivOp():  # linear in the numerator only
+            return _elementwise(op, frozenset({0}))
+        case graph.ExpOp() | graph.LogOp() | graph.SqrtOp() | graph.RsqrtOp() | graph.TanhOp() | graph.SiluOp():
+            return _elementwise(op)
+        case graph.GeluOp() | graph.PowOp():
+            return _elementwise(op)
+        case graph.CastOp():
+            return _elementwise(op, frozenset({0}))
+        case graph.TanhGradOp() | graph.SiluGradOp() | graph.GeluGradOp() | graph.PowGradOp():
+            return _elementwise(op, frozenset({1}))  # linear in the incoming gradient
+        case graph.SoftmaxOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d,), (d,), blocked=frozenset({d[op.dim.value.data]}))
+        case graph.SoftmaxGradOp():
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d, d), (d,), frozenset({1}), blocked=frozenset({d[op.dim.value.data]}))
+        case graph.LayerNormOp():
+            return _last_dim_rule(op, (True, False, False), (True,))
+        case graph.LayerNormGradOp():
+            return _last_dim_rule(op, (True, False, True), (True, False, False), frozenset({2}))
+        case graph.RmsNormOp():
+            return _last_dim_rule(op, (True, False), (True,))
+        case graph.RmsNormGradOp():
+            return _last_dim_rule(op, (True, False, True), (True, False), frozenset({2}))
+        case graph.EmbeddingOp():  # rows are looked up by global id: the vocab dim stays whole
+            b = _dims("b", len(_shape(op.ids)))
+            return OpRule((("v", "e"), b), ((*b, "e"),), frozenset({0}), blocked=frozenset({"v"}))
+        case graph.EmbeddingGradOp():  # the id dims are summed over: split, they leave partial sums
+            b = _dims("b", len(_shape(op.ids)))
+            return OpRule((b, (*b, "e")), (("v", "e"),), frozenset({1}), blocked=frozenset({"v"}))
+        case graph.CausalMaskOp():  # the mask compares global query and key indices: keep them whole
+            d = _dims("d", len(_shape(op.result)))
+            linear = frozenset({0}) if op.value.value.data == 0.0 else frozenset()
+            return OpRule((d,), (d,), linear, blocked=frozenset(d[-2:]))
+        case graph.SliceOp() | graph.SplitOp() | graph.ConcatOp():  # offsets are global along dim
+            d = _dims("d", len(_shape(op.results[0])))
+            blocked = frozenset({d[op.dim.value.data]})
+            return OpRule(tuple(d for _ in op.operands), tuple(d for _ in op.results),
+                          frozenset(range(len(op.operands))), joint=True, blocked=blocked)
+        case graph.ReduceMaxOp():  # a max of pieces is not a sum: reduced dims stay whole
+            d = _dims("d", len(_shape(op.input)))
+            dims = set(op.dims.get_values())
+            kept = tuple(f for i, f in enumerate(d) if i not in dims)
+            return OpRule((d,), (kept,), blocked=frozenset(d[i] for i in dims))
+        case graph.ReduceMaxGradOp():
+            d = _dims("d", len(_shape(op.x)))
+            dims = set(op.dims.get_values())
+            kept = tuple(f for i, f in enumerate(d) if i not in dims)
+            return OpRule((d, kept, kept), (d,), frozenset({2}), blocked=frozenset(d[i] for i in dims))
         case graph.SoftmaxCrossEntropyOp():
-            return OpRule((("b", "c"), ("b",)), (("b",),), blocked=frozenset({"c"}))
+            b = _dims("b", len(_shape(op.labels)))
+            return OpRule(((*b, "c"), b), (b,), blocked=frozenset({"c"}))
         case graph.SoftmaxCrossEntropyGradOp():
-            return OpRule((("b", "c"), ("b",), ("b",)), (("b", "c"),), frozenset({2}), blocked=frozenset({"c"}))
+            b = _dims("b", len(_shape(op.labels)))
+            return OpRule(((*b, "c"), b, b), ((*b, "c"),), frozenset({2}), blocked=frozenset({"c"}))
+        case graph.LabelMaskOp():
+            return _elementwise(op)
+        case graph.RopeOp() | graph.RopeGradOp():  # angles use the global position (dim -3) and Dh
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d,), (d,), frozenset({0}), blocked=frozenset({d[-3], d[-1]}))
+        case graph.DropoutOp():  # the mask is keyed by global indices (global_type): any split is fine
+            d = _dims("d", len(_shape(op.result)))
+            return OpRule((d, ()), (d,), frozenset({0}))
     return None
 
 
@@ -204,8 +298,8 @@ def _infer_group(
                 f = role[1]
                 if f in factors:
                     axis = split(list(factors).index(f))
-                elif idx is None and all(f not in r for r in rule.results):
-                    axis = PARTIAL  # a split reduction factor leaves partial sums
+                elif idx is None:
+                    axis = PARTIAL  # a split factor missing from this result was summed over
             elif role is not None and role[0] == "partial":
                 if idx is None:
                     axis = PARTIAL
@@ -277,6 +371,8 @@ def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = Non
         hetero, shares = base.hetero, base.shares
         if len(groups) > 1 and hetero.kind == "split":
             f = base_factors[hetero.dim]
+            if f in rule.blocked:
+                raise ShardingError(f"'{op.name}': the hetero split dim cannot be split for this op")
             if f not in factors:
                 raise ShardingError(f"'{op.name}': the hetero split dim does not survive this op")
             hetero = split(list(factors).index(f))

@@ -1,11 +1,13 @@
 """NumPy reference implementations of the `graph` ops, on local pieces.
 
 Each maker takes the op (read once, when the plan is built) and returns a function of the
-operand arrays, so that no xDSL object is touched while steps run.
+operand arrays, so that no xDSL object is touched while steps run. Multi-result ops return a
+tuple. Kernels compute in the operands' dtype unless a comment says otherwise.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -25,26 +27,312 @@ def _result_dtype(op: Operation) -> np.dtype:
     return np.dtype(dtype_name(op.results[0].type))
 
 
-def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Return the per-sample loss `logsumexp(logits) - logits[label]`."""
-    peak = logits.max(axis=1, keepdims=True)
-    lse = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-    return (lse - np.take_along_axis(logits, labels[:, None].astype(np.int64), axis=1)[:, 0]).astype(logits.dtype)
+# ----------------------------------------------------------------------------- losses
 
 
-def softmax_cross_entropy_grad(logits: np.ndarray, labels: np.ndarray, dloss: np.ndarray) -> np.ndarray:
-    """Return `(softmax(logits) - onehot(labels)) * dloss[:, None]`."""
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p = e / e.sum(axis=1, keepdims=True)
-    p[np.arange(len(labels)), labels] -= 1
-    return (p * dloss[:, None]).astype(logits.dtype)
+def _valid(labels: np.ndarray, ignore_index: int | None) -> np.ndarray | None:
+    return None if ignore_index is None else labels != ignore_index
+
+
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, ignore_index: int | None = None) -> np.ndarray:
+    """Return the per-sample loss `logsumexp(logits) - logits[label]` over the last dim (0 where
+    the label is `ignore_index`)."""
+    valid = _valid(labels, ignore_index)
+    idx = labels.astype(np.int64) if valid is None else np.where(valid, labels, 0).astype(np.int64)
+    peak = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[..., 0]
+    loss = lse - np.take_along_axis(logits, idx[..., None], axis=-1)[..., 0]
+    if valid is not None:
+        loss = np.where(valid, loss, 0)
+    return np.asarray(loss, dtype=logits.dtype)
+
+
+def softmax_cross_entropy_grad(
+    logits: np.ndarray, labels: np.ndarray, dloss: np.ndarray, ignore_index: int | None = None
+) -> np.ndarray:
+    """Return `(softmax(logits) - onehot(labels)) * dloss[..., None]` (0 rows where ignored)."""
+    valid = _valid(labels, ignore_index)
+    idx = labels.astype(np.int64) if valid is None else np.where(valid, labels, 0).astype(np.int64)
+    p = _softmax(logits, -1)
+    np.put_along_axis(p, idx[..., None], np.take_along_axis(p, idx[..., None], axis=-1) - 1, axis=-1)
+    scale = dloss if valid is None else np.where(valid, dloss, 0)
+    return (p * scale[..., None]).astype(logits.dtype)
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp of -|x| only: no overflow warnings for large |x|
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def _erf_series(x: np.ndarray) -> np.ndarray:
+    """erf for float64 arrays without SciPy, to about 1e-15 absolute.
+
+    |x| < 3: `2/sqrt(pi) exp(-x^2) sum_n 2^n x^(2n+1) / (1*3*...*(2n+1))` (all terms positive,
+    no cancellation; 80 terms suffice); |x| >= 3: `1 - erfc` with erfc's continued fraction
+    `exp(-x^2)/sqrt(pi) / (x + 1/2 / (x + 1 / (x + 3/2 / (x + ...))))` (60 levels).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    small = np.minimum(a, 3.0)
+    term = small.copy()
+    total = small.copy()
+    x2 = small * small
+    for n in range(1, 80):
+        term = term * (2 * x2) / (2 * n + 1)
+        total += term
+    series = 2 / math.sqrt(math.pi) * np.exp(-x2) * total
+    big = np.maximum(a, 3.0)
+    frac = big.copy()
+    for k in range(60, 0, -1):
+        frac = big + (k / 2) / frac
+    tail = 1 - np.exp(-big * big) / math.sqrt(math.pi) / frac
+    return np.sign(x) * np.where(a < 3.0, series, tail)
+
+
+try:  # SciPy's erf is faster and exact; it is optional
+    from scipy.special import erf as _scipy_erf
+except ImportError:  # pragma: no cover - depends on the environment
+    _scipy_erf = None
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """Elementwise error function (SciPy's where installed, else `_erf_series`), in x's dtype."""
+    if _scipy_erf is not None:
+        return _scipy_erf(x).astype(x.dtype, copy=False)
+    return _erf_series(x).astype(x.dtype, copy=False)
+
+
+def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
+    """GELU: exact `x Phi(x)` (approximate="none") or the tanh form (approximate="tanh")."""
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3)))
+    return 0.5 * x * (1 + erf(x / math.sqrt(2.0)))
+
+
+def gelu_grad(x: np.ndarray, dy: np.ndarray, approximate: str) -> np.ndarray:
+    """`dy * gelu'(x)`."""
+    if approximate == "tanh":
+        t = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
+    else:
+        cdf = 0.5 * (1 + erf(x / math.sqrt(2.0)))
+        d = cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return (dy * d).astype(dy.dtype, copy=False)
+
+
+def _pow(exponent: float) -> Kernel:
+    if exponent == 2.0:
+        return lambda x: x * x
+    if exponent == 1.0:
+        return lambda x: x.copy()
+    if exponent == 0.5:
+        return np.sqrt
+    if exponent == int(exponent):
+        p = int(exponent)
+        return lambda x: np.power(x, p) if p >= 0 else np.power(x, float(p))
+    return lambda x: np.power(x, exponent)
+
+
+def _pow_grad(exponent: float) -> Kernel:
+    if exponent == 0.0:
+        return lambda x, dy: np.zeros_like(dy)
+    if exponent == 1.0:
+        return lambda x, dy: dy.copy()
+    lower = _pow(exponent - 1.0)
+    factor = exponent
+    return lambda x, dy: (dy * (lower(x) * x.dtype.type(factor))).astype(dy.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    var = (xc * xc).mean(axis=-1, keepdims=True)
+    return (xc / np.sqrt(var + eps) * weight + bias).astype(x.dtype, copy=False)
+
+
+def layer_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float):
+    lead = tuple(range(x.ndim - 1))
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = 1 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    g = dy * weight
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dweight = np.asarray((dy * xhat).sum(axis=lead), dtype=x.dtype)
+    dbias = np.asarray(dy.sum(axis=lead), dtype=x.dtype)
+    return dx.astype(x.dtype, copy=False), dweight, dbias
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    r = 1 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    return (x * r * weight).astype(x.dtype, copy=False)
+
+
+def rms_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float):
+    lead = tuple(range(x.ndim - 1))
+    r = 1 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    g = dy * weight
+    dx = r * g - x * (r**3) * (g * x).mean(axis=-1, keepdims=True)
+    dweight = np.asarray((dy * x * r).sum(axis=lead), dtype=x.dtype)
+    return dx.astype(x.dtype, copy=False), dweight
+
+
+# ----------------------------------------------------------------------------- indexing
+
+
+def embedding_grad(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
+    """Scatter-add the rows of `dy` into a zero [vocab, D] table at `ids`."""
+    out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
+    np.add.at(out, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+    return out
+
+
+def causal_mask(value: float) -> Kernel:
+    cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def mask(x: np.ndarray) -> np.ndarray:
+        key = x.shape[-2:]
+        if key not in cache:
+            tq, tk = key
+            cache[key] = np.arange(tk)[None, :] > np.arange(tq)[:, None]
+        return np.where(cache[key], x.dtype.type(value), x)
+
+    return mask
+
+
+def reduce_max_grad(dims: tuple[int, ...]) -> Kernel:
+    """`dy` to the arg-max positions; ties share it evenly."""
+
+    def grad(x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> np.ndarray:
+        hit = x == np.expand_dims(y, dims)
+        count = hit.sum(axis=dims, keepdims=True)
+        return (hit * (np.expand_dims(dy, dims) / count)).astype(dy.dtype, copy=False)
+
+    return grad
+
+
+def rope_tables(positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """Return cos and sin [T, 1, Dh] (float64) of the HuggingFace LLaMA rotary embedding."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return np.cos(emb), np.sin(emb)
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rope(base: float, sign: float) -> Kernel:
+    """`x * cos + sign * rotate_half(x) * sin` (sign -1: the transposed rotation)."""
+    cache: dict[tuple[int, int, np.dtype], tuple[np.ndarray, np.ndarray]] = {}
+
+    def apply(x: np.ndarray) -> np.ndarray:
+        key = (x.shape[-3], x.shape[-1], x.dtype)
+        if key not in cache:
+            cos, sin = rope_tables(x.shape[-3], x.shape[-1], base)
+            cache[key] = (cos.astype(x.dtype), (sign * sin).astype(x.dtype))
+        cos, sin = cache[key]
+        return x * cos + _rotate_half(x) * sin
+
+    return apply
+
+
+# ----------------------------------------------------------------------------- dropout
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser: a bijection of uint64 with good avalanche."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def dropout_key(seed: int, salt: int, step: int) -> np.uint64:
+    """Return the per-(seed, salt, step) key of the dropout hash."""
+    with np.errstate(over="ignore"):
+        k = np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
+        for word in (salt, step):
+            k = _mix64(k + _GOLDEN) ^ np.array([word & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
+        return _mix64(k + _GOLDEN)[0]
+
+
+def dropout_uniform(key: np.uint64, index: np.ndarray) -> np.ndarray:
+    """Return uniforms in [0, 1) (float64, 53 bits): `mix64(key + (index + 1) * golden) >> 11`."""
+    with np.errstate(over="ignore"):
+        z = _mix64(key + (index.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def global_indices(local_shape, global_shape, slices) -> np.ndarray:
+    """Return the row-major global index (uint64) of every element of a local piece."""
+    idx = np.zeros(local_shape, dtype=np.uint64)
+    stride = 1
+    for d in reversed(range(len(global_shape))):
+        view = [1] * len(local_shape)
+        view[d] = local_shape[d]
+        start = slices[d].start or 0
+        idx += (np.arange(start, start + local_shape[d], dtype=np.uint64) * np.uint64(stride)).reshape(view)
+        stride *= int(global_shape[d])
+    return idx
+
+
+def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
+    """`x * keep / (1 - rate)`, keep = uniform(seed, salt, step, global index) >= rate."""
+    from hspmd.dialects.dist import layout_of
+
+    rate = op.rate.value.data
+    if rate == 0.0:
+        return lambda x, step: x
+    seed, salt = op.seed.value.data, op.salt.value.data
+    local_shape = _result_shape(op)
+    typ = op.global_type
+    if typ is None:  # logical or a one-device program: the piece is the whole tensor
+        slices = tuple(slice(0, s) for s in local_shape)
+        global_shape = local_shape
+    else:
+        global_shape = typ.get_shape()  # type: ignore[attr-defined]
+        layout = layout_of(typ)
+        slices = layout.slices(rank, global_shape) if layout is not None else tuple(slice(0, s) for s in global_shape)
+    index = global_indices(local_shape, global_shape, slices)
+    scale = 1.0 / (1.0 - rate)
+
+    def apply(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+        keep = dropout_uniform(dropout_key(seed, salt, int(step)), index) >= rate
+        return np.where(keep, x * x.dtype.type(scale), x.dtype.type(0))
+
+    return apply
+
+
+# ----------------------------------------------------------------------------- dispatch
 
 
 def kernel_for(op: Operation, rank: int = 0) -> Kernel:
     """Return the NumPy function that computes `op` from its operand arrays on `rank`.
 
     Most kernels ignore the rank; ops whose values depend on where a piece lies in the global
-    tensor (counter-based dropout, positions) use it with the op's `global_type` layout.
+    tensor (counter-based dropout) use it with the op's `global_type` layout.
     """
     match op:
         case graph.AddOp():
@@ -53,6 +341,8 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.subtract
         case graph.MulOp():
             return np.multiply
+        case graph.DivOp():
+            return np.divide
         case graph.ReluOp():
             return lambda x: np.maximum(x, 0)
         case graph.ReluGradOp():
@@ -62,6 +352,8 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return lambda x: x * factor
         case graph.MatmulOp():
             return np.matmul
+        case graph.MatmulRhsGradOp():
+            return lambda a, g: np.tensordot(a, g, axes=(list(range(a.ndim - 1)), list(range(g.ndim - 1))))
         case graph.TransposeOp():
             perm = op.perm.get_values()
             return lambda x: np.transpose(x, perm).copy()
@@ -83,8 +375,97 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             dims = tuple(op.dims.get_values())
             dtype = _result_dtype(op)
             return lambda x: np.asarray(x.sum(axis=dims), dtype=dtype)
+        case graph.ReduceMaxOp():
+            dims = tuple(op.dims.get_values())
+            return lambda x: np.asarray(x.max(axis=dims))
+        case graph.ReduceMaxGradOp():
+            return reduce_max_grad(tuple(op.dims.get_values()))
+        case graph.ExpOp():
+            return np.exp
+        case graph.LogOp():
+            return np.log
+        case graph.SqrtOp():
+            return np.sqrt
+        case graph.RsqrtOp():
+            return lambda x: 1 / np.sqrt(x)
+        case graph.TanhOp():
+            return np.tanh
+        case graph.TanhGradOp():
+            return lambda y, dy: dy * (1 - y * y)
+        case graph.SiluOp():
+            return lambda x: x * _sigmoid(x)
+        case graph.SiluGradOp():
+
+            def silu_grad(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+                s = _sigmoid(x)
+                return dy * (s * (1 + x * (1 - s)))
+
+            return silu_grad
+        case graph.GeluOp():
+            approximate = op.approximate.data
+            return lambda x: gelu(x, approximate)
+        case graph.GeluGradOp():
+            approximate = op.approximate.data
+            return lambda x, dy: gelu_grad(x, dy, approximate)
+        case graph.PowOp():
+            return _pow(op.exponent.value.data)
+        case graph.PowGradOp():
+            return _pow_grad(op.exponent.value.data)
+        case graph.CastOp():
+            dtype = _result_dtype(op)
+            return lambda x: x.astype(dtype)
+        case graph.SoftmaxOp():
+            axis = op.dim.value.data
+            return lambda x: _softmax(x, axis)
+        case graph.SoftmaxGradOp():
+            axis = op.dim.value.data
+            return lambda y, dy: y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+        case graph.LayerNormOp():
+            eps = op.eps.value.data
+            return lambda x, w, b: layer_norm(x, w, b, eps)
+        case graph.LayerNormGradOp():
+            eps = op.eps.value.data
+            return lambda x, w, dy: layer_norm_grad(x, w, dy, eps)
+        case graph.RmsNormOp():
+            eps = op.eps.value.data
+            return lambda x, w: rms_norm(x, w, eps)
+        case graph.RmsNormGradOp():
+            eps = op.eps.value.data
+            return lambda x, w, dy: rms_norm_grad(x, w, dy, eps)
+        case graph.EmbeddingOp():
+            return lambda table, ids: table[ids]
+        case graph.EmbeddingGradOp():
+            vocab = _result_shape(op)[0]
+            return lambda ids, dy: embedding_grad(ids, dy, vocab)
+        case graph.CausalMaskOp():
+            return causal_mask(op.value.value.data)
+        case graph.SliceOp():
+            d, start = op.dim.value.data, op.start.value.data
+            stop = start + _result_shape(op)[d]
+            index = tuple([slice(None)] * d + [slice(start, stop)])
+            return lambda x: x[index].copy()
+        case graph.SplitOp():
+            d = op.dim.value.data
+            bounds = np.cumsum([r.type.get_shape()[d] for r in op.outputs])[:-1].tolist()
+            if not bounds:  # one result: the plan stores the array itself, not a tuple
+                return lambda x: x.copy()
+            return lambda x: tuple(p.copy() for p in np.split(x, bounds, axis=d))
+        case graph.ConcatOp():
+            d = op.dim.value.data
+            return lambda *xs: np.concatenate(xs, axis=d)
         case graph.SoftmaxCrossEntropyOp():
-            return softmax_cross_entropy
+            ignore = op.ignore_index.value.data if op.ignore_index is not None else None
+            return lambda logits, labels: softmax_cross_entropy(logits, labels, ignore)
         case graph.SoftmaxCrossEntropyGradOp():
-            return softmax_cross_entropy_grad
+            ignore = op.ignore_index.value.data if op.ignore_index is not None else None
+            return lambda logits, labels, dloss: softmax_cross_entropy_grad(logits, labels, dloss, ignore)
+        case graph.LabelMaskOp():
+            ignore, dtype = op.ignore_index.value.data, _result_dtype(op)
+            return lambda labels: (labels != ignore).astype(dtype)
+        case graph.RopeOp():
+            return rope(op.base.value.data, 1.0)
+        case graph.RopeGradOp():
+            return rope(op.base.value.data, -1.0)
+        case graph.DropoutOp():
+            return dropout(op, rank)
     raise NotImplementedError(f"no NumPy kernel for '{op.name}'")

@@ -64,10 +64,10 @@ class Autodiff(ModulePass):
         for fop in reversed(forward):
             if isinstance(fop, (graph.OutputOp, graph.AssignOp, *_LEAVES)) or not fop.results:
                 continue
-            g = grads.get(fop.results[0])
-            if g is None:
+            gs = [grads.get(r) for r in fop.results]
+            if all(g is None for g in gs):
                 continue
-            for operand, make in zip(fop.operands, vjp(fop, g, emit)):
+            for operand, make in zip(fop.operands, vjp(fop, gs, emit)):
                 if make is not None and operand in needs:
                     accumulate(operand, make())
 

@@ -84,8 +84,8 @@ class SpecializeGroups(ModulePass):
     def _localize(fn: func.FuncOp, group: tuple[int, ...]) -> func.FuncOp:
         """Return `fn` with every type made local to `group` (arguments and signature included)."""
         for o in fn.walk():  # record global facts before any type becomes local
-            if isinstance(o, (graph.ParameterOp, graph.InputOp)):
-                o.properties["global_type"] = o.result.type
+            if isinstance(o, (graph.ParameterOp, graph.InputOp)) or getattr(o, "RECORDS_GLOBAL_TYPE", False):
+                o.properties["global_type"] = o.results[0].type
             if isinstance(o, dist.ReshardOp) and o.src is None:
                 src, dst = o.layouts()
                 o.properties["src"], o.properties["dst"] = LayoutAttr(src), LayoutAttr(dst)
