@@ -6,8 +6,61 @@
 """
 
 from hspmd.frontend import nn
-from hspmd.frontend.ops import cross_entropy, matmul, relu
+from hspmd.frontend.ops import (
+    causal_mask,
+    cast,
+    concat,
+    cross_entropy,
+    divide,
+    dropout,
+    embedding,
+    exp,
+    gelu,
+    layer_norm,
+    log,
+    matmul,
+    max,
+    power,
+    relu,
+    rms_norm,
+    rope,
+    rsqrt,
+    silu,
+    slice,
+    softmax,
+    split,
+    sqrt,
+    tanh,
+)
 from hspmd.frontend.tracing import Tensor, TraceError
 
-__all__ = ["Tensor", "TraceError", "cross_entropy", "matmul", "nn", "relu"]
+__all__ = [
+    "Tensor",
+    "TraceError",
+    "cast",
+    "causal_mask",
+    "concat",
+    "cross_entropy",
+    "divide",
+    "dropout",
+    "embedding",
+    "exp",
+    "gelu",
+    "layer_norm",
+    "log",
+    "matmul",
+    "max",
+    "nn",
+    "power",
+    "relu",
+    "rms_norm",
+    "rope",
+    "rsqrt",
+    "silu",
+    "slice",
+    "softmax",
+    "split",
+    "sqrt",
+    "tanh",
+]
 __version__ = "0.1.0"

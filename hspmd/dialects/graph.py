@@ -481,7 +481,7 @@ class GeluOp(_Elementwise):
     name = "graph.gelu"
     approximate = prop_def(StringAttr)
 
-    def __init__(self, input: SSAValue, approximate: str = "tanh"):
+    def __init__(self, input: SSAValue, approximate: str = "none"):
         super().__init__(input, approximate=StringAttr(approximate))
 
     def verify_(self) -> None:

@@ -1,39 +1,358 @@
 """The functional op set of the frontend: `hs.relu(x)`, `hs.cross_entropy(logits, labels)`, ...
 
 Each function checks shapes and dtypes (a `TraceError` names the script line, the op and the
-shapes) and appends `graph` ops through the tensor's tracer.
+shapes) and appends `graph` ops through the tensor's tracer. Tensors' operators (`a @ b`,
+`a / b`, `a ** p`, `x.max(dims)`) end here too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from xdsl.dialects.builtin import TensorType
 
 from hspmd.dialects import graph
-from hspmd.frontend.tracing import Tensor, fail
+from hspmd.dialects.graph import GELU_APPROXIMATIONS
+from hspmd.frontend.tracing import Tensor, Tracer, fail
+from hspmd.ir.types import element_type
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _tensor(x, op: str) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if hasattr(x, "traced"):  # a Parameter bound to the running trace
+        return x.traced(op)
+    raise fail(op, f"expected a tensor, got {type(x).__name__}")
+
+
+def _float(x: Tensor, op: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise fail(op, f"needs a float tensor, got {x.dtype}")
+
+
+def _typed(x: Tensor, shape: Sequence[int]) -> TensorType:
+    return TensorType(x.value.type.element_type, tuple(shape))
+
+
+def _dim(x: Tensor, dim: int, op: str) -> int:
+    if not -x.ndim <= dim < x.ndim:
+        raise fail(op, f"dim {dim} is out of range for a {x.ndim}-d tensor of shape {list(x.shape)}")
+    return dim % x.ndim
+
+
+# ----------------------------------------------------------------------------- products
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Return `a @ b` for 2-D tensors."""
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise fail("matmul", f"cannot multiply {list(a.shape)} by {list(b.shape)}")
+    """Return `a @ b`: [..., m, k] x [..., k, n] (same batch dims) or [..., m, k] x [k, n]."""
+    a, b = _tensor(a, "matmul"), _tensor(b, "matmul")
+    ok = a.ndim >= 2 and b.ndim >= 2 and a.shape[-1] == b.shape[-2]
+    ok = ok and (b.ndim == 2 or b.shape[:-2] == a.shape[:-2])
+    if not ok:
+        raise fail("matmul", f"cannot multiply {list(a.shape)} by {list(b.shape)} "
+                             "(needs [..., m, k] x [..., k, n] with the same batch dims, or [..., m, k] x [k, n])")
     if a.dtype != b.dtype:
         raise fail("matmul", f"operands have dtypes {a.dtype} and {b.dtype}")
-    typ = TensorType(a.value.type.element_type, (a.shape[0], b.shape[1]))
-    return a.tracer.emit(graph.MatmulOp(a.value, b.value, typ))
+    return a.tracer.emit(graph.MatmulOp(a.value, b.value, _typed(a, (*a.shape[:-1], b.shape[-1]))))
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _unary(cls, x, op: str, **kwargs) -> Tensor:
+    x = _tensor(x, op)
+    _float(x, op)
+    return x.tracer.emit(cls(x.value, **kwargs))
 
 
 def relu(x: Tensor) -> Tensor:
     """Return `max(x, 0)` elementwise."""
+    x = _tensor(x, "relu")
     return x.tracer.emit(graph.ReluOp(x.value))
 
 
-def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Return the mean softmax cross-entropy of `logits` [B, C] against integer `labels` [B]."""
-    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
-        raise fail("cross_entropy", f"needs logits [B, C] and labels [B], got {list(logits.shape)} and {list(labels.shape)}")
+def exp(x: Tensor) -> Tensor:
+    """Return `exp(x)` elementwise."""
+    return _unary(graph.ExpOp, x, "exp")
+
+
+def log(x: Tensor) -> Tensor:
+    """Return the natural `log(x)` elementwise."""
+    return _unary(graph.LogOp, x, "log")
+
+
+def sqrt(x: Tensor) -> Tensor:
+    """Return `sqrt(x)` elementwise."""
+    return _unary(graph.SqrtOp, x, "sqrt")
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    """Return `1 / sqrt(x)` elementwise."""
+    return _unary(graph.RsqrtOp, x, "rsqrt")
+
+
+def tanh(x: Tensor) -> Tensor:
+    """Return `tanh(x)` elementwise."""
+    return _unary(graph.TanhOp, x, "tanh")
+
+
+def silu(x: Tensor) -> Tensor:
+    """Return `x * sigmoid(x)` elementwise (SiLU / swish)."""
+    return _unary(graph.SiluOp, x, "silu")
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """Return GELU of x: exact (`approximate="none"`, with erf) or the tanh form (`"tanh"`)."""
+    if approximate not in GELU_APPROXIMATIONS:
+        raise fail("gelu", f"approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got {approximate!r}")
+    return _unary(graph.GeluOp, x, "gelu", approximate=approximate)
+
+
+def power(x: Tensor, exponent: float) -> Tensor:
+    """Return `x ** exponent` for a Python number `exponent` (also `x ** p`)."""
+    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)):
+        raise fail("pow", f"the exponent must be a Python number, got {type(exponent).__name__}")
+    x = _tensor(x, "pow")
+    if exponent == 1:
+        return x
+    return _unary(graph.PowOp, x, "pow", exponent=float(exponent))
+
+
+def divide(a, b) -> Tensor:
+    """Return `a / b` elementwise with NumPy broadcasting (also `a / b` on tensors)."""
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return _tensor(a, "div") * (1.0 / b)
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        b = _tensor(b, "div")
+        return b._binary(a, graph.DivOp, "div", swap=True)
+    a = _tensor(a, "div")
+    return a._binary(_tensor(b, "div"), graph.DivOp, "div")
+
+
+def cast(x: Tensor, dtype: str) -> Tensor:
+    """Return x converted to `dtype` (float16, bfloat16, float32 or float64)."""
+    x = _tensor(x, "cast")
+    if dtype not in FLOAT_DTYPES:
+        raise fail("cast", f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
+    _float(x, "cast")
+    if x.dtype == dtype:
+        return x
+    try:
+        elt = element_type(dtype)
+    except TypeError as err:
+        raise fail("cast", str(err)) from None
+    return x.tracer.emit(graph.CastOp(x.value, TensorType(elt, x.shape)))
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Return `exp(x) / sum(exp(x))` along `dim` (computed stably)."""
+    x = _tensor(x, "softmax")
+    _float(x, "softmax")
+    return x.tracer.emit(graph.SoftmaxOp(x.value, _dim(x, dim, "softmax")))
+
+
+def _vector(x: Tensor, v, op: str, what: str, fill: float) -> Tensor:
+    """Return `v` as a [n] tensor for x [..., n] (None: a constant `fill`)."""
+    n = x.shape[-1]
+    if v is None:
+        return x.tracer.constant(fill, (n,), x.dtype)
+    v = _tensor(v, op)
+    if v.shape != (n,):
+        raise fail(op, f"{what} must have shape [{n}] for x of shape {list(x.shape)}, got {list(v.shape)}")
+    if v.dtype != x.dtype:
+        raise fail(op, f"{what} has dtype {v.dtype}, x has {x.dtype}")
+    return v
+
+
+def layer_norm(x: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """Return `(x - mean) / sqrt(var + eps) * weight + bias` over the last dim (biased var)."""
+    x = _tensor(x, "layer_norm")
+    _float(x, "layer_norm")
+    if x.ndim < 1:
+        raise fail("layer_norm", "needs x [..., n]")
+    w = _vector(x, weight, "layer_norm", "weight", 1.0)
+    b = _vector(x, bias, "layer_norm", "bias", 0.0)
+    return x.tracer.emit(graph.LayerNormOp(x.value, w.value, b.value, float(eps)))
+
+
+def rms_norm(x: Tensor, weight=None, eps: float = 1e-6) -> Tensor:
+    """Return `x * rsqrt(mean(x^2) + eps) * weight` over the last dim (LLaMA's RMSNorm)."""
+    x = _tensor(x, "rms_norm")
+    _float(x, "rms_norm")
+    if x.ndim < 1:
+        raise fail("rms_norm", "needs x [..., n]")
+    w = _vector(x, weight, "rms_norm", "weight", 1.0)
+    return x.tracer.emit(graph.RmsNormOp(x.value, w.value, float(eps)))
+
+
+# ----------------------------------------------------------------------------- indexing
+
+
+def embedding(table: Tensor, ids: Tensor) -> Tensor:
+    """Return `table[ids]`: table [V, D] float, integer ids [...] -> [..., D]."""
+    table, ids = _tensor(table, "embedding"), _tensor(ids, "embedding")
+    if table.ndim != 2:
+        raise fail("embedding", f"the table must be [V, D], got {list(table.shape)}")
+    if not ids.dtype.startswith("int"):
+        raise fail("embedding", f"ids must be integers, got {ids.dtype}")
+    _float(table, "embedding")
+    return table.tracer.emit(graph.EmbeddingOp(table.value, ids.value, _typed(table, (*ids.shape, table.shape[1]))))
+
+
+def causal_mask(scores: Tensor) -> Tensor:
+    """Return scores [..., Tq, Tk] with entries whose key index j > query index i set to -inf."""
+    scores = _tensor(scores, "causal_mask")
+    if scores.ndim < 2:
+        raise fail("causal_mask", f"needs scores [..., Tq, Tk], got {list(scores.shape)}")
+    _float(scores, "causal_mask")
+    return scores.tracer.emit(graph.CausalMaskOp(scores.value))
+
+
+def slice(x: Tensor, dim: int, start: int, stop: int) -> Tensor:  # noqa: A001 - hs.slice, as documented
+    """Return `x[..., start:stop, ...]` along `dim` (0 <= start < stop <= size; no steps)."""
+    x = _tensor(x, "slice")
+    d = _dim(x, dim, "slice")
+    if not 0 <= start < stop <= x.shape[d]:
+        raise fail("slice", f"[{start}:{stop}] is not a non-empty range of dim {d} (size {x.shape[d]})")
+    if (start, stop) == (0, x.shape[d]):
+        return x
+    shape = list(x.shape)
+    shape[d] = stop - start
+    return x.tracer.emit(graph.SliceOp(x.value, d, start, _typed(x, shape)))
+
+
+def split(x: Tensor, sizes: Sequence[int], dim: int = 0) -> list[Tensor]:
+    """Return consecutive pieces of `x` along `dim` with the given sizes (they sum to its size)."""
+    x = _tensor(x, "split")
+    d = _dim(x, dim, "split")
+    sizes = [int(s) for s in sizes]
+    if not sizes or any(s < 1 for s in sizes) or sum(sizes) != x.shape[d]:
+        raise fail("split", f"sizes {sizes} do not add up to dim {d} of {list(x.shape)}")
+    types = []
+    for s in sizes:
+        shape = list(x.shape)
+        shape[d] = s
+        types.append(_typed(x, shape))
+    op = graph.SplitOp(x.value, d, types)
+    x.tracer.emit_void(op)
+    return [Tensor(r, x.tracer) for r in op.results]
+
+
+def concat(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Return the tensors joined along `dim` (same shapes and dtypes elsewhere)."""
+    xs = [_tensor(x, "concat") for x in xs]
+    if not xs:
+        raise fail("concat", "needs at least one tensor")
+    first = xs[0]
+    d = _dim(first, dim, "concat")
+    for x in xs[1:]:
+        same = x.ndim == first.ndim and all(a == b for i, (a, b) in enumerate(zip(x.shape, first.shape)) if i != d)
+        if not same or x.dtype != first.dtype:
+            raise fail("concat", f"cannot join {[list(t.shape) for t in xs]} ({', '.join(t.dtype for t in xs)}) "
+                                 f"along dim {d}")
+    if len(xs) == 1:
+        return first
+    shape = list(first.shape)
+    shape[d] = sum(x.shape[d] for x in xs)
+    return first.tracer.emit(graph.ConcatOp([x.value for x in xs], d, _typed(first, shape)))
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def max(x: Tensor, dims: int | Sequence[int] | None = None) -> Tensor:  # noqa: A001 - hs.max, like x.max
+    """Return the maximum over `dims` (all dims if None). Its gradient goes to the positions
+    holding the maximum, split evenly between ties."""
+    x = _tensor(x, "max")
+    _float(x, "max")
+    if dims is None:
+        dims = list(range(x.ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    norm = sorted({_dim(x, d, "max") for d in dims})
+    shape = [s for i, s in enumerate(x.shape) if i not in norm]
+    return x.tracer.emit(graph.ReduceMaxOp(x.value, norm, _typed(x, shape)))
+
+
+# ----------------------------------------------------------------------------- positions, randomness
+
+
+def rope(x: Tensor, base: float = 10000.0) -> Tensor:
+    """Return the rotary position embedding of x [B, T, H, Dh] (HuggingFace LLaMA convention:
+    `x * cos + rotate_half(x) * sin`, `inv_freq = base ** (-arange(0, Dh, 2) / Dh)`)."""
+    x = _tensor(x, "rope")
+    _float(x, "rope")
+    if x.ndim < 3 or x.shape[-1] % 2:
+        raise fail("rope", f"needs x [B, T, H, Dh] with Dh even, got {list(x.shape)}")
+    return x.tracer.emit(graph.RopeOp(x.value, float(base)))
+
+
+STEP_INPUT = "step"
+
+
+def step_tensor(tracer: Tracer) -> Tensor:
+    """Return the scalar int64 input "step" of the training step (made on first use).
+
+    The runtime must feed it each step (the batch needs a "step" entry). A tracer that is not
+    the step's (a function module's) may provide `rng_counter()`, a scalar int64 tensor of its
+    own function, to stand for it.
+    """
+    hook = getattr(tracer, "rng_counter", None)
+    if callable(hook):
+        return hook()
+    if tracer.block.args:  # a function body: no graph.input can live here
+        raise fail("dropout", "dropout inside a function module needs the step passed in; not supported yet")
+    for op in tracer.block.ops:
+        if isinstance(op, graph.InputOp) and op.tensor_name.data == STEP_INPUT:
+            if op.result.type != TensorType(element_type("int64"), ()):
+                raise fail("dropout", f"the input '{STEP_INPUT}' must be a scalar int64")
+            return Tensor(op.result, tracer)
+    return tracer.input(STEP_INPUT, (), "int64")
+
+
+def dropout(x: Tensor, rate: float, seed: int = 0) -> Tensor:
+    """Return `x * keep / (1 - rate)` with a random keep mask of probability `1 - rate`.
+
+    The mask is a counter-based hash of (seed, a per-op salt, the scalar int64 input "step",
+    the element's global index), so it is the same however x is sharded, differs from step
+    to step, and the backward pass reuses it. `rate = 0` returns x itself.
+    """
+    x = _tensor(x, "dropout")
+    _float(x, "dropout")
+    if not 0.0 <= rate < 1.0:
+        raise fail("dropout", f"rate must be in [0, 1), got {rate}")
+    if rate == 0.0:
+        return x
+    step = step_tensor(x.tracer)
+    salt = sum(1 for op in x.tracer.block.ops if isinstance(op, graph.DropoutOp))
+    return x.tracer.emit(graph.DropoutOp(x.value, step.value, float(rate), int(seed), salt))
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int | None = None) -> Tensor:
+    """Return the mean softmax cross-entropy of `logits` [..., C] against integer `labels` [...].
+
+    With `ignore_index`, samples labelled so are left out: the mean is over the others (their
+    count is computed at run time, so it stays right when the batch is split).
+    """
+    logits, labels = _tensor(logits, "cross_entropy"), _tensor(labels, "cross_entropy")
+    if logits.ndim < 1 or labels.shape != logits.shape[:-1]:
+        raise fail("cross_entropy", f"needs logits [..., C] and labels [...], got {list(logits.shape)} "
+                                    f"and {list(labels.shape)}")
     if not labels.dtype.startswith("int"):
         raise fail("cross_entropy", f"labels must be integers, got {labels.dtype}")
+    _float(logits, "cross_entropy")
+    ignore = None if ignore_index is None else int(ignore_index)
     per_sample = logits.tracer.emit(
-        graph.SoftmaxCrossEntropyOp(logits.value, labels.value, TensorType(logits.value.type.element_type, labels.shape))
+        graph.SoftmaxCrossEntropyOp(logits.value, labels.value, _typed(logits, labels.shape), ignore)
     )
-    return per_sample.mean()
+    if ignore is None:
+        return per_sample.mean()
+    mask = logits.tracer.emit(graph.LabelMaskOp(labels.value, ignore, _typed(logits, labels.shape)))
+    return divide(per_sample.sum(), mask.sum())

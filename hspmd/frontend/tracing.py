@@ -182,9 +182,19 @@ class Tensor:
         return self._binary(other, graph.MulOp, "mul", swap=True)
 
     def __truediv__(self, other):
-        if isinstance(other, (int, float)):
-            return self * (1.0 / other)
-        raise fail("div", "only division by a Python number is supported")
+        from hspmd.frontend.ops import divide
+
+        return divide(self, other)
+
+    def __rtruediv__(self, other):
+        from hspmd.frontend.ops import divide
+
+        return divide(other, self)
+
+    def __pow__(self, exponent):
+        from hspmd.frontend.ops import power
+
+        return power(self, exponent)
 
     def __neg__(self):
         return self * -1.0
@@ -226,6 +236,11 @@ class Tensor:
         dims = _dims(dims, self.ndim, "sum")
         shape = [s for i, s in enumerate(self.shape) if i not in dims]
         return self.tracer.emit(graph.ReduceSumOp(self.value, dims, TensorType(self.value.type.element_type, shape)))
+
+    def max(self, dims: int | Sequence[int] | None = None) -> Tensor:
+        from hspmd.frontend.ops import max as reduce_max
+
+        return reduce_max(self, dims)
 
     def mean(self, dims: int | Sequence[int] | None = None) -> Tensor:
         dims = _dims(dims, self.ndim, "mean")

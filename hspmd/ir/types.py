@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import numpy as np
-from xdsl.dialects.builtin import Float32Type, Float64Type, IntegerType, TensorType, f32, f64, i32, i64
+from xdsl.dialects.builtin import (
+    BFloat16Type,
+    Float16Type,
+    Float32Type,
+    Float64Type,
+    IntegerType,
+    TensorType,
+    bf16,
+    f16,
+    f32,
+    f64,
+    i32,
+    i64,
+)
 from xdsl.ir import Attribute
 
-DTYPES: dict[str, Attribute] = {"float32": f32, "float64": f64, "int32": i32, "int64": i64}
+DTYPES: dict[str, Attribute] = {"float16": f16, "float32": f32, "float64": f64, "int32": i32, "int64": i64}
+try:  # ml_dtypes gives NumPy a bfloat16 dtype; without it bfloat16 is not supported
+    import ml_dtypes  # noqa: F401
+
+    DTYPES["bfloat16"] = bf16
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
 
 
 def element_type(dtype: str | np.dtype) -> Attribute:
@@ -21,6 +40,10 @@ def dtype_name(typ: Attribute) -> str:
     """Return the NumPy dtype name of an IR element type or tensor type."""
     if isinstance(typ, TensorType):
         typ = typ.element_type
+    if isinstance(typ, Float16Type):
+        return "float16"
+    if isinstance(typ, BFloat16Type):
+        return "bfloat16"
     if isinstance(typ, Float32Type):
         return "float32"
     if isinstance(typ, Float64Type):
