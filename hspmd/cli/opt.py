@@ -68,8 +68,9 @@ class HspmdOptMain(xDSLOptMain):
         from hspmd.dialects.comm import Comm
         from hspmd.dialects.dist import Dist
         from hspmd.dialects.graph import Graph
+        from hspmd.dialects.optim import Optim
 
-        for dialect in (Graph, Dist, Comm):
+        for dialect in (Graph, Optim, Dist, Comm):
             if dialect.name not in self.ctx.registered_dialect_names:
                 self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
 

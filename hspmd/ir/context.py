@@ -13,13 +13,14 @@ from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyExcepti
 
 
 def make_context() -> Context:
-    """Return a fresh Context with builtin, func, graph, dist and comm loaded."""
+    """Return a fresh Context with builtin, func, graph, optim, dist and comm loaded."""
     from hspmd.dialects.comm import Comm
     from hspmd.dialects.dist import Dist
     from hspmd.dialects.graph import Graph
+    from hspmd.dialects.optim import Optim
 
     ctx = Context()
-    for dialect in (Builtin, Func, Graph, Dist, Comm):
+    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm):
         ctx.load_dialect(dialect)
     return ctx
 

@@ -23,9 +23,10 @@ from hspmd.ir.layout import Layout
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.numpy_ops import kernel_for
+from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
-KERNELS: dict[str, Callable[[Operation, int], Callable]] = {"graph": kernel_for}
+KERNELS: dict[str, Callable[[Operation, int], Callable]] = {"graph": kernel_for, "optim": optim_kernel_for}
 
 
 class PlanError(Exception):
