@@ -48,7 +48,7 @@ def trace(layers, as_function, batch=4):
     return t.finish()
 
 
-def run(module, n):
+def run(module, n, outputs=("loss",)):
     run_passes(module, annotate_pipeline(f"[0-{n - 1}]: dp={n}" if n > 2 else f"[{','.join(map(str, range(n)))}]: dp={n}"))
     run_passes(module, PHYSICAL_PIPELINE)
     ((_, group),) = physical_groups(module)
@@ -57,7 +57,8 @@ def run(module, n):
 
     def body(comm):
         plan = build_plan(step, comm.rank, comm)
-        return plan.run(plan.initial_state(0), plan.local_batch(batch))["loss"]
+        out = plan.run(plan.initial_state(0), plan.local_batch(batch))
+        return {k: out[k] for k in outputs}
 
     return run_spmd(n, body)
 
@@ -80,6 +81,21 @@ def test_ir_size_does_not_grow_with_layers_except_for_calls_and_parameters():
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_calls_give_the_numbers_of_inlined_layers(n):
-    inlined = run(trace(3, False), 1)[0]
-    for loss in run(trace(3, True), n):
-        np.testing.assert_allclose(loss, inlined, rtol=1e-6)
+    inlined = run(trace(3, False), 1)[0]["loss"]
+    for out in run(trace(3, True), n):
+        np.testing.assert_allclose(out["loss"], inlined, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_gradients_through_calls_equal_inlined_gradients(n):
+    names = ["loss"] + [f"grad:blocks.{i}.fc.{w}" for i in range(3) for w in ("weight", "bias")] + ["grad:head.weight"]
+    inlined_module, called_module = trace(3, False), trace(3, True)
+    for m in (inlined_module, called_module):
+        run_passes(m, "autodiff")
+    text = module_text(called_module)
+    assert "@Block_0_fwd" in text and "@Block_0_bwd" in text and "func.func private @Block_0(" not in text
+    assert text.count("func.call @Block_0_bwd") == 3
+    inlined = run(inlined_module, 1, names)[0]
+    for out in run(called_module, n, names):
+        for k in names:
+            np.testing.assert_allclose(out[k], inlined[k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -15,6 +15,8 @@ from xdsl.passes import ModulePass
 _PASSES = {
     "autodiff": "hspmd.transforms.autodiff:Autodiff",
     "sgd": "hspmd.transforms.sgd:SGD",
+    "adam": "hspmd.transforms.adam:Adam",
+    "clip-grad-norm": "hspmd.transforms.clip_grad_norm:ClipGradNorm",
     "apply-strategy": "hspmd.transforms.apply_strategy:ApplyStrategy",
     "propagate-layouts": "hspmd.transforms.propagate_layouts:PropagateLayouts",
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",

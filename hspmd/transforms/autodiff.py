@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.context import Context
+from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph
 from hspmd.transforms.util import PassError, step_function, terminator
+from hspmd.transforms.call_vjp import CallDifferentiator, is_float
 from hspmd.transforms.vjp_rules import Emitter, vjp
 
 GRAD_PREFIX = "grad:"
@@ -28,6 +30,45 @@ def grad_name(param: str) -> str:
 
 
 _LEAVES: tuple[type[Operation], ...] = (graph.ParameterOp, graph.InputOp, graph.ConstantOp)
+
+
+def reverse_sweep(
+    forward: list[Operation],
+    seeds: dict[SSAValue, SSAValue],
+    needs: set[SSAValue],
+    before: Operation,
+    calls: CallDifferentiator | None = None,
+) -> dict[SSAValue, SSAValue]:
+    """Return the gradient of every value in `needs` reached from `seeds`, emitted before `before`.
+
+    `forward` are the ops to differentiate, in program order; `seeds` maps values to their
+    incoming gradients. Calls are differentiated through their callee's forward/backward pair.
+    """
+    emit = Emitter(before)
+    grads = dict(seeds)
+
+    def accumulate(value: SSAValue, g: SSAValue) -> None:
+        grads[value] = emit(graph.AddOp(grads[value], g)) if value in grads else g
+
+    for fop in reversed(forward):
+        if isinstance(fop, (graph.OutputOp, graph.AssignOp, *_LEAVES)) or not fop.results:
+            continue
+        gs = [grads.get(r) for r in fop.results]
+        if all(g is None for g in gs):
+            continue
+        if isinstance(fop, func.CallOp):
+            if calls is None:
+                raise PassError("autodiff: a call outside a module")
+            dys = [g if g is not None else emit(graph.ConstantOp(0.0, r.type)) for g, r in zip(gs, fop.results)]
+            fwd = calls.forward_call(fop)
+            for i, g in calls.backward_call(fwd, dys, emit).items():
+                if fwd.operands[i] in needs:
+                    accumulate(fwd.operands[i], g)
+            continue
+        for operand, make in zip(fop.operands, vjp(fop, gs, emit)):
+            if make is not None and operand in needs:
+                accumulate(operand, make())
+    return grads
 
 
 @dataclass(frozen=True)
@@ -54,27 +95,15 @@ class Autodiff(ModulePass):
         needs: set[SSAValue] = set()
         for fop in forward:
             if isinstance(fop, graph.ParameterOp) or any(v in needs for v in fop.operands):
-                needs.update(fop.results)
+                needs.update(r for r in fop.results if is_float(r))
+        calls = CallDifferentiator(op, reverse_sweep)
+        seed = graph.ConstantOp(1.0, loss.type)
+        block.insert_op_before(seed, terminator(fn))
+        grads = reverse_sweep(forward, {loss: seed.result}, needs, terminator(fn), calls)
         emit = Emitter(terminator(fn))
-        grads: dict[SSAValue, SSAValue] = {loss: emit(graph.ConstantOp(1.0, loss.type))}
-
-        def accumulate(value: SSAValue, g: SSAValue) -> None:
-            grads[value] = emit(graph.AddOp(grads[value], g)) if value in grads else g
-
-        for fop in reversed(forward):
-            if isinstance(fop, (graph.OutputOp, graph.AssignOp, *_LEAVES)) or not fop.results:
-                continue
-            gs = [grads.get(r) for r in fop.results]
-            if all(g is None for g in gs):
-                continue
-            for operand, make in zip(fop.operands, vjp(fop, gs, emit)):
-                if make is not None and operand in needs:
-                    accumulate(operand, make())
-
-        for fop in forward:
-            if isinstance(fop, graph.ParameterOp):
-                name = fop.tensor_name.data
-                g = grads.get(fop.result)
-                if g is None:
-                    g = emit(graph.ConstantOp(0.0, fop.result.type))
-                block.insert_op_before(graph.OutputOp(grad_name(name), g), terminator(fn))
+        for param in [o for o in block.ops if isinstance(o, graph.ParameterOp)]:
+            g = grads.get(param.result)
+            if g is None:
+                g = emit(graph.ConstantOp(0.0, param.result.type))
+            block.insert_op_before(graph.OutputOp(grad_name(param.tensor_name.data), g), terminator(fn))
+        calls.drop_unused()

@@ -1,7 +1,11 @@
-"""`sgd`: plain stochastic gradient descent as IR, `w <- w - lr * grad`.
+"""`sgd`: torch.optim.SGD as IR (momentum, Nesterov, weight decay; dampening 0).
 
-Consumes every `graph.output "grad:NAME"` that `autodiff` made and replaces it with
-`graph.assign "NAME"` of the updated value, so the step function updates its parameters.
+`sgd{lr=0.1 momentum=0.9 weight_decay=1.0e-04 nesterov=true lr_input=false}` replaces every
+`graph.output "grad:NAME"` that `autodiff` made by one `optim.sgd` of the parameter, its
+gradient, its momentum buffer `graph.parameter "opt.momentum.NAME" {init = "zeros"}` (only
+when momentum != 0) and the learning rate, and `graph.assign`s of the new parameter and
+buffer. It also counts steps in `opt.step`. The learning rate is the constant `lr`, or, with
+`lr_input=true`, the scalar `graph.input "lr" : tensor<f64>` the runtime feeds each step.
 """
 
 from __future__ import annotations
@@ -12,34 +16,36 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from hspmd.dialects import graph
-from hspmd.transforms.autodiff import GRAD_PREFIX
-from hspmd.transforms.util import PassError, step_function, terminator
+from hspmd.dialects import optim
+from hspmd.transforms.optimizer import OptimizerBuilder, check_option, state_name
+from hspmd.transforms.util import PassError
 
 
 @dataclass(frozen=True)
 class SGD(ModulePass):
-    """Replace each parameter's gradient output by the update `w - lr * g`."""
+    """Replace each parameter's gradient output by a fused SGD update."""
 
     name = "sgd"
     lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    lr_input: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        fn = step_function(op)
-        block = fn.body.block
-        params = {o.tensor_name.data: o for o in block.ops if isinstance(o, graph.ParameterOp)}
-        grads = [
-            o for o in block.ops if isinstance(o, graph.OutputOp) and o.tensor_name.data.startswith(GRAD_PREFIX)
-        ]
-        if not grads:
-            raise PassError("sgd: no gradient outputs; run 'autodiff' first")
-        ret = terminator(fn)
-        for out in grads:
-            name = out.tensor_name.data[len(GRAD_PREFIX) :]
-            if name not in params:
-                raise PassError(f"sgd: gradient of unknown parameter '{name}'")
-            scaled = graph.ScaleOp(out.value, -self.lr)
-            new = graph.AddOp(params[name].result, scaled.result)
-            block.insert_ops_before([scaled, new, graph.AssignOp(name, new.result)], ret)
-            out.detach()
-            out.erase()
+        check_option(self.name, "lr", self.lr, 0.0)
+        check_option(self.name, "momentum", self.momentum, 0.0)
+        check_option(self.name, "weight_decay", self.weight_decay, 0.0)
+        if self.nesterov and self.momentum == 0.0:
+            raise PassError(f"{self.name}: nesterov=true needs a momentum > 0")
+        b = OptimizerBuilder(op, self.name)
+        lr = b.learning_rate(self.lr, self.lr_input)
+        b.count_step()
+        for param, grad in b.gradients:
+            name = param.tensor_name.data
+            buf = b.state(state_name("momentum", name), "zeros", param.result.type) if self.momentum else None
+            update = b.emit(optim.SGDOp(param.result, grad, buf, lr, self.momentum, self.weight_decay, self.nesterov))
+            b.assign(name, update.results[0])
+            if buf is not None:
+                b.assign(state_name("momentum", name), update.results[1])
+        b.consume_gradients()

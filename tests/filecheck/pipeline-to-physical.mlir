@@ -31,15 +31,11 @@ builtin.module {
 // CHECK:             %l = graph.scale %s {{.*}} : (tensor<f32>) -> tensor<f32>
 // CHECK-NEXT:        [[LOSS:%.*]] = comm.all_reduce %l {groups = [array<i64: 0, 1>]} : tensor<f32> -> tensor<f32>
 // CHECK-NEXT:        graph.output "loss", [[LOSS]] : tensor<f32>
-// CHECK-NOT:         {{dist\.reshard|comm\.}}
-// CHECK:             [[SW:%.*]] = graph.scale {{%.*}} {factor = -5.000000e-01 : f64} : (tensor<4x3xf32>) -> tensor<4x3xf32>
-// CHECK-NEXT:        [[GW:%.*]] = comm.all_reduce [[SW]] {groups = [array<i64: 0, 1>]} : tensor<4x3xf32> -> tensor<4x3xf32>
-// CHECK-NEXT:        [[NW:%.*]] = graph.add %w, [[GW]] : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x3xf32>
+// CHECK:             [[GW:%.*]] = comm.all_reduce %7 {groups = [array<i64: 0, 1>]} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK-NEXT:        [[NW:%.*]] = optim.sgd %w, [[GW]], {{%.*}} {{.*}} : (tensor<4x3xf32>, tensor<4x3xf32>, tensor<f64>) -> tensor<4x3xf32>
 // CHECK-NEXT:        graph.assign "w", [[NW]] : tensor<4x3xf32>
-// CHECK-NOT:         {{dist\.reshard|comm\.}}
-// CHECK:             [[SB:%.*]] = graph.scale {{%.*}} {factor = -5.000000e-01 : f64} : (tensor<3xf32>) -> tensor<3xf32>
-// CHECK-NEXT:        [[GB:%.*]] = comm.all_reduce [[SB]] {groups = [array<i64: 0, 1>]} : tensor<3xf32> -> tensor<3xf32>
-// CHECK-NEXT:        [[NB:%.*]] = graph.add %b, [[GB]] : (tensor<3xf32>, tensor<3xf32>) -> tensor<3xf32>
+// CHECK-NEXT:        [[GB:%.*]] = comm.all_reduce %5 {groups = [array<i64: 0, 1>]} : tensor<3xf32> -> tensor<3xf32>
+// CHECK-NEXT:        [[NB:%.*]] = optim.sgd %b, [[GB]], {{%.*}} {{.*}} : (tensor<3xf32>, tensor<3xf32>, tensor<f64>) -> tensor<3xf32>
 // CHECK-NEXT:        graph.assign "b", [[NB]] : tensor<3xf32>
 // CHECK-NEXT:        func.return
 // CHECK-NEXT:      }
