@@ -23,6 +23,7 @@ from hspmd.runtime.bundle import BundleError, read_manifest
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.plan import PlanError, build_plan
+from hspmd.runtime.schedule import ScheduleError, schedule_from_spec
 
 
 class RunError(Exception):
@@ -37,6 +38,7 @@ class RunResult:
     params: dict[str, np.ndarray] | None = None
     initial_params: dict[str, np.ndarray] | None = None  # with keep_outputs, on rank 0
     outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # with keep_outputs: this rank's, per step
+    lrs: list[float] = field(default_factory=list)  # the learning rate fed as input "lr", per step (if it has one)
 
 
 def load_batches(script: str, config: dict):
@@ -47,6 +49,26 @@ def load_batches(script: str, config: dict):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return iter(module.batches(config))
+
+
+def step_inputs(step: int, config: dict, input_names) -> dict[str, np.ndarray]:
+    """Return the per-step scalar inputs the plan reads: "lr" (from the schedule) and "step".
+
+    "lr" follows `config["lr_schedule"]` (a `hspmd.runtime.schedule` spec; a constant
+    `config["lr"]` without one); "step" is the step number, counting from 1.
+    """
+    out: dict[str, np.ndarray] = {}
+    if "lr" in input_names:
+        spec = config.get("lr_schedule") or ({"kind": "constant", "lr": config["lr"]} if "lr" in config else None)
+        if spec is None:
+            raise RunError("the program reads input 'lr' but the config has neither 'lr_schedule' nor 'lr'")
+        try:
+            out["lr"] = np.asarray(schedule_from_spec(spec)(step), dtype=np.float64)
+        except ScheduleError as err:
+            raise RunError(f"config 'lr_schedule': {err}") from None
+    if "step" in input_names:
+        out["step"] = np.asarray(step, dtype=np.int64)
+    return out
 
 
 def train(
@@ -81,6 +103,7 @@ def train(
     steps = int(config.get("steps", 10) if steps is None else steps)
     state = plan.initial_state(int(config.get("seed", 0)))
     batches = load_batches(manifest.script, config)
+    names = {leaf.name for leaf in plan.inputs}
     result = RunResult()
     if keep_outputs:
         result.initial_params = gather_parameters(plan, state, comm)
@@ -91,6 +114,10 @@ def train(
                 batch = next(batches)
             except StopIteration:
                 raise RunError(f"the script's batches ran out after {step - 1} steps") from None
+            scalars = step_inputs(step, config, names)
+            if "lr" in scalars:
+                result.lrs.append(float(scalars["lr"]))
+            batch = {**batch, **scalars}
             start = time.perf_counter()
             outputs = plan.run(state, plan.local_batch(batch))
             elapsed = time.perf_counter() - start
@@ -103,6 +130,8 @@ def train(
                     print(f"step {step}/{steps}  loss {loss:.6f}  {elapsed * 1e3:.1f} ms", flush=True)
                 if log_file:
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
+                    if "lr" in scalars:
+                        record["lr"] = result.lrs[-1]
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
     finally:
