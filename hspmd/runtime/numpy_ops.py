@@ -115,17 +115,24 @@ def erf(x: np.ndarray) -> np.ndarray:
     return _erf_series(x).astype(x.dtype, copy=False)
 
 
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`a @ b`; a batch of rows times one 2-D matrix is done as one 2-D product (one BLAS call)."""
+    if b.ndim == 2 and a.ndim > 2:
+        return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1])
+    return np.matmul(a, b)
+
+
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     """GELU: exact `x Phi(x)` (approximate="none") or the tanh form (approximate="tanh")."""
     if approximate == "tanh":
-        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3)))
+        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * (x * x * x))))
     return 0.5 * x * (1 + erf(x / math.sqrt(2.0)))
 
 
 def gelu_grad(x: np.ndarray, dy: np.ndarray, approximate: str) -> np.ndarray:
     """`dy * gelu'(x)`."""
     if approximate == "tanh":
-        t = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3))
+        t = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * (x * x * x)))
         d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
     else:
         cdf = 0.5 * (1 + erf(x / math.sqrt(2.0)))
@@ -351,9 +358,9 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             factor = _result_dtype(op).type(op.factor.value.data)
             return lambda x: x * factor
         case graph.MatmulOp():
-            return np.matmul
+            return matmul
         case graph.MatmulRhsGradOp():
-            return lambda a, g: np.tensordot(a, g, axes=(list(range(a.ndim - 1)), list(range(g.ndim - 1))))
+            return lambda a, g: a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
         case graph.TransposeOp():
             perm = op.perm.get_values()
             return lambda x: np.transpose(x, perm).copy()
