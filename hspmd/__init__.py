@@ -6,6 +6,7 @@
 """
 
 from hspmd.frontend import nn
+from hspmd.frontend import optim
 from hspmd.frontend.ops import (
     causal_mask,
     cast,

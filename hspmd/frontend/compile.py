@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from xdsl.dialects.builtin import ModuleOp
 
-from hspmd.frontend.script import ModelScript, trace_script
+from hspmd.frontend.optim import Optimizer
+from hspmd.frontend.script import ModelScript, script_optimizer, trace_script
 from hspmd.frontend.strategy import parse_strategy
 from hspmd.ir.context import module_text
 from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, logical_pipeline, run_passes
+from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
 
 
 def default_strategy(n: int) -> str:
@@ -30,15 +31,25 @@ class Compiled:
     logical: ModuleOp
     annotated: ModuleOp
     physical: ModuleOp
+    # the learning-rate schedule the runtime feeds as input "lr" (hspmd.runtime.schedule spec)
+    lr_schedule: dict | None = None
 
 
-def compile_script(script: ModelScript, strategy: str, num_devices: int | None = None) -> Compiled:
-    """Return the logical, annotated and physical IR of the script's training step."""
+def compile_script(
+    script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True
+) -> Compiled:
+    """Return the logical, annotated and physical IR of the script's training step.
+
+    `optimizer`: True uses the script's `optimizer(config)` (plain SGD with `config["lr"]` if it
+    has none), an `hspmd.optim` optimizer overrides it, and False compiles no update at all:
+    the step then outputs every gradient as `grad:NAME`.
+    """
     parsed = parse_strategy(strategy)
     if num_devices is not None:
         parsed.check_devices(num_devices)
     logical = trace_script(script)
-    run_passes(logical, logical_pipeline(float(script.config.get("lr", 0.01))))
+    opt = script_optimizer(script) if optimizer is True else optimizer or None
+    run_passes(logical, "autodiff" + (f",{opt.pipeline()}" if opt is not None else ""))
     verify_logical(logical)
     annotated = logical.clone()
     run_passes(annotated, annotate_pipeline(str(parsed)))
@@ -46,7 +57,7 @@ def compile_script(script: ModelScript, strategy: str, num_devices: int | None =
     physical = annotated.clone()
     run_passes(physical, PHYSICAL_PIPELINE)
     verify_physical(physical)
-    return Compiled(script, str(parsed), logical, annotated, physical)
+    return Compiled(script, str(parsed), logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
 
 
 def write_bundle(compiled: Compiled, directory: str) -> str:
@@ -61,7 +72,7 @@ def write_bundle(compiled: Compiled, directory: str) -> str:
         groups.append(GroupEntry(list(devices), name))
     manifest = Manifest(
         script=compiled.script.path,
-        config=compiled.script.config,
+        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
         strategy=compiled.strategy,
         num_devices=sum(len(g.devices) for g in groups),
         groups=groups,

@@ -107,6 +107,25 @@ def set_config(config: dict, key: str, value) -> None:
     node[last] = value
 
 
+def script_optimizer(script: ModelScript):
+    """Return the script's `optimizer(config)`, or plain SGD with `config["lr"]` (0.01 if absent)."""
+    from hspmd.frontend.optim import SGD, Optimizer
+
+    make = getattr(script.module, "optimizer", None)
+    if make is None:
+        return SGD(float(script.config.get("lr", 0.01)))
+    try:
+        opt = make(script.config)
+    except Exception as err:  # the user's code (a bad argument raises ValueError with the reason)
+        raise ScriptError(f"{script.path}: optimizer(config) failed: {type(err).__name__}: {err}") from None
+    if not isinstance(opt, Optimizer):
+        raise ScriptError(
+            f"{script.path}: optimizer(config) must return an hspmd.optim optimizer (SGD, Adam, AdamW), "
+            f"got {type(opt).__name__}"
+        )
+    return opt
+
+
 def trace_script(script: ModelScript) -> ModuleOp:
     """Return the logical IR of the script's forward step: parameters, inputs, `graph.output "loss"`."""
     try:
