@@ -4,7 +4,8 @@ A module class that sets `function = True` (a transformer block, say) is traced,
 time it is called with given parameter and input shapes, into a private `func.func @Block_0`
 whose arguments are its parameters followed by its inputs. Every call, the first included,
 becomes a `func.call` with the caller's parameter values, so a 48-layer model's IR is the
-2-layer IR plus calls.
+2-layer IR plus calls (and its parameters). A function that draws random numbers (dropout)
+takes one more argument, a counter that differs per call and per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Block, Region
 
+from hspmd.dialects import graph
 from hspmd.frontend.tracing import Tensor, Tracer, fail
+from hspmd.ir.types import element_type
 
 
 def function_key(module, args: Sequence[Tensor]) -> tuple:
@@ -49,6 +52,8 @@ def call_module(tracer: Tracer, module, args: Sequence[Tensor]):
         tracer.functions[key] = _trace_function(tracer, module, params, args, key)
     callee = tracer.functions[key]
     operands = [p.traced(type(module).__name__).value for p in params] + [a.value for a in args]
+    if len(callee.body.block.args) > len(operands):  # the callee draws random numbers: pass a counter
+        operands.append(_call_counter(tracer, key).value)
     call = func.CallOp(callee.sym_name.data, operands, callee.function_type.outputs.data)
     tracer.emit_void(call)
     results = tuple(Tensor(r, tracer) for r in call.results)
@@ -61,6 +66,14 @@ def _trace_function(tracer: Tracer, module, params, args: Sequence[Tensor], key)
     block = Block(arg_types=arg_types)
     inner = Tracer(name, tracer.functions)
     inner.block = block
+
+    def rng_counter() -> Tensor:
+        """The callee's random-number counter: an extra last argument, made on first use."""
+        if len(block.args) == len(arg_types):
+            block.insert_arg(TensorType(element_type("int64"), ()), len(block.args))
+        return Tensor(block.args[-1], inner)
+
+    inner.rng_counter = rng_counter  # type: ignore[attr-defined]
     saved = [p._traced for p in params]
     try:
         for p, arg in zip(params, block.args):
@@ -75,4 +88,19 @@ def _trace_function(tracer: Tracer, module, params, args: Sequence[Tensor], key)
     block.add_op(func.ReturnOp(*[o.value for o in outs]))
     result_types = [o.value.type for o in outs]
     assert all(isinstance(t, TensorType) for t in result_types)
-    return func.FuncOp(name, (arg_types, result_types), Region(block), visibility="private")
+    return func.FuncOp(name, (list(block.arg_types), result_types), Region(block), visibility="private")
+
+
+def _call_counter(tracer: Tracer, key) -> Tensor:
+    """Return the counter for the next call of function `key`: the step, offset per call.
+
+    Each call gets `step + (call index << 32)`, so every layer draws different random numbers
+    (dropout masks) and every step too.
+    """
+    from hspmd.frontend.ops import step_tensor
+
+    index = tracer.call_counts.get(key, 0)
+    tracer.call_counts[key] = index + 1
+    step = step_tensor(tracer)
+    offset = tracer.constant(float(index << 32), (), "int64")
+    return tracer.emit(graph.AddOp(step.value, offset.value))

@@ -51,6 +51,7 @@ class Tracer:
         # callee functions traced once and called per use (see hspmd.frontend.functions),
         # shared with the tracers of those functions
         self.functions: dict = {} if functions is None else functions
+        self.call_counts: dict = {}  # calls made so far per function (for per-call counters)
 
     def emit(self, op) -> Tensor:
         """Append `op` and return its (single) result as a Tensor."""
