@@ -57,13 +57,34 @@ def test_bad_input_raises_trace_error(t, make, message):
     assert "test_ops_errors.py:" in str(err.value)
 
 
-def test_dropout_inside_a_function_module_is_refused_clearly(t):
+def test_dropout_inside_a_function_module_draws_a_different_mask_per_call(t):
+    import numpy as np
+
+    from hspmd.ir.levels import physical_groups
+    from hspmd.runtime.comm import InProcessCommunicator
+    from hspmd.runtime.plan import build_plan
+    from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+
     class Drop(hs.nn.Module):
         function = True
 
         def forward(self, x):
             return hs.dropout(x, 0.5)
 
-    x = t.input("x", (2, 3), "float32")
-    with pytest.raises(hs.TraceError, match="dropout inside a function module"):
-        Drop()(x)
+    x = t.input("x", (8, 8), "float32")
+    layer = Drop()
+    first, second = layer(x), layer(x)
+    t.output("a", first)
+    t.output("b", second)
+    module = t.finish()
+    run_passes(module, annotate_pipeline("[0]: dp=1"))
+    run_passes(module, PHYSICAL_PIPELINE)
+    ((_, group),) = physical_groups(module)
+    step = next(o for o in group.body.block.ops if o.sym_name.data == "train_step")
+    (comm,) = InProcessCommunicator.create_world(1)
+    plan = build_plan(step, 0, comm)
+    batch = {"x": np.ones((8, 8), np.float32), "step": np.array(1, np.int64)}
+    out = plan.run({}, plan.local_batch(batch))
+    assert set(np.unique(out["a"])) <= {0.0, 2.0} and not np.array_equal(out["a"], out["b"])
+    batch["step"] = np.array(2, np.int64)
+    assert not np.array_equal(plan.run({}, plan.local_batch(batch))["a"], out["a"])

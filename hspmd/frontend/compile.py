@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.frontend.optim import Optimizer
-from hspmd.frontend.script import ModelScript, script_optimizer, trace_script
+from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
 from hspmd.frontend.strategy import parse_strategy
 from hspmd.ir.context import module_text
 from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
@@ -49,7 +49,9 @@ def compile_script(
         parsed.check_devices(num_devices)
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
-    run_passes(logical, "autodiff" + (f",{opt.pipeline()}" if opt is not None else ""))
+    scale = loss_scale(script)
+    autodiff = "autodiff" if scale == 1.0 else f"autodiff{{loss_scale={scale!r}}}"
+    run_passes(logical, autodiff + (f",{opt.pipeline()}" if opt is not None else ""))
     verify_logical(logical)
     annotated = logical.clone()
     run_passes(annotated, annotate_pipeline(str(parsed)))

@@ -97,12 +97,20 @@ class Module:
 
 
 @contextmanager
-def bind_parameters(model: Module, tracer: Tracer):
-    """Within the block, every parameter of `model` stands for a `graph.parameter` value."""
+def bind_parameters(model: Module, tracer: Tracer, compute_dtype: str | None = None):
+    """Within the block, every parameter of `model` stands for a `graph.parameter` value.
+
+    With `compute_dtype` (float16 or bfloat16), floating parameters stay master weights in
+    their own dtype and the model sees them cast to `compute_dtype`.
+    """
+    from hspmd.frontend.ops import cast
+
     params = list(model.named_parameters())
     try:
         for name, p in params:
             p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
+            if compute_dtype and p.dtype.startswith("float") and p.dtype != compute_dtype:
+                p._traced = cast(p._traced, compute_dtype)
         yield
     finally:
         for _, p in params:

@@ -131,6 +131,11 @@ def divide(a, b) -> Tensor:
     return a._binary(_tensor(b, "div"), graph.DivOp, "div")
 
 
+# Like autocast: with float16/bfloat16 inputs, these ops compute in float32 and give back the
+# input's dtype (cross-entropy gives float32): their sums and exponentials need the range.
+REDUCED_PRECISION = ("float16", "bfloat16")
+
+
 def cast(x: Tensor, dtype: str) -> Tensor:
     """Return x converted to `dtype` (float16, bfloat16, float32 or float64)."""
     x = _tensor(x, "cast")
@@ -153,6 +158,8 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     """Return `exp(x) / sum(exp(x))` along `dim` (computed stably)."""
     x = _tensor(x, "softmax")
     _float(x, "softmax")
+    if x.dtype in REDUCED_PRECISION:
+        return cast(softmax(cast(x, "float32"), dim), x.dtype)
     return x.tracer.emit(graph.SoftmaxOp(x.value, _dim(x, dim, "softmax")))
 
 
@@ -175,6 +182,9 @@ def layer_norm(x: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     _float(x, "layer_norm")
     if x.ndim < 1:
         raise fail("layer_norm", "needs x [..., n]")
+    if x.dtype in REDUCED_PRECISION:
+        up = [None if v is None else cast(_tensor(v, "layer_norm"), "float32") for v in (weight, bias)]
+        return cast(layer_norm(cast(x, "float32"), up[0], up[1], eps), x.dtype)
     w = _vector(x, weight, "layer_norm", "weight", 1.0)
     b = _vector(x, bias, "layer_norm", "bias", 0.0)
     return x.tracer.emit(graph.LayerNormOp(x.value, w.value, b.value, float(eps)))
@@ -186,6 +196,9 @@ def rms_norm(x: Tensor, weight=None, eps: float = 1e-6) -> Tensor:
     _float(x, "rms_norm")
     if x.ndim < 1:
         raise fail("rms_norm", "needs x [..., n]")
+    if x.dtype in REDUCED_PRECISION:
+        up = None if weight is None else cast(_tensor(weight, "rms_norm"), "float32")
+        return cast(rms_norm(cast(x, "float32"), up, eps), x.dtype)
     w = _vector(x, weight, "rms_norm", "weight", 1.0)
     return x.tracer.emit(graph.RmsNormOp(x.value, w.value, float(eps)))
 
@@ -348,6 +361,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int | None = Non
     if not labels.dtype.startswith("int"):
         raise fail("cross_entropy", f"labels must be integers, got {labels.dtype}")
     _float(logits, "cross_entropy")
+    if logits.dtype in REDUCED_PRECISION:
+        logits = cast(logits, "float32")
     ignore = None if ignore_index is None else int(ignore_index)
     per_sample = logits.tracer.emit(
         graph.SoftmaxCrossEntropyOp(logits.value, labels.value, _typed(logits, labels.shape), ignore)

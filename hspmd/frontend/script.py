@@ -11,7 +11,9 @@ A model script is a Python file that defines:
 - `batches(config)`: yields global batches, dicts of NumPy arrays with fixed shapes, the
   same sequence on every call (the runtime gives each rank its piece of each batch);
 - optionally `optimizer(config)`: returns an optimizer of `hspmd.optim` (default: plain SGD
-  with `config["lr"]`).
+  with `config["lr"]`);
+- optionally `config["precision"]` ("float32", "bfloat16" or "float16") and
+  `config["loss_scale"]`: mixed precision with float32 master weights (see `precision`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.frontend.nn import Module, bind_parameters
+from hspmd.frontend.ops import REDUCED_PRECISION, cast
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
+from hspmd.ir.types import element_type
 
 REQUIRED = ("config", "model", "loss", "batches")
 
@@ -135,11 +139,14 @@ def trace_script(script: ModelScript) -> ModuleOp:
     model = script.module.model(script.config)
     if not isinstance(model, Module):
         raise ScriptError(f"{script.path}: model(config) must return an hspmd.nn.Module, got {type(model).__name__}")
+    compute = precision(script)
     tracer = Tracer()
-    with bind_parameters(model, tracer):
+    with bind_parameters(model, tracer, compute):
         inputs = {
             name: tracer.input(name, np.shape(value), np.asarray(value).dtype.name) for name, value in first.items()
         }
+        if compute:  # float inputs enter the model in the compute dtype
+            inputs = {k: cast(v, compute) if v.dtype.startswith("float") else v for k, v in inputs.items()}
         try:
             loss = script.module.loss(model, inputs)
         except TraceError:
@@ -152,5 +159,35 @@ def trace_script(script: ModelScript) -> ModuleOp:
             raise TraceError(f"{where}: tracing failed: {type(err).__name__}: {err}") from None
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise TraceError(f"{script.path}: loss(model, batch) must return a scalar tensor, got {loss!r}")
+        if loss.dtype != "float32" and loss.dtype in REDUCED_PRECISION:
+            loss = cast(loss, "float32")
         tracer.output("loss", loss)
     return tracer.finish()
+
+
+def precision(script: ModelScript) -> str | None:
+    """Return the compute dtype the config asks for (`precision`: float16 or bfloat16), or None.
+
+    Parameters stay float32 master weights; the forward and backward compute in the reduced
+    dtype, with softmax, norms and the loss in float32. `loss_scale` (default 1024 for float16,
+    1 otherwise) multiplies the loss before the backward and divides the gradients after.
+    """
+    value = script.config.get("precision", "float32")
+    if value in (None, "float32"):
+        return None
+    if value not in REDUCED_PRECISION:
+        raise ScriptError(f"config precision={value!r}: expected float32, bfloat16 or float16")
+    try:
+        element_type(value)
+    except TypeError as err:
+        raise ScriptError(f"config precision={value!r}: {err} (bfloat16 needs the ml_dtypes package)") from None
+    return value
+
+
+def loss_scale(script: ModelScript) -> float:
+    """Return the static loss scale of the script's config (see `precision`)."""
+    default = 1024.0 if script.config.get("precision") == "float16" else 1.0
+    value = script.config.get("loss_scale", default)
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ScriptError(f"config loss_scale={value!r}: expected a positive number")
+    return float(value)

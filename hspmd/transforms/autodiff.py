@@ -3,7 +3,9 @@
 Finds `graph.output "LOSS"` (option `loss`, default "loss"), walks the ops that lead to it in
 reverse, and appends the backward ops before `func.return`. The gradient of each parameter
 becomes `graph.output "grad:NAME"`, which an optimizer pass consumes. Values used several
-times get their gradient contributions summed with `graph.add`.
+times get their gradient contributions summed with `graph.add`. With `loss_scale` S the
+backward starts from S instead of 1 and each parameter's gradient is divided by S (static
+loss scaling for float16).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Autodiff(ModulePass):
 
     name = "autodiff"
     loss: str = "loss"
+    loss_scale: float = 1.0
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         fn = step_function(op)
@@ -97,7 +100,7 @@ class Autodiff(ModulePass):
             if isinstance(fop, graph.ParameterOp) or any(v in needs for v in fop.operands):
                 needs.update(r for r in fop.results if is_float(r))
         calls = CallDifferentiator(op, reverse_sweep)
-        seed = graph.ConstantOp(1.0, loss.type)
+        seed = graph.ConstantOp(self.loss_scale, loss.type)  # a scaled loss keeps float16 gradients in range
         block.insert_op_before(seed, terminator(fn))
         grads = reverse_sweep(forward, {loss: seed.result}, needs, terminator(fn), calls)
         emit = Emitter(terminator(fn))
@@ -105,5 +108,7 @@ class Autodiff(ModulePass):
             g = grads.get(param.result)
             if g is None:
                 g = emit(graph.ConstantOp(0.0, param.result.type))
+            elif self.loss_scale != 1.0:
+                g = emit(graph.ScaleOp(g, 1.0 / self.loss_scale))
             block.insert_op_before(graph.OutputOp(grad_name(param.tensor_name.data), g), terminator(fn))
         calls.drop_unused()
