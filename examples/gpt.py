@@ -12,6 +12,8 @@ config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128, "dropout": 0.0},
     "data": {"batch_size": 16},
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
+    "precision": "float32",  # or bfloat16 / float16 (float32 master weights)
+    "loss_scale": None,  # static; None: 1024 for float16, else 1
     "steps": 200,
     "seed": 0,
 }

@@ -187,7 +187,8 @@ def precision(script: ModelScript) -> str | None:
 def loss_scale(script: ModelScript) -> float:
     """Return the static loss scale of the script's config (see `precision`)."""
     default = 1024.0 if script.config.get("precision") == "float16" else 1.0
-    value = script.config.get("loss_scale", default)
+    value = script.config.get("loss_scale")
+    value = default if value is None else value
     if not isinstance(value, (int, float)) or value <= 0:
         raise ScriptError(f"config loss_scale={value!r}: expected a positive number")
     return float(value)
