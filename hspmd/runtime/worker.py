@@ -96,7 +96,10 @@ def train(
     module = parse_module(open(path).read(), path)
     verify_physical(module)
     (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
-    fn = next(op for op in group_module.walk() if op.name == "func.func")
+    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
+               and op.sym_name.data == "train_step"), None)
+    if fn is None:
+        raise RunError(f"{path}: the group's module has no @train_step function")
     plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
 
     config = manifest.config
