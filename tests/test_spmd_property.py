@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
-from hspmd.dialects.dist import with_layout
+from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.frontend.ops import cross_entropy, relu
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.init_spec import initial_value
@@ -183,6 +183,8 @@ def programs(draw) -> Program:
             choices += ["matmul", "matmul", "transpose", "sumdim", "bias", "bias", "reshape"]
         if len(shape) == 1 and shape[0] in (4, 8, 16, 32, 64):
             choices += ["reshape"]
+        if len(shape) == 3:
+            choices += ["reshape", "reshape"]
         op = draw(st.sampled_from(choices))
         if op == "matmul":
             b = operand_of_shape((shape[1], draw(st.sampled_from(DIMS))))
@@ -204,7 +206,14 @@ def programs(draw) -> Program:
             prog.add(("sumdim", a, d), shape[1 - d: 2 - d])
         elif op == "reshape":
             size = math.prod(shape)
-            if len(shape) == 2:
+            if len(shape) == 3:  # merge two neighbouring dims back
+                new = (shape[0] * shape[1], shape[2]) if draw(st.booleans()) else (shape[0], shape[1] * shape[2])
+            elif len(shape) == 2 and draw(st.integers(0, 2)) == 0 and max(shape) >= 4:
+                # split one dim into two (major sub-dim first), as [B,T,D] -> [B,T,H,hd]
+                d = draw(st.sampled_from([i for i in range(2) if shape[i] >= 4]))
+                major = draw(st.sampled_from([m for m in (2, 4) if shape[d] % m == 0 and shape[d] > m]))
+                new = (major, shape[0] // major, shape[1]) if d == 0 else (shape[0], major, shape[1] // major)
+            elif len(shape) == 2:
                 new = (size,)
             else:
                 rows = draw(st.sampled_from([r for r in DIMS if size % r == 0 and size // r in DIMS]))
@@ -535,3 +544,34 @@ def test_regression_producer_cannot_give_what_consumer_needs():
     b = prog.add(("sumdim", a, 0), (2,))
     prog.add(("bias", a, b), (2, 2))
     _check_fixed(prog, {"w0": _spmd(2, (split(0), 2))}, 2)
+
+
+def test_reshape_carries_a_split_to_the_major_sub_dim():
+    """[4,8] split(1)=2 -> [4,2,4] (as [B,T,D] -> [B,T,H,hd]) keeps the split on the major
+    sub-dim, through relu and back to [4,8] (no gather in between); a degree that
+    does not divide the major sub-dim ([32] split(0)=4 -> [2,16]) is gathered instead."""
+    prog = Program()
+    w = prog.leaf("param", (4, 8))
+    a = prog.add(("reshape", w, (4, 2, 4)), (4, 2, 4))
+    a = prog.add(("relu", a), (4, 2, 4))
+    prog.add(("reshape", a, (4, 8)), (4, 8))
+    layouts = {"w0": _spmd(2, (split(1), 2))}
+    _check_fixed(prog, layouts, 2)
+    module = trace(prog)
+    for op in list(module.walk()):
+        if isinstance(op, graph.ParameterOp):
+            Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, layouts["w0"]))
+    run_passes(module, "propagate-layouts")
+    relu, back = [op for op in module.walk() if isinstance(op, (graph.ReluOp, graph.ReshapeOp))][1:3]
+    assert str(layout_of(relu.result)) == "[0,1]: split(1)=2"  # the major sub-dim
+    assert str(layout_of(back.result)) == "[0,1]: split(1)=2"
+
+    prog = Program()
+    w = prog.leaf("param", (32,))
+    a = prog.add(("reshape", w, (2, 16)), (2, 16))
+    prog.add(("relu", a), (2, 16))
+    _check_fixed(prog, {"w0": _spmd(4, (split(0), 4))}, 4)
+    prog = Program()
+    w = prog.leaf("param", (8, 4))
+    prog.add(("reshape", w, (32,)), (32,))
+    _check_fixed(prog, {"w0": _spmd(4, (split(0), 4))}, 4)

@@ -46,6 +46,7 @@ class OpRule:
     linear: frozenset[int] = frozenset()
     joint: bool = True
     blocked: frozenset[str] = frozenset()
+    extents: tuple[tuple[str, int], ...] = ()  # (factor, size): a split degree of it must divide size
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -92,9 +93,9 @@ def rule_for(op: Operation) -> OpRule | None:
             d = _dims("d", len(_shape(op.input)))
             return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
         case graph.ReshapeOp():
-            src, dst = _reshape_factors(_shape(op.input), _shape(op.result))
+            src, dst, extents = _reshape_factors(_shape(op.input), _shape(op.result))
             blocked = frozenset(f for f in (*src, *dst) if f.startswith("r"))
-            return OpRule((src,), (dst,), frozenset({0}), blocked=blocked)
+            return OpRule((src,), (dst,), frozenset({0}), blocked=blocked, extents=extents)
         case graph.BroadcastOp():
             dims = op.dims.get_values()
             src_shape, dst_shape = _shape(op.input), _shape(op.result)
@@ -196,8 +197,18 @@ def _rule_for_more(op: Operation) -> OpRule | None:
     return None
 
 
-def _reshape_factors(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Return factors for a reshape: dims kept whole at the same offset share a factor."""
+def _reshape_factors(
+    src: Sequence[int], dst: Sequence[int]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """Return (source factors, result factors, extents) for a reshape.
+
+    Dims kept whole at the same offset (stride) share a factor. A dim that is the product of
+    consecutive dims of the other side ending at the same offset (`[B,T,D] -> [B,T,H,hd]`,
+    D = H*hd, or the reverse merge) shares its factor with the MAJOR of those sub-dims: a split
+    of D into k contiguous chunks is a split of H into k chunks exactly when k divides H, so the
+    factor's extent is H (`extents`) and a degree that does not divide it is not offered. The
+    minor sub-dims, and dims matched in no way, get blocked factors (`rs*`, `rd*`).
+    """
 
     def offsets(shape):
         out, acc = [], 1
@@ -207,15 +218,41 @@ def _reshape_factors(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[str,
         return list(reversed(out))
 
     so, do = offsets(src), offsets(dst)
-    shared = {}
+    shared: dict[int, int] = {}  # source dim -> result dim with the same factor
     for i, (s, o) in enumerate(zip(src, so)):
         for j, (t, p) in enumerate(zip(dst, do)):
             if s == t and o == p and j not in shared.values():
                 shared[i] = j
                 break
+    extents: list[tuple[str, int]] = []
+
+    def merge(big, big_off, small, small_off, taken_big, taken_small):
+        """Yield (big dim, major small dim) where big dim = product of consecutive small dims."""
+        for i, (s, o) in enumerate(zip(big, big_off)):
+            if i in taken_big or s == 1:
+                continue
+            for j in range(len(small)):
+                prod, k = 1, j
+                while k < len(small) and prod < s:
+                    prod *= small[k]
+                    k += 1
+                if k - j >= 2 and prod == s and small_off[k - 1] == o and small[j] > 1 \
+                        and not any(x in taken_small for x in range(j, k)):
+                    yield i, j
+                    taken_small.update(range(j, k))
+                    break
+
+    used_src, used_dst = set(shared), set(shared.values())
+    for i, j in list(merge(src, so, dst, do, used_src, used_dst)):  # one source dim -> several result dims
+        shared[i] = j
+        used_src.add(i)
+        extents.append((f"f{j}", dst[j]))
+    for j, i in list(merge(dst, do, src, so, used_dst, used_src)):  # several source dims -> one result dim
+        shared[i] = j
+        extents.append((f"f{j}", src[i]))
     a = tuple(f"f{shared[i]}" if i in shared else f"rs{i}" for i in range(len(src)))
     b = tuple(f"f{j}" if j in shared.values() else f"rd{j}" for j in range(len(dst)))
-    return a, b
+    return a, b, tuple(extents)
 
 
 # ----------------------------------------------------------------------------- inference
@@ -246,6 +283,11 @@ class Inference:
     results: tuple[Layout, ...]
 
 
+def _fits(rule: OpRule, factor: str, degree: int) -> bool:
+    """Return whether `factor` may be split `degree` ways (its extent, where the rule gives one, divides)."""
+    return all(size % degree == 0 for f, size in rule.extents if f == factor)
+
+
 def _infer_group(
     rule: OpRule, ins: Sequence[DistributedStates | None], hint: DistributedStates | None, n: int
 ) -> tuple[list[DistributedStates], list[DistributedStates]]:
@@ -268,7 +310,7 @@ def _infer_group(
         for m, (axis, _) in enumerate(axes):
             if axis.kind == "split":
                 f = factors[axis.dim]
-                if roles[m] is None and f not in used and f not in rule.blocked:
+                if roles[m] is None and f not in used and f not in rule.blocked and _fits(rule, f, mesh[m]):
                     roles[m] = ("factor", f)
                     used.add(f)
             elif axis == PARTIAL and idx is not None and idx in rule.linear:

@@ -1,39 +1,207 @@
 """`apply-strategy`: turn strategy text into layouts on the step's parameters and inputs.
 
-`apply-strategy{strategy="[0,1]: dp=2"}` sets the type of every `graph.parameter` to a
-layout replicated over the devices, and of every `graph.input` to one split along its first
-(batch) dim over the data-parallel degree. Other values are left to `propagate-layouts`.
+`apply-strategy{strategy="[0-3]: dp=2 tp=2"}` sets the type of every `graph.parameter` and
+`graph.input` of the step to a layout over the group's devices; other values are left to
+`propagate-layouts`. The group's devices form a mesh `dp` major, `tp` minor: with dp=2 tp=2
+devices 0,1 are one tensor-parallel pair, 2,3 the other.
+
+* inputs: split along their first (batch) dim over dp, replicated over tp (a scalar input is
+  replicated);
+* parameters: replicated over dp; over tp, Megatron-style (below), else replicated;
+* optimizer state `opt.<kind>.NAME` shaped like parameter NAME: NAME's layout.
+
+**Tensor parallelism (tp > 1): which weights are column- and row-parallel.** A forward walk of
+the logical IR, into callees (`func.call` operands that are parameters map to the callee's
+arguments; a callee is classified once for all its calls), looks at each `graph.matmul` whose
+right operand is a 2-D parameter `W [in, out]` (possibly through `graph.cast`):
+
+1. if its left operand derives from no column candidate, `W` is a *column candidate*: its
+   result is marked as derived from `W`;
+2. if its left operand derives from column candidates (through any ops but another such
+   matmul and layer/RMS norms, which start afresh), `W` is *row-parallel*, `split(0)` over tp,
+   and those candidates are *column-parallel*, `split(1)` over tp;
+3. a candidate that no row-parallel matmul consumes (the LM head, an MLP's last layer) stays
+   replicated, as do weights classified both ways, norms, embeddings and row-parallel biases;
+   the bias `b` of a column-parallel weight (`matmul(x, W) + broadcast(b)`) is `split(0)`.
+
+So in a transformer block q/k/v (or the fused qkv) and the MLP's first weights (fc, w1, w3)
+are column-parallel, the attention output projection and the MLP's last weight row-parallel:
+the forward needs one all-reduce per pair (after the row-parallel matmul), the backward one
+per pair too. The propagation of layouts decides everything else, so a weight classified
+"wrongly" costs collectives, never correctness. Limits: the GPT's fused qkv output is cut by
+`graph.split` along the split dim, whose rule keeps that dim whole, so it is all-gathered there
+(correct; the attention is then computed whole on each tp rank); the vocabulary is not split.
+
+Bad input: a column-parallel dim (or the head count that a column output is reshaped into)
+that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the rule.
+Heterogeneous groups and pipeline parallelism raise "not supported yet".
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from xdsl.context import Context
+from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Block, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
 from hspmd.dialects.dist import with_layout
-from hspmd.frontend.strategy import Strategy, StrategyError, parse_strategy
-from hspmd.ir.layout import DistributedStates, Layout, LayoutError, split
-from hspmd.transforms.util import PassError, step_function
+from hspmd.dialects.sharding import _reshape_factors
+from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
+from hspmd.ir.layout import DUP, DistributedStates, Layout, LayoutError, split
+from hspmd.transforms.util import PassError, callee_of, step_function
+
+COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
 
 
-def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
-    """Return (parameter layout, batch layout) for a data-parallel strategy of one group."""
+def strategy_group(strategy: Strategy) -> StrategyGroup:
+    """Return the one group of `strategy`; raise PassError for what is not supported yet."""
     if len(strategy.groups) != 1:
         raise PassError(
             f"strategy '{strategy}' has {len(strategy.groups)} device groups; "
             "heterogeneous groups are not supported yet: use one group"
         )
     (group,) = strategy.groups
-    if group.tp != 1 or group.pp != 1:
-        raise PassError(f"strategy '{strategy}': tensor and pipeline parallelism are not supported yet (tp=1, pp=1)")
+    if group.pp != 1:
+        raise PassError(f"strategy '{strategy}': pipeline parallelism is not supported yet (pp=1)")
+    return group
+
+
+def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
+    """Return (replicated parameter layout, batch layout) of a one-group strategy."""
+    group = strategy_group(strategy)
     params = Layout.replicated(group.devices)
-    batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp)))
+    batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (DUP, group.tp)))
     return params, batch
+
+
+def role_layout(group: StrategyGroup, role: str | None) -> Layout:
+    """Return the layout of a parameter with tensor-parallel `role` (None: replicated)."""
+    dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0}.get(role)  # type: ignore[arg-type]
+    if dim is None:
+        return Layout.replicated(group.devices)
+    return Layout.spmd(group.devices, DistributedStates.of((DUP, group.dp), (split(dim), group.tp)))
+
+
+# ----------------------------------------------------------------------------- classification
+
+
+class _Walk:
+    """Classify parameters as column/row-parallel (see the module docstring)."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self.callees: dict[str, dict[int, set[str]]] = {}  # callee name -> arg index -> roles
+        self.names: dict[Hashable, str] = {}  # key -> a parameter name for messages
+
+    @staticmethod
+    def _through_casts(v: SSAValue) -> SSAValue:
+        while isinstance(v.owner, graph.CastOp):
+            v = v.owner.input
+        return v
+
+    def block_roles(self, block: Block, keys: dict[SSAValue, Hashable], describe) -> dict[Hashable, set[str]]:
+        """Return {key: roles} for the parameters of `block` (values in `keys`)."""
+        roles: dict[Hashable, set[str]] = {}
+        taint: dict[SSAValue, frozenset[Hashable]] = {}
+        candidates: dict[Hashable, list[graph.MatmulOp]] = {}
+        paired: set[Hashable] = set()
+
+        def key_of(v: SSAValue) -> Hashable | None:
+            return keys.get(self._through_casts(v))
+
+        for op in block.ops:
+            if isinstance(op, graph.MatmulOp) and len(op.rhs.type.get_shape()) == 2 \
+                    and (k := key_of(op.rhs)) is not None:
+                sources = taint.get(op.lhs, frozenset())
+                if sources:
+                    roles.setdefault(k, set()).add(ROW)
+                    paired.update(sources)
+                else:
+                    candidates.setdefault(k, []).append(op)
+                    taint[op.result] = frozenset({k})
+                continue
+            if isinstance(op, (graph.LayerNormOp, graph.RmsNormOp)):
+                continue
+            if isinstance(op, func.CallOp):
+                callee = callee_of(op)
+                inner = self.callee_roles(callee, {i: k for i, v in enumerate(op.operands)
+                                                   if (k := key_of(v)) is not None})
+                for i, rs in inner.items():
+                    if (k := key_of(op.operands[i])) is not None:
+                        roles.setdefault(k, set()).update(rs)
+                continue
+            sources = frozenset().union(*(taint.get(v, frozenset()) for v in op.operands))
+            if not sources:
+                continue
+            for r in op.results:
+                taint[r] = sources
+            if isinstance(op, graph.ReshapeOp):
+                self._check_heads(op, sources, describe)
+        for k in paired:
+            roles.setdefault(k, set()).add(COLUMN)
+            for mm in candidates.get(k, []):
+                for use in mm.result.uses:
+                    add = use.operation
+                    if not isinstance(add, graph.AddOp):
+                        continue
+                    other = add.operands[1 - use.index]
+                    if isinstance(other.owner, graph.BroadcastOp):
+                        b = key_of(other.owner.input)
+                        if b is not None and len(other.owner.input.type.get_shape()) == 1:
+                            roles.setdefault(b, set()).add(COLUMN_BIAS)
+        return roles
+
+    def callee_roles(self, callee: func.FuncOp, arg_keys: dict[int, Hashable]) -> dict[int, set[str]]:
+        """Return {argument index: roles} of `callee`'s parameter arguments (once per callee)."""
+        name = callee.sym_name.data
+        if name not in self.callees:
+            self.callees[name] = {}  # a recursive call sees no roles
+            args = callee.body.block.args
+            keys = {args[i]: i for i in arg_keys if i < len(args)}
+            self.callees[name] = self.block_roles(
+                callee.body.block, keys, lambda k: self.names.get(arg_keys.get(k), f"argument {k} of @{name}"))
+        return self.callees[name]
+
+    def _check_heads(self, op: graph.ReshapeOp, sources, describe) -> None:
+        """Raise if a column output's last (split) dim is reshaped into heads that tp does not divide."""
+        src, dst = op.input.type.get_shape(), op.result.type.get_shape()
+        a, _, extents = _reshape_factors(src, dst)
+        extent = dict(extents).get(a[-1])
+        if extent is not None and extent % self.tp:
+            k = sorted(map(str, sources))[0]
+            raise PassError(
+                f"apply-strategy: tp={self.tp} does not divide the {extent} heads that the output of "
+                f"column-parallel weight {describe(next(s for s in sources if str(s) == k))} is reshaped into "
+                f"({_shape_text(src)} -> {_shape_text(dst)}); its output dim is split tp ways, which must "
+                f"divide the head count"
+            )
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def tensor_parallel_roles(module: ModuleOp, tp: int) -> dict[str, str]:
+    """Return {parameter name: "column" | "row" | "column-bias"} for tensor parallelism of `tp`."""
+    step = step_function(module)
+    walk = _Walk(tp)
+    params = {o.result: o.tensor_name.data for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
+    shapes = {o.tensor_name.data: o.result.type.get_shape() for o in step.body.block.ops
+              if isinstance(o, graph.ParameterOp)}
+    walk.names = {n: f"'{n}' {_shape_text(shapes[n])}" for n in params.values()}
+    roles = walk.block_roles(step.body.block, params, lambda k: walk.names[k])
+    return {name: next(iter(rs)) for name, rs in roles.items() if len(rs) == 1}
+
+
+_RULE = {COLUMN: "column-parallel weight [in, out] is split along its output dim 1",
+         ROW: "row-parallel weight [in, out] is split along its input dim 0",
+         COLUMN_BIAS: "the bias of a column-parallel weight is split like its output dim"}
 
 
 @dataclass(frozen=True)
@@ -48,16 +216,34 @@ class ApplyStrategy(ModulePass):
             strategy = parse_strategy(self.strategy)
         except StrategyError as err:
             raise PassError(str(err)) from None
+        group = strategy_group(strategy)
         params, batch = strategy_layouts(strategy)
-        for leaf in list(step_function(op).body.block.ops):
-            if isinstance(leaf, (graph.ParameterOp, graph.InputOp)):
-                layout = params if isinstance(leaf, graph.ParameterOp) else batch
-                kind = "parameter" if isinstance(leaf, graph.ParameterOp) else "input"
-                shape = leaf.result.type.get_shape()
-                if isinstance(leaf, graph.InputOp) and not shape:
-                    layout = params
-                try:
-                    layout.check_shape(shape, f"{kind} '{leaf.tensor_name.data}'")
-                except LayoutError as err:
-                    raise PassError(str(err)) from None
-                Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+        leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
+        roles = tensor_parallel_roles(op, group.tp) if group.tp > 1 else {}
+        names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+        for leaf in leaves:
+            name = leaf.tensor_name.data
+            shape = leaf.result.type.get_shape()
+            if isinstance(leaf, graph.InputOp):
+                layout, kind = (batch if shape else params), "input"
+            else:
+                kind = "parameter"
+                role = roles.get(name)
+                if role is None and name.startswith("opt."):  # optimizer state follows its parameter
+                    owner = name.split(".", 2)[-1]
+                    if names.get(owner) == shape:
+                        role = roles.get(owner)
+                layout = role_layout(group, role)
+                if role is not None:
+                    try:
+                        layout.check_shape(shape, f"parameter '{name}'")
+                    except LayoutError as err:
+                        raise PassError(
+                            f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
+                            f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
+                            f"{str(err).rsplit(': ', 1)[-1]}") from None
+            try:
+                layout.check_shape(shape, f"{kind} '{name}'")
+            except LayoutError as err:
+                raise PassError(str(err)) from None
+            Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
