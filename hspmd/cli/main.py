@@ -1,6 +1,6 @@
 """`hspmd`: compile model scripts through the three IR levels and run them on N ranks.
 
-    hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--set K=V ...]
+    hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
     hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
@@ -65,9 +65,41 @@ def cmd_compile(args) -> int:
         write_bundle(compiled, args.dump_dir)
         files = sorted(os.listdir(args.dump_dir))
         print(f"wrote {', '.join(files)} to {args.dump_dir}")
-    else:
+    if args.report:
+        from hspmd.ir.report import collective_report, format_report
+
+        sys.stdout.write(format_report(collective_report(compiled.physical), compiled.physical))
+    if args.explain:
+        from hspmd.ir.report import explain_rows, format_explain
+
+        sys.stdout.write(format_explain(explain_rows(*annotate_with_provenance(compiled))))
+    if not (args.dump_dir or args.report or args.explain):
         sys.stdout.write(module_text(getattr(compiled, args.level)))
     return 0
+
+
+def annotate_with_provenance(compiled):
+    """Return the annotated IR of `compiled` made again from its logical IR, and where each layout came from.
+
+    The annotate pipeline runs as in `compile_script`, with `propagate-layouts` through
+    `propagate`, which also returns the provenance; the IR is the same as `compiled.annotated`.
+    """
+    from hspmd.ir.context import make_context
+    from hspmd.ir.levels import verify_annotated
+    from hspmd.transforms.pipeline import annotate_pipeline, build_passes
+    from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
+
+    module = compiled.logical.clone()
+    ctx = make_context()
+    provenance = {}
+    for p in build_passes(annotate_pipeline(compiled.strategy)):
+        if isinstance(p, PropagateLayouts):
+            provenance = propagate(module)
+        else:
+            p.apply(ctx, module)
+    module.verify()
+    verify_annotated(module)
+    return module, provenance
 
 
 def cmd_run(args) -> int:
@@ -121,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-n", type=int, help="number of devices (default: the strategy's)")
     c.add_argument("--dump-dir", help="write logical.mlir, annotated.mlir, physical_group*.mlir and a manifest")
     c.add_argument("--level", choices=("logical", "annotated", "physical"), default="physical",
-                   help="level to print when no --dump-dir is given")
+                   help="level to print when no --dump-dir, --report or --explain is given")
+    c.add_argument("--report", action="store_true",
+                   help="print every collective of the physical program per device group, with bytes per rank per step")
+    c.add_argument("--explain", action="store_true",
+                   help="print each value of the annotated step with its layout and where that layout came from")
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="train a model script or a compiled bundle on N ranks")

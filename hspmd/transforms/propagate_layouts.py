@@ -19,6 +19,15 @@ Calls (repeated layers): when the layouts of a `func.call`'s operands are known,
 is propagated with its arguments laid out so, and the call's results take the layouts of
 what the callee returns. Calls with the same argument layouts share one callee; a call with
 other layouts gets its own copy of the callee (`@Block_0_l1`).
+
+Provenance: `propagate(module)` does the same as the pass and also returns, for each tensor
+value it laid out, where its layout came from (`hspmd compile --explain` prints it):
+`strategy` (a layout the value already had: apply-strategy's, or a user's), `argument of
+@F` (a callee's argument, laid out as the call's operand), `forward: OP rule` (from its
+operands), `backward: needed by OP` (a value made from constants takes its consumer's need),
+`refined for OP` (a producer made to give its consumer's layout where that costs nothing),
+`default: replicated` (nobody constrained it).
+Recording it never changes what is computed.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, StringAttr, SymbolRefAttr, TensorType
 from xdsl.dialects import func
-from xdsl.ir import Block, Operation, SSAValue
+from xdsl.ir import Block, BlockArgument, Operation, OpResult, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
@@ -65,6 +74,31 @@ def required_operand_layouts(
     return list(infer(op, ins, hint).operands)
 
 
+Provenance = dict[SSAValue, str]
+
+
+def _current(v: SSAValue) -> SSAValue:
+    """Return the value now in `v`'s place (its op's result or block's argument of the same index)."""
+    if isinstance(v, OpResult):
+        return v.op.results[v.index]
+    assert isinstance(v, BlockArgument)
+    return v.block.args[v.index]
+
+
+def propagate(module: ModuleOp) -> Provenance:
+    """Run propagate-layouts on `module` in place; return where each tensor value's layout came from.
+
+    The keys are the values as they are after the pass (types carry the layouts).
+    """
+    block = step_function(module).body.block
+    seeds = {v: lay for o in block.ops for v in o.results if (lay := layout_of(v)) is not None}
+    if not seeds:
+        raise PassError("propagate-layouts: no value has a layout to start from; run apply-strategy first")
+    why: Provenance = {}
+    PropagateLayouts()._propagate(block, next(iter(seeds.values())), {}, why)
+    return {_current(v): reason for v, reason in why.items() if isinstance(v.type, TensorType)}
+
+
 @dataclass(frozen=True)
 class PropagateLayouts(ModulePass):
     """Write a layout into the type of every tensor value of the step function."""
@@ -72,19 +106,21 @@ class PropagateLayouts(ModulePass):
     name = "propagate-layouts"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        block = step_function(op).body.block
-        seeds = {v: lay for o in block.ops for v in o.results if (lay := layout_of(v)) is not None}
-        if not seeds:
-            raise PassError("propagate-layouts: no value has a layout to start from; run apply-strategy first")
-        self._propagate(block, next(iter(seeds.values())), {})
+        propagate(op)
 
-    def _propagate(self, block: Block, reference: Layout, specialized: dict[tuple, func.FuncOp]) -> None:
-        """Lay out every value of `block` (a function body whose seeds have layouts)."""
+    def _propagate(
+        self, block: Block, reference: Layout, specialized: dict[tuple, func.FuncOp], why: Provenance
+    ) -> None:
+        """Lay out every value of `block` (a function body whose seeds have layouts); note why in `why`."""
         ops = list(block.ops)
         layouts: dict[SSAValue, Layout] = {}
         for v in (*block.args, *(r for o in ops for r in o.results)):
             if (lay := layout_of(v)) is not None:
                 layouts[v] = lay
+                if isinstance(v, BlockArgument):
+                    why.setdefault(v, f"argument of @{block.parent_op().sym_name.data}")  # type: ignore[union-attr]
+                else:
+                    why.setdefault(v, "strategy")
         params = {o.tensor_name.data: layouts[o.result] for o in ops if isinstance(o, graph.ParameterOp) and o.result in layouts}
 
         # values made from constants only: nothing upstream decides them, their consumers do
@@ -94,26 +130,30 @@ class PropagateLayouts(ModulePass):
                 free.update(o.results)
 
         def calls() -> bool:
-            return self._calls(ops, layouts, free, reference, specialized)
+            return self._calls(ops, layouts, free, reference, specialized, why)
 
         try:
             changed = True
             while changed:
-                changed = self._forward(ops, layouts) | calls()
-                changed |= self._backward(ops, layouts, params, free)
+                changed = self._forward(ops, layouts, why) | calls()
+                changed |= self._backward(ops, layouts, params, free, why)
                 if not changed:  # a call still waiting on values nobody constrains: replicate them
-                    changed = self._calls(ops, layouts, free, reference, specialized, force=True)
-            self._refine(ops, layouts, params)
+                    changed = self._calls(ops, layouts, free, reference, specialized, why, force=True)
+            self._refine(ops, layouts, params, why)
         except ShardingError as err:
             raise PassError(f"propagate-layouts: {err}") from None
 
         for o in ops:
             for v in o.results:
                 if isinstance(v.type, TensorType) and layout_of(v) is None:
+                    if v not in layouts:
+                        why[v] = "default: replicated"
                     lay = layouts.get(v, replicated_like(reference))
                     Rewriter.replace_value_with_new_type(v, with_layout(v.type, lay))
 
-    def _calls(self, ops, layouts, free, reference: Layout, specialized: dict, force: bool = False) -> bool:
+    def _calls(
+        self, ops, layouts, free, reference: Layout, specialized: dict, why: Provenance, force: bool = False
+    ) -> bool:
         """Specialise the callee of each call whose operand layouts are known; True if any was."""
         changed = False
         for o in ops:
@@ -125,19 +165,23 @@ class PropagateLayouts(ModulePass):
                     continue
                 for v in unknown:
                     layouts[v] = replicated_like(reference)
+                    why[v] = "default: replicated"
             if any(v not in layouts for v in o.operands):
                 continue
-            callee = self._specialize(o, [layouts[v] for v in o.operands], reference, specialized)
+            callee = self._specialize(o, [layouts[v] for v in o.operands], reference, specialized, why)
             ret = callee.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
             for r, v in zip(o.results, ret.operands):
                 layouts[r] = layout_of(v)  # type: ignore[assignment]
+                why[r] = f"forward: func.call @{callee.sym_name.data} returns"
             changed = True
             if force:
                 break
         return changed
 
-    def _specialize(self, call: func.CallOp, args: list[Layout], reference: Layout, specialized: dict) -> func.FuncOp:
+    def _specialize(
+        self, call: func.CallOp, args: list[Layout], reference: Layout, specialized: dict, why: Provenance
+    ) -> func.FuncOp:
         """Return the callee laid out for `args` (made once per argument layouts) and point `call` at it."""
         original = callee_of(call)
         key = (original.sym_name.data, tuple(args))
@@ -147,9 +191,14 @@ class PropagateLayouts(ModulePass):
             if taken:
                 fn.sym_name = StringAttr(f"{key[0]}_l{sum(1 for k in specialized if k[0] == key[0])}")
                 original.parent_block().insert_op_after(fn, original)  # type: ignore[union-attr]
+                now = {_current(v): reason for v, reason in why.items()}
+                for a, b in zip(original.walk(), fn.walk()):  # the copy's values: as in the original
+                    for x, y in zip(a.results, b.results):
+                        if x in now:
+                            why[y] = now[x]
             for arg, lay in zip(list(fn.body.block.args), args):
                 Rewriter.replace_value_with_new_type(arg, with_layout(arg.type, lay))
-            self._propagate(fn.body.block, reference, specialized)
+            self._propagate(fn.body.block, reference, specialized, why)
             fn.update_function_type()
             specialized[key] = fn
         fn = specialized[key]
@@ -157,7 +206,9 @@ class PropagateLayouts(ModulePass):
         return fn
 
     @staticmethod
-    def _refine(ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout]) -> None:
+    def _refine(
+        ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout], why: Provenance
+    ) -> None:
         """Let a producer give its first consumer's layout where that costs its operands nothing.
 
         A broadcast of a replicated bias can be made directly split like the activations it is
@@ -184,6 +235,8 @@ class PropagateLayouts(ModulePass):
                         old, layouts[v] = layouts[v], need
                         if not all(PropagateLayouts._still_gives(use.operation, layouts) for use in v.uses):
                             layouts[v] = old  # another consumer's result would change: keep it
+                        else:
+                            why[v] = f"refined for {use.operation.name}"
                 break
 
     @staticmethod
@@ -199,7 +252,7 @@ class PropagateLayouts(ModulePass):
         return all(layouts.get(r) == g for r, g in zip(op.results, got))
 
     @staticmethod
-    def _forward(ops: list[Operation], layouts: dict[SSAValue, Layout]) -> bool:
+    def _forward(ops: list[Operation], layouts: dict[SSAValue, Layout], why: Provenance) -> bool:
         changed = False
         for o in ops:
             if rule_for(o) is None or all(v in layouts for v in o.results):
@@ -213,14 +266,21 @@ class PropagateLayouts(ModulePass):
             for v, need in zip(o.operands, inference.operands):
                 if v not in layouts:
                     layouts[v] = need
+                    why[v] = f"backward: needed by {o.name}"
             for v, lay in zip(o.results, inference.results):
+                if v not in layouts:
+                    why[v] = f"forward: {o.name} rule"
                 layouts.setdefault(v, lay)
             changed = True
         return changed
 
     @staticmethod
     def _backward(
-        ops: list[Operation], layouts: dict[SSAValue, Layout], params: dict[str, Layout], free: set[SSAValue]
+        ops: list[Operation],
+        layouts: dict[SSAValue, Layout],
+        params: dict[str, Layout],
+        free: set[SSAValue],
+        why: Provenance,
     ) -> bool:
         changed = False
         for o in reversed(ops):
@@ -237,6 +297,7 @@ class PropagateLayouts(ModulePass):
                             need = infer(use.operation, ins, hint).operands[use.index]
                     if need is not None and not any(g.states.is_partial for g in need.groups):
                         layouts[v] = need
+                        why[v] = f"backward: needed by {use.operation.name}"
                         changed = True
                         break
             if rule_for(o) is not None and o.results and o.results[0] in layouts:
@@ -246,5 +307,6 @@ class PropagateLayouts(ModulePass):
                     for x, need in zip(o.operands, inference.operands):
                         if x not in layouts:
                             layouts[x] = need
+                            why[x] = f"backward: needed by {o.name}"
                             changed = True
         return changed
