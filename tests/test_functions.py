@@ -99,3 +99,30 @@ def test_gradients_through_calls_equal_inlined_gradients(n):
     for out in run(called_module, n, names):
         for k in names:
             np.testing.assert_allclose(out[k], inlined[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_a_call_with_other_argument_layouts_gets_its_own_unresharded_copy():
+    from hspmd.dialects.dist import with_layout
+    from hspmd.ir.layout_text import parse_layout
+
+    class Act(hs.nn.Module):
+        function = True
+
+        def forward(self, x):
+            return hs.relu(x) * 2.0
+
+    t = Tracer()
+    a, b = t.input("a", (4, 4), "float32"), t.input("b", (4, 4), "float32")
+    layer = Act()
+    t.output("ya", layer(a))
+    t.output("yb", layer(b))
+    module = t.finish()
+    from xdsl.rewriter import Rewriter
+
+    for op, text in zip([o for o in module.walk() if o.name == "graph.input"], ["[0,1]: split(0)=2", "[0,1]: split(1)=2"]):
+        Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, parse_layout(text)))
+    run_passes(module, "propagate-layouts,insert-reshard")
+    text = module_text(module)
+    assert "func.call @Act_0(" in text and "func.call @Act_0_l1(" in text
+    callees = text[text.index("func.func private"):]
+    assert "dist.reshard" not in callees, callees

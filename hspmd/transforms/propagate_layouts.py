@@ -187,15 +187,13 @@ class PropagateLayouts(ModulePass):
         key = (original.sym_name.data, tuple(args))
         if key not in specialized:
             taken = any(k[0] == key[0] for k in specialized)
-            fn = original.clone() if taken else original
-            if taken:
+            if not taken:  # laid out in place; keep an unannotated copy for other argument layouts
+                specialized[("pristine", key[0])] = original.clone()
+                fn = original
+            else:
+                fn = specialized[("pristine", key[0])].clone()
                 fn.sym_name = StringAttr(f"{key[0]}_l{sum(1 for k in specialized if k[0] == key[0])}")
                 original.parent_block().insert_op_after(fn, original)  # type: ignore[union-attr]
-                now = {_current(v): reason for v, reason in why.items()}
-                for a, b in zip(original.walk(), fn.walk()):  # the copy's values: as in the original
-                    for x, y in zip(a.results, b.results):
-                        if x in now:
-                            why[y] = now[x]
             for arg, lay in zip(list(fn.body.block.args), args):
                 Rewriter.replace_value_with_new_type(arg, with_layout(arg.type, lay))
             self._propagate(fn.body.block, reference, specialized, why)
