@@ -1,0 +1,35 @@
+"""End to end over MPI: `hspmd run -n N examples/gpt.py --strategy S` logs the 1-device losses."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, run_cli
+
+GPT = os.path.join(EXAMPLES, "gpt.py")
+SMALL = ["--set", "model.layers=2", "--set", "model.d_model=32", "--set", "model.seq_len=16", "--set", "data.batch_size=8"]
+STEPS = "20"
+
+
+def _losses(tmp_path, n: int, strategy: str) -> list[float]:
+    log = tmp_path / f"log-{n}-{strategy.replace(' ', '_').replace(':', '').replace('|', '')}.jsonl"
+    run_cli("hspmd", "run", "-n", str(n), GPT, "--strategy", strategy, "--steps", STEPS, "--log", str(log), *SMALL,
+            check=True, timeout=600)
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("ref"), 1, "[0]: dp=1")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2")])
+def test_gpt_over_mpi_logs_the_single_device_losses(tmp_path, reference, n, strategy):
+    losses = _losses(tmp_path, n, strategy)
+    assert len(losses) == int(STEPS)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4)
