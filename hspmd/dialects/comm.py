@@ -20,6 +20,7 @@ from xdsl.irdl import (
     ParsePropInAttrDict,
     irdl_op_definition,
     operand_def,
+    opt_prop_def,
     prop_def,
     result_def,
 )
@@ -126,9 +127,26 @@ class BroadcastOp(_Collective):
 
 @irdl_op_definition
 class AllGatherOp(_Resizing):
-    """Concatenation of the members' pieces along `dim`, in group order."""
+    """Concatenation of the members' pieces along `dim`, in group order.
+
+    With `sizes` (every member's extent along `dim`, in group order: uneven pieces, as
+    groups with unequal shares hold) the result's extent is their sum, the same on every rank.
+    """
 
     name = "comm.all_gather"
+    sizes = opt_prop_def(DenseArrayBase)
+
+    def verify_shapes(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        if self.sizes is None:
+            return super().verify_shapes(src, dst)
+        d, sizes = self._dim("dim"), tuple(self.sizes.get_values())
+        if len(sizes) != self.group_size():
+            raise VerifyException(f"'{self.name}' has {len(sizes)} sizes for groups of {self.group_size()}")
+        if not 0 <= d < len(src) or len(src) != len(dst) or src == dst:
+            return
+        if dst[d] != sum(sizes) or src[d] not in sizes or any(a != b for i, (a, b) in enumerate(zip(src, dst)) if i != d):
+            raise VerifyException(
+                f"'{self.name}' with sizes {list(sizes)} along dim {d} cannot turn {list(src)} into {list(dst)}")
 
 
 @irdl_op_definition

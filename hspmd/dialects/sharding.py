@@ -12,8 +12,11 @@ needs (a consumer inserts `dist.reshard` where a producer differs) and every res
 layout. A layout that is replicated on its whole group (`dup=n`) fits any mesh. Where the
 roles would give a tensor a layout one device order cannot express (two dup axes that are not
 neighbours), roles are dropped (those mesh axes replicate) until every layout is expressible.
-Heterogeneous unions: each group is inferred alike when all layouts share the group
-structure (same device lists, hetero axis and shares).
+Heterogeneous unions (layouts with the same device lists per group): the hetero tier is one
+more mesh axis with one role, a factor split across groups by `shares`, partial, or none;
+a factor split across groups and missing from a result (the batch dim of a weight gradient,
+of `reduce_sum`) leaves that result partial across groups (`hetero=partial`), as a mesh axis
+does. Within each group the group's states are inferred as for one SPMD group.
 """
 
 from __future__ import annotations
@@ -389,40 +392,121 @@ def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = Non
     )
     groups = base.groups
 
-    def same_structure(x: Layout) -> bool:
-        return [g.devices for g in x.groups] == [g.devices for g in groups] and (
-            len(groups) == 1 or (x.hetero, x.shares) == (base.hetero, base.shares)
-        )
+    def same_groups(x: Layout) -> bool:
+        return [g.devices for g in x.groups] == [g.devices for g in groups]
 
-    if len(groups) > 1 and base.hetero.kind == "partial":
-        raise ShardingError(f"'{op.name}': compute on a hetero=partial layout needs a reshard first")
+    # The hetero tier is one more mesh axis, of as many "devices" as there are groups: it
+    # takes one role (a factor split by shares, partial, or none) as a mesh axis does.
+    hrole: tuple[str, str] | None = None
+    hshares: tuple[int, ...] | None = None
+    hpartial: set[int] = set()
+    if len(groups) > 1:
+        hrole, hshares, hpartial = _hetero_role(op, rule, ins, hint, same_groups)
+    need_ops = [_hetero_axis(hrole, rule, rule.operands[i], i, hpartial) for i in range(len(ins))]
+    need_res = [_hetero_axis(hrole, rule, rule.results[i], None, hpartial) for i in range(len(rule.results))]
+
+    def fits(x: Layout | None, axis: Axis) -> bool:
+        if x is None or not same_groups(x):
+            return False
+        return len(groups) == 1 or (x.hetero == axis and (axis.kind != "split" or x.shares == hshares))
+
     per_group_ops: list[list[DistributedStates]] = []
     per_group_res: list[list[DistributedStates]] = []
     for gi, group in enumerate(groups):
-        def states(x: Layout | None) -> DistributedStates | None:
-            return x.groups[gi].states if x is not None and same_structure(x) else None
+        def states(x: Layout | None, axis: Axis) -> DistributedStates | None:
+            return x.groups[gi].states if fits(x, axis) else None
 
         try:
-            o, r = _infer_group(rule, [states(x) for x in ins], states(hint), len(group.devices))
+            o, r = _infer_group(rule, [states(x, need_ops[i]) for i, x in enumerate(ins)],
+                                states(hint, need_res[0]) if need_res else None, len(group.devices))
         except ShardingError as err:
             raise ShardingError(f"'{op.name}': {err} (operands {', '.join(map(str, ins))})") from None
         per_group_ops.append(o)
         per_group_res.append(r)
 
-    def assemble(k: int, per_group: list[list[DistributedStates]], factors: Sequence[str]) -> Layout:
-        hetero, shares = base.hetero, base.shares
-        if len(groups) > 1 and hetero.kind == "split":
-            f = base_factors[hetero.dim]
-            if f in rule.blocked:
-                raise ShardingError(f"'{op.name}': the hetero split dim cannot be split for this op")
-            if f not in factors:
-                raise ShardingError(f"'{op.name}': the hetero split dim does not survive this op")
-            hetero = split(list(factors).index(f))
-        return Layout(tuple(Group(g.devices, per_group[gi][k]) for gi, g in enumerate(groups)), hetero, shares)
+    def assemble(k: int, per_group: list[list[DistributedStates]], axis: Axis) -> Layout:
+        shares = hshares if axis.kind == "split" else None
+        return Layout(tuple(Group(g.devices, per_group[gi][k]) for gi, g in enumerate(groups)), axis, shares)
 
     try:
-        operands = tuple(assemble(i, per_group_ops, rule.operands[i]) for i in range(len(ins)))
-        results = tuple(assemble(i, per_group_res, rule.results[i]) for i in range(len(rule.results)))
+        operands = tuple(assemble(i, per_group_ops, need_ops[i]) for i in range(len(ins)))
+        results = tuple(assemble(i, per_group_res, need_res[i]) for i in range(len(rule.results)))
     except LayoutError as err:
         raise ShardingError(f"'{op.name}': {err}") from None
     return Inference(operands, results)
+
+
+def _hetero_role(op: Operation, rule: OpRule, ins: Sequence[Layout | None], hint: Layout | None, same_groups):
+    """Return (role, shares, partial operands) of the hetero tier of a multi-group op.
+
+    The first operand (then the hint) split across groups on a factor the op may split gives
+    the role ("factor", f) with its shares; else operands partial across groups give
+    ("partial", ""), when the op is linear in them (jointly: all its linear operands are); a
+    hint partial across groups asks for partial results as for a mesh axis. A factor split
+    across groups and missing from a result was summed over: that result is partial across groups.
+    """
+    tensors = [(x, rule.operands[i], i) for i, x in enumerate(ins) if x is not None and same_groups(x)]
+    if hint is not None and same_groups(hint) and len(rule.results) == 1:
+        tensors.append((hint, rule.results[0], None))
+    for x, factors, _ in tensors:
+        if x.hetero.kind == "split":
+            f = factors[x.hetero.dim]
+            if f in rule.blocked:
+                continue  # the consumer gathers it across groups
+            if not _apportion_carries(op, rule, f, x.shares):
+                continue  # a reshape would move rows between groups: gather them first
+            return ("factor", f), x.shares, set()
+    partial = {i for x, _, i in tensors if i is not None and x.hetero == PARTIAL and i in rule.linear}
+    if partial:
+        if rule.joint and not all(ins[j] is not None and same_groups(ins[j]) and ins[j].hetero == PARTIAL
+                                  for j in rule.linear):
+            return None, None, set()
+        return ("partial", ""), None, partial
+    if hint is not None and same_groups(hint) and hint.hetero == PARTIAL and rule.linear:
+        return ("partial", ""), None, set()
+    return None, None, set()
+
+
+def _apportion_carries(op: Operation, rule: OpRule, f: str, shares) -> bool:
+    """Return whether every tensor of `op` holding factor `f` cuts it by `shares` at the same places.
+
+    Groups hold `apportion(size, shares)` of a hetero-split dim; a reshape that merges the
+    dim with minor dims (`[B, T] -> [B*T]`) keeps the groups' rows only when
+    `apportion(B*T) == T * apportion(B)`.
+    """
+    if not rule.extents:
+        return True
+    from fractions import Fraction
+
+    from hspmd.ir.layout import apportion
+
+    cuts = set()
+    for value, factors in (*zip(op.operands, rule.operands), *zip(op.results, rule.results)):
+        shape = _shape(value)
+        for d, g in enumerate(factors):
+            if g == f:
+                size = shape[d]
+                inner = 1
+                for s in shape[d + 1:]:
+                    inner *= s
+                whole = size * inner
+                starts = [0]
+                for part in apportion(size, shares):
+                    starts.append(starts[-1] + part * inner)
+                cuts.add(tuple(Fraction(c, whole) for c in starts) if whole else ())
+    return len(cuts) <= 1
+
+
+def _hetero_axis(role, rule: OpRule, factors: Sequence[str], idx: int | None, partial: set[int]) -> Axis:
+    """Return the hetero axis a tensor with `factors` gets under hetero `role` (idx None: a result)."""
+    if role is None:
+        return DUP
+    if role[0] == "factor":
+        if role[1] in factors:
+            return split(list(factors).index(role[1]))
+        return PARTIAL if idx is None else DUP
+    if idx is None:
+        return PARTIAL
+    if rule.joint:
+        return PARTIAL if idx in rule.linear else DUP
+    return PARTIAL if idx == min(partial or rule.linear) else DUP

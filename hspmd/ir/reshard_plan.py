@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout
+from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout, split
 
 __all__ = ["CommStep", "KINDS", "plan_transition", "simulate"]
 
@@ -184,11 +184,13 @@ def _via_replicas(src: tuple[int, ...], sds: DistributedStates,
 def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     """Return the steps that turn pieces laid out as `src` into pieces laid out as `dst`.
 
-    Both layouts must be single groups over the same device set. With the same devices in the
+    Single groups over the same device set: with the same devices in the
     same order and the same degree sequence the plan works mesh axis by mesh axis (partial->dup
     all_reduce, partial->split reduce_scatter, split->dup all_gather, dup->split local_split,
     dup->partial local_zero, split(i)->split(j) all_to_all); otherwise it reduces and gathers
-    to full replicas and cuts out the destination. Equal layouts give ().
+    to full replicas and cuts out the destination. Equal layouts give (). Unions of several
+    groups over the same devices: see `_hetero` for what is handled (partial or split across
+    groups -> replicated everywhere); the rest raises NotImplementedError.
 
     >>> from hspmd.ir.layout_text import parse_layout
     >>> [str(s) for s in plan_transition(parse_layout("[0-3]: partial=2, split(0)=2"),
@@ -197,6 +199,8 @@ def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     """
     if src == dst:
         return ()
+    if (len(src.groups) > 1 or len(dst.groups) > 1) and set(src.devices) == set(dst.devices):
+        return _hetero(src, dst)
     if len(src.groups) > 1 or len(dst.groups) > 1 or set(src.devices) != set(dst.devices):
         raise NotImplementedError(
             f"cannot plan '{src}' -> '{dst}': only single groups over the same devices are handled; "
@@ -207,3 +211,45 @@ def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
         return tuple(_per_axis(sg.devices, sds, dds))
     return tuple(_via_replicas(sg.devices, sds, dg.devices, dds))
 
+
+def _replicated_everywhere(dst: Layout) -> bool:
+    return dst.hetero == DUP and all(g.states.axes in ((), ((DUP, len(g.devices)),)) for g in dst.groups)
+
+
+def _hetero(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
+    """Return the steps of a transition between unions of the same devices (see `plan_transition`).
+
+    Handled: (a) partial across groups -> replicated everywhere: each group first makes its
+    pieces partial sums in which every device counts once (a replica inside a group is
+    zeroed on all but one member, `local_zero`; split or partial axes go through the
+    one-group planner to `partial=n`), then one flat `all_reduce` over all devices sums
+    them exactly. (b) split across groups -> replicated everywhere: each group gathers a
+    split of the hetero dim inside itself only if its pieces are cut on other dims too;
+    pieces of the hetero dim are then disjoint slices, and one uneven `all_gather` over one
+    member per slice, in slice order, would leave the other replicas out, so (b) is limited
+    to groups whose devices each hold a distinct slice (states `split(d)=n_g` on the hetero dim).
+
+    Flat rather than hierarchical (reduce inside each group, all_reduce across one
+    representative per group, broadcast inside each group): one collective instead of three,
+    the same bytes per rank as a ring over all devices, and the sum is one left fold in
+    device order whatever the groups; a hierarchical form pays off only where links between
+    groups are slower than inside them, which nothing here measures yet.
+    """
+    same_groups = [g.devices for g in src.groups] == [g.devices for g in dst.groups]
+    if same_groups and _replicated_everywhere(dst):
+        if src.hetero == PARTIAL:
+            steps: list[CommStep] = []
+            for g in src.groups:
+                n = len(g.devices)
+                if n > 1 and g.states.axes != ((PARTIAL, n),):
+                    to = DistributedStates(((PARTIAL, n),))
+                    steps += plan_transition(Layout.spmd(g.devices, g.states), Layout.spmd(g.devices, to))
+            return (*steps, CommStep("all_reduce", (src.devices,)))
+        if src.hetero.kind == "split":
+            d = src.hetero.dim
+            if all(g.states.axes in ((), ((split(d), len(g.devices)),)) for g in src.groups):
+                return (CommStep("all_gather", (src.devices,), dim=d),)
+    raise NotImplementedError(
+        f"cannot plan '{src}' -> '{dst}': heterogeneous resharding is not supported yet for this transition "
+        f"(only partial across groups -> replicated everywhere, and split(d) across groups with each device "
+        f"holding its own slice -> replicated everywhere)")

@@ -34,7 +34,16 @@ per pair too. The propagation of layouts decides everything else, so a weight cl
 
 Bad input: a column-parallel dim (or the head count that a column output is reshaped into)
 that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the rule.
-Heterogeneous groups and pipeline parallelism raise "not supported yet".
+
+**Heterogeneous data parallelism (several groups, HetSeq-style).** With
+`[0,1]: dp=2 share=3 | [2]: dp=1 share=1` every group replicates the parameters (a union of
+groups each `dup=n_g`, `hetero=dup`); each batch input is split along dim 0 across the groups
+by their shares (`hetero=split(0), shares=3:1`: group g gets `apportion(B, shares)[g]` rows)
+and within a group over its dp. A group whose rows its dp does not divide (or that gets no
+rows) raises one PassError naming the input, its shape, the shares and the rule. The loss is
+`sum(per-sample) * (1/B)` with the global B, so each group's partial sum is already weighted by
+its share of the samples: summing the groups' partial gradients gives the 1-device gradient.
+tp or pp inside a group of several raise "not supported yet"; so does pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ from hspmd.dialects import graph
 from hspmd.dialects.dist import with_layout
 from hspmd.dialects.sharding import _reshape_factors
 from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
-from hspmd.ir.layout import DUP, DistributedStates, Layout, LayoutError, split
+from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.util import PassError, callee_of, step_function
 
 COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
@@ -64,7 +73,7 @@ def strategy_group(strategy: Strategy) -> StrategyGroup:
     if len(strategy.groups) != 1:
         raise PassError(
             f"strategy '{strategy}' has {len(strategy.groups)} device groups; "
-            "heterogeneous groups are not supported yet: use one group"
+            "use strategy_layouts for heterogeneous groups (dp only)"
         )
     (group,) = strategy.groups
     if group.pp != 1:
@@ -72,12 +81,47 @@ def strategy_group(strategy: Strategy) -> StrategyGroup:
     return group
 
 
+def _check_hetero(strategy: Strategy) -> None:
+    for g in strategy.groups:
+        if g.pp != 1:
+            raise PassError(f"strategy '{strategy}': pipeline parallelism is not supported yet (pp=1)")
+        if g.tp != 1:
+            raise PassError(
+                f"strategy '{strategy}': tensor parallelism in heterogeneous groups is not supported yet; "
+                f"group '{g}' has tp={g.tp} (use dp only when there are several groups)")
+
+
 def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
-    """Return (replicated parameter layout, batch layout) of a one-group strategy."""
-    group = strategy_group(strategy)
-    params = Layout.replicated(group.devices)
-    batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (DUP, group.tp)))
+    """Return (replicated parameter layout, batch layout) of a strategy.
+
+    One group: replicated / `split(0)` over dp (and dup over tp). Several groups (dp only):
+    every group replicates the parameters (`hetero=dup`); the batch is split along dim 0
+    across groups by their shares (`hetero=split(0)`) and within each group over its dp.
+    """
+    if len(strategy.groups) == 1:
+        group = strategy_group(strategy)
+        params = Layout.replicated(group.devices)
+        batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (DUP, group.tp)))
+        return params, batch
+    _check_hetero(strategy)
+    gs = strategy.groups
+    params = Layout(tuple(Group(g.devices, DistributedStates.of((DUP, g.dp))) for g in gs), DUP)
+    batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), g.dp))) for g in gs), split(0),
+                   tuple(g.share for g in gs))
     return params, batch
+
+
+def check_batch_rows(strategy: Strategy, name: str, shape) -> None:
+    """Raise PassError unless every group's dp divides the rows `apportion(B, shares)` gives it."""
+    shares = tuple(g.share for g in strategy.groups)
+    rows = apportion(shape[0], shares)
+    for g, r in zip(strategy.groups, rows):
+        if r == 0 or r % g.dp:
+            raise PassError(
+                f"apply-strategy: input '{name}' of shape {_shape_text(shape)} cannot be split by shares "
+                f"{':'.join(map(str, shares))}: its {shape[0]} batch rows are apportioned "
+                f"{'+'.join(map(str, rows))} to the groups, and group '{g}' gets {r} rows, which must be "
+                f"at least one and divisible by its dp={g.dp} (each group splits its rows equally over its dp)")
 
 
 def role_layout(group: StrategyGroup, role: str | None) -> Layout:
@@ -216,8 +260,9 @@ class ApplyStrategy(ModulePass):
             strategy = parse_strategy(self.strategy)
         except StrategyError as err:
             raise PassError(str(err)) from None
-        group = strategy_group(strategy)
+        hetero = len(strategy.groups) > 1
         params, batch = strategy_layouts(strategy)
+        group = strategy.groups[0] if hetero else strategy_group(strategy)
         leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
         roles = tensor_parallel_roles(op, group.tp) if group.tp > 1 else {}
         names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
@@ -226,6 +271,8 @@ class ApplyStrategy(ModulePass):
             shape = leaf.result.type.get_shape()
             if isinstance(leaf, graph.InputOp):
                 layout, kind = (batch if shape else params), "input"
+                if hetero and shape:
+                    check_batch_rows(strategy, name, shape)
             else:
                 kind = "parameter"
                 role = roles.get(name)
@@ -233,7 +280,7 @@ class ApplyStrategy(ModulePass):
                     owner = name.split(".", 2)[-1]
                     if names.get(owner) == shape:
                         role = roles.get(owner)
-                layout = role_layout(group, role)
+                layout = params if hetero else role_layout(group, role)
                 if role is not None:
                     try:
                         layout.check_shape(shape, f"parameter '{name}'")

@@ -17,17 +17,25 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import comm, dist
+from hspmd.dialects.graph import i64_array
+from hspmd.ir.layout import Layout, LayoutError, split
+from hspmd.ir.levels import DEVICES_ATTR
 from hspmd.ir.reshard_plan import CommStep, plan_transition
 from hspmd.transforms.util import PassError
 
 
-def _step_op(step: CommStep, value: SSAValue) -> Operation:
-    """Return the comm op performing `step` on local `value`."""
+def _step_op(step: CommStep, value: SSAValue, sizes: tuple[int, ...] | None = None) -> Operation:
+    """Return the comm op performing `step` on local `value` (`sizes`: the members' extents of an uneven gather)."""
     typ = value.type
     assert isinstance(typ, TensorType)
     shape = list(typ.get_shape())
     n = len(step.groups[0])
     kind = step.kind
+    if kind == "all_gather" and sizes is not None:
+        shape[step.dim] = sum(sizes)
+        op = comm.AllGatherOp(value, step.groups, TensorType(typ.element_type, shape), dim=step.dim)
+        op.properties["sizes"] = i64_array(sizes)
+        return op
     if kind in ("all_gather",):
         shape[step.dim] *= n
     elif kind in ("reduce_scatter", "local_split"):
@@ -70,8 +78,15 @@ class LowerReshard(ModulePass):
             value: SSAValue = reshard.input
             block = reshard.parent_block()
             assert block is not None
-            for step in steps:
-                step_op = _step_op(step, value)
+            devices = _module_devices(reshard)
+            for k, step in enumerate(steps):
+                members = [r for g in step.groups for r in g]
+                if devices is not None and not set(devices) & set(members):
+                    continue  # a step inside another device group of the union
+                sizes = None
+                if step.kind == "all_gather" and len(src.groups) > 1:
+                    sizes = _gather_sizes(step, k, src, dst, reshard)
+                step_op = _step_op(step, value, sizes)
                 block.insert_op_before(step_op, reshard)
                 value = step_op.results[0]
             if value.type != reshard.result.type:
@@ -82,3 +97,37 @@ class LowerReshard(ModulePass):
             reshard.result.replace_all_uses_with(value)
             reshard.detach()
             reshard.erase()
+
+
+def _module_devices(op: Operation) -> tuple[int, ...] | None:
+    """Return the devices of the physical group module holding `op` (None outside one)."""
+    parent = op.parent_op()
+    while parent is not None:
+        if isinstance(parent, ModuleOp) and DEVICES_ATTR in parent.attributes:
+            return tuple(parent.attributes[DEVICES_ATTR].get_values())  # type: ignore[union-attr]
+        parent = parent.parent_op()
+    return None
+
+
+def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dist.ReshardOp) -> tuple[int, ...] | None:
+    """Return the members' extents of an all_gather across the groups of `src` (None when equal).
+
+    The extents follow from the global shape, which the reshard's local types give where `dst`
+    holds a dim whole (the uneven gather makes the hetero-split dim whole); only a first step
+    sees `src`'s pieces.
+    """
+    groups_of = {src.group_index(r) for g in step.groups for r in g}
+    if len(groups_of) == 1:
+        return None
+    if k != 0:
+        raise PassError(f"lower-reshard: '{src}' -> '{dst}': an all_gather across groups must be the first step")
+    out_shape = reshard.result.type.get_shape()  # type: ignore[attr-defined]
+    whole = [dst.hetero != split(d) and all(d not in g.states.split_dims for g in dst.groups)
+             for d in range(len(out_shape))]
+    if not all(whole):
+        raise PassError(f"lower-reshard: '{src}' -> '{dst}': an uneven all_gather needs the destination whole")
+    try:
+        sizes = tuple(src.local_shape(r, out_shape)[step.dim] for r in step.groups[0])
+    except LayoutError as err:
+        raise PassError(f"lower-reshard: '{src}' -> '{dst}': {err}") from None
+    return sizes if len(set(sizes)) > 1 else None
