@@ -22,7 +22,10 @@ from hspmd.ir.levels import LevelError, physical_groups, verify_physical
 from hspmd.runtime.bundle import BundleError, read_manifest
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
 from hspmd.runtime.comm.base import Communicator
+from hspmd.dialects import graph
+from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import PlanError, build_plan
+from hspmd.transforms.pipeline_split import MICROBATCHES_ATTR, STAGE_ATTR
 from hspmd.runtime.schedule import ScheduleError, schedule_from_spec
 
 
@@ -101,6 +104,14 @@ def train(
     if fn is None:
         raise RunError(f"{path}: the group's module has no @train_step function")
     plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
+    microbatches = 1
+    if MICROBATCHES_ATTR in group_module.attributes:
+        microbatches = group_module.attributes[MICROBATCHES_ATTR].value.data  # type: ignore[attr-defined]
+    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
+        stage_params = _stage_parameters(bundle, manifest)
+        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
+    else:
+        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
 
     config = manifest.config
     steps = int(config.get("steps", 10) if steps is None else steps)
@@ -109,7 +120,7 @@ def train(
     names = {leaf.name for leaf in plan.inputs}
     result = RunResult()
     if keep_outputs:
-        result.initial_params = gather_parameters(plan, state, comm)
+        result.initial_params = gather(state)
     log_file = open(log, "w") if log and comm.rank == 0 else None
     try:
         for step in range(1, steps + 1):
@@ -121,6 +132,8 @@ def train(
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
             batch = {**batch, **scalars}
+            if microbatches > 1:
+                batch = split_microbatches(batch, names, microbatches)
             start = time.perf_counter()
             outputs = plan.run(state, plan.local_batch(batch))
             elapsed = time.perf_counter() - start
@@ -140,10 +153,55 @@ def train(
     finally:
         if log_file:
             log_file.close()
-    result.params = gather_parameters(plan, state, comm)
+    result.params = gather(state)
     if checkpoint and comm.rank == 0 and result.params is not None:
         save_checkpoint(checkpoint, result.params, steps)
     return result
+
+
+def split_microbatches(batch: dict[str, np.ndarray], names, m: int) -> dict[str, np.ndarray]:
+    """Add input `NAME@mbI` (micro-batch I of m: the I-th of m equal slices of dim 0) for each such name."""
+    out = dict(batch)
+    for name in names:
+        base, sep, index = name.rpartition("@mb")
+        if not sep or base not in batch:
+            continue
+        value = np.asarray(batch[base])
+        if value.ndim == 0 or value.shape[0] % m:
+            raise RunError(f"input '{base}' of shape {value.shape}: {m} micro-batches need a batch dim divisible by {m}")
+        size = value.shape[0] // m
+        out[name] = value[int(index) * size:(int(index) + 1) * size]
+    return out
+
+
+def _stage_parameters(bundle: str, manifest) -> list[tuple[int, list[tuple[str, tuple[int, ...], str]]]]:
+    """Return, per pipeline stage, (its device, [(parameter name, shape, dtype)]) from the bundle's programs."""
+    out = []
+    for entry in manifest.groups:
+        path = os.path.join(bundle, entry.program)
+        module = parse_module(open(path).read(), path)
+        for devices, group in physical_groups(module):
+            params = [(o.tensor_name.data, o.result.type.get_shape(), dtype_name(o.result.type))
+                      for o in group.walk() if isinstance(o, graph.ParameterOp)]
+            out.append((devices[0], params))
+    return out
+
+
+def gather_stage_parameters(stages, state: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray] | None:
+    """Return every stage's parameters on rank 0 (None elsewhere); a name held by several stages
+    (`opt.step`) comes from the first."""
+    out: dict[str, np.ndarray] = {}
+    for device, params in stages:
+        for tag, (name, shape, dtype) in enumerate(params):
+            if name in out or (comm.rank == 0 and device == 0):
+                out.setdefault(name, state.get(name) if device == 0 else None)  # type: ignore[arg-type]
+                continue
+            out[name] = None  # type: ignore[assignment]
+            if comm.rank == 0:
+                out[name] = comm.recv(np.empty(shape, dtype), device, tag)
+            elif comm.rank == device:
+                comm.send(np.ascontiguousarray(state[name]), 0, tag)
+    return out if comm.rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

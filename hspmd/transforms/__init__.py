@@ -22,6 +22,7 @@ _PASSES = {
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
+    "pipeline-split": "hspmd.transforms.pipeline_split:PipelineSplit",
 }
 
 
