@@ -13,13 +13,16 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from conftest import EXAMPLES, run_cli
+from test_spmd_property import _run_mlp, check_property, make_batch, programs
 from hspmd.dialects import graph
 from hspmd.dialects.dist import ReshardOp, layout_of
 from hspmd.frontend.compile import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, split
+from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
@@ -95,6 +98,24 @@ def test_layouts_and_collectives():
         assert x.result.type.get_shape()[0] == (6 if devices == (0, 1) else 4)
 
 
+def test_sharding_rules_across_groups():
+    """Elementwise ops keep the batch split across groups; a reduction over the batch dim (the
+    loss's sum, a weight gradient's contraction) gives partial sums per group, partial also
+    inside a group where the batch was split there; the loss is scaled by 1/B with the global B."""
+    compiled = compile_script(_script("mlp.py"), HETERO, 3)
+    step = next(o for o in compiled.annotated.walk() if o.name == "func.func")
+    lay = [(o, str(layout_of(o.results[0]))) for o in step.body.block.ops if o.results and o.name.startswith("graph.")]
+    split_rows = "[0,1]: split(0)=2 | [2]: dup=1 ; hetero=split(0), shares=3:1"
+    partial = "[0,1]: partial=2 | [2]: dup=1 ; hetero=partial"
+    assert all(text == split_rows for o, text in lay if o.name in ("graph.relu", "graph.relu_grad"))
+    assert [text for o, text in lay if o.name == "graph.reduce_sum"] == [partial] * 4  # the loss, 3 bias gradients
+    assert [text for o, text in lay if o.name == "graph.matmul"].count(partial) == 3  # dW of the 3 layers
+    # the transposed activations are split along dim 1 across groups, by the same shares
+    assert "[0,1]: split(1)=2 | [2]: dup=1 ; hetero=split(1), shares=3:1" in {text for o, text in lay}
+    loss_scale = next(o for o, text in lay if o.name == "graph.scale" and text == partial)
+    assert loss_scale.factor.value.data == 1 / 16  # the global batch, not a group's rows
+
+
 def _groups(module):
     from hspmd.ir.levels import physical_groups
 
@@ -130,8 +151,6 @@ def test_mpi_three_ranks_hetero_equal_one_rank(tmp_path):
 def test_hetero_mlp_program_outputs_batch_split_values_through_an_uneven_all_gather(shares):
     """The property test's MLP (float64, tight tolerances) on hetero layouts: its output `y` is
     split across groups by shares and gathered by one all_gather whose members' extents differ."""
-    from test_spmd_property import _run_mlp
-
     groups = (Group((0, 1), DistributedStates.of((DUP, 2))), Group((2,), DistributedStates()))
     rep = Layout(groups, DUP)
     batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), len(g.devices)))) for g in groups),
@@ -139,3 +158,41 @@ def test_hetero_mlp_program_outputs_batch_split_values_through_an_uneven_all_gat
     comms = _run_mlp({"x0": batch, "w1": rep, "w2": rep, "w3": rep, "x4": batch}, 3)
     assert ("comm.all_reduce", ((0, 1, 2),)) in comms  # the partial gradients and loss
     assert ("comm.all_gather", ((0, 1, 2),)) in comms  # y, 8 rows apportioned by shares
+
+
+# --------------------------------------------------------------------------------------
+# Property: random small programs, inputs split across groups by random shares
+
+
+@st.composite
+def hetero_cases(draw):
+    """Draw (program, leaf layouts, ranks, batch seed): inputs hetero split(0) by random shares over
+    2-3 groups of 1-2 devices (split(0) inside a group), parameters replicated in every group."""
+    prog = draw(programs())
+    sizes = [draw(st.integers(1, 2)) for _ in range(draw(st.integers(2, 3)))]
+    shares = tuple(draw(st.integers(1, 3)) for _ in sizes)
+    at, groups = 0, []
+    for s in sizes:
+        groups.append(tuple(range(at, at + s)))
+        at += s
+    rep = Layout(tuple(Group(g, DistributedStates.of((DUP, len(g)))) for g in groups), DUP)
+    split_rows = Layout(tuple(Group(g, DistributedStates.of((split(0), len(g)))) for g in groups), split(0), shares)
+    layouts = {}
+    for name, (kind, shape, _) in prog.leaves.items():
+        lay = split_rows if kind == "input" and shape else rep
+        try:
+            lay.check_shape(shape)
+        except LayoutError:
+            lay = rep
+        if any(r == 0 for r in apportion(shape[0], shares)) if lay is split_rows else False:
+            lay = rep
+        layouts[name] = lay
+    event(f"groups {sizes}, shares {shares}")
+    return prog, layouts, at, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(os.environ.get("HSPMD_PROPERTY_EXAMPLES", "25")), deadline=None)
+@given(hetero_cases())
+def test_random_programs_with_hetero_batch_split_equal_one_device(case):
+    prog, layouts, n, seed = case
+    check_property(prog, layouts, n, make_batch(prog, seed))

@@ -402,6 +402,26 @@ def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = Non
     hpartial: set[int] = set()
     if len(groups) > 1:
         hrole, hshares, hpartial = _hetero_role(op, rule, ins, hint, same_groups)
+    inference = _assemble(op, rule, ins, hint, groups, same_groups, hrole, hshares, hpartial)
+    if hrole is not None and hrole[0] == "factor" and not _shapes_fit(op, inference):
+        # the groups' rows of the factor cannot be cut as the group states say (a reshape of a
+        # group's few rows): keep the factor whole across groups for this op
+        inference = _assemble(op, rule, ins, hint, groups, same_groups, None, None, set())
+    return inference
+
+
+def _shapes_fit(op: Operation, inference: Inference) -> bool:
+    """Return whether every operand and result shape of `op` can be laid out as `inference` says."""
+    for value, lay in (*zip(op.operands, inference.operands), *zip(op.results, inference.results)):
+        try:
+            lay.check_shape(_shape(value))
+        except (LayoutError, AttributeError):
+            return False
+    return True
+
+
+def _assemble(op, rule: OpRule, ins, hint, groups, same_groups, hrole, hshares, hpartial) -> Inference:
+    """Return the layouts of `op` under hetero role `hrole`, inferring the states of each group."""
     need_ops = [_hetero_axis(hrole, rule, rule.operands[i], i, hpartial) for i in range(len(ins))]
     need_res = [_hetero_axis(hrole, rule, rule.results[i], None, hpartial) for i in range(len(rule.results))]
 
@@ -480,20 +500,15 @@ def _apportion_carries(op: Operation, rule: OpRule, f: str, shares) -> bool:
 
     from hspmd.ir.layout import apportion
 
-    cuts = set()
+    cuts = set()  # where each tensor cuts the factor, as fractions of its extent
     for value, factors in (*zip(op.operands, rule.operands), *zip(op.results, rule.results)):
         shape = _shape(value)
         for d, g in enumerate(factors):
-            if g == f:
-                size = shape[d]
-                inner = 1
-                for s in shape[d + 1:]:
-                    inner *= s
-                whole = size * inner
+            if g == f and shape[d]:
                 starts = [0]
-                for part in apportion(size, shares):
-                    starts.append(starts[-1] + part * inner)
-                cuts.add(tuple(Fraction(c, whole) for c in starts) if whole else ())
+                for part in apportion(shape[d], shares):
+                    starts.append(starts[-1] + part)
+                cuts.add(tuple(Fraction(c, shape[d]) for c in starts))
     return len(cuts) <= 1
 
 

@@ -44,7 +44,7 @@ from xdsl.rewriter import Rewriter
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.sharding import ShardingError, infer, rule_for
-from hspmd.ir.layout import DUP, DistributedStates, Group, Layout
+from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout
 from hspmd.transforms.util import PassError, callee_of, step_function
 
 
@@ -293,7 +293,7 @@ class PropagateLayouts(ModulePass):
                         hint = layouts.get(use.operation.results[0]) if use.operation.results else None
                         if hint is not None:
                             need = infer(use.operation, ins, hint).operands[use.index]
-                    if need is not None and not any(g.states.is_partial for g in need.groups):
+                    if need is not None and need.hetero != PARTIAL and not any(g.states.is_partial for g in need.groups):
                         layouts[v] = need
                         why[v] = f"backward: needed by {use.operation.name}"
                         changed = True
