@@ -1,7 +1,8 @@
 """`pipeline-split`: one device's physical training step -> one program per pipeline stage.
 
-`pipeline-split{devices="0,1"}` takes the physical IR of a one-device group (what
-`specialize-groups,lower-reshard` make of `[d]: dp=1`) and replaces it by one group module
+`pipeline-split{devices="0,1" microbatches=1 schedule="gpipe"}` takes the physical IR of a
+one-device group (what `specialize-groups,lower-reshard` make of `[d]: dp=1`; with micro-batches
+see below) and replaces it by one group module
 per stage, stage `s` on `devices[s]`, each with its own `@train_step`. Every op of the step
 goes to one stage:
 
@@ -13,18 +14,18 @@ goes to one stage:
   parameters they read (a parameter no layer claims goes to its first forward user's stage:
   the embedding to stage 0, the head to the last);
 * **backward and update** ops: the stage of a parameter they read; else the one stage all
-  their operands come from; else the first stage among their users (so an activation's
-  gradient is computed where its layer lives); `graph.assign` with its parameter; optimizer
+  their operands come from, or the stage of a weight's transpose they use; a view (transpose,
+  reshape, broadcast, cast) of forward values only goes to its users' last stage; else the
+  first stage among their users (so an activation's gradient is computed where its layer
+  lives); `graph.assign` with its parameter; optimizer
   state `opt.<kind>.NAME` with parameter NAME;
 * **free** values (constants, inputs, scalar optimizer state like `opt.step`, and ops of only
   those) belong to no stage: each stage that needs one computes its own copy (and updates its
   own copy of `opt.step`).
 
-A value used on another stage than its producer's is sent with `comm.send` right after it is
-made and received with `comm.recv` at the same place of the consumer's program. Every stage's
-program is a subsequence of the one-device step, send and receive sitting at the same position,
-so the blocking point-to-point messages are matched in one global order: no deadlock, and every
-stage computes exactly the numbers of the one-device step. `graph.output "loss"` is on every
+A value used on another stage than its producer's is sent with `comm.send` and received with
+`comm.recv` (see Schedules below for where); with one micro-batch every stage computes exactly
+the numbers of the one-device step. `graph.output "loss"` is on every
 stage (the loss is sent to the others). The group modules carry `hspmd.pipeline_stage`.
 
 **Micro-batches** (`microbatches=m` > 1): the input is then the physical IR of `[0..m-1]: dp=m`,
@@ -33,12 +34,19 @@ one virtual device per micro-batch, so every op already has micro-batch shapes a
 loss). Ops that depend on a batch input run once per micro-batch (batch input `x` becomes
 inputs `x@mb0` ... `x@mb{m-1}`, which the worker cuts from the global batch); each all-reduce
 becomes a sum of the m micro-batch values, left to right like the all-reduce it replaces;
-ops after it (the update) run once. The order of the micro-batches is the `schedule`'s
-(`hspmd.runtime.schedule_pipeline`, checked complete and runnable): the program is unrolled
-in its order, forward ops of micro-batch i for action ("F", i), backward ops for ("B", i). All
-stages walk one global sequence of actions, so a schedule must give every stage the same order
-(GPipe); 1F1B, whose stages differ, is refused with a message (it needs paired send/receive).
-The module carries `hspmd.microbatches`. Other collectives in the input are refused.
+ops after it, and the optimizer's ops, run once at the end. The module carries
+`hspmd.microbatches`. Other collectives in the input are refused.
+
+**Schedules.** Each stage's program is unrolled in the order of its list in the `schedule`
+(`hspmd.runtime.schedule_pipeline`: "gpipe" or "1f1b", checked complete and runnable): the
+stage's forward ops of micro-batch i for action ("F", i), its backward ops for ("B", i), then
+the update. Every message gets a key: the position of the action that first uses it in one
+global order of all stages' actions (`check_schedule`'s), then the producer's place in the
+one-group step. Each stage issues its messages in key order (a send as soon as its value is
+made and every smaller key is issued; before an op, every message up to the receives it
+needs), so both ends of every blocking send/receive meet in one global order: no deadlock,
+for 1F1B as for GPipe. A stage assignment in which an action would need a value that a later
+action makes is refused with a message naming the op.
 """
 
 from __future__ import annotations
@@ -132,17 +140,14 @@ class PipelineSplit(ModulePass):
                                 "all-reduces over all micro-batches are supported in a pipelined step")
         plan = schedule(pp, m)
         try:
-            check_schedule(plan, m)
+            order = check_schedule(plan, m)
         except PipelineScheduleError as err:
             raise PassError(f"pipeline-split: schedule '{self.schedule}': {err}") from None
-        if any(acts != plan[0] for acts in plan):
-            raise PassError(f"pipeline-split: schedule '{self.schedule}' runs the micro-batches in a different "
-                            "order on each stage; that needs paired send/receive (not supported yet): use gpipe")
-        blocks = plan[0]
         stages = _assign(ops, pp)
+        bodies = _emit_stages(ops, stages, devices, plan, order, m)
         modules = []
         for s, dev in enumerate(devices):
-            body = _emit(ops, stages, s, devices, blocks, m)
+            body = bodies[s]
             fn = func.FuncOp("train_step", ((), ()))
             fn.body.block.add_ops([*body, func.ReturnOp()])
             others = [f.clone() for f in functions if f is not step]
@@ -160,6 +165,7 @@ class PipelineSplit(ModulePass):
 
 
 FREE = -1
+_VIEWS = (graph.TransposeOp, graph.ReshapeOp, graph.BroadcastOp, graph.CastOp)
 
 
 def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
@@ -190,6 +196,9 @@ def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
         return None
 
     undecided: list[Operation] = []
+    views: list[Operation] = []
+    pinned_ops: set[Operation] = set()  # backward ops that read a parameter
+    forward_ops = set(ops[:forward_end])
     for i, o in enumerate(ops):
         if isinstance(o, graph.ParameterOp):
             continue  # decided below, when a user settles it
@@ -216,6 +225,14 @@ def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
                     param_stage.setdefault(param_name(p), s)
         elif pinned:
             s = max(pinned)
+            pinned_ops.add(o)
+        elif any(v.owner in pinned_ops for v in o.operands):  # uses a weight's transpose: with the weight
+            s = max(stage[v.owner] for v in o.operands if v.owner in pinned_ops)
+        elif isinstance(o, _VIEWS) and others and all(v.owner in forward_ops for v in o.operands
+                                                       if value_stage(v) != FREE):
+            views.append(o)  # a view of a forward value (a residual's transpose): with its users
+            stage[o] = -2
+            continue
         elif -2 in others:
             undecided.append(o)
             stage[o] = -2
@@ -229,11 +246,11 @@ def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
             stage[o] = -2  # not FREE: decided in the reverse pass
             continue
         stage[o] = FREE if s is None else s
-    for o in reversed(undecided):
+    for o in sorted([*undecided, *views], key=ops.index, reverse=True):
         users = {stage[u.operation] for r in o.results for u in r.uses
                  if u.operation in stage and not isinstance(u.operation, graph.OutputOp)} - {FREE, -2}
         if users:
-            stage[o] = min(users)
+            stage[o] = max(users) if o in views else min(users)
         else:
             stage[o] = max(value_stage(v) for v in o.operands)
     for o in ops:
@@ -250,7 +267,7 @@ def _kinds(ops: list[Operation]) -> dict[Operation, str]:
     the accumulation: it depends on an all-reduce over the micro-batches) or "step" (once)."""
     kind: dict[Operation, str] = {}
     for o in ops:
-        if isinstance(o, comm.AllReduceOp):
+        if isinstance(o, comm.AllReduceOp) or o.dialect_name() == "optim":  # the update comes last
             kind[o] = "post"
         elif isinstance(o, graph.InputOp):
             kind[o] = "mb" if o.properties["global_type"].get_shape() != o.result.type.get_shape() else "step"
@@ -263,93 +280,145 @@ def _kinds(ops: list[Operation]) -> dict[Operation, str]:
     return kind
 
 
-def _emit(ops: list[Operation], stages: dict[Operation, int], s: int, devices: tuple[int, ...],
-          blocks: list[tuple[str, int]], microbatches: int) -> list[Operation]:
-    """Return the ops of stage `s`'s step: its ops (once per micro-batch where they depend on the
-    batch, in the order of `blocks`), copies of free ops it needs, sends and receives, the sums
-    over micro-batches (in place of the all-reduces of the one-group program), then the update."""
-    body: list[Operation] = []
-    vmap: dict[tuple[SSAValue, int | None], SSAValue] = {}
-    dev = devices[s]
+Key = tuple  # (position of the consumer's action in the global order, producer op index, instance, result, dst)
+
+
+def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tuple[int, ...],
+                 plan: list[list[tuple[str, int]]], order: list[tuple[int, tuple[str, int]]],
+                 microbatches: int) -> list[list[Operation]]:
+    """Return each stage's step ops: its ops in the order of its schedule (once per micro-batch
+    where they depend on the batch), copies of the free ops it needs, the sums over micro-batches
+    (in place of the all-reduces of the one-group program), the update, and its sends/receives.
+
+    Every message gets a key: the position, in `order` (one global order of all stages' actions),
+    of the action that first uses it, then the producer's place in the one-group step. Each
+    stage issues its messages in key order (a send as soon as it is made and all smaller keys
+    are issued; before an op, every message up to the receives it needs), so the two ends of
+    every blocking send/receive meet in one global order: no deadlock, for any schedule.
+    """
     kind = _kinds(ops)
     forward_end = next(i + 1 for i, o in enumerate(ops) if isinstance(o, graph.OutputOp)
                        and o.tensor_name.data == "loss")
+    where = {o: j for j, o in enumerate(ops)}
+    position = {sa: k for k, sa in enumerate(order)}
+    post = len(order)
+    pp = len(devices)
 
-    def key(v: SSAValue, inst: int | None) -> tuple[SSAValue, int | None]:
-        return (v, inst if kind.get(v.owner, "step") == "mb" else None)  # type: ignore[arg-type]
+    def inst_of(v: SSAValue, inst: int | None) -> int | None:
+        return inst if kind.get(v.owner, "step") == "mb" else None  # type: ignore[arg-type]
 
-    def clone(o: Operation, inst: int | None) -> Operation:
-        mapping = {v: get(v, inst) for v in o.operands}
-        new = o.clone(value_mapper=mapping)
-        if isinstance(new, (graph.ParameterOp, graph.InputOp)):
-            typ = new.properties["global_type"]
-            if isinstance(typ, TensorType) and layout_of(typ) is not None:
-                if kind[o] == "mb":  # a micro-batch of a batch input: its own name and shape
-                    new.properties["tensor_name"] = StringAttr(f"{o.tensor_name.data}@mb{inst}")
-                    typ = o.result.type
-                new.properties["global_type"] = with_layout(typ, Layout.replicated((dev,)))
-        body.append(new)
-        for old, r in zip(o.results, new.results):
-            vmap[key(old, inst)] = r
-        return new
+    def uses(o: Operation, inst: int | None) -> list[tuple[SSAValue, int | None]]:
+        if isinstance(o, comm.AllReduceOp):
+            return [(o.operands[0], inst_of(o.operands[0], i)) for i in range(microbatches)]
+        return [(v, inst_of(v, inst)) for v in o.operands]
 
-    def get(v: SSAValue, inst: int | None) -> SSAValue:
-        k = key(v, inst)
-        if k not in vmap:
-            owner = v.owner
-            if not isinstance(owner, Operation) or stages.get(owner, FREE) != FREE:
-                raise PassError(f"pipeline-split: internal error: stage {s} uses a value of another stage "
-                                f"('{getattr(owner, 'name', owner)}') before receiving it")
-            clone(owner, k[1])
-        return vmap[k]
-
-    def consumers(r: SSAValue) -> set[int]:
-        out: set[int] = set()
-        for u in r.uses:
-            t = stages.get(u.operation, FREE)
-            out |= set(range(len(devices))) if t == FREE else {t}
-        return out
-
-    def transfer(o: Operation, inst: int | None) -> None:
+    def runs_on(o: Operation, s: int) -> bool:
         t = stages[o]
-        for r in o.results:
-            for c in sorted(consumers(r) - {t}):
+        return t == s or (t == FREE and isinstance(o, (graph.AssignOp, graph.OutputOp)))
+
+    items: list[list[tuple[Operation, int | None, int]]] = []
+    for s in range(pp):
+        done: set[Operation] = set()
+        mine: list[tuple[Operation, int | None, int]] = []
+        for phase, i in plan[s]:
+            at = position[(s, (phase, i))]
+            for o in ops[:forward_end] if phase == "F" else ops[forward_end:]:
+                if isinstance(o, (graph.AssignOp, graph.OutputOp)):
+                    continue  # outputs and assignments come last
+                if kind[o] == "mb":
+                    mine.append((o, i, at))
+                elif kind[o] == "step" and o not in done:
+                    done.add(o)
+                    mine.append((o, None, at))
+        mine.extend((o, None, post) for o in ops if kind[o] != "mb" and o not in done)
+        items.append([it for it in mine if runs_on(it[0], s)])
+
+    # messages: (value, instance, src, dst) -> key, the first use on dst deciding
+    messages: dict[tuple[SSAValue, int | None, int, int], Key] = {}
+    for c in range(pp):
+        for o, inst, at in items[c]:
+            for v, k in uses(o, inst):
+                producer = v.owner
+                t = stages.get(producer, FREE) if isinstance(producer, Operation) else FREE
+                if t in (FREE, c) or (v, k, t, c) in messages:
+                    continue
+                messages[(v, k, t, c)] = (at, where[producer], -1 if k is None else k,
+                                          list(producer.results).index(v), c)
+    made = {(r, inst_of(r, inst)): at for s in range(pp) for o, inst, at in items[s] for r in o.results}
+    for (v, k, t, c), key in messages.items():
+        if made[(v, k)] >= key[0] and key[0] != post:
+            raise PassError(f"pipeline-split: '{v.owner.name}' on stage {t} is made in an action that comes after "
+                            f"the one of stage {c} that uses it; this stage assignment does not fit the schedule")
+
+    out = []
+    for s in range(pp):
+        body: list[Operation] = []
+        vmap: dict[tuple[SSAValue, int | None], SSAValue] = {}
+        dev = devices[s]
+        events = sorted((key, v, k, t, c) for (v, k, t, c), key in messages.items() if s in (t, c))
+        next_event = 0
+
+        def get(v: SSAValue, inst: int | None) -> SSAValue:
+            k = (v, inst_of(v, inst))
+            if k not in vmap:
+                owner = v.owner
+                if not isinstance(owner, Operation) or stages.get(owner, FREE) != FREE:
+                    raise PassError(f"pipeline-split: internal error: stage {s} uses a value of another stage "
+                                    f"('{getattr(owner, 'name', owner)}') before receiving it")
+                clone(owner, k[1])
+            return vmap[k]
+
+        def clone(o: Operation, inst: int | None) -> None:
+            mapping = {v: get(v, inst) for v in o.operands}
+            new = o.clone(value_mapper=mapping)
+            if isinstance(new, (graph.ParameterOp, graph.InputOp)):
+                typ = new.properties["global_type"]
+                if isinstance(typ, TensorType) and layout_of(typ) is not None:
+                    if kind[o] == "mb":  # a micro-batch of a batch input: its own name and shape
+                        new.properties["tensor_name"] = StringAttr(f"{o.tensor_name.data}@mb{inst}")
+                        typ = o.result.type
+                    new.properties["global_type"] = with_layout(typ, Layout.replicated((dev,)))
+            body.append(new)
+            for old, r in zip(o.results, new.results):
+                vmap[(old, inst_of(old, inst))] = r
+
+        def issue(upto: Key | None) -> None:
+            """Issue events in key order: all up to `upto`, then sends already made (upto None: sends only)."""
+            nonlocal next_event
+            while next_event < len(events):
+                key, v, k, t, c = events[next_event]
                 if t == s:
-                    body.append(comm.SendOp(vmap[key(r, inst)], [[devices[t], devices[c]]]))
-                elif c == s:
-                    recv = comm.RecvOp([[devices[t], devices[c]]], r.type)
+                    if (v, k) not in vmap:
+                        if upto is not None and key <= upto:
+                            raise PassError("pipeline-split: internal error: a send is due before its value is made")
+                        return
+                    body.append(comm.SendOp(vmap[(v, k)], [[devices[t], devices[c]]]))
+                else:
+                    if upto is None or key > upto:
+                        return
+                    recv = comm.RecvOp([[devices[t], devices[c]]], v.type)
                     body.append(recv)
-                    vmap[key(r, inst)] = recv.result
+                    vmap[(v, k)] = recv.result
+                next_event += 1
 
-    def process(o: Operation, inst: int | None) -> None:
-        t = stages[o]
-        if t == FREE:
-            if isinstance(o, (graph.AssignOp, graph.OutputOp)):
-                clone(o, inst)
-            return
-        if isinstance(o, comm.AllReduceOp):  # the sum over micro-batches, in micro-batch order
-            if t == s:
-                (x,) = o.operands
-                acc = get(x, 0)
-                for i in range(1, microbatches):
-                    add = graph.AddOp(acc, get(x, i), o.result.type)
+        for o, inst, _ in items[s]:
+            need = [messages[(v, k, stages[v.owner], s)] for v, k in uses(o, inst)
+                    if (v, k) not in vmap and (v, k, stages.get(v.owner, FREE), s) in messages]
+            if need:
+                issue(max(need))
+            if isinstance(o, comm.AllReduceOp):  # the sum over micro-batches, in micro-batch order
+                vals = [get(v, k) for v, k in uses(o, inst)]
+                acc = vals[0]
+                for x in vals[1:]:
+                    add = graph.AddOp(acc, x, o.result.type)
                     body.append(add)
                     acc = add.result
                 vmap[(o.result, None)] = acc
-        elif t == s:
-            clone(o, inst)
-        transfer(o, inst)
-
-    done: set[Operation] = set()
-    for phase, i in blocks:
-        for o in ops[:forward_end] if phase == "F" else ops[forward_end:]:
-            if kind[o] == "mb":
-                process(o, i)
-            elif kind[o] == "step" and o not in done:
-                done.add(o)
-                process(o, None)
-    for o in ops:
-        if kind[o] != "mb" and o not in done:
-            done.add(o)
-            process(o, None)
-    return body
+            else:
+                clone(o, inst)
+            issue(None)
+        issue((post + 1,))
+        if next_event != len(events):
+            raise PassError(f"pipeline-split: internal error: stage {s} leaves messages unsent")
+        out.append(body)
+    return out
