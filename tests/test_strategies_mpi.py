@@ -28,7 +28,16 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2")])
+@pytest.mark.parametrize(
+    "n,strategy",
+    [
+        (2, "[0,1]: dp=2"),
+        (2, "[0,1]: tp=2"),
+        (2, "[0,1]: pp=2"),
+        (4, "[0-3]: dp=2 tp=2"),
+        (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1"),
+    ],
+)
 def test_gpt_over_mpi_logs_the_single_device_losses(tmp_path, reference, n, strategy):
     losses = _losses(tmp_path, n, strategy)
     assert len(losses) == int(STEPS)
