@@ -19,7 +19,7 @@ def plan(src: str, dst: str) -> list[str]:
 
 def check(src: Layout, dst: Layout, a: np.ndarray, rng: np.random.Generator | None = None) -> None:
     """Assert the plan from src to dst moves scatter(src, a) onto dst's pieces of a."""
-    out = simulate(plan_transition(src, dst), scatter(src, a, rng))
+    out = simulate(plan_transition(src, dst, a.shape), scatter(src, a, rng))
     assert set(out) == set(dst.devices)
     for dev, piece in out.items():
         assert piece.shape == dst.local_shape(dev, a.shape)
@@ -203,6 +203,81 @@ def hetero_transitions(draw):
 @settings(max_examples=200, deadline=None)
 @given(hetero_transitions(), st.integers(0, 2**32 - 1))
 def test_hetero_plans_land_on_the_destination(case, seed):
+    src, dst, shape = case
+    rng = np.random.default_rng(seed)
+    check(src, dst, rng.standard_normal(shape), rng)
+
+
+# --------------------------------------------------------------------------------------
+# The general fallback between unions: one exchange over the finest common slices
+
+
+def test_exchange_semantics():
+    x = {0: np.arange(4.0), 1: 10 + np.arange(4.0)}
+    step = CommStep("exchange", ((0, 1),), transfers=((0, ((0, 2),), 1, ((0, 2),)), (1, ((2, 4),), 1, ((0, 2),)),
+                                                      (1, ((0, 1),), 0, ((1, 2),))),
+                    shapes=((0, (3,)), (1, (2,))))
+    out = simulate([step], x)
+    np.testing.assert_array_equal(out[1], [12, 14])   # 0[0:2] + 1[2:4]: summed
+    np.testing.assert_array_equal(out[0], [0, 10, 0])  # reads the old pieces; unreached entries are zero
+    assert str(step) == "exchange(3 transfers, 2 sent) [0,1]"
+    with pytest.raises(ValueError, match="bad transfer"):  # region sizes differ
+        CommStep("exchange", ((0, 1),), transfers=((0, ((0, 2),), 1, ((0, 1),)),), shapes=((1, (2,)),))
+    with pytest.raises(ValueError, match="needs shapes"):
+        CommStep("exchange", ((0, 1),))
+
+
+def test_tp_gradient_partial_across_groups_to_tp_and_whole_weight():
+    # the column weight's gradient under "[0,1]: tp=2 share=2 | [2]: tp=1 share=1": each group holds a
+    # partial sum over its batch rows, split like the weight in group 0; the parameter is split in group 0
+    # and whole in group 1
+    src = parse_layout("[0,1]: split(1)=2 | [2]: dup=1 ; hetero=partial")
+    dst = parse_layout("[0,1]: split(1)=2 | [2]: dup=1 ; hetero=dup")
+    (step,) = plan_transition(src, dst, (4, 6))
+    assert step.kind == "exchange"
+    # device 0 adds its own columns 0:3 and device 2's; device 2 adds its own and devices 0's and 1's
+    sent = sorted((s, d, sr) for s, sr, d, _ in step.transfers if s != d)
+    assert sent == [(0, 2, ((0, 4), (0, 3))), (1, 2, ((0, 4), (0, 3))), (2, 0, ((0, 4), (0, 3))),
+                    (2, 1, ((0, 4), (3, 6)))]
+    check(src, dst, np.arange(24.0).reshape(4, 6), np.random.default_rng(0))
+    with pytest.raises(NotImplementedError, match="needs it"):
+        plan_transition(src, dst)
+
+
+def _union(draw, ndim: int, devs: list[tuple[int, ...]]) -> Layout:
+    sts = [draw(states(ndim, n=len(d))) for d in devs]
+    hetero = draw(st.sampled_from([DUP, PARTIAL] + [split(d) for d in range(ndim)]))
+    shares = tuple(draw(st.integers(1, 4)) for _ in devs) if hetero.kind == "split" and draw(st.booleans()) else None
+    return Layout(tuple(Group(d, s) for d, s in zip(devs, sts)), hetero, shares)
+
+
+def _groups(draw, devices: list[int]) -> list[tuple[int, ...]]:
+    k = draw(st.integers(1, min(3, len(devices))))
+    cuts = sorted(draw(st.lists(st.integers(1, len(devices) - 1), min_size=k - 1, max_size=k - 1, unique=True))) \
+        if k > 1 else []
+    bounds = [0, *cuts, len(devices)]
+    return [tuple(devices[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@st.composite
+def union_transitions(draw):
+    """Draw (src, dst, shape): random unions over the same 2..7 devices, each group with its own states
+    (split, dup, partial in any mix), hetero dup, partial or split with random shares; dst on the same
+    groups or on another grouping of the devices."""
+    ndim = draw(st.integers(1, 3))
+    n = draw(st.integers(2, 7))
+    devices = list(draw(st.permutations(range(n))))
+    sdevs = _groups(draw, devices)
+    assume(len(sdevs) > 1)
+    src = _union(draw, ndim, sdevs)
+    ddevs = sdevs if draw(st.booleans()) else _groups(draw, list(draw(st.permutations(range(n)))))
+    dst = _union(draw, ndim, ddevs)
+    return src, dst, shape_for(draw, [src, dst], ndim)
+
+
+@settings(max_examples=300, deadline=None)
+@given(union_transitions(), st.integers(0, 2**32 - 1))
+def test_union_plans_land_on_the_destination(case, seed):
     src, dst, shape = case
     rng = np.random.default_rng(seed)
     check(src, dst, rng.standard_normal(shape), rng)

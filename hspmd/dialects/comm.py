@@ -219,8 +219,48 @@ class RecvOp(IRDLOperation):
         super().__init__(result_types=[result_type], properties={"pairs": groups_attr(pairs)})
 
 
+@irdl_op_definition
+class ExchangeOp(IRDLOperation):
+    """Batched point-to-point over explicit regions (the general reshard between unions).
+
+    `transfers` lists `[src, dst, a_0, b_0, n_0, a_1, b_1, n_1, ...]`: rows `a_k : a_k + n_k` of
+    dim k of src's input go to rows `b_k : b_k + n_k` of dst's result. Every rank of `members`
+    starts its result from zeros and adds each transfer into it (several into one region sum);
+    transfers run in list order, every rank sending and receiving its own in that one global
+    order, so each blocking send meets its receive (the earliest unfinished transfer always has
+    both ends at it). The list is the same on every rank (SPMD).
+    """
+
+    name = "comm.exchange"
+    irdl_options = (ParsePropInAttrDict(),)
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    members = prop_def(DenseArrayBase)
+    transfers = prop_def(ArrayAttr)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+
+    def __init__(self, input: SSAValue, members: Sequence[int], transfers: Sequence[Sequence[int]],
+                 result_type: Attribute):
+        super().__init__(operands=[input], result_types=[result_type],
+                         properties={"members": i64_array(members), "transfers": groups_attr(transfers)})
+
+    def transfer_list(self) -> tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]:
+        """Return (src, dst, ((src_start, dst_start, size) per dim)) for each transfer."""
+        out = []
+        for t in groups_of(self.transfers):
+            out.append((t[0], t[1], tuple(tuple(t[i:i + 3]) for i in range(2, len(t), 3))))
+        return tuple(out)
+
+    def verify_(self) -> None:
+        rank = len(tensor_shape(self.result))
+        for t in groups_of(self.transfers):
+            if len(t) != 2 + 3 * rank:
+                raise VerifyException(f"'{self.name}' transfer {list(t)} does not fit a rank-{rank} result")
+
+
 Comm = Dialect(
     "comm",
-    [AllReduceOp, BroadcastOp, AllGatherOp, ReduceScatterOp, LocalSplitOp, LocalZeroOp, AllToAllOp, SendOp, RecvOp],
+    [AllReduceOp, BroadcastOp, AllGatherOp, ReduceScatterOp, LocalSplitOp, LocalZeroOp, AllToAllOp, SendOp, RecvOp,
+     ExchangeOp],
     [],
 )

@@ -16,6 +16,12 @@ len(group) equal parts along dim, part p (the dim must divide evenly).
     all_to_all(dim, src_dim)  the member at position p gets chunk p along dim of every member's
                       piece, concatenated along src_dim in group order: dim becomes split,
                       src_dim (split across the group, in group order) becomes whole.
+    exchange          batched point-to-point (the general fallback between unions): every
+                      rank named in `shapes` starts from zeros of its new shape and adds, for
+                      each transfer (src, src_region, dst, dst_region) with dst == itself, the
+                      region src_region of src's *old* piece into its region dst_region
+                      (regions are per-dim (start, stop) in local coordinates). Several
+                      transfers into one region sum (partial pieces); src == dst is a local copy.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout, split
 
 __all__ = ["CommStep", "KINDS", "plan_transition", "simulate"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_split", "local_zero", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_split", "local_zero", "all_to_all", "exchange")
+
+Region = tuple[tuple[int, int], ...]
+Transfer = tuple[int, Region, int, Region]
 _WITH_DIM = ("all_gather", "reduce_scatter", "local_split", "all_to_all")
 
 
@@ -45,10 +54,26 @@ class CommStep:
     groups: tuple[tuple[int, ...], ...]
     dim: int = -1
     src_dim: int = -1
+    transfers: tuple[Transfer, ...] = ()
+    shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         groups = tuple(tuple(int(r) for r in g) for g in self.groups)
         object.__setattr__(self, "groups", groups)
+        transfers = tuple((int(s), tuple((int(a), int(b)) for a, b in sr), int(d), tuple((int(a), int(b)) for a, b in dr))
+                          for s, sr, d, dr in self.transfers)
+        object.__setattr__(self, "transfers", transfers)
+        object.__setattr__(self, "shapes", tuple((int(r), tuple(int(n) for n in sh)) for r, sh in self.shapes))
+        if (self.kind == "exchange") != bool(self.shapes) or (self.transfers and self.kind != "exchange"):
+            raise ValueError(f"{self.kind}: only exchange takes transfers and shapes, and it needs shapes")
+        if self.kind == "exchange":
+            members = set(r for g in groups for r in g)
+            shaped = dict(self.shapes)
+            for s_, sr, d, dr in transfers:
+                if s_ not in members or d not in shaped or len(dr) != len(shaped[d]) or len(sr) != len(dr) or \
+                        any(b - a != d2 - c for (a, b), (c, d2) in zip(sr, dr)) or \
+                        any(not 0 <= c <= d2 <= n for (c, d2), n in zip(dr, shaped[d])):
+                    raise ValueError(f"exchange: bad transfer {(s_, sr, d, dr)}")
         if self.kind not in KINDS:
             raise ValueError(f"unknown comm step kind {self.kind!r}; expected one of {', '.join(KINDS)}")
         ranks = [r for g in groups for r in g]
@@ -62,6 +87,9 @@ class CommStep:
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in (("dim", self.dim), ("src_dim", self.src_dim)) if v >= 0)
         groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups)
+        if self.kind == "exchange":
+            moves = sum(1 for s, _, d, _ in self.transfers if s != d)
+            return f"exchange({len(self.transfers)} transfers, {moves} sent) {groups}"
         return f"{self.kind}({args}) {groups}"
 
 
@@ -81,6 +109,17 @@ def simulate(steps: Iterable[CommStep], pieces: Mapping[int, np.ndarray]) -> dic
     out = {r: np.array(p, copy=True) for r, p in pieces.items()}
     for step in steps:
         new = dict(out)
+        if step.kind == "exchange":
+            for r in {r for g in step.groups for r in g}:
+                if r not in out:
+                    raise ValueError(f"{step} names rank {r} that holds no piece")
+            dtype = np.result_type(*(out[r] for g in step.groups for r in g))
+            for r, shape in step.shapes:
+                new[r] = np.zeros(shape, dtype)
+            for s_, sr, d, dr in step.transfers:
+                new[d][tuple(slice(a, b) for a, b in dr)] += out[s_][tuple(slice(a, b) for a, b in sr)]
+            out = new
+            continue
         for group in step.groups:
             missing = [r for r in group if r not in out]
             if missing:
@@ -181,7 +220,7 @@ def _via_replicas(src: tuple[int, ...], sds: DistributedStates,
     return steps
 
 
-def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
+def plan_transition(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tuple[CommStep, ...]:
     """Return the steps that turn pieces laid out as `src` into pieces laid out as `dst`.
 
     Single groups over the same device set: with the same devices in the
@@ -190,7 +229,9 @@ def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     dup->partial local_zero, split(i)->split(j) all_to_all); otherwise it reduces and gathers
     to full replicas and cuts out the destination. Equal layouts give (). Unions of several
     groups over the same devices: see `_hetero` for what is handled (partial or split across
-    groups -> replicated everywhere); the rest raises NotImplementedError.
+    groups -> replicated everywhere); any other transition between unions of the same devices
+    is one `exchange` over the finest common slices (see `_exchange`), which needs the global
+    `shape`; without it, NotImplementedError.
 
     >>> from hspmd.ir.layout_text import parse_layout
     >>> [str(s) for s in plan_transition(parse_layout("[0-3]: partial=2, split(0)=2"),
@@ -200,7 +241,7 @@ def plan_transition(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     if src == dst:
         return ()
     if (len(src.groups) > 1 or len(dst.groups) > 1) and set(src.devices) == set(dst.devices):
-        return _hetero(src, dst)
+        return _hetero(src, dst, shape)
     if len(src.groups) > 1 or len(dst.groups) > 1 or set(src.devices) != set(dst.devices):
         raise NotImplementedError(
             f"cannot plan '{src}' -> '{dst}': only single groups over the same devices are handled; "
@@ -216,7 +257,7 @@ def _replicated_everywhere(dst: Layout) -> bool:
     return dst.hetero == DUP and all(g.states.axes in ((), ((DUP, len(g.devices)),)) for g in dst.groups)
 
 
-def _hetero(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
+def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tuple[CommStep, ...]:
     """Return the steps of a transition between unions of the same devices (see `plan_transition`).
 
     Handled: (a) partial across groups -> replicated everywhere: each group first makes its
@@ -229,6 +270,9 @@ def _hetero(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     member per slice, in slice order, would leave the other replicas out, so (b) is limited
     to groups whose devices each hold a distinct slice (states `split(d)=n_g` on the hetero dim).
 
+    (c) The same groups related the same way (hetero axis and shares): each group's own
+    single-group plan, steps of different groups side by side.
+
     Flat rather than hierarchical (reduce inside each group, all_reduce across one
     representative per group, broadcast inside each group): one collective instead of three,
     the same bytes per rank as a ring over all devices, and the sum is one left fold in
@@ -236,6 +280,12 @@ def _hetero(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
     groups are slower than inside them, which nothing here measures yet.
     """
     same_groups = [g.devices for g in src.groups] == [g.devices for g in dst.groups]
+    if same_groups and src.hetero == dst.hetero and src.shares == dst.shares:
+        # the groups relate as before: each group converts its own pieces, independently
+        steps = []
+        for sg, dg in zip(src.groups, dst.groups):
+            steps += plan_transition(Layout.spmd(sg.devices, sg.states), Layout.spmd(dg.devices, dg.states))
+        return tuple(steps)
     if same_groups and _replicated_everywhere(dst):
         if src.hetero == PARTIAL:
             steps: list[CommStep] = []
@@ -249,7 +299,93 @@ def _hetero(src: Layout, dst: Layout) -> tuple[CommStep, ...]:
             d = src.hetero.dim
             if all(g.states.axes in ((), ((split(d), len(g.devices)),)) for g in src.groups):
                 return (CommStep("all_gather", (src.devices,), dim=d),)
+    if shape is not None:
+        return (_exchange(src, dst, tuple(shape)),)
     raise NotImplementedError(
-        f"cannot plan '{src}' -> '{dst}': heterogeneous resharding is not supported yet for this transition "
+        f"cannot plan '{src}' -> '{dst}' without the tensor's shape: the general heterogeneous transition "
+        f"(an exchange over the finest common slices) needs it, and without it heterogeneous resharding is not "
+        f"supported yet for this transition "
         f"(only partial across groups -> replicated everywhere, and split(d) across groups with each device "
         f"holding its own slice -> replicated everywhere)")
+
+
+# --------------------------------------------------------------------------------------
+# General fallback: batched point-to-point over the finest common slices
+
+
+def _cells(regions: Iterable[tuple[slice, ...]], shape: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """Return the finest common cells: per dim, cut at every start and stop of every region."""
+    cuts = [{0, n} for n in shape]
+    for reg in regions:
+        for d, sl in enumerate(reg):
+            cuts[d] |= {sl.start, sl.stop}
+    bounds = [sorted(c) for c in cuts]
+    out: list[tuple[tuple[int, int], ...]] = [()]
+    for b in bounds:
+        out = [c + ((lo, hi),) for c in out for lo, hi in zip(b, b[1:]) if hi > lo]
+    return out
+
+
+def _inside(cell: tuple[tuple[int, int], ...], reg: tuple[slice, ...]) -> bool:
+    return all(r.start <= a and b <= r.stop for (a, b), r in zip(cell, reg))
+
+
+def _local(cell: tuple[tuple[int, int], ...], reg: tuple[slice, ...]) -> Region:
+    return tuple((a - r.start, b - r.start) for (a, b), r in zip(cell, reg))
+
+
+def _summands_of(src: Layout, cell: tuple[tuple[int, int], ...], shape: tuple[int, ...],
+                 prefer: int) -> list[int]:
+    """Return devices of `src` whose pieces over `cell`, added, give the tensor's value there.
+
+    One group when groups are replicas (hetero dup: the one holding `prefer`, else the first)
+    or hold disjoint slices (hetero split: the one covering the cell); every group when they hold
+    partial sums. Inside a group, one device per partial coordinate among those covering the
+    cell; of replicas, `prefer` itself when it is one, else the first.
+    """
+    cand = [g for g in range(len(src.groups)) if _inside(cell, src.group_extent(g, shape))]
+    if src.hetero != PARTIAL:
+        mine = [g for g in cand if prefer in src.groups[g].devices]
+        cand = mine or cand[:1]
+    chosen: list[int] = []
+    for g in cand:
+        group = src.groups[g]
+        pick: dict[int, int] = {}
+        for i, dev in enumerate(group.devices):
+            if _inside(cell, src.slices(dev, shape)):
+                p = group.states.coords(i).get(PARTIAL, 0)
+                if p not in pick or dev == prefer:
+                    pick[p] = dev
+        chosen += [pick[p] for p in sorted(pick)]
+    return chosen
+
+
+def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...]) -> CommStep:
+    """Return one `exchange` step turning `src` pieces into `dst` pieces of a tensor of `shape`.
+
+    The tensor is cut into the finest common cells of every src and dst device's region. A dst
+    device whose piece must carry the value (any non-partial device; for partial dst, the
+    member at partial coordinate 0, of group 0 when groups are partial) gets, for every cell
+    of its region, the cell of each src device in `_summands_of`, summed; other dst devices
+    hold zeros. A device already holding a summand reads it locally (src == dst transfer).
+    Transfers are listed in (dst, cell, src) order; every device computes the same list, so the
+    lowering can order sends and receives globally (see lower_reshard).
+    """
+    src.check_shape(shape)
+    dst.check_shape(shape)
+    regions = {("s", d): src.slices(d, shape) for d in src.devices}
+    regions.update({("d", d): dst.slices(d, shape) for d in dst.devices})
+    cells = _cells(regions.values(), shape)
+    transfers: list[Transfer] = []
+    for d in dst.devices:
+        g, i = dst._locate(d)
+        if dst.groups[g].states.coords(i).get(PARTIAL, 0) or (dst.hetero == PARTIAL and g):
+            continue
+        dreg = regions[("d", d)]
+        for cell in cells:
+            if _inside(cell, dreg):
+                for s_ in _summands_of(src, cell, shape, d):
+                    transfers.append((s_, _local(cell, regions[("s", s_)]), d, _local(cell, dreg)))
+    shapes = tuple((d, dst.local_shape(d, shape)) for d in dst.devices)
+    members = tuple(sorted(set(src.devices) | set(dst.devices)))
+    return CommStep("exchange", (members,), transfers=tuple(transfers), shapes=shapes)

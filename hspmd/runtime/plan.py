@@ -124,6 +124,8 @@ def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callab
         src = peers.get(rank)
         shape, dtype = op.result.type.get_shape(), dtype_name(op.result.type)
         return lambda: communicator.recv(np.empty(shape, dtype), src)
+    if isinstance(op, comm.ExchangeOp):
+        return _exchange_kernel(op, rank, communicator)
     group = _group_of(op.rank_groups, rank, op)
     match op:
         case comm.AllReduceOp():
@@ -152,6 +154,26 @@ def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callab
             keep = group.index(rank) == 0
             return (lambda x: x) if keep else (lambda x: np.zeros_like(x))
     raise PlanError(f"no runtime for '{op.name}'")
+
+
+def _exchange_kernel(op: comm.ExchangeOp, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
+    """Return the call doing `rank`'s transfers of an exchange, in the op's one global order."""
+    shape, dtype = op.result.type.get_shape(), dtype_name(op.result.type)
+    mine = [(s, d, tuple(slice(a, a + n) for a, _, n in r), tuple(slice(b, b + n) for _, b, n in r))
+            for s, d, r in op.transfer_list() if rank in (s, d)]
+
+    def exchange(x: np.ndarray) -> np.ndarray:
+        out = np.zeros(shape, dtype)
+        for s, d, sr, dr in mine:
+            if s == d:
+                out[dr] += x[sr]
+            elif s == rank:
+                communicator.send(_contiguous(x[sr]), d)
+            else:
+                out[dr] += communicator.recv(np.empty(out[dr].shape, dtype), s)
+        return out
+
+    return exchange
 
 
 def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Layout]:

@@ -43,7 +43,10 @@ and within a group over its dp. A group whose rows its dp does not divide (or th
 rows) raises one PassError naming the input, its shape, the shares and the rule. The loss is
 `sum(per-sample) * (1/B)` with the global B, so each group's partial sum is already weighted by
 its share of the samples: summing the groups' partial gradients gives the 1-device gradient.
-tp or pp inside a group of several raise "not supported yet"; so does pipeline parallelism.
+tp inside groups (`[0,1]: tp=2 share=2 | [2]: tp=1 share=1`): a parameter's layout is the union
+of its layout in each group (column weight `split(1)=2` in group 0, whole in group 1;
+`hetero=dup`), so its gradient (partial across groups, split in group 0) reaches it by one
+`exchange` (see `reshard_plan._exchange`). Pipeline parallelism raises "not supported yet".
 """
 
 from __future__ import annotations
@@ -85,10 +88,6 @@ def _check_hetero(strategy: Strategy) -> None:
     for g in strategy.groups:
         if g.pp != 1:
             raise PassError(f"strategy '{strategy}': pipeline parallelism is not supported yet (pp=1)")
-        if g.tp != 1:
-            raise PassError(
-                f"strategy '{strategy}': tensor parallelism in heterogeneous groups is not supported yet; "
-                f"group '{g}' has tp={g.tp} (use dp only when there are several groups)")
 
 
 def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
@@ -105,10 +104,19 @@ def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
         return params, batch
     _check_hetero(strategy)
     gs = strategy.groups
-    params = Layout(tuple(Group(g.devices, DistributedStates.of((DUP, g.dp))) for g in gs), DUP)
-    batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), g.dp))) for g in gs), split(0),
-                   tuple(g.share for g in gs))
+    params = hetero_role_layout(strategy, None)
+    batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), g.dp), (DUP, g.tp))) for g in gs),
+                   split(0), tuple(g.share for g in gs))
     return params, batch
+
+
+def hetero_role_layout(strategy: Strategy, role: str | None) -> Layout:
+    """Return a parameter's layout over several groups: each group's own `role_layout` states, hetero dup."""
+    groups = []
+    for g in strategy.groups:
+        (group,) = role_layout(g, role).groups
+        groups.append(Group(g.devices, group.states))
+    return Layout(tuple(groups), DUP)
 
 
 def check_batch_rows(strategy: Strategy, name: str, shape) -> None:
@@ -264,7 +272,10 @@ class ApplyStrategy(ModulePass):
         params, batch = strategy_layouts(strategy)
         group = strategy.groups[0] if hetero else strategy_group(strategy)
         leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
-        roles = tensor_parallel_roles(op, group.tp) if group.tp > 1 else {}
+        roles: dict[str, str] = {}
+        for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
+            roles = tensor_parallel_roles(op, tp)
+            group = next(g for g in strategy.groups if g.tp == tp)
         names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
         for leaf in leaves:
             name = leaf.tensor_name.data
@@ -280,7 +291,7 @@ class ApplyStrategy(ModulePass):
                     owner = name.split(".", 2)[-1]
                     if names.get(owner) == shape:
                         role = roles.get(owner)
-                layout = params if hetero else role_layout(group, role)
+                layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
                 if role is not None:
                     try:
                         layout.check_shape(shape, f"parameter '{name}'")

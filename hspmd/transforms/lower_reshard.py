@@ -4,11 +4,15 @@ Runs on physical IR (after `specialize-groups`). `plan_transition` of the layout
 gives the primitive steps (partial->dup is one `comm.all_reduce`, split->dup one
 `comm.all_gather`, ...); each becomes one comm op over explicit rank groups, and the local
 shape after each step follows from the step (gathers grow a dim by the group size, scatters
-and local splits shrink it).
+and local splits shrink it). The general fallback between unions, an `exchange` step, becomes
+one `comm.exchange` carrying every rank's transfers (the runtime runs a rank's own in the list's
+one global order, so blocking sends always meet their receives); its plan needs the global
+shape, which `_global_shape` recovers from the reshard's local types.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from xdsl.context import Context
@@ -71,18 +75,26 @@ class LowerReshard(ModulePass):
             if reshard.src is None:
                 raise PassError("lower-reshard: a dist.reshard has no src/dst layouts; run specialize-groups first")
             src, dst = reshard.layouts()
+            devices = _module_devices(reshard)
             try:
-                steps = plan_transition(src, dst)
+                try:
+                    steps = plan_transition(src, dst)
+                except NotImplementedError:  # the general fallback (an exchange) needs the global shape
+                    steps = plan_transition(src, dst, _global_shape(src, dst, reshard, devices))
             except NotImplementedError as err:
                 raise PassError(f"lower-reshard: {err}") from None
             value: SSAValue = reshard.input
             block = reshard.parent_block()
             assert block is not None
-            devices = _module_devices(reshard)
             for k, step in enumerate(steps):
                 members = [r for g in step.groups for r in g]
                 if devices is not None and not set(devices) & set(members):
                     continue  # a step inside another device group of the union
+                if step.kind == "exchange":
+                    step_op = _exchange_op(step, value, reshard, devices)
+                    block.insert_op_before(step_op, reshard)
+                    value = step_op.results[0]
+                    continue
                 sizes = None
                 if step.kind == "all_gather" and len(src.groups) > 1:
                     sizes = _gather_sizes(step, k, src, dst, reshard)
@@ -131,3 +143,52 @@ def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dis
     except LayoutError as err:
         raise PassError(f"lower-reshard: '{src}' -> '{dst}': {err}") from None
     return sizes if len(set(sizes)) > 1 else None
+
+
+def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
+                 devices: tuple[int, ...] | None) -> Operation:
+    """Return the `comm.exchange` performing `step`; its result is this group's local piece."""
+    typ = value.type
+    assert isinstance(typ, TensorType)
+    shapes = dict(step.shapes)
+    mine = {shapes[d] for d in devices or () if d in shapes}
+    if len(mine) > 1:
+        raise PassError(f"lower-reshard: an exchange gives the devices {list(devices or ())} different shapes {mine}")
+    shape = mine.pop() if mine else tuple(reshard.result.type.get_shape())  # type: ignore[attr-defined]
+    transfers = [[s, d] + [v for (a, b), (c, _) in zip(sr, dr) for v in (a, c, b - a)]
+                 for s, sr, d, dr in step.transfers]
+    return comm.ExchangeOp(value, step.groups[0], transfers, TensorType(typ.element_type, list(shape)))
+
+
+def _global_shape(src: Layout, dst: Layout, reshard: dist.ReshardOp,
+                  devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Return the global shape that the reshard's local types imply for one of this module's devices.
+
+    A dim split across groups by shares is found by search (every extent whose pieces fit both
+    local types); an ambiguous one is an error.
+    """
+    if not devices:
+        raise PassError(f"lower-reshard: '{src}' -> '{dst}' needs the global shape, found only inside a group module")
+    r = devices[0]
+    ins = tuple(reshard.input.type.get_shape())  # type: ignore[attr-defined]
+    outs = tuple(reshard.result.type.get_shape())  # type: ignore[attr-defined]
+    guess = []
+    for d, n in enumerate(ins):
+        guess.append([n * src.groups[src.group_index(r)].states.degree(split(d))])
+        if src.hetero == split(d) and len(src.groups) > 1:
+            if dst.hetero != split(d) or len(dst.groups) == 1:
+                guess[d] = [outs[d] * dst.groups[dst.group_index(r)].states.degree(split(d))]
+            else:
+                guess[d] = list(range(1, (guess[d][0] + 1) * sum(src.shares or (1,) * len(src.groups)) + 1))
+    found = []
+    for shape in itertools.product(*guess):
+        try:
+            if src.local_shape(r, shape) == ins and dst.local_shape(r, shape) == outs:
+                found.append(tuple(shape))
+        except LayoutError:
+            pass
+    found = sorted(set(found))
+    if len(found) != 1:
+        raise PassError(f"lower-reshard: '{src}' -> '{dst}': cannot tell the global shape from local types "
+                        f"{list(ins)} -> {list(outs)} (candidates {found})")
+    return found[0]
