@@ -3,12 +3,13 @@
     [0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2 pp=1 share=1
 
 One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`)
-degrees and the group's batch `share`. Keys come in any order, separated by spaces or commas,
+degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
+optimizer states over dp, see the `shard-optimizer-state` pass; default 0). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
 strategies raise it with one sentence. Printing is canonical: dp always, the other keys
-when they are not 1.
+when they are not their default (1; `zero` 0).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "parse_strategy"]
 
-_KEYS = ("dp", "tp", "pp", "share")
+_KEYS = ("dp", "tp", "pp", "share", "zero")
+_DEFAULTS = {"zero": 0}
+ZERO_STAGES = (0, 1, 2)
 
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
@@ -33,7 +36,7 @@ NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp or share)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share or zero)",
                                    "$END": "end of text"})
 
 
@@ -59,10 +62,10 @@ def _describe(devices: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True)
 class StrategyGroup:
-    """One device group of a strategy: its devices and dp/tp/pp degrees and batch share.
+    """One device group of a strategy: its devices, dp/tp/pp degrees, batch share and ZeRO stage.
 
-    >>> str(StrategyGroup((0, 1, 2, 3), tp=2, pp=2, share=2)), str(StrategyGroup((4, 5), dp=2))
-    ('[0-3]: dp=1 tp=2 pp=2 share=2', '[4,5]: dp=2')
+    >>> str(StrategyGroup((0, 1, 2, 3), tp=2, pp=2, share=2)), str(StrategyGroup((4, 5), dp=2, zero=1))
+    ('[0-3]: dp=1 tp=2 pp=2 share=2', '[4,5]: dp=2 zero=1')
     """
 
     devices: tuple[int, ...]
@@ -70,14 +73,17 @@ class StrategyGroup:
     tp: int = 1
     pp: int = 1
     share: int = 1
+    zero: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
         text = str(self)
-        for key in _KEYS:
+        for key in _KEYS[:4]:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp and share must be integers >= 1")
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
+            raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1 or 2")
         if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
             raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
         n = self.dp * self.tp * self.pp
@@ -89,7 +95,8 @@ class StrategyGroup:
                 f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
 
     def __str__(self) -> str:
-        keys = " ".join(f"{k}={getattr(self, k)}" for k in _KEYS if k == "dp" or getattr(self, k) != 1)
+        keys = " ".join(f"{k}={getattr(self, k)}" for k in _KEYS
+                        if k == "dp" or getattr(self, k) != _DEFAULTS.get(k, 1))
         return f"[{format_devices(self.devices)}]: {keys}"
 
 
@@ -168,10 +175,13 @@ def parse_strategy(text: str) -> Strategy:
         for kv in kvs:
             key, value = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp or share")
+                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share or zero")
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
-            if int(value) < 1:
+            if key == "zero":
+                if int(value) not in ZERO_STAGES:
+                    raise _err(text, value, f"zero={value} is not a supported ZeRO stage", "0, 1 or 2")
+            elif int(value) < 1:
                 raise _err(text, value, f"{key}={value} must be >= 1", "a number >= 1")
             values[str(key)] = int(value)
         if not {"dp", "tp", "pp"} & values.keys():

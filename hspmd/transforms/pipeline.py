@@ -17,9 +17,20 @@ def logical_pipeline(lr: float) -> str:
 
 
 def annotate_pipeline(strategy: str) -> str:
-    """Return the pass spec that takes logical IR to annotated IR under `strategy`."""
+    """Return the pass spec that takes logical IR to annotated IR under `strategy`.
+
+    A strategy asking for ZeRO (`zero=1` or `zero=2`) adds `shard-optimizer-state` right after
+    `apply-strategy`; a strategy that does not parse is left for apply-strategy to report.
+    """
+    from hspmd.frontend.strategy import StrategyError, parse_strategy
+
     quoted = strategy.replace("\\", "\\\\").replace('"', '\\"')
-    return f'apply-strategy{{strategy="{quoted}"}},propagate-layouts,insert-reshard'
+    try:
+        zero = any(g.zero for g in parse_strategy(strategy).groups)
+    except (StrategyError, TypeError):
+        zero = False
+    shard = f'shard-optimizer-state{{strategy="{quoted}"}},' if zero else ""
+    return f'apply-strategy{{strategy="{quoted}"}},{shard}propagate-layouts,insert-reshard'
 
 
 PHYSICAL_PIPELINE = "specialize-groups,lower-reshard"

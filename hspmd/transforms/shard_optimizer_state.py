@@ -1,0 +1,122 @@
+"""`shard-optimizer-state`: ZeRO-style sharding of the optimizer states over data parallelism.
+
+`shard-optimizer-state{strategy="[0-3]: dp=4 zero=2"}` runs after `apply-strategy` and before
+`propagate-layouts`. Every per-parameter optimizer state `graph.parameter "opt.KIND.NAME"`
+shaped like parameter NAME (`opt.m.*`, `opt.v.*`, `opt.momentum.*`) gets, in its type, a
+layout split over the group's dp mesh axis along its first dim that dp divides; the
+parameters themselves keep apply-strategy's layouts. The mesh is dp major, tp minor, so with
+`dp=2 tp=2` a state is `split(d)=2` (dp) followed by its parameter's tp axis: a replicated
+parameter's state becomes `split(d)=2, dup=2`, a column-parallel weight's (`dup=2, split(1)=2`)
+becomes `split(0)=2, split(1)=2`. The dim split over tp is never chosen for dp (the layout
+algebra names each axis once). A state with no such dim (a scalar, or dims dp does not
+divide) keeps its parameter's layout, i.e. stays replicated over dp.
+
+Nothing else changes: `optim.sgd`/`optim.adam` are elementwise, so propagation runs the
+update on the state's shards. The partial gradient then needs `partial -> split`
+(reduce-scatter), the replicated parameter `dup -> split` (a local slice), and the
+`graph.assign` of the updated shard needs the parameter's layout (all-gather): ZeRO stage 2's
+communication. `zero=1` and `zero=2` compile to the same program: the gradient is only ever
+consumed by the sharded update, so all-reducing it whole (stage 1) would do strictly more work
+than the reduce-scatter that propagation picks, and the IR has no separate gradient buffer
+whose memory stage 2 would save. `zero=0` (or dp=1) leaves the module as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass
+from xdsl.rewriter import Rewriter
+
+from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of, with_layout
+from hspmd.frontend.strategy import Strategy, StrategyError, parse_strategy
+from hspmd.ir.layout import DUP, DistributedStates, Layout, split
+from hspmd.transforms.optimizer import STATE_PREFIX
+from hspmd.transforms.util import PassError, step_function
+
+
+def _owner(name: str) -> str | None:
+    """Return NAME of a per-parameter state `opt.KIND.NAME`, else None."""
+    if not name.startswith(STATE_PREFIX):
+        return None
+    parts = name.split(".", 2)
+    return parts[2] if len(parts) == 3 and parts[2] else None
+
+
+def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: int) -> Layout | None:
+    """Return `layout` (a parameter's, on a dp-major/tp-minor mesh) split over dp, or None if it cannot be.
+
+    >>> from hspmd.ir.layout import Layout
+    >>> str(sharded_state_layout(Layout.replicated((0, 1, 2, 3)), (6, 8), 4, 1))
+    '[0-3]: split(1)=4'
+    >>> str(sharded_state_layout(Layout.spmd((0, 1, 2, 3), DistributedStates.of((DUP, 2), (split(1), 2))), (8, 6), 2, 2))
+    '[0-3]: split(0)=2, split(1)=2'
+    >>> sharded_state_layout(Layout.replicated((0, 1)), (3,), 2, 1) is None
+    True
+    """
+    if dp <= 1 or len(layout.groups) != 1:
+        return None
+    states = layout.groups[0].states
+    if states.is_partial or states.degree(DUP) < dp:
+        return None
+    tp_dims = [d for d, k in states.split_dims.items() if k > 1]
+    if len(tp_dims) > 1 or (tp_dims and states.degree(split(tp_dims[0])) != tp):
+        return None
+    tp_axis = split(tp_dims[0]) if tp_dims else DUP
+    for d, size in enumerate(shape):
+        if d in tp_dims or size % dp:
+            continue
+        new = Layout.spmd(layout.groups[0].devices, DistributedStates.of((split(d), dp), (tp_axis, tp)))
+        new.check_shape(shape, "optimizer state")
+        return new
+    return None
+
+
+def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
+    """Shard the optimizer states of `module` as `strategy` says; return {state: its layout or why not}."""
+    if len(strategy.groups) != 1 or strategy.groups[0].zero == 0:
+        if any(g.zero for g in strategy.groups):
+            raise PassError(f"shard-optimizer-state: strategy '{strategy}': ZeRO (zero=1/2) needs one device "
+                            "group; heterogeneous groups are not supported yet")
+        return {}
+    (group,) = strategy.groups
+    if group.pp != 1:
+        raise PassError(f"shard-optimizer-state: strategy '{strategy}': ZeRO with pipeline parallelism "
+                        "is not supported yet (pp=1)")
+    ops = [o for o in step_function(module).body.block.ops if isinstance(o, graph.ParameterOp)]
+    shapes = {o.tensor_name.data: tuple(o.result.type.get_shape()) for o in ops}
+    report: dict[str, str] = {}
+    for op in ops:
+        name = op.tensor_name.data
+        owner = _owner(name)
+        shape = shapes[name]
+        if owner is None or shapes.get(owner) != shape:
+            continue
+        layout = layout_of(op.result)
+        if layout is None:
+            raise PassError(f"shard-optimizer-state: state '{name}' has no layout; run 'apply-strategy' first")
+        new = sharded_state_layout(layout, shape, group.dp, group.tp)
+        if new is None:
+            report[name] = f"kept {layout}: no dim of {list(shape)} that dp={group.dp} divides and tp does not split"
+            continue
+        report[name] = str(new)
+        Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, new))
+    return report
+
+
+@dataclass(frozen=True)
+class ShardOptimizerState(ModulePass):
+    """Split the optimizer states over the dp mesh axis (ZeRO stages 1 and 2)."""
+
+    name = "shard-optimizer-state"
+    strategy: str = "[0]: dp=1"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        try:
+            strategy = parse_strategy(self.strategy)
+        except StrategyError as err:
+            raise PassError(str(err)) from None
+        shard_states(op, strategy)
