@@ -36,6 +36,8 @@ def reference(tmp_path_factory):
         (2, "[0,1]: pp=2"),
         (4, "[0-3]: dp=2 tp=2"),
         (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1"),
+        (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"),
+        (4, "[0-3]: dp=4 zero=2"),
     ],
 )
 def test_gpt_over_mpi_logs_the_single_device_losses(tmp_path, reference, n, strategy):
