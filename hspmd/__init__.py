@@ -52,6 +52,7 @@ __all__ = [
     "matmul",
     "max",
     "nn",
+    "optim",
     "power",
     "relu",
     "rms_norm",

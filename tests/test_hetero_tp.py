@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from xdsl.dialects.builtin import TensorType, f64
 from xdsl.ir import Block
 
-from hspmd.dialects import comm
 from hspmd.ir.layout import gather, scatter
 from hspmd.ir.layout_text import parse_layout
 from hspmd.ir.reshard_plan import plan_transition

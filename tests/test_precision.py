@@ -33,7 +33,7 @@ def test_reduced_precision_trains_like_float32_with_float32_master_weights(tmp_p
     compiled, low = run(tmp_path, precision)
     short = {"bfloat16": "bf16", "float16": "f16"}[precision]
     text = module_text(compiled.logical)
-    assert f"graph.matmul" in text and f"x{short}>" in text
+    assert "graph.matmul" in text and f"x{short}>" in text
     assert all(v.dtype == np.float32 for k, v in low.params.items() if not k.startswith("opt."))
     np.testing.assert_allclose(low.losses, full.losses, rtol=tol)
     assert low.losses[-1] < low.losses[0] - 0.3
