@@ -182,6 +182,20 @@ class Communicator(ABC):
         """Return ``group`` normalised to a tuple; CommError if the caller cannot use it."""
         return normalize_group(group, self.rank, self.size)
 
+    def check_all_to_all(
+        self, buf: np.ndarray, group: Sequence[int], split_axis: int, concat_axis: int, out: np.ndarray | None
+    ) -> tuple[np.ndarray, Group, int, int]:
+        """Return (buffer, group, split axis, concat axis) of an all-to-all, checked (and ``out``'s shape)."""
+        buf = as_buffer(buf, "all_to_all")
+        g = self.check_group(group)
+        split_axis = normalize_axis(split_axis, buf.ndim)
+        concat_axis = normalize_axis(concat_axis, buf.ndim)
+        shape = list(split_equal(buf, len(g), split_axis)[0].shape)
+        shape[concat_axis] *= len(g)
+        if out is not None:
+            check_out(out, tuple(shape), buf.dtype, "all_to_all")
+        return buf, g, split_axis, concat_axis
+
     @abstractmethod
     def all_reduce(
         self, buf: np.ndarray, group: Group, out: np.ndarray | None = None

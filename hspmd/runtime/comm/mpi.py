@@ -297,16 +297,8 @@ class MPICommunicator(Communicator):
         return target
 
     def all_to_all(self, buf, group, split_axis, concat_axis, out=None):
-        buf = as_buffer(buf, "all_to_all")
-        g = self.check_group(group)
-        split_axis = normalize_axis(split_axis, buf.ndim)
-        concat_axis = normalize_axis(concat_axis, buf.ndim)
+        buf, g, split_axis, concat_axis = self.check_all_to_all(buf, group, split_axis, concat_axis, out)
         n = len(g)
-        chunk_shape = split_equal(buf, n, split_axis)[0].shape
-        shape = list(chunk_shape)
-        shape[concat_axis] *= n
-        if out is not None:
-            check_out(out, tuple(shape), buf.dtype, "all_to_all")
         if n == 1:
             return _result(buf, out)
         c = self._sub(g)
