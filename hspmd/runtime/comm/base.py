@@ -182,6 +182,19 @@ class Communicator(ABC):
         """Return ``group`` normalised to a tuple; CommError if the caller cannot use it."""
         return normalize_group(group, self.rank, self.size)
 
+    def check_broadcast(
+        self, buf: np.ndarray, group: Sequence[int], root: int, out: np.ndarray | None
+    ) -> tuple[np.ndarray, Group, int]:
+        """Return (buffer, group, root) of a broadcast, checked (root in the group, ``out``'s shape)."""
+        buf = as_buffer(buf, "broadcast")
+        g = self.check_group(group)
+        root = int(root)
+        if root not in g:
+            raise CommError(f"broadcast root {root} is not a member of group {g}")
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "broadcast")
+        return buf, g, root
+
     def check_all_to_all(
         self, buf: np.ndarray, group: Sequence[int], split_axis: int, concat_axis: int, out: np.ndarray | None
     ) -> tuple[np.ndarray, Group, int, int]:

@@ -276,13 +276,7 @@ class MPICommunicator(Communicator):
         return fold_sum([np.moveaxis(received[j], 0, axis) for j in range(n)], out)
 
     def broadcast(self, buf, group, root, out=None):
-        buf = as_buffer(buf, "broadcast")
-        g = self.check_group(group)
-        root = int(root)
-        if root not in g:
-            raise CommError(f"broadcast root {root} is not a member of group {g}")
-        if out is not None:
-            check_out(out, buf.shape, buf.dtype, "broadcast")
+        buf, g, root = self.check_broadcast(buf, group, root, out)
         if len(g) == 1:
             return _result(buf, out)
         c = self._sub(g)
