@@ -9,7 +9,7 @@ import pytest
 from xdsl.dialects import func
 
 from conftest import EXAMPLES, run_cli
-from hspmd.cli.main import annotate_with_provenance
+from hspmd.frontend.compile import annotate_with_provenance
 from hspmd.dialects import comm
 from hspmd.frontend.compile import compile_script
 from hspmd.frontend.script import load_script, parse_overrides

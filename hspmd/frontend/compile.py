@@ -126,3 +126,27 @@ def write_bundle(compiled: Compiled, directory: str) -> str:
     )
     write_manifest(directory, manifest)
     return directory
+
+
+def annotate_with_provenance(compiled):
+    """Return the annotated IR of `compiled` made again from its logical IR, and where each layout came from.
+
+    The annotate pipeline runs as in `compile_script`, with `propagate-layouts` through
+    `propagate`, which also returns the provenance; the IR is the same as `compiled.annotated`.
+    """
+    from hspmd.ir.context import make_context
+    from hspmd.ir.levels import verify_annotated
+    from hspmd.transforms.pipeline import annotate_pipeline, build_passes
+    from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
+
+    module = compiled.logical.clone()
+    ctx = make_context()
+    provenance = {}
+    for p in build_passes(annotate_pipeline(compiled.strategy)):
+        if isinstance(p, PropagateLayouts):
+            provenance = propagate(module)
+        else:
+            p.apply(ctx, module)
+    module.verify()
+    verify_annotated(module)
+    return module, provenance
