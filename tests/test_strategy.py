@@ -45,11 +45,11 @@ def test_round_trip(degrees, rnd):
 
 
 @pytest.mark.parametrize("text, line, column, expected", [
-    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share or zero"),
+    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp or layers"),
     ("[0-3]: dp=2, dp=2", 1, 14, None),
     ("[0,1]: dp=0 tp=2", 1, 11, "a number >= 1"),
     ("[0,1] dp=2", 1, 7, "':'"),
-    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share or zero)"),
+    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp or layers)"),
     ("[0,1]: dp=2 |\n [2 3]: dp=1", 2, 5, "',', '-' or ']'"),
     ("[0,1]: dp 2", 1, 11, "'='"),
 ])
@@ -70,7 +70,7 @@ def test_unknown_key_message():
         parse_strategy("[0-3]: dp=2 tq=2")
     assert str(info.value) == ("bad strategy at line 1, column 13: unknown key 'tq'\n"
                                "[0-3]: dp=2 tq=2\n"
-                               "            ^ expected dp, tp, pp, share or zero")
+                               "            ^ expected dp, tp, pp, share, zero, sp or layers")
 
 
 def test_semantic_errors():
@@ -98,3 +98,18 @@ def test_check_devices():
     assert str(info.value) == "strategy '[0,1]: dp=2' uses 2 devices (0-1) but the run has -n 3"
     with pytest.raises(StrategyError, match="uses devices 0,2 but the run has -n 3, which needs devices 0-2"):
         parse_strategy("[0,2]: dp=2").check_devices(3)
+
+
+def test_sequence_parallel_and_stage_layers():
+    assert str(parse_strategy("[0-3]: sp=1 tp=2 dp=2")) == "[0-3]: dp=2 tp=2 sp=1"
+    s = parse_strategy("[0,1]: layers=3:1")
+    assert (s.groups[0].pp, s.groups[0].layers) == (2, (3, 1))
+    assert str(parse_strategy(str(s))) == str(s) == "[0,1]: dp=1 pp=2 layers=3:1"
+    with pytest.raises(StrategyError, match="needs tp > 1"):
+        parse_strategy("[0,1]: dp=2 sp=1")
+    with pytest.raises(StrategyError, match="one count >= 1 per pipeline stage"):
+        parse_strategy("[0,1]: pp=2 layers=1:1:1")
+    with pytest.raises(StrategyError, match="takes one number, not a list"):
+        parse_strategy("[0,1]: dp=2:1")
+    with pytest.raises(StrategyError, match="at least one layer"):
+        parse_strategy("[0,1]: pp=2 layers=0:2")

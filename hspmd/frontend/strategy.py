@@ -4,7 +4,10 @@
 
 One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`)
 degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
-optimizer states over dp, see the `shard-optimizer-state` pass; default 0). Keys come in any order, separated by spaces or commas,
+optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
+sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
+`layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
+them; default: balanced contiguous ranges). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
@@ -24,19 +27,19 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "parse_strategy"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero")
-_DEFAULTS = {"zero": 0}
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers")
+_DEFAULTS = {"zero": 0, "sp": 0, "layers": None}
 ZERO_STAGES = (0, 1, 2)
 
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
 sgroup: "[" devlist "]" ":" (kv (","? kv)*)?
-kv: NAME "=" INT
+kv: NAME "=" INT (":" INT)*
 NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share or zero)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share, zero, sp or layers)",
                                    "$END": "end of text"})
 
 
@@ -60,6 +63,10 @@ def _describe(devices: tuple[int, ...]) -> str:
     return format_devices(s)
 
 
+def _value_text(value) -> str:
+    return ":".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 @dataclass(frozen=True)
 class StrategyGroup:
     """One device group of a strategy: its devices, dp/tp/pp degrees, batch share and ZeRO stage.
@@ -74,6 +81,8 @@ class StrategyGroup:
     pp: int = 1
     share: int = 1
     zero: int = 0
+    sp: int = 0
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -84,6 +93,17 @@ class StrategyGroup:
                 raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp and share must be integers >= 1")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
             raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1 or 2")
+        if isinstance(self.sp, bool) or self.sp not in (0, 1):
+            raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
+        if self.sp and self.tp == 1:
+            raise StrategyError(f"group '{text}' asks for sequence parallelism (sp=1) with tp=1; "
+                                "sequence parallelism splits the sequence over the tp ranks, so it needs tp > 1")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            if len(self.layers) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                   for n in self.layers):
+                raise StrategyError(f"group '{text}' gives layers={':'.join(map(str, self.layers))} for pp={self.pp}; "
+                                    "layers needs one count >= 1 per pipeline stage")
         if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
             raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
         n = self.dp * self.tp * self.pp
@@ -95,7 +115,7 @@ class StrategyGroup:
                 f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
 
     def __str__(self) -> str:
-        keys = " ".join(f"{k}={getattr(self, k)}" for k in _KEYS
+        keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _KEYS
                         if k == "dp" or getattr(self, k) != _DEFAULTS.get(k, 1))
         return f"[{format_devices(self.devices)}]: {keys}"
 
@@ -171,19 +191,33 @@ def parse_strategy(text: str) -> Strategy:
     for sg in tree.children:
         devlist, *kvs = sg.children
         devices = devices_of(devlist, text, _err)
-        values: dict[str, int] = {}
+        values: dict[str, int | tuple[int, ...]] = {}
         for kv in kvs:
-            key, value = kv.children
+            key, value, *more = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share or zero")
+                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp or layers")
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
-            if key == "zero":
+            if more and key != "layers":
+                raise _err(text, more[0], f"key '{key}' takes one number, not a list", "a number")
+            if key == "layers":
+                counts = (value, *more)
+                bad = [c for c in counts if int(c) < 1]
+                if bad:
+                    raise _err(text, bad[0], f"a stage needs at least one layer, not {bad[0]}", "a number >= 1")
+                values["layers"] = tuple(int(c) for c in counts)
+                continue
+            if key == "sp":
+                if int(value) not in (0, 1):
+                    raise _err(text, value, f"sp={value} is not 0 or 1", "0 or 1")
+            elif key == "zero":
                 if int(value) not in ZERO_STAGES:
                     raise _err(text, value, f"zero={value} is not a supported ZeRO stage", "0, 1 or 2")
             elif int(value) < 1:
                 raise _err(text, value, f"{key}={value} must be >= 1", "a number >= 1")
             values[str(key)] = int(value)
+        if "layers" in values and "pp" not in values:
+            values["pp"] = len(values["layers"])  # type: ignore[arg-type]
         if not {"dp", "tp", "pp"} & values.keys():
             values["dp"] = len(devices)
         groups.append(StrategyGroup(devices, **values))
