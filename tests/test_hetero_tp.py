@@ -34,7 +34,7 @@ def _run_exchange(src, dst, a, rng):
         class _R:  # the reshard's result type, as lower-reshard reads it
             result = type("T", (), {"type": TensorType(f64, list(dst.local_shape(r, a.shape)))})()
 
-        op = _exchange_op(step, block.args[0], _R, (r,))
+        op = _exchange_op(step, block.args[0], _R, (r,), src, dst, tuple(a.shape))
         op.verify()
         assert tuple(op.result.type.get_shape()) == dst.local_shape(r, a.shape)
         return _comm_kernel(op, r, c)(pieces[r])
@@ -129,3 +129,28 @@ def test_mpi_hetero_tensor_parallel_equals_one_rank(tmp_path):
     p3, _ = load_checkpoint(str(tmp_path / "ck3.npz"))
     for name in p1:
         np.testing.assert_allclose(p3[name], p1[name], rtol=1e-5, atol=1e-6)
+
+
+def test_exchange_op_does_not_grow_with_the_number_of_ranks():
+    """comm.exchange names its layouts and shape, not its transfers: the IR stays one line whatever the ranks."""
+    from hspmd.ir.context import module_text
+    from xdsl.dialects.builtin import ModuleOp
+
+    sizes = []
+    for n in (4, 16, 64):
+        src = parse_layout(f"[0-{n // 2 - 1}]: split(1)={n // 2} | [{n // 2}-{n - 1}]: split(0)={n // 2} ; hetero=partial")
+        dst = parse_layout(f"[0-{n // 2 - 1}]: split(1)={n // 2} | [{n // 2}-{n - 1}]: split(0)={n // 2} ; hetero=dup")
+        shape = (n * 2, n * 2)
+        (step,) = plan_transition(src, dst, shape)
+        assert step.kind == "exchange" and len(step.transfers) >= n
+        block = Block(arg_types=[TensorType(f64, list(src.local_shape(0, shape)))])
+
+        class _R:
+            result = type("T", (), {"type": TensorType(f64, list(dst.local_shape(0, shape)))})()
+
+        op = _exchange_op(step, block.args[0], _R, (0,), src, dst, shape)
+        op.verify()
+        assert len(op.transfer_list()) == len(step.transfers)
+        block.add_op(op)
+        sizes.append(len(str(op)))
+    assert max(sizes) - min(sizes) < 40, sizes  # only the device ranges' digits differ

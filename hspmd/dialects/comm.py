@@ -26,7 +26,9 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.dist import LayoutAttr
 from hspmd.dialects.graph import i64_array, tensor_shape
+from hspmd.ir.layout import Layout
 
 __all__ = ["Comm", "groups_attr", "groups_of"]
 
@@ -221,41 +223,57 @@ class RecvOp(IRDLOperation):
 
 @irdl_op_definition
 class ExchangeOp(IRDLOperation):
-    """Batched point-to-point over explicit regions (the general reshard between unions).
+    """Batched point-to-point over the finest common slices (the general reshard between unions).
 
-    `transfers` lists `[src, dst, a_0, b_0, n_0, a_1, b_1, n_1, ...]`: rows `a_k : a_k + n_k` of
-    dim k of src's input go to rows `b_k : b_k + n_k` of dst's result. Every rank of `members`
-    starts its result from zeros and adds each transfer into it (several into one region sum);
-    transfers run in list order, every rank sending and receiving its own in that one global
-    order, so each blocking send meets its receive (the earliest unfinished transfer always has
-    both ends at it). The list is the same on every rank (SPMD).
+    The op names the transition, not its transfers: `src` and `dst` layouts and the tensor's
+    global `shape`, so its size does not grow with the number of ranks. The transfers follow
+    from them (`hspmd.ir.reshard_plan.exchange_step`, the same list on every rank): every rank
+    of `src` and `dst` starts its result from zeros and adds each transfer into it (several
+    into one region sum); transfers run in list order, every rank sending and receiving its
+    own in that one global order, so each blocking send meets its receive (the earliest
+    unfinished transfer always has both ends at it).
     """
 
     name = "comm.exchange"
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
     result = result_def(TensorType)
-    members = prop_def(DenseArrayBase)
-    transfers = prop_def(ArrayAttr)
+    src = prop_def(LayoutAttr)
+    dst = prop_def(LayoutAttr)
+    shape = prop_def(DenseArrayBase)
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
-    def __init__(self, input: SSAValue, members: Sequence[int], transfers: Sequence[Sequence[int]],
-                 result_type: Attribute):
+    def __init__(self, input: SSAValue, src: Layout, dst: Layout, shape: Sequence[int], result_type: Attribute):
         super().__init__(operands=[input], result_types=[result_type],
-                         properties={"members": i64_array(members), "transfers": groups_attr(transfers)})
+                         properties={"src": LayoutAttr(src), "dst": LayoutAttr(dst), "shape": i64_array(shape)})
+
+    def global_shape(self) -> tuple[int, ...]:
+        """Return the global shape of the tensor being moved."""
+        return tuple(self.shape.get_values())  # type: ignore[arg-type]
+
+    def members(self) -> tuple[int, ...]:
+        """Return every rank taking part (holding a source or a destination piece), sorted."""
+        return tuple(sorted(set(self.src.data.devices) | set(self.dst.data.devices)))
 
     def transfer_list(self) -> tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]:
-        """Return (src, dst, ((src_start, dst_start, size) per dim)) for each transfer."""
-        out = []
-        for t in groups_of(self.transfers):
-            out.append((t[0], t[1], tuple(tuple(t[i:i + 3]) for i in range(2, len(t), 3))))
-        return tuple(out)
+        """Return (src, dst, ((src_start, dst_start, size) per dim)) for each transfer, in order."""
+        from hspmd.ir.reshard_plan import exchange_step
+
+        step = exchange_step(self.src.data, self.dst.data, self.global_shape())
+        return tuple((s, d, tuple((a, c, b - a) for (a, b), (c, _) in zip(sr, dr))) for s, sr, d, dr in step.transfers)
 
     def verify_(self) -> None:
-        rank = len(tensor_shape(self.result))
-        for t in groups_of(self.transfers):
-            if len(t) != 2 + 3 * rank:
-                raise VerifyException(f"'{self.name}' transfer {list(t)} does not fit a rank-{rank} result")
+        from hspmd.ir.layout import LayoutError
+
+        shape = self.global_shape()
+        if len(shape) != len(tensor_shape(self.result)) or any(n < 0 for n in shape):
+            raise VerifyException(f"'{self.name}' global shape {list(shape)} does not fit a rank-"
+                                  f"{len(tensor_shape(self.result))} result")
+        for role, layout in (("src", self.src.data), ("dst", self.dst.data)):
+            try:
+                layout.check_shape(shape)
+            except LayoutError as err:
+                raise VerifyException(f"'{self.name}' {role} layout '{layout}' does not fit shape {list(shape)}: {err}")
 
 
 Comm = Dialect(

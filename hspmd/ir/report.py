@@ -18,6 +18,7 @@ unless said otherwise), counted as the usual ring algorithms send them:
 | `comm.broadcast` | B if n > 1 (a ring: each rank but the last forwards the buffer once) |
 | `comm.send` | B (on a rank that is a source of its pairs) |
 | `comm.recv`, `comm.local_split`, `comm.local_zero` | 0 |
+| `comm.exchange` | what its transfers send from the group's busiest rank |
 
 Fractions are rounded down to whole bytes. An op inside a function counts once per call of
 that function in one step (calls through calls multiply).
@@ -31,6 +32,7 @@ import io
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Block, BlockArgument, Operation, SSAValue
@@ -116,8 +118,19 @@ def _nbytes(t: TensorType) -> int:
     return size * width
 
 
-def bytes_sent(op: Operation) -> int:
-    """Return the bytes one rank sends per execution of the comm op `op` (module docstring)."""
+def bytes_sent(op: Operation, devices: tuple[int, ...] = ()) -> int:
+    """Return the bytes one rank sends per execution of the comm op `op` (module docstring).
+
+    For `comm.exchange`, whose ranks send different amounts, the most any of `devices` (the
+    group's ranks; all members when empty) sends.
+    """
+    if isinstance(op, comm.ExchangeOp):
+        item = _nbytes(TensorType(op.input.type.element_type, [1]))  # type: ignore[attr-defined]
+        sent: dict[int, int] = {}
+        for s, d, region in op.transfer_list():
+            if s != d:
+                sent[s] = sent.get(s, 0) + item * int(np.prod([n for _, _, n in region]))
+        return max((sent.get(r, 0) for r in devices or op.members()), default=0)
     if isinstance(op, comm.SendOp):
         return _nbytes(op.input.type)  # type: ignore[arg-type]
     if isinstance(op, (comm.RecvOp, comm.LocalSplitOp, comm.LocalZeroOp)):
@@ -156,13 +169,17 @@ def collective_report(physical: ModuleOp) -> list[Row]:
                     value = op.input if isinstance(op, comm.SendOp) else op.result
                     elem, shape = _type_of(value.type)
                     rank_groups, out = groups_of(op.pairs), shape
+                elif isinstance(op, comm.ExchangeOp):
+                    value = op.result
+                    elem, shape = _type_of(op.input.type)
+                    rank_groups, out = (op.members(),), _type_of(value.type)[1]
                 else:
                     value = op.result  # type: ignore[attr-defined]
                     elem, shape = _type_of(op.input.type)  # type: ignore[attr-defined]
                     rank_groups, out = op.rank_groups, _type_of(value.type)[1]  # type: ignore[attr-defined]
                 rows.append(Row(
                     devices, fname, names.get(value, "?"), op.name, rank_groups, elem, shape, out,
-                    bytes_sent(op), counts[fname],
+                    bytes_sent(op, tuple(devices)), counts[fname],
                 ))
     return rows
 

@@ -26,6 +26,7 @@ len(group) equal parts along dim, part p (the dim must divide evenly).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout, split
 
-__all__ = ["CommStep", "KINDS", "plan_transition", "simulate"]
+__all__ = ["CommStep", "KINDS", "exchange_step", "plan_transition", "simulate"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_split", "local_zero", "all_to_all", "exchange")
 
@@ -300,7 +301,7 @@ def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tup
             if all(g.states.axes in ((), ((split(d), len(g.devices)),)) for g in src.groups):
                 return (CommStep("all_gather", (src.devices,), dim=d),)
     if shape is not None:
-        return (_exchange(src, dst, tuple(shape)),)
+        return (exchange_step(src, dst, tuple(shape)),)
     raise NotImplementedError(
         f"cannot plan '{src}' -> '{dst}' without the tensor's shape: the general heterogeneous transition "
         f"(an exchange over the finest common slices) needs it, and without it heterogeneous resharding is not "
@@ -358,6 +359,16 @@ def _summands_of(src: Layout, cell: tuple[tuple[int, int], ...], shape: tuple[in
                     pick[p] = dev
         chosen += [pick[p] for p in sorted(pick)]
     return chosen
+
+
+@functools.lru_cache(maxsize=256)
+def exchange_step(src: Layout, dst: Layout, shape: tuple[int, ...]) -> CommStep:
+    """Return the `exchange` step from `src` to `dst` for a tensor of global `shape` (cached).
+
+    `comm.exchange` names only its layouts and shape; every rank derives the same transfer
+    list from them through this function.
+    """
+    return _exchange(src, dst, tuple(shape))
 
 
 def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...]) -> CommStep:

@@ -5,9 +5,11 @@ gives the primitive steps (partial->dup is one `comm.all_reduce`, split->dup one
 `comm.all_gather`, ...); each becomes one comm op over explicit rank groups, and the local
 shape after each step follows from the step (gathers grow a dim by the group size, scatters
 and local splits shrink it). The general fallback between unions, an `exchange` step, becomes
-one `comm.exchange` carrying every rank's transfers (the runtime runs a rank's own in the list's
-one global order, so blocking sends always meet their receives); its plan needs the global
-shape, which `_global_shape` recovers from the reshard's local types.
+one `comm.exchange` that names the transition (src and dst layouts, global shape) rather than
+listing its transfers, so the program does not grow with the number of ranks; the runtime
+derives the transfers and runs a rank's own in their one global order, so blocking sends
+always meet their receives. Its plan needs the global shape, which `_global_shape` recovers
+from the reshard's local types.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ class LowerReshard(ModulePass):
                 raise PassError("lower-reshard: a dist.reshard has no src/dst layouts; run specialize-groups first")
             src, dst = reshard.layouts()
             devices = _module_devices(reshard)
+            shape: tuple[int, ...] = ()
             try:
                 try:
                     steps = plan_transition(src, dst)
                 except NotImplementedError:  # the general fallback (an exchange) needs the global shape
-                    steps = plan_transition(src, dst, _global_shape(src, dst, reshard, devices))
+                    shape = _global_shape(src, dst, reshard, devices)
+                    steps = plan_transition(src, dst, shape)
             except NotImplementedError as err:
                 raise PassError(f"lower-reshard: {err}") from None
             value: SSAValue = reshard.input
@@ -91,7 +95,7 @@ class LowerReshard(ModulePass):
                 if devices is not None and not set(devices) & set(members):
                     continue  # a step inside another device group of the union
                 if step.kind == "exchange":
-                    step_op = _exchange_op(step, value, reshard, devices)
+                    step_op = _exchange_op(step, value, reshard, devices, src, dst, shape)
                     block.insert_op_before(step_op, reshard)
                     value = step_op.results[0]
                     continue
@@ -146,7 +150,7 @@ def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dis
 
 
 def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
-                 devices: tuple[int, ...] | None) -> Operation:
+                 devices: tuple[int, ...] | None, src: Layout, dst: Layout, shape: tuple[int, ...]) -> Operation:
     """Return the `comm.exchange` performing `step`; its result is this group's local piece."""
     typ = value.type
     assert isinstance(typ, TensorType)
@@ -154,10 +158,8 @@ def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
     mine = {shapes[d] for d in devices or () if d in shapes}
     if len(mine) > 1:
         raise PassError(f"lower-reshard: an exchange gives the devices {list(devices or ())} different shapes {mine}")
-    shape = mine.pop() if mine else tuple(reshard.result.type.get_shape())  # type: ignore[attr-defined]
-    transfers = [[s, d] + [v for (a, b), (c, _) in zip(sr, dr) for v in (a, c, b - a)]
-                 for s, sr, d, dr in step.transfers]
-    return comm.ExchangeOp(value, step.groups[0], transfers, TensorType(typ.element_type, list(shape)))
+    local = mine.pop() if mine else tuple(reshard.result.type.get_shape())  # type: ignore[attr-defined]
+    return comm.ExchangeOp(value, src, dst, shape, TensorType(typ.element_type, list(local)))
 
 
 def _global_shape(src: Layout, dst: Layout, reshard: dist.ReshardOp,
