@@ -56,7 +56,13 @@ class GPTConfig:
 
 
 class CausalSelfAttention(Module):
-    """Multi-head causal self-attention on [B, T, D]; rotary positions if `rotary`."""
+    """Multi-head causal self-attention on [B, T, D]; rotary positions if `rotary`.
+
+    GPT's fused `qkv` weight [D, 3D] is laid out head-major, as Megatron interleaves it: its
+    output [B, T, 3D] is reshaped to [B, T, H, 3*hd] and cut into q, k, v along the last dim,
+    so a column split of the 3D outputs into tp contiguous chunks is a split of the heads
+    (each tp rank computes the attention of its H/tp heads; no gather of qkv).
+    """
 
     def __init__(self, cfg: GPTConfig, rotary: bool = False) -> None:
         std, d = cfg.init_std, cfg.d_model
@@ -79,10 +85,9 @@ class CausalSelfAttention(Module):
         h = self.heads
         hd = d // h
         if self.rotary:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        else:
-            q, k, v = ops.split(self.qkv(x), [d, d, d], 2)
-        q, k, v = (z.reshape((b, t, h, hd)) for z in (q, k, v))
+            q, k, v = (z.reshape((b, t, h, hd)) for z in (self.wq(x), self.wk(x), self.wv(x)))
+        else:  # head-major fused qkv: output column h*3*hd + c*hd + i is (q, k, v)[c] of head h, dim i
+            q, k, v = ops.split(self.qkv(x).reshape((b, t, h, 3 * hd)), [hd, hd, hd], 3)
         if self.rotary:
             q, k = ops.rope(q, self.rope_base), ops.rope(k, self.rope_base)
         q, k, v = (z.transpose((0, 2, 1, 3)) for z in (q, k, v))  # [B, H, T, hd]
