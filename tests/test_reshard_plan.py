@@ -281,3 +281,46 @@ def test_union_plans_land_on_the_destination(case, seed):
     src, dst, shape = case
     rng = np.random.default_rng(seed)
     check(src, dst, rng.standard_normal(shape), rng)
+
+
+@st.composite
+def matched_unions(draw):
+    """Draw (src, dst, shape): 2..3 groups of equal size holding a tensor alike (the same inner states),
+    partial across groups -> replicated across groups with other common inner states."""
+    ndim = draw(st.integers(1, 3))
+    k, n = draw(st.integers(2, 3)), draw(st.integers(1, 3))
+    devices = list(draw(st.permutations(range(k * n))))
+    devs = [tuple(devices[i * n:(i + 1) * n]) for i in range(k)]
+    s_states, d_states = draw(states(ndim, n=n)), draw(states(ndim, n=n))
+    src = Layout(tuple(Group(d, s_states) for d in devs), PARTIAL)
+    dst = Layout(tuple(Group(d, d_states) for d in devs), DUP)
+    return src, dst, shape_for(draw, [src, dst], ndim)
+
+
+@settings(max_examples=150, deadline=None)
+@given(matched_unions(), st.integers(0, 2**32 - 1))
+def test_hierarchical_plans_reduce_across_groups_over_matching_slices(case, seed):
+    src, dst, shape = case
+    steps = plan_transition(src, dst)  # no shape needed: no exchange
+    if all(g.states.axes in ((), ((DUP, len(g.devices)),)) for g in dst.groups) and \
+            not any(a.kind == "split" for a, _ in src.groups[0].states.axes):
+        assert [s.kind for s in steps][-1] == "all_reduce" and steps[-1].groups == (src.devices,)  # flat
+    else:
+        n = len(src.groups[0].devices)
+        assert steps[0] == CommStep("all_reduce", tuple(tuple(g.devices[i] for g in src.groups) for i in range(n)))
+    rng = np.random.default_rng(seed)
+    check(src, dst, rng.standard_normal(shape), rng)
+
+
+def test_hierarchical_tp_gradient_of_equal_groups():
+    # "[0,1]: tp=2 share=3 | [2,3]: tp=2 share=1": the column weight's gradient is summed across the
+    # groups by one all_reduce per matching half, no exchange
+    assert plan("[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=partial",
+                "[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=dup") == ["all_reduce() [0,2] [1,3]"]
+    assert plan("[0-3]: partial=2, split(1)=2 | [4-7]: partial=2, split(1)=2 ; hetero=partial",
+                "[0-3]: dup=2, split(1)=2 | [4-7]: dup=2, split(1)=2 ; hetero=dup") == [
+        "all_reduce() [0,4] [1,5] [2,6] [3,7]", "all_reduce() [0,2] [1,3] [4,6] [5,7]"]
+    # to replicated everywhere: across the groups on halves first, then gather inside each group
+    assert plan("[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=partial",
+                "[0,1]: dup=2 | [2,3]: dup=2 ; hetero=dup") == ["all_reduce() [0,2] [1,3]",
+                                                                 "all_gather(dim=1) [0,1] [2,3]"]

@@ -274,6 +274,10 @@ def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tup
     (c) The same groups related the same way (hetero axis and shares): each group's own
     single-group plan, steps of different groups side by side.
 
+    (d) Hierarchical, over matching slices (`_hierarchical`): partial across groups that hold
+    their pieces alike -> replicated across groups, any inner states: one collective across
+    the groups over the devices holding the same slice, then each group's own step inside.
+
     Flat rather than hierarchical (reduce inside each group, all_reduce across one
     representative per group, broadcast inside each group): one collective instead of three,
     the same bytes per rank as a ring over all devices, and the sum is one left fold in
@@ -281,6 +285,9 @@ def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tup
     groups are slower than inside them, which nothing here measures yet.
     """
     same_groups = [g.devices for g in src.groups] == [g.devices for g in dst.groups]
+    hierarchical = _hierarchical(src, dst) if same_groups else None
+    if hierarchical is not None:
+        return hierarchical
     if same_groups and src.hetero == dst.hetero and src.shares == dst.shares:
         # the groups relate as before: each group converts its own pieces, independently
         steps = []
@@ -308,6 +315,47 @@ def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tup
         f"supported yet for this transition "
         f"(only partial across groups -> replicated everywhere, and split(d) across groups with each device "
         f"holding its own slice -> replicated everywhere)")
+
+
+def _merged(plans: list[tuple[CommStep, ...]]) -> list[CommStep] | None:
+    """Return the groups' own plans run side by side as one list, each step over all groups' rank sets.
+
+    None unless every plan has the same steps but for their ranks (the groups hold pieces alike).
+    """
+    if len({tuple((st.kind, st.dim, st.src_dim, len(st.groups)) for st in p) for p in plans}) != 1:
+        return None
+    return [CommStep(steps[0].kind, tuple(g for st in steps for g in st.groups), dim=steps[0].dim,
+                     src_dim=steps[0].src_dim) for steps in zip(*plans)]
+
+
+def _hierarchical(src: Layout, dst: Layout) -> tuple[CommStep, ...] | None:
+    """Return the hierarchical plan of partial-across-groups -> replicated across groups, or None.
+
+    Applies when the groups (the same in `src` and `dst`) have equal sizes, equal inner states
+    in `src` (so device i of every group holds the same slice, the same partial coordinate)
+    and equal inner states in `dst`, and `dst` is replicated across groups (`hetero=dup`);
+    but when the groups' pieces are not split and `dst` is replicated everywhere, one flat
+    all_reduce (see `_hetero`) sends no more bytes, and that is used instead. Then one
+    `all_reduce` across the groups over the devices at the same position sums the groups'
+    partial pieces slice by slice (a collective over matching slices), and each group converts
+    its inner states as its own one-group plan would (e.g. `[0,1]: tp=2 | [2,3]: tp=2`: a
+    column weight's gradient `[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=partial` ->
+    `hetero=dup` is one all_reduce over [0,2] and [1,3], half the tensor each; to replicated
+    everywhere, that and an all_gather inside each group: a rank sends B/2 + B/2 where
+    gathering first and one flat all_reduce would send B/2 + 3B/2).
+    """
+    if src.hetero != PARTIAL or dst.hetero != DUP:
+        return None
+    if _replicated_everywhere(dst) and not any(a.kind == "split" for g in src.groups for a, _ in g.states.axes):
+        return None  # partial or replicated inside groups: one flat all_reduce sends no more
+    sizes = {len(g.devices) for g in src.groups}
+    if len(sizes) != 1 or len({g.states for g in src.groups}) != 1 or len({g.states for g in dst.groups}) != 1:
+        return None
+    (n,) = sizes
+    across = CommStep("all_reduce", tuple(tuple(g.devices[i] for g in src.groups) for i in range(n)))
+    inner = _merged([plan_transition(Layout.spmd(sg.devices, sg.states), Layout.spmd(dg.devices, dg.states))
+                     for sg, dg in zip(src.groups, dst.groups)])
+    return None if inner is None else (across, *inner)
 
 
 # --------------------------------------------------------------------------------------

@@ -132,9 +132,8 @@ def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dis
     holds a dim whole (the uneven gather makes the hetero-split dim whole); only a first step
     sees `src`'s pieces.
     """
-    groups_of = {src.group_index(r) for g in step.groups for r in g}
-    if len(groups_of) == 1:
-        return None
+    if all(len({src.group_index(r) for r in g}) == 1 for g in step.groups):
+        return None  # each rank group inside one device group: an even gather
     if k != 0:
         raise PassError(f"lower-reshard: '{src}' -> '{dst}': an all_gather across groups must be the first step")
     out_shape = reshard.result.type.get_shape()  # type: ignore[attr-defined]
