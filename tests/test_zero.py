@@ -120,15 +120,19 @@ def test_mlp_gradients_reduce_scatter_and_updates_all_gather():
     assert not any(name == "comm.reduce_scatter" and g != pairs for name, g in zero), zero
 
 
-def test_gpt_with_clipping_gathers_every_sharded_update():
+def test_gpt_with_clipping_reduce_scatters_every_sharded_gradient():
     compiled = _compile("gpt.py", DP4)
     lay = _layouts(compiled.annotated)
     sharded = [k for k, v in lay.items() if k.startswith("opt.m.") and "split" in v]
     assert len(sharded) == len([k for k in lay if k.startswith("opt.m.")])  # every GPT dim here divides by 4
     comms = _comms(compiled.physical)
-    # clip-grad-norm needs the whole gradient's norm (sum_squares is not linear): the gradients are
-    # all-reduced, sliced for the sharded update, and the updated shards all-gathered
-    assert comms[("comm.all_gather", ((0, 1, 2, 3),))] == len(sharded), comms
+    dp = ((0, 1, 2, 3),)
+    # clip-grad-norm needs the whole gradient's norm: each gradient is reduce-scattered like its state,
+    # each rank squares its shard and only the scalar norm is all-reduced (with the loss); no gradient
+    # is all-reduced whole; the updated shards are all-gathered
+    assert comms[("comm.reduce_scatter", dp)] == len(sharded), comms
+    assert comms[("comm.all_reduce", dp)] == 2, comms
+    assert comms[("comm.all_gather", dp)] == len(sharded), comms
 
 
 def test_strategy_text_with_zero():

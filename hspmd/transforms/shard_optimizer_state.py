@@ -19,6 +19,12 @@ communication. `zero=1` and `zero=2` compile to the same program: the gradient i
 consumed by the sharded update, so all-reducing it whole (stage 1) would do strictly more work
 than the reduce-scatter that propagation picks, and the IR has no separate gradient buffer
 whose memory stage 2 would save. `zero=0` (or dp=1) leaves the module as it is.
+
+With gradient clipping the gradient also feeds the global norm (`optim.sum_squares`), which
+propagation alone would satisfy by all-reducing it whole; the pass therefore reshards each
+clipped gradient to its state's layout where norm and clip read it, so it is
+reduce-scattered, each rank squares its own shard (a partial scalar), and only the norm's
+scalar is all-reduced.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
-from xdsl.rewriter import Rewriter
+from xdsl.rewriter import InsertPoint, Rewriter
 
-from hspmd.dialects import graph
+from hspmd.dialects import dist, graph, optim
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.frontend.strategy import Strategy, StrategyError, parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
@@ -104,7 +110,38 @@ def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
             continue
         report[name] = str(new)
         Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, new))
+    _shard_clipped_gradients(module)
     return report
+
+
+def _shard_clipped_gradients(module: ModuleOp) -> None:
+    """Lay each clipped gradient out like its sharded optimizer state.
+
+    With clipping the update reads `optim.mul_scalar(g, coef)` and the norm reads
+    `optim.sum_squares(g)`. Left to propagation, g would be all-reduced whole for the norm
+    and then sliced for the update; laid out like the state (split over dp), g is
+    reduce-scattered instead, each rank squares its own shard (a partial scalar) and only the
+    scalar sum is all-reduced: ZeRO's communication with clipping too.
+    """
+    for op in step_function(module).body.block.ops:
+        if not isinstance(op, (optim.AdamOp, optim.SGDOp)):
+            continue
+        shape, param_layout = op.param.type.get_shape(), layout_of(op.param)
+        sharded = [layout_of(v) for v in op.operands[2:]
+                   if isinstance(v.owner, graph.ParameterOp) and v.type.get_shape() == shape
+                   and layout_of(v) not in (None, param_layout)]
+        clip = op.grad.owner
+        if not sharded or not isinstance(clip, optim.MulScalarOp):
+            continue
+        g = clip.operands[0]
+        if layout_of(g) is not None or isinstance(g.owner, dist.ReshardOp):
+            continue
+        # a reshard to the state's layout, read by the norm and the clip (g's producer may be a
+        # call, whose result types follow its callee, so g itself keeps its type)
+        to = dist.ReshardOp(g, with_layout(g.type, sharded[0]))
+        Rewriter.insert_op(to, InsertPoint.after(g.owner))
+        g.replace_uses_with_if(to.result, lambda use: use.operation is not to and isinstance(
+            use.operation, (optim.MulScalarOp, optim.SumSquaresOp)))
 
 
 @dataclass(frozen=True)
