@@ -37,6 +37,7 @@ def reference(tmp_path_factory):
         (4, "[0-3]: dp=2 tp=2"),
         (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1"),
         (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"),
+        (4, "[0,1]: tp=2 share=3 | [2,3]: tp=2 share=1"),  # hierarchical: across the groups over matching halves
         (4, "[0-3]: dp=4 zero=2"),
     ],
 )
