@@ -709,7 +709,11 @@ class EmbeddingOp(_TensorOp):
     table = operand_def(TensorType)
     ids = operand_def(TensorType)
     result = result_def(TensorType)
+    global_type = opt_prop_def(TypeAttribute)
     traits = traits_def(Pure())
+    #: a vocabulary-split table gives a partial result (each rank looks up the rows it owns,
+    #: zeros elsewhere): the kernel finds its rows' offset from the result's annotated layout
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
 
     def __init__(self, table: SSAValue, ids: SSAValue, result_type: Attribute):
         super().__init__(operands=[table, ids], result_types=[result_type])
@@ -731,7 +735,11 @@ class EmbeddingGradOp(_TensorOp):
     ids = operand_def(TensorType)
     dy = operand_def(TensorType)
     result = result_def(TensorType)
+    global_type = opt_prop_def(TypeAttribute)
     traits = traits_def(Pure())
+    #: a result split along V holds the rows of one vocabulary range: the kernel scatters only
+    #: the ids in that range, at the offset the result's annotated layout gives
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
 
     def __init__(self, ids: SSAValue, dy: SSAValue, result_type: Attribute):
         super().__init__(operands=[ids, dy], result_types=[result_type])
@@ -918,6 +926,32 @@ class SoftmaxCrossEntropyGradOp(_TensorOp):
 
 
 @irdl_op_definition
+class OneHotOp(_TensorOp):
+    """`1.0` where the last index equals the integer label, else `0.0`: labels [...] -> [..., C].
+
+    The classes of a piece are its global indices along the last dim: a result split along C
+    (a vocabulary-parallel loss) holds ones only for the labels in its range. `global_type`
+    (set at the physical level) gives the kernel that range."""
+
+    name = "graph.one_hot"
+    labels = operand_def(TensorType)
+    result = result_def(TensorType)
+    global_type = opt_prop_def(TypeAttribute)
+    traits = traits_def(Pure())
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
+
+    def __init__(self, labels: SSAValue, result_type: Attribute):
+        super().__init__(operands=[labels], result_types=[result_type])
+
+    def verify_(self) -> None:
+        lb, r = tensor_shape(self.labels), tensor_shape(self.result)
+        if len(r) != len(lb) + 1 or r[:-1] != lb:
+            raise VerifyException(f"'{self.name}' needs labels [...] giving [..., C], got {list(lb)} -> {list(r)}")
+        _integer(self, self.labels, "labels")
+        _float(self, self.result)
+
+
+@irdl_op_definition
 class LabelMaskOp(_Unary):
     """1.0 where the integer `labels` differ from `ignore_index`, else 0.0 (a float result)."""
 
@@ -1055,6 +1089,7 @@ Graph = Dialect(
         ConcatOp,
         SoftmaxCrossEntropyOp,
         SoftmaxCrossEntropyGradOp,
+        OneHotOp,
         LabelMaskOp,
         RopeOp,
         RopeGradOp,

@@ -50,6 +50,9 @@ class OpRule:
     joint: bool = True
     blocked: frozenset[str] = frozenset()
     extents: tuple[tuple[str, int], ...] = ()  # (factor, size): a split degree of it must divide size
+    #: operands whose layouts are kept first where operands disagree on a mesh axis (a weight's:
+    #: weights stay where they are, activations are gathered or reduced to meet them, as Megatron does)
+    prefer: tuple[int, ...] = ()
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -88,10 +91,12 @@ def rule_for(op: Operation) -> OpRule | None:
         case graph.MatmulOp():
             b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
             rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
-            return OpRule(((*b, "i", "k"), rhs), ((*b, "i", "j"),), frozenset({0, 1}), joint=False)
+            weight = (1,) if len(_shape(op.rhs)) == 2 else ()  # activations times a 2-D weight
+            return OpRule(((*b, "i", "k"), rhs), ((*b, "i", "j"),), frozenset({0, 1}), joint=False, prefer=weight)
         case graph.MatmulRhsGradOp():  # batch dims and i are contracted: split, they leave partial sums
-            b = _dims("b", len(_shape(op.lhs)) - 2)
-            return OpRule(((*b, "i", "k"), (*b, "i", "j")), (("k", "j"),), frozenset({0, 1}), joint=False)
+            b = _dims("b", len(_shape(op.lhs)) - 2)  # dy's output dim j is the weight's: keep it first
+            return OpRule(((*b, "i", "k"), (*b, "i", "j")), (("k", "j"),), frozenset({0, 1}), joint=False,
+                          prefer=(1,))
         case graph.TransposeOp():
             d = _dims("d", len(_shape(op.input)))
             return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
@@ -158,12 +163,19 @@ def _rule_for_more(op: Operation) -> OpRule | None:
             return _last_dim_rule(op, (True, False), (True,))
         case graph.RmsNormGradOp():
             return _last_dim_rule(op, (True, False, True), (True, False), frozenset({2}))
-        case graph.EmbeddingOp():  # rows are looked up by global id: the vocab dim stays whole
+        case graph.EmbeddingOp():
+            # vocabulary-parallel (Megatron): a table split along V gives each rank the rows it
+            # owns and zeros for other ids, so `v`, missing from the result, leaves partial sums.
+            # Not linear in the table: a partial result then always means a split vocabulary
+            # (the kernel reads its rows' offset from the partial coordinate).
             b = _dims("b", len(_shape(op.ids)))
-            return OpRule((("v", "e"), b), ((*b, "e"),), frozenset({0}), blocked=frozenset({"v"}))
-        case graph.EmbeddingGradOp():  # the id dims are summed over: split, they leave partial sums
-            b = _dims("b", len(_shape(op.ids)))
-            return OpRule((b, (*b, "e")), (("v", "e"),), frozenset({1}), blocked=frozenset({"v"}))
+            return OpRule((("v", "e"), b), ((*b, "e"),))
+        case graph.EmbeddingGradOp():  # the id dims are summed over: split, they leave partial sums;
+            b = _dims("b", len(_shape(op.ids)))  # a result split along V scatters only its ids' rows
+            return OpRule((b, (*b, "e")), (("v", "e"),), frozenset({1}))
+        case graph.OneHotOp():  # classes are global indices along the last dim: any split is fine
+            b = _dims("b", len(_shape(op.labels)))
+            return OpRule((b,), ((*b, "c"),))
         case graph.CausalMaskOp():  # the mask compares global query and key indices: keep them whole
             d = _dims("d", len(_shape(op.result)))
             linear = frozenset({0}) if op.value.value.data == 0.0 else frozenset()
@@ -307,10 +319,12 @@ def _infer_group(
     used: set[str] = set()
     partial_ops: dict[int, set[int]] = {}
 
-    def offer(axes, factors, idx: int | None) -> None:
+    def offer(axes, factors, idx: int | None, splits_only: bool = False) -> None:
         if [d for _, d in axes] != mesh:
             return
         for m, (axis, _) in enumerate(axes):
+            if splits_only and axis.kind != "split":
+                continue
             if axis.kind == "split":
                 f = factors[axis.dim]
                 if roles[m] is None and f not in used and f not in rule.blocked and _fits(rule, f, mesh[m]):
@@ -328,6 +342,9 @@ def _infer_group(
     def _partial_on(ds: DistributedStates, m: int) -> bool:
         return [d for _, d in ds.axes] == mesh and ds.axes[m][0] == PARTIAL
 
+    for i in rule.prefer:  # a preferred operand's split dims first (its partial sums take their turn)
+        if ins[i] is not None and not _flexible(ins[i]):
+            offer(ins[i].axes, rule.operands[i], i, splits_only=True)
     order = sorted(range(len(ins)), key=lambda i: ins[i] is not driver if candidates else 0)
     for i in order:
         if ins[i] is not None and not _flexible(ins[i]):

@@ -67,8 +67,10 @@ from hspmd.dialects.sharding import _reshape_factors
 from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.util import PassError, callee_of, step_function
+from hspmd.transforms.vocab_parallel import split_cross_entropy
 
 COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
+VOCAB_TABLE, VOCAB_HEAD = "vocab-table", "vocab-head"
 
 
 def strategy_group(strategy: Strategy) -> StrategyGroup:
@@ -134,7 +136,7 @@ def check_batch_rows(strategy: Strategy, name: str, shape) -> None:
 
 def role_layout(group: StrategyGroup, role: str | None) -> Layout:
     """Return the layout of a parameter with tensor-parallel `role` (None: replicated)."""
-    dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0}.get(role)  # type: ignore[arg-type]
+    dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0, VOCAB_TABLE: 0, VOCAB_HEAD: 1}.get(role)  # type: ignore[arg-type]
     if dim is None:
         return Layout.replicated(group.devices)
     return Layout.spmd(group.devices, DistributedStates.of((DUP, group.dp), (split(dim), group.tp)))
@@ -146,8 +148,9 @@ def role_layout(group: StrategyGroup, role: str | None) -> Layout:
 class _Walk:
     """Classify parameters as column/row-parallel (see the module docstring)."""
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, vocab: bool = False) -> None:
         self.tp = tp
+        self.vocab = vocab  # also split embedding tables and the LM head over the vocabulary
         self.callees: dict[str, dict[int, set[str]]] = {}  # callee name -> arg index -> roles
         self.names: dict[Hashable, str] = {}  # key -> a parameter name for messages
 
@@ -180,6 +183,10 @@ class _Walk:
                 continue
             if isinstance(op, (graph.LayerNormOp, graph.RmsNormOp)):
                 continue
+            if isinstance(op, graph.EmbeddingOp) and self.vocab and (k := key_of(op.table)) is not None \
+                    and op.table.type.get_shape()[0] % self.tp == 0:
+                roles.setdefault(k, set()).add(VOCAB_TABLE)
+                continue
             if isinstance(op, func.CallOp):
                 callee = callee_of(op)
                 inner = self.callee_roles(callee, {i: k for i, v in enumerate(op.operands)
@@ -195,6 +202,10 @@ class _Walk:
                 taint[r] = sources
             if isinstance(op, graph.ReshapeOp):
                 self._check_heads(op, sources, describe)
+        if self.vocab:
+            for head in self.loss_heads(block, candidates):
+                if head not in paired:
+                    roles.setdefault(head, set()).add(VOCAB_HEAD)
         for k in paired:
             roles.setdefault(k, set()).add(COLUMN)
             for mm in candidates.get(k, []):
@@ -208,6 +219,17 @@ class _Walk:
                         if b is not None and len(other.owner.input.type.get_shape()) == 1:
                             roles.setdefault(b, set()).add(COLUMN_BIAS)
         return roles
+
+    def loss_heads(self, block: Block, candidates: dict[Hashable, list[graph.MatmulOp]]) -> set[Hashable]:
+        """Return the column candidates whose matmul makes the logits of a cross-entropy (through
+        casts) and whose class count tp divides: the LM heads a vocabulary split suits."""
+        made = {mm.result: k for k, mms in candidates.items() for mm in mms}
+        heads = set()
+        for op in block.ops:
+            if isinstance(op, graph.SoftmaxCrossEntropyOp) and (k := made.get(self._through_casts(op.logits))) \
+                    is not None and op.logits.type.get_shape()[-1] % self.tp == 0:
+                heads.add(k)
+        return heads
 
     def callee_roles(self, callee: func.FuncOp, arg_keys: dict[int, Hashable]) -> dict[int, set[str]]:
         """Return {argument index: roles} of `callee`'s parameter arguments (once per callee)."""
@@ -239,10 +261,11 @@ def _shape_text(shape) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def tensor_parallel_roles(module: ModuleOp, tp: int) -> dict[str, str]:
-    """Return {parameter name: "column" | "row" | "column-bias"} for tensor parallelism of `tp`."""
+def tensor_parallel_roles(module: ModuleOp, tp: int, vocab: bool = False) -> dict[str, str]:
+    """Return {parameter name: role} for tensor parallelism of `tp`: "column", "row",
+    "column-bias", and with `vocab` "vocab-table" (an embedding table) and "vocab-head" (an LM head)."""
     step = step_function(module)
-    walk = _Walk(tp)
+    walk = _Walk(tp, vocab)
     params = {o.result: o.tensor_name.data for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
     shapes = {o.tensor_name.data: o.result.type.get_shape() for o in step.body.block.ops
               if isinstance(o, graph.ParameterOp)}
@@ -253,7 +276,25 @@ def tensor_parallel_roles(module: ModuleOp, tp: int) -> dict[str, str]:
 
 _RULE = {COLUMN: "column-parallel weight [in, out] is split along its output dim 1",
          ROW: "row-parallel weight [in, out] is split along its input dim 0",
-         COLUMN_BIAS: "the bias of a column-parallel weight is split like its output dim"}
+         COLUMN_BIAS: "the bias of a column-parallel weight is split like its output dim",
+         VOCAB_TABLE: "an embedding table [V, D] is split along its vocabulary dim 0",
+         VOCAB_HEAD: "an LM head [D, V] is split along its vocabulary dim 1"}
+
+
+def split_vocabulary_losses(module: ModuleOp, roles: dict[str, str], tp: int) -> int:
+    """Rewrite each cross-entropy of the step whose logits a vocab-head matmul makes (through
+    casts) into the vocabulary-parallel form (`vocab_parallel`); return how many there were."""
+    block = step_function(module).body.block
+    heads = {o.result for o in block.ops if isinstance(o, graph.ParameterOp) and roles.get(o.tensor_name.data) == VOCAB_HEAD}
+    losses = []
+    for o in block.ops:
+        if isinstance(o, graph.SoftmaxCrossEntropyOp):
+            src = _Walk._through_casts(o.logits)
+            if isinstance(src.owner, graph.MatmulOp) and _Walk._through_casts(src.owner.rhs) in heads:
+                losses.append(o)
+    for o in losses:
+        split_cross_entropy(o, tp)
+    return len(losses)
 
 
 @dataclass(frozen=True)
@@ -274,8 +315,10 @@ class ApplyStrategy(ModulePass):
         leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
         roles: dict[str, str] = {}
         for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
-            roles = tensor_parallel_roles(op, tp)
+            roles = tensor_parallel_roles(op, tp, vocab=not hetero)
             group = next(g for g in strategy.groups if g.tp == tp)
+        if not hetero and group.tp > 1:
+            split_vocabulary_losses(op, roles, group.tp)
         names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
         for leaf in leaves:
             name = leaf.tensor_name.data

@@ -188,7 +188,7 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
         case graph.SoftmaxCrossEntropyOp():
             ignore = op.ignore_index.value.data if op.ignore_index is not None else None
             return [lambda: emit(graph.SoftmaxCrossEntropyGradOp(op.logits, op.labels, g, ignore)), None]
-        case graph.LabelMaskOp():
+        case graph.LabelMaskOp() | graph.OneHotOp():
             return [None]
         case graph.RopeOp():
             return [lambda: emit(graph.RopeGradOp(g, op.base.value.data))]
