@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Operation, SSAValue
 
-from hspmd.dialects import graph
+from hspmd.dialects import dist, graph
 from hspmd.transforms.util import PassError
 
 
@@ -107,6 +107,8 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
     """
     g = gs[0] if len(gs) == 1 else None
     match op:
+        case dist.AnnotateOp():  # the gradient of an annotated value is laid out alike
+            return [lambda: emit(dist.AnnotateOp(g, op.axes(), op.layout.data if op.layout is not None else None))]
         case graph.AddOp():
             return [lambda: g, lambda: g]
         case graph.SubOp():
