@@ -7,6 +7,7 @@
 
 from hspmd.frontend import nn
 from hspmd.frontend import optim
+from hspmd.frontend.annotate import annotate
 from hspmd.frontend.ops import (
     causal_mask,
     cast,
@@ -38,6 +39,7 @@ from hspmd.frontend.tracing import Tensor, TraceError
 __all__ = [
     "Tensor",
     "TraceError",
+    "annotate",
     "cast",
     "causal_mask",
     "concat",

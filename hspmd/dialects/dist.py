@@ -7,7 +7,7 @@ quotes is the layout grammar of `hspmd.ir.layout_text`, the same text users writ
 
 from __future__ import annotations
 
-from xdsl.dialects.builtin import NoneAttr, TensorType
+from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
 from xdsl.ir import Attribute, Data, Dialect, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
@@ -16,6 +16,7 @@ from xdsl.irdl import (
     irdl_op_definition,
     operand_def,
     opt_prop_def,
+    prop_def,
     result_def,
 )
 from xdsl.parser import AttrParser
@@ -24,7 +25,10 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.ir.layout import Layout, LayoutError
 
-__all__ = ["Dist", "LayoutAttr", "ReshardOp", "layout_of", "with_layout", "without_layout"]
+__all__ = ["AnnotateOp", "Dist", "LayoutAttr", "MESH_AXES", "ReshardOp", "layout_of", "with_layout", "without_layout"]
+
+# the mesh axes a strategy gives each device group, which `dist.annotate` may name per dim
+MESH_AXES = ("dp", "tp")
 
 
 @irdl_attr_definition
@@ -113,4 +117,59 @@ class ReshardOp(IRDLOperation):
                 raise VerifyException("'dist.reshard' keeps the global shape; only the layout changes")
 
 
-Dist = Dialect("dist", [ReshardOp], [LayoutAttr])
+@irdl_op_definition
+class AnnotateOp(IRDLOperation):
+    """`hs.annotate`: the same tensor, with the layout the user asks for (logical level).
+
+    `spec` names, per dim, the strategy's mesh axis that splits it (`"dp"`, `"tp"`) or `""`
+    for none, like a JAX PartitionSpec; or `layout` gives a whole layout over named devices.
+    `apply-annotations` turns the op into a `dist.reshard` to that layout, which propagation
+    then keeps (a user's layout wins) and `lower-reshard` carries out. Its gradient is
+    annotated alike.
+    """
+
+    name = "dist.annotate"
+    irdl_options = (ParsePropInAttrDict(),)
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    spec = prop_def(ArrayAttr)
+    layout = opt_prop_def(LayoutAttr)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+
+    def __init__(self, input: SSAValue, spec: tuple[str, ...] = (), layout: Layout | None = None):
+        props: dict[str, Attribute] = {"spec": ArrayAttr([StringAttr(a) for a in spec])}
+        if layout is not None:
+            props["layout"] = LayoutAttr(layout)
+        super().__init__(operands=[input], result_types=[input.type], properties=props)
+
+    def axes(self) -> tuple[str, ...]:
+        """Return the mesh axis (or "") of each dim; () when the op names a whole layout."""
+        return tuple(a.data for a in self.spec.data)  # type: ignore[attr-defined]
+
+    def verify_(self) -> None:
+        typ = self.input.type
+        assert isinstance(typ, TensorType)
+        if self.result.type != typ:
+            raise VerifyException("'dist.annotate' keeps its operand's type")
+        axes = self.axes()
+        if self.layout is not None:
+            if axes:
+                raise VerifyException("'dist.annotate' takes a spec or a layout, not both")
+            try:
+                self.layout.data.check_shape(tuple(typ.get_shape()))
+            except LayoutError as err:
+                raise VerifyException(f"'dist.annotate' layout '{self.layout.data}' does not fit "
+                                      f"{list(typ.get_shape())}: {err}") from None
+            return
+        if len(axes) != len(typ.get_shape()):
+            raise VerifyException(f"'dist.annotate' spec {list(axes)} needs one entry per dim of "
+                                  f"{list(typ.get_shape())}")
+        for a in axes:
+            if a and a not in MESH_AXES:
+                raise VerifyException(f"'dist.annotate' spec names mesh axis '{a}'; the axes are "
+                                      f"{', '.join(MESH_AXES)} (or \"\" for none)")
+            if a and axes.count(a) > 1:
+                raise VerifyException(f"'dist.annotate' spec {list(axes)} names '{a}' twice; a mesh axis splits one dim")
+
+
+Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr])

@@ -1,6 +1,6 @@
 """The three IR levels and their verifiers, plus the physical module's device-group structure.
 
-- logical: `graph` ops on global shapes, no layout anywhere, no `dist`/`comm` op;
+- logical: `graph` ops on global shapes, no layout anywhere, no `dist`/`comm` op but `dist.annotate`;
 - annotated: every tensor value has a layout in its type's encoding; `dist.reshard` allowed;
 - physical: a `builtin.module` holding one nested module per device group (attribute
   `hspmd.devices`), local shapes, no layouts except in `global_type` of parameters/inputs.
@@ -31,7 +31,7 @@ def _tensor_values(module: ModuleOp):
 def verify_logical(module: ModuleOp) -> None:
     """Raise LevelError unless `module` is logical IR."""
     for op in module.walk():
-        if op.dialect_name() in ("dist", "comm"):
+        if op.dialect_name() in ("dist", "comm") and op.name != "dist.annotate":
             raise LevelError(f"logical IR cannot hold '{op.name}'")
     for op, v in _tensor_values(module):
         if not isinstance(v.type.encoding, NoneAttr):
@@ -49,6 +49,8 @@ def verify_annotated(module: ModuleOp) -> None:
     for op in module.walk():
         if op.dialect_name() == "comm":
             raise LevelError(f"annotated IR cannot hold '{op.name}'; collectives appear after specialize-groups")
+        if op.name == "dist.annotate":
+            raise LevelError("annotated IR cannot hold 'dist.annotate'; apply-annotations turns it into a dist.reshard")
         if rule_for(op) is None:
             continue
         ins = [layout_of(v) for v in op.operands]

@@ -18,6 +18,7 @@ _PASSES = {
     "adam": "hspmd.transforms.adam:Adam",
     "clip-grad-norm": "hspmd.transforms.clip_grad_norm:ClipGradNorm",
     "apply-strategy": "hspmd.transforms.apply_strategy:ApplyStrategy",
+    "apply-annotations": "hspmd.transforms.apply_annotations:ApplyAnnotations",
     "shard-optimizer-state": "hspmd.transforms.shard_optimizer_state:ShardOptimizerState",
     "propagate-layouts": "hspmd.transforms.propagate_layouts:PropagateLayouts",
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",

@@ -30,7 +30,8 @@ def annotate_pipeline(strategy: str) -> str:
     except (StrategyError, TypeError):
         zero = False
     shard = f'shard-optimizer-state{{strategy="{quoted}"}},' if zero else ""
-    return f'apply-strategy{{strategy="{quoted}"}},{shard}propagate-layouts,insert-reshard'
+    return (f'apply-strategy{{strategy="{quoted}"}},apply-annotations{{strategy="{quoted}"}},{shard}'
+            'propagate-layouts,insert-reshard')
 
 
 PHYSICAL_PIPELINE = "specialize-groups,lower-reshard"
