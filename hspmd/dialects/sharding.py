@@ -50,9 +50,10 @@ class OpRule:
     joint: bool = True
     blocked: frozenset[str] = frozenset()
     extents: tuple[tuple[str, int], ...] = ()  # (factor, size): a split degree of it must divide size
-    #: operands whose layouts are kept first where operands disagree on a mesh axis (a weight's:
-    #: weights stay where they are, activations are gathered or reduced to meet them, as Megatron does)
-    prefer: tuple[int, ...] = ()
+    #: factors whose splits are kept first where operands disagree on a mesh axis (a weight's
+    #: dims: weights stay where they are, activations are gathered or reduced to meet them, as
+    #: Megatron does; a weight gradient keeps the weight's split rather than the sequence's)
+    prefer: frozenset[str] = frozenset()
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -91,12 +92,12 @@ def rule_for(op: Operation) -> OpRule | None:
         case graph.MatmulOp():
             b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
             rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
-            weight = (1,) if len(_shape(op.rhs)) == 2 else ()  # activations times a 2-D weight
+            weight = frozenset({"k", "j"}) if len(_shape(op.rhs)) == 2 else frozenset()  # times a 2-D weight
             return OpRule(((*b, "i", "k"), rhs), ((*b, "i", "j"),), frozenset({0, 1}), joint=False, prefer=weight)
         case graph.MatmulRhsGradOp():  # batch dims and i are contracted: split, they leave partial sums
-            b = _dims("b", len(_shape(op.lhs)) - 2)  # dy's output dim j is the weight's: keep it first
+            b = _dims("b", len(_shape(op.lhs)) - 2)
             return OpRule(((*b, "i", "k"), (*b, "i", "j")), (("k", "j"),), frozenset({0, 1}), joint=False,
-                          prefer=(1,))
+                          prefer=frozenset({"k", "j"}))
         case graph.TransposeOp():
             d = _dims("d", len(_shape(op.input)))
             return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
@@ -319,11 +320,11 @@ def _infer_group(
     used: set[str] = set()
     partial_ops: dict[int, set[int]] = {}
 
-    def offer(axes, factors, idx: int | None, splits_only: bool = False) -> None:
+    def offer(axes, factors, idx: int | None, only: frozenset[str] | None = None) -> None:
         if [d for _, d in axes] != mesh:
             return
         for m, (axis, _) in enumerate(axes):
-            if splits_only and axis.kind != "split":
+            if only is not None and (axis.kind != "split" or factors[axis.dim] not in only):
                 continue
             if axis.kind == "split":
                 f = factors[axis.dim]
@@ -342,10 +343,11 @@ def _infer_group(
     def _partial_on(ds: DistributedStates, m: int) -> bool:
         return [d for _, d in ds.axes] == mesh and ds.axes[m][0] == PARTIAL
 
-    for i in rule.prefer:  # a preferred operand's split dims first (its partial sums take their turn)
-        if ins[i] is not None and not _flexible(ins[i]):
-            offer(ins[i].axes, rule.operands[i], i, splits_only=True)
     order = sorted(range(len(ins)), key=lambda i: ins[i] is not driver if candidates else 0)
+    if rule.prefer:  # splits of the preferred factors first, then everything in the usual order
+        for i in order:
+            if ins[i] is not None and not _flexible(ins[i]):
+                offer(ins[i].axes, rule.operands[i], i, only=rule.prefer)
     for i in order:
         if ins[i] is not None and not _flexible(ins[i]):
             offer(ins[i].axes, rule.operands[i], i)

@@ -153,6 +153,7 @@ class _Walk:
         self.vocab = vocab  # also split embedding tables and the LM head over the vocabulary
         self.callees: dict[str, dict[int, set[str]]] = {}  # callee name -> arg index -> roles
         self.names: dict[Hashable, str] = {}  # key -> a parameter name for messages
+        self.row_matmuls: list[graph.MatmulOp] = []  # the row-parallel matmuls met (callees once)
 
     @staticmethod
     def _through_casts(v: SSAValue) -> SSAValue:
@@ -177,6 +178,7 @@ class _Walk:
                 if sources:
                     roles.setdefault(k, set()).add(ROW)
                     paired.update(sources)
+                    self.row_matmuls.append(op)
                 else:
                     candidates.setdefault(k, []).append(op)
                     taint[op.result] = frozenset({k})
@@ -297,6 +299,68 @@ def split_vocabulary_losses(module: ModuleOp, roles: dict[str, str], tp: int) ->
     return len(losses)
 
 
+def _row_output(mm: graph.MatmulOp) -> SSAValue:
+    """Return a row-parallel matmul's output: its result, or `result + broadcast(bias)` after it."""
+    uses = list(mm.result.uses)
+    if len(uses) == 1 and isinstance(add := uses[0].operation, graph.AddOp):
+        other = add.operands[1 - uses[0].index]
+        if isinstance(other.owner, graph.BroadcastOp) and len(other.owner.input.type.get_shape()) == 1:
+            return add.result
+    return mm.result
+
+
+def sequence_parallel(module: ModuleOp, group: StrategyGroup) -> int:
+    """Lay out the residual stream split along the sequence over tp (Megatron-SP); return how many values.
+
+    The residual stream enters the function blocks (transformer layers) as activations
+    [batch, sequence, ...] that the step computes from the batch before any block (the first
+    block's input, made by the embeddings). It gets `split(0)` over dp and `split(1)` over tp;
+    what the blocks return, the gradients entering them and everything else follow by
+    propagation (see `sequence_parallel_outputs` for the blocks' row-parallel outputs).
+    """
+    block = step_function(module).body.block
+    batch: set[SSAValue] = set()
+    later: set[SSAValue] = set()  # values computed from a block's result
+    for o in block.ops:
+        if isinstance(o, func.CallOp) or any(v in later for v in o.operands):
+            later.update(o.results)
+        if isinstance(o, graph.InputOp) or any(v in batch for v in o.operands):
+            batch.update(o.results)
+    batch -= later
+    layout = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (split(1), group.tp)))
+    seeded: list[SSAValue] = []
+    for o in block.ops:
+        if not isinstance(o, func.CallOp):
+            continue
+        for v in o.operands:
+            shape = v.type.get_shape() if hasattr(v.type, "get_shape") else ()
+            if v in batch and len(shape) >= 3 and not isinstance(v.owner, func.CallOp) and v not in seeded:
+                if shape[1] % group.tp:
+                    raise PassError(
+                        f"apply-strategy: sp=1 cannot split the residual stream {_shape_text(shape)} (the "
+                        f"input of @{callee_of(o).sym_name.data}) along its sequence dim 1 over tp={group.tp}: "
+                        f"sequence parallelism splits the sequence over the tp ranks, so tp must divide {shape[1]}")
+                seeded.append(v)
+    if not seeded:
+        raise PassError(
+            "apply-strategy: sp=1 found no residual stream: sequence parallelism splits the activations "
+            "[batch, sequence, ...] that the step passes into its function blocks (transformer layers), "
+            "and this model passes none")
+    # Inside the blocks, each row-parallel output (partial sums over tp) joins the residual
+    # stream split along the sequence: a reduce-scatter instead of an all-reduce.
+    walk = _Walk(group.tp)
+    step = step_function(module)
+    walk.block_roles(step.body.block, {o.result: o.tensor_name.data for o in block.ops
+                                       if isinstance(o, graph.ParameterOp)}, str)
+    for mm in walk.row_matmuls:
+        out = _row_output(mm)
+        if len(out.type.get_shape()) >= 3 and out.type.get_shape()[1] % group.tp == 0 and out not in seeded:
+            seeded.append(out)
+    for v in seeded:
+        Rewriter.replace_value_with_new_type(v, with_layout(v.type, layout))
+    return len(seeded)
+
+
 @dataclass(frozen=True)
 class ApplyStrategy(ModulePass):
     """Lay out parameters and inputs as the strategy says."""
@@ -319,6 +383,8 @@ class ApplyStrategy(ModulePass):
             group = next(g for g in strategy.groups if g.tp == tp)
         if not hetero and group.tp > 1:
             split_vocabulary_losses(op, roles, group.tp)
+        if not hetero and group.sp:
+            sequence_parallel(op, group)
         names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
         for leaf in leaves:
             name = leaf.tensor_name.data
