@@ -28,3 +28,26 @@ def lm_windows(data: np.ndarray, batch_size: int, seq_len: int, seed: int) -> It
         starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
         window = data[starts[:, None] + offsets].astype(np.int32)
         yield {"ids": window[:, :-1], "targets": window[:, 1:]}
+
+
+def lm_epochs(data: np.ndarray, batch_size: int, seq_len: int, epochs: int | None = None,
+              limit: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Yield `data` (its first `limit` tokens) cut into consecutive windows, batch by batch, epoch by epoch.
+
+    Each epoch walks the windows `data[i*T : i*T + T + 1]` in order; its last batch holds the
+    windows that are left, so it may have fewer than `batch_size` rows (see
+    `hspmd.runtime.batching.pad_batch`, which pads it). `epochs=None` repeats forever.
+    """
+    if limit is not None:
+        data = data[:limit]
+    count = (len(data) - 1) // seq_len
+    if count < 1:
+        raise ValueError(f"{len(data)} tokens of data are too few for one window of {seq_len + 1}")
+    offsets = np.arange(seq_len + 1)
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        for first in range(0, count, batch_size):
+            starts = np.arange(first, min(first + batch_size, count)) * seq_len
+            window = data[starts[:, None] + offsets].astype(np.int32)
+            yield {"ids": window[:, :-1], "targets": window[:, 1:]}
+        epoch += 1

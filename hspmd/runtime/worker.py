@@ -20,6 +20,7 @@ import numpy as np
 from hspmd.ir.context import IRTextError, parse_module
 from hspmd.ir.levels import LevelError, physical_groups, verify_physical
 from hspmd.runtime.bundle import BundleError, read_manifest
+from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
@@ -118,6 +119,8 @@ def train(
     state = plan.initial_state(int(config.get("seed", 0)))
     batches = load_batches(manifest.script, config)
     names = {leaf.name for leaf in plan.inputs}
+    shapes = compiled_batch_shapes([(leaf.name, leaf.global_shape) for leaf in plan.inputs], microbatches)
+    pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
         result.initial_params = gather(state)
@@ -132,6 +135,10 @@ def train(
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
             batch = {**batch, **scalars}
+            try:  # an epoch's last batch may be short: padded rows count for nothing (batching.py)
+                batch = pad_batch(batch, shapes, pad)
+            except BatchError as err:
+                raise RunError(f"step {step}: {err}") from None
             if microbatches > 1:
                 batch = split_microbatches(batch, names, microbatches)
             start = time.perf_counter()
