@@ -3,6 +3,12 @@
 Each maker takes the op (read once, when the plan is built) and returns a function of the
 operand arrays, so that no xDSL object is touched while steps run. Multi-result ops return a
 tuple. Kernels compute in the operands' dtype unless a comment says otherwise.
+
+Kernels marked with `@takes_out` also accept `out=` (an array of the result's shape and
+dtype, or a tuple of them for several results): they fill it and return it. The plan hands
+them buffers it reuses from step to step; NumPy ufuncs (np.add, np.exp, ...) take `out=`
+natively. View ops (transpose, broadcast, split, slice, reshape) return views of their
+operand, not copies: the plan tracks the aliasing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ from hspmd.dialects import graph
 from hspmd.ir.types import dtype_name
 
 Kernel = Callable[..., np.ndarray]
+
+
+def takes_out(fn: Kernel) -> Kernel:
+    """Mark kernel `fn` as accepting `out=` (see the module docstring); return it."""
+    fn.accepts_out = True  # type: ignore[attr-defined]
+    return fn
 
 
 def _result_shape(op: Operation) -> tuple[int, ...]:
@@ -115,29 +127,80 @@ def erf(x: np.ndarray) -> np.ndarray:
     return _erf_series(x).astype(x.dtype, copy=False)
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """`a @ b`; a batch of rows times one 2-D matrix is done as one 2-D product (one BLAS call)."""
+@takes_out
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a @ b`; a batch of rows times one 2-D matrix is done as one 2-D product (one BLAS call).
+
+    Transposed operands (views) go to BLAS as they are, without a copy, where NumPy can.
+    """
     if b.ndim == 2 and a.ndim > 2:
-        return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1])
-    return np.matmul(a, b)
+        rows = a.reshape(-1, a.shape[-1])  # a view when a's leading dims merge
+        if out is None:
+            return np.matmul(rows, b).reshape(*a.shape[:-1], b.shape[1])
+        np.matmul(rows, b, out=out.reshape(rows.shape[0], b.shape[1]))
+        return out
+    return np.matmul(a, b, out=out)
 
 
-def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
-    """GELU: exact `x Phi(x)` (approximate="none") or the tanh form (approximate="tanh")."""
+@takes_out
+def matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a^T g` over all leading dims merged: the gradient of the right operand of `a @ w`."""
+    return np.matmul(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]), out=out)
+
+
+def _tanh_inner(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Fill `out` with `tanh(sqrt(2/pi) * (x + 0.044715 x^3))` (the tanh GELU's t), in place."""
+    np.multiply(x, x, out=out)
+    out *= x
+    out *= _GELU_C
+    out += x
+    out *= _SQRT_2_OVER_PI
+    return np.tanh(out, out=out)
+
+
+def gelu(x: np.ndarray, approximate: str, out: np.ndarray | None = None) -> np.ndarray:
+    """GELU: exact `x Phi(x)` (approximate="none") or the tanh form (approximate="tanh").
+
+    The tanh form runs in place in `out`, one pass per operation and no temporaries.
+    """
     if approximate == "tanh":
-        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * (x * x * x))))
-    return 0.5 * x * (1 + erf(x / math.sqrt(2.0)))
+        out = _tanh_inner(x, np.empty_like(x) if out is None else out)
+        out += 1
+        out *= x
+        out *= 0.5
+        return out
+    y = 0.5 * x * (1 + erf(x / math.sqrt(2.0)))
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
 
 
-def gelu_grad(x: np.ndarray, dy: np.ndarray, approximate: str) -> np.ndarray:
-    """`dy * gelu'(x)`."""
+def gelu_grad(x: np.ndarray, dy: np.ndarray, approximate: str, out: np.ndarray | None = None) -> np.ndarray:
+    """`dy * gelu'(x)`; the tanh form with two temporaries, the rest in place in `out`."""
     if approximate == "tanh":
-        t = np.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * (x * x * x)))
-        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
-    else:
-        cdf = 0.5 * (1 + erf(x / math.sqrt(2.0)))
-        d = cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-    return (dy * d).astype(dy.dtype, copy=False)
+        t = _tanh_inner(x, np.empty_like(dy) if out is None else out)
+        b = np.multiply(t, t)  # b = 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2)
+        np.subtract(1, b, out=b)
+        h = np.multiply(x, 0.5)
+        b *= h
+        b *= _SQRT_2_OVER_PI
+        np.multiply(x, 3 * _GELU_C, out=h)
+        h *= x
+        h += 1
+        b *= h
+        t += 1  # 0.5 (1 + t) + b
+        t *= 0.5
+        t += b
+        t *= dy
+        return t
+    cdf = 0.5 * (1 + erf(x / math.sqrt(2.0)))
+    d = cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    y = (dy * d).astype(dy.dtype, copy=False)
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
 
 
 def _pow(exponent: float) -> Kernel:
@@ -166,24 +229,71 @@ def _pow_grad(exponent: float) -> Kernel:
 # ----------------------------------------------------------------------------- normalisation
 
 
-def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    var = (xc * xc).mean(axis=-1, keepdims=True)
-    return (xc / np.sqrt(var + eps) * weight + bias).astype(x.dtype, copy=False)
+def _uniform(*arrays: np.ndarray) -> bool:
+    """Return whether the arrays share one float32/float64 dtype (the in-place paths' condition)."""
+    return arrays[0].dtype in (np.float32, np.float64) and all(a.dtype == arrays[0].dtype for a in arrays)
 
 
-def layer_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float):
+def _into(value: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """Return `value`, or `out` filled with it."""
+    if out is None:
+        return value
+    np.copyto(out, value)
+    return out
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """`(x - mean) / sqrt(var + eps) * weight + bias` over the last dim (in place in `out`)."""
+    if not _uniform(x, weight, bias):  # mixed precision: compute in the promoted dtype, round once
+        mean = x.mean(axis=-1, keepdims=True)
+        xc = x - mean
+        var = (xc * xc).mean(axis=-1, keepdims=True)
+        return _into((xc / np.sqrt(var + eps) * weight + bias).astype(x.dtype, copy=False), out)
+    out = np.subtract(x, x.mean(axis=-1, keepdims=True), out=out)
+    sq = np.multiply(out, out)
+    std = sq.mean(axis=-1, keepdims=True)
+    del sq
+    std += eps
+    np.sqrt(std, out=std)
+    out /= std
+    out *= weight
+    out += bias
+    return out
+
+
+def layer_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float, out=None):
+    """Return (dx, dweight, dbias) of `layer_norm` (written into the three arrays of `out` if given)."""
     lead = tuple(range(x.ndim - 1))
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    rstd = 1 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc * rstd
-    g = dy * weight
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    dweight = np.asarray((dy * xhat).sum(axis=lead), dtype=x.dtype)
-    dbias = np.asarray(dy.sum(axis=lead), dtype=x.dtype)
-    return dx.astype(x.dtype, copy=False), dweight, dbias
+    if not _uniform(x, weight, dy):  # mixed precision: compute in the promoted dtype, round once
+        mean = x.mean(axis=-1, keepdims=True)
+        xc = x - mean
+        rstd = 1 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+        xhat = xc * rstd
+        g = dy * weight
+        dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        res = (dx.astype(x.dtype, copy=False), np.asarray((dy * xhat).sum(axis=lead), dtype=x.dtype),
+               np.asarray(dy.sum(axis=lead), dtype=x.dtype))
+        return res if out is None else tuple(_into(r, o) for r, o in zip(res, out))
+    dx, dweight, dbias = out if out is not None else (np.empty_like(x), None, None)
+    xhat = np.subtract(x, x.mean(axis=-1, keepdims=True))
+    np.multiply(xhat, xhat, out=dx)
+    rstd = dx.mean(axis=-1, keepdims=True)
+    rstd += eps
+    np.sqrt(rstd, out=rstd)
+    np.divide(1, rstd, out=rstd)
+    xhat *= rstd
+    g = np.multiply(dy, weight)
+    np.multiply(g, xhat, out=dx)  # dx = rstd * (g - mean(g) - xhat * mean(g xhat))
+    m2 = dx.mean(axis=-1, keepdims=True)
+    np.multiply(xhat, m2, out=dx)
+    g -= g.mean(axis=-1, keepdims=True)
+    np.subtract(g, dx, out=dx)
+    dx *= rstd
+    np.multiply(dy, xhat, out=g)
+    dweight = np.sum(g, axis=lead, out=dweight)
+    dbias = np.sum(dy, axis=lead, out=dbias)
+    return dx, dweight, dbias
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -211,16 +321,39 @@ def embedding_grad(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def causal_mask(value: float) -> Kernel:
+    """`value` above the diagonal of the last two dims, `x` elsewhere."""
     cache: dict[tuple[int, int], np.ndarray] = {}
 
-    def mask(x: np.ndarray) -> np.ndarray:
+    @takes_out
+    def mask(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         key = x.shape[-2:]
         if key not in cache:
             tq, tk = key
             cache[key] = np.arange(tk)[None, :] > np.arange(tq)[:, None]
-        return np.where(cache[key], x.dtype.type(value), x)
+        if out is None:
+            return np.where(cache[key], x.dtype.type(value), x)
+        np.copyto(out, x)
+        np.copyto(out, x.dtype.type(value), where=cache[key])
+        return out
 
     return mask
+
+
+def softmax(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """`exp(x - max) / sum(exp(x - max))` along `axis`, in place in `out`."""
+    out = np.subtract(x, x.max(axis=axis, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= out.sum(axis=axis, keepdims=True)
+    return out
+
+
+def softmax_grad(y: np.ndarray, dy: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """`y * (dy - sum(dy * y))` along `axis`, in place in `out`."""
+    out = np.multiply(dy, y, out=out)
+    s = out.sum(axis=axis, keepdims=True)
+    np.subtract(dy, s, out=out)
+    out *= y
+    return out
 
 
 def reduce_max_grad(dims: tuple[int, ...]) -> Kernel:
@@ -332,74 +465,6 @@ def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
     return apply
 
 
-# ----------------------------------------------------------------------------- a split vocabulary
-
-
-def _annotated(op: Operation, rank: int):
-    """Return (global shape, layout) of `op`'s result from its `global_type`, or None where the
-    op runs whole (logical IR, a one-device program, or a rank the layout does not name)."""
-    from hspmd.dialects.dist import layout_of
-
-    typ = getattr(op, "global_type", None)
-    layout = layout_of(typ) if typ is not None else None
-    if layout is None or rank not in layout.devices:
-        return None
-    return typ.get_shape(), layout  # type: ignore[attr-defined]
-
-
-def embedding(op: graph.EmbeddingOp, rank: int) -> Kernel:
-    """`table[ids]`; with a vocabulary-split table (a partial result) the rows this rank owns,
-    zeros for the other ids: its table piece starts at (its coordinate on the partial axis) * rows."""
-    from hspmd.ir.layout import PARTIAL
-
-    found = _annotated(op, rank)
-    part = None
-    if found is not None:
-        layout = found[1]
-        for group in layout.groups:
-            if rank in group.devices:
-                part = group.states.coords(group.devices.index(rank)).get(PARTIAL)
-    if part is None:
-        return lambda table, ids: table[ids]
-
-    def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        local = ids - part * table.shape[0]
-        inside = (local >= 0) & (local < table.shape[0])
-        out = table[np.where(inside, local, 0)]
-        out[~inside] = 0
-        return out
-
-    return lookup
-
-
-def embedding_grad_kernel(op: graph.EmbeddingGradOp, rank: int) -> Kernel:
-    """Scatter-add `dy` at `ids` into this rank's rows of the table gradient (all rows, or the
-    vocabulary range its result piece covers when the result is split along V)."""
-    vocab = _result_shape(op)[0]
-    found = _annotated(op, rank)
-    start = found[1].slices(rank, found[0])[0].start if found is not None else 0
-    if start == 0 and (found is None or found[0][0] == vocab):
-        return lambda ids, dy: embedding_grad(ids, dy, vocab)
-
-    def grad(ids: np.ndarray, dy: np.ndarray) -> np.ndarray:
-        local = ids.reshape(-1) - start
-        inside = (local >= 0) & (local < vocab)
-        out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
-        np.add.at(out, local[inside], dy.reshape(-1, dy.shape[-1])[inside])
-        return out
-
-    return grad
-
-
-def one_hot(op: graph.OneHotOp, rank: int) -> Kernel:
-    """`labels[..., None] == classes` for the classes (global indices along the last dim) of this piece."""
-    shape, dtype = _result_shape(op), _result_dtype(op)
-    found = _annotated(op, rank)
-    start = found[1].slices(rank, found[0])[-1].start if found is not None else 0
-    classes = np.arange(start, start + shape[-1])
-    return lambda labels: (labels[..., None] == classes).astype(dtype)
-
-
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -419,19 +484,19 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.DivOp():
             return np.divide
         case graph.ReluOp():
-            return lambda x: np.maximum(x, 0)
+            return takes_out(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
         case graph.ReluGradOp():
             return lambda x, dy: np.where(x > 0, dy, 0).astype(dy.dtype)
         case graph.ScaleOp():
             factor = _result_dtype(op).type(op.factor.value.data)
-            return lambda x: x * factor
+            return takes_out(lambda x, out=None: np.multiply(x, factor, out=out))
         case graph.MatmulOp():
             return matmul
         case graph.MatmulRhsGradOp():
-            return lambda a, g: a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            return matmul_rhs_grad
         case graph.TransposeOp():
-            perm = op.perm.get_values()
-            return lambda x: np.transpose(x, perm).copy()
+            perm = tuple(op.perm.get_values())
+            return lambda x: np.transpose(x, perm)  # a view
         case graph.ReshapeOp():
             shape = _result_shape(op)
             return lambda x: x.reshape(shape)
@@ -449,6 +514,8 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.ReduceSumOp():
             dims = tuple(op.dims.get_values())
             dtype = _result_dtype(op)
+            if np.dtype(dtype_name(op.operands[0].type)) == dtype:
+                return takes_out(lambda x, out=None: np.sum(x, axis=dims, out=out))
             return lambda x: np.asarray(x.sum(axis=dims), dtype=dtype)
         case graph.ReduceMaxOp():
             dims = tuple(op.dims.get_values())
@@ -462,11 +529,24 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.SqrtOp():
             return np.sqrt
         case graph.RsqrtOp():
-            return lambda x: 1 / np.sqrt(x)
+
+            @takes_out
+            def rsqrt(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+                out = np.sqrt(x, out=out)
+                return np.divide(1, out, out=out)
+
+            return rsqrt
         case graph.TanhOp():
             return np.tanh
         case graph.TanhGradOp():
-            return lambda y, dy: dy * (1 - y * y)
+
+            @takes_out
+            def tanh_grad(y: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+                out = np.multiply(y, y, out=out)
+                np.subtract(1, out, out=out)
+                return np.multiply(dy, out, out=out)
+
+            return tanh_grad
         case graph.SiluOp():
             return lambda x: x * _sigmoid(x)
         case graph.SiluGradOp():
@@ -478,10 +558,10 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return silu_grad
         case graph.GeluOp():
             approximate = op.approximate.data
-            return lambda x: gelu(x, approximate)
+            return takes_out(lambda x, out=None: gelu(x, approximate, out))
         case graph.GeluGradOp():
             approximate = op.approximate.data
-            return lambda x, dy: gelu_grad(x, dy, approximate)
+            return takes_out(lambda x, dy, out=None: gelu_grad(x, dy, approximate, out))
         case graph.PowOp():
             return _pow(op.exponent.value.data)
         case graph.PowGradOp():
@@ -491,16 +571,16 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return lambda x: x.astype(dtype)
         case graph.SoftmaxOp():
             axis = op.dim.value.data
-            return lambda x: _softmax(x, axis)
+            return takes_out(lambda x, out=None: softmax(x, axis, out))
         case graph.SoftmaxGradOp():
             axis = op.dim.value.data
-            return lambda y, dy: y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+            return takes_out(lambda y, dy, out=None: softmax_grad(y, dy, axis, out))
         case graph.LayerNormOp():
             eps = op.eps.value.data
-            return lambda x, w, b: layer_norm(x, w, b, eps)
+            return takes_out(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out))
         case graph.LayerNormGradOp():
             eps = op.eps.value.data
-            return lambda x, w, dy: layer_norm_grad(x, w, dy, eps)
+            return takes_out(lambda x, w, dy, out=None: layer_norm_grad(x, w, dy, eps, out))
         case graph.RmsNormOp():
             eps = op.eps.value.data
             return lambda x, w: rms_norm(x, w, eps)
@@ -508,27 +588,26 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             eps = op.eps.value.data
             return lambda x, w, dy: rms_norm_grad(x, w, dy, eps)
         case graph.EmbeddingOp():
-            return embedding(op, rank)
+            return lambda table, ids: table[ids]
         case graph.EmbeddingGradOp():
-            return embedding_grad_kernel(op, rank)
-        case graph.OneHotOp():
-            return one_hot(op, rank)
+            vocab = _result_shape(op)[0]
+            return lambda ids, dy: embedding_grad(ids, dy, vocab)
         case graph.CausalMaskOp():
             return causal_mask(op.value.value.data)
         case graph.SliceOp():
             d, start = op.dim.value.data, op.start.value.data
             stop = start + _result_shape(op)[d]
             index = tuple([slice(None)] * d + [slice(start, stop)])
-            return lambda x: x[index].copy()
+            return lambda x: x[index]  # a view
         case graph.SplitOp():
             d = op.dim.value.data
             bounds = np.cumsum([r.type.get_shape()[d] for r in op.outputs])[:-1].tolist()
             if not bounds:  # one result: the plan stores the array itself, not a tuple
-                return lambda x: x.copy()
-            return lambda x: tuple(p.copy() for p in np.split(x, bounds, axis=d))
+                return lambda x: x
+            return lambda x: tuple(np.split(x, bounds, axis=d))  # views
         case graph.ConcatOp():
             d = op.dim.value.data
-            return lambda *xs: np.concatenate(xs, axis=d)
+            return takes_out(lambda *xs, out=None: np.concatenate(xs, axis=d, out=out))
         case graph.SoftmaxCrossEntropyOp():
             ignore = op.ignore_index.value.data if op.ignore_index is not None else None
             return lambda logits, labels: softmax_cross_entropy(logits, labels, ignore)

@@ -4,10 +4,38 @@
 everything a step needs: kernels, constants, the rank's communicator groups, where each
 parameter and input comes from. `Plan.run` then replays the list each step without looking
 at an xDSL object.
+
+What the build does, in order:
+
+1. **Flatten.** The bodies of `func.call`ed functions (repeated layers) are inlined, so a step
+   is one flat list of kernel calls over numbered slots (one slot per SSA value).
+2. **Bucket the all-reduces** (`hspmd.runtime.buckets`): the program's `comm.all_reduce` ops
+   over groups inside this program's devices are grouped into buckets of about
+   `bucket_bytes`; a bucket starts (non-blocking) as soon as its last operand is computed and
+   is waited on just before the first use of any of its results, so gradient communication
+   overlaps the rest of the backward pass.
+3. **Aliasing and liveness.** Every value has the set of *storages* (memory blocks) it may
+   share memory with: a view op (reshape, transpose, broadcast, split, slice) aliases its
+   operand; a kernel that writes into a preallocated `out=` buffer owns a fresh storage; any
+   other kernel may alias its operands (kept conservative for kernels the plan does not know,
+   such as the fused kernels of other dialects). A storage lives from its definition to the
+   last use of any value that may alias it.
+4. **Buffers by liveness.** Kernels that accept `out=` (NumPy ufuncs, or functions with
+   `accepts_out = True`, see `numpy_ops.accepts_out`) write into buffers preallocated once
+   and reused by storages whose lifetimes do not overlap (best fit by size).
+   `Plan.peak_bytes` reports the rank's peak: buffers + the largest sum of live
+   kernel-allocated arrays + parameters, inputs and constants.
+5. **In-place updates.** A `graph.assign` of a value computed by an `out=` kernel after the
+   last use of the old parameter value writes straight into the parameter's array (Adam's
+   `p, m, v` are updated in place); other assigned or output values that live in plan-owned
+   memory are copied at the end of the step.
+6. **Frees.** Each step lists the slots that die after it, so kernel-allocated arrays are
+   released as early as possible.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,12 +49,30 @@ from hspmd.dialects.dist import layout_of
 from hspmd.ir.init_spec import initial_value
 from hspmd.ir.layout import Layout
 from hspmd.ir.types import dtype_name
+from hspmd.runtime import kernel_exec
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
-KERNELS: dict[str, Callable[[Operation, int], Callable]] = {"graph": kernel_for, "optim": optim_kernel_for}
+KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
+    "graph": kernel_for, "optim": optim_kernel_for, "kernel": kernel_exec.kernel_for
+}
+
+#: default size of a gradient all-reduce bucket
+DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
+
+# ops whose result is a view of their first operand (never written through)
+_VIEW_OPS = ("graph.reshape", "graph.transpose", "graph.broadcast", "graph.split", "graph.slice")
+# ops that return a fresh array not sharing memory with their operands, without out=
+_FRESH_OPS = frozenset({
+    "graph.embedding", "graph.embedding_grad", "graph.constant", "graph.cast", "graph.reduce_max",
+    "graph.reduce_max_grad", "graph.softmax_cross_entropy", "graph.softmax_cross_entropy_grad",
+    "graph.label_mask", "graph.rope", "graph.rope_grad", "graph.rms_norm", "graph.rms_norm_grad",
+    "graph.relu_grad", "graph.silu", "graph.silu_grad", "graph.concat", "optim.sum_squares",
+    "optim.clip_coef", "comm.all_reduce", "comm.all_gather", "comm.reduce_scatter", "comm.broadcast",
+    "comm.all_to_all", "comm.recv", "comm.exchange", "comm.local_split",
+})
 
 
 class PlanError(Exception):
@@ -47,16 +93,31 @@ class Leaf:
 
 @dataclass
 class Plan:
-    """The flat program of one rank: `steps` read and write numbered slots."""
+    """The flat program of one rank: `steps` read and write numbered slots.
+
+    A step is `(function, argument slots, result slots, keyword arguments, slots to free)`;
+    the keywords hold the preallocated `out=` buffers.
+    """
 
     rank: int
-    steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...], dict, tuple[int, ...]]] = field(default_factory=list)
     num_slots: int = 0
     constants: dict[int, np.ndarray] = field(default_factory=dict)
     params: list[Leaf] = field(default_factory=list)
     inputs: list[Leaf] = field(default_factory=list)
     outputs: list[tuple[str, int]] = field(default_factory=list)
     assigns: list[tuple[str, int]] = field(default_factory=list)
+    #: bytes of the preallocated buffers (reused by liveness)
+    buffer_bytes: int = 0
+    #: peak bytes this rank holds during a step: buffers, live kernel-allocated arrays,
+    #: parameters (with optimizer state), inputs, constants and all-reduce buckets
+    peak_bytes: int = 0
+    #: all-reduce buckets: (group, number of tensors, bytes), in start order
+    buckets: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
+    # (name, slot) of outputs/assigns read from plan-owned memory: copied at the end of a step
+    _copy_out: frozenset = frozenset()
+    # in-place parameter updates: (keyword dict, out template, [(position, name, shape, dtype)])
+    _inplace: list = field(default_factory=list)
 
     def initial_state(self, seed: int) -> dict[str, np.ndarray]:
         """Return this rank's pieces of every parameter's initial value."""
@@ -81,7 +142,21 @@ class Plan:
         return out
 
     def run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one step on local pieces; update `state` in place and return the named outputs."""
+        """Run one step on local pieces; update `state` and return the named outputs.
+
+        Parameters updated in place (see the module docstring) are written into the arrays
+        of `state` themselves; an array that cannot be written (read-only, another dtype,
+        not C-contiguous) is first replaced in `state` by a writeable copy.
+        """
+        for kw, template, places in self._inplace:
+            outs = list(template)
+            for pos, name, shape, dtype in places:
+                arr = state[name]
+                if (type(arr) is not np.ndarray or arr.dtype != dtype or arr.shape != shape
+                        or not arr.flags.c_contiguous or not arr.flags.writeable):
+                    arr = state[name] = np.array(arr, dtype=dtype, order="C", copy=True)
+                outs[pos] = arr
+            kw["out"] = outs[0] if len(outs) == 1 else tuple(outs)
         env: list = [None] * self.num_slots
         for slot, value in self.constants.items():
             env[slot] = value
@@ -89,16 +164,21 @@ class Plan:
             env[p.slot] = state[p.name]
         for leaf in self.inputs:
             env[leaf.slot] = inputs[leaf.name]
-        for fn, args, outs in self.steps:
-            result = fn(*[env[a] for a in args])
+        for fn, args, outs, kw, dead in self.steps:
+            result = fn(*[env[a] for a in args], **kw)
             if len(outs) == 1:
                 env[outs[0]] = result
             elif outs:  # several results come back as a tuple
                 for slot, value in zip(outs, result):
                     env[slot] = value
+            for slot in dead:
+                env[slot] = None
+        copy = self._copy_out
         for name, slot in self.assigns:
-            state[name] = env[slot]
-        return {name: env[slot] for name, slot in self.outputs}
+            value = env[slot]
+            state[name] = np.array(value, copy=True) if (name, slot) in copy else value
+        return {name: (np.array(env[slot], copy=True) if (name, slot) in copy else env[slot])
+                for name, slot in self.outputs}
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:
@@ -184,57 +264,13 @@ def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Lay
     return typ.get_shape(), layout
 
 
-def build_plan(fn: func.FuncOp, rank: int, communicator: Communicator) -> Plan:
-    """Return the plan that runs physical step function `fn` as `rank`.
-
-    Functions that `fn` calls (repeated layers) are compiled once each into sub-plans.
-    """
-    plan = Plan(rank)
-    slots: dict[SSAValue, int] = {}
-    module = fn.parent_op()
-    callees: dict[str, Callable] = {}
-
-    def slot(value: SSAValue) -> int:
-        if value not in slots:
-            slots[value] = len(slots)
-        return slots[value]
-
-    for op in fn.body.block.ops:
-        match op:
-            case func.ReturnOp():
-                pass
-            case graph.ParameterOp() | graph.InputOp():
-                shape, layout = _global(op)
-                leaf = Leaf(op.tensor_name.data, slot(op.result), shape, layout, dtype_name(op.result.type))
-                if isinstance(op, graph.ParameterOp):
-                    plan.params.append(Leaf(**{**leaf.__dict__, "init": op.init.data}))
-                else:
-                    plan.inputs.append(leaf)
-            case graph.ConstantOp():
-                plan.constants[slot(op.result)] = _constant(op)
-            case graph.OutputOp():
-                plan.outputs.append((op.tensor_name.data, slot(op.value)))
-            case graph.AssignOp():
-                plan.assigns.append((op.tensor_name.data, slot(op.value)))
-            case _:
-                kernel = _kernel(op, rank, communicator, module, callees)
-                plan.steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
-    plan.num_slots = len(slots)
-    return plan
-
-
 def _constant(op: graph.ConstantOp) -> np.ndarray:
     typ = op.result.type
     return np.full(typ.get_shape(), op.value.value.data, dtype_name(typ))
 
 
-def _kernel(op: Operation, rank: int, communicator: Communicator, module, callees: dict[str, Callable]) -> Callable:
+def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     """Return the call that computes `op` on `rank`."""
-    if isinstance(op, func.CallOp):
-        name = op.callee.root_reference.data
-        if name not in callees:
-            callees[name] = _function_kernel(_lookup(module, name, op), rank, communicator, module, callees)
-        return callees[name]
     if op.dialect_name() == "comm":
         return _comm_kernel(op, rank, communicator)
     if op.dialect_name() in KERNELS:
@@ -249,43 +285,315 @@ def _lookup(module, name: str, op: Operation) -> func.FuncOp:
     raise PlanError(f"'{op.name}' calls @{name}, which the module does not define")
 
 
-def _function_kernel(fn: func.FuncOp, rank: int, communicator: Communicator, module, callees) -> Callable:
-    """Return a Python function that runs the body of `fn` (a sub-plan) on its arguments."""
-    block = fn.body.block
-    slots: dict[SSAValue, int] = {arg: i for i, arg in enumerate(block.args)}
-    steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...]]] = []
-    constants: list[tuple[int, np.ndarray]] = []
-    returns: tuple[int, ...] = ()
+def accepts_out(fn: Callable) -> bool:
+    """Return whether kernel `fn` can write its result into a preallocated `out=` array.
 
-    def slot(value: SSAValue) -> int:
-        if value not in slots:
-            slots[value] = len(slots)
-        return slots[value]
+    True for NumPy ufuncs and for functions marked `fn.accepts_out = True` (which must then
+    fill `out` — a tuple of arrays for several results — and return it).
+    """
+    return isinstance(fn, np.ufunc) or getattr(fn, "accepts_out", False) is True
 
-    for op in block.ops:
-        if isinstance(op, func.ReturnOp):
-            returns = tuple(slot(v) for v in op.operands)
-        elif isinstance(op, graph.ConstantOp):
-            constants.append((slot(op.result), _constant(op)))
-        elif op.dialect_name() == "graph" and isinstance(op, (graph.ParameterOp, graph.InputOp, graph.OutputOp, graph.AssignOp)):
-            raise PlanError(f"@{fn.sym_name.data}: '{op.name}' belongs in the step function, not a callee")
+
+def inplace_safe(fn: Callable) -> bool:
+    """Return whether kernel `fn` may be given an `out=` array that is also one of its operands.
+
+    True for NumPy ufuncs (elementwise; NumPy copies on partial overlap) and for functions
+    marked `fn.inplace_safe = True` (elementwise updates such as the optimizers').
+    """
+    return isinstance(fn, np.ufunc) or getattr(fn, "inplace_safe", False) is True
+
+
+# ----------------------------------------------------------------------------- flattening
+
+
+@dataclass
+class Node:
+    """One kernel call of the flat program: the op, its kernel, operand and result slots."""
+
+    op: Operation | None
+    kernel: Callable
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    kind: str = "op"  # "op", "bucket-start", "bucket-wait"
+    bucket: object = None
+
+
+@dataclass
+class _Flat:
+    """A step function with its callees inlined: nodes over slots, with each slot's type."""
+
+    nodes: list[Node] = field(default_factory=list)
+    types: list[tuple[tuple[int, ...], np.dtype] | None] = field(default_factory=list)
+    params: list[Leaf] = field(default_factory=list)
+    inputs: list[Leaf] = field(default_factory=list)
+    constants: dict[int, np.ndarray] = field(default_factory=dict)
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+    assigns: list[tuple[str, int]] = field(default_factory=list)
+
+    def new_slot(self, value: SSAValue) -> int:
+        typ = value.type
+        self.types.append((tuple(typ.get_shape()), np.dtype(dtype_name(typ))) if isinstance(typ, TensorType) else None)
+        return len(self.types) - 1
+
+
+def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator) -> _Flat:
+    """Return the step function `fn` as one flat list of nodes, callees inlined."""
+    flat = _Flat()
+    module = fn.parent_op()
+    kernels: dict[Operation, Callable] = {}
+
+    def kernel(op: Operation) -> Callable:
+        if op not in kernels:
+            kernels[op] = _kernel(op, rank, communicator)
+        return kernels[op]
+
+    def body(block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...]) -> tuple[int, ...]:
+        def slot(value: SSAValue) -> int:
+            if value not in slots:
+                slots[value] = flat.new_slot(value)
+            return slots[value]
+
+        returns: tuple[int, ...] = ()
+        for op in block.ops:
+            match op:
+                case func.ReturnOp():
+                    returns = tuple(slot(v) for v in op.operands)
+                case graph.ParameterOp() | graph.InputOp() | graph.OutputOp() | graph.AssignOp() if not top:
+                    raise PlanError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
+                case graph.ParameterOp() | graph.InputOp():
+                    shape, layout = _global(op)
+                    leaf = Leaf(op.tensor_name.data, slot(op.result), shape, layout, dtype_name(op.result.type))
+                    if isinstance(op, graph.ParameterOp):
+                        flat.params.append(Leaf(**{**leaf.__dict__, "init": op.init.data}))
+                    else:
+                        flat.inputs.append(leaf)
+                case graph.ConstantOp():
+                    flat.constants[slot(op.result)] = _constant(op)
+                case graph.OutputOp():
+                    flat.outputs.append((op.tensor_name.data, slot(op.value)))
+                case graph.AssignOp():
+                    flat.assigns.append((op.tensor_name.data, slot(op.value)))
+                case func.CallOp():
+                    name = op.callee.root_reference.data
+                    if name in stack:
+                        raise PlanError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
+                    callee = _lookup(module, name, op)
+                    inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
+                    results = body(callee.body.block, inner, False, stack + (name,))
+                    for r, s in zip(op.results, results):
+                        slots[r] = s  # the call's results are the callee's returned values
+                case _:
+                    ins = tuple(slot(v) for v in op.operands)
+                    flat.nodes.append(Node(op, kernel(op), ins, tuple(slot(r) for r in op.results)))
+        return returns
+
+    body(fn.body.block, {}, True, (fn.sym_name.data,))
+    return flat
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    shape, dtype = t
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def build_plan(
+    fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    reuse_buffers: bool = True,
+) -> Plan:
+    """Return the plan that runs physical step function `fn` as `rank`.
+
+    `bucket_bytes` is the size of a gradient all-reduce bucket (None or 0: every all-reduce
+    runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
+    fresh array each step (for debugging a kernel's `out=` support).
+    """
+    from hspmd.runtime.buckets import plan_buckets
+
+    flat = _flatten(fn, rank, communicator)
+    devices = _devices(fn)
+    if bucket_bytes:
+        plan_buckets(flat, rank, communicator, devices, bucket_bytes)
+    return _assemble(flat, rank, reuse_buffers)
+
+
+def _devices(fn: func.FuncOp) -> frozenset[int] | None:
+    """Return the devices of the group module holding `fn` (None when it says nothing)."""
+    from hspmd.ir.levels import DEVICES_ATTR
+
+    module = fn.parent_op()
+    attr = module.attributes.get(DEVICES_ATTR) if module is not None else None
+    return frozenset(int(d) for d in attr.get_values()) if attr is not None else None  # type: ignore[attr-defined]
+
+
+def _assemble(flat: _Flat, rank: int, reuse_buffers: bool) -> Plan:
+    """Return the plan of a flat program: storages, liveness, buffers, in-place updates, frees."""
+    nodes, types = flat.nodes, flat.types
+    n_nodes, n_slots = len(nodes), len(types)
+    end_pos = n_nodes  # outputs and assigns are read after the last node
+
+    # -- storages: which memory each slot may share ------------------------------------
+    # storage kinds: "param" (state arrays), "fixed" (inputs, constants, buckets: never
+    # written by the plan), "pooled" (an out= buffer), "fresh" (kernel-allocated)
+    kind: list[str] = []
+    owner: list[int] = []  # the slot a storage was created for
+    alias: list[frozenset[int]] = [frozenset()] * n_slots
+
+    def new_storage(k: str, slot: int) -> int:
+        kind.append(k)
+        owner.append(slot)
+        return len(kind) - 1
+
+    param_storage: dict[str, int] = {}
+    for p in flat.params:
+        param_storage[p.name] = s = new_storage("param", p.slot)
+        alias[p.slot] = frozenset({s})
+    for leaf in flat.inputs:
+        alias[leaf.slot] = frozenset({new_storage("fixed", leaf.slot)})
+    for slot in flat.constants:
+        alias[slot] = frozenset({new_storage("fixed", slot)})
+
+    out_capable: list[bool] = []
+    for node in nodes:
+        name = node.op.name if node.op is not None else ""
+        poolable = (reuse_buffers and node.kind == "op" and accepts_out(node.kernel)
+                    and all(types[o] is not None and types[o][0] != () for o in node.outs))
+        out_capable.append(poolable)
+        if node.kind == "bucket-wait":
+            fixed = new_storage("fixed", node.outs[0] if node.outs else -1)
+            for o in node.outs:
+                alias[o] = frozenset({fixed})
+        elif poolable:
+            for o in node.outs:
+                alias[o] = frozenset({new_storage("pooled", o)})
+        elif name in _VIEW_OPS:
+            for o in node.outs:
+                alias[o] = alias[node.ins[0]]
         else:
-            kernel = _kernel(op, rank, communicator, module, callees)
-            steps.append((kernel, tuple(slot(v) for v in op.operands), tuple(slot(r) for r in op.results)))
-    num_slots, nargs, single = len(slots), len(block.args), len(returns) == 1
+            shared = frozenset() if name in _FRESH_OPS else frozenset().union(*(alias[i] for i in node.ins))
+            for o in node.outs:
+                alias[o] = shared | {new_storage("fresh", o)}
 
-    def call(*args):
-        env: list = [None] * num_slots
-        env[:nargs] = args
-        for s, value in constants:
-            env[s] = value
-        for kernel, ins, outs in steps:
-            result = kernel(*[env[a] for a in ins])
-            if len(outs) == 1:
-                env[outs[0]] = result
-            elif outs:
-                for s, value in zip(outs, result):
-                    env[s] = value
-        return env[returns[0]] if single else tuple(env[r] for r in returns)
+    # -- liveness ------------------------------------------------------------------------
+    defined = [-1] * n_slots  # node index defining each slot (-1: before the first node)
+    last_use = [-1] * n_slots
+    for i, node in enumerate(nodes):
+        for o in node.outs:
+            defined[o] = i
+            last_use[o] = max(last_use[o], i)
+        for a in node.ins:
+            last_use[a] = i
+    for _, slot in flat.outputs + flat.assigns:
+        last_use[slot] = end_pos
+    n_storages = len(kind)
+    s_start = [n_nodes + 1] * n_storages
+    s_end = [-1] * n_storages
+    for slot in range(n_slots):
+        for s in alias[slot]:
+            s_end[s] = max(s_end[s], last_use[slot])
+    for s in range(n_storages):
+        o = owner[s]
+        s_start[s] = defined[o] if o >= 0 else -1
+        s_end[s] = max(s_end[s], s_start[s])
 
-    return call
+    # -- in-place parameter updates --------------------------------------------------------
+    inplace: dict[tuple[int, int], str] = {}  # (node index, result position) -> parameter name
+    assigned_once = [name for name, _ in flat.assigns]
+    out_slots = {slot for _, slot in flat.outputs}
+    slot_uses: dict[int, int] = {}
+    for _, slot in flat.assigns:
+        slot_uses[slot] = slot_uses.get(slot, 0) + 1
+    params_by_name = {p.name: p for p in flat.params}
+    for name, slot in flat.assigns:
+        p = params_by_name.get(name)
+        i = defined[slot]
+        if (p is None or i < 0 or not out_capable[i] or assigned_once.count(name) != 1 or slot in out_slots
+                or slot_uses[slot] != 1 or types[slot] != types[p.slot]):
+            continue
+        last = s_end[param_storage[name]]
+        if (last < i or last == i and inplace_safe(nodes[i].kernel)) and len(alias[slot]) == 1:
+            inplace[(i, nodes[i].outs.index(slot))] = name
+            alias[slot] = frozenset({param_storage[name]})
+
+    # -- buffers: pooled storages packed by liveness (best fit) ----------------------------
+    pooled = sorted((s for s in range(n_storages) if kind[s] == "pooled"
+                     and (defined[owner[s]], nodes[defined[owner[s]]].outs.index(owner[s])) not in inplace),
+                    key=lambda s: (s_start[s], s))
+    buffers: list[np.ndarray] = []
+    free: list[int] = []  # buffer indices free at the current point
+    busy: list[tuple[int, int]] = []  # (end, buffer index)
+    storage_buffer: dict[int, int] = {}
+    for s in pooled:
+        need = max(_nbytes(types[owner[s]]), 1)
+        still = []
+        for end, b in busy:
+            (free.append(b) if end < s_start[s] else still.append((end, b)))
+        busy = still
+        fits = [b for b in free if buffers[b].nbytes >= need]
+        if fits:
+            b = min(fits, key=lambda b: buffers[b].nbytes)
+            free.remove(b)
+        else:
+            buffers.append(np.empty(need, dtype=np.uint8))
+            b = len(buffers) - 1
+        storage_buffer[s] = b
+        busy.append((s_end[s], b))
+
+    def view(s: int) -> np.ndarray:
+        shape, dtype = types[owner[s]]
+        raw = buffers[storage_buffer[s]]
+        return raw[: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
+
+    # -- steps -----------------------------------------------------------------------------
+    plan = Plan(rank, params=flat.params, inputs=flat.inputs, constants=flat.constants, outputs=flat.outputs,
+                assigns=flat.assigns, num_slots=n_slots)
+    keep = {slot for _, slot in flat.outputs + flat.assigns} | {p.slot for p in flat.params}
+    dead_at: list[list[int]] = [[] for _ in range(n_nodes)]
+    for slot in range(n_slots):
+        if slot not in keep and 0 <= last_use[slot] < n_nodes:
+            dead_at[last_use[slot]].append(slot)
+    for i, node in enumerate(nodes):
+        kw: dict = {}
+        if out_capable[i]:
+            template: list = []
+            places = []
+            for pos, o in enumerate(node.outs):
+                name = inplace.get((i, pos))
+                if name is None:
+                    (s,) = alias[o]
+                    template.append(view(s))
+                else:
+                    template.append(None)
+                    places.append((pos, name, types[o][0], types[o][1]))
+            if places:
+                plan._inplace.append((kw, tuple(template), places))
+            else:
+                kw["out"] = template[0] if len(template) == 1 else tuple(template)
+        plan.steps.append((node.kernel, node.ins, node.outs, kw, tuple(dead_at[i])))
+    updated = {nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}
+    plan._copy_out = frozenset(
+        (name, slot) for name, slot in flat.outputs + flat.assigns
+        if updated.get(slot) != name and any(kind[s] != "fresh" for s in alias[slot])
+    )
+    plan.buckets = [b.summary() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values()]
+
+    # -- peak bytes ----------------------------------------------------------------------------
+    plan.buffer_bytes = sum(b.nbytes for b in buffers)
+    persistent = sum(_nbytes(types[p.slot]) for p in flat.params) + sum(_nbytes(types[l.slot]) for l in flat.inputs)
+    persistent += sum(c.nbytes for c in flat.constants.values())
+    persistent += sum(b.nbytes() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values())
+    delta = [0] * (n_nodes + 2)
+    for s in range(n_storages):
+        if kind[s] == "fresh" and s_start[s] >= 0:
+            size = _nbytes(types[owner[s]])
+            delta[s_start[s]] += size
+            delta[min(s_end[s], n_nodes) + 1] -= size
+    live = peak_fresh = 0
+    for d in delta:
+        live += d
+        peak_fresh = max(peak_fresh, live)
+    plan.peak_bytes = plan.buffer_bytes + peak_fresh + persistent
+    return plan

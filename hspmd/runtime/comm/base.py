@@ -37,6 +37,7 @@ __all__ = [
     "Communicator",
     "CommError",
     "Group",
+    "Request",
     "check_out",
     "chunk_bounds",
     "fold_sum",
@@ -160,6 +161,24 @@ def as_buffer(buf: np.ndarray, what: str) -> np.ndarray:
     return arr
 
 
+class Request:
+    """A started non-blocking collective: `wait()` returns its result, `test()` helps it along.
+
+    This base class is a request that completed when it was made (``result`` is known).
+    """
+
+    def __init__(self, result: np.ndarray | None = None) -> None:
+        self._result = result
+
+    def test(self) -> bool:
+        """Return whether the operation has completed (and let it progress if not)."""
+        return True
+
+    def wait(self) -> np.ndarray:
+        """Return the result once the operation has completed."""
+        return self._result  # type: ignore[return-value]
+
+
 class Communicator(ABC):
     """Collectives over explicit groups of global ranks.
 
@@ -214,6 +233,16 @@ class Communicator(ABC):
         self, buf: np.ndarray, group: Group, out: np.ndarray | None = None
     ) -> np.ndarray:
         """Return the sum of the members' ``buf`` (left fold in group order)."""
+
+    def iall_reduce(self, buf: np.ndarray, group: Group, out: np.ndarray | None = None) -> Request:
+        """Start the sum of the members' ``buf`` and return its :class:`Request`; no member blocks.
+
+        The result (``out`` when given, which may be ``buf``) holds the same bits as
+        :meth:`all_reduce` once ``wait()`` returns; ``buf`` must not change until then.
+        Members start their non-blocking collectives on a group in the same order, as for
+        blocking ones.  This default runs :meth:`all_reduce` at once.
+        """
+        return Request(self.all_reduce(buf, group, out))
 
     @abstractmethod
     def all_gather(

@@ -29,6 +29,7 @@ from .base import (
     CommError,
     Communicator,
     Group,
+    Request,
     as_buffer,
     check_out,
     fold_sum,
@@ -216,6 +217,10 @@ class InProcessCommunicator(Communicator):
 
     def _exchange(self, kind: str, g: Group, params: tuple, payload: Any) -> list[Any]:
         """Return the payloads posted by all members of ``g`` for this call, in group order."""
+        return self._collect(*self._arrive(kind, g, params, payload))
+
+    def _arrive(self, kind: str, g: Group, params: tuple, payload: Any) -> tuple[_Op, tuple, str]:
+        """Post this member's payload for the next call on ``g`` without waiting; return (op, key, what)."""
         w = self._world
         n = len(g)
         idx = g.index(self._rank)
@@ -237,13 +242,16 @@ class InProcessCommunicator(Communicator):
             op.arrived += 1
             if op.arrived == n:
                 w.cond.notify_all()
-            else:
-                missing = [r for r, p in zip(g, op.payloads) if p is None]
-                w.wait(
-                    self._rank,
-                    f"{kind} on group {g} (call #{seq}, waiting for rank(s) {missing})",
-                    lambda: op.arrived == n,
-                )
+        return op, key, f"{kind} on group {g} (call #{seq})"
+
+    def _collect(self, op: _Op, key: tuple, what: str) -> list[Any]:
+        """Return the payloads of ``op`` once every member has posted (waits for them)."""
+        w = self._world
+        n = len(op.payloads)
+        with w.cond:
+            if op.arrived != n:
+                missing = [r for r, p in zip(key[0], op.payloads) if p is None]
+                w.wait(self._rank, f"{what}, waiting for rank(s) {missing}", lambda: op.arrived == n)
             op.readers += 1
             if op.readers == n:
                 del w.ops[key]
@@ -261,6 +269,16 @@ class InProcessCommunicator(Communicator):
         bufs = self._exchange("all_reduce", g, (), np.array(buf, copy=True))
         _check_same(bufs, g, "all_reduce")
         return fold_sum(bufs, out)
+
+    def iall_reduce(self, buf, group, out=None):
+        """Post a copy of ``buf`` at once; ``wait()`` waits for the other members and folds."""
+        buf = as_buffer(buf, "all_reduce")
+        g = self.check_group(group)
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        if len(g) == 1:
+            return Request(_result(buf, out))
+        return _InProcessRequest(self, self._arrive("all_reduce", g, (), np.array(buf, copy=True)), g, out)
 
     def all_gather(self, buf, group, axis, out=None):
         buf = as_buffer(buf, "all_gather")
@@ -393,6 +411,27 @@ class InProcessCommunicator(Communicator):
         self.recv(out, source, recvtag)
         self._await_taken(msg, dest, int(sendtag))
         return out
+
+
+class _InProcessRequest(Request):
+    """A started in-process all-reduce: the member's copy is posted; `wait` folds the members' copies."""
+
+    def __init__(self, comm: InProcessCommunicator, posted: tuple, g: Group, out: np.ndarray | None) -> None:
+        super().__init__()
+        self._comm, self._posted, self._g, self._out = comm, posted, g, out
+        self._done = False
+
+    def test(self) -> bool:
+        op = self._posted[0]
+        return self._done or op.arrived == len(op.payloads)
+
+    def wait(self) -> np.ndarray:
+        if not self._done:
+            bufs = self._comm._collect(*self._posted)
+            _check_same(bufs, self._g, "all_reduce")
+            self._result = fold_sum(bufs, self._out)
+            self._done = True
+        return self._result  # type: ignore[return-value]
 
 
 def _result(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -36,6 +36,7 @@ from .base import (
     CommError,
     Communicator,
     Group,
+    Request,
     as_buffer,
     check_out,
     chunk_bounds,
@@ -168,6 +169,20 @@ class MPICommunicator(Communicator):
         if n == 1:
             return _result(buf, out)
         c = self._sub(g)
+        mpi_type = self._sum_type(buf.dtype) if n == 2 else None
+        if mpi_type is not None:  # a + b == b + a: MPI's own sum is the left fold
+            target = out if out is not None and out.flags.c_contiguous else np.empty(buf.shape, buf.dtype)
+            if target is buf or (target.base is not None and np.shares_memory(target, buf)):
+                if target is not buf:
+                    np.copyto(target, buf)
+                c.Allreduce(self._MPI.IN_PLACE, [target.reshape(-1), mpi_type], op=self._MPI.SUM)
+            else:
+                c.Allreduce([self._contiguous(buf).reshape(-1), mpi_type], [target.reshape(-1), mpi_type],
+                            op=self._MPI.SUM)
+            if out is not None and target is not out:
+                np.copyto(out, target)
+                return out
+            return target
         flat = self._contiguous(buf).reshape(-1)
         total = flat.size
         if total < n or flat.nbytes < self.small_all_reduce_bytes:
@@ -209,6 +224,85 @@ class MPICommunicator(Communicator):
             np.copyto(out, target.reshape(buf.shape))
             return out
         return target.reshape(buf.shape)
+
+    def _sum_type(self, dtype: np.dtype) -> Any:
+        """Return the MPI datatype whose MPI_SUM of two buffers is NumPy's ``a + b`` (None if none)."""
+        MPI = self._MPI
+        return {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T,
+                "int64": MPI.INT64_T}.get(dtype.name)
+
+    def iall_reduce(self, buf, group, out=None):
+        """Start an all-reduce without blocking; the result's bits are those of :meth:`all_reduce`.
+
+        Two members: MPI's Iallreduce (SUM is commutative for two terms, so it is the left
+        fold). More: the pieces move with Ialltoallv (the reduce-scatter's traffic overlaps
+        the caller's work), and ``wait`` folds this member's piece in group order and
+        gathers the folded pieces (Allgatherv); below ``small_all_reduce_bytes`` every
+        member gathers all buffers (Iallgather) and folds them in ``wait``.
+        """
+        buf = as_buffer(buf, "all_reduce")
+        g = self.check_group(group)
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        n = len(g)
+        if n == 1:
+            return Request(_result(buf, out))
+        c = self._sub(g)
+        MPI = self._MPI
+        mpi_type = self._sum_type(buf.dtype) if n == 2 else None
+        if mpi_type is not None:
+            target = out if out is not None and out.flags.c_contiguous else np.empty(buf.shape, buf.dtype)
+            if target is buf or (target.base is not None and np.shares_memory(target, buf)):
+                if target is not buf:
+                    np.copyto(target, buf)
+                req = c.Iallreduce(MPI.IN_PLACE, [target.reshape(-1), mpi_type], op=MPI.SUM)
+            else:
+                send = np.ascontiguousarray(buf).reshape(-1)
+                req = c.Iallreduce([send, mpi_type], [target.reshape(-1), mpi_type], op=MPI.SUM)
+
+            def finish() -> np.ndarray:
+                if out is not None and target is not out:
+                    np.copyto(out, target)
+                    return out
+                return target
+
+            return _MPIRequest(req, finish)
+        flat = np.array(buf, copy=True).reshape(-1)  # the caller may reuse buf before wait
+        total = flat.size
+        if total < n or flat.nbytes < self.small_all_reduce_bytes:
+            everyone = np.empty((n, total), dtype=buf.dtype)
+            req = c.Iallgather(_bytes(flat), _bytes(everyone))
+            return _MPIRequest(req, lambda: fold_sum([row.reshape(buf.shape) for row in everyone], out))
+        item = buf.dtype.itemsize
+        idx = c.Get_rank()
+        bounds = chunk_bounds(total, n)
+        mine = bounds[idx + 1] - bounds[idx]
+        counts = [(bounds[j + 1] - bounds[j]) * item for j in range(n)]
+        displs = [b * item for b in bounds[:-1]]
+        send_counts = list(counts)
+        send_counts[idx] = 0
+        recv_counts = [mine * item] * n
+        recv_counts[idx] = 0
+        pieces = np.empty((n, mine), dtype=buf.dtype)
+        B = MPI.BYTE
+        req = c.Ialltoallv([_bytes(flat), send_counts, displs, B],
+                           [_bytes(pieces), recv_counts, [j * mine * item for j in range(n)], B])
+
+        def finish() -> np.ndarray:
+            own = flat[bounds[idx]: bounds[idx + 1]]
+            fold_sum([own if j == idx else pieces[j] for j in range(n)], pieces[idx])
+            direct = out is not None and out.flags.c_contiguous
+            target = out.reshape(-1) if direct else flat
+            target[bounds[idx]: bounds[idx + 1]] = pieces[idx]
+            c.Allgatherv(MPI.IN_PLACE, [_bytes(target), counts, displs, B])
+            if direct:
+                return out
+            if out is not None:
+                np.copyto(out, flat.reshape(buf.shape))
+                return out
+            return flat.reshape(buf.shape)
+
+        return _MPIRequest(req, finish)
 
     def all_gather(self, buf, group, axis, out=None, sizes: Sequence[int] | None = None):
         """Return the concatenation of the members' ``buf`` along ``axis``, in group order.
@@ -363,6 +457,24 @@ class MPICommunicator(Communicator):
                 f"recv from rank {source} (tag {tag}): message has {got} byte(s), "
                 f"out has {target.nbytes}"
             )
+
+
+class _MPIRequest(Request):
+    """A started MPI collective: its MPI request and the local work that completes it."""
+
+    def __init__(self, req: Any, finish: Any) -> None:
+        super().__init__()
+        self._req, self._finish, self._done = req, finish, False
+
+    def test(self) -> bool:
+        return self._done or bool(self._req.Test())
+
+    def wait(self) -> np.ndarray:
+        if not self._done:
+            self._req.Wait()
+            self._result = self._finish()
+            self._done = True
+        return self._result  # type: ignore[return-value]
 
 
 def _result(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:

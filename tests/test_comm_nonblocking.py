@@ -1,0 +1,130 @@
+"""Non-blocking all-reduce (`iall_reduce`): the bits of `all_reduce`, in-process and over MPI.
+
+Run as a script under mpiexec (`python tests/test_comm_nonblocking.py OUTDIR`), each rank
+writes its results to OUTDIR/rankR.npz; the tests compare them with in-process runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hspmd.runtime.comm import run_spmd
+from hspmd.runtime.comm.base import Request
+
+# (name, shape, dtype): small buffers gather whole copies; large ones (> 256 KiB) go by pieces
+CASES = [
+    ("f32_small", (5, 7), "float32"),
+    ("f64_small", (3,), "float64"),
+    ("i32_small", (4, 4), "int32"),
+    ("f16_small", (9,), "float16"),
+    ("f32_big", (70001,), "float32"),
+    ("f16_big", (200003,), "float16"),
+    ("i64_big", (40000,), "int64"),
+]
+
+
+def make_input(name: str, rank: int, shape, dtype) -> np.ndarray:
+    """Return rank `rank`'s buffer for case `name`: values whose sums depend on the order."""
+    rng = np.random.default_rng([ord(c) for c in name] + [rank])
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-1000, 1000, shape).astype(dtype)
+    return (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(dtype)
+
+
+def exercise(comm) -> dict[str, np.ndarray]:
+    """Return this rank's results: every case started at once (all in flight), then waited on
+    in reverse order; the in-place form; and the blocking all_reduce of the same buffers."""
+    g = tuple(range(comm.size))
+    out: dict[str, np.ndarray] = {}
+    requests = []
+    for name, shape, dtype in CASES:
+        requests.append((name, comm.iall_reduce(make_input(name, comm.rank, shape, dtype), g)))
+    for name, req in reversed(requests):
+        assert isinstance(req, Request)
+        out[name] = req.wait()
+        assert req.test()
+    for name, shape, dtype in CASES:
+        buf = make_input(name, comm.rank, shape, dtype)
+        req = comm.iall_reduce(buf, g, out=buf)
+        while not req.test():
+            pass
+        assert req.wait() is buf
+        out[name + "_inplace"] = buf
+        out[name + "_blocking"] = comm.all_reduce(make_input(name, comm.rank, shape, dtype), g)
+    return out
+
+
+def left_fold(name: str, shape, dtype, n: int) -> np.ndarray:
+    xs = [make_input(name, r, shape, dtype) for r in range(n)]
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        acc = acc + x
+    return acc
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_in_process_iall_reduce_is_the_left_fold(n):
+    results = run_spmd(n, exercise, timeout=120)
+    for r in range(n):
+        for name, shape, dtype in CASES:
+            ref = left_fold(name, shape, dtype, n)
+            for suffix in ("", "_inplace", "_blocking"):
+                got = results[r][name + suffix]
+                assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes(), (r, name + suffix)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 4), st.lists(st.integers(1, 300), min_size=1, max_size=4), st.integers(0, 2**31 - 1))
+def test_in_process_requests_may_complete_in_any_order(n, sizes, seed):
+    """Several requests in flight on one group, waited in a shuffled order, give the blocking bits."""
+    order = np.random.default_rng(seed).permutation(len(sizes))
+
+    def body(comm):
+        g = tuple(range(comm.size))
+        bufs = [np.random.default_rng([seed, comm.rank, i]).standard_normal(s).astype(np.float32)
+                for i, s in enumerate(sizes)]
+        reqs = [comm.iall_reduce(b, g) for b in bufs]
+        got = [None] * len(reqs)
+        for i in order:
+            got[i] = reqs[i].wait()
+        return got, [comm.all_reduce(b, g) for b in bufs]
+
+    for got, blocking in run_spmd(n, body, timeout=60):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, blocking))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_mpi_iall_reduce_matches_in_process_bits(n, tmp_path):
+    from hspmd.runtime.launch import mpiexec_command
+
+    proc = subprocess.run(mpiexec_command(n, [__file__, str(tmp_path)]), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    inproc = run_spmd(n, exercise, timeout=120)
+    for r in range(n):
+        with np.load(tmp_path / f"rank{r}.npz") as f:
+            mpi = {k: f[k] for k in f.files}
+        assert set(mpi) == set(inproc[r])
+        bad = [k for k in mpi if mpi[k].dtype != inproc[r][k].dtype or mpi[k].tobytes() != inproc[r][k].tobytes()]
+        assert not bad, f"rank {r}: MPI differs from in-process in {bad}"
+
+
+def main(argv: list[str]) -> int:
+    """The MPI side: write this rank's results to ARGV[0]/rankR.npz."""
+    from hspmd.runtime.comm.mpi import MPICommunicator
+
+    comm = MPICommunicator()
+    results = exercise(comm)
+    np.savez(f"{argv[0]}/rank{comm.rank}.npz", **results)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
