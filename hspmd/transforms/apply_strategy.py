@@ -309,14 +309,18 @@ def _row_output(mm: graph.MatmulOp) -> SSAValue:
     return mm.result
 
 
-def sequence_parallel(module: ModuleOp, group: StrategyGroup) -> int:
-    """Lay out the residual stream split along the sequence over tp (Megatron-SP); return how many values.
+def residual_stream(module: ModuleOp, group: StrategyGroup) -> int:
+    """Lay out the residual stream of a tp > 1 step; return how many values were laid out.
 
     The residual stream enters the function blocks (transformer layers) as activations
     [batch, sequence, ...] that the step computes from the batch before any block (the first
-    block's input, made by the embeddings). It gets `split(0)` over dp and `split(1)` over tp;
-    what the blocks return, the gradients entering them and everything else follow by
-    propagation (see `sequence_parallel_outputs` for the blocks' row-parallel outputs).
+    block's input, made by the embeddings). Without sp it is replicated over tp (a vocabulary-
+    split lookup's partial sums are all-reduced there, once, as Megatron does, rather than
+    inside the blocks, which would reduce the saved input again in the backward). With sp=1
+    (Megatron-SP) it is split along the sequence, `split(1)` over tp, and so is each row-parallel
+    output inside the blocks (its partial sums are reduce-scattered into the stream). Both get
+    `split(0)` over dp; what the blocks return, the gradients entering them and everything else
+    follow by propagation.
     """
     block = step_function(module).body.block
     batch: set[SSAValue] = set()
@@ -327,7 +331,8 @@ def sequence_parallel(module: ModuleOp, group: StrategyGroup) -> int:
         if isinstance(o, graph.InputOp) or any(v in batch for v in o.operands):
             batch.update(o.results)
     batch -= later
-    layout = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (split(1), group.tp)))
+    layout = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (split(1) if group.sp else DUP,
+                                                                                     group.tp)))
     seeded: list[SSAValue] = []
     for o in block.ops:
         if not isinstance(o, func.CallOp):
@@ -335,12 +340,16 @@ def sequence_parallel(module: ModuleOp, group: StrategyGroup) -> int:
         for v in o.operands:
             shape = v.type.get_shape() if hasattr(v.type, "get_shape") else ()
             if v in batch and len(shape) >= 3 and not isinstance(v.owner, func.CallOp) and v not in seeded:
-                if shape[1] % group.tp:
+                if group.sp and shape[1] % group.tp:
                     raise PassError(
                         f"apply-strategy: sp=1 cannot split the residual stream {_shape_text(shape)} (the "
                         f"input of @{callee_of(o).sym_name.data}) along its sequence dim 1 over tp={group.tp}: "
                         f"sequence parallelism splits the sequence over the tp ranks, so tp must divide {shape[1]}")
                 seeded.append(v)
+    if not group.sp:
+        for v in seeded:
+            Rewriter.replace_value_with_new_type(v, with_layout(v.type, layout))
+        return len(seeded)
     if not seeded:
         raise PassError(
             "apply-strategy: sp=1 found no residual stream: sequence parallelism splits the activations "
@@ -383,8 +392,8 @@ class ApplyStrategy(ModulePass):
             group = next(g for g in strategy.groups if g.tp == tp)
         if not hetero and group.tp > 1:
             split_vocabulary_losses(op, roles, group.tp)
-        if not hetero and group.sp:
-            sequence_parallel(op, group)
+        if not hetero and group.tp > 1:
+            residual_stream(op, group)
         names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
         for leaf in leaves:
             name = leaf.tensor_name.data
