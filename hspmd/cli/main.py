@@ -69,6 +69,9 @@ def cmd_compile(args) -> int:
         from hspmd.ir.report import collective_report, format_report
 
         sys.stdout.write(format_report(collective_report(compiled.physical), compiled.physical))
+        from hspmd.runtime.plan import memory_report
+
+        sys.stdout.write(memory_report(compiled.physical))
     if args.explain:
         from hspmd.ir.report import explain_rows, format_explain
 

@@ -21,7 +21,7 @@ What the build does, in order:
    such as the fused kernels of other dialects). A storage lives from its definition to the
    last use of any value that may alias it.
 4. **Buffers by liveness.** Kernels that accept `out=` (NumPy ufuncs, or functions with
-   `accepts_out = True`, see `numpy_ops.accepts_out`) write into buffers preallocated once
+   `accepts_out = True`, see `numpy_ops.takes_out`) write into buffers preallocated once
    and reused by storages whose lifetimes do not overlap (best fit by size).
    `Plan.peak_bytes` reports the rank's peak: buffers + the largest sum of live
    kernel-allocated arrays + parameters, inputs and constants.
@@ -60,7 +60,7 @@ KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
 }
 
 #: default size of a gradient all-reduce bucket
-DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 # ops whose result is a view of their first operand (never written through)
 _VIEW_OPS = ("graph.reshape", "graph.transpose", "graph.broadcast", "graph.split", "graph.slice")
@@ -403,13 +403,14 @@ def _nbytes(t) -> int:
 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    reuse_buffers: bool = True,
+    reuse_buffers: bool = True, allocate: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
     `bucket_bytes` is the size of a gradient all-reduce bucket (None or 0: every all-reduce
     runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
-    fresh array each step (for debugging a kernel's `out=` support).
+    fresh array each step (for debugging a kernel's `out=` support). `allocate=False` only
+    sizes the buffers (for reports: such a plan cannot run).
     """
     from hspmd.runtime.buckets import plan_buckets
 
@@ -417,7 +418,27 @@ def build_plan(
     devices = _devices(fn)
     if bucket_bytes:
         plan_buckets(flat, rank, communicator, devices, bucket_bytes)
-    return _assemble(flat, rank, reuse_buffers)
+    return _assemble(flat, rank, reuse_buffers, allocate)
+
+
+def memory_report(physical) -> str:
+    """Return one line per rank of a physical module: its plan's peak bytes per step (and buffers)."""
+    from hspmd.ir.levels import physical_groups
+    from hspmd.runtime.comm.inprocess import InProcessCommunicator
+
+    groups = physical_groups(physical)
+    world = InProcessCommunicator.create_world(max(max(d) for d, _ in groups) + 1)
+    lines = ["plan memory per rank (one step: buffers reused by liveness, live arrays, parameters, inputs):"]
+    for devices, module in groups:
+        fn = next((op for op in module.body.block.ops if isinstance(op, func.FuncOp)
+                   and op.sym_name.data == "train_step"), None)
+        if fn is None:
+            continue
+        for rank in devices:
+            plan = build_plan(fn, rank, world[rank], allocate=False)
+            lines.append(f"  rank {rank}: peak {plan.peak_bytes:,} bytes ({plan.peak_bytes / 2**20:.1f} MiB), "
+                         f"buffers {plan.buffer_bytes:,} bytes, {len(plan.buckets)} all-reduce buckets")
+    return "\n".join(lines) + "\n"
 
 
 def _devices(fn: func.FuncOp) -> frozenset[int] | None:
@@ -429,7 +450,7 @@ def _devices(fn: func.FuncOp) -> frozenset[int] | None:
     return frozenset(int(d) for d in attr.get_values()) if attr is not None else None  # type: ignore[attr-defined]
 
 
-def _assemble(flat: _Flat, rank: int, reuse_buffers: bool) -> Plan:
+def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True) -> Plan:
     """Return the plan of a flat program: storages, liveness, buffers, in-place updates, frees."""
     nodes, types = flat.nodes, flat.types
     n_nodes, n_slots = len(nodes), len(types)
@@ -522,7 +543,7 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool) -> Plan:
     pooled = sorted((s for s in range(n_storages) if kind[s] == "pooled"
                      and (defined[owner[s]], nodes[defined[owner[s]]].outs.index(owner[s])) not in inplace),
                     key=lambda s: (s_start[s], s))
-    buffers: list[np.ndarray] = []
+    buffers: list[int] = []  # bytes of each buffer
     free: list[int] = []  # buffer indices free at the current point
     busy: list[tuple[int, int]] = []  # (end, buffer index)
     storage_buffer: dict[int, int] = {}
@@ -532,20 +553,23 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool) -> Plan:
         for end, b in busy:
             (free.append(b) if end < s_start[s] else still.append((end, b)))
         busy = still
-        fits = [b for b in free if buffers[b].nbytes >= need]
+        fits = [b for b in free if buffers[b] >= need]
         if fits:
-            b = min(fits, key=lambda b: buffers[b].nbytes)
+            b = min(fits, key=lambda b: buffers[b])
             free.remove(b)
         else:
-            buffers.append(np.empty(need, dtype=np.uint8))
+            buffers.append(need)
             b = len(buffers) - 1
         storage_buffer[s] = b
         busy.append((s_end[s], b))
 
-    def view(s: int) -> np.ndarray:
+    raw = [np.empty(size if allocate else 0, dtype=np.uint8) for size in buffers]
+
+    def view(s: int) -> np.ndarray | None:
+        if not allocate:
+            return None
         shape, dtype = types[owner[s]]
-        raw = buffers[storage_buffer[s]]
-        return raw[: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
+        return raw[storage_buffer[s]][: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
 
     # -- steps -----------------------------------------------------------------------------
     plan = Plan(rank, params=flat.params, inputs=flat.inputs, constants=flat.constants, outputs=flat.outputs,
@@ -581,7 +605,7 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool) -> Plan:
     plan.buckets = [b.summary() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values()]
 
     # -- peak bytes ----------------------------------------------------------------------------
-    plan.buffer_bytes = sum(b.nbytes for b in buffers)
+    plan.buffer_bytes = sum(buffers)
     persistent = sum(_nbytes(types[p.slot]) for p in flat.params) + sum(_nbytes(types[l.slot]) for l in flat.inputs)
     persistent += sum(c.nbytes for c in flat.constants.values())
     persistent += sum(b.nbytes() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values())
