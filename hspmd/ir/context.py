@@ -13,14 +13,15 @@ from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyExcepti
 
 
 def make_context() -> Context:
-    """Return a fresh Context with builtin, func, graph, optim, dist and comm loaded."""
+    """Return a fresh Context with builtin, func, graph, optim, dist, comm and kernel loaded."""
     from hspmd.dialects.comm import Comm
     from hspmd.dialects.dist import Dist
     from hspmd.dialects.graph import Graph
+    from hspmd.dialects.kernel import Kernel
     from hspmd.dialects.optim import Optim
 
     ctx = Context()
-    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm):
+    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm, Kernel):
         ctx.load_dialect(dialect)
     return ctx
 

@@ -25,6 +25,7 @@ _PASSES = {
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
     "pipeline-split": "hspmd.transforms.pipeline_split:PipelineSplit",
+    "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
 }
 
 

@@ -1,0 +1,219 @@
+"""Build generated CUDA C kernels for the CPU with the host C++ compiler, cached by content.
+
+All kernels of one program go into ONE shared library (`build_library`): the sources are
+compiled twice under `cuda_emu.h`, once per block emulation (namespace `hs_serial`: one thread
+per block, and the row loop `HS_ROWS` becomes an `omp for` that gives each OpenMP thread a
+contiguous range of rows; namespace `hs_team`: an OpenMP team per block, for blockDim > 1,
+rows by blockIdx as on a GPU), and an `extern "C"` launcher per launch calls the right one:
+
+    void hs_launch_NAME(void **args, long n0, long n1, int team)
+
+The library is cached under `$HSPMD_CACHE_DIR` (default `~/.cache/hspmd/kernels`) by a hash
+of its text, the headers, the compiler's identity and the flags; it is written to a private
+temporary name and renamed into place, so ranks compiling the same program at once never
+see a half-written file. `find_compiler()` says once per process when there is no compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+HEADERS = ("cuda_emu.h", "hs_common.cuh")
+
+
+class CompileError(Exception):
+    """The host compiler rejected a generated library (its log is the message)."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch of a kernel: its kind, the `__global__` function, and its pointer argument types."""
+
+    kind: str
+    function: str
+    arg_types: tuple[str, ...]  # C element type of each pointer argument, in call order
+
+
+@functools.cache
+def find_compiler() -> str | None:
+    """Return the path of the host C++ compiler (`$CXX`, else g++, else c++), or None."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.cache
+def compiler_identity(cxx: str) -> str:
+    """Return a string naming the compiler's version and target (part of the cache key)."""
+    out = []
+    for flag in ("-dumpfullversion", "-dumpmachine"):
+        try:
+            out.append(subprocess.run([cxx, flag], capture_output=True, text=True, timeout=30).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            out.append("?")
+    return f"{cxx} {' '.join(out)}"
+
+
+@functools.cache
+def compile_flags() -> tuple[str, ...]:
+    """Return the flags of every build: -O3, OpenMP, no errno from libm (so sqrt inlines), and
+    AVX2+FMA when this CPU has them. No -ffast-math and no contraction of a*b+c into one FMA:
+    NaN, infinities and the rounding of each operation stay IEEE, as in NumPy."""
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+             "-ffp-contract=off"]
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpu = ""
+    words = set(cpu.split())
+    if {"avx2", "fma"} <= words:
+        flags += ["-mavx2", "-mfma"]
+    return tuple(flags)
+
+
+def cache_dir() -> Path:
+    """Return the kernel cache folder (`$HSPMD_CACHE_DIR` or `~/.cache/hspmd/kernels`)."""
+    root = os.environ.get("HSPMD_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "hspmd" / "kernels"
+
+
+def _launcher(spec: LaunchSpec) -> str:
+    args = ", ".join(f"({t}*)a[{i}]" for i, t in enumerate(spec.arg_types))
+    args = f"{args}, n0, n1" if args else "n0, n1"
+    head = f'extern "C" void hs_launch_{spec.function}(void **a, long n0, long n1, int team) {{\n'
+    if spec.kind == "elementwise":
+        body = (
+            "  (void)team;\n"
+            "#pragma omp parallel if (n0 > 16384)\n"
+            "  {\n"
+            "    hs_emu::blockIdx = {0, 0, 0}; hs_emu::gridDim = {1, 1, 1};\n"
+            f"    hs_serial::{spec.function}({args});\n"
+            "  }\n"
+        )
+    else:
+        body = (
+            "  if (team <= 1) {  // rows shared out by the kernel's HS_ROWS (an omp for)\n"
+            "#pragma omp parallel if (n0 * n1 > 16384)\n"
+            f"    hs_serial::{spec.function}({args});\n"
+            "    return;\n"
+            "  }\n"
+            "  for (long b = 0; b < n0; ++b) {\n"
+            "#pragma omp parallel num_threads(team)\n"
+            "    {\n"
+            "      hs_emu::blockIdx = {(unsigned)b, 0, 0}; hs_emu::gridDim = {(unsigned)n0, 1, 1};\n"
+            "      hs_emu::threadIdx = {(unsigned)omp_get_thread_num(), 0, 0};\n"
+            "      hs_emu::blockDim = {(unsigned)omp_get_num_threads(), 1, 1};\n"
+            f"      hs_team::{spec.function}({args});\n"
+            "    }\n"
+            "  }\n"
+        )
+    return head + body + "}\n"
+
+
+def library_text(sources: list[str], launches: list[LaunchSpec]) -> str:
+    """Return the C++ translation unit holding `sources` in both emulations plus launchers."""
+    src = "\n".join(sources)
+    return (
+        '#include "cuda_emu.h"\n'
+        "namespace hs_serial {\n"
+        "using hs_emu::blockIdx; using hs_emu::gridDim;\n"
+        "static constexpr hs_dim3 threadIdx{0, 0, 0}, blockDim{1, 1, 1};\n"
+        "template <class T> static inline T __shfl_down_sync(unsigned, T v, int) { return v; }\n"
+        "#define __syncthreads()\n#define HS_SERIAL_BLOCK 1\n"
+        "#undef HS_ROWS\n#define HS_ROWS(r, n) HS_PRAGMA(omp for schedule(static)) for (long r = 0; r < (long)(n); ++r)\n"
+        '#include "hs_common.cuh"\n'
+        f"{src}\n"
+        "#undef HS_SERIAL_BLOCK\n#undef __syncthreads\n"
+        "}  // namespace hs_serial\n"
+        "namespace hs_team {\n"
+        "using hs_emu::blockIdx; using hs_emu::gridDim; using hs_emu::threadIdx; using hs_emu::blockDim;\n"
+        "template <class T> static inline T __shfl_down_sync(unsigned, T v, int d) { return hs_team_shfl_down(v, d); }\n"
+        "#define __syncthreads() HS_PRAGMA(omp barrier)\n"
+        "#undef HS_ROWS\n#define HS_ROWS(r, n) for (long r = blockIdx.x; r < (long)(n); r += gridDim.x)\n"
+        '#include "hs_common.cuh"\n'
+        f"{src}\n"
+        "#undef __syncthreads\n"
+        "}  // namespace hs_team\n" + "".join(_launcher(s) for s in launches)
+    )
+
+
+def library_key(text: str, cxx: str) -> str:
+    """Return the cache key of a library: hash of its text, the headers, compiler and flags."""
+    h = hashlib.sha256()
+    for part in (text, *((HERE / n).read_text() for n in HEADERS), compiler_identity(cxx), " ".join(compile_flags())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def build_library(sources: list[str], launches: list[LaunchSpec], cxx: str | None = None) -> Path:
+    """Compile (or find in the cache) the library of `sources`; return the .so path.
+
+    CompileError if there is no compiler or it rejects the text.
+    """
+    cxx = cxx or find_compiler()
+    if cxx is None:
+        raise CompileError("no C++ compiler found ($CXX, g++, c++ or clang++)")
+    text = library_text(sources, launches)
+    key = library_key(text, cxx)
+    folder = cache_dir()
+    target = folder / f"hs_{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hspmd-build-", dir=folder) as tmp:
+        cpp = Path(tmp) / "kernels.cpp"
+        cpp.write_text(text)
+        out = Path(tmp) / "kernels.so"
+        cmd = [cxx, *compile_flags(), f"-I{HERE}", str(cpp), "-o", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise CompileError(f"{cxx} could not run: {err}") from None
+        if proc.returncode != 0:
+            raise CompileError(f"{cxx} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(out, target)  # atomic on one file system: other ranks see all or nothing
+    return target
+
+
+class Library:
+    """A loaded kernel library: `launch(function, arrays, n0, n1, team)` runs one launch."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._dll = ctypes.CDLL(str(path))
+        self._fns: dict[str, ctypes._CFuncPtr] = {}
+
+    def function(self, name: str):
+        """Return the ctypes launcher of `__global__` function `name`."""
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = getattr(self._dll, f"hs_launch_{name}")
+            fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_long, ctypes.c_long, ctypes.c_int]
+            fn.restype = None
+            self._fns[name] = fn
+        return fn
+
+
+@functools.cache
+def load_library(path: Path) -> Library:
+    """Return the loaded library at `path` (loaded once per process).
+
+    Before the first load, GOMP_SPINCOUNT (libgomp's busy-wait before a thread sleeps)
+    defaults to 20000 (tens of microseconds): long enough that back-to-back kernels do not pay
+    a futex wake-up each, short enough that on a machine with more busy processes than cores
+    (MPI ranks, other jobs) a spinning thread does not steal a whole time slice from the one
+    doing the work. An explicit setting of the variable is kept.
+    """
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    return Library(path)

@@ -1,0 +1,106 @@
+// hspmd portability layer for the host C++ compiler: runs the kernels' CUDA C on CPU cores.
+//
+// A launch runs a kernel's blocks under OpenMP. Two block emulations are compiled from the
+// same source (see cpu_compile.py, which wraps each in a namespace):
+//  * serial (HS_SERIAL_BLOCK): blockDim = 1, threadIdx = 0 are compile-time constants, so the
+//    column loops of a row kernel become plain unit-stride loops the compiler vectorises, the
+//    block reductions return their argument, and blocks (rows) run in an `omp parallel for`;
+//  * team: one OpenMP team of blockDim.x threads per block, threadIdx.x = the team rank,
+//    __shared__ variables are `static` (one block runs at a time), __syncthreads() is an
+//    OpenMP barrier and warp shuffles are exchanges through a shared buffer between two
+//    barriers. Slow, but it runs the GPU algorithm as written (tests use it for blockDim > 1).
+// Elementwise kernels use HS_FOR, which here is an OpenMP worksharing `for simd` over all n
+// items, so the threads of the enclosing `omp parallel` each take one contiguous chunk.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+#define HS_CPU 1
+#define HS_KERNEL static
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define HS_INF (__builtin_huge_valf())
+#define HS_NAN (__builtin_nanf(""))
+#define HS_PRAGMA(x) _Pragma(#x)
+#define HS_FOR(i, n) HS_PRAGMA(omp for simd schedule(static)) for (long i = 0; i < (long)(n); ++i)
+#define HS_ROWS(r, n) for (long r = blockIdx.x; r < (long)(n); r += gridDim.x)
+#define HS_COLS(j, n) for (long j = threadIdx.x; j < (long)(n); j += blockDim.x)
+#define HS_COLS_SIMD(j, n) HS_PRAGMA(omp simd) HS_COLS(j, n)
+#define HS_COLS_SUM(j, n, v) HS_PRAGMA(omp simd reduction(+ : v)) HS_COLS(j, n)
+#define HS_COLS_MAX(j, n, v) HS_PRAGMA(omp simd reduction(max : v)) HS_COLS(j, n)
+#define HS_EXPF(x) hs_cpu_expf(x)
+#define HS_TANHF(x) hs_cpu_tanhf(x)
+
+struct hs_dim3 {
+  unsigned x, y, z;
+};
+static const int warpSize = 32;
+
+namespace hs_emu {
+// the block being run by this OS thread (both emulations) and, in a team, the thread's place
+inline thread_local hs_dim3 blockIdx{0, 0, 0}, gridDim{1, 1, 1}, threadIdx{0, 0, 0}, blockDim{1, 1, 1};
+}  // namespace hs_emu
+
+// exp for float without a library call, so `omp simd` loops vectorise: exp(x) = 2^k exp(r),
+// r = x - k ln2 (Cody-Waite split), exp(r) by its degree-7 Taylor polynomial (|r| <= 0.347),
+// 2^k as two exponent-field scalings. Within 2 ulp of the correctly rounded result.
+static inline float hs_cpu_expf(float x) {
+  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  float kf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = xc - kf * 0.693359375f;
+  r = r - kf * -2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int k = (int)kf, k1 = k >> 1, k2 = k - k1;
+  int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, 4);
+  std::memcpy(&s2, &b2, 4);
+  float y = (p * s1) * s2;
+  y = x < -104.0f ? 0.0f : y;
+  return x != x ? x : y;
+}
+
+// tanh for float, vectorisable: an odd Taylor polynomial up to x^17 for |x| < 0.55, else
+// sign(x) (1 - 2 / (exp(2|x|) + 1)) (no cancellation there: the result is >= 0.5).
+static inline float hs_cpu_tanhf(float x) {
+  float a = x < 0.0f ? -x : x;
+  float z = x * x;
+  float p = 6404582.0f / 10854718875.0f;
+  p = p * -z + 929569.0f / 638512875.0f;
+  p = p * -z + 21844.0f / 6081075.0f;
+  p = p * -z + 1382.0f / 155925.0f;
+  p = p * -z + 62.0f / 2835.0f;
+  p = p * -z + 17.0f / 315.0f;
+  p = p * -z + 2.0f / 15.0f;
+  p = p * -z + 1.0f / 3.0f;
+  float small = x - x * z * p;
+  float e = hs_cpu_expf(2.0f * (a > 20.0f ? 20.0f : a));
+  float big = 1.0f - 2.0f / (e + 1.0f);
+  big = x < 0.0f ? -big : big;
+  float y = a < 0.55f ? small : big;
+  return x != x ? x : y;
+}
+
+// team emulation of a warp shuffle: lanes are groups of 32 consecutive team threads
+template <class T> static inline T hs_team_shfl_down(T v, int delta) {
+  static T hs_lanes[1024];
+  const int t = (int)hs_emu::threadIdx.x;
+  hs_lanes[t] = v;
+#pragma omp barrier
+  const int src = t + delta;
+  T r = ((t % 32) + delta < 32 && src < (int)hs_emu::blockDim.x) ? hs_lanes[src] : v;
+#pragma omp barrier
+  return r;
+}

@@ -1,0 +1,89 @@
+// hspmd kernel library: block reductions and math helpers written once in CUDA C.
+// Included after the target's portability layer: cuda_preamble.cuh (NVRTC / CuPy) or
+// cuda_emu.h (host C++ compiler, OpenMP). It has no include guard on purpose: the CPU
+// build includes it twice, once per block-emulation namespace (serial and team).
+
+// ---- block reductions: every thread of the block must call them (uniform control flow)
+// Warp-level steps add a lane's partner only if it lies within the `width` live lanes of the
+// warp, so a last, partial warp (blockDim not a multiple of 32) reduces correctly.
+template <class T> __device__ __forceinline__ T hs_warp_sum(T v, int width) {
+  const int lane = threadIdx.x % 32;
+  for (int d = 16; d > 0; d >>= 1) {
+    T o = __shfl_down_sync(0xffffffffu, v, d);
+    if (lane + d < width) v += o;
+  }
+  return v;
+}
+template <class T> __device__ __forceinline__ T hs_warp_max(T v, int width) {
+  const int lane = threadIdx.x % 32;
+  for (int d = 16; d > 0; d >>= 1) {
+    T o = __shfl_down_sync(0xffffffffu, v, d);
+    if (lane + d < width && (o > v || o != o)) v = o;
+  }
+  return v;
+}
+
+// Sum of `v` over the block's threads, returned to every thread.
+template <class T> __device__ T hs_block_sum(T v) {
+#ifdef HS_SERIAL_BLOCK
+  return v;
+#else
+  __shared__ T hs_part[32];
+  __shared__ T hs_total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  const int live = (int)blockDim.x - warp * 32;
+  v = hs_warp_sum(v, live < 32 ? live : 32);
+  if (lane == 0) hs_part[warp] = v;
+  __syncthreads();
+  T w = ((int)threadIdx.x < nwarps) ? hs_part[threadIdx.x] : T(0);
+  w = hs_warp_sum(w, nwarps);  // all threads take part, so shuffles stay uniform; lane 0 of warp 0 has the sum
+  if (threadIdx.x == 0) hs_total = w;
+  __syncthreads();
+  T r = hs_total;
+  __syncthreads();
+  return r;
+#endif
+}
+
+// Maximum of `v` over the block's threads (NaN wins), returned to every thread.
+template <class T> __device__ T hs_block_max(T v) {
+#ifdef HS_SERIAL_BLOCK
+  return v;
+#else
+  __shared__ T hs_mpart[32];
+  __shared__ T hs_mtotal;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  const int live = (int)blockDim.x - warp * 32;
+  v = hs_warp_max(v, live < 32 ? live : 32);
+  if (lane == 0) hs_mpart[warp] = v;
+  __syncthreads();
+  T w = ((int)threadIdx.x < nwarps) ? hs_mpart[threadIdx.x] : -HS_INF;
+  w = hs_warp_max(w, nwarps);
+  if (threadIdx.x == 0) hs_mtotal = w;
+  __syncthreads();
+  T r = hs_mtotal;
+  __syncthreads();
+  return r;
+#endif
+}
+
+// ---- math: one name per function and type; the CPU layer may give vectorisable versions
+__device__ __forceinline__ float hs_exp(float x) { return HS_EXPF(x); }
+__device__ __forceinline__ double hs_exp(double x) { return exp(x); }
+__device__ __forceinline__ float hs_tanh(float x) { return HS_TANHF(x); }
+__device__ __forceinline__ double hs_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float hs_log(float x) { return logf(x); }
+__device__ __forceinline__ double hs_log(double x) { return log(x); }
+__device__ __forceinline__ float hs_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double hs_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float hs_erf(float x) { return erff(x); }
+__device__ __forceinline__ double hs_erf(double x) { return erf(x); }
+__device__ __forceinline__ float hs_pow(float x, float p) { return powf(x, p); }
+__device__ __forceinline__ double hs_pow(double x, double p) { return pow(x, p); }
+// max(a, b) that propagates NaN like NumPy's maximum
+template <class T> __device__ __forceinline__ T hs_max(T a, T b) { return (a > b || a != a) ? a : b; }
+// NumPy's overflow-free logistic function
+template <class T> __device__ __forceinline__ T hs_sigmoid(T x) {
+  T e = hs_exp(x >= T(0) ? -x : x);
+  return x >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
+}

@@ -1,0 +1,225 @@
+"""Running `kernel.fused` ops: compiled C++ on the CPU, or NumPy op by op.
+
+* `kernel_for(op, rank)` (registered for the `kernel` dialect in `plan.KERNELS`) returns a
+  function of NumPy arrays. On first use in a program it builds ONE shared library holding
+  every kernel of the program (`hspmd/codegen/cpu_compile.py`, cached on disk by content);
+  where no compiler is found or the build fails, it says so once and runs the op's body with
+  the per-op NumPy kernels instead.
+* `fuse_for_run(module, backend)` is what a runner calls before building plans: "numpy"
+  leaves the module as it is, "cpu" fuses a copy and builds its library (falling back to the
+  unfused module, with one line on stderr, when there is no compiler), "cuda" fuses for CuPy
+  (falling back to "cpu", with one line, when CuPy or a GPU is missing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
+
+from hspmd.codegen import cpu_compile
+from hspmd.codegen.emit_cuda import C_FLOAT, c_type
+from hspmd.dialects import kernel
+from hspmd.ir.types import dtype_name
+
+BACKENDS = ("numpy", "cpu", "cuda")
+_SAID: set[str] = set()
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A kernel backend is unavailable here; the run goes on with a slower one."""
+
+
+def say_once(message: str) -> None:
+    """Warn with `message` (one line, `hspmd: ...`) the first time it comes up in this process."""
+    if message in _SAID:
+        return
+    _SAID.add(message)
+    warnings.warn(message, KernelFallbackWarning, stacklevel=3)
+    print(message, file=sys.stderr)
+
+
+def _root(op: Operation) -> Operation:
+    while op.parent_op() is not None:
+        op = op.parent_op()  # type: ignore[assignment]
+    return op
+
+
+def fused_ops(module: Operation) -> list[kernel.FusedOp]:
+    """Return every kernel.fused op of `module`, in walk order."""
+    return [op for op in module.walk() if isinstance(op, kernel.FusedOp)]
+
+
+def launch_specs(op: kernel.FusedOp) -> list[cpu_compile.LaunchSpec]:
+    """Return the CPU launch specs of `op`: each launch with the C types of its pointer args."""
+    t = C_FLOAT[op.dtype.data]
+    types = tuple([c_type(v.type) for v in op.inputs] + [t] * (len(op.outputs) + len(op.scratch_sizes)))
+    return [cpu_compile.LaunchSpec(kind, fname, types) for kind, fname, _, _ in op.launch_list]
+
+
+def build_program(module: Operation) -> Path:
+    """Build (or find cached) the one library holding every kernel of `module`; return its path."""
+    ops = fused_ops(module)
+    seen: dict[str, str] = {}
+    sources, specs = [], []
+    for op in ops:
+        name = op.kernel.data
+        if name in seen:
+            if seen[name] != op.source.data:
+                raise cpu_compile.CompileError(f"two different kernels are named {name}")
+            continue
+        seen[name] = op.source.data
+        sources.append(op.source.data)
+        specs += launch_specs(op)
+    return cpu_compile.build_library(sources, specs)
+
+
+_PROGRAMS: "weakref.WeakKeyDictionary[Operation, cpu_compile.Library | None]" = weakref.WeakKeyDictionary()
+
+
+def program_library(module: Operation) -> cpu_compile.Library | None:
+    """Return the loaded library of `module`'s kernels, or None (said once) when it cannot be built."""
+    if module in _PROGRAMS:
+        return _PROGRAMS[module]
+    lib = None
+    if cpu_compile.find_compiler() is None:
+        say_once("hspmd: no C++ compiler found ($CXX, g++, c++); fused kernels run as NumPy per op")
+    else:
+        try:
+            lib = cpu_compile.load_library(build_program(module))
+        except (cpu_compile.CompileError, OSError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            say_once(f"hspmd: building the CPU kernels failed ({first}); fused kernels run as NumPy per op")
+    _PROGRAMS[module] = lib
+    return lib
+
+
+def numpy_call(op: kernel.FusedOp, rank: int = 0) -> Callable:
+    """Return a function running `op`'s body with the per-op NumPy kernels (the reference)."""
+    from hspmd.runtime.numpy_ops import kernel_for as graph_kernel_for
+    from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
+
+    makers = {"graph": graph_kernel_for, "optim": optim_kernel_for}
+    block = op.body.block
+    slots = {a: i for i, a in enumerate(block.args)}
+    steps = []
+    returns: tuple[int, ...] = ()
+    for inner in block.ops:
+        if isinstance(inner, kernel.YieldOp):
+            returns = tuple(slots[v] for v in inner.values)
+            continue
+        fn = makers[inner.dialect_name()](inner, rank)
+        for r in inner.results:
+            slots[r] = len(slots)
+        steps.append((fn, tuple(slots[v] for v in inner.operands), tuple(slots[r] for r in inner.results)))
+    n, single = len(slots), len(returns) == 1
+
+    def call(*args):
+        env: list = [None] * n
+        env[: len(args)] = args
+        for fn, ins, outs in steps:
+            res = fn(*[env[i] for i in ins])
+            if len(outs) == 1:
+                env[outs[0]] = res
+            else:
+                for s, v in zip(outs, res):
+                    env[s] = v
+        return env[returns[0]] if single else tuple(env[r] for r in returns)
+
+    return call
+
+
+def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Callable:
+    """Return a function running `op`'s launches from `lib` on NumPy arrays.
+
+    `team` > 1 runs row launches with that many emulated threads per block (an OpenMP team,
+    real barriers and shuffles): slow, for testing the GPU algorithm on a CPU.
+    Results are new arrays, or the arrays passed as `out=` (a tuple, one per result).
+    """
+    in_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.inputs]
+    out_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.outputs]
+    t = np.dtype({"f32": "float32", "f64": "float64"}[op.dtype.data])
+    scratch = op.scratch_sizes
+    launches = [(lib.function(fname), n0, n1) for _, fname, n0, n1 in op.launch_list]
+    nptr = len(in_types) + len(out_types) + len(scratch)
+    ptr_array = ctypes.c_void_p * nptr
+    single = len(out_types) == 1
+    name = op.kernel.data
+
+    def call(*args, out=None):
+        if len(args) != len(in_types):
+            raise TypeError(f"kernel {name} takes {len(in_types)} arrays, got {len(args)}")
+        arrays = []
+        for a, (shape, dt) in zip(args, in_types):
+            a = np.require(a, dt, "C")
+            if a.shape != shape:
+                raise ValueError(f"kernel {name}: operand of shape {a.shape}, compiled for {shape}")
+            arrays.append(a)
+        if out is None:
+            outs = [np.empty(shape, dt) for shape, dt in out_types]
+        else:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            for o, (shape, dt) in zip(outs, out_types):
+                if o.shape != shape or o.dtype != dt or not o.flags.c_contiguous:
+                    raise ValueError(f"kernel {name}: out= must be C-contiguous {dt} arrays of the results' shapes")
+        scr = [np.empty(n, t) for n in scratch]
+        ptrs = ptr_array(*[a.ctypes.data for a in (*arrays, *outs, *scr)])
+        for fn, n0, n1 in launches:
+            fn(ptrs, n0, n1, team)
+        return outs[0] if single else tuple(outs)
+
+    # the plan may preallocate results (out=); an elementwise kernel reads operand i before it
+    # writes result i, so a result may even be an operand's own array (in-place update)
+    call.accepts_out = True  # type: ignore[attr-defined]
+    call.inplace_safe = all(kind == "elementwise" for kind, _, _, _ in op.launch_list) and not scratch  # type: ignore[attr-defined]
+    return call
+
+
+def kernel_for(op: Operation, rank: int = 0) -> Callable:
+    """Return the function computing a `kernel.fused` op (compiled CPU code, else NumPy per op)."""
+    if not isinstance(op, kernel.FusedOp):
+        raise NotImplementedError(f"no runtime for '{op.name}'")
+    lib = program_library(_root(op))
+    if lib is None:
+        return numpy_call(op, rank)
+    return cpu_call(op, lib)
+
+
+def fuse_for_run(module: ModuleOp, backend: str = "cpu") -> ModuleOp:
+    """Return the module a runner should build plans from for `backend` ("numpy", "cpu", "cuda").
+
+    "numpy": `module` itself. "cpu": a fused copy whose library is built now (so a compile
+    failure is found before the first step); `module` itself, said once, without a compiler.
+    "cuda": a fused copy for the CuPy backend; as "cpu", said once, without CuPy or a GPU.
+    The caller's module is never changed.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend '{backend}' (expected one of {', '.join(BACKENDS)})")
+    if backend == "numpy":
+        return module
+    from hspmd.transforms.fuse_kernels import fuse_module
+
+    if backend == "cuda":
+        from hspmd.codegen.cupy_backend import gpu_status
+
+        ok, why = gpu_status()
+        if ok:
+            fused = module.clone()
+            fuse_module(fused)
+            return fused
+        say_once(f"hspmd: the cuda backend is unavailable ({why}); running on the CPU")
+    if cpu_compile.find_compiler() is None:
+        say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
+        return module
+    fused = module.clone()
+    fuse_module(fused)
+    if program_library(fused) is None:
+        return module
+    return fused
