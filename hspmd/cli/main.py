@@ -59,12 +59,21 @@ def cmd_compile(args) -> int:
     from hspmd.frontend.strategy import parse_strategy
     from hspmd.ir.context import module_text
 
+    if args.emit == "kernels" and not args.dump_dir:
+        raise SystemExit("hspmd: error: --emit kernels needs --dump-dir")
     n = args.n or (parse_strategy(args.strategy).num_devices if args.strategy else 1)
     compiled = _load_and_compile(args, n)
     if args.dump_dir:
         write_bundle(compiled, args.dump_dir)
         files = sorted(os.listdir(args.dump_dir))
         print(f"wrote {', '.join(files)} to {args.dump_dir}")
+    if args.emit == "kernels":
+        from hspmd.codegen.dump import write_kernels
+
+        written = write_kernels(compiled.physical, args.dump_dir)
+        cu = sum(1 for w in written if w.endswith(".cu"))
+        print(f"wrote {', '.join(w for w in written if w.endswith('.mlir'))} and {cu} kernels in "
+              f"{os.path.join(args.dump_dir, 'kernels')}")
     if args.report:
         from hspmd.ir.report import collective_report, format_report
 
@@ -133,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_script_options(c)
     c.add_argument("-n", type=int, help="number of devices (default: the strategy's)")
     c.add_argument("--dump-dir", help="write logical.mlir, annotated.mlir, physical_group*.mlir and a manifest")
+    c.add_argument("--emit", choices=("kernels",),
+                   help="with --dump-dir: also write the kernel level (kernel_group*.mlir, kernels/*.cu)")
     c.add_argument("--level", choices=("logical", "annotated", "physical"), default="physical",
                    help="level to print when no --dump-dir, --report or --explain is given")
     c.add_argument("--report", action="store_true",

@@ -1,0 +1,404 @@
+"""The `fuse-kernels` pass and the `kernel` dialect on IR text; the kernel level of the CLI;
+NVRTC checks of every kernel; the CPU build's cache; the fallbacks (no compiler, no NVRTC,
+no CuPy/GPU); a whole GPT step fused vs per-op NumPy; the CuPy backend where a GPU is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from hspmd.codegen import cpu_compile
+from hspmd.dialects.kernel import FusedOp
+from hspmd.ir.context import IRTextError, module_text, parse_module
+from hspmd.runtime import kernel_exec
+from hspmd.transforms.fuse_kernels import fuse_module
+
+from conftest import EXAMPLES
+
+needs_cxx = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="needs a C++ compiler")
+F = "tensor<4x8xf32>"
+
+
+def fused(text: str):
+    module = parse_module("builtin.module {\n" + text + "\n}")
+    fuse_module(module)
+    return module
+
+
+def names(module) -> list[str]:
+    fn = module.body.block.ops.first
+    return [op.name for op in fn.body.block.ops]
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+def test_bias_gelu_becomes_one_kernel_and_the_ir_prints_and_parses_back():
+    m = fused(f"""func.func @f(%x: {F}, %w: tensor<8x8xf32>, %b: tensor<8xf32>) -> ({F}, {F}) {{
+  %h = graph.matmul %x, %w : ({F}, tensor<8x8xf32>) -> {F}
+  %bb = graph.broadcast %b {{dims = array<i64: 1>}} : (tensor<8xf32>) -> {F}
+  %s = graph.add %h, %bb : ({F}, {F}) -> {F}
+  %g = graph.gelu %s {{approximate = "tanh"}} : ({F}) -> {F}
+  func.return %s, %g : {F}, {F}
+}}""")
+    assert names(m) == ["graph.matmul", "kernel.fused", "func.return"]  # the matmul stays a BLAS call
+    (op,) = [o for o in m.walk() if isinstance(o, FusedOp)]
+    assert len(op.outputs) == 2 and op.launch_list[0][0] == "row" and op.dtype.data == "f32"
+    assert "HS_KERNEL void k0_add_gelu(" in op.source.data
+    text = module_text(m)
+    assert module_text(parse_module(text)) == text
+
+
+def test_no_group_spans_a_collective_or_a_call_and_unknown_ops_stay():
+    m = fused(f"""func.func private @g(%a: {F}) -> {F} {{
+  %b = graph.exp %a : ({F}) -> {F}
+  %c = graph.exp %b : ({F}) -> {F}
+  func.return %c : {F}
+}}
+func.func @f(%x: {F}) -> ({F}, {F}, tensor<8x4xf32>) {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  %2 = comm.all_reduce %x {{groups = [array<i64: 0, 1>]}} : {F} -> {F}
+  %3 = graph.exp %1 : ({F}) -> {F}
+  %4 = func.call @g(%3) : ({F}) -> {F}
+  %5 = graph.tanh %3 : ({F}) -> {F}
+  %6 = graph.transpose %5 {{perm = array<i64: 1, 0>}} : ({F}) -> tensor<8x4xf32>
+  func.return %2, %4, %6 : {F}, {F}, tensor<8x4xf32>
+}}""")
+    g, f = list(m.body.block.ops)
+    assert [o.name for o in g.body.block.ops] == ["kernel.fused", "func.return"]  # callees are fused too
+    # exp before the all-reduce, exp after it, tanh after the call: three kernels, order kept
+    assert [o.name for o in f.body.block.ops] == [
+        "kernel.fused", "comm.all_reduce", "kernel.fused", "func.call", "kernel.fused", "graph.transpose",
+        "func.return"]
+
+
+def test_a_value_used_between_members_keeps_the_group_valid():
+    # %2 is used by reduce_sum before %3 would join: %3 starts a new kernel instead
+    m = fused(f"""func.func @f(%x: {F}, %y: {F}) -> ({F}, tensor<8xf32>) {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  %2 = graph.mul %1, %y : ({F}, {F}) -> {F}
+  %r = graph.reduce_sum %2 {{dims = array<i64: 0>}} : ({F}) -> tensor<8xf32>
+  %rb = graph.broadcast %r {{dims = array<i64: 1>}} : (tensor<8xf32>) -> {F}
+  %3 = graph.add %2, %rb : ({F}, {F}) -> {F}
+  func.return %3, %r : {F}, tensor<8xf32>
+}}""")
+    assert names(m) == ["kernel.fused", "graph.reduce_sum", "kernel.fused", "func.return"]
+    m.verify()
+
+
+def test_integer_and_half_precision_ops_are_left_alone():
+    h = "tensor<4x8xf16>"
+    m = fused(f"""func.func @f(%x: {h}, %i: tensor<4xi64>) -> ({h}, tensor<4xi64>) {{
+  %1 = graph.exp %x : ({h}) -> {h}
+  %2 = graph.add %i, %i : (tensor<4xi64>, tensor<4xi64>) -> tensor<4xi64>
+  func.return %1, %2 : {h}, tensor<4xi64>
+}}""")
+    assert names(m) == ["graph.exp", "graph.add", "func.return"]
+
+
+def test_identical_kernels_share_one_name():
+    m = fused(f"""func.func @f(%x: {F}, %y: {F}) -> ({F}, {F}) {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  %2 = graph.relu %1 : ({F}) -> {F}
+  %3 = graph.exp %y : ({F}) -> {F}
+  %4 = graph.relu %3 : ({F}) -> {F}
+  func.return %2, %4 : {F}, {F}
+}}""")
+    ops = [o for o in m.walk() if isinstance(o, FusedOp)]
+    assert len(ops) == 2 and ops[0].kernel.data == ops[1].kernel.data
+
+
+def test_the_pass_runs_from_hspmd_opt_names():
+    from hspmd.transforms import get_all_passes
+
+    assert get_all_passes()["fuse-kernels"]().name == "fuse-kernels"
+
+
+@pytest.mark.parametrize("edit,message", [
+    ('dtype = "f32"', 'dtype = "f16"'),
+    ('"elementwise k0_exp 32 0"', '"elementwise k0_exp x 0"'),
+    ('"elementwise k0_exp 32 0"', '"elementwise nothere 32 0"'),
+    ('"elementwise k0_exp 32 0"', '"sideways k0_exp 32 0"'),
+])
+def test_the_verifier_rejects_bad_kernels(edit, message):
+    m = fused(f"""func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  func.return %1 : {F}
+}}""")
+    text = module_text(m)
+    assert edit in text
+    with pytest.raises(IRTextError, match="kernel.fused"):
+        parse_module(text.replace(edit, message))
+
+
+# ----------------------------------------------------------------------------- NVRTC
+
+
+def gpt_physical(tmp_path, *sets: str):
+    from hspmd.frontend.compile import compile_script
+    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.ir.levels import physical_groups
+
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(list(sets)))
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    ((_, group),) = physical_groups(compiled.physical)
+    return compiled, group
+
+
+SMALL_GPT = ("model.d_model=32", "model.seq_len=16", "model.heads=2", "data.batch_size=4")
+
+
+def test_every_kernel_of_gpt_compiles_with_nvrtc_for_sm80_and_sm90(tmp_path):
+    from hspmd.codegen.nvrtc_check import check_module, nvrtc_status
+
+    ok, why = nvrtc_status()
+    assert ok, why  # the test extra installs NVRTC; no GPU is needed
+    _, group = gpt_physical(tmp_path, *SMALL_GPT)
+    fused_group = group.clone()
+    fuse_module(fused_group)
+    sizes = check_module(fused_group)
+    assert set(sizes) == {"sm_80", "sm_90"} and all(s > 1000 for s in sizes.values())
+
+
+def test_nvrtc_reports_a_bad_kernel_with_its_log():
+    from hspmd.codegen.nvrtc_check import NvrtcError, check_source
+
+    with pytest.raises(NvrtcError, match="undefined"):
+        check_source("HS_KERNEL void bad(float* x, long n0, long n1) { HS_FOR(i, n0) x[i] = nope; }")
+
+
+def test_nvrtc_missing_is_said_in_one_line(monkeypatch):
+    from hspmd.codegen import nvrtc_check
+
+    nvrtc_check._nvrtc.cache_clear()
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    try:
+        ok, why = nvrtc_check.nvrtc_status()
+        assert not ok and "NVRTC is not available" in why and "\n" not in why
+    finally:
+        nvrtc_check._nvrtc.cache_clear()
+
+
+# ----------------------------------------------------------------------------- CPU build
+
+
+@needs_cxx
+def test_the_library_cache_is_keyed_by_content_and_survives_concurrent_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSPMD_CACHE_DIR", str(tmp_path))
+    src = f"HS_KERNEL void twice_{os.getpid()}(const double* a, double* b, long n0, long n1) {{ HS_FOR(i, n0) b[i] = 2 * a[i]; }}"
+    spec = [cpu_compile.LaunchSpec("elementwise", f"twice_{os.getpid()}", ("double", "double"))]
+    paths, errors = [], []
+
+    def build():
+        try:
+            paths.append(cpu_compile.build_library([src], spec))
+        except Exception as err:  # noqa: BLE001 - collected for the assertion
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1 and paths[0].parent == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # no temporary left behind
+    lib = cpu_compile.load_library(paths[0])
+    a = np.arange(5.0)
+    b = np.empty(5)
+    import ctypes
+
+    ptrs = (ctypes.c_void_p * 2)(a.ctypes.data, b.ctypes.data)
+    lib.function(f"twice_{os.getpid()}")(ptrs, 5, 0, 1)
+    np.testing.assert_array_equal(b, 2 * a)
+    other = cpu_compile.build_library([src.replace("2 *", "3 *")], spec)
+    assert other != paths[0]
+
+
+@needs_cxx
+def test_a_compile_error_names_the_compiler_and_its_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSPMD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(cpu_compile.CompileError, match="nope"):
+        cpu_compile.build_library(["HS_KERNEL void bad(long n0, long n1) { nope; }"],
+                                  [cpu_compile.LaunchSpec("elementwise", "bad", ())])
+
+
+def test_without_a_compiler_the_run_falls_back_to_numpy_and_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(cpu_compile, "find_compiler", lambda: None)
+    monkeypatch.setattr(kernel_exec, "_SAID", set())
+    src = parse_module(f"""builtin.module {{
+func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  %2 = graph.tanh %1 : ({F}) -> {F}
+  func.return %2 : {F}
+}}
+}}""")
+    with pytest.warns(kernel_exec.KernelFallbackWarning, match="no C\\+\\+ compiler"):
+        assert kernel_exec.fuse_for_run(src, "cpu") is src
+    m = fused(module_text(src).split("{", 1)[1].rsplit("}", 1)[0])
+    (op,) = [o for o in m.walk() if isinstance(o, FusedOp)]
+    with pytest.warns(kernel_exec.KernelFallbackWarning):
+        fn = kernel_exec.kernel_for(op)
+        fn2 = kernel_exec.kernel_for(op)
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_array_equal(fn(x), np.tanh(np.exp(x)))
+    assert fn2(x).shape == (4, 8)
+    err = capsys.readouterr().err
+    assert err.count("no C++ compiler") == 2  # one line for fuse_for_run, one for the kernel: each once
+    assert all(line.startswith("hspmd: ") for line in err.strip().splitlines())
+
+
+@needs_cxx
+def test_a_failing_compiler_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HSPMD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_compile, "find_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(kernel_exec, "_SAID", set())
+    src = parse_module(f"""builtin.module {{
+func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  func.return %1 : {F}
+}}
+}}""")
+    with pytest.warns(kernel_exec.KernelFallbackWarning, match="building the CPU kernels failed"):
+        assert kernel_exec.fuse_for_run(src, "cpu") is src
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_cuda_backend_without_cupy_or_gpu_falls_back_to_the_cpu_with_one_line(monkeypatch, capsys):
+    from hspmd.codegen import cupy_backend
+
+    ok, _ = cupy_backend.gpu_status()
+    if ok:
+        pytest.skip("a GPU is here: the fallback does not apply")
+    monkeypatch.setattr(kernel_exec, "_SAID", set())
+    src = parse_module(f"""builtin.module {{
+func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  func.return %1 : {F}
+}}
+}}""")
+    with pytest.warns(kernel_exec.KernelFallbackWarning, match="cuda backend is unavailable"):
+        out = kernel_exec.fuse_for_run(src, "cuda")
+    assert kernel_exec.fuse_for_run(src, "numpy") is src
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        kernel_exec.fuse_for_run(src, "tpu")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("hspmd: the cuda backend is unavailable")
+    if cpu_compile.find_compiler() is not None:
+        assert any(isinstance(o, FusedOp) for o in out.walk())
+
+
+# ----------------------------------------------------------------------------- whole programs
+
+
+@needs_cxx
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_gpt_training_step_fused_equals_numpy_per_op(tmp_path, precision):
+    from hspmd.runtime.comm.inprocess import InProcessCommunicator
+    from hspmd.runtime.plan import build_plan
+
+    _, group = gpt_physical(tmp_path, *SMALL_GPT, f"precision={precision}")
+    fused_group = kernel_exec.fuse_for_run(group, "cpu")
+    assert fused_group is not group
+    n_kernels = sum(isinstance(o, FusedOp) for o in fused_group.walk())
+    assert n_kernels >= 10
+    (comm,) = InProcessCommunicator.create_world(1)
+
+    def step_of(mod):
+        return next(o for o in mod.walk() if getattr(o, "sym_name", None) is not None
+                    and o.sym_name.data == "train_step")
+
+    results = []
+    for mod in (group, fused_group):
+        plan = build_plan(step_of(mod), 0, comm)
+        state = plan.initial_state(0)
+        losses = []
+        for s in range(3):
+            rng = np.random.default_rng(s)
+            batch = {leaf.name: (np.array(3e-3) if leaf.name == "lr"
+                                 else rng.integers(0, 256, leaf.global_shape)) for leaf in plan.inputs}
+            losses.append(float(plan.run(state, plan.local_batch(batch))["loss"]))
+        results.append((losses, state))
+    (l0, s0), (l1, s1) = results
+    tol = 1e-5  # bfloat16: its ops stay per-op NumPy, the float32 ones (norms, loss, Adam) fuse
+    np.testing.assert_allclose(l1, l0, rtol=tol)
+    for k in s0:
+        np.testing.assert_allclose(s1[k], s0[k], rtol=100 * tol, atol=100 * tol)
+
+
+def test_compile_emit_kernels_writes_cu_files_and_kernel_ir(tmp_path, cli):
+    d = tmp_path / "out"
+    proc = cli("hspmd", "compile", os.path.join(EXAMPLES, "gpt.py"), *[a for s in SMALL_GPT for a in ("--set", s)],
+               "--emit", "kernels", "--dump-dir", str(d), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "kernel_group0.mlir" in proc.stdout
+    cu = sorted(p.name for p in (d / "kernels").iterdir())
+    assert len(cu) >= 10 and all(n.endswith(".cu") for n in cu)
+    text = (d / "kernels" / cu[0]).read_text()
+    assert "HS_KERNEL" in text and "hs_block_sum" in text  # complete: layer + source
+    module = parse_module((d / "kernel_group0.mlir").read_text())
+    kernels = {o.kernel.data for o in module.walk() if isinstance(o, FusedOp)}
+    assert {n.removesuffix(".cu") for n in cu} == kernels
+
+
+def test_emit_kernels_without_a_dump_dir_is_a_one_line_error(cli):
+    proc = cli("hspmd", "compile", os.path.join(EXAMPLES, "gpt.py"), "--emit", "kernels")
+    assert proc.returncode != 0 and "--emit kernels needs --dump-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_cupy_kernels_equal_numpy_on_a_gpu(tmp_path):
+    from hspmd.codegen import cupy_backend
+
+    ok, why = cupy_backend.gpu_status()
+    if not ok:
+        pytest.skip(why)
+    import cupy
+
+    _, group = gpt_physical(tmp_path, *SMALL_GPT)
+    fused_group = group.clone()
+    fuse_module(fused_group)
+    rng = np.random.default_rng(0)
+    for op in [o for o in fused_group.walk() if isinstance(o, FusedOp)]:
+        args = []
+        for v in op.inputs:
+            shape, dt = tuple(v.type.get_shape()), str(v.type.element_type)
+            if dt.startswith("i"):
+                args.append(rng.integers(0, shape[-1] if shape else 1, shape).astype("int" + dt[1:]))
+            else:
+                a = np.abs(rng.standard_normal(shape)) + 0.1 if shape else np.array(0.5)
+                args.append(a.astype({"f32": np.float32, "f64": np.float64}[dt]))
+        ref = kernel_exec.numpy_call(op)(*args)
+        got = cupy_backend.kernel_for(op)(*[cupy.asarray(a) for a in args])
+        ref, got = (ref if isinstance(ref, tuple) else (ref,)), (got if isinstance(got, tuple) else (got,))
+        for r, g in zip(ref, got):
+            np.testing.assert_allclose(cupy.asnumpy(g), r, rtol=1e-4, atol=1e-5)
+    a, b = rng.standard_normal((3, 5, 4)), rng.standard_normal((4, 6))
+    np.testing.assert_allclose(cupy.asnumpy(cupy_backend.matmul(cupy.asarray(a), cupy.asarray(b))), a @ b)
+
+
+def test_the_cuda_launch_configuration():
+    from hspmd.codegen.cupy_backend import launch_config, row_block
+
+    assert [row_block(c) for c in (1, 32, 33, 128, 5000)] == [32, 32, 64, 128, 1024]
+    assert launch_config("elementwise", 1000, 0) == (4, 256)
+    assert launch_config("row", 10**6, 128) == (65535, 128)
+
+
+def test_the_benchmark_prints_its_ratio_last(tmp_path):
+    if cpu_compile.find_compiler() is None:
+        pytest.skip("needs a C++ compiler")
+    root = os.path.dirname(EXAMPLES)
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "kernels_vs_numpy.py"), "--repeat", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ratio ") and float(last.split()[1]) > 0
