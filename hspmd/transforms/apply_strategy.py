@@ -1,7 +1,8 @@
-"""`apply-strategy`: turn strategy text into layouts on the step's parameters and inputs.
+"""`apply-strategy`: turn strategy text into layouts on the step's parameters, inputs and residual stream.
 
 `apply-strategy{strategy="[0-3]: dp=2 tp=2"}` sets the type of every `graph.parameter` and
-`graph.input` of the step to a layout over the group's devices; other values are left to
+`graph.input` of the step to a layout over the group's devices (with tp, also the residual
+stream, and a vocabulary-parallel rewrite of the loss); other values are left to
 `propagate-layouts`. The group's devices form a mesh `dp` major, `tp` minor: with dp=2 tp=2
 devices 0,1 are one tensor-parallel pair, 2,3 the other.
 
@@ -20,20 +21,36 @@ right operand is a 2-D parameter `W [in, out]` (possibly through `graph.cast`):
 2. if its left operand derives from column candidates (through any ops but another such
    matmul and layer/RMS norms, which start afresh), `W` is *row-parallel*, `split(0)` over tp,
    and those candidates are *column-parallel*, `split(1)` over tp;
-3. a candidate that no row-parallel matmul consumes (the LM head, an MLP's last layer) stays
-   replicated, as do weights classified both ways, norms, embeddings and row-parallel biases;
+3. a candidate that no row-parallel matmul consumes (an MLP's last layer; an LM head is split
+   over the vocabulary, below) stays replicated, as do weights classified both ways, norms and
+   row-parallel biases;
    the bias `b` of a column-parallel weight (`matmul(x, W) + broadcast(b)`) is `split(0)`.
 
 So in a transformer block q/k/v (or the fused qkv) and the MLP's first weights (fc, w1, w3)
 are column-parallel, the attention output projection and the MLP's last weight row-parallel:
 the forward needs one all-reduce per pair (after the row-parallel matmul), the backward one
 per pair too. The propagation of layouts decides everything else, so a weight classified
-"wrongly" costs collectives, never correctness. Limits: the GPT's fused qkv output is cut by
-`graph.split` along the split dim, whose rule keeps that dim whole, so it is all-gathered there
-(correct; the attention is then computed whole on each tp rank); the vocabulary is not split.
+"wrongly" costs collectives, never correctness. A column output reshaped into heads
+(`[B,T,D] -> [B,T,H,hd]`, or GPT's head-major fused qkv `[B,T,3D] -> [B,T,H,3*hd]`) is split
+by heads, so the attention runs head-parallel with no gather.
+
+**Vocabulary parallelism (one group).** An embedding table (`graph.embedding`'s table) is
+`split(0)` over tp (role "vocab-table"), and a column candidate whose matmul makes the logits of
+a `graph.softmax_cross_entropy` (the LM head) `split(1)` ("vocab-head"), where tp divides the
+vocabulary (else they stay replicated). That loss and its gradient are rewritten into the
+vocabulary-parallel form of `vocab_parallel.split_cross_entropy`. Heterogeneous groups keep the
+vocabulary whole.
+
+**The residual stream (tp > 1, one group).** The activations [batch, sequence, ...] the step
+passes into its first function block (after the embeddings) are laid out `split(0)` over dp
+and, over tp, replicated, or with `sp=1` (Megatron sequence parallelism) `split(1)`; with sp,
+each row-parallel output inside the blocks (after its bias) is `split(1)` too, so its partial
+sums are reduce-scattered into the stream, and propagation all-gathers the column-parallel
+inputs (see `residual_stream`).
 
 Bad input: a column-parallel dim (or the head count that a column output is reshaped into)
-that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the rule.
+that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the
+rule; so does a sequence that sp=1 cannot split over tp, or sp=1 on a model without blocks.
 
 **Heterogeneous data parallelism (several groups, HetSeq-style).** With
 `[0,1]: dp=2 share=3 | [2]: dp=1 share=1` every group replicates the parameters (a union of
