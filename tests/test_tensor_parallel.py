@@ -144,5 +144,5 @@ def test_bad_tensor_parallel_degrees_name_parameter_shape_and_rule():
 
 
 def test_pipeline_and_heterogeneous_groups_are_not_supported_yet():
-    with pytest.raises(PassError, match="not yet combined with dp, tp or other groups"):
-        compile_script(_script("mlp.py"), "[0-3]: tp=2 pp=2", 4)
+    with pytest.raises(PassError, match="not yet combined with several device groups"):
+        compile_script(_script("mlp.py"), "[0-3]: tp=2 pp=2 | [4]: dp=1", 5)

@@ -17,19 +17,65 @@ from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_
 from hspmd.transforms.util import PassError
 
 
-def pipeline_stages(strategy: Strategy) -> tuple[int, ...] | None:
-    """Return the stage devices of a pipeline strategy (`[0,1]: pp=2` -> (0, 1)); None without pp.
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline of a strategy: its devices stage-major, and dp / tp inside each stage.
 
-    A pipeline's step is compiled for one group (the annotated level is that of `[d0]: dp=1`, or
-    with m micro-batches `[0..m-1]: dp=m`, one virtual device per micro-batch), then
-    `pipeline-split` cuts the physical step into one program per stage.
+    Stage s runs on `devices[s*dp*tp:(s+1)*dp*tp]`; inside a stage the devices are a dp x tp
+    mesh, dp major, tp minor (`[0-3]: dp=1 tp=2 pp=2`: stage 0 is the tp pair 0,1, stage 1 is
+    2,3). `layers` gives each stage's layer count (None: balanced contiguous ranges).
+    """
+
+    devices: tuple[int, ...]
+    pp: int
+    dp: int
+    tp: int
+    sp: int = 0
+    layers: tuple[int, ...] | None = None
+
+    @property
+    def stages(self) -> tuple[tuple[int, ...], ...]:
+        """Return each stage's devices."""
+        n = self.dp * self.tp
+        return tuple(self.devices[s * n:(s + 1) * n] for s in range(self.pp))
+
+    def stage_strategy(self, microbatches: int) -> str:
+        """Return the one-group strategy one stage's step is compiled with: micro-batches x dp as dp.
+
+        `[0..V-1]: dp=m*dp tp=tp` over V = m*dp*tp virtual devices (`[d0]: dp=1` for V = 1);
+        `pipeline-split` maps virtual device p to stage position p % (dp*tp), micro-batch
+        p // (dp*tp).
+        """
+        v = microbatches * self.dp * self.tp
+        if v == 1:
+            return f"[{self.devices[0]}]: dp=1"
+        devices = f"0-{v - 1}" if v > 2 else "0,1"
+        return f"[{devices}]: dp={microbatches * self.dp} tp={self.tp}" + (" sp=1" if self.sp else "")
+
+    def split_pass(self, microbatches: int, schedule: str) -> str:
+        """Return the `pipeline-split{...}` pass text for this pipeline."""
+        layers = f' layers="{",".join(map(str, self.layers))}"' if self.layers else ""
+        return (f'pipeline-split{{devices="{",".join(map(str, self.devices))}" pp={self.pp} tp={self.tp} '
+                f'microbatches={microbatches} schedule="{schedule}"{layers}}}')
+
+
+def pipeline_stages(strategy: Strategy) -> Pipeline | None:
+    """Return the pipeline of a strategy with pp > 1 (`[0-3]: dp=1 tp=2 pp=2`); None without pp.
+
+    A pipeline's step is compiled for one stage-shaped group (`Pipeline.stage_strategy`: one
+    virtual device per micro-batch and stage position), then `pipeline-split` cuts the
+    physical step into one program per stage.
     """
     if not any(g.pp > 1 for g in strategy.groups):
         return None
-    if len(strategy.groups) != 1 or strategy.groups[0].dp != 1 or strategy.groups[0].tp != 1:
-        raise PassError(f"strategy '{strategy}': pipeline parallelism is supported with one group and "
-                        "dp=1 tp=1 (one device per stage) only, not yet combined with dp, tp or other groups")
-    return tuple(strategy.groups[0].devices)
+    if len(strategy.groups) != 1:
+        raise PassError(f"strategy '{strategy}': pipeline parallelism is not yet combined with several device "
+                        "groups; use one group (dp and tp inside the stages are fine)")
+    g = strategy.groups[0]
+    if g.zero:
+        raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) is not yet combined with pipeline "
+                        "parallelism; use zero=0 with pp > 1")
+    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers)
 
 
 def _check_microbatches(logical: ModuleOp, m: int) -> None:
@@ -87,17 +133,17 @@ def compile_script(
     autodiff = "autodiff" if scale == 1.0 else f"autodiff{{loss_scale={scale!r}}}"
     run_passes(logical, autodiff + (f",{opt.pipeline()}" if opt is not None else ""))
     verify_logical(logical)
-    stages = pipeline_stages(parsed)
+    pipe = pipeline_stages(parsed)
     split, annotate_as = "", str(parsed)
-    if stages:
-        # one stage's step is compiled as data parallel over one virtual device per micro-batch:
-        # its all-reduces are where pipeline-split sums the micro-batches' gradients (and losses)
+    if pipe:
+        # one stage's step is compiled over one virtual device per micro-batch and stage position
+        # (micro-batches x dp as the dp axis): its all-reduces over micro-batches are where
+        # pipeline-split sums the micro-batches' gradients (and losses)
         m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
         schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
         _check_microbatches(logical, m)
-        annotate_as = f"[{','.join(map(str, range(m)))}]: dp={m}" if m > 1 else f"[{stages[0]}]: dp=1"
-        split = (f',pipeline-split{{devices="{",".join(map(str, stages))}" microbatches={m} '
-                 f'schedule="{schedule}"}}')
+        annotate_as = pipe.stage_strategy(m)
+        split = "," + pipe.split_pass(m, schedule)
     annotated = logical.clone()
     run_passes(annotated, annotate_pipeline(annotate_as))
     verify_annotated(annotated)

@@ -24,8 +24,9 @@ from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
-from hspmd.runtime.plan import PlanError, build_plan
+from hspmd.runtime.plan import Leaf, Plan, PlanError, build_plan
 from hspmd.transforms.pipeline_split import MICROBATCHES_ATTR, STAGE_ATTR
 from hspmd.runtime.schedule import ScheduleError, schedule_from_spec
 
@@ -184,34 +185,26 @@ def split_microbatches(batch: dict[str, np.ndarray], names, m: int) -> dict[str,
     return out
 
 
-def _stage_parameters(bundle: str, manifest) -> list[tuple[int, list[tuple[str, tuple[int, ...], str]]]]:
-    """Return, per pipeline stage, (its device, [(parameter name, shape, dtype)]) from the bundle's programs."""
-    out = []
+def _stage_parameters(bundle: str, manifest) -> list[Leaf]:
+    """Return every pipeline stage's parameters (global shape, layout over the stage's devices)
+    from the bundle's programs; a name held by several stages (`opt.step`) comes from the first."""
+    out: dict[str, Leaf] = {}
     for entry in manifest.groups:
         path = os.path.join(bundle, entry.program)
         module = parse_module(open(path).read(), path)
         for devices, group in physical_groups(module):
-            params = [(o.tensor_name.data, o.result.type.get_shape(), dtype_name(o.result.type))
-                      for o in group.walk() if isinstance(o, graph.ParameterOp)]
-            out.append((devices[0], params))
-    return out
+            for o in group.walk():
+                if isinstance(o, graph.ParameterOp) and o.tensor_name.data not in out:
+                    typ = o.properties["global_type"]
+                    out[o.tensor_name.data] = Leaf(o.tensor_name.data, 0, typ.get_shape(), layout_of(typ),
+                                                   dtype_name(o.result.type))
+    return list(out.values())
 
 
-def gather_stage_parameters(stages, state: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray] | None:
-    """Return every stage's parameters on rank 0 (None elsewhere); a name held by several stages
-    (`opt.step`) comes from the first."""
-    out: dict[str, np.ndarray] = {}
-    for device, params in stages:
-        for tag, (name, shape, dtype) in enumerate(params):
-            if name in out or (comm.rank == 0 and device == 0):
-                out.setdefault(name, state.get(name) if device == 0 else None)  # type: ignore[arg-type]
-                continue
-            out[name] = None  # type: ignore[assignment]
-            if comm.rank == 0:
-                out[name] = comm.recv(np.empty(shape, dtype), device, tag)
-            elif comm.rank == device:
-                comm.send(np.ascontiguousarray(state[name]), 0, tag)
-    return out if comm.rank == 0 else None
+def gather_stage_parameters(stages: list[Leaf], state: dict[str, np.ndarray],
+                            comm: Communicator) -> dict[str, np.ndarray] | None:
+    """Return every stage's parameters on rank 0 (None elsewhere), assembled from their pieces."""
+    return gather_parameters(Plan(comm.rank, params=stages), state, comm)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,15 +1,42 @@
-"""`pipeline-split`: one device's physical training step -> one program per pipeline stage.
+"""`pipeline-split`: one stage-shaped physical training step -> one program per pipeline stage.
 
-`pipeline-split{devices="0,1" microbatches=1 schedule="gpipe"}` takes the physical IR of a
-one-device group (what `specialize-groups,lower-reshard` make of `[d]: dp=1`; with micro-batches
-see below) and replaces it by one group module
-per stage, stage `s` on `devices[s]`, each with its own `@train_step`. Every op of the step
-goes to one stage:
+`pipeline-split{devices="0,1,2,3" pp=2 tp=2 microbatches=2 schedule="gpipe" layers="1,1"}` takes
+the physical IR of ONE group of virtual devices that computes one stage-shaped step, and
+replaces it by one group module per stage, each with its own `@train_step`.
+
+**Devices.** `devices` lists the real devices stage-major: stage `s` runs on
+`devices[s*S:(s+1)*S]` with `S = len(devices) / pp` (pp defaults to `len(devices)`: one device
+per stage). Inside a stage the devices form a data-parallel x tensor-parallel mesh, dp major,
+tp minor: position `q = d*tp + t`. The input is the physical IR that `specialize-groups,
+lower-reshard` make of `[0..V-1]: dp=m*dp tp=tp` (V = m*S; `[d]: dp=1` when V = 1): its dp axis
+is micro-batches x data-parallel ranks, micro-batch major, so virtual position
+`p = mb*S + q`. Virtual position p stands for real position `q = p % S` of every stage, working
+on micro-batch `mb = p // S`. So the one-group program already holds the tp collectives (over
+the tp ranks of one micro-batch) and the all-reduces where micro-batches and dp ranks meet.
+
+* **collectives** whose every rank group lies inside one micro-batch run as they are, per
+  micro-batch, over the stage's real devices (virtual position p -> `stage[p % S]`);
+  callees (block functions) get the same remapping;
+* an **all-reduce whose groups span micro-batches** (each group must be all m micro-batches
+  times one set Q of positions) becomes a local left-to-right sum over the micro-batches,
+  then a real all-reduce over the stage devices at Q when Q has more than one position; any
+  other collective spanning micro-batches is refused;
+* **leaves** (parameters and inputs) keep their layouts, moved onto each stage's devices: the
+  major mesh axis of a virtual layout holds the micro-batches, so its degree is divided by m
+  (a parameter replicated over micro-batches: `dup=2, split(1)=2` -> `split(1)=2` for m=2,
+  dp=1, tp=2); a batch input split over them (`split(0)`) becomes one input per micro-batch,
+  `x@mb0` ... `x@mb{m-1}` (global batch / m rows each, split over the stage's dp ranks),
+  which the worker cuts from the global batch. A parameter split over micro-batches (ZeRO)
+  is refused.
+
+Every op of the step goes to one stage:
 
 * **layers**: the forward `func.call`s of `*_fwd` block functions, in order (a model without
-  block calls: the parameter name prefixes, `layers.0.weight` -> `layers.0`); layer k of n goes
-  to stage `k * pp // n` (contiguous ranges, balanced by count), and the parameters it reads
-  with it. Fewer layers than stages is refused with one message naming both numbers.
+  block calls: the parameter name prefixes, `layers.0.weight` -> `layers.0`); with
+  `layers="3,1"` stage s takes the next `layers[s]` of them (the counts must add up to the
+  number of layers), else layer k of n goes to stage `k * pp // n` (contiguous ranges,
+  balanced by count); the parameters a layer reads go with it. Fewer layers than stages is
+  refused with one message naming both numbers.
 * **forward** ops (up to `graph.output "loss"`): the last stage among their operands and the
   parameters they read (a parameter no layer claims goes to its first forward user's stage:
   the embedding to stage 0, the head to the last);
@@ -24,18 +51,15 @@ goes to one stage:
   own copy of `opt.step`).
 
 A value used on another stage than its producer's is sent with `comm.send` and received with
-`comm.recv` (see Schedules below for where); with one micro-batch every stage computes exactly
-the numbers of the one-device step. `graph.output "loss"` is on every
-stage (the loss is sent to the others). The group modules carry `hspmd.pipeline_stage`.
+`comm.recv` between the same position q of both stages (pairs `[stage_t[q], stage_c[q]]` for
+every q; see Schedules below for where); with one micro-batch every stage computes exactly the
+numbers of the one-group step. `graph.output "loss"` is on every stage (the loss is sent to
+the others). The group modules carry `hspmd.pipeline_stage` and `hspmd.microbatches`; a
+stage's program is the same for each of its ranks and does not grow with them.
 
-**Micro-batches** (`microbatches=m` > 1): the input is then the physical IR of `[0..m-1]: dp=m`,
-one virtual device per micro-batch, so every op already has micro-batch shapes and the
-`comm.all_reduce`s over the group mark exactly where micro-batches meet (the gradients, the
-loss). Ops that depend on a batch input run once per micro-batch (batch input `x` becomes
-inputs `x@mb0` ... `x@mb{m-1}`, which the worker cuts from the global batch); each all-reduce
-becomes a sum of the m micro-batch values, left to right like the all-reduce it replaces;
-ops after it, and the optimizer's ops, run once at the end. The module carries
-`hspmd.microbatches`. Other collectives in the input are refused.
+**Micro-batches** (`microbatches=m` > 1): ops that depend on a micro-batch input run once per
+micro-batch; the all-reduces spanning micro-batches are the sums above; ops after them, and
+the optimizer's ops, run once at the end.
 
 **Schedules.** Each stage's program is unrolled in the order of its list in the `schedule`
 (`hspmd.runtime.schedule_pipeline`: "gpipe" or "1f1b", checked complete and runnable): the
@@ -45,8 +69,9 @@ global order of all stages' actions (`check_schedule`'s), then the producer's pl
 one-group step. Each stage issues its messages in key order (a send as soon as its value is
 made and every smaller key is issued; before an op, every message up to the receives it
 needs), so both ends of every blocking send/receive meet in one global order: no deadlock,
-for 1F1B as for GPipe. A stage assignment in which an action would need a value that a later
-action makes is refused with a message naming the op.
+for 1F1B as for GPipe (collectives inside a stage are met by all its positions at the same
+point of the same program). A stage assignment in which an action would need a value that a
+later action makes is refused with a message naming the op.
 """
 
 from __future__ import annotations
@@ -61,7 +86,7 @@ from xdsl.passes import ModulePass
 
 from hspmd.dialects import comm, graph
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.ir.layout import Layout
+from hspmd.ir.layout import DistributedStates, Layout
 from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.runtime.schedule_pipeline import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.transforms.util import PassError
@@ -78,6 +103,121 @@ def parse_devices(text: str) -> tuple[int, ...]:
     if len(devices) < 2 or len(set(devices)) != len(devices):
         raise PassError(f"pipeline-split: devices '{text}' must name at least 2 distinct devices (one per stage)")
     return devices
+
+
+def parse_layers(text: str, pp: int) -> tuple[int, ...] | None:
+    """Return the per-stage layer counts of option `layers` ("3,1"; "" -> None: balanced)."""
+    if not text.strip():
+        return None
+    try:
+        counts = tuple(int(t) for t in text.replace(":", ",").replace(" ", "").split(",") if t)
+    except ValueError:
+        raise PassError(f"pipeline-split: layers '{text}' is not a comma-separated list of layer counts") from None
+    if len(counts) != pp or any(c < 1 for c in counts):
+        raise PassError(f"pipeline-split: layers '{text}' must give one count >= 1 for each of the {pp} stages")
+    return counts
+
+
+@dataclass(frozen=True)
+class StageMesh:
+    """The real devices of each stage and how the one-group program's virtual devices map onto them.
+
+    Virtual position `p` (index in `virtual`) is micro-batch `p // size` at stage position
+    `p % size`; stage position q is real device `stages[s][q]` on stage s (q = d*tp + t).
+    """
+
+    stages: tuple[tuple[int, ...], ...]
+    virtual: tuple[int, ...]
+    microbatches: int
+
+    @property
+    def size(self) -> int:
+        """Return the number of devices of one stage (dp * tp)."""
+        return len(self.stages[0])
+
+    def positions(self, group) -> list[int]:
+        """Return the virtual positions of a rank group of virtual devices."""
+        try:
+            return [self.virtual.index(d) for d in group]
+        except ValueError:
+            raise PassError(f"pipeline-split: rank group {list(group)} names a device outside the "
+                            f"one-group program's devices {list(self.virtual)}") from None
+
+    def real(self, s: int, groups) -> list[list[int]]:
+        """Return stage `s`'s real devices for groups of stage positions."""
+        return [[self.stages[s][q] for q in g] for g in groups]
+
+
+LOCAL, MEET = "local", "meet"
+
+
+def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """Return (LOCAL, groups of stage positions) for a collective inside one micro-batch, or
+    (MEET, groups of stage positions Q) for an all-reduce over all micro-batches times Q."""
+    groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
+    size, m = mesh.size, mesh.microbatches
+    kind = LOCAL
+    out: set[tuple[int, ...]] = set()
+    if all(len({p // size for p in g}) == 1 for g in groups):
+        out = {tuple(p % size for p in g) for g in groups}
+    else:
+        if not isinstance(o, comm.AllReduceOp):
+            raise PassError(f"pipeline-split: '{o.name}' over {[list(g) for g in o.rank_groups]} "  # type: ignore
+                            "spans micro-batches; only all-reduces may (they become sums over the micro-batches)")
+        kind = MEET
+        for g in groups:
+            by_mb: dict[int, list[int]] = {}
+            for p in g:
+                by_mb.setdefault(p // size, []).append(p % size)
+            if len(by_mb) != m or len({tuple(sorted(v)) for v in by_mb.values()}) != 1:
+                raise PassError(f"pipeline-split: '{o.name}' group {[mesh.virtual[p] for p in g]} spans some "
+                                f"but not all {m} micro-batches, or other positions in each")
+            out.add(tuple(sorted(by_mb[min(by_mb)])))
+    flat = sorted(q for g in out for q in g)
+    if flat != list(range(size)):
+        raise PassError(f"pipeline-split: '{o.name}' over {[list(g) for g in o.rank_groups]}: "  # type: ignore
+                        "its groups differ between micro-batches, so the stage cannot run it as one collective")
+    return kind, tuple(sorted(out))
+
+
+def stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> tuple[Layout, int | None]:
+    """Return (the layout of a value on stage s's devices, the tensor dim split over the micro-batches).
+
+    The major axis of the one-group layout holds the micro-batches: its degree is divided by
+    m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1).
+    """
+    if layout is None or len(layout.groups) != 1 or layout.groups[0].devices != mesh.virtual:
+        raise PassError(f"pipeline-split: {what} has layout '{layout}', not one over the one-group "
+                        f"program's devices {list(mesh.virtual)}")
+    states = layout.groups[0].states
+    m = mesh.microbatches
+    if m == 1:
+        return Layout.spmd(mesh.stages[s], states), None
+    axis, degree = states.axes[0]
+    if degree % m:
+        raise PassError(f"pipeline-split: {what} is laid out as '{layout}'; with {m} micro-batches its major mesh "
+                        f"axis must have a degree divisible by {m} (it holds the micro-batches)")
+    real = Layout.spmd(mesh.stages[s], DistributedStates(((axis, degree // m), *states.axes[1:])))
+    return real, axis.dim if axis.kind == "split" else None
+
+
+def stage_type(typ: TensorType, mesh: StageMesh, s: int, what: str) -> tuple[TensorType, int | None]:
+    """Return (the annotated type `typ` of the one-group program on stage s, the micro-batch dim):
+    one micro-batch's global shape (the dim split over micro-batches divided by m), the stage's layout."""
+    layout, dim = stage_layout(layout_of(typ), mesh, s, what)
+    shape = list(typ.get_shape())
+    if dim is not None:
+        shape[dim] //= mesh.microbatches
+    return with_layout(TensorType(typ.element_type, shape), layout), dim
+
+
+def _restage_global_types(ops, mesh: StageMesh, s: int) -> None:
+    """Put the `global_type` of position-dependent ops (embedding, one_hot, dropout) on stage s."""
+    for o in ops:
+        typ = o.properties.get("global_type")
+        if isinstance(typ, TensorType) and layout_of(typ) is not None \
+                and not isinstance(o, (graph.ParameterOp, graph.InputOp)):
+            o.properties["global_type"] = stage_type(typ, mesh, s, f"the result of '{o.name}'")[0]
 
 
 def _layers(ops: list[Operation], forward_end: int) -> tuple[list[list[Operation]], dict[str, int], str]:
@@ -104,17 +244,28 @@ def _layers(ops: list[Operation], forward_end: int) -> tuple[list[list[Operation
 
 @dataclass(frozen=True)
 class PipelineSplit(ModulePass):
-    """Split a one-device physical step into one group module per pipeline stage."""
+    """Split a stage-shaped one-group physical step into one group module per pipeline stage."""
 
     name = "pipeline-split"
 
     devices: str = "0,1"
+    pp: int = 0  # 0: one device per stage
+    tp: int = 1
     microbatches: int = 1
     schedule: str = "gpipe"
+    layers: str = ""
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         devices = parse_devices(self.devices)
-        pp = len(devices)
+        pp = self.pp or len(devices)
+        if pp < 2 or len(devices) % pp:
+            raise PassError(f"pipeline-split: pp={pp} stages do not divide the {len(devices)} devices "
+                            f"'{self.devices}' (and a pipeline needs pp >= 2)")
+        size = len(devices) // pp
+        if self.tp < 1 or size % self.tp:
+            raise PassError(f"pipeline-split: tp={self.tp} does not divide the {size} devices of a stage")
+        stage_devices = tuple(devices[s * size:(s + 1) * size] for s in range(pp))
+        layer_counts = parse_layers(self.layers, pp)
         groups = physical_groups(op)
         m = self.microbatches
         if m < 1:
@@ -122,64 +273,100 @@ class PipelineSplit(ModulePass):
         schedule = SCHEDULES.get(self.schedule)
         if schedule is None:
             raise PassError(f"pipeline-split: unknown schedule '{self.schedule}' (known: {', '.join(SCHEDULES)})")
-        if len(groups) != 1 or len(groups[0][0]) != m:
-            raise PassError(f"pipeline-split: the input must be the physical IR of one group of {m} devices, "
-                            "one per micro-batch (`[0-{m-1}]: dp={m}` before the split) "
-                            f"(it has groups {[list(g) for g, _ in groups]}); pipeline stages with dp or tp "
-                            "inside are not supported yet")
+        dp = size // self.tp
+        if len(groups) != 1 or len(groups[0][0]) != m * size:
+            raise PassError(f"pipeline-split: the input must be the physical IR of one group of {m * size} devices, "
+                            f"{m} micro-batch(es) x {size} devices of a stage (`[0-{m * size - 1}]: dp={m * dp} "
+                            f"tp={self.tp}` before the split) (it has groups {[list(g) for g, _ in groups]})")
         (virtual, group), = groups
+        if op is group:
+            raise PassError("pipeline-split: the physical module must hold its group module (run specialize-groups)")
+        mesh = StageMesh(stage_devices, tuple(virtual), m)
         functions = [f for f in group.body.block.ops if isinstance(f, func.FuncOp)]
         step = next((f for f in functions if f.sym_name.data == "train_step"), None)
         if step is None:
             raise PassError("pipeline-split: the group has no @train_step")
         ops = [o for o in step.body.block.ops if not isinstance(o, func.ReturnOp)]
+        collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]] = {}
+        for f in functions:
+            for o in f.walk():
+                if o.dialect_name() != "comm":
+                    continue
+                if not hasattr(o, "rank_groups"):
+                    raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
+                                    "supported there (point-to-point messages are the split's own)")
+                collectives[o] = classify_collective(o, mesh)
+                if f is not step and collectives[o][0] == MEET:
+                    raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches; "
+                                    "only the step itself may sum over them")
+        leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
         for o in ops:
-            if o.dialect_name() == "comm" and not (isinstance(o, comm.AllReduceOp) and
-                                                    set(o.rank_groups[0]) == set(virtual)):
-                raise PassError(f"pipeline-split: '{o.name}' over {list(map(list, o.rank_groups))}: only "
-                                "all-reduces over all micro-batches are supported in a pipelined step")
+            if isinstance(o, (graph.ParameterOp, graph.InputOp)):
+                what = f"{'parameter' if isinstance(o, graph.ParameterOp) else 'input'} '{o.tensor_name.data}'"
+                _, dim = stage_layout(layout_of(o.properties["global_type"]), mesh, 0, what)
+                leaves[o] = dim is not None
+                if dim is not None and (isinstance(o, graph.ParameterOp) or dim != 0):
+                    raise PassError(f"pipeline-split: {what} is split over the micro-batches along dim {dim}; "
+                                    "only batch inputs may be, along dim 0 (ZeRO is not combined with pipeline "
+                                    "stages)")
         plan = schedule(pp, m)
         try:
             order = check_schedule(plan, m)
         except PipelineScheduleError as err:
             raise PassError(f"pipeline-split: schedule '{self.schedule}': {err}") from None
-        stages = _assign(ops, pp)
-        bodies = _emit_stages(ops, stages, devices, plan, order, m)
+        post = {o for o, k in _kinds(ops, collectives, leaves).items() if k == "post"}
+        stages = _assign(ops, pp, layer_counts, post)
+        bodies = _emit_stages(ops, stages, mesh, plan, order, collectives, leaves)
         modules = []
-        for s, dev in enumerate(devices):
-            body = bodies[s]
+        for s, devs in enumerate(stage_devices):
             fn = func.FuncOp("train_step", ((), ()))
-            fn.body.block.add_ops([*body, func.ReturnOp()])
+            fn.body.block.add_ops([*bodies[s], func.ReturnOp()])
             others = [f.clone() for f in functions if f is not step]
-            module = ModuleOp([fn, *others], attributes={DEVICES_ATTR: devices_attr((dev,)),
+            for f in others:  # the callees' collectives (inside one micro-batch) on this stage's devices
+                for o in f.walk():
+                    if o.dialect_name() == "comm":
+                        o.properties["groups"] = comm.groups_attr(mesh.real(s, classify_collective(o, mesh)[1]))
+                _restage_global_types(f.walk(), mesh, s)
+            module = ModuleOp([fn, *others], attributes={DEVICES_ATTR: devices_attr(devs),
                                                         STAGE_ATTR: IntegerAttr(s, i64),
                                                         MICROBATCHES_ATTR: IntegerAttr(m, i64)})
             module.sym_name = StringAttr(f"group{s}")
             modules.append(module)
-        if op is group:
-            raise PassError("pipeline-split: the physical module must hold its group module (run specialize-groups)")
         group.detach()
         group.erase()
-        for m in modules:
-            op.body.block.add_op(m)
+        for module in modules:
+            op.body.block.add_op(module)
 
 
 FREE = -1
 _VIEWS = (graph.TransposeOp, graph.ReshapeOp, graph.BroadcastOp, graph.CastOp)
 
 
-def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
-    """Return op -> stage (FREE for ops every stage may compute itself); see the module docstring."""
+def _stage_of_layers(n: int, pp: int, counts: tuple[int, ...] | None, what: str) -> list[int]:
+    """Return each of n layers' stage: the given counts per stage, else contiguous balanced ranges."""
+    if n < pp:
+        raise PassError(f"pipeline-split: pp={pp} stages need at least {pp} layers, but the model has {n} layers "
+                        f"({what}); use pp <= {n}")
+    if counts is None:
+        return [k * pp // n for k in range(n)]
+    if sum(counts) != n:
+        raise PassError(f"pipeline-split: layers={':'.join(map(str, counts))} gives {sum(counts)} layers to the "
+                        f"stages, but the model has {n} layers ({what}); the counts must add up to {n}")
+    return [s for s, c in enumerate(counts) for _ in range(c)]
+
+
+def _assign(ops: list[Operation], pp: int, counts: tuple[int, ...] | None = None,
+            post: frozenset[Operation] | set[Operation] = frozenset()) -> dict[Operation, int]:
+    """Return op -> stage (FREE for ops every stage may compute itself); see the module docstring.
+
+    `post` holds the ops that run after every action of the schedule (the update, the sums
+    over micro-batches and what follows them)."""
     forward_end = next((i + 1 for i, o in enumerate(ops) if isinstance(o, graph.OutputOp)
                         and o.tensor_name.data == "loss"), None)
     if forward_end is None:
         raise PassError("pipeline-split: the step has no graph.output \"loss\" (the end of the forward)")
     layers, layer_of_param, what = _layers(ops, forward_end)
-    n = len(layers)
-    if n < pp:
-        raise PassError(f"pipeline-split: pp={pp} stages need at least {pp} layers, but the model has {n} layers "
-                        f"({what}); use pp <= {n}")
-    stage_of_layer = [k * pp // n for k in range(n)]
+    stage_of_layer = _stage_of_layers(len(layers), pp, counts, what)
     param_stage: dict[str, int] = {name: stage_of_layer[k] for name, k in layer_of_param.items()}
     layer_ops = {o: stage_of_layer[k] for k, group in enumerate(layers) for o in group}
     stage: dict[Operation, int] = {}
@@ -246,13 +433,29 @@ def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
             stage[o] = -2  # not FREE: decided in the reverse pass
             continue
         stage[o] = FREE if s is None else s
-    for o in sorted([*undecided, *views], key=ops.index, reverse=True):
-        users = {stage[u.operation] for r in o.results for u in r.uses
-                 if u.operation in stage and not isinstance(u.operation, graph.OutputOp)} - {FREE, -2}
-        if users:
-            stage[o] = max(users) if o in views else min(users)
+    # Backward values made in an action flow from later stages to earlier ones (B(i) runs on
+    # stage s+1 before stage s); values made after every action ("post") go anywhere.
+    where = {o: i for i, o in enumerate(ops)}
+    resolved = sorted([*undecided, *views], key=where.__getitem__)
+    for o in reversed(resolved):
+        users = [u.operation for r in o.results for u in r.uses
+                 if u.operation in stage and not isinstance(u.operation, graph.OutputOp)]
+        stages = {stage[u] for u in users} - {FREE, -2}
+        floor = max({stage[u] for u in users if u not in post} - {FREE, -2}, default=0)
+        if stages:
+            stage[o] = max(stages) if o in views else max(min(stages), floor)
         else:
             stage[o] = max(value_stage(v) for v in o.operands)
+    for o in resolved:  # then up to where its forward operands (else its operands) live, where allowed
+        made = [v for v in o.operands if value_stage(v) != FREE]
+        forward = {value_stage(v) for v in made if v.owner in forward_ops}
+        backward = {value_stage(v) for v in made if v.owner not in forward_ops and v.owner not in post}
+        if o in post:  # runs after every action, anywhere: with its one producer (a gradient's norm)
+            up = value_stage(made[0]) if len(made) == 1 else FREE
+        else:
+            up = min(max(forward or backward, default=FREE), min(backward, default=pp))
+        if up > stage[o]:
+            stage[o] = up
     for o in ops:
         if isinstance(o, graph.ParameterOp):
             s = owner_of_state(o.tensor_name.data)
@@ -262,15 +465,17 @@ def _assign(ops: list[Operation], pp: int) -> dict[Operation, int]:
     return stage
 
 
-def _kinds(ops: list[Operation]) -> dict[Operation, str]:
-    """Return op -> "mb" (runs once per micro-batch: it depends on a batch input), "post" (after
-    the accumulation: it depends on an all-reduce over the micro-batches) or "step" (once)."""
+def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
+           leaves: dict[Operation, bool]) -> dict[Operation, str]:
+    """Return op -> "mb" (runs once per micro-batch: it depends on an input split over the
+    micro-batches), "post" (after the accumulation: it depends on an all-reduce over the
+    micro-batches) or "step" (once)."""
     kind: dict[Operation, str] = {}
     for o in ops:
-        if isinstance(o, comm.AllReduceOp) or o.dialect_name() == "optim":  # the update comes last
+        if collectives.get(o, (LOCAL,))[0] == MEET or o.dialect_name() == "optim":  # the update comes last
             kind[o] = "post"
-        elif isinstance(o, graph.InputOp):
-            kind[o] = "mb" if o.properties["global_type"].get_shape() != o.result.type.get_shape() else "step"
+        elif o in leaves:
+            kind[o] = "mb" if leaves[o] else "step"
         else:
             ks = {kind.get(v.owner, "step") for v in o.operands}
             kind[o] = "post" if "post" in ks else "mb" if "mb" in ks else "step"
@@ -283,9 +488,10 @@ def _kinds(ops: list[Operation]) -> dict[Operation, str]:
 Key = tuple  # (position of the consumer's action in the global order, producer op index, instance, result, dst)
 
 
-def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tuple[int, ...],
+def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: StageMesh,
                  plan: list[list[tuple[str, int]]], order: list[tuple[int, tuple[str, int]]],
-                 microbatches: int) -> list[list[Operation]]:
+                 collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]],
+                 leaves: dict[Operation, bool]) -> list[list[Operation]]:
     """Return each stage's step ops: its ops in the order of its schedule (once per micro-batch
     where they depend on the batch), copies of the free ops it needs, the sums over micro-batches
     (in place of the all-reduces of the one-group program), the update, and its sends/receives.
@@ -296,19 +502,20 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tu
     are issued; before an op, every message up to the receives it needs), so the two ends of
     every blocking send/receive meet in one global order: no deadlock, for any schedule.
     """
-    kind = _kinds(ops)
+    kind = _kinds(ops, collectives, leaves)
+    microbatches = mesh.microbatches
     forward_end = next(i + 1 for i, o in enumerate(ops) if isinstance(o, graph.OutputOp)
                        and o.tensor_name.data == "loss")
     where = {o: j for j, o in enumerate(ops)}
     position = {sa: k for k, sa in enumerate(order)}
     post = len(order)
-    pp = len(devices)
+    pp = len(mesh.stages)
 
     def inst_of(v: SSAValue, inst: int | None) -> int | None:
         return inst if kind.get(v.owner, "step") == "mb" else None  # type: ignore[arg-type]
 
     def uses(o: Operation, inst: int | None) -> list[tuple[SSAValue, int | None]]:
-        if isinstance(o, comm.AllReduceOp):
+        if collectives.get(o, (LOCAL,))[0] == MEET:
             return [(o.operands[0], inst_of(o.operands[0], i)) for i in range(microbatches)]
         return [(v, inst_of(v, inst)) for v in o.operands]
 
@@ -350,11 +557,14 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tu
             raise PassError(f"pipeline-split: '{v.owner.name}' on stage {t} is made in an action that comes after "
                             f"the one of stage {c} that uses it; this stage assignment does not fit the schedule")
 
+    def pairs(t: int, c: int) -> list[list[int]]:
+        """Return the (src, dst) pairs from stage t to stage c: the same position on both."""
+        return [[a, b] for a, b in zip(mesh.stages[t], mesh.stages[c])]
+
     out = []
     for s in range(pp):
         body: list[Operation] = []
         vmap: dict[tuple[SSAValue, int | None], SSAValue] = {}
-        dev = devices[s]
         events = sorted((key, v, k, t, c) for (v, k, t, c), key in messages.items() if s in (t, c))
         next_event = 0
 
@@ -371,13 +581,16 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tu
         def clone(o: Operation, inst: int | None) -> None:
             mapping = {v: get(v, inst) for v in o.operands}
             new = o.clone(value_mapper=mapping)
+            if o in collectives:  # a collective inside one micro-batch, over this stage's devices
+                new.properties["groups"] = comm.groups_attr(mesh.real(s, collectives[o][1]))
             if isinstance(new, (graph.ParameterOp, graph.InputOp)):
                 typ = new.properties["global_type"]
-                if isinstance(typ, TensorType) and layout_of(typ) is not None:
-                    if kind[o] == "mb":  # a micro-batch of a batch input: its own name and shape
-                        new.properties["tensor_name"] = StringAttr(f"{o.tensor_name.data}@mb{inst}")
-                        typ = o.result.type
-                    new.properties["global_type"] = with_layout(typ, Layout.replicated((dev,)))
+                assert isinstance(typ, TensorType)
+                new.properties["global_type"], dim = stage_type(typ, mesh, s, f"'{o.tensor_name.data}'")
+                if dim is not None:  # a micro-batch of a batch input: its own name and global shape
+                    new.properties["tensor_name"] = StringAttr(f"{o.tensor_name.data}@mb{inst}")
+            else:
+                _restage_global_types([new], mesh, s)
             body.append(new)
             for old, r in zip(o.results, new.results):
                 vmap[(old, inst_of(old, inst))] = r
@@ -392,11 +605,11 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tu
                         if upto is not None and key <= upto:
                             raise PassError("pipeline-split: internal error: a send is due before its value is made")
                         return
-                    body.append(comm.SendOp(vmap[(v, k)], [[devices[t], devices[c]]]))
+                    body.append(comm.SendOp(vmap[(v, k)], pairs(t, c)))
                 else:
                     if upto is None or key > upto:
                         return
-                    recv = comm.RecvOp([[devices[t], devices[c]]], v.type)
+                    recv = comm.RecvOp(pairs(t, c), v.type)
                     body.append(recv)
                     vmap[(v, k)] = recv.result
                 next_event += 1
@@ -406,13 +619,18 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], devices: tu
                     if (v, k) not in vmap and (v, k, stages.get(v.owner, FREE), s) in messages]
             if need:
                 issue(max(need))
-            if isinstance(o, comm.AllReduceOp):  # the sum over micro-batches, in micro-batch order
-                vals = [get(v, k) for v, k in uses(o, inst)]
+            if collectives.get(o, (LOCAL,))[0] == MEET:  # the sum over micro-batches, in micro-batch order,
+                vals = [get(v, k) for v, k in uses(o, inst)]  # then over the stage's dp ranks
                 acc = vals[0]
                 for x in vals[1:]:
                     add = graph.AddOp(acc, x, o.result.type)
                     body.append(add)
                     acc = add.result
+                real = mesh.real(s, collectives[o][1])
+                if len(real[0]) > 1:
+                    reduce = comm.AllReduceOp(acc, real, o.result.type)
+                    body.append(reduce)
+                    acc = reduce.result
                 vmap[(o.result, None)] = acc
             else:
                 clone(o, inst)
