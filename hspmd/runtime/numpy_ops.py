@@ -31,6 +31,14 @@ def takes_out(fn: Kernel) -> Kernel:
     return fn
 
 
+def by_rows(fn: Kernel) -> Kernel:
+    """Mark `out=` kernel `fn` as row-wise: rows of its result along dim 0 depend only on the
+    same rows of its operands of the result's shape (the plan may run blocks of rows on threads)."""
+    fn.accepts_out = True  # type: ignore[attr-defined]
+    fn.row_parallel = True  # type: ignore[attr-defined]
+    return fn
+
+
 def _result_shape(op: Operation) -> tuple[int, ...]:
     return op.results[0].type.get_shape()  # type: ignore[attr-defined]
 
@@ -484,12 +492,12 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.DivOp():
             return np.divide
         case graph.ReluOp():
-            return takes_out(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
+            return by_rows(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
         case graph.ReluGradOp():
             return lambda x, dy: np.where(x > 0, dy, 0).astype(dy.dtype)
         case graph.ScaleOp():
             factor = _result_dtype(op).type(op.factor.value.data)
-            return takes_out(lambda x, out=None: np.multiply(x, factor, out=out))
+            return by_rows(lambda x, out=None: np.multiply(x, factor, out=out))
         case graph.MatmulOp():
             return matmul
         case graph.MatmulRhsGradOp():
@@ -530,7 +538,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.sqrt
         case graph.RsqrtOp():
 
-            @takes_out
+            @by_rows
             def rsqrt(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.sqrt(x, out=out)
                 return np.divide(1, out, out=out)
@@ -540,7 +548,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.tanh
         case graph.TanhGradOp():
 
-            @takes_out
+            @by_rows
             def tanh_grad(y: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.multiply(y, y, out=out)
                 np.subtract(1, out, out=out)
@@ -558,10 +566,10 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return silu_grad
         case graph.GeluOp():
             approximate = op.approximate.data
-            return takes_out(lambda x, out=None: gelu(x, approximate, out))
+            return by_rows(lambda x, out=None: gelu(x, approximate, out))
         case graph.GeluGradOp():
             approximate = op.approximate.data
-            return takes_out(lambda x, dy, out=None: gelu_grad(x, dy, approximate, out))
+            return by_rows(lambda x, dy, out=None: gelu_grad(x, dy, approximate, out))
         case graph.PowOp():
             return _pow(op.exponent.value.data)
         case graph.PowGradOp():
@@ -571,13 +579,16 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return lambda x: x.astype(dtype)
         case graph.SoftmaxOp():
             axis = op.dim.value.data
-            return takes_out(lambda x, out=None: softmax(x, axis, out))
+            rows = by_rows if axis % len(_result_shape(op)) != 0 else takes_out
+            return rows(lambda x, out=None: softmax(x, axis, out))
         case graph.SoftmaxGradOp():
             axis = op.dim.value.data
-            return takes_out(lambda y, dy, out=None: softmax_grad(y, dy, axis, out))
+            rows = by_rows if axis % len(_result_shape(op)) != 0 else takes_out
+            return rows(lambda y, dy, out=None: softmax_grad(y, dy, axis, out))
         case graph.LayerNormOp():
             eps = op.eps.value.data
-            return takes_out(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out))
+            rows = by_rows if len(_result_shape(op)) > 1 else takes_out
+            return rows(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out))
         case graph.LayerNormGradOp():
             eps = op.eps.value.data
             return takes_out(lambda x, w, dy, out=None: layer_norm_grad(x, w, dy, eps, out))
@@ -593,7 +604,8 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             vocab = _result_shape(op)[0]
             return lambda ids, dy: embedding_grad(ids, dy, vocab)
         case graph.CausalMaskOp():
-            return causal_mask(op.value.value.data)
+            mask = causal_mask(op.value.value.data)
+            return by_rows(mask) if len(_result_shape(op)) > 2 else mask
         case graph.SliceOp():
             d, start = op.dim.value.data, op.start.value.data
             stop = start + _result_shape(op)[d]

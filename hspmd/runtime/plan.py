@@ -31,11 +31,15 @@ What the build does, in order:
    memory are copied at the end of the step.
 6. **Frees.** Each step lists the slots that die after it, so kernel-allocated arrays are
    released as early as possible.
+7. **Rows in parallel.** A large elementwise or row-wise kernel (a ufunc, or one marked
+   `row_parallel = True`: its rows along dim 0 depend only on the same rows of its operands)
+   runs on `threads` threads, each on a block of rows of the same `out=` buffer; NumPy
+   releases the GIL, and every element is computed as it would be in one call (same bits).
 """
 
 from __future__ import annotations
 
-import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +65,8 @@ KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
 
 #: default size of a gradient all-reduce bucket
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+#: results of at least this many bytes are computed by rows on several threads
+ROW_PARALLEL_BYTES = 1 << 20
 
 # ops whose result is a view of their first operand (never written through)
 _VIEW_OPS = ("graph.reshape", "graph.transpose", "graph.broadcast", "graph.split", "graph.slice")
@@ -303,6 +309,62 @@ def inplace_safe(fn: Callable) -> bool:
     return isinstance(fn, np.ufunc) or getattr(fn, "inplace_safe", False) is True
 
 
+# ----------------------------------------------------------------------------- rows in parallel
+
+_POOL = None
+
+
+def _pool(threads: int):
+    """Return the process's thread pool for row blocks (grown to `threads - 1` workers)."""
+    global _POOL
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _POOL is None or _POOL._max_workers < threads - 1:
+        _POOL = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hspmd-rows")
+    return _POOL
+
+
+def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -> Callable | None:
+    """Return `kernel` run on `threads` blocks of rows (dim 0) of its `out=`, or None if it cannot be.
+
+    An operand of the result's shape is cut into the same rows; one of lower rank or with a
+    leading extent of 1 broadcasts, and is passed whole; any other shape keeps the kernel whole.
+    """
+    if not (getattr(kernel, "row_parallel", False) is True
+            or isinstance(kernel, np.ufunc) and kernel.nout == 1 and kernel.nin == len(operand_types)):
+        return None
+    shape = result_type[0]
+    if len(shape) < 1 or shape[0] < threads:
+        return None
+    cut = []
+    for t in operand_types:
+        if t is None:
+            return None
+        if t[0] == shape:
+            cut.append(True)
+        elif len(t[0]) < len(shape) or t[0][0] == 1:
+            cut.append(False)
+        else:
+            return None
+    step = -(-shape[0] // threads)
+    blocks = [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+    pool = _pool(threads)
+
+    def by_rows(*args, out):
+        def part(lo: int, hi: int):
+            return kernel(*[a[lo:hi] if c else a for a, c in zip(args, cut)], out=out[lo:hi])
+
+        futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
+        part(*blocks[0])
+        for f in futures:
+            f.result()
+        return out
+
+    by_rows.__name__ = getattr(kernel, "__name__", "kernel")
+    by_rows.rows_of = kernel  # type: ignore[attr-defined]
+    return by_rows
+
+
 # ----------------------------------------------------------------------------- flattening
 
 
@@ -336,15 +398,16 @@ class _Flat:
         return len(self.types) - 1
 
 
-def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator) -> _Flat:
+def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel=None) -> _Flat:
     """Return the step function `fn` as one flat list of nodes, callees inlined."""
     flat = _Flat()
     module = fn.parent_op()
     kernels: dict[Operation, Callable] = {}
+    make_kernel = make_kernel or _kernel
 
     def kernel(op: Operation) -> Callable:
         if op not in kernels:
-            kernels[op] = _kernel(op, rank, communicator)
+            kernels[op] = make_kernel(op, rank, communicator)
         return kernels[op]
 
     def body(block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...]) -> tuple[int, ...]:
@@ -403,14 +466,16 @@ def _nbytes(t) -> int:
 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    reuse_buffers: bool = True, allocate: bool = True,
+    reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
     `bucket_bytes` is the size of a gradient all-reduce bucket (None or 0: every all-reduce
     runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
     fresh array each step (for debugging a kernel's `out=` support). `allocate=False` only
-    sizes the buffers (for reports: such a plan cannot run).
+    sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
+    `HSPMD_THREADS` environment variable, else the CPUs this process may use when the
+    communicator has one rank, else 1) is how many threads run a large row-wise kernel.
     """
     from hspmd.runtime.buckets import plan_buckets
 
@@ -418,7 +483,28 @@ def build_plan(
     devices = _devices(fn)
     if bucket_bytes:
         plan_buckets(flat, rank, communicator, devices, bucket_bytes)
-    return _assemble(flat, rank, reuse_buffers, allocate)
+    if threads is None:
+        env = os.environ.get("HSPMD_THREADS")
+        threads = int(env) if env else (len(os.sched_getaffinity(0)) if communicator.size == 1 else 1)
+    return _assemble(flat, rank, reuse_buffers, allocate, max(1, threads))
+
+
+def matmul_flops(fn: func.FuncOp) -> int:
+    """Return the floating-point operations of one step's matmuls (2 m k n each, callees counted per call)."""
+    from hspmd.runtime.comm.inprocess import InProcessCommunicator
+
+    def kernel_free(op, rank, communicator):  # only the op list is needed: no kernels are made
+        return None
+
+    flops = 0
+    for node in _flatten(fn, 0, InProcessCommunicator.create_world(1)[0], make_kernel=kernel_free).nodes:
+        if isinstance(node.op, graph.MatmulOp):
+            out_shape = node.op.results[0].type.get_shape()
+            flops += 2 * int(np.prod(out_shape, dtype=np.int64)) * node.op.operands[0].type.get_shape()[-1]
+        elif isinstance(node.op, graph.MatmulRhsGradOp):
+            a_shape = node.op.operands[0].type.get_shape()
+            flops += 2 * int(np.prod(a_shape, dtype=np.int64)) * node.op.operands[1].type.get_shape()[-1]
+    return flops
 
 
 def memory_report(physical) -> str:
@@ -450,7 +536,7 @@ def _devices(fn: func.FuncOp) -> frozenset[int] | None:
     return frozenset(int(d) for d in attr.get_values()) if attr is not None else None  # type: ignore[attr-defined]
 
 
-def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True) -> Plan:
+def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True, threads: int = 1) -> Plan:
     """Return the plan of a flat program: storages, liveness, buffers, in-place updates, frees."""
     nodes, types = flat.nodes, flat.types
     n_nodes, n_slots = len(nodes), len(types)
@@ -596,7 +682,10 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
                 plan._inplace.append((kw, tuple(template), places))
             else:
                 kw["out"] = template[0] if len(template) == 1 else tuple(template)
-        plan.steps.append((node.kernel, node.ins, node.outs, kw, tuple(dead_at[i])))
+        kernel = node.kernel
+        if threads > 1 and out_capable[i] and len(node.outs) == 1 and _nbytes(types[node.outs[0]]) >= ROW_PARALLEL_BYTES:
+            kernel = _by_rows(kernel, [types[a] for a in node.ins], types[node.outs[0]], threads) or kernel
+        plan.steps.append((kernel, node.ins, node.outs, kw, tuple(dead_at[i])))
     updated = {nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}
     plan._copy_out = frozenset(
         (name, slot) for name, slot in flat.outputs + flat.assigns

@@ -1,0 +1,235 @@
+"""One training step of GPT-tiny: hspmd's plan against PyTorch eager, in the same process.
+
+    python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3]
+
+GPT-tiny: 4 layers, d_model 256, 4 heads, seq 128, batch 16, vocab 256, float32, AdamW with
+weight decay and gradient clipping (examples/gpt.py), one process. PyTorch runs the same
+model (`torch_loss`, started from hspmd's initial parameters, the same batch) with
+torch.optim.AdamW and clip_grad_norm_. The two are timed alternately, step by step, so a
+machine shared with other work slows both alike; the medians are compared.
+
+Printed: the median step times; hspmd's matmul FLOP rate (the plan's matmul FLOPs per step /
+its step time) against NumPy's own matmul rate on the largest matmul shape, also measured
+alternately; each one's peak memory during training (resident-set growth, sampled every
+millisecond in a fresh process, from before the parameters exist to the end of the steps)
+and the plan's own count (`Plan.peak_bytes`); and last the ratio hspmd / PyTorch of the
+median step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TINY = {"model.layers": 4, "model.d_model": 256, "model.heads": 4, "model.seq_len": 128,
+        "data.batch_size": 16, "model.vocab_size": 256, "model.dropout": 0.0, "precision": "float32"}
+
+
+def compile_tiny():
+    """Return (script, compiled, step function) of GPT-tiny on one device."""
+    from hspmd.frontend.compile import compile_script
+    from hspmd.frontend.script import load_script
+    from hspmd.ir.levels import physical_groups
+
+    script = load_script(os.path.join(ROOT, "examples", "gpt.py"), TINY)
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    (_, module), = physical_groups(compiled.physical)
+    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+              and op.sym_name.data == "train_step")
+    return script, compiled, fn
+
+
+class Hspmd:
+    """hspmd's side: the plan, its state, and one step per call."""
+
+    def __init__(self, script, compiled, fn) -> None:
+        from hspmd.runtime.comm import InProcessCommunicator
+        from hspmd.runtime.plan import build_plan
+
+        self.plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
+        self.state = self.plan.initial_state(int(script.config.get("seed", 0)))
+        self.config = {**script.config, "lr_schedule": compiled.lr_schedule}
+        self.names = {leaf.name for leaf in self.plan.inputs}
+        self.n = 0
+
+    def step(self, batch) -> float:
+        from hspmd.runtime.worker import step_inputs
+
+        self.n += 1
+        inputs = self.plan.local_batch({**batch, **step_inputs(self.n, self.config, self.names)})
+        return float(self.plan.run(self.state, inputs)["loss"])
+
+
+def torch_loss(p: dict, ids, targets, heads: int, eps: float):
+    """The loss of hspmd.frontend.transformer's GPT in plain PyTorch (head-major fused qkv)."""
+    import torch
+
+    F = torch.nn.functional
+    b, t = ids.shape
+    x = p["wte.weight"][ids] + p["wpe"][:t]
+    layers = len({k.split(".")[1] for k in p if k.startswith("blocks.")})
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    for i in range(layers):
+        q = f"blocks.{i}."
+        h = F.layer_norm(x, x.shape[-1:], p[q + "ln1.weight"], p[q + "ln1.bias"], eps)
+        qkv = h @ p[q + "attn.qkv.weight"] + p[q + "attn.qkv.bias"]
+        d = x.shape[-1]
+        hd = d // heads
+        qq, kk, vv = (z.transpose(1, 2) for z in qkv.reshape(b, t, heads, 3 * hd).split(hd, dim=3))
+        att = ((qq @ kk.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(mask, float("-inf")).softmax(-1)
+        y = (att @ vv).transpose(1, 2).reshape(b, t, d)
+        x = x + y @ p[q + "attn.proj.weight"] + p[q + "attn.proj.bias"]
+        h = F.layer_norm(x, x.shape[-1:], p[q + "ln2.weight"], p[q + "ln2.bias"], eps)
+        h = F.gelu(h @ p[q + "mlp.fc.weight"] + p[q + "mlp.fc.bias"], approximate="tanh")
+        x = x + h @ p[q + "mlp.proj.weight"] + p[q + "mlp.proj.bias"]
+    x = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
+    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1), targets.reshape(-1))
+
+
+class Torch:
+    """PyTorch's side: the same parameters, AdamW and clipping as the script's optimizer."""
+
+    def __init__(self, script, params: dict[str, np.ndarray]) -> None:
+        import torch
+
+        self.torch = torch
+        cfg, o = script.config, script.config["optim"]
+        self.heads, self.eps = cfg["model"]["heads"], cfg["model"].get("eps", 1e-5)
+        self.params = {k: torch.tensor(v, requires_grad=True) for k, v in params.items() if not k.startswith("opt.")}
+        self.clip = o.get("clip") or 0.0
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=o["lr"], weight_decay=o["weight_decay"])
+
+    def step(self, batch) -> float:
+        torch = self.torch
+        ids, targets = (torch.from_numpy(np.asarray(batch[k], dtype=np.int64)) for k in ("ids", "targets"))
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch_loss(self.params, ids, targets, self.heads, self.eps)
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
+        self.opt.step()
+        return float(loss.detach())
+
+
+def numpy_matmul_seconds(m: int, k: int, n: int) -> float:
+    """Return the time of one float32 (m x k) @ (k x n) with NumPy (median of 5)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    out = np.empty((m, n), np.float32)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        np.matmul(a, b, out=out)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(which: str, steps: int) -> None:
+    """Print the peak resident-set growth (bytes) of `steps` training steps of one framework."""
+    script, compiled, fn = compile_tiny()
+    batches = script.batches()
+    batch_list = [next(batches) for _ in range(steps)]
+    init = None
+    if which == "torch":  # torch imported and hspmd's initial values made before the baseline
+        import torch  # noqa: F401
+        from hspmd.runtime.comm import InProcessCommunicator
+        from hspmd.runtime.plan import build_plan
+
+        init = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], allocate=False).initial_state(0)
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.001)
+
+    base = rss_bytes()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if which == "hspmd":
+        runner = Hspmd(script, compiled, fn)
+    else:
+        runner = Torch(script, init)  # copies the parameters
+    for batch in batch_list:
+        runner.step(batch)
+    stop.set()
+    sampler.join()
+    print(max(peak[0], rss_bytes()) - base)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12, help="timed steps of each (default 12)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
+    parser.add_argument("--memory-child", choices=["hspmd", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child, 3)
+        return 0
+    import torch
+
+    from hspmd.runtime.plan import matmul_flops
+
+    script, compiled, fn = compile_tiny()
+    ours = Hspmd(script, compiled, fn)
+    theirs = Torch(script, ours.state)
+    flops = matmul_flops(fn)
+    batches = script.batches()
+    first = next(batches)
+    l1, l2 = ours.step(first), theirs.step(first)
+    print(f"GPT-tiny, first step loss: hspmd {l1:.6f}, PyTorch {l2:.6f} (torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; NumPy {np.__version__})")
+    for _ in range(args.warmup - 1):
+        batch = next(batches)
+        ours.step(batch)
+        theirs.step(batch)
+    t_ours, t_torch, t_mm = [], [], []
+    d_model, seq = script.config["model"]["d_model"], script.config["model"]["seq_len"]
+    rows = script.config["data"]["batch_size"] * seq
+    for i in range(args.steps):
+        batch = next(batches)
+        pair = [("ours", ours), ("torch", theirs)] if i % 2 == 0 else [("torch", theirs), ("ours", ours)]
+        for name, runner in pair:
+            start = time.perf_counter()
+            runner.step(batch)
+            (t_ours if name == "ours" else t_torch).append(time.perf_counter() - start)
+        t_mm.append(numpy_matmul_seconds(rows, d_model, 4 * d_model))
+    med_ours, med_torch, med_mm = (float(np.median(x)) for x in (t_ours, t_torch, t_mm))
+    numpy_rate = 2 * rows * d_model * 4 * d_model / med_mm
+    achieved = flops / med_ours
+    print(f"median step: hspmd {med_ours * 1e3:.1f} ms, PyTorch eager {med_torch * 1e3:.1f} ms "
+          f"({args.steps} steps each, alternating)")
+    print(f"matmul FLOPs per step {flops / 1e9:.2f} G: hspmd {achieved / 1e9:.1f} GFLOP/s, NumPy matmul "
+          f"({rows}x{d_model} @ {d_model}x{4 * d_model}) {numpy_rate / 1e9:.1f} GFLOP/s: ratio {achieved / numpy_rate:.3f}")
+    mem = {}
+    for which in ("hspmd", "torch"):
+        proc = subprocess.run([sys.executable, __file__, "--memory-child", which], capture_output=True, text=True,
+                              timeout=1800)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            return 1
+        mem[which] = int(proc.stdout.strip().splitlines()[-1])
+    print(f"peak memory during training (RSS growth): hspmd {mem['hspmd'] / 2**20:.1f} MiB "
+          f"(plan's own count {ours.plan.peak_bytes / 2**20:.1f} MiB), PyTorch {mem['torch'] / 2**20:.1f} MiB: "
+          f"ratio {mem['hspmd'] / mem['torch']:.3f}")
+    print(f"step time hspmd / PyTorch: {med_ours / med_torch:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
