@@ -87,3 +87,6 @@ def test_bad_sequence_parallel_inputs_get_one_message():
 
     with pytest.raises(PassError, match="sp=1 found no residual stream"):
         compile_script(_script("mlp.py"), "[0,1]: tp=2 sp=1", 2)
+
+    with pytest.raises(PassError, match=r"sequence parallelism \(sp=1\) across several device groups"):
+        compile_script(_script("gpt.py"), "[0,1]: tp=2 sp=1 share=1 | [2,3]: tp=2 share=1", 4)

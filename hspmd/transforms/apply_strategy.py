@@ -400,6 +400,9 @@ class ApplyStrategy(ModulePass):
         except StrategyError as err:
             raise PassError(str(err)) from None
         hetero = len(strategy.groups) > 1
+        if hetero and any(g.sp for g in strategy.groups):
+            raise PassError(f"apply-strategy: strategy '{strategy}': sequence parallelism (sp=1) across several "
+                            "device groups is not supported yet; use sp=1 with one group")
         params, batch = strategy_layouts(strategy)
         group = strategy.groups[0] if hetero else strategy_group(strategy)
         leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
