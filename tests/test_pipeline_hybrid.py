@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from xdsl.dialects.builtin import TensorType, f32
+from xdsl.ir import Block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pipeline import _one_device, _script, _stage_params, _train
@@ -21,7 +23,7 @@ from hspmd.frontend.compile import compile_script, pipeline_stages
 from hspmd.frontend.strategy import parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.levels import physical_groups
-from hspmd.transforms.pipeline_split import StageMesh, stage_layout
+from hspmd.transforms.pipeline_split import LOCAL, MEET, SPLIT, StageMesh, classify_collective, stage_layout
 from hspmd.transforms.util import PassError
 
 
@@ -29,6 +31,7 @@ from hspmd.transforms.util import PassError
     ("gpt.py", "[0-3]: dp=1 tp=2 pp=2", 4, 1, "gpipe"),
     ("gpt.py", "[0-3]: dp=2 pp=2", 4, 2, "gpipe"),
     ("gpt.py", "[0-3]: dp=1 tp=2 pp=2", 4, 4, "1f1b"),
+    ("gpt.py", "[0-3]: dp=1 tp=2 pp=2 sp=1", 4, 2, "gpipe"),  # the sequence split over tp, per micro-batch
     ("mlp.py", "[0-7]: dp=2 tp=2 pp=2", 8, 2, "1f1b"),
 ])
 def test_stages_with_dp_and_tp_equal_one_device(tmp_path, example, strategy, n, m, schedule):
@@ -161,3 +164,26 @@ def test_a_layout_whose_major_axis_cannot_hold_the_micro_batches_is_refused():
     mesh = StageMesh(((0, 1, 2),), tuple(range(6)), 2)
     with pytest.raises(PassError, match="major mesh axis must have a degree divisible by 2"):
         stage_layout(Layout.spmd(tuple(range(6)), DistributedStates.of((split(1), 3), (DUP, 2))), mesh, 0, "'w'")
+
+
+def _collective(make, groups):
+    x = Block(arg_types=[TensorType(f32, [8, 4])]).args[0]
+    return make(x, groups)
+
+
+def test_collectives_are_classified_by_the_micro_batches_they_span():
+    # 2 micro-batches x (dp=2, tp=2): virtual position p = mb*4 + d*2 + t
+    mesh = StageMesh(((0, 1, 2, 3), (4, 5, 6, 7)), tuple(range(8)), 2)
+    reduce = lambda x, g: comm.AllReduceOp(x, g, x.type)  # noqa: E731
+    split_ = lambda x, g: comm.LocalSplitOp(x, g, TensorType(f32, [2, 4]), dim=0)  # noqa: E731
+    gather = lambda x, g: comm.AllGatherOp(x, g, TensorType(f32, [16, 4]), dim=0)  # noqa: E731
+    tp = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    dp = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert classify_collective(_collective(reduce, tp), mesh) == (LOCAL, ((0, 1), (2, 3)))
+    assert classify_collective(_collective(reduce, dp), mesh) == (MEET, ((0, 2), (1, 3)))
+    assert classify_collective(_collective(reduce, [list(range(8))]), mesh) == (MEET, ((0, 1, 2, 3),))
+    assert classify_collective(_collective(split_, dp), mesh) == (SPLIT, ((0, 2), (1, 3)))
+    with pytest.raises(PassError, match="spans micro-batches; only all-reduces"):
+        classify_collective(_collective(gather, dp), mesh)
+    with pytest.raises(PassError, match="spans some but not all"):  # micro-batch minor: not a split of micro-batches
+        classify_collective(_collective(split_, [[0, 4, 2, 6], [1, 5, 3, 7]]), mesh)

@@ -78,16 +78,18 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
     return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers)
 
 
-def _check_microbatches(logical: ModuleOp, m: int) -> None:
-    """Raise PassError unless m >= 1 divides the batch dim (dim 0) of every non-scalar input."""
+def _check_microbatches(logical: ModuleOp, m: int, dp: int = 1) -> None:
+    """Raise PassError unless m >= 1 micro-batches, each split over dp ranks, divide the batch
+    dim (dim 0) of every non-scalar input."""
     from hspmd.dialects import graph
 
     if m < 1:
         raise PassError(f"microbatches={m}: the number of micro-batches must be >= 1")
     for op in logical.walk():
-        if isinstance(op, graph.InputOp) and op.result.type.get_shape() and op.result.type.get_shape()[0] % m:
+        if isinstance(op, graph.InputOp) and op.result.type.get_shape() and op.result.type.get_shape()[0] % (m * dp):
+            pieces = f"{m} micro-batches" + (f" x dp={dp} = {m * dp} pieces" if dp > 1 else "")
             raise PassError(f"microbatches={m}: input '{op.tensor_name.data}' has batch dim "
-                            f"{op.result.type.get_shape()[0]}, which {m} micro-batches do not divide")
+                            f"{op.result.type.get_shape()[0]}, which {pieces} do not divide")
 
 
 def default_strategy(n: int) -> str:
@@ -141,7 +143,7 @@ def compile_script(
         # pipeline-split sums the micro-batches' gradients (and losses)
         m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
         schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
-        _check_microbatches(logical, m)
+        _check_microbatches(logical, m, pipe.dp)
         annotate_as = pipe.stage_strategy(m)
         split = "," + pipe.split_pass(m, schedule)
     annotated = logical.clone()

@@ -148,12 +148,17 @@ class StageMesh:
         return [[self.stages[s][q] for q in g] for g in groups]
 
 
-LOCAL, MEET = "local", "meet"
+LOCAL, MEET, SPLIT = "local", "meet", "split"
 
 
 def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
-    """Return (LOCAL, groups of stage positions) for a collective inside one micro-batch, or
-    (MEET, groups of stage positions Q) for an all-reduce over all micro-batches times Q."""
+    """Return how the stages run a collective of the one-group program, and over which stage positions.
+
+    (LOCAL, groups) for a collective inside one micro-batch; (MEET, groups Q) for an
+    all-reduce over all micro-batches times Q (a sum over micro-batches, then an all-reduce
+    over Q); (SPLIT, groups Q) for a local split over all micro-batches times Q, micro-batch
+    major (micro-batch i's slice i of m, then a local split over Q).
+    """
     groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
     size, m = mesh.size, mesh.microbatches
     kind = LOCAL
@@ -161,18 +166,22 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
     if all(len({p // size for p in g}) == 1 for g in groups):
         out = {tuple(p % size for p in g) for g in groups}
     else:
-        if not isinstance(o, comm.AllReduceOp):
+        if not isinstance(o, (comm.AllReduceOp, comm.LocalSplitOp)):
             raise PassError(f"pipeline-split: '{o.name}' over {[list(g) for g in o.rank_groups]} "  # type: ignore
-                            "spans micro-batches; only all-reduces may (they become sums over the micro-batches)")
-        kind = MEET
+                            "spans micro-batches; only all-reduces (sums over the micro-batches) and local "
+                            "splits may")
+        kind = MEET if isinstance(o, comm.AllReduceOp) else SPLIT
         for g in groups:
             by_mb: dict[int, list[int]] = {}
             for p in g:
                 by_mb.setdefault(p // size, []).append(p % size)
-            if len(by_mb) != m or len({tuple(sorted(v)) for v in by_mb.values()}) != 1:
+            mb_major = [p // size for p in g] == sorted(p // size for p in g)
+            if len(by_mb) != m or len({tuple(v if kind == SPLIT else sorted(v)) for v in by_mb.values()}) != 1 \
+                    or (kind == SPLIT and not mb_major):
                 raise PassError(f"pipeline-split: '{o.name}' group {[mesh.virtual[p] for p in g]} spans some "
                                 f"but not all {m} micro-batches, or other positions in each")
-            out.add(tuple(sorted(by_mb[min(by_mb)])))
+            first = by_mb[min(by_mb)]
+            out.add(tuple(first if kind == SPLIT else sorted(first)))
     flat = sorted(q for g in out for q in g)
     if flat != list(range(size)):
         raise PassError(f"pipeline-split: '{o.name}' over {[list(g) for g in o.rank_groups]}: "  # type: ignore
@@ -296,7 +305,7 @@ class PipelineSplit(ModulePass):
                     raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
                                     "supported there (point-to-point messages are the split's own)")
                 collectives[o] = classify_collective(o, mesh)
-                if f is not step and collectives[o][0] == MEET:
+                if f is not step and collectives[o][0] != LOCAL:
                     raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches; "
                                     "only the step itself may sum over them")
         leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
@@ -476,6 +485,11 @@ def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
             kind[o] = "post"
         elif o in leaves:
             kind[o] = "mb" if leaves[o] else "step"
+        elif collectives.get(o, (LOCAL,))[0] == SPLIT:  # micro-batch i's slice: one per micro-batch
+            if kind.get(o.operands[0].owner) == "post":
+                raise PassError(f"pipeline-split: '{o.name}' splits a value summed over the micro-batches "
+                                "across them again")
+            kind[o] = "mb"
         else:
             ks = {kind.get(v.owner, "step") for v in o.operands}
             kind[o] = "post" if "post" in ks else "mb" if "mb" in ks else "step"
@@ -632,6 +646,20 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                     body.append(reduce)
                     acc = reduce.result
                 vmap[(o.result, None)] = acc
+            elif collectives.get(o, (LOCAL,))[0] == SPLIT:  # slice `inst` of m, then split over the dp ranks
+                x = get(o.operands[0], inst)
+                dim = o.dim.value.data  # type: ignore[attr-defined]
+                shape = list(x.type.get_shape())  # type: ignore[attr-defined]
+                shape[dim] //= microbatches
+                piece = graph.SliceOp(x, dim, inst * shape[dim], TensorType(o.result.type.element_type, shape))
+                body.append(piece)
+                real = mesh.real(s, collectives[o][1])
+                result = piece.result
+                if len(real[0]) > 1:
+                    split_op = comm.LocalSplitOp(piece.result, real, o.result.type, dim=dim)
+                    body.append(split_op)
+                    result = split_op.result
+                vmap[(o.result, inst)] = result
             else:
                 clone(o, inst)
             issue(None)
