@@ -2,7 +2,9 @@
 
 Each case is a small function of `graph`/`optim` ops, fused by `fuse-kernels` into one
 `kernel.fused`; the same op then runs (a) as the compiled CPU kernel and (b) as its body, op
-by op, with hspmd's NumPy kernels — exactly what the runtime does with and without fusion.
+by op, with hspmd's NumPy kernels — what the runtime does with and without fusion. The
+fused kernel writes into preallocated result arrays (`out=`, as the execution plan passes
+them); the NumPy kernels allocate their results and temporaries, as they do in a plan.
 
     python benchmarks/kernels_vs_numpy.py [--repeat N]
 
@@ -101,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         a, b = fused(*data), ref(*data)
         a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
         diff = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
-        tf, tn = _best(fused, data, args.repeat), _best(ref, data, args.repeat)
+        # the fused kernel writes into preallocated results, as the execution plan gives them
+        # (out=); the per-op NumPy kernels allocate their results and temporaries as they do
+        outs = tuple(np.empty_like(x) for x in a)
+        into = lambda *xs: fused(*xs, out=outs)  # noqa: E731
+        tf, tn = _best(into, data, args.repeat), _best(ref, data, args.repeat)
         ratios.append(tf / tn)
         print(f"{name:24s} {tf * 1e3:9.3f} {tn * 1e3:9.3f} {tf / tn:6.3f}  {diff:.2e}")
     print(f"ratio {max(ratios):.3f}")

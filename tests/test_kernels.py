@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hspmd.codegen.cpu_compile import find_compiler
+from hspmd.codegen.cpu_compile import find_compiler, load_library
 from hspmd.ir.context import parse_module
-from hspmd.runtime.kernel_exec import cpu_call, fused_ops, numpy_call, program_library
+from hspmd.runtime.kernel_exec import build_program, cpu_call, fused_ops, numpy_call, program_library
 from hspmd.transforms.fuse_kernels import fuse_module
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="needs a C++ compiler (the fallback is tested apart)")
@@ -39,7 +39,7 @@ def fuse(body: str) -> tuple:
 
 
 def compare(module, op, args, dtype: str, team: int = 1) -> None:
-    lib = program_library(module)
+    lib = program_library(module) if team == 1 else load_library(build_program(module, team=True))
     assert lib is not None
     with np.errstate(all="ignore"):
         ref = numpy_call(op)(*args)
@@ -301,3 +301,5 @@ def test_a_wrong_operand_shape_is_a_clear_error():
     call = cpu_call(op, program_library(module))
     with pytest.raises(ValueError, match="compiled for"):
         call(np.zeros(8), np.zeros(9))
+    with pytest.raises(ValueError, match="team=True"):
+        cpu_call(op, program_library(module), team=4)

@@ -1,10 +1,11 @@
 """Build generated CUDA C kernels for the CPU with the host C++ compiler, cached by content.
 
 All kernels of one program go into ONE shared library (`build_library`): the sources are
-compiled twice under `cuda_emu.h`, once per block emulation (namespace `hs_serial`: one thread
+compiled under `cuda_emu.h` in the serial block emulation (namespace `hs_serial`: one thread
 per block, and the row loop `HS_ROWS` becomes an `omp for` that gives each OpenMP thread a
-contiguous range of rows; namespace `hs_team`: an OpenMP team per block, for blockDim > 1,
-rows by blockIdx as on a GPU), and an `extern "C"` launcher per launch calls the right one:
+contiguous range of rows) and, on request (`team=True`, for tests), once more in the team
+emulation (namespace `hs_team`: an OpenMP team per block, for blockDim > 1, rows by blockIdx
+as on a GPU); an `extern "C"` launcher per launch calls the right one:
 
     void hs_launch_NAME(void **args, long n0, long n1, int team)
 
@@ -66,8 +67,8 @@ def compiler_identity(cxx: str) -> str:
 
 @functools.cache
 def compile_flags() -> tuple[str, ...]:
-    """Return the flags of every build: -O3, OpenMP, no errno from libm (so sqrt inlines), and
-    AVX2+FMA when this CPU has them. No -ffast-math and no contraction of a*b+c into one FMA:
+    """Return the flags of every build: -O3, OpenMP, no errno from libm (so sqrt inlines),
+    AVX2+FMA and AVX-512 when this CPU has them, then `$HSPMD_CXXFLAGS`. No -ffast-math and no contraction of a*b+c into one FMA:
     NaN, infinities and the rounding of each operation stay IEEE, as in NumPy."""
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
              "-ffp-contract=off"]
@@ -78,6 +79,9 @@ def compile_flags() -> tuple[str, ...]:
     words = set(cpu.split())
     if {"avx2", "fma"} <= words:
         flags += ["-mavx2", "-mfma"]
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= words:  # 16 floats a vector: exp-heavy loops gain most
+        flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+    flags += os.environ.get("HSPMD_CXXFLAGS", "").split()  # extra flags, part of the cache key
     return tuple(flags)
 
 
@@ -87,7 +91,7 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "hspmd" / "kernels"
 
 
-def _launcher(spec: LaunchSpec) -> str:
+def _launcher(spec: LaunchSpec, team: bool) -> str:
     args = ", ".join(f"({t}*)a[{i}]" for i, t in enumerate(spec.arg_types))
     args = f"{args}, n0, n1" if args else "n0, n1"
     head = f'extern "C" void hs_launch_{spec.function}(void **a, long n0, long n1, int team) {{\n'
@@ -107,6 +111,10 @@ def _launcher(spec: LaunchSpec) -> str:
             f"    hs_serial::{spec.function}({args});\n"
             "    return;\n"
             "  }\n"
+        )
+        if not team:
+            return head + body + "  abort();  // built without the team emulation\n}\n"
+        body += (
             "  for (long b = 0; b < n0; ++b) {\n"
             "#pragma omp parallel num_threads(team)\n"
             "    {\n"
@@ -120,10 +128,11 @@ def _launcher(spec: LaunchSpec) -> str:
     return head + body + "}\n"
 
 
-def library_text(sources: list[str], launches: list[LaunchSpec]) -> str:
-    """Return the C++ translation unit holding `sources` in both emulations plus launchers."""
+def library_text(sources: list[str], launches: list[LaunchSpec], team: bool = False) -> str:
+    """Return the C++ translation unit holding `sources` in the serial emulation (and, with
+    `team`, in the team emulation too) plus the launchers."""
     src = "\n".join(sources)
-    return (
+    serial = (
         '#include "cuda_emu.h"\n'
         "namespace hs_serial {\n"
         "using hs_emu::blockIdx; using hs_emu::gridDim;\n"
@@ -135,6 +144,8 @@ def library_text(sources: list[str], launches: list[LaunchSpec]) -> str:
         f"{src}\n"
         "#undef HS_SERIAL_BLOCK\n#undef __syncthreads\n"
         "}  // namespace hs_serial\n"
+    )
+    team_part = (
         "namespace hs_team {\n"
         "using hs_emu::blockIdx; using hs_emu::gridDim; using hs_emu::threadIdx; using hs_emu::blockDim;\n"
         "template <class T> static inline T __shfl_down_sync(unsigned, T v, int d) { return hs_team_shfl_down(v, d); }\n"
@@ -143,8 +154,10 @@ def library_text(sources: list[str], launches: list[LaunchSpec]) -> str:
         '#include "hs_common.cuh"\n'
         f"{src}\n"
         "#undef __syncthreads\n"
-        "}  // namespace hs_team\n" + "".join(_launcher(s) for s in launches)
+        "}  // namespace hs_team\n"
+        'extern "C" { int hs_has_team = 1; }\n'
     )
+    return serial + (team_part if team else "") + "".join(_launcher(s, team) for s in launches)
 
 
 def library_key(text: str, cxx: str) -> str:
@@ -156,15 +169,16 @@ def library_key(text: str, cxx: str) -> str:
     return h.hexdigest()[:32]
 
 
-def build_library(sources: list[str], launches: list[LaunchSpec], cxx: str | None = None) -> Path:
+def build_library(sources: list[str], launches: list[LaunchSpec], cxx: str | None = None, team: bool = False) -> Path:
     """Compile (or find in the cache) the library of `sources`; return the .so path.
 
-    CompileError if there is no compiler or it rejects the text.
+    `team` also builds the team emulation (blockDim > 1; for tests: it doubles the compile
+    time). CompileError if there is no compiler or it rejects the text.
     """
     cxx = cxx or find_compiler()
     if cxx is None:
         raise CompileError("no C++ compiler found ($CXX, g++, c++ or clang++)")
-    text = library_text(sources, launches)
+    text = library_text(sources, launches, team)
     key = library_key(text, cxx)
     folder = cache_dir()
     target = folder / f"hs_{key}.so"
@@ -193,6 +207,8 @@ class Library:
         self.path = path
         self._dll = ctypes.CDLL(str(path))
         self._fns: dict[str, ctypes._CFuncPtr] = {}
+        #: whether the library holds the team emulation (blockDim > 1)
+        self.has_team = hasattr(self._dll, "hs_has_team")
 
     def function(self, name: str):
         """Return the ctypes launcher of `__global__` function `name`."""
@@ -213,7 +229,10 @@ def load_library(path: Path) -> Library:
     defaults to 20000 (tens of microseconds): long enough that back-to-back kernels do not pay
     a futex wake-up each, short enough that on a machine with more busy processes than cores
     (MPI ranks, other jobs) a spinning thread does not steal a whole time slice from the one
-    doing the work. An explicit setting of the variable is kept.
+    doing the work. OMP_DYNAMIC defaults to true: libgomp then starts no more threads than
+    the cores the load average leaves free, so a busy machine runs kernels on fewer threads
+    instead of waiting at every barrier for a descheduled one. Explicit settings are kept.
     """
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    os.environ.setdefault("OMP_DYNAMIC", "true")
     return Library(path)

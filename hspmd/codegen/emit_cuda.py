@@ -341,8 +341,8 @@ HS_KERNEL void {name}(const T* __restrict__ x, T* __restrict__ y, long rows, lon
       yr[j] = e;
       s += e;
     }
-    s = hs_block_sum(s);
-    HS_COLS(j, cols) yr[j] = yr[j] / s;
+    const T inv = (T)1 / hs_block_sum(s);  // one division a row (within 1 ulp of NumPy's e / sum)
+    HS_COLS(j, cols) yr[j] = yr[j] * inv;
   }
 }
 """
@@ -504,10 +504,10 @@ HS_KERNEL void {name}(const T* __restrict__ x, const L* __restrict__ labels, con
       dr[j] = e;
       s += e;
     }
-    s = hs_block_sum(s);
+    const T inv = (T)1 / hs_block_sum(s);
     const long lab = (long)labels[r];
     const T scale = {ignored} ? (T)0 : dloss[r];
-    HS_COLS(j, cols) dr[j] = (dr[j] / s - (j == lab ? (T)1 : (T)0)) * scale;
+    HS_COLS(j, cols) dr[j] = (dr[j] * inv - (j == lab ? (T)1 : (T)0)) * scale;
   }
 }
 """

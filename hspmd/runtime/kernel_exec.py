@@ -64,8 +64,10 @@ def launch_specs(op: kernel.FusedOp) -> list[cpu_compile.LaunchSpec]:
     return [cpu_compile.LaunchSpec(kind, fname, types) for kind, fname, _, _ in op.launch_list]
 
 
-def build_program(module: Operation) -> Path:
-    """Build (or find cached) the one library holding every kernel of `module`; return its path."""
+def build_program(module: Operation, team: bool = False) -> Path:
+    """Build (or find cached) the one library holding every kernel of `module`; return its path.
+
+    `team` adds the blockDim > 1 emulation (`cpu_call(..., team=N)`), for tests."""
     ops = fused_ops(module)
     seen: dict[str, str] = {}
     sources, specs = [], []
@@ -78,7 +80,7 @@ def build_program(module: Operation) -> Path:
         seen[name] = op.source.data
         sources.append(op.source.data)
         specs += launch_specs(op)
-    return cpu_compile.build_library(sources, specs)
+    return cpu_compile.build_library(sources, specs, team=team)
 
 
 _PROGRAMS: "weakref.WeakKeyDictionary[Operation, cpu_compile.Library | None]" = weakref.WeakKeyDictionary()
@@ -140,9 +142,12 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
     """Return a function running `op`'s launches from `lib` on NumPy arrays.
 
     `team` > 1 runs row launches with that many emulated threads per block (an OpenMP team,
-    real barriers and shuffles): slow, for testing the GPU algorithm on a CPU.
+    real barriers and shuffles): slow, for testing the GPU algorithm on a CPU; `lib` must then
+    come from `build_program(module, team=True)`.
     Results are new arrays, or the arrays passed as `out=` (a tuple, one per result).
     """
+    if team > 1 and not lib.has_team:
+        raise ValueError("team > 1 needs a library built with team=True (build_program(module, team=True))")
     in_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.inputs]
     out_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.outputs]
     t = np.dtype({"f32": "float32", "f64": "float64"}[op.dtype.data])
