@@ -37,6 +37,8 @@ SMALL = {
     "mlp.py": ["batch_size=16", "hidden=32"],
     "gpt.py": ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=4",
               "optim.warmup=1"],
+    "llama.py": ["model.d_model=32", "model.seq_len=8", "model.heads=2", "model.layers=2", "data.batch_size=4",
+                "optim.warmup=1"],
 }
 _reference: dict[str, object] = {}
 

@@ -19,7 +19,7 @@ from test_pipeline import _one_device, _script, _stage_params, _train
 
 from hspmd.dialects import comm, graph
 from hspmd.dialects.dist import layout_of
-from hspmd.frontend.compile import compile_script, pipeline_stages
+from hspmd.frontend.compile import annotate_with_provenance, compile_script, pipeline_stages
 from hspmd.frontend.strategy import parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.levels import physical_groups
@@ -33,6 +33,7 @@ from hspmd.transforms.util import PassError
     ("gpt.py", "[0-3]: dp=1 tp=2 pp=2", 4, 4, "1f1b"),
     ("gpt.py", "[0-3]: dp=1 tp=2 pp=2 sp=1", 4, 2, "gpipe"),  # the sequence split over tp, per micro-batch
     ("mlp.py", "[0-7]: dp=2 tp=2 pp=2", 8, 2, "1f1b"),
+    ("llama.py", "[0-3]: dp=1 tp=2 pp=2", 4, 2, "1f1b"),  # head-parallel q/k/v, RoPE, vocabulary-split head
 ])
 def test_stages_with_dp_and_tp_equal_one_device(tmp_path, example, strategy, n, m, schedule):
     ref = _one_device(tmp_path, example)
@@ -124,6 +125,15 @@ def test_bad_hybrid_pipelines_are_refused_in_one_message(strategy, n, words):
         compile_script(_script("gpt.py"), strategy, n)
     text = str(err.value)
     assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_explain_shows_the_stage_shaped_annotated_step():
+    compiled = compile_script(_script("gpt.py"), "[0-3]: dp=1 tp=2 pp=2", 4, microbatches=2)
+    assert compiled.annotated_as == "[0-3]: dp=2 tp=2"
+    module, provenance = annotate_with_provenance(compiled)
+    qkv = next(o for o in module.walk() if isinstance(o, graph.ParameterOp)
+               and o.tensor_name.data == "blocks.0.attn.qkv.weight")
+    assert str(layout_of(qkv.result)) == "[0-3]: dup=2, split(1)=2" and provenance
 
 
 def test_pipeline_shape_is_stage_major_then_dp_then_tp():

@@ -109,6 +109,9 @@ class Compiled:
     physical: ModuleOp
     # the learning-rate schedule the runtime feeds as input "lr" (hspmd.runtime.schedule spec)
     lr_schedule: dict | None = None
+    # the strategy the annotated level was made with: `strategy`, or for a pipeline the
+    # stage-shaped one over virtual devices (`Pipeline.stage_strategy`)
+    annotated_as: str = ""
 
 
 def compile_script(
@@ -152,7 +155,8 @@ def compile_script(
     physical = annotated.clone()
     run_passes(physical, PHYSICAL_PIPELINE + split)
     verify_physical(physical)
-    return Compiled(script, str(parsed), logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
+    return Compiled(script, str(parsed), logical, annotated, physical, opt.schedule_spec() if opt is not None else None,
+                    annotate_as)
 
 
 def write_bundle(compiled: Compiled, directory: str) -> str:
@@ -190,7 +194,7 @@ def annotate_with_provenance(compiled):
     module = compiled.logical.clone()
     ctx = make_context()
     provenance = {}
-    for p in build_passes(annotate_pipeline(compiled.strategy)):
+    for p in build_passes(annotate_pipeline(compiled.annotated_as or compiled.strategy)):
         if isinstance(p, PropagateLayouts):
             provenance = propagate(module)
         else:
