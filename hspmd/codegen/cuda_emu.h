@@ -47,29 +47,38 @@ namespace hs_emu {
 inline thread_local hs_dim3 blockIdx{0, 0, 0}, gridDim{1, 1, 1}, threadIdx{0, 0, 0}, blockDim{1, 1, 1};
 }  // namespace hs_emu
 
+// a * b + c: one fused multiply-add where the CPU has it (used inside hs_cpu_expf/tanhf
+// only, whose error bound already allows it; the kernels' own arithmetic is never contracted)
+#ifdef __FMA__
+#define HS_FMAF(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define HS_FMAF(a, b, c) ((a) * (b) + (c))
+#endif
+
 // exp for float without a library call, so `omp simd` loops vectorise: exp(x) = 2^k exp(r),
 // r = x - k ln2 (Cody-Waite split), exp(r) by its degree-7 Taylor polynomial (|r| <= 0.347),
-// 2^k as two exponent-field scalings. Within 2 ulp of the correctly rounded result.
+// 2^k through the exponent field. Within 2 ulp of the correctly rounded result for
+// x >= -86.6; below (results under 2.5e-38, at the edge of the subnormals) it returns 0.
 static inline float hs_cpu_expf(float x) {
-  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  float kf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = xc - kf * 0.693359375f;
-  r = r - kf * -2.12194440e-4f;
+  float xc = x > -86.6f ? x : -86.6f;  // maxps / minps exactly (NaN gives the bound; see the end)
+  xc = xc < 88.8f ? xc : 88.8f;
+  float kf = HS_FMAF(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
+  float r = HS_FMAF(kf, -0.693359375f, xc);
+  r = HS_FMAF(kf, 2.12194440e-4f, r);
   float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int k = (int)kf, k1 = k >> 1, k2 = k - k1;
-  int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, 4);
-  std::memcpy(&s2, &b2, 4);
-  float y = (p * s1) * s2;
-  y = x < -104.0f ? 0.0f : y;
+  p = HS_FMAF(p, r, 1.0f / 720.0f);
+  p = HS_FMAF(p, r, 1.0f / 120.0f);
+  p = HS_FMAF(p, r, 1.0f / 24.0f);
+  p = HS_FMAF(p, r, 1.0f / 6.0f);
+  p = HS_FMAF(p, r, 0.5f);
+  p = HS_FMAF(p, r, 1.0f);
+  p = HS_FMAF(p, r, 1.0f);
+  // k in [-125, 128]: 2^(k-1) is a normal float, and p * 2 * 2^(k-1) rounds once (or overflows)
+  int32_t bits = ((int32_t)kf + 126) << 23;
+  float s;
+  std::memcpy(&s, &bits, 4);
+  float y = (p * 2.0f) * s;
+  y = x < -86.6f ? 0.0f : y;
   return x != x ? x : y;
 }
 
@@ -79,13 +88,13 @@ static inline float hs_cpu_tanhf(float x) {
   float a = x < 0.0f ? -x : x;
   float z = x * x;
   float p = 6404582.0f / 10854718875.0f;
-  p = p * -z + 929569.0f / 638512875.0f;
-  p = p * -z + 21844.0f / 6081075.0f;
-  p = p * -z + 1382.0f / 155925.0f;
-  p = p * -z + 62.0f / 2835.0f;
-  p = p * -z + 17.0f / 315.0f;
-  p = p * -z + 2.0f / 15.0f;
-  p = p * -z + 1.0f / 3.0f;
+  p = HS_FMAF(p, -z, 929569.0f / 638512875.0f);
+  p = HS_FMAF(p, -z, 21844.0f / 6081075.0f);
+  p = HS_FMAF(p, -z, 1382.0f / 155925.0f);
+  p = HS_FMAF(p, -z, 62.0f / 2835.0f);
+  p = HS_FMAF(p, -z, 17.0f / 315.0f);
+  p = HS_FMAF(p, -z, 2.0f / 15.0f);
+  p = HS_FMAF(p, -z, 1.0f / 3.0f);
   float small = x - x * z * p;
   float e = hs_cpu_expf(2.0f * (a > 20.0f ? 20.0f : a));
   float big = 1.0f - 2.0f / (e + 1.0f);
