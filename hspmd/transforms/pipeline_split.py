@@ -96,12 +96,13 @@ MICROBATCHES_ATTR = "hspmd.microbatches"
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
+    """Return the devices of option `devices` ("0,1,2,3", stage-major)."""
     try:
         devices = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
     except ValueError:
         raise PassError(f"pipeline-split: devices '{text}' is not a comma-separated list of device numbers") from None
     if len(devices) < 2 or len(set(devices)) != len(devices):
-        raise PassError(f"pipeline-split: devices '{text}' must name at least 2 distinct devices (one per stage)")
+        raise PassError(f"pipeline-split: devices '{text}' must name at least 2 distinct devices (at least one per stage)")
     return devices
 
 
