@@ -303,3 +303,14 @@ def test_a_wrong_operand_shape_is_a_clear_error():
         call(np.zeros(8), np.zeros(9))
     with pytest.raises(ValueError, match="team=True"):
         cpu_call(op, program_library(module), team=4)
+
+
+@pytest.mark.parametrize("kind", ["xent", "xent_grad"])
+def test_a_label_out_of_range_gives_nan_rows_where_numpy_raises(kind):
+    module, op, args = row_case(kind, (3, 5), "f32")
+    labels = next(a for a in args if a.dtype.kind == "i")
+    labels[1] = 5
+    got = cpu_call(op, program_library(module))(*args)
+    assert np.isnan(got[1]).all() and np.isfinite(np.delete(got, 1, axis=0)).all()
+    with pytest.raises(IndexError):
+        numpy_call(op)(*args)

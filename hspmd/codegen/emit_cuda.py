@@ -102,9 +102,9 @@ def _pow_expr(x: str, p: float, t: str) -> str:
     return f"hs_pow({x}, {lit(p, t)})"
 
 
-def elementwise_expr(op: Operation, a: list[str], t: str, stmts: list[str], out: list[str], pos: str) -> None:
+def elementwise_expr(op: Operation, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
     """Append statements computing `op` from operand expressions `a` into `stmts`; `out` are
-    the names of its result variables; `pos` is the flat index (for index-dependent ops).
+    the names of its result variables.
 
     Scalar (0-d) operands arrive as `double` expressions. EmitError for an unsupported op.
     """
@@ -287,7 +287,7 @@ def emit_elementwise(
             body.append(f"const {t} {outs[0]} = (j > r % {tq}L) ? {value} : {names[m.operands[0]]};")
         else:
             args = [names[v] for v in m.operands]
-            elementwise_expr(m, args, t, body, outs, "i")
+            elementwise_expr(m, args, t, body, outs)
         for res, nm in zip(m.results, outs):
             names[res] = nm
     for k, v in enumerate(outputs):
@@ -506,7 +506,8 @@ HS_KERNEL void {name}(const T* __restrict__ x, const L* __restrict__ labels, con
     }
     const T inv = (T)1 / hs_block_sum(s);
     const long lab = (long)labels[r];
-    const T scale = {ignored} ? (T)0 : dloss[r];
+    // a label out of range gives NaN (NumPy raises an IndexError)
+    const T scale = {ignored} ? (T)0 : ((lab >= 0 && lab < cols) ? dloss[r] : (T)HS_NAN);
     HS_COLS(j, cols) dr[j] = (dr[j] * inv - (j == lab ? (T)1 : (T)0)) * scale;
   }
 }

@@ -224,7 +224,8 @@ def fuse_for_run(module: ModuleOp, backend: str = "cpu") -> ModuleOp:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
         return module
     fused = module.clone()
-    fuse_module(fused)
+    if not fuse_module(fused):
+        return module  # nothing to fuse: no library to build
     if program_library(fused) is None:
         return module
     return fused

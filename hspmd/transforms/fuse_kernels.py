@@ -101,15 +101,16 @@ _PLACEHOLDER = "HS_KERNEL_NAME"
 
 
 class _Namer:
-    """Names kernels within one module: k<N>_<op names>, and the same name for the same code
-    (the per-parameter Adam updates of one shape are one kernel, compiled once)."""
+    """Names kernels within one module: k<N>_<op names>, and the same name for the same source
+    (the Adam updates of all parameters, the layer norms of every layer: one kernel each,
+    compiled once; the extents are in each op's launches, not in the source)."""
 
     def __init__(self):
         self.count = itertools.count()
-        self.known: dict[tuple[str, tuple[str, ...]], str] = {}
+        self.known: dict[str, str] = {}
 
     def __call__(self, ops: list[Operation], code: KernelCode) -> tuple[str, KernelCode]:
-        key = (code.source, tuple(code.launches))
+        key = code.source
         name = self.known.get(key)
         if name is None:
             short = "_".join(o.name.split(".")[1] for o in ops[:3])
@@ -149,9 +150,8 @@ def _fuse_rows(block: Block, namer: _Namer) -> int:
             name, code = namer([op], emit_row(_PLACEHOLDER, op))
         except EmitError:
             continue
-        outputs = [r for r in op.results if r.uses]
-        if not outputs:
-            continue
+        if not any(r.uses for r in op.results):
+            continue  # dead: nothing to compute
         # the kernel writes every result; unused ones still come back (the yield names them all)
         _replace(block, code, name, float_kind(op.operands[0].type), [op], list(op.operands), list(op.results), [])
         count += 1
