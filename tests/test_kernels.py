@@ -170,8 +170,6 @@ def test_attention_scores_scale_mask_softmax_and_back(b, h, t, dt):
     x, dy = (rng.standard_normal((b, h, t, t)).astype(NP[dt]) for _ in range(2))
     env = {"x": x, "dy": dy}
     # run the fused program in order, checking each kernel on the values NumPy gives it
-    from hspmd.runtime.plan import build_plan  # noqa: F401  (the plan runs kernels the same way)
-
     values = {a: env[n] for a, n in zip(module.body.block.ops.first.body.block.args, ("x", "dy"))}
     for op in ops:
         args = [values[v] for v in op.inputs]

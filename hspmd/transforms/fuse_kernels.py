@@ -13,11 +13,12 @@ In every function of the module (the step and the private layer functions), per 
 
 A group grows only while that keeps the program valid with the fused op at the position of
 the group's last member: an op joins a group only if no op outside the group, placed
-before it, uses a member's value. Groups never span a collective (`comm.*`), a `func.call`
-, so the order of communication and compute stays as it was. Matmuls,
-reshapes, transposes, reductions over other dims, embeddings, dropout, casts, integer and
-f16/bf16 ops stay as they are (NumPy's BLAS / cuBLAS or the per-op kernels run them). The
-fused op keeps the replaced ops in its body: the semantics, and the per-op fallback.
+before it, uses a member's value. Groups never span a collective (`comm.*`) or a
+`func.call`, so the order of communication and compute stays as it was. Matmuls, reshapes,
+transposes, reductions over other dims, embeddings, dropout, casts, integer and f16/bf16 ops
+stay as they are (NumPy's BLAS / cuBLAS or the per-op kernels run them). The fused op keeps
+the replaced ops in its body: the semantics, and the per-op fallback. Kernels with the same
+source share one name, so a program compiles each once.
 """
 
 from __future__ import annotations
