@@ -89,6 +89,10 @@ def test_buckets_start_after_their_operands_and_end_before_their_uses(gpt_dp2):
         assert all(min(read.get(o, [len(plan.steps)])) > w for o in outs)  # waited on before any use
         between = plan.steps[max(written.get(a, -1) for a in ins) + 1: s]
         assert all(getattr(f, "__name__", "") in ("start", "poll") for f, *_ in between)  # as soon as ready
+    buffers = {id(fn_.__self__): fn_.__self__.buffer for fn_, *_ in plan.steps if isinstance(getattr(fn_, "__self__", None), Bucket)}
+    direct = [kw["out"] for _, _, _, kw, _ in plan.steps if isinstance(kw.get("out"), np.ndarray)
+              and any(np.shares_memory(kw["out"], b) for b in buffers.values())]
+    assert len(direct) >= 2 * 4  # the weight gradients (matmul_rhs_grad) are written into their buckets
     sizes = [(count, nbytes) for _, count, nbytes in plan.buckets]
     assert all(nbytes <= bucket_bytes or count == 1 for count, nbytes in sizes)
     assert len(plan.buckets) > 1

@@ -8,7 +8,9 @@ so that
   share a *bucket*: one flat buffer of at most `bucket_bytes` (a larger tensor gets a bucket
   of its own);
 * a bucket *starts* (copies its operands into its buffer and calls the communicator's
-  non-blocking `iall_reduce` in place) right after the node that computes its last operand,
+  non-blocking `iall_reduce` in place) right after the node that computes its last operand;
+  a kernel whose result only feeds the all-reduce writes it straight into the bucket
+  (`out=` a view of the bucket's buffer), so that gradient is not copied;
   and is *waited on* just before the first node that reads one of its results (the results
   are views of the bucket's buffer);
 * between start and wait, a light *poll* node after each kernel calls `test()` on the buckets
@@ -49,7 +51,8 @@ class Bucket:
     def start(self, *operands: np.ndarray) -> None:
         """Copy the operands into the buffer and start the in-place all-reduce."""
         for view, x in zip(self.views, operands):
-            np.copyto(view, x)
+            if x is not view:  # a producer that wrote into the bucket needs no copy
+                np.copyto(view, x)
         self.request = self.communicator.iall_reduce(self.buffer, self.group, out=self.buffer)
 
     def poll(self) -> None:
@@ -92,11 +95,15 @@ def plan_buckets(flat, rank: int, communicator: Communicator, devices: frozenset
         return []
     defined: dict[int, int] = {}
     first_use: dict[int, int] = {}
+    uses: dict[int, int] = {}
     for i, node in enumerate(nodes):
         for o in node.outs:
             defined[o] = i
         for a in node.ins:
             first_use.setdefault(a, i)
+            uses[a] = uses.get(a, 0) + 1
+    for _, slot in flat.outputs + flat.assigns:
+        uses[slot] = uses.get(slot, 0) + 1
     n = len(nodes)
     candidates = []  # (ready position, op position, first use, group, node)
     for i, node in enumerate(nodes):
@@ -144,6 +151,11 @@ def plan_buckets(flat, rank: int, communicator: Communicator, devices: frozenset
             Node(None, bucket.wait, (), tuple(m[4].outs[0] for m in members), "bucket-wait", bucket))
         spans.append((start, wait, bucket))
         removed.update(m[1] for m in members)
+        for m, view in zip(members, bucket.views):
+            a = m[4].ins[0]
+            producer = nodes[defined[a]] if a in defined else None
+            if producer is not None and producer.op is not None and uses.get(a) == 1 and a not in flat.constants:
+                producer.into = {**(producer.into or {}), producer.outs.index(a): view}
 
     out: list[Node] = []
     for i in range(n + 1):

@@ -376,8 +376,9 @@ class Node:
     kernel: Callable
     ins: tuple[int, ...]
     outs: tuple[int, ...]
-    kind: str = "op"  # "op", "bucket-start", "bucket-wait"
+    kind: str = "op"  # "op", "bucket-start", "bucket-wait", "poll"
     bucket: object = None
+    into: dict[int, np.ndarray] | None = None  # result position -> array to write it into (a bucket's view)
 
 
 @dataclass
@@ -574,8 +575,8 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
             for o in node.outs:
                 alias[o] = frozenset({fixed})
         elif poolable:
-            for o in node.outs:
-                alias[o] = frozenset({new_storage("pooled", o)})
+            for pos, o in enumerate(node.outs):
+                alias[o] = frozenset({new_storage("fixed" if node.into and pos in node.into else "pooled", o)})
         elif name in _VIEW_OPS:
             for o in node.outs:
                 alias[o] = alias[node.ins[0]]
@@ -672,7 +673,9 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
             places = []
             for pos, o in enumerate(node.outs):
                 name = inplace.get((i, pos))
-                if name is None:
+                if node.into and pos in node.into:
+                    template.append(node.into[pos] if allocate else None)
+                elif name is None:
                     (s,) = alias[o]
                     template.append(view(s))
                 else:
