@@ -34,6 +34,12 @@
 #define HS_COLS_SIMD(j, n) HS_PRAGMA(omp simd) HS_COLS(j, n)
 #define HS_COLS_SUM(j, n, v) HS_PRAGMA(omp simd reduction(+ : v)) HS_COLS(j, n)
 #define HS_COLS_MAX(j, n, v) HS_PRAGMA(omp simd reduction(max : v)) HS_COLS(j, n)
+// column sums: each OpenMP thread of the enclosing parallel region owns a contiguous range
+#define HS_COLUMN_RANGE(c0, c1, n)                                                              \
+  for (long c0 = (long)(n) * omp_get_thread_num() / omp_get_num_threads(),                     \
+            c1 = (long)(n) * (omp_get_thread_num() + 1) / omp_get_num_threads(), hs_once_ = 1; \
+       hs_once_; hs_once_ = 0)
+#define HS_SIMD HS_PRAGMA(omp simd)
 #define HS_EXPF(x) hs_cpu_expf(x)
 #define HS_TANHF(x) hs_cpu_tanhf(x)
 

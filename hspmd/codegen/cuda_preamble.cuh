@@ -13,6 +13,11 @@
 #define HS_COLS_SUM(j, n, v) HS_COLS(j, n)
 #define HS_COLS_MAX(j, n, v) HS_COLS(j, n)
 #define HS_COLS_SIMD(j, n) HS_COLS(j, n)
+// column sums: each thread owns the columns [c0, c1): here one column, grid-stride
+#define HS_COLUMN_RANGE(c0, c1, n) \
+  for (long c0 = (long)blockIdx.x * blockDim.x + threadIdx.x, c1 = c0 + 1; c0 < (long)(n); \
+       c0 += (long)gridDim.x * blockDim.x, c1 = c0 + 1)
+#define HS_SIMD
 typedef int int32_t;
 typedef long long int64_t;
 typedef short int16_t;

@@ -412,15 +412,18 @@ HS_KERNEL void {name}_rows(const T* __restrict__ x, const T* __restrict__ w, con
 HS_KERNEL void {name}_cols(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
                            T* __restrict__ dx, T* __restrict__ dw, T* __restrict__ db,
                            T* __restrict__ mean, T* __restrict__ rstd, long cols, long rows) {
-  HS_FOR(c, cols) {
-    T aw = 0, ab = 0;
+  // each thread sums its columns [c0, c1) over the rows in order (a GPU thread: one column)
+  HS_COLUMN_RANGE(c0, c1, cols) {
+    for (long c = c0; c < c1; ++c) dw[c] = db[c] = (T)0;
     for (long r = 0; r < rows; ++r) {
-      const T g = dy[r * cols + c];
-      aw += g * ((x[r * cols + c] - mean[r]) * rstd[r]);
-      ab += g;
+      const T m = mean[r], s = rstd[r];
+      const T* xr = x + r * cols;
+      const T* gr = dy + r * cols;
+      HS_SIMD for (long c = c0; c < c1; ++c) {
+        dw[c] += gr[c] * ((xr[c] - m) * s);
+        db[c] += gr[c];
+      }
     }
-    dw[c] = aw;
-    db[c] = ab;
   }
 }
 """
@@ -459,10 +462,14 @@ HS_KERNEL void {name}_rows(const T* __restrict__ x, const T* __restrict__ w, con
 }
 HS_KERNEL void {name}_cols(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
                            T* __restrict__ dx, T* __restrict__ dw, T* __restrict__ rstd, long cols, long rows) {
-  HS_FOR(c, cols) {
-    T aw = 0;
-    for (long r = 0; r < rows; ++r) aw += dy[r * cols + c] * x[r * cols + c] * rstd[r];
-    dw[c] = aw;
+  HS_COLUMN_RANGE(c0, c1, cols) {
+    for (long c = c0; c < c1; ++c) dw[c] = (T)0;
+    for (long r = 0; r < rows; ++r) {
+      const T s = rstd[r];
+      const T* xr = x + r * cols;
+      const T* gr = dy + r * cols;
+      HS_SIMD for (long c = c0; c < c1; ++c) dw[c] += gr[c] * xr[c] * s;
+    }
   }
 }
 """
