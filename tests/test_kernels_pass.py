@@ -362,6 +362,36 @@ def test_data_parallel_gpt_fused_on_two_ranks_equals_numpy(tmp_path):
     np.testing.assert_allclose(losses(fused_group), losses(group), rtol=1e-5)
 
 
+@needs_cxx
+def test_heterogeneous_tensor_parallel_gpt_fused_equals_numpy():
+    """Two groups with different programs (tp=2 on ranks 0,1; tp=1 on rank 2), each fused."""
+    from hspmd.frontend.compile import compile_script
+    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.ir.levels import physical_groups
+    from hspmd.runtime.comm import run_spmd
+    from hspmd.runtime.plan import build_plan
+
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(list(SMALL_GPT)))
+    groups = physical_groups(compile_script(script, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", 3).physical)
+    fused_groups = {d: kernel_exec.fuse_for_run(m, "cpu") for d, m in groups}
+    assert all(any(isinstance(o, FusedOp) for o in m.walk()) for m in fused_groups.values())
+    rng = np.random.default_rng(0)
+    batch = {"ids": rng.integers(0, 256, (4, 16)), "targets": rng.integers(0, 256, (4, 16)), "lr": np.array(1e-3)}
+
+    def losses(mods):
+        def body(comm):
+            (mod,) = [m for d, m in mods.items() if comm.rank in d]
+            step = next(o for o in mod.walk() if getattr(o, "sym_name", None) is not None
+                        and o.sym_name.data == "train_step")
+            plan = build_plan(step, comm.rank, comm)
+            state = plan.initial_state(0)
+            return [float(plan.run(state, plan.local_batch(batch))["loss"]) for _ in range(2)]
+
+        return run_spmd(3, body)
+
+    np.testing.assert_allclose(losses(fused_groups), losses(dict(groups)), rtol=1e-5)
+
+
 def test_compile_emit_kernels_writes_cu_files_and_kernel_ir(tmp_path, cli):
     d = tmp_path / "out"
     proc = cli("hspmd", "compile", os.path.join(EXAMPLES, "gpt.py"), *[a for s in SMALL_GPT for a in ("--set", s)],
