@@ -2,7 +2,8 @@
 
 * GPT's fused qkv is head-major, so with tp=2 each rank computes the attention of its heads:
   the blocks need only the Megatron all-reduces (forward: one per row-parallel matmul;
-  backward: one per column-parallel input), and nothing gathers qkv.
+  backward: one per column-parallel input, the LM head's included), and nothing gathers qkv;
+  no weight gradient is reduced over tp.
 * The embedding table is split along the vocabulary (the lookup gives partial sums), the LM
   head along its vocabulary outputs, and the cross-entropy runs on vocabulary-split logits: the
   maxima of the tp pieces are all-gathered ([..., tp] values) and the sum of exponentials and
@@ -22,18 +23,20 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xdsl.rewriter import Rewriter
 from test_spmd_property import _all_states, check_outputs, compile_step, run_step
 from test_tensor_parallel import _script
 
 import hspmd as hs
 from conftest import EXAMPLES, run_cli
 from hspmd.dialects import graph
-from hspmd.dialects.dist import layout_of
+from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.frontend.compile import compile_script
 from hspmd.frontend.tracing import Tracer
-from hspmd.ir.layout import DistributedStates, Layout, split
+from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.report import collective_report
 from hspmd.transforms.autodiff import Autodiff
+from hspmd.transforms.pipeline import run_passes
 from hspmd.transforms.util import PassError
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 
@@ -55,9 +58,15 @@ def test_tp2_collectives_are_megatron_s_and_nothing_gathers_activations(example)
     gathers = [r for r in rows if r.op == "comm.all_gather"]
     # the only gather: each rank's maximum of its vocabulary piece, per token
     assert [(r.shape, r.result_shape) for r in gathers] == [((B, T, 1), (B, T, 2))], gathers
-    step = Counter((r.op, r.shape) for r in rows if r.function == "train_step" and len(r.shape) >= 2)
-    assert step[("comm.all_reduce", (B, T, D))] == 1  # the vocabulary-split lookup's partial sums
-    assert step[("comm.all_reduce", (B, T))] == 2  # the sum of exponentials and the label's logit
+    step = Counter((r.op, r.shape) for r in rows if r.function == "train_step" and r.op != "comm.local_split")
+    # forward: the vocabulary-split lookup's partial sums ([B, T, D]), the tp maxima, the sum of
+    # exponentials and the label's logit ([B, T]); backward: the LM head's input gradient (it is
+    # column-parallel); then only the gradient norm's partial sums of squares (scalars). No weight
+    # gradient is reduced over tp: the norms' and embeddings' gradients come from whole inputs.
+    scalars = step.pop(("comm.all_reduce", ()), 0)
+    assert step == Counter({("comm.all_reduce", (B, T, D)): 2, ("comm.all_gather", (B, T, 1)): 1,
+                            ("comm.all_reduce", (B, T)): 2}), step
+    assert scalars > 0
     assert not any(V // 2 in r.shape or V in r.shape for r in rows if len(r.shape) == 3), "logits moved"
 
 
@@ -116,12 +125,20 @@ def test_vocab_parallel_cross_entropy_equals_the_fused_loss(data, tp, n, ignore,
     split_cross_entropy(loss, tp)
     assert not any(isinstance(o, (graph.SoftmaxCrossEntropyOp, graph.SoftmaxCrossEntropyGradOp))
                    for o in logical.walk())
-    fixed = {"logits": DistributedStates.of((split(2), n))} if data.draw(st.booleans()) else {}
+    # as in a tp program: logits split along the classes, labels whole (or any layouts at all)
+    fixed = {"logits": DistributedStates.of((split(2), n)), "labels": DistributedStates.of((DUP, n))} \
+        if data.draw(st.booleans()) else {}
     layouts = _layouts(data.draw, shapes, n, fixed)
     physical = compile_step(logical, layouts)
     check_outputs(run_step(physical, n, batch), ref, f"tp={tp} on {n} ranks, {layouts}")
-    if fixed and tp == n:  # split logits: only [.., tp] maxima are gathered, never the logits
-        assert all(r.op != "comm.all_gather" or r.shape[-1] == 1 for r in collective_report(physical))
+    if fixed and tp == n:  # split logits stay split: exp, one_hot and the softmax run on class pieces
+        annotated = logical.clone()
+        for op in annotated.walk():
+            if isinstance(op, (graph.ParameterOp, graph.InputOp)):
+                Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, layouts[op.tensor_name.data]))
+        run_passes(annotated, "propagate-layouts,insert-reshard")
+        pieces = [str(layout_of(o.results[0])) for o in annotated.walk() if isinstance(o, (graph.ExpOp, graph.OneHotOp))]
+        assert len(pieces) == 3 and set(pieces) == {str(Layout.spmd(range(n), fixed["logits"]))}, pieces
 
 
 @settings(max_examples=10, deadline=None)

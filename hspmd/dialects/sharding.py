@@ -158,12 +158,16 @@ def _rule_for_more(op: Operation) -> OpRule | None:
             return OpRule((d, d), (d,), frozenset({1}), blocked=frozenset({d[op.dim.value.data]}))
         case graph.LayerNormOp():
             return _last_dim_rule(op, (True, False, False), (True,))
-        case graph.LayerNormGradOp():
-            return _last_dim_rule(op, (True, False, True), (True, False, False), frozenset({2}))
+        case graph.LayerNormGradOp():  # linear in dy, but a partial dy is reduced first (below)
+            return _last_dim_rule(op, (True, False, True), (True, False, False))
         case graph.RmsNormOp():
             return _last_dim_rule(op, (True, False), (True,))
         case graph.RmsNormGradOp():
-            return _last_dim_rule(op, (True, False, True), (True, False), frozenset({2}))
+            # Linear in dy, yet declared not: a partial dy (a column-parallel input's gradient) is
+            # all-reduced here, as Megatron does, so the residual stream's gradient, the norm's
+            # weight gradients and what the embeddings receive are whole, not partial sums that
+            # each need a reduction of their own.
+            return _last_dim_rule(op, (True, False, True), (True, False))
         case graph.EmbeddingOp():
             # vocabulary-parallel (Megatron): a table split along V gives each rank the rows it
             # owns and zeros for other ids, so `v`, missing from the result, leaves partial sums.
