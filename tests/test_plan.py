@@ -227,16 +227,17 @@ def test_in_place_kernels_match_the_textbook_formulas(rows, cols, seed):
     assert numpy_ops.softmax_grad(sm, dy, -1).tobytes() == (sm * (dy - (dy * sm).sum(-1, keepdims=True))).tobytes()
 
 
-def test_rows_on_threads_give_the_bits_of_one_thread(monkeypatch):
+def test_rows_by_blocks_on_threads_give_the_bits_of_one_call(monkeypatch):
     """Large row-wise kernels run by blocks of rows on threads: the same bits as one call."""
     from hspmd.runtime import plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(SMALL))
     compiled = compile_script(script, "[0]: dp=1", 1)
     comm = InProcessCommunicator.create_world(1)[0]
+    single = build_plan(_step_fn(compiled.physical), 0, comm, threads=1)  # too small to be cut
+    monkeypatch.setattr(plan_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
+    monkeypatch.setattr(plan_mod, "ROW_BLOCK_ELEMENTS", 100)  # several blocks per thread
     threaded = build_plan(_step_fn(compiled.physical), 0, comm, threads=3)
-    single = build_plan(_step_fn(compiled.physical), 0, comm, threads=1)
     wrapped = [fn for fn, *_ in threaded.steps if hasattr(fn, "rows_of")]
     assert len(wrapped) > 10 and not any(hasattr(fn, "rows_of") for fn, *_ in single.steps)
     s1, o1 = _run(threaded, script, compiled, 2)

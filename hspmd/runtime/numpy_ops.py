@@ -32,10 +32,21 @@ def takes_out(fn: Kernel) -> Kernel:
 
 
 def by_rows(fn: Kernel) -> Kernel:
-    """Mark `out=` kernel `fn` as row-wise: rows of its result along dim 0 depend only on the
-    same rows of its operands of the result's shape (the plan may run blocks of rows on threads)."""
+    """Mark `out=` kernel `fn` as parallel along dim 0: rows of its result along dim 0 depend
+    only on the same rows of its operands with that leading extent (the plan may run blocks
+    of rows on threads)."""
     fn.accepts_out = True  # type: ignore[attr-defined]
     fn.row_parallel = True  # type: ignore[attr-defined]
+    return fn
+
+
+def rowwise(fn: Kernel) -> Kernel:
+    """Mark `out=` kernel `fn` as row-wise over all leading dims: each row (last dim) of its
+    results depends only on the same row of its operands of the result's leading dims, and on
+    operands of rank <= 1 (elementwise kernels, softmax or a norm over the last dim). The plan
+    may run it by small blocks of rows (cache-sized) and on threads; the bits are the same."""
+    by_rows(fn)
+    fn.rowwise = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -148,6 +159,16 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         np.matmul(rows, b, out=out.reshape(rows.shape[0], b.shape[1]))
         return out
     return np.matmul(a, b, out=out)
+
+
+@by_rows
+def batched_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a @ b` of two stacks of matrices with the same leading dims: many small products, which
+    the plan may split by the leading dim over threads with BLAS on one thread each."""
+    return np.matmul(a, b, out=out)
+
+
+batched_matmul.blas_single = True  # type: ignore[attr-defined]
 
 
 @takes_out
@@ -476,6 +497,12 @@ def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
 # ----------------------------------------------------------------------------- dispatch
 
 
+def _along(axis: int, ndim: int) -> Callable[[Kernel], Kernel]:
+    """Return the marker of a kernel that reduces along `axis` of an `ndim`-dimensional result."""
+    axis %= ndim
+    return rowwise if axis == ndim - 1 else by_rows if axis != 0 else takes_out
+
+
 def kernel_for(op: Operation, rank: int = 0) -> Kernel:
     """Return the NumPy function that computes `op` from its operand arrays on `rank`.
 
@@ -492,14 +519,15 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.DivOp():
             return np.divide
         case graph.ReluOp():
-            return by_rows(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
+            return rowwise(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
         case graph.ReluGradOp():
             return lambda x, dy: np.where(x > 0, dy, 0).astype(dy.dtype)
         case graph.ScaleOp():
             factor = _result_dtype(op).type(op.factor.value.data)
-            return by_rows(lambda x, out=None: np.multiply(x, factor, out=out))
+            return rowwise(lambda x, out=None: np.multiply(x, factor, out=out))
         case graph.MatmulOp():
-            return matmul
+            a, b = (v.type.get_shape() for v in op.operands)
+            return batched_matmul if len(a) == len(b) > 2 and a[:-2] == b[:-2] else matmul
         case graph.MatmulRhsGradOp():
             return matmul_rhs_grad
         case graph.TransposeOp():
@@ -538,7 +566,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.sqrt
         case graph.RsqrtOp():
 
-            @by_rows
+            @rowwise
             def rsqrt(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.sqrt(x, out=out)
                 return np.divide(1, out, out=out)
@@ -548,7 +576,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.tanh
         case graph.TanhGradOp():
 
-            @by_rows
+            @rowwise
             def tanh_grad(y: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.multiply(y, y, out=out)
                 np.subtract(1, out, out=out)
@@ -566,10 +594,10 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return silu_grad
         case graph.GeluOp():
             approximate = op.approximate.data
-            return by_rows(lambda x, out=None: gelu(x, approximate, out))
+            return rowwise(lambda x, out=None: gelu(x, approximate, out))
         case graph.GeluGradOp():
             approximate = op.approximate.data
-            return by_rows(lambda x, dy, out=None: gelu_grad(x, dy, approximate, out))
+            return rowwise(lambda x, dy, out=None: gelu_grad(x, dy, approximate, out))
         case graph.PowOp():
             return _pow(op.exponent.value.data)
         case graph.PowGradOp():
@@ -579,15 +607,17 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return lambda x: x.astype(dtype)
         case graph.SoftmaxOp():
             axis = op.dim.value.data
-            rows = by_rows if axis % len(_result_shape(op)) != 0 else takes_out
+            rows = _along(axis, len(_result_shape(op)))
+            axis = -1 if rows is rowwise else axis  # row blocks come as 2-D views
             return rows(lambda x, out=None: softmax(x, axis, out))
         case graph.SoftmaxGradOp():
             axis = op.dim.value.data
-            rows = by_rows if axis % len(_result_shape(op)) != 0 else takes_out
+            rows = _along(axis, len(_result_shape(op)))
+            axis = -1 if rows is rowwise else axis  # row blocks come as 2-D views
             return rows(lambda y, dy, out=None: softmax_grad(y, dy, axis, out))
         case graph.LayerNormOp():
             eps = op.eps.value.data
-            rows = by_rows if len(_result_shape(op)) > 1 else takes_out
+            rows = rowwise if len(_result_shape(op)) > 1 else takes_out
             return rows(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out))
         case graph.LayerNormGradOp():
             eps = op.eps.value.data

@@ -91,6 +91,7 @@ def _update(fn: Callable) -> Callable:
     """Mark `fn` as taking `out=` that may be its own operands (elementwise): see `hspmd.runtime.plan`."""
     fn.accepts_out = True  # type: ignore[attr-defined]
     fn.inplace_safe = True  # type: ignore[attr-defined]
+    fn.rowwise = True  # type: ignore[attr-defined]  (elementwise: the plan may run it by blocks)
     return fn
 
 

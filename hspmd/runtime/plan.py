@@ -31,10 +31,14 @@ What the build does, in order:
    memory are copied at the end of the step.
 6. **Frees.** Each step lists the slots that die after it, so kernel-allocated arrays are
    released as early as possible.
-7. **Rows in parallel.** A large elementwise or row-wise kernel (a ufunc, or one marked
-   `row_parallel = True`: its rows along dim 0 depend only on the same rows of its operands)
-   runs on `threads` threads, each on a block of rows of the same `out=` buffer; NumPy
-   releases the GIL, and every element is computed as it would be in one call (same bits).
+7. **Rows in blocks and in parallel.** A large row-wise kernel (a ufunc, or one marked
+   `rowwise = True`: elementwise, or reducing along the last dim only) runs on blocks of
+   rows small enough for the caches (its temporaries too), the blocks spread over `threads`
+   threads; one marked `row_parallel = True` (rows along dim 0 independent) runs on `threads`
+   blocks of rows. NumPy releases the GIL, and every element is computed as it would be in
+   one call (same bits).
+   Kernels also marked `blas_single = True` (batched matmuls: many small products) run so
+   with BLAS itself on one thread (through threadpoolctl, when installed).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 #: results of at least this many bytes are computed by rows on several threads
 ROW_PARALLEL_BYTES = 1 << 20
+#: a row-wise kernel works on blocks of about this many result elements (stays in cache)
+ROW_BLOCK_ELEMENTS = 1 << 15
 
 # ops whose result is a view of their first operand (never written through)
 _VIEW_OPS = ("graph.reshape", "graph.transpose", "graph.broadcast", "graph.split", "graph.slice")
@@ -324,11 +330,27 @@ def _pool(threads: int):
     return _POOL
 
 
+_BLAS = []
+
+
+def _blas_libraries() -> list:
+    """Return threadpoolctl's controllers of the loaded BLAS libraries ([] without threadpoolctl)."""
+    if not _BLAS:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _BLAS.append(ThreadpoolController().select(user_api="blas").lib_controllers)
+        except Exception:  # noqa: BLE001 - optional: without it, such kernels run whole
+            _BLAS.append([])
+    return _BLAS[0]
+
+
 def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -> Callable | None:
     """Return `kernel` run on `threads` blocks of rows (dim 0) of its `out=`, or None if it cannot be.
 
-    An operand of the result's shape is cut into the same rows; one of lower rank or with a
-    leading extent of 1 broadcasts, and is passed whole; any other shape keeps the kernel whole.
+    An operand of the result's rank and leading extent is cut into the same rows; one of lower
+    rank or with a leading extent of 1 broadcasts, and is passed whole; any other shape keeps
+    the kernel whole.
     """
     if not (getattr(kernel, "row_parallel", False) is True
             or isinstance(kernel, np.ufunc) and kernel.nout == 1 and kernel.nin == len(operand_types)):
@@ -340,12 +362,16 @@ def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -
     for t in operand_types:
         if t is None:
             return None
-        if t[0] == shape:
+        if len(t[0]) == len(shape) and t[0][0] == shape[0]:
             cut.append(True)
         elif len(t[0]) < len(shape) or t[0][0] == 1:
             cut.append(False)
         else:
             return None
+    blas = getattr(kernel, "blas_single", False) is True
+    libraries = _blas_libraries() if blas else []
+    if blas and not libraries:
+        return None
     step = -(-shape[0] // threads)
     blocks = [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
     pool = _pool(threads)
@@ -354,15 +380,86 @@ def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -
         def part(lo: int, hi: int):
             return kernel(*[a[lo:hi] if c else a for a, c in zip(args, cut)], out=out[lo:hi])
 
-        futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
-        part(*blocks[0])
-        for f in futures:
-            f.result()
+        saved = [lib.num_threads for lib in libraries]
+        for lib in libraries:
+            lib.set_num_threads(1)
+        try:
+            futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
+            part(*blocks[0])
+            for f in futures:
+                f.result()
+        finally:
+            for lib, n in zip(libraries, saved):
+                lib.set_num_threads(n)
         return out
 
     by_rows.__name__ = getattr(kernel, "__name__", "kernel")
     by_rows.rows_of = kernel  # type: ignore[attr-defined]
     return by_rows
+
+
+def _as_rows(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Return a view of `a` as [rows, cols]; AttributeError if that needs a copy."""
+    v = a.view()
+    v.shape = (rows, cols)
+    return v
+
+
+def _rowwise(kernel: Callable, operand_types: list, result_types: list, threads: int) -> Callable | None:
+    """Return `kernel` run by cache-sized blocks of rows (all leading dims merged), spread over
+    `threads` threads; None unless the kernel is row-wise (a ufunc, or marked `rowwise = True`).
+
+    An operand with the results' leading dims is cut into the same rows; one of rank <= 1
+    broadcasts along rows and is passed whole. An operand that cannot be viewed as rows
+    without a copy (a transposed view, say) makes that call run whole.
+    """
+    if not (getattr(kernel, "rowwise", False) is True
+            or isinstance(kernel, np.ufunc) and kernel.nout == 1 and kernel.nin == len(operand_types)):
+        return None
+    shape = result_types[0][0]
+    if any(t is None or t[0] != shape for t in result_types) or not shape:
+        return None
+    lead, last = (shape[:-1], shape[-1]) if len(shape) > 1 else (shape, 1)
+    rows = int(np.prod(lead, dtype=np.int64))
+    cols: list[int | None] = []
+    for t in operand_types:
+        if t is None:
+            return None
+        s = t[0]
+        if len(s) == len(shape) and (s[:-1] == lead if len(shape) > 1 else s == shape):
+            cols.append(s[-1] if len(shape) > 1 else 1)
+        elif len(s) == 0 or len(shape) > 1 and len(s) == 1:
+            cols.append(None)
+        else:
+            return None
+    per_block = max(1, ROW_BLOCK_ELEMENTS // last)
+    per_thread = -(-rows // threads)
+    spans = [(lo, min(lo + per_thread, rows)) for lo in range(0, rows, per_thread)]
+    pool = _pool(threads) if len(spans) > 1 else None
+    single = len(result_types) == 1
+
+    def by_blocks(*args, out):
+        try:
+            views = [a if c is None else _as_rows(a, rows, c) for a, c in zip(args, cols)]
+            outs = [_as_rows(o, rows, last) for o in ((out,) if single else out)]
+        except AttributeError:  # an operand is not a view of rows: one call on the whole
+            return kernel(*args, out=out)
+
+        def part(lo: int, hi: int) -> None:
+            for b in range(lo, hi, per_block):
+                e = min(b + per_block, hi)
+                block_out = outs[0][b:e] if single else tuple(o[b:e] for o in outs)
+                kernel(*[v if c is None else v[b:e] for v, c in zip(views, cols)], out=block_out)
+
+        futures = [pool.submit(part, lo, hi) for lo, hi in spans[1:]] if pool is not None else []
+        part(*spans[0])
+        for f in futures:
+            f.result()
+        return out
+
+    by_blocks.__name__ = getattr(kernel, "__name__", "kernel")
+    by_blocks.rows_of = kernel  # type: ignore[attr-defined]
+    return by_blocks
 
 
 # ----------------------------------------------------------------------------- flattening
@@ -686,8 +783,12 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
             else:
                 kw["out"] = template[0] if len(template) == 1 else tuple(template)
         kernel = node.kernel
-        if threads > 1 and out_capable[i] and len(node.outs) == 1 and _nbytes(types[node.outs[0]]) >= ROW_PARALLEL_BYTES:
-            kernel = _by_rows(kernel, [types[a] for a in node.ins], types[node.outs[0]], threads) or kernel
+        if out_capable[i] and _nbytes(types[node.outs[0]]) >= ROW_PARALLEL_BYTES:
+            operand_types = [types[a] for a in node.ins]
+            kernel = (_rowwise(kernel, operand_types, [types[o] for o in node.outs], threads)
+                      or (_by_rows(kernel, operand_types, types[node.outs[0]], threads)
+                          if threads > 1 and len(node.outs) == 1 else None)
+                      or kernel)
         plan.steps.append((kernel, node.ins, node.outs, kw, tuple(dead_at[i])))
     updated = {nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}
     plan._copy_out = frozenset(
