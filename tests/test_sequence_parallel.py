@@ -90,3 +90,16 @@ def test_bad_sequence_parallel_inputs_get_one_message():
 
     with pytest.raises(PassError, match=r"sequence parallelism \(sp=1\) across several device groups"):
         compile_script(_script("gpt.py"), "[0,1]: tp=2 sp=1 share=1 | [2,3]: tp=2 share=1", 4)
+
+
+def test_report_shows_reduce_scatter_where_tp_alone_all_reduces(cli):
+    args = ["hspmd", "compile", "examples/gpt.py", "--report", "--set", "model.layers=1", "--set", "model.seq_len=16",
+            "--set", "data.batch_size=4"]
+    sp = cli(*args, "--strategy", "[0,1]: tp=2 sp=1", check=True).stdout
+    tp = cli(*args, "--strategy", "[0,1]: tp=2", check=True).stdout
+    fwd = [line.split() for line in sp.splitlines() if "@Block_0_fwd" in line]
+    # [B, T, D] = [4, 16, 128]: gathered from / scattered to [4, 8, 128], 16 KiB sent per rank each
+    assert sorted((row[0], row[5], row[-2]) for row in fwd) == [
+        ("comm.all_gather", "4x8x128", "16,384"), ("comm.all_gather", "4x8x128", "16,384"),
+        ("comm.reduce_scatter", "4x16x128", "16,384"), ("comm.reduce_scatter", "4x16x128", "16,384")], fwd
+    assert [line.split()[0] for line in tp.splitlines() if "@Block_0_fwd" in line] == ["comm.all_reduce"] * 2

@@ -171,3 +171,13 @@ def test_llama_tp2_over_mpi_logs_the_single_device_losses(tmp_path):
     reference, got = losses(1, "[0]: dp=1"), losses(2, "[0,1]: tp=2")
     assert len(got) == 20
     np.testing.assert_allclose(got, reference, rtol=1e-4)
+
+
+def test_a_vocabulary_tp_does_not_divide_stays_whole():
+    compiled = compile_script(_script("gpt.py", ["model.vocab_size=258"]), "[0-3]: tp=4", 4)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["head.weight"] == lay["wte.weight"] == "[0-3]: dup=4"
+    assert lay["blocks.0.attn.qkv.weight"] == "[0-3]: split(1)=4"
+    ops = {o.name for o in compiled.annotated.walk()}
+    assert "graph.softmax_cross_entropy" in ops and "graph.one_hot" not in ops  # the fused loss is kept
