@@ -375,9 +375,7 @@ def residual_stream(module: ModuleOp, group: StrategyGroup) -> int:
     # Inside the blocks, each row-parallel output (partial sums over tp) joins the residual
     # stream split along the sequence: a reduce-scatter instead of an all-reduce.
     walk = _Walk(group.tp)
-    step = step_function(module)
-    walk.block_roles(step.body.block, {o.result: o.tensor_name.data for o in block.ops
-                                       if isinstance(o, graph.ParameterOp)}, str)
+    walk.block_roles(block, {o.result: o.tensor_name.data for o in block.ops if isinstance(o, graph.ParameterOp)}, str)
     for mm in walk.row_matmuls:
         out = _row_output(mm)
         if len(out.type.get_shape()) >= 3 and out.type.get_shape()[1] % group.tp == 0 and out not in seeded:
