@@ -1,7 +1,7 @@
 """Vocabulary-parallel cross-entropy (Megatron): the loss of logits split along the classes.
 
 `graph.softmax_cross_entropy` keeps its class dim whole (its sharding rule blocks it), so logits
-split over the vocabulary would be all-gathered in front of it. `split_cross_entropy(ops, tp)`
+split over the vocabulary would be all-gathered in front of it. `split_cross_entropy(loss, tp)`
 rewrites one loss and its gradients (`graph.softmax_cross_entropy_grad` of the same logits and
 labels, the training step is already differentiated) into ops whose rules let the class dim
 `c` stay split `tp` ways:
@@ -14,7 +14,8 @@ labels, the training step is already differentiated) into ops whose rules let th
     loss = log(s) - zl                                      (times the label mask with ignore_index)
     dx  = (exp(z - log(s)) - one_hot(labels)) * dloss
 
-The max of a split dim is not a sum, and partial layouts are sums: the reshape puts each tp
+Why no all-reduce-max collective: the max of a split dim is not a sum, and partial layouts
+are sums (a max kind would need a new layout state and comm op). Instead the reshape puts each tp
 rank's classes on one index of a new dim of extent tp (the reshape rule carries the class split
 onto it), the inner max is local, and the outer max over that small dim gathers only
 [..., tp] maxima (an all-gather of tp values per row instead of an all-reduce-max of one).
