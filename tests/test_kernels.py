@@ -165,7 +165,9 @@ def test_attention_scores_scale_mask_softmax_and_back(b, h, t, dt):
   func.return %3, %6 : {s}, {s}
 }}"""
     module, ops = fuse(text)
-    assert len(ops) == 4  # mask chain, softmax, softmax grad, mask chain
+    # scale + mask + softmax (the chain is the softmax kernel's prologue), softmax grad, mask + scale
+    assert len(ops) == 3
+    assert [o.name for o in ops[0].body.block.ops] == ["graph.scale", "graph.causal_mask", "graph.softmax", "kernel.yield"]
     rng = np.random.default_rng(t)
     x, dy = (rng.standard_normal((b, h, t, t)).astype(NP[dt]) for _ in range(2))
     env = {"x": x, "dy": dy}
@@ -217,24 +219,34 @@ ROWS = {
 }
 
 
-def row_case(kind: str, shape, dt: str, label_type: str = "i32"):
-    """Return (module, the op, its arguments) of row op `kind` on `shape`."""
+def row_case(kind: str, shape, dt: str, label_type: str = "i32", prologue: bool = False):
+    """Return (module, the op, its arguments) of row op `kind` on `shape`; with `prologue`,
+    its first operand is computed by a chain (tanh, then an added broadcast row) first."""
     op_text, result = ROWS[kind]
+    names = [n for n in ("x", "dy", "w", "b", "lab", "dl") if f"%{n}" in op_text]
+    if prologue:
+        op_text = op_text.replace("%x", "%px", 1)
     X, W, R, L = T(shape, dt), T(shape[-1:], dt), T(shape[:-1], dt), T(shape[:-1], label_type)
     sub = lambda s: s.replace("LAST", str(len(shape) - 1)).replace("X", X).replace("W", W).replace("R", R).replace("L", L)  # noqa: E731
-    names = [n for n in ("x", "dy", "w", "b", "lab", "dl") if f"%{n}" in op_text]
     types = {"x": X, "dy": X, "w": W, "b": W, "lab": L, "dl": R}
     res = sub(result)
     nres = res.count("tensor<")
     outs = ", ".join(f"%r#{i}" for i in range(nres)) if nres > 1 else "%r"
-    text = (f"func.func @f({', '.join(f'%{n}: {types[n]}' for n in names)}) -> ({res}) {{\n"
+    chain = ""
+    if prologue:
+        names.append("pb")
+        types["pb"] = W
+        chain = (f"  %t = graph.tanh %x : ({X}) -> {X}\n"
+                 f"  %bb = graph.broadcast %pb {{dims = array<i64: {len(shape) - 1}>}} : ({W}) -> {X}\n"
+                 f"  %px = graph.add %t, %bb : ({X}, {X}) -> {X}\n")
+    text = (f"func.func @f({', '.join(f'%{n}: {types[n]}' for n in names)}) -> ({res}) {{\n{chain}"
             f"  %r{':' + str(nres) if nres > 1 else ''} = {sub(op_text)}\n  func.return {outs} : {res}\n}}")
     module, ops = fuse(text)
     assert len(ops) == 1, text
     rng = np.random.default_rng(len(shape) * 100 + shape[-1])
     args = []
     for n in names:
-        s = shape[-1:] if n in ("w", "b") else shape[:-1] if n in ("lab", "dl") else shape
+        s = shape[-1:] if n in ("w", "b", "pb") else shape[:-1] if n in ("lab", "dl") else shape
         if n == "lab":
             lab = rng.integers(0, shape[-1], s)
             if kind.endswith("ignore"):
@@ -254,6 +266,16 @@ def row_case(kind: str, shape, dt: str, label_type: str = "i32"):
 def test_row_kernels_match_numpy(kind, lead, cols, dt):
     module, op, args = row_case(kind, (*lead, cols), dt)
     compare(module, op, args, dt)
+
+
+@pytest.mark.parametrize("team", [1, 8])
+@pytest.mark.parametrize("kind", ["softmax", "layer_norm", "rms_norm", "xent", "xent_ignore", "xent_grad"])
+def test_a_chain_feeding_a_row_kernel_becomes_its_prologue(kind, team):
+    module, op, args = row_case(kind, (5, 3, 37), "f64", "i64", prologue=True)
+    names = [o.name for o in op.body.block.ops]
+    assert sorted(names[:3]) == ["graph.add", "graph.broadcast", "graph.tanh"] and len(names) == 5
+    assert "_x(" in op.source.data  # the row kernel reads its operand through the prologue
+    compare(module, op, args, "f64", team=team)
 
 
 @pytest.mark.parametrize("team", [4, 40])

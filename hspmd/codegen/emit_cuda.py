@@ -231,33 +231,11 @@ def _broadcast_index(op: graph.BroadcastOp, cols: int) -> str:
     return " + ".join(terms) or "0"
 
 
-def emit_elementwise(
-    name: str,
-    members: list[Operation],
-    inputs: list[SSAValue],
-    outputs: list[SSAValue],
-    dtype: str,
-    out_shape: tuple[int, ...],
-) -> KernelCode:
-    """Return the elementwise kernel computing `outputs` from `inputs` through `members` (in
-    order). Inputs are tensors of the group's shape (read at `i`), 0-d scalars (read once) or
-    the operands of member `graph.broadcast` ops (read at the mapped index).
-
-    A plain chain is one flat loop (`HS_FOR`, launch `elementwise`). A chain that reads
-    through a broadcast or masks by position runs as rows of the last dim (launch `row`, no
-    reduction): the row and column indices then come without a division per element, and
-    the column loop stays unit-stride so a CPU compiler vectorises it.
-    """
-    t = C_FLOAT[dtype]
-    numel = math.prod(out_shape)
-    cols = out_shape[-1]
-    rows = numel // cols
-    two_d = any(isinstance(m, (graph.BroadcastOp, graph.CausalMaskOp)) for m in members)
-    # no __restrict__: a runner may pass an operand's array as the result of the same index
-    # (an in-place optimizer update), which is safe for a loop reading in[i] before out[i]
-    params = [f"const {c_type(v.type)}* in{k}" for k, v in enumerate(inputs)]
-    params += [f"{t}* out{k}" for k in range(len(outputs))]
-    params += ["long n0", "long n1"]
+def _elementwise_body(
+    members: list[Operation], inputs: list[SSAValue], outputs: list[SSAValue], t: str, cols: int
+) -> tuple[list[str], list[str], dict[SSAValue, str]]:
+    """Return (statements before the loop, statements per item, value names) computing
+    `members` at flat index `i` (= row `r` * `cols` + column `j` where an op needs them)."""
     input_index = {v: k for k, v in enumerate(inputs)}
     names: dict[SSAValue, str] = {}
     pre: list[str] = []
@@ -286,10 +264,43 @@ def emit_elementwise(
             value = lit(_prop(m, "value"), t)
             body.append(f"const {t} {outs[0]} = (j > r % {tq}L) ? {value} : {names[m.operands[0]]};")
         else:
-            args = [names[v] for v in m.operands]
-            elementwise_expr(m, args, t, body, outs)
+            elementwise_expr(m, [names[v] for v in m.operands], t, body, outs)
         for res, nm in zip(m.results, outs):
             names[res] = nm
+    missing = [v for v in outputs if v not in names]
+    if missing:
+        raise EmitError("a kernel result is not computed by its ops")
+    return pre, body, names
+
+
+def emit_elementwise(
+    name: str,
+    members: list[Operation],
+    inputs: list[SSAValue],
+    outputs: list[SSAValue],
+    dtype: str,
+    out_shape: tuple[int, ...],
+) -> KernelCode:
+    """Return the elementwise kernel computing `outputs` from `inputs` through `members` (in
+    order). Inputs are tensors of the group's shape (read at `i`), 0-d scalars (read once) or
+    the operands of member `graph.broadcast` ops (read at the mapped index).
+
+    A plain chain is one flat loop (`HS_FOR`, launch `elementwise`). A chain that reads
+    through a broadcast or masks by position runs as rows of the last dim (launch `row`, no
+    reduction): the row and column indices then come without a division per element, and
+    the column loop stays unit-stride so a CPU compiler vectorises it.
+    """
+    t = C_FLOAT[dtype]
+    numel = math.prod(out_shape)
+    cols = out_shape[-1]
+    rows = numel // cols
+    two_d = any(isinstance(m, (graph.BroadcastOp, graph.CausalMaskOp)) for m in members)
+    # no __restrict__: a runner may pass an operand's array as the result of the same index
+    # (an in-place optimizer update), which is safe for a loop reading in[i] before out[i]
+    params = [f"const {c_type(v.type)}* in{k}" for k, v in enumerate(inputs)]
+    params += [f"{t}* out{k}" for k in range(len(outputs))]
+    params += ["long n0", "long n1"]
+    pre, body, names = _elementwise_body(members, inputs, outputs, t, cols)
     for k, v in enumerate(outputs):
         body.append(f"out{k}[i] = {names[v]};")
     ops = ", ".join(m.name for m in members)
@@ -311,6 +322,35 @@ def emit_elementwise(
     return KernelCode(src, [f"elementwise {name} {numel} 0"], [])
 
 
+@dataclass
+class Prologue:
+    """An elementwise chain computing a row op's main operand, to be computed inside the row
+    kernel wherever the kernel reads that operand instead of being stored and read back."""
+
+    members: list[Operation]
+    inputs: list[SSAValue]
+    output: SSAValue
+
+
+#: row ops whose kernel can take a prologue on their first operand
+PROLOGUE_ROW_OPS = (graph.SoftmaxOp, graph.LayerNormOp, graph.RmsNormOp, graph.SoftmaxCrossEntropyOp,
+                    graph.SoftmaxCrossEntropyGradOp)
+
+
+def _prologue_function(name: str, pro: Prologue, t: str, cols: int) -> tuple[str, list[str]]:
+    """Return the `__device__` function computing the prologue's value at (r, j), and the
+    kernel parameters that replace the row op's first operand."""
+    pre, body, names = _elementwise_body(pro.members, pro.inputs, [pro.output], t, cols)
+    params = [f"const {c_type(v.type)}* in{k}" for k, v in enumerate(pro.inputs)]
+    fn = (
+        f"__device__ __forceinline__ {t} {name}_x({', '.join(params)}, long r, long j, long cols) {{\n"
+        + "  const long i = r * cols + j;\n"
+        + "".join(f"  {s}\n" for s in pre + body)
+        + f"  return {names[pro.output]};\n}}\n"
+    )
+    return fn, params
+
+
 # ----------------------------------------------------------------------------- rows
 
 #: ops computed by a row kernel (a reduction over the last dim, one block per row)
@@ -328,16 +368,16 @@ def _fill(template: str, **kw: str) -> str:
 
 _SOFTMAX = """\
 // {name}: softmax over the last dim
-HS_KERNEL void {name}(const T* __restrict__ x, T* __restrict__ y, long rows, long cols) {
+HS_KERNEL void {name}(XPARAM, T* __restrict__ y, long rows, long cols) {
   HS_ROWS(r, rows) {
-    const T* xr = x + r * cols;
+    XDECL
     T* yr = y + r * cols;
     T m = -HS_INF;
-    HS_COLS_MAX(j, cols, m) m = hs_max(m, xr[j]);
+    HS_COLS_MAX(j, cols, m) m = hs_max(m, XLOAD[j]);
     m = hs_block_max(m);
     T s = 0;
     HS_COLS_SUM(j, cols, s) {
-      const T e = hs_exp(xr[j] - m);
+      const T e = hs_exp(XLOAD[j] - m);
       yr[j] = e;
       s += e;
     }
@@ -364,11 +404,11 @@ HS_KERNEL void {name}(const T* __restrict__ y, const T* __restrict__ dy, T* __re
 
 _MOMENTS = """\
     T s = 0;
-    HS_COLS_SUM(j, cols, s) s += xr[j];
+    HS_COLS_SUM(j, cols, s) s += XLOAD[j];
     const T mean = hs_block_sum(s) / (T)cols;
     T q = 0;
     HS_COLS_SUM(j, cols, q) {
-      const T d = xr[j] - mean;
+      const T d = XLOAD[j] - mean;
       q += d * d;
     }
     const T var = hs_block_sum(q) / (T)cols;
@@ -376,13 +416,13 @@ _MOMENTS = """\
 
 _LAYER_NORM = """\
 // {name}: layer norm over the last dim
-HS_KERNEL void {name}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
+HS_KERNEL void {name}(XPARAM, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
                       long rows, long cols) {
   HS_ROWS(r, rows) {
-    const T* xr = x + r * cols;
+    XDECL
     T* yr = y + r * cols;
 {moments}    const T rstd = (T)1 / hs_sqrt(var + {eps});  // one division a row (within 1 ulp of NumPy's x / den)
-    HS_COLS(j, cols) yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
+    HS_COLS(j, cols) yr[j] = (XLOAD[j] - mean) * rstd * w[j] + b[j];
   }
 }
 """
@@ -430,14 +470,14 @@ HS_KERNEL void {name}_cols(const T* __restrict__ x, const T* __restrict__ w, con
 
 _RMS_NORM = """\
 // {name}: RMS norm over the last dim
-HS_KERNEL void {name}(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, long rows, long cols) {
+HS_KERNEL void {name}(XPARAM, const T* __restrict__ w, T* __restrict__ y, long rows, long cols) {
   HS_ROWS(r, rows) {
-    const T* xr = x + r * cols;
+    XDECL
     T* yr = y + r * cols;
     T q = 0;
-    HS_COLS_SUM(j, cols, q) q += xr[j] * xr[j];
+    HS_COLS_SUM(j, cols, q) q += XLOAD[j] * XLOAD[j];
     const T rr = (T)1 / hs_sqrt(hs_block_sum(q) / (T)cols + {eps});
-    HS_COLS(j, cols) yr[j] = xr[j] * rr * w[j];
+    HS_COLS(j, cols) yr[j] = XLOAD[j] * rr * w[j];
   }
 }
 """
@@ -476,18 +516,18 @@ HS_KERNEL void {name}_cols(const T* __restrict__ x, const T* __restrict__ w, con
 
 _XENT = """\
 // {name}: softmax cross-entropy per row
-HS_KERNEL void {name}(const T* __restrict__ x, const L* __restrict__ labels, T* __restrict__ loss, long rows, long cols) {
+HS_KERNEL void {name}(XPARAM, const L* __restrict__ labels, T* __restrict__ loss, long rows, long cols) {
   HS_ROWS(r, rows) {
-    const T* xr = x + r * cols;
+    XDECL
     T m = -HS_INF;
-    HS_COLS_MAX(j, cols, m) m = hs_max(m, xr[j]);
+    HS_COLS_MAX(j, cols, m) m = hs_max(m, XLOAD[j]);
     m = hs_block_max(m);
     T s = 0;
-    HS_COLS_SUM(j, cols, s) s += hs_exp(xr[j] - m);
+    HS_COLS_SUM(j, cols, s) s += hs_exp(XLOAD[j] - m);
     s = hs_block_sum(s);
     if (threadIdx.x == 0) {
       const long lab = (long)labels[r];
-      const T picked = (lab >= 0 && lab < cols) ? xr[lab] : (T)HS_NAN;
+      const T picked = (lab >= 0 && lab < cols) ? XLOAD[lab] : (T)HS_NAN;
       const T value = (hs_log(s) + m) - picked;
       loss[r] = {ignored} ? (T)0 : value;
     }
@@ -497,17 +537,17 @@ HS_KERNEL void {name}(const T* __restrict__ x, const L* __restrict__ labels, T* 
 
 _XENT_GRAD = """\
 // {name}: softmax cross-entropy backward
-HS_KERNEL void {name}(const T* __restrict__ x, const L* __restrict__ labels, const T* __restrict__ dloss,
+HS_KERNEL void {name}(XPARAM, const L* __restrict__ labels, const T* __restrict__ dloss,
                       T* __restrict__ dx, long rows, long cols) {
   HS_ROWS(r, rows) {
-    const T* xr = x + r * cols;
+    XDECL
     T* dr = dx + r * cols;
     T m = -HS_INF;
-    HS_COLS_MAX(j, cols, m) m = hs_max(m, xr[j]);
+    HS_COLS_MAX(j, cols, m) m = hs_max(m, XLOAD[j]);
     m = hs_block_max(m);
     T s = 0;
     HS_COLS_SUM(j, cols, s) {
-      const T e = hs_exp(xr[j] - m);
+      const T e = hs_exp(XLOAD[j] - m);
       dr[j] = e;
       s += e;
     }
@@ -529,8 +569,10 @@ def row_extents(op: Operation) -> tuple[int, int]:
     return math.prod(s[:-1]), s[-1]
 
 
-def emit_row(name: str, op: Operation) -> KernelCode:
-    """Return the kernel of row op `op` (EmitError where its form is not handled)."""
+def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> KernelCode:
+    """Return the kernel of row op `op` (EmitError where its form is not handled); with a
+    `prologue`, the kernel computes the op's first operand from the prologue's inputs where
+    it reads it (its operands are then the prologue's inputs and the op's other operands)."""
     dtype = float_kind(op.operands[0].type)
     if dtype is None:
         raise EmitError(f"'{op.name}' is not f32/f64")
@@ -574,6 +616,20 @@ def emit_row(name: str, op: Operation) -> KernelCode:
             raise EmitError(f"'{op.name}' weight is not [{cols}]")
         if isinstance(op, graph.LayerNormOp) and shape(op.operands[2]) != (cols,):
             raise EmitError(f"'{op.name}' bias is not [{cols}]")
+    if prologue is None:
+        src = src.replace("XPARAM", "const T* __restrict__ x").replace("XDECL", "const T* xr = x + r * cols;")
+        src = src.replace("XLOAD[", "xr[")
+    else:
+        if not isinstance(op, PROLOGUE_ROW_OPS) or shape(prologue.output) != shape(op.operands[0]):
+            raise EmitError(f"'{op.name}' takes no prologue")
+        fn, params = _prologue_function(name, prologue, t, cols)
+        args = ", ".join(f"in{k}" for k in range(len(prologue.inputs)))
+        src = src.replace("XPARAM", ", ".join(params)).replace("    XDECL\n", "")
+        src = re.sub(r"XLOAD\[([^\]]+)\]", lambda m: f"{name}_x({args}, r, {m.group(1)}, cols)", src)
+        ops = ", ".join(m.name for m in prologue.members)
+        src = f"// {name}: prologue {ops}\n" + fn + src
+    if "XLOAD" in src or "XPARAM" in src or "XDECL" in src:
+        raise EmitError(f"internal: unresolved template in the kernel of '{op.name}'")
     src = _retype(src, t)
     return KernelCode(src, launches, scratch)
 

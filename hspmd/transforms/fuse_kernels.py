@@ -11,6 +11,11 @@ In every function of the module (the step and the private layer functions), per 
   is read through an index expression instead of being materialised; 0-d scalar operands
   (learning rate, bias corrections, clip coefficient) are read once.
 
+Then an elementwise kernel whose one result only feeds the first operand of a softmax,
+layer/RMS norm or cross-entropy kernel becomes that kernel's prologue: the row kernel
+computes the chain where it reads the operand (attention's scale + causal mask + softmax is
+one kernel, and the masked scores are never stored).
+
 A group grows only while that keeps the program valid with the fused op at the position of
 the group's last member: an op joins a group only if no op outside the group, placed
 before it, uses a member's value. Groups never span a collective (`comm.*`) or a
@@ -35,7 +40,9 @@ from xdsl.passes import ModulePass
 
 from hspmd.codegen.emit_cuda import (
     ELEMENTWISE,
+    PROLOGUE_ROW_OPS,
     ROW_OPS,
+    Prologue,
     EmitError,
     KernelCode,
     emit_elementwise,
@@ -216,10 +223,58 @@ def _fuse_elementwise(block: Block, namer: _Namer) -> int:
     return count
 
 
+def _body_ops(op: kernel.FusedOp) -> list[Operation]:
+    return [o for o in op.body.block.ops if not isinstance(o, kernel.YieldOp)]
+
+
+def _fuse_prologues(block: Block, namer: _Namer) -> int:
+    """Merge an elementwise kernel whose one result only feeds a row kernel's first operand
+    (softmax, layer/RMS norm, cross-entropy) into that row kernel: the row kernel computes
+    the chain where it reads the operand (the scaled, masked attention scores of a softmax
+    are never stored). Returns the number of merges."""
+    count = 0
+    for row in [o for o in block.ops if isinstance(o, kernel.FusedOp)]:
+        (inner,) = _body_ops(row) if len(_body_ops(row)) == 1 else (None,)
+        if not isinstance(inner, PROLOGUE_ROW_OPS) or not row.inputs:
+            continue
+        pro = row.inputs[0].owner
+        if (not isinstance(pro, kernel.FusedOp) or pro.parent_block() is not block or len(pro.outputs) != 1
+                or len(list(pro.outputs[0].uses)) != 1 or list(row.inputs).count(pro.outputs[0]) != 1):
+            continue
+        members = _body_ops(pro)
+        if not all(isinstance(m, (*ELEMENTWISE, graph.BroadcastOp)) and len(m.results) == 1 for m in members):
+            continue
+        prologue = Prologue(members, list(pro.body.block.args), pro.body.block.last_op.values[0])
+        try:
+            name, code = namer(members + [inner], emit_row(_PLACEHOLDER, inner, prologue))
+        except EmitError:
+            continue
+        inputs = list(pro.inputs) + list(row.inputs[1:])
+        region, body = kernel.make_body([v.type for v in inputs])
+        mapping: dict[SSAValue, SSAValue] = dict(zip(pro.body.block.args, body.args))
+        for m in members:
+            body.add_op(m.clone(value_mapper=mapping))
+        mapping[row.body.block.args[0]] = mapping[prologue.output]
+        mapping.update(zip(row.body.block.args[1:], body.args[len(pro.inputs):]))
+        body.add_op(inner.clone(value_mapper=mapping))
+        body.add_op(kernel.YieldOp(*[mapping[v] for v in row.body.block.last_op.values]))
+        fused = kernel.FusedOp(inputs, [v.type for v in row.outputs], name, row.dtype.data, code.source,
+                               code.launches, code.scratch, region)
+        block.insert_op_before(fused, row)
+        for old, new in zip(row.outputs, fused.results):
+            old.replace_all_uses_with(new)
+        for op in (row, pro):
+            op.detach()
+            op.erase()
+        count += 1
+    return count
+
+
 def fuse_function(fn: func.FuncOp, namer: _Namer) -> int:
     """Fuse the ops of `fn`'s body in place; return the number of kernels made."""
     block = fn.body.block
-    return _fuse_rows(block, namer) + _fuse_elementwise(block, namer)
+    made = _fuse_rows(block, namer) + _fuse_elementwise(block, namer)
+    return made - _fuse_prologues(block, namer)
 
 
 def fuse_module(module: ModuleOp) -> int:
