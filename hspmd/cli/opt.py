@@ -68,9 +68,10 @@ class HspmdOptMain(xDSLOptMain):
         from hspmd.dialects.comm import Comm
         from hspmd.dialects.dist import Dist
         from hspmd.dialects.graph import Graph
+        from hspmd.dialects.kernel import Kernel
         from hspmd.dialects.optim import Optim
 
-        for dialect in (Graph, Optim, Dist, Comm):
+        for dialect in (Graph, Optim, Dist, Comm, Kernel):
             if dialect.name not in self.ctx.registered_dialect_names:
                 self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
 
