@@ -28,6 +28,14 @@ def test_compile_dumps_three_levels_that_hspmd_opt_prints_unchanged(tmp_path):
     assert all("global_type" in line for line in physical.splitlines() if "#dist.layout" in line)
 
 
+def test_kernel_level_prints_back_through_hspmd_opt(tmp_path):
+    d = tmp_path / "bundle"
+    run_cli("hspmd", "compile", MLP, "--emit", "kernels", "--dump-dir", str(d), check=True)
+    text = (d / "kernel_group0.mlir").read_text()
+    assert "kernel.fused" in text
+    assert run_cli("hspmd-opt", str(d / "kernel_group0.mlir"), check=True).stdout == text
+
+
 def test_compile_prints_a_level(tmp_path):
     proc = run_cli("hspmd", "compile", MLP, "--level", "logical", check=True)
     assert "graph.assign \"layers.0.weight\"" in proc.stdout
