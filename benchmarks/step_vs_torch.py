@@ -1,12 +1,14 @@
 """One training step of GPT-tiny: hspmd's plan against PyTorch eager, in the same process.
 
-    python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3]
+    python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3] [--threads N]
 
 GPT-tiny: 4 layers, d_model 256, 4 heads, seq 128, batch 16, vocab 256, float32, AdamW with
 weight decay and gradient clipping (examples/gpt.py), one process. PyTorch runs the same
 model (`torch_loss`, started from hspmd's initial parameters, the same batch) with
 torch.optim.AdamW and clip_grad_norm_. The two are timed alternately, step by step, so a
-machine shared with other work slows both alike; the medians are compared.
+machine shared with other work slows both alike; the medians are compared. `--threads N`
+gives both N threads (PyTorch's intra-op threads, NumPy's BLAS through threadpoolctl, the
+plan's row threads); by default each uses what it finds (the CPUs of the machine).
 
 Printed: the median step times; hspmd's matmul FLOP rate (the plan's matmul FLOPs per step /
 its step time) against NumPy's own matmul rate on the largest matmul shape, also measured
@@ -52,11 +54,11 @@ def compile_tiny():
 class Hspmd:
     """hspmd's side: the plan, its state, and one step per call."""
 
-    def __init__(self, script, compiled, fn) -> None:
+    def __init__(self, script, compiled, fn, threads: int | None = None) -> None:
         from hspmd.runtime.comm import InProcessCommunicator
         from hspmd.runtime.plan import build_plan
 
-        self.plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
+        self.plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], threads=threads)
         self.state = self.plan.initial_state(int(script.config.get("seed", 0)))
         self.config = {**script.config, "lr_schedule": compiled.lr_schedule}
         self.names = {leaf.name for leaf in self.plan.inputs}
@@ -139,7 +141,18 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_child(which: str, steps: int) -> None:
+def limit_threads(n: int | None) -> None:
+    """Give PyTorch and NumPy's BLAS `n` threads (nothing when None)."""
+    if n is None:
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(n)
+    threadpool_limits(n, user_api="blas")
+
+
+def memory_child(which: str, steps: int, threads: int | None) -> None:
     """Print the peak resident-set growth (bytes) of `steps` training steps of one framework."""
     script, compiled, fn = compile_tiny()
     batches = script.batches()
@@ -162,7 +175,7 @@ def memory_child(which: str, steps: int) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     if which == "hspmd":
-        runner = Hspmd(script, compiled, fn)
+        runner = Hspmd(script, compiled, fn, threads)
     else:
         runner = Torch(script, init)  # copies the parameters
     for batch in batch_list:
@@ -176,24 +189,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each (default 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
+    parser.add_argument("--threads", type=int, help="threads for both (default: each its own default)")
     parser.add_argument("--memory-child", choices=["hspmd", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    limit_threads(args.threads)
     if args.memory_child:
-        memory_child(args.memory_child, 3)
+        memory_child(args.memory_child, 3, args.threads)
         return 0
     import torch
 
     from hspmd.runtime.plan import matmul_flops
 
     script, compiled, fn = compile_tiny()
-    ours = Hspmd(script, compiled, fn)
+    ours = Hspmd(script, compiled, fn, args.threads)
     theirs = Torch(script, ours.state)
     flops = matmul_flops(fn)
     batches = script.batches()
     first = next(batches)
     l1, l2 = ours.step(first), theirs.step(first)
     print(f"GPT-tiny, first step loss: hspmd {l1:.6f}, PyTorch {l2:.6f} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; NumPy {np.__version__})")
+          f"{torch.get_num_threads()} threads; NumPy {np.__version__}; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs)")
     for _ in range(args.warmup - 1):
         batch = next(batches)
         ours.step(batch)
@@ -218,8 +234,9 @@ def main() -> int:
           f"({rows}x{d_model} @ {d_model}x{4 * d_model}) {numpy_rate / 1e9:.1f} GFLOP/s: ratio {achieved / numpy_rate:.3f}")
     mem = {}
     for which in ("hspmd", "torch"):
-        proc = subprocess.run([sys.executable, __file__, "--memory-child", which], capture_output=True, text=True,
-                              timeout=1800)
+        extra = ["--threads", str(args.threads)] if args.threads else []
+        proc = subprocess.run([sys.executable, __file__, "--memory-child", which, *extra], capture_output=True,
+                              text=True, timeout=1800)
         if proc.returncode != 0:
             print(proc.stdout + proc.stderr, file=sys.stderr)
             return 1

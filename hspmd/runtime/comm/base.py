@@ -11,8 +11,11 @@ Every sum (``all_reduce``, ``reduce_scatter``) is the *left fold in group order*
     ((buf[group[0]] + buf[group[1]]) + buf[group[2]]) + ...
 
 computed elementwise by NumPy in the buffer's dtype (see :func:`fold_sum`).  Both
-implementations compute exactly this, never MPI's own reduction, so a program gives the
-same bits on MPI and in-process, on any number of processes per node, and from run to run.
+implementations compute exactly this, so a program gives the same bits on MPI and
+in-process, on any number of processes per node, and from run to run.  The one use of
+MPI's own reduction is a sum of *two* buffers of float32/float64/int32/int64: there every
+algorithm computes ``a + b`` or ``b + a``, the same bits (IEEE addition commutes; only a
+NaN's payload could differ).
 
 Buffers and results
 -------------------

@@ -4,8 +4,11 @@ mpi4py is imported when an :class:`MPICommunicator` is created, not when this mo
 
 Determinism: MPI is used only to *move* bytes (Alltoall(v), Allgather(v), Bcast, Send/Recv,
 all on ``MPI.BYTE``); every sum is computed locally by NumPy as the left fold in group order
-(:func:`~.base.fold_sum`).  MPI's own reductions are never used, because their order depends
-on the algorithm MPI picks (message size, process count, placement).
+(:func:`~.base.fold_sum`).  MPI's own reductions are not used where their order depends on
+the algorithm MPI picks (message size, process count, placement); the exception is a sum
+over two ranks of float32/float64/int32/int64, where ``MPI_SUM`` can only compute ``a + b``
+or ``b + a`` (the same bits): ``all_reduce`` and ``iall_reduce`` then call ``Allreduce`` /
+``Iallreduce`` directly, the fastest path.
 
 Algorithms (n = len(group), M = bytes of ``buf``):
 
