@@ -9,7 +9,7 @@ from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.frontend.optim import Optimizer
 from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
-from hspmd.frontend.strategy import Strategy, parse_strategy
+from hspmd.frontend.strategy import Strategy, StrategyGroup, parse_strategy
 from hspmd.ir.context import module_text
 from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
@@ -32,6 +32,9 @@ class Pipeline:
     tp: int
     sp: int = 0
     layers: tuple[int, ...] | None = None
+    #: a heterogeneous strategy: every group's text with the pipelined one as `{}` (None: one group)
+    union: tuple[str, ...] | None = None
+    share: int = 1
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
@@ -47,6 +50,9 @@ class Pipeline:
         p // (dp*tp).
         """
         v = microbatches * self.dp * self.tp
+        if self.union is not None:  # the pipelined group as its first stage's devices, the others as written
+            stage = StrategyGroup(self.stages[0], dp=self.dp, tp=self.tp, share=self.share, sp=self.sp)
+            return " | ".join(str(stage) if g == "{}" else g for g in self.union)
         if v == 1:
             return f"[{self.devices[0]}]: dp=1"
         devices = f"0-{v - 1}" if v > 2 else "0,1"
@@ -55,8 +61,9 @@ class Pipeline:
     def split_pass(self, microbatches: int, schedule: str) -> str:
         """Return the `pipeline-split{...}` pass text for this pipeline."""
         layers = f' layers="{",".join(map(str, self.layers))}"' if self.layers else ""
+        virtual = f' virtual="{",".join(map(str, self.stages[0]))}"' if self.union is not None else ""
         return (f'pipeline-split{{devices="{",".join(map(str, self.devices))}" pp={self.pp} tp={self.tp} '
-                f'microbatches={microbatches} schedule="{schedule}"{layers}}}')
+                f'microbatches={microbatches} schedule="{schedule}"{layers}{virtual}}}')
 
 
 def pipeline_stages(strategy: Strategy) -> Pipeline | None:
@@ -64,18 +71,34 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
 
     A pipeline's step is compiled for one stage-shaped group (`Pipeline.stage_strategy`: one
     virtual device per micro-batch and stage position), then `pipeline-split` cuts the
-    physical step into one program per stage.
+    physical step into one program per stage. In a heterogeneous strategy one group may be
+    pipelined (`[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1`): its stage shape, on its
+    first stage's devices, stands in the union the step is annotated with, and
+    `pipeline-split{virtual=...}` cuts that group's program into its stages
+    (`hspmd.transforms.hetero_pipeline`).
     """
-    if not any(g.pp > 1 for g in strategy.groups):
+    piped = [g for g in strategy.groups if g.pp > 1]
+    if not piped:
         return None
-    if len(strategy.groups) != 1:
-        raise PassError(f"strategy '{strategy}': pipeline parallelism is not yet combined with several device "
-                        "groups; use one group (dp and tp inside the stages are fine)")
-    g = strategy.groups[0]
+    if len(piped) > 1:
+        a, b = piped[:2]
+        raise PassError(f"strategy '{strategy}': groups [{_devices(a)}] (pp={a.pp}) and [{_devices(b)}] (pp={b.pp}) "
+                        "are both pipelined; their stage counts cannot be combined: in a heterogeneous strategy "
+                        "at most one group may have pp > 1")
+    g = piped[0]
     if g.zero:
         raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) is not yet combined with pipeline "
-                        "parallelism; use zero=0 with pp > 1")
-    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers)
+                        f"parallelism; use zero=0 in the group with pp={g.pp}")
+    union = None
+    if len(strategy.groups) > 1:
+        union = tuple("{}" if h is g else str(h) for h in strategy.groups)
+    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share)
+
+
+def _devices(g: StrategyGroup) -> str:
+    from hspmd.ir.layout import format_devices
+
+    return format_devices(g.devices)
 
 
 def _check_microbatches(logical: ModuleOp, m: int, dp: int = 1) -> None:
@@ -146,6 +169,10 @@ def compile_script(
         # pipeline-split sums the micro-batches' gradients (and losses)
         m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
         schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
+        if pipe.union is not None and m != 1:
+            raise PassError(f"strategy '{parsed}' with microbatches={m}: a pipelined group beside other device "
+                            "groups runs 1 micro-batch (its gradient sums would span micro-batches and groups at "
+                            "once); use microbatches=1")
         _check_microbatches(logical, m, pipe.dp)
         annotate_as = pipe.stage_strategy(m)
         split = "," + pipe.split_pass(m, schedule)

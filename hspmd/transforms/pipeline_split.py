@@ -89,10 +89,11 @@ from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.ir.layout import DistributedStates, Layout
 from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.runtime.schedule_pipeline import SCHEDULES, PipelineScheduleError, check_schedule
+from hspmd.transforms.hetero_pipeline import (MICROBATCHES_ATTR, STAGE_ATTR, comm_devices, join_groups,  # noqa: F401
+                                              partners, remap_layout, remap_op)
 from hspmd.transforms.util import PassError
 
-STAGE_ATTR = "hspmd.pipeline_stage"
-MICROBATCHES_ATTR = "hspmd.microbatches"
+# STAGE_ATTR ("hspmd.pipeline_stage") and MICROBATCHES_ATTR ("hspmd.microbatches") come from hetero_pipeline
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
@@ -130,6 +131,12 @@ class StageMesh:
     stages: tuple[tuple[int, ...], ...]
     virtual: tuple[int, ...]
     microbatches: int
+    #: the devices of the other groups of a heterogeneous strategy (`virtual=...`)
+    foreign: frozenset[int] = frozenset()
+
+    def device_map(self, s: int) -> dict[int, int]:
+        """Return virtual device -> stage s's real device (one micro-batch: position p is `stages[s][p]`)."""
+        return {v: self.stages[s][p % self.size] for p, v in enumerate(self.virtual)}
 
     @property
     def size(self) -> int:
@@ -149,7 +156,7 @@ class StageMesh:
         return [[self.stages[s][q] for q in g] for g in groups]
 
 
-LOCAL, MEET, SPLIT = "local", "meet", "split"
+LOCAL, MEET, SPLIT, CROSS, MAPPED = "local", "meet", "split", "cross", "mapped"
 
 
 def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
@@ -158,8 +165,17 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
     (LOCAL, groups) for a collective inside one micro-batch; (MEET, groups Q) for an
     all-reduce over all micro-batches times Q (a sum over micro-batches, then an all-reduce
     over Q); (SPLIT, groups Q) for a local split over all micro-batches times Q, micro-batch
-    major (micro-batch i's slice i of m, then a local split over Q).
+    major (micro-batch i's slice i of m, then a local split over Q); (CROSS, ()) for a
+    collective with other groups of a heterogeneous strategy (`hetero_pipeline`: it runs on
+    one stage, every virtual device renamed to that stage's real one); (MAPPED, ()) for one
+    that names other groups' devices but moves no data to or from them (an exchange whose
+    transfers stay inside each group): each stage runs it with its real devices.
     """
+    if mesh.foreign and comm_devices(o) & mesh.foreign:
+        if mesh.microbatches != 1:
+            raise PassError(f"pipeline-split: '{o.name}' names other device groups; a pipelined group beside "
+                            f"other groups runs 1 micro-batch, not {mesh.microbatches}")
+        return (CROSS if partners(o, frozenset(mesh.virtual)) else MAPPED), ()
     groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
     size, m = mesh.size, mesh.microbatches
     kind = LOCAL
@@ -196,6 +212,9 @@ def stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> t
     The major axis of the one-group layout holds the micro-batches: its degree is divided by
     m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1).
     """
+    if layout is not None and mesh.foreign and len(layout.groups) > 1 \
+            and any(g.devices == mesh.virtual for g in layout.groups) and mesh.microbatches == 1:
+        return remap_layout(layout, mesh.device_map(s)), None  # a union with other groups: the stage in place
     if layout is None or len(layout.groups) != 1 or layout.groups[0].devices != mesh.virtual:
         raise PassError(f"pipeline-split: {what} has layout '{layout}', not one over the one-group "
                         f"program's devices {list(mesh.virtual)}")
@@ -264,6 +283,8 @@ class PipelineSplit(ModulePass):
     microbatches: int = 1
     schedule: str = "gpipe"
     layers: str = ""
+    # the pipelined group's virtual devices when other device groups sit beside it ("": one group)
+    virtual: str = ""
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         devices = parse_devices(self.devices)
@@ -284,14 +305,34 @@ class PipelineSplit(ModulePass):
         if schedule is None:
             raise PassError(f"pipeline-split: unknown schedule '{self.schedule}' (known: {', '.join(SCHEDULES)})")
         dp = size // self.tp
+        other_groups: list[tuple[tuple[int, ...], ModuleOp]] = []
+        if self.virtual.strip():  # a pipelined group beside other groups (hetero_pipeline)
+            want = parse_devices(self.virtual) if "," in self.virtual else (int(self.virtual),)
+            mine = [g for g in groups if g[0] == want]
+            if len(mine) != 1 or len(want) != m * size:
+                raise PassError(f"pipeline-split: virtual='{self.virtual}' must be the devices of one group of the "
+                                f"input, {m} micro-batch(es) x {size} devices of a stage (it has groups "
+                                f"{[list(g) for g, _ in groups]})")
+            other_groups = [g for g in groups if g[0] != want]
+            groups = mine
+            if m != 1:
+                raise PassError(f"pipeline-split: microbatches={m}: a pipelined group beside other device groups "
+                                "runs 1 micro-batch")
+            if set(devices) & {d for g, _ in other_groups for d in g}:
+                raise PassError(f"pipeline-split: devices '{self.devices}' overlap another group's "
+                                f"{[list(g) for g, _ in other_groups]}")
         if len(groups) != 1 or len(groups[0][0]) != m * size:
             raise PassError(f"pipeline-split: the input must be the physical IR of one group of {m * size} devices, "
                             f"{m} micro-batch(es) x {size} devices of a stage (`[0-{m * size - 1}]: dp={m * dp} "
-                            f"tp={self.tp}` before the split) (it has groups {[list(g) for g, _ in groups]})")
+                            f"tp={self.tp}` before the split) (it has groups {[list(g) for g, _ in groups]}); "
+                            "with other device groups beside it, name its devices with virtual=...")
         (virtual, group), = groups
         if op is group:
             raise PassError("pipeline-split: the physical module must hold its group module (run specialize-groups)")
-        mesh = StageMesh(stage_devices, tuple(virtual), m)
+        foreign = frozenset(d for g, _ in other_groups for d in g)
+        if foreign & set(virtual):
+            raise PassError(f"pipeline-split: the virtual devices {list(virtual)} overlap another group's")
+        mesh = StageMesh(stage_devices, tuple(virtual), m, foreign)
         functions = [f for f in group.body.block.ops if isinstance(f, func.FuncOp)]
         step = next((f for f in functions if f.sym_name.data == "train_step"), None)
         if step is None:
@@ -302,13 +343,14 @@ class PipelineSplit(ModulePass):
             for o in f.walk():
                 if o.dialect_name() != "comm":
                     continue
-                if not hasattr(o, "rank_groups"):
+                if not hasattr(o, "rank_groups") and not (isinstance(o, comm.ExchangeOp)
+                                                          and comm_devices(o) & mesh.foreign):
                     raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
                                     "supported there (point-to-point messages are the split's own)")
                 collectives[o] = classify_collective(o, mesh)
-                if f is not step and collectives[o][0] != LOCAL:
-                    raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches; "
-                                    "only the step itself may sum over them")
+                if f is not step and collectives[o][0] not in (LOCAL, MAPPED):
+                    raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
+                                    "device groups; only the step itself may")
         leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
         for o in ops:
             if isinstance(o, (graph.ParameterOp, graph.InputOp)):
@@ -326,7 +368,8 @@ class PipelineSplit(ModulePass):
             raise PassError(f"pipeline-split: schedule '{self.schedule}': {err}") from None
         post = {o for o, k in _kinds(ops, collectives, leaves).items() if k == "post"}
         stages = _assign(ops, pp, layer_counts, post)
-        bodies = _emit_stages(ops, stages, mesh, plan, order, collectives, leaves)
+        placed: dict[Operation, tuple[int, Operation]] = {}
+        bodies = _emit_stages(ops, stages, mesh, plan, order, collectives, leaves, placed)
         modules = []
         for s, devs in enumerate(stage_devices):
             fn = func.FuncOp("train_step", ((), ()))
@@ -334,18 +377,24 @@ class PipelineSplit(ModulePass):
             others = [f.clone() for f in functions if f is not step]
             for f in others:  # the callees' collectives (inside one micro-batch) on this stage's devices
                 for o in f.walk():
-                    if o.dialect_name() == "comm":
+                    if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
+                        remap_op(o, mesh.device_map(s))
+                    elif o.dialect_name() == "comm":
                         o.properties["groups"] = comm.groups_attr(mesh.real(s, classify_collective(o, mesh)[1]))
                 _restage_global_types(f.walk(), mesh, s)
             module = ModuleOp([fn, *others], attributes={DEVICES_ATTR: devices_attr(devs),
                                                         STAGE_ATTR: IntegerAttr(s, i64),
                                                         MICROBATCHES_ATTR: IntegerAttr(m, i64)})
-            module.sym_name = StringAttr(f"group{s}")
             modules.append(module)
+        if other_groups:  # cross-group collectives onto the stages' devices, the other groups in a safe order
+            join_groups(modules, [mesh.device_map(s) for s in range(pp)],
+                        [o for o in ops if collectives.get(o, (LOCAL,))[0] == CROSS], placed, other_groups)
+        for module in modules:  # the stages where the one-group module was
+            op.body.block.insert_op_before(module, group)
         group.detach()
         group.erase()
-        for module in modules:
-            op.body.block.add_op(module)
+        for gi, (_, module) in enumerate(physical_groups(op)):
+            module.sym_name = StringAttr(f"group{gi}")
 
 
 FREE = -1
@@ -506,7 +555,8 @@ Key = tuple  # (position of the consumer's action in the global order, producer 
 def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: StageMesh,
                  plan: list[list[tuple[str, int]]], order: list[tuple[int, tuple[str, int]]],
                  collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]],
-                 leaves: dict[Operation, bool]) -> list[list[Operation]]:
+                 leaves: dict[Operation, bool],
+                 placed: dict[Operation, tuple[int, Operation]] | None = None) -> list[list[Operation]]:
     """Return each stage's step ops: its ops in the order of its schedule (once per micro-batch
     where they depend on the batch), copies of the free ops it needs, the sums over micro-batches
     (in place of the all-reduces of the one-group program), the update, and its sends/receives.
@@ -516,6 +566,7 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
     stage issues its messages in key order (a send as soon as it is made and all smaller keys
     are issued; before an op, every message up to the receives it needs), so the two ends of
     every blocking send/receive meet in one global order: no deadlock, for any schedule.
+    `placed` receives (stage, clone) of each collective with other device groups.
     """
     kind = _kinds(ops, collectives, leaves)
     microbatches = mesh.microbatches
@@ -596,7 +647,16 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
         def clone(o: Operation, inst: int | None) -> None:
             mapping = {v: get(v, inst) for v in o.operands}
             new = o.clone(value_mapper=mapping)
-            if o in collectives:  # a collective inside one micro-batch, over this stage's devices
+            if collectives.get(o, (LOCAL,))[0] == CROSS:  # with other groups: this stage's devices for the virtual
+                remap_op(new, mesh.device_map(s))
+                if placed is not None:
+                    if o in placed:
+                        raise PassError(f"pipeline-split: '{o.name}' across device groups would run on stages "
+                                        f"{placed[o][0]} and {s}; it must have one stage")
+                    placed[o] = (s, new)
+            elif collectives.get(o, (LOCAL,))[0] == MAPPED:
+                remap_op(new, mesh.device_map(s))
+            elif o in collectives:  # a collective inside one micro-batch, over this stage's devices
                 new.properties["groups"] = comm.groups_attr(mesh.real(s, collectives[o][1]))
             if isinstance(new, (graph.ParameterOp, graph.InputOp)):
                 typ = new.properties["global_type"]
