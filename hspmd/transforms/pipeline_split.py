@@ -72,6 +72,13 @@ needs), so both ends of every blocking send/receive meet in one global order: no
 for 1F1B as for GPipe (collectives inside a stage are met by all its positions at the same
 point of the same program). A stage assignment in which an action would need a value that a
 later action makes is refused with a message naming the op.
+
+**Beside other device groups** (`virtual="0,1"`: the devices of the stage-shaped group in a
+physical IR with several groups, one micro-batch): only that group's module is cut; leaves'
+union layouts get the stage's devices in place of the virtual ones; a collective that moves
+data to or from another group is `CROSS` (it runs on one stage, renamed onto its devices), one
+that only names other groups' devices is `MAPPED`; then `hetero_pipeline.join_groups` remaps
+and re-orders the other groups' modules (see its docstring for why no rank deadlocks).
 """
 
 from __future__ import annotations
