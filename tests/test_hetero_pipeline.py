@@ -27,6 +27,7 @@ from hspmd.transforms.util import PassError
 @pytest.mark.parametrize("example, strategy, n", [
     ("mlp.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1", 3),
     ("mlp.py", "[0]: dp=1 share=3 | [1-3]: pp=3 share=1", 4),  # the pipelined group second, 3 stages
+    ("mlp.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1 | [3]: dp=1 share=2", 4),  # two groups beside it
     ("gpt.py", "[0,1]: pp=2 share=3 | [2]: pp=1 share=1", 3),
     ("gpt.py", "[0-3]: tp=2 pp=2 share=1 | [4,5]: tp=2 share=1", 6),
 ])
