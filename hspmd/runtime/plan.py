@@ -572,8 +572,10 @@ def build_plan(
     runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
     fresh array each step (for debugging a kernel's `out=` support). `allocate=False` only
     sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
-    `HSPMD_THREADS` environment variable, else the CPUs this process may use when the
-    communicator has one rank, else 1) is how many threads run a large row-wise kernel.
+    `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
+    kernel or a batched matmul; BLAS keeps its own threads for the other matmuls. (On the
+    2-core machine these were measured on, shared with other work, 2 threads did not beat 1:
+    BLAS's spinning workers and other processes hold the cores.)
     """
     from hspmd.runtime.buckets import plan_buckets
 
@@ -583,7 +585,7 @@ def build_plan(
         plan_buckets(flat, rank, communicator, devices, bucket_bytes)
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
-        threads = int(env) if env else (len(os.sched_getaffinity(0)) if communicator.size == 1 else 1)
+        threads = int(env) if env else 1
     return _assemble(flat, rank, reuse_buffers, allocate, max(1, threads))
 
 
