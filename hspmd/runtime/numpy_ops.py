@@ -161,16 +161,6 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     return np.matmul(a, b, out=out)
 
 
-@by_rows
-def batched_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """`a @ b` of two stacks of matrices with the same leading dims: many small products, which
-    the plan may split by the leading dim over threads with BLAS on one thread each."""
-    return np.matmul(a, b, out=out)
-
-
-batched_matmul.blas_single = True  # type: ignore[attr-defined]
-
-
 @takes_out
 def matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`a^T g` over all leading dims merged: the gradient of the right operand of `a @ w`."""
@@ -526,8 +516,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             factor = _result_dtype(op).type(op.factor.value.data)
             return rowwise(lambda x, out=None: np.multiply(x, factor, out=out))
         case graph.MatmulOp():
-            a, b = (v.type.get_shape() for v in op.operands)
-            return batched_matmul if len(a) == len(b) > 2 and a[:-2] == b[:-2] else matmul
+            return matmul
         case graph.MatmulRhsGradOp():
             return matmul_rhs_grad
         case graph.TransposeOp():

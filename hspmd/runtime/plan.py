@@ -36,9 +36,8 @@ What the build does, in order:
    rows small enough for the caches (its temporaries too), the blocks spread over `threads`
    threads; one marked `row_parallel = True` (rows along dim 0 independent) runs on `threads`
    blocks of rows. NumPy releases the GIL, and every element is computed as it would be in
-   one call (same bits).
-   Kernels also marked `blas_single = True` (batched matmuls: many small products) run so
-   with BLAS itself on one thread (through threadpoolctl, when installed).
+   one call (same bits). (Matmuls keep BLAS's own threads: NumPy's batched matmul split
+   over Python threads measured slower than BLAS's threads inside each product.)
 """
 
 from __future__ import annotations
@@ -330,21 +329,6 @@ def _pool(threads: int):
     return _POOL
 
 
-_BLAS = []
-
-
-def _blas_libraries() -> list:
-    """Return threadpoolctl's controllers of the loaded BLAS libraries ([] without threadpoolctl)."""
-    if not _BLAS:
-        try:
-            from threadpoolctl import ThreadpoolController
-
-            _BLAS.append(ThreadpoolController().select(user_api="blas").lib_controllers)
-        except Exception:  # noqa: BLE001 - optional: without it, such kernels run whole
-            _BLAS.append([])
-    return _BLAS[0]
-
-
 def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -> Callable | None:
     """Return `kernel` run on `threads` blocks of rows (dim 0) of its `out=`, or None if it cannot be.
 
@@ -368,10 +352,6 @@ def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -
             cut.append(False)
         else:
             return None
-    blas = getattr(kernel, "blas_single", False) is True
-    libraries = _blas_libraries() if blas else []
-    if blas and not libraries:
-        return None
     step = -(-shape[0] // threads)
     blocks = [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
     pool = _pool(threads)
@@ -380,17 +360,10 @@ def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -
         def part(lo: int, hi: int):
             return kernel(*[a[lo:hi] if c else a for a, c in zip(args, cut)], out=out[lo:hi])
 
-        saved = [lib.num_threads for lib in libraries]
-        for lib in libraries:
-            lib.set_num_threads(1)
-        try:
-            futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
-            part(*blocks[0])
-            for f in futures:
-                f.result()
-        finally:
-            for lib, n in zip(libraries, saved):
-                lib.set_num_threads(n)
+        futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
+        part(*blocks[0])
+        for f in futures:
+            f.result()
         return out
 
     by_rows.__name__ = getattr(kernel, "__name__", "kernel")
@@ -573,9 +546,8 @@ def build_plan(
     fresh array each step (for debugging a kernel's `out=` support). `allocate=False` only
     sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
     `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
-    kernel or a batched matmul; BLAS keeps its own threads for the other matmuls. (On the
-    2-core machine these were measured on, shared with other work, 2 threads did not beat 1:
-    BLAS's spinning workers and other processes hold the cores.)
+    kernel; matmuls use BLAS's own threads. (On the 2-core machine these were measured on,
+    shared with other work, 2 threads did not beat 1.)
     """
     from hspmd.runtime.buckets import plan_buckets
 
