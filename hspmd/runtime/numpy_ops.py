@@ -40,6 +40,13 @@ def by_rows(fn: Kernel) -> Kernel:
     return fn
 
 
+def overwrites_first(fn: Kernel) -> Kernel:
+    """Mark `out=` kernel `fn` as correct when `out` is its first operand (it reads each element
+    of the first operand before writing that element of `out`); return it."""
+    fn.inplace_safe = True  # type: ignore[attr-defined]
+    return fn
+
+
 def rowwise(fn: Kernel) -> Kernel:
     """Mark `out=` kernel `fn` as row-wise over all leading dims: each row (last dim) of its
     results depends only on the same row of its operands of the result's leading dims, and on
@@ -351,7 +358,8 @@ def causal_mask(value: float) -> Kernel:
             cache[key] = np.arange(tk)[None, :] > np.arange(tq)[:, None]
         if out is None:
             return np.where(cache[key], x.dtype.type(value), x)
-        np.copyto(out, x)
+        if out.ctypes.data != x.ctypes.data or out.strides != x.strides:  # not in place
+            np.copyto(out, x)
         np.copyto(out, x.dtype.type(value), where=cache[key])
         return out
 
@@ -509,12 +517,12 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.DivOp():
             return np.divide
         case graph.ReluOp():
-            return rowwise(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out))
+            return overwrites_first(rowwise(lambda x, out=None: np.maximum(x, x.dtype.type(0), out=out)))
         case graph.ReluGradOp():
             return lambda x, dy: np.where(x > 0, dy, 0).astype(dy.dtype)
         case graph.ScaleOp():
             factor = _result_dtype(op).type(op.factor.value.data)
-            return rowwise(lambda x, out=None: np.multiply(x, factor, out=out))
+            return overwrites_first(rowwise(lambda x, out=None: np.multiply(x, factor, out=out)))
         case graph.MatmulOp():
             return matmul
         case graph.MatmulRhsGradOp():
@@ -555,6 +563,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.sqrt
         case graph.RsqrtOp():
 
+            @overwrites_first
             @rowwise
             def rsqrt(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.sqrt(x, out=out)
@@ -565,6 +574,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return np.tanh
         case graph.TanhGradOp():
 
+            @overwrites_first
             @rowwise
             def tanh_grad(y: np.ndarray, dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
                 out = np.multiply(y, y, out=out)
@@ -598,7 +608,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             axis = op.dim.value.data
             rows = _along(axis, len(_result_shape(op)))
             axis = -1 if rows is rowwise else axis  # row blocks come as 2-D views
-            return rows(lambda x, out=None: softmax(x, axis, out))
+            return overwrites_first(rows(lambda x, out=None: softmax(x, axis, out)))
         case graph.SoftmaxGradOp():
             axis = op.dim.value.data
             rows = _along(axis, len(_result_shape(op)))
@@ -607,7 +617,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.LayerNormOp():
             eps = op.eps.value.data
             rows = rowwise if len(_result_shape(op)) > 1 else takes_out
-            return rows(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out))
+            return overwrites_first(rows(lambda x, w, b, out=None: layer_norm(x, w, b, eps, out)))
         case graph.LayerNormGradOp():
             eps = op.eps.value.data
             return takes_out(lambda x, w, dy, out=None: layer_norm_grad(x, w, dy, eps, out))
@@ -623,7 +633,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             vocab = _result_shape(op)[0]
             return lambda ids, dy: embedding_grad(ids, dy, vocab)
         case graph.CausalMaskOp():
-            mask = causal_mask(op.value.value.data)
+            mask = overwrites_first(causal_mask(op.value.value.data))
             return by_rows(mask) if len(_result_shape(op)) > 2 else mask
         case graph.SliceOp():
             d, start = op.dim.value.data, op.start.value.data

@@ -25,7 +25,11 @@ What the build does, in order:
    and reused by storages whose lifetimes do not overlap (best fit by size).
    `Plan.peak_bytes` reports the rank's peak: buffers + the largest sum of live
    kernel-allocated arrays + parameters, inputs and constants.
-5. **In-place updates.** A `graph.assign` of a value computed by an `out=` kernel after the
+5. **In place.** An elementwise kernel that may write over its first operand (a ufunc —
+   any operand —, or one marked `inplace_safe = True`) writes its result into that
+   operand's buffer when the operand dies there (chains such as scale, mask, softmax share
+   one buffer).
+   **In-place updates.** A `graph.assign` of a value computed by an `out=` kernel after the
    last use of the old parameter value writes straight into the parameter's array (Adam's
    `p, m, v` are updated in place); other assigned or output values that live in plan-owned
    memory are copied at the end of the step.
@@ -697,8 +701,34 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
             inplace[(i, nodes[i].outs.index(slot))] = name
             alias[slot] = frozenset({param_storage[name]})
 
+    # -- elementwise results in the buffer of an operand that dies there ------------------
+    root = list(range(n_storages))  # a storage -> the storage whose buffer it takes over
+
+    def find(s: int) -> int:
+        while root[s] != s:
+            s = root[s]
+        return s
+
+    for i, node in enumerate(nodes):
+        if not out_capable[i] or len(node.outs) != 1 or (i, 0) in inplace or not inplace_safe(node.kernel):
+            continue
+        o = node.outs[0]
+        (so,) = alias[o]
+        if kind[so] != "pooled":
+            continue
+        for a in node.ins if isinstance(node.kernel, np.ufunc) else node.ins[:1]:
+            if types[a] != types[o] or len(alias[a]) != 1:
+                continue
+            (sa,) = alias[a]
+            r = find(sa)
+            others = {find(x) for b in node.ins if b != a for x in alias[b]}
+            if kind[sa] == "pooled" and owner[sa] == a and s_end[r] == i and r not in others:
+                root[so] = r
+                s_end[r] = max(s_end[r], s_end[so])
+                break
+
     # -- buffers: pooled storages packed by liveness (best fit) ----------------------------
-    pooled = sorted((s for s in range(n_storages) if kind[s] == "pooled"
+    pooled = sorted((s for s in range(n_storages) if kind[s] == "pooled" and root[s] == s
                      and (defined[owner[s]], nodes[defined[owner[s]]].outs.index(owner[s])) not in inplace),
                     key=lambda s: (s_start[s], s))
     buffers: list[int] = []  # bytes of each buffer
@@ -727,7 +757,7 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
         if not allocate:
             return None
         shape, dtype = types[owner[s]]
-        return raw[storage_buffer[s]][: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
+        return raw[storage_buffer[find(s)]][: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
 
     # -- steps -----------------------------------------------------------------------------
     plan = Plan(rank, params=flat.params, inputs=flat.inputs, constants=flat.constants, outputs=flat.outputs,
