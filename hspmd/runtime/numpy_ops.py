@@ -301,25 +301,42 @@ def layer_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: floa
         res = (dx.astype(x.dtype, copy=False), np.asarray((dy * xhat).sum(axis=lead), dtype=x.dtype),
                np.asarray(dy.sum(axis=lead), dtype=x.dtype))
         return res if out is None else tuple(_into(r, o) for r, o in zip(res, out))
-    dx, dweight, dbias = out if out is not None else (np.empty_like(x), None, None)
-    xhat = np.subtract(x, x.mean(axis=-1, keepdims=True))
-    np.multiply(xhat, xhat, out=dx)
-    rstd = dx.mean(axis=-1, keepdims=True)
-    rstd += eps
-    np.sqrt(rstd, out=rstd)
-    np.divide(1, rstd, out=rstd)
-    xhat *= rstd
-    g = np.multiply(dy, weight)
-    np.multiply(g, xhat, out=dx)  # dx = rstd * (g - mean(g) - xhat * mean(g xhat))
-    m2 = dx.mean(axis=-1, keepdims=True)
-    np.multiply(xhat, m2, out=dx)
-    g -= g.mean(axis=-1, keepdims=True)
-    np.subtract(g, dx, out=dx)
-    dx *= rstd
-    np.multiply(dy, xhat, out=g)
-    dweight = np.sum(g, axis=lead, out=dweight)
+    dx, dweight, dbias = out if out is not None else (np.empty(x.shape, x.dtype), None, None)
+    if not dx.flags.c_contiguous:  # a strided out: compute in a C array, then copy
+        res = layer_norm_grad(x, weight, dy, eps, (np.empty(x.shape, x.dtype), dweight, dbias))
+        np.copyto(dx, res[0])
+        return dx, res[1], res[2]
+    cols = x.shape[-1]
+    rows = x.size // max(cols, 1)
+    x2, dy2, dx2 = (np.reshape(a, (rows, cols)) for a in (x, dy, dx))  # dx2: a view of dx
+    prod = np.empty(x.shape, x.dtype)  # dy * xhat, summed whole below (the same sum as one call's)
+    prod2 = prod.reshape(rows, cols)
+    step = max(1, _BLOCK_ELEMENTS // max(cols, 1))
+    for lo in range(0, rows, step):  # blocks of rows, so that the temporaries stay in cache
+        hi = min(lo + step, rows)
+        xb, dyb, dxb = x2[lo:hi], dy2[lo:hi], dx2[lo:hi]
+        xhat = np.subtract(xb, xb.mean(axis=-1, keepdims=True))
+        np.multiply(xhat, xhat, out=dxb)
+        rstd = dxb.mean(axis=-1, keepdims=True)
+        rstd += eps
+        np.sqrt(rstd, out=rstd)
+        np.divide(1, rstd, out=rstd)
+        xhat *= rstd
+        g = np.multiply(dyb, weight)
+        np.multiply(g, xhat, out=dxb)  # dx = rstd * (g - mean(g) - xhat * mean(g xhat))
+        m2 = dxb.mean(axis=-1, keepdims=True)
+        np.multiply(xhat, m2, out=dxb)
+        g -= g.mean(axis=-1, keepdims=True)
+        np.subtract(g, dxb, out=dxb)
+        dxb *= rstd
+        np.multiply(dyb, xhat, out=prod2[lo:hi])
+    dweight = np.sum(prod, axis=lead, out=dweight)
     dbias = np.sum(dy, axis=lead, out=dbias)
     return dx, dweight, dbias
+
+
+#: rows of a row-wise kernel that blocks itself are taken this many elements at a time
+_BLOCK_ELEMENTS = 1 << 15
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
