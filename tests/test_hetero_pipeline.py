@@ -1,6 +1,7 @@
 """Heterogeneous pipelines: one pipelined group beside groups without stages (`hetero_pipeline`).
 
-`[0,1]: pp=2 share=1 | [2]: dp=1 share=1` and friends train like one device (in-process ranks);
+`[0,1]: pp=2 share=1 | [2]: dp=1 share=1` and friends train like one device (in-process ranks),
+with one micro-batch or several (GPipe, 1F1B; tensor parallelism only with one);
 each stage's cross-group collectives (gradient sums, the loss sum) name its own real devices,
 and the other group issues the same collectives, per stage, in the same order. A rendezvous
 simulation of every rank's blocking operations (collectives, sends, receives, exchanges) over
@@ -41,6 +42,24 @@ def test_hetero_pipeline_equals_one_device(tmp_path, example, strategy, n):
     # in exact arithmetic, so Adam moves it by round-off only, differently in both runs)
     for name, value in ref.params.items():
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("example, strategy, n, m, schedule, extra", [
+    ("gpt.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1", 3, 2, "gpipe", []),
+    ("gpt.py", "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3, 3, "1f1b", []),
+    ("gpt.py", "[0-3]: dp=2 pp=2 share=1 | [4,5]: dp=2 share=1", 6, 2, "1f1b", ["data.batch_size=8"]),
+    ("mlp.py", "[0]: dp=1 share=1 | [1-4]: dp=2 pp=2 share=3", 5, 3, "gpipe", []),  # more micro-batches than stages
+])
+def test_hetero_pipeline_with_micro_batches_equals_one_device(tmp_path, example, strategy, n, m, schedule, extra):
+    ref = _train(tmp_path, example, "[0]: dp=1", 1, extra)[0] if extra else _one_device(tmp_path, example)
+    ranks = _train(tmp_path, example, strategy, n, extra, microbatches=m, pipeline_schedule=schedule)
+    for r in ranks:
+        np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-4)
+    stages = [g for _, g in physical_groups(compile_script(_script(example, extra), strategy, n, microbatches=m,
+                                                            pipeline_schedule=schedule).physical)
+              if g.attributes["hspmd.microbatches"].value.data == m]
+    assert len(stages) == 2  # the stages run m micro-batches: each slices its group's rows m ways
+    assert all(str(g).count("graph.slice") >= m for g in stages)
 
 
 def _step(module) -> func.FuncOp:
@@ -129,10 +148,13 @@ def deadlock_free(physical) -> bool:
     return all(head(r) is None for r in programs)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(first=st.booleans(), pp=st.sampled_from([2, 3]), tp=st.sampled_from([1, 2]), other_tp=st.sampled_from([1, 2]),
-       shares=st.tuples(st.integers(1, 3), st.integers(1, 3)))
-def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, shares):
+       shares=st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)]), m=st.sampled_from([1, 2, 3]),
+       schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, shares, m, schedule):
+    if m > 1:  # micro-batches beside other groups: sums across groups only (no tensor-parallel exchanges)
+        tp = other_tp = 1
     n_pipe = pp * tp
     devices = list(range(n_pipe + other_tp))
     pipe_devs, other_devs = (devices[:n_pipe], devices[n_pipe:]) if first else (devices[other_tp:], devices[:other_tp])
@@ -140,8 +162,9 @@ def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, 
     piped = f"[{fmt(pipe_devs)}]: tp={tp} pp={pp} share={shares[0]}"
     other = f"[{fmt(other_devs)}]: tp={other_tp} share={shares[1]}"
     strategy = f"{piped} | {other}" if first else f"{other} | {piped}"
-    compiled = compile_script(_script("mlp.py", ["hidden=32", "batch_size=12"]), strategy, len(devices))
-    assert deadlock_free(compiled.physical), strategy
+    compiled = compile_script(_script("mlp.py", ["hidden=32", "batch_size=72"]), strategy, len(devices),
+                              microbatches=m, pipeline_schedule=schedule)
+    assert deadlock_free(compiled.physical), (strategy, m, schedule)
 
 
 def test_the_simulation_finds_a_deadlock():
@@ -160,7 +183,9 @@ def test_the_simulation_finds_a_deadlock():
 @pytest.mark.parametrize("strategy, n, kw, words", [
     ("[0-3]: pp=2 tp=2 | [4-7]: pp=4", 8, {}, ["[0-3] (pp=2)", "[4-7] (pp=4)", "cannot be combined"]),
     ("[0-3]: pp=2 dp=2 zero=1 | [4]: dp=1", 5, {}, ["zero=1", "pp=2"]),
-    ("[0,1]: pp=2 | [2]: dp=1", 3, {"microbatches": 2}, ["microbatches=2", "1 micro-batch"]),
+    ("[0-3]: pp=2 tp=2 | [4,5]: tp=2", 6, {"microbatches": 2}, ["comm.exchange", "microbatches=2",
+                                                                 "only sum across groups"]),
+    ("[0-3]: dp=2 pp=2 | [4,5]: dp=2", 6, {"microbatches": 2}, ["dp=4", "annotated as", "virtual dp rank"]),
 ])
 def test_bad_hetero_pipelines_are_refused_in_one_message(strategy, n, kw, words):
     with pytest.raises(PassError) as err:

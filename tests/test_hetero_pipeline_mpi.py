@@ -3,8 +3,8 @@
 `hspmd run -n N examples/gpt.py --strategy S --steps 20 --log F` for Hetu v2's flagship shape
 `[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 pp=1 share=1` (6 ranks) and the simpler
 `[0,1]: pp=2 share=1 | [2]: dp=1 share=1`, `[0,1]: pp=2 share=3 | [2]: pp=1 share=1` and the
-pipelined group second, against `hspmd run -n 1` (reference and sizes from
-tests/test_strategies_mpi.py).
+pipelined group second, and with micro-batches (GPipe, 1F1B), against `hspmd run -n 1`
+(reference and sizes from tests/test_strategies_mpi.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ reference = test_strategies_mpi.reference  # the module-scoped fixture: the 1-de
     (3, "[0,1]: pp=2 share=1 | [2]: dp=1 share=1", []),
     (3, "[0,1]: pp=2 share=3 | [2]: pp=1 share=1", ["pipeline_schedule=1f1b"]),
     (6, "[0,1]: dp=2 share=1 | [2-5]: dp=2 pp=2 layers=1:1 share=3", []),  # pipelined second, dp in stages
+    (3, "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", ["microbatches=3", "pipeline_schedule=1f1b"]),
+    (6, "[0-3]: dp=2 pp=2 share=1 | [4,5]: dp=2 share=1", ["microbatches=2"]),
 ])
 def test_gpt_hetero_pipeline_logs_the_single_device_losses(tmp_path, reference, n, strategy, settings):
     losses = _pipeline_losses(tmp_path, n, strategy, settings)

@@ -35,6 +35,7 @@ class Pipeline:
     #: a heterogeneous strategy: every group's text with the pipelined one as `{}` (None: one group)
     union: tuple[str, ...] | None = None
     share: int = 1
+    other_devices: tuple[int, ...] = ()
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
@@ -50,18 +51,26 @@ class Pipeline:
         p // (dp*tp).
         """
         v = microbatches * self.dp * self.tp
-        if self.union is not None:  # the pipelined group as its first stage's devices, the others as written
-            stage = StrategyGroup(self.stages[0], dp=self.dp, tp=self.tp, share=self.share, sp=self.sp)
+        if self.union is not None:  # the pipelined group on virtual devices, the others as written
+            stage = StrategyGroup(self.virtual(microbatches), dp=microbatches * self.dp, tp=self.tp, share=self.share,
+                                  sp=self.sp)
             return " | ".join(str(stage) if g == "{}" else g for g in self.union)
         if v == 1:
             return f"[{self.devices[0]}]: dp=1"
         devices = f"0-{v - 1}" if v > 2 else "0,1"
         return f"[{devices}]: dp={microbatches * self.dp} tp={self.tp}" + (" sp=1" if self.sp else "")
 
+    def virtual(self, microbatches: int) -> tuple[int, ...]:
+        """Return the virtual devices of a pipelined group beside other groups: one per micro-batch
+        and stage position, the group's own devices first, then numbers above every real device."""
+        v = microbatches * self.dp * self.tp
+        top = max([*self.devices, *self.other_devices]) + 1
+        return (*self.devices, *range(top, top + v))[:v]
+
     def split_pass(self, microbatches: int, schedule: str) -> str:
         """Return the `pipeline-split{...}` pass text for this pipeline."""
         layers = f' layers="{",".join(map(str, self.layers))}"' if self.layers else ""
-        virtual = f' virtual="{",".join(map(str, self.stages[0]))}"' if self.union is not None else ""
+        virtual = f' virtual="{",".join(map(str, self.virtual(microbatches)))}"' if self.union is not None else ""
         return (f'pipeline-split{{devices="{",".join(map(str, self.devices))}" pp={self.pp} tp={self.tp} '
                 f'microbatches={microbatches} schedule="{schedule}"{layers}{virtual}}}')
 
@@ -92,7 +101,8 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
     union = None
     if len(strategy.groups) > 1:
         union = tuple("{}" if h is g else str(h) for h in strategy.groups)
-    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share)
+    others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
+    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others)
 
 
 def _devices(g: StrategyGroup) -> str:
@@ -169,15 +179,20 @@ def compile_script(
         # pipeline-split sums the micro-batches' gradients (and losses)
         m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
         schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
-        if pipe.union is not None and m != 1:
-            raise PassError(f"strategy '{parsed}' with microbatches={m}: a pipelined group beside other device "
-                            "groups runs 1 micro-batch (its gradient sums would span micro-batches and groups at "
-                            "once); use microbatches=1")
-        _check_microbatches(logical, m, pipe.dp)
+        if pipe.union is None:  # (beside other groups, apply-strategy checks the group's rows against m x dp)
+            _check_microbatches(logical, m, pipe.dp)
+        elif m < 1:
+            raise PassError(f"microbatches={m}: the number of micro-batches must be >= 1")
         annotate_as = pipe.stage_strategy(m)
         split = "," + pipe.split_pass(m, schedule)
     annotated = logical.clone()
-    run_passes(annotated, annotate_pipeline(annotate_as))
+    try:
+        run_passes(annotated, annotate_pipeline(annotate_as))
+    except PassError as err:
+        if pipe is None or pipe.union is None:
+            raise
+        raise PassError(f"{err} (strategy '{parsed}' is annotated as '{annotate_as}': the pipelined group as one "
+                        "stage, each micro-batch a virtual dp rank)") from None
     verify_annotated(annotated)
     physical = annotated.clone()
     run_passes(physical, PHYSICAL_PIPELINE + split)

@@ -42,11 +42,13 @@ group at once, which `pipeline-split` refuses with one message (so does `compile
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, TensorType, i64
-from xdsl.ir import Attribute, Operation
+from xdsl.ir import Operation
 
 from hspmd.dialects import comm, graph
 from hspmd.dialects.dist import LayoutAttr, layout_of, with_layout
@@ -95,25 +97,38 @@ def comm_signature(o: Operation) -> tuple:
     return (o.name, tuple(sorted(tuple(g) for g in o.rank_groups)))  # type: ignore[attr-defined]
 
 
-def remap_op(o: Operation, mapping: Mapping[int, int]) -> None:
+class Remap(Protocol):
+    """How one stage renames what names the virtual devices: rank groups and layouts."""
+
+    def groups(self, groups: Sequence[Sequence[int]]) -> list[list[int]]: ...
+
+    def layout(self, layout: Layout) -> Layout: ...
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """A Remap that renames devices one to one (`mapping.get(d, d)`)."""
+
+    mapping: Mapping[int, int]
+
+    def groups(self, groups: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [[self.mapping.get(d, d) for d in g] for g in groups]
+
+    def layout(self, layout: Layout) -> Layout:
+        return remap_layout(layout, self.mapping)
+
+
+def remap_op(o: Operation, remap: Remap | Mapping[int, int]) -> None:
     """Rename devices in op `o` in place: rank groups, exchange layouts, layouts in its properties."""
-    if not mapping:
-        return
+    if isinstance(remap, Mapping):
+        remap = DeviceMap(remap)
     if hasattr(o, "rank_groups") and o.dialect_name() == "comm":
-        groups = o.rank_groups  # type: ignore[attr-defined]
-        o.properties["groups"] = comm.groups_attr([[mapping.get(d, d) for d in g] for g in groups])
+        o.properties["groups"] = comm.groups_attr(remap.groups(o.rank_groups))  # type: ignore[attr-defined]
     for key, value in list(o.properties.items()):
-        new = _remap_attr(value, mapping)
-        if new is not None:
-            o.properties[key] = new
-
-
-def _remap_attr(value: Attribute, mapping: Mapping[int, int]) -> Attribute | None:
-    if isinstance(value, LayoutAttr):
-        return LayoutAttr(remap_layout(value.data, mapping))
-    if isinstance(value, TensorType) and layout_of(value) is not None:
-        return with_layout(value, remap_layout(layout_of(value), mapping))  # type: ignore[arg-type]
-    return None
+        if isinstance(value, LayoutAttr):
+            o.properties[key] = LayoutAttr(remap.layout(value.data))
+        elif isinstance(value, TensorType) and layout_of(value) is not None:
+            o.properties[key] = with_layout(value, remap.layout(layout_of(value)))  # type: ignore[arg-type]
 
 
 def _step(module: ModuleOp) -> func.FuncOp:
@@ -127,17 +142,19 @@ def _functions(module: ModuleOp) -> list[func.FuncOp]:
     return [f for f in module.body.block.ops if isinstance(f, func.FuncOp)]
 
 
-def join_groups(stage_modules: list[ModuleOp], device_maps: list[dict[int, int]],
-                virtual_cross: list[Operation], placed: Mapping[Operation, tuple[int, Operation]],
+def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[int]], virtual: Sequence[int],
+                remaps: Sequence[Remap], virtual_cross: list[Operation],
+                placed: Mapping[Operation, tuple[int, Operation]],
                 others: list[tuple[tuple[int, ...], ModuleOp]]) -> None:
     """Tie the stage modules of a pipelined group to the other groups' modules (see the module docstring).
 
-    `device_maps[s]`: virtual device -> stage s's real device; `virtual_cross`: the virtual
-    step's cross-group comm ops in program order; `placed[o]`: (stage, clone) of each of
-    them; `others`: (devices, module) of every other group, modified in place.
+    `remaps[s]`: how stage s renames the `virtual` devices (in rank groups and layouts);
+    `virtual_cross`: the virtual step's cross-group comm ops in program order; `placed[o]`:
+    (stage, the op that stands for it on that stage); `others`: (devices, module) of every
+    other group, modified in place.
     """
-    virtual = set(device_maps[0])
-    stage_of_device = {d: s for s, m in enumerate(device_maps) for d in m.values()}
+    virtual = set(virtual)  # type: ignore[assignment]
+    stage_of_device = {d: s for s, devs in enumerate(stage_devices) for d in devs}
     for o in virtual_cross:
         if o not in placed:
             raise PassError(f"pipeline-split: internal error: the cross-group '{o.name}' went to no stage")
@@ -184,11 +201,11 @@ def join_groups(stage_modules: list[ModuleOp], device_maps: list[dict[int, int]]
         for f in _functions(module):
             for o in f.walk():
                 if o in node_of and node_of[o][0] == "x":
-                    remap_op(o, device_maps[placed[virtual_cross[node_of[o][1]]][0]])
+                    remap_op(o, remaps[placed[virtual_cross[node_of[o][1]]][0]])
                 elif isinstance(o, graph.ParameterOp):
-                    remap_op(o, device_maps[param_stage.get(o.tensor_name.data, 0)])
+                    remap_op(o, remaps[param_stage.get(o.tensor_name.data, 0)])
                 else:
-                    remap_op(o, device_maps[0])
+                    remap_op(o, remaps[0])
         module.attributes[STAGE_ATTR] = IntegerAttr(0, i64)
         module.attributes[MICROBATCHES_ATTR] = IntegerAttr(1, i64)
     # 2. the events of each stage, in program order

@@ -93,7 +93,7 @@ from xdsl.passes import ModulePass
 
 from hspmd.dialects import comm, graph
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.ir.layout import DistributedStates, Layout
+from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, split
 from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.runtime.schedule_pipeline import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.transforms.hetero_pipeline import (MICROBATCHES_ATTR, STAGE_ATTR, comm_devices, join_groups,  # noqa: F401
@@ -145,6 +145,21 @@ class StageMesh:
         """Return virtual device -> stage s's real device (one micro-batch: position p is `stages[s][p]`)."""
         return {v: self.stages[s][p % self.size] for p, v in enumerate(self.virtual)}
 
+    def collapse(self, s: int, group) -> list[int]:
+        """Return a rank group with virtual devices on stage s's real devices (position p -> p % size),
+        each once, in first-seen order; other groups' devices stay."""
+        where = {v: p for p, v in enumerate(self.virtual)}
+        out: list[int] = []
+        for d in group:
+            real = self.stages[s][where[d] % self.size] if d in where else d
+            if real not in out:
+                out.append(real)
+        return out
+
+    def remap(self, s: int) -> "StageRemap":
+        """Return how stage s renames the virtual devices in rank groups and layouts."""
+        return StageRemap(self, s)
+
     @property
     def size(self) -> int:
         """Return the number of devices of one stage (dp * tp)."""
@@ -163,7 +178,33 @@ class StageMesh:
         return [[self.stages[s][q] for q in g] for g in groups]
 
 
+@dataclass(frozen=True)
+class StageRemap:
+    """Rank groups and layouts of the one-group program (and of the groups beside it) on stage s.
+
+    Rank groups collapse (`StageMesh.collapse`); a layout whose group is the virtual devices
+    gets the stage's layout in its place (`stage_layout`: the micro-batches' axis divided by m).
+    """
+
+    mesh: StageMesh
+    s: int
+
+    def groups(self, groups) -> list[list[int]]:
+        return [self.mesh.collapse(self.s, g) for g in groups]
+
+    def layout(self, layout: Layout) -> Layout:
+        if self.mesh.microbatches == 1:
+            return remap_layout(layout, self.mesh.device_map(self.s))
+        if not set(layout.devices) & set(self.mesh.virtual):
+            return layout
+        return stage_layout(layout, self.mesh, self.s, f"layout '{layout}'")[0]
+
+
 LOCAL, MEET, SPLIT, CROSS, MAPPED = "local", "meet", "split", "cross", "mapped"
+# with micro-batches beside other groups: a sum across groups and micro-batches (XSPAN, resolved by its
+# operand into XMEET: the micro-batches' sum then the cross-group sum, or XPOST: the sum of a value
+# zeroed on all but one micro-batch by a ZERO, a local_zero over the micro-batches of a summed value)
+XSPAN, XMEET, XPOST, ZERO = "xspan", "xmeet", "xpost", "zero"
 
 
 def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
@@ -176,25 +217,40 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
     collective with other groups of a heterogeneous strategy (`hetero_pipeline`: it runs on
     one stage, every virtual device renamed to that stage's real one); (MAPPED, ()) for one
     that names other groups' devices but moves no data to or from them (an exchange whose
-    transfers stay inside each group): each stage runs it with its real devices.
+    transfers stay inside each group): each stage runs it with its real devices. With
+    micro-batches beside other groups: (XSPAN, ()) for a cross-group all-reduce (each group's
+    virtual part all micro-batches times one position set), (ZERO, groups Q) for a local_zero
+    over the micro-batches (of a value every micro-batch holds whole).
     """
-    if mesh.foreign and comm_devices(o) & mesh.foreign:
-        if mesh.microbatches != 1:
-            raise PassError(f"pipeline-split: '{o.name}' names other device groups; a pipelined group beside "
-                            f"other groups runs 1 micro-batch, not {mesh.microbatches}")
-        return (CROSS if partners(o, frozenset(mesh.virtual)) else MAPPED), ()
-    groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
     size, m = mesh.size, mesh.microbatches
+    if mesh.foreign and comm_devices(o) & mesh.foreign:
+        crossing = partners(o, frozenset(mesh.virtual))
+        if m == 1:
+            return (CROSS if crossing else MAPPED), ()
+        if not crossing or not isinstance(o, comm.AllReduceOp):
+            raise PassError(f"pipeline-split: '{o.name}' names other device groups inside a micro-batch; with "
+                            f"microbatches={m} a pipelined group beside other groups may only sum across groups "
+                            "(all-reduces of gradients and the loss), so use microbatches=1 (or tp=1 in every group)")
+        for g in o.rank_groups:  # type: ignore[attr-defined]
+            by_mb: dict[int, set[int]] = {}
+            for p in mesh.positions([d for d in g if d not in mesh.foreign]):
+                by_mb.setdefault(p // size, set()).add(p % size)
+            if by_mb and (len(by_mb) != m or len({frozenset(v) for v in by_mb.values()}) != 1):
+                raise PassError(f"pipeline-split: '{o.name}' group {list(g)} sums across device groups over some "
+                                f"but not all {m} micro-batches, or other positions in each")
+        return XSPAN, ()
+    groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
     kind = LOCAL
     out: set[tuple[int, ...]] = set()
     if all(len({p // size for p in g}) == 1 for g in groups):
         out = {tuple(p % size for p in g) for g in groups}
     else:
-        if not isinstance(o, (comm.AllReduceOp, comm.LocalSplitOp)):
+        zero = bool(mesh.foreign) and isinstance(o, comm.LocalZeroOp)
+        if not isinstance(o, (comm.AllReduceOp, comm.LocalSplitOp)) and not zero:
             raise PassError(f"pipeline-split: '{o.name}' over {[list(g) for g in o.rank_groups]} "  # type: ignore
                             "spans micro-batches; only all-reduces (sums over the micro-batches) and local "
                             "splits may")
-        kind = MEET if isinstance(o, comm.AllReduceOp) else SPLIT
+        kind = MEET if isinstance(o, comm.AllReduceOp) else ZERO if zero else SPLIT
         for g in groups:
             by_mb: dict[int, list[int]] = {}
             for p in g:
@@ -219,22 +275,23 @@ def stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> t
     The major axis of the one-group layout holds the micro-batches: its degree is divided by
     m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1).
     """
-    if layout is not None and mesh.foreign and len(layout.groups) > 1 \
-            and any(g.devices == mesh.virtual for g in layout.groups) and mesh.microbatches == 1:
-        return remap_layout(layout, mesh.device_map(s)), None  # a union with other groups: the stage in place
-    if layout is None or len(layout.groups) != 1 or layout.groups[0].devices != mesh.virtual:
+    mine = [i for i, g in enumerate(layout.groups) if g.devices == mesh.virtual] if layout is not None else []
+    if layout is None or not mine or (len(layout.groups) > 1 and not mesh.foreign):
         raise PassError(f"pipeline-split: {what} has layout '{layout}', not one over the one-group "
                         f"program's devices {list(mesh.virtual)}")
-    states = layout.groups[0].states
+    states = layout.groups[mine[0]].states
     m = mesh.microbatches
-    if m == 1:
-        return Layout.spmd(mesh.stages[s], states), None
-    axis, degree = states.axes[0]
-    if degree % m:
-        raise PassError(f"pipeline-split: {what} is laid out as '{layout}'; with {m} micro-batches its major mesh "
-                        f"axis must have a degree divisible by {m} (it holds the micro-batches)")
-    real = Layout.spmd(mesh.stages[s], DistributedStates(((axis, degree // m), *states.axes[1:])))
-    return real, axis.dim if axis.kind == "split" else None
+    dim = None
+    if m > 1:
+        axis, degree = states.axes[0]
+        if degree % m:
+            raise PassError(f"pipeline-split: {what} is laid out as '{layout}'; with {m} micro-batches its major "
+                            f"mesh axis must have a degree divisible by {m} (it holds the micro-batches)")
+        states = DistributedStates(((axis, degree // m), *states.axes[1:]))
+        dim = axis.dim if axis.kind == "split" else None
+    groups = list(layout.groups)  # a union with other groups (hetero_pipeline): the stage in the group's place
+    groups[mine[0]] = Group(mesh.stages[s], states)
+    return Layout(tuple(groups), layout.hetero, layout.shares), dim
 
 
 def stage_type(typ: TensorType, mesh: StageMesh, s: int, what: str) -> tuple[TensorType, int | None]:
@@ -242,7 +299,7 @@ def stage_type(typ: TensorType, mesh: StageMesh, s: int, what: str) -> tuple[Ten
     one micro-batch's global shape (the dim split over micro-batches divided by m), the stage's layout."""
     layout, dim = stage_layout(layout_of(typ), mesh, s, what)
     shape = list(typ.get_shape())
-    if dim is not None:
+    if dim is not None and len(layout.groups) == 1:  # (a union keeps the whole batch's shape)
         shape[dim] //= mesh.microbatches
     return with_layout(TensorType(typ.element_type, shape), layout), dim
 
@@ -322,9 +379,6 @@ class PipelineSplit(ModulePass):
                                 f"{[list(g) for g, _ in groups]})")
             other_groups = [g for g in groups if g[0] != want]
             groups = mine
-            if m != 1:
-                raise PassError(f"pipeline-split: microbatches={m}: a pipelined group beside other device groups "
-                                "runs 1 micro-batch")
             if set(devices) & {d for g, _ in other_groups for d in g}:
                 raise PassError(f"pipeline-split: devices '{self.devices}' overlap another group's "
                                 f"{[list(g) for g, _ in other_groups]}")
@@ -394,8 +448,9 @@ class PipelineSplit(ModulePass):
                                                         MICROBATCHES_ATTR: IntegerAttr(m, i64)})
             modules.append(module)
         if other_groups:  # cross-group collectives onto the stages' devices, the other groups in a safe order
-            join_groups(modules, [mesh.device_map(s) for s in range(pp)],
-                        [o for o in ops if collectives.get(o, (LOCAL,))[0] == CROSS], placed, other_groups)
+            join_groups(modules, stage_devices, virtual, [mesh.remap(s) for s in range(pp)],
+                        [o for o in ops if collectives.get(o, (LOCAL,))[0] in (CROSS, XMEET, XPOST)], placed,
+                        other_groups)
         for module in modules:  # the stages where the one-group module was
             op.body.block.insert_op_before(module, group)
         group.detach()
@@ -535,10 +590,25 @@ def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
            leaves: dict[Operation, bool]) -> dict[Operation, str]:
     """Return op -> "mb" (runs once per micro-batch: it depends on an input split over the
     micro-batches), "post" (after the accumulation: it depends on an all-reduce over the
-    micro-batches) or "step" (once)."""
+    micro-batches) or "step" (once). Resolves each XSPAN in `collectives` into XMEET or XPOST."""
     kind: dict[Operation, str] = {}
     for o in ops:
-        if collectives.get(o, (LOCAL,))[0] == MEET or o.dialect_name() == "optim":  # the update comes last
+        c = collectives.get(o, (LOCAL,))[0]
+        if c in (XSPAN, ZERO, XPOST):  # across micro-batches (and groups): by what the operand is
+            x = o.operands[0].owner
+            k = kind.get(x, "step")  # type: ignore[call-overload]
+            if c == ZERO and k == "mb":
+                raise PassError(f"pipeline-split: '{o.name}' zeroes all but one micro-batch's value before it is "
+                                "summed over them; a pipelined stage cannot")
+            if c == XSPAN and k != "mb":
+                if collectives.get(x, (LOCAL,))[0] != ZERO:  # type: ignore[call-overload]
+                    raise PassError(f"pipeline-split: '{o.name}' sums across device groups a value that every "
+                                    "micro-batch holds whole; a pipelined stage cannot")
+                collectives[o] = (XPOST, ())  # only micro-batch 0's copy is not zero: one sum across groups
+            elif c == XSPAN:
+                collectives[o] = (XMEET, ())  # the micro-batches' sum, then the sum across groups
+        c = collectives.get(o, (LOCAL,))[0]
+        if c in (MEET, XMEET) or o.dialect_name() == "optim":  # the update comes last
             kind[o] = "post"
         elif o in leaves:
             kind[o] = "mb" if leaves[o] else "step"
@@ -588,7 +658,7 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
         return inst if kind.get(v.owner, "step") == "mb" else None  # type: ignore[arg-type]
 
     def uses(o: Operation, inst: int | None) -> list[tuple[SSAValue, int | None]]:
-        if collectives.get(o, (LOCAL,))[0] == MEET:
+        if collectives.get(o, (LOCAL,))[0] in (MEET, XMEET):
             return [(o.operands[0], inst_of(o.operands[0], i)) for i in range(microbatches)]
         return [(v, inst_of(v, inst)) for v in o.operands]
 
@@ -651,18 +721,24 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                 clone(owner, k[1])
             return vmap[k]
 
+        def place(o: Operation, new: Operation) -> None:
+            """Record where a collective across device groups runs (one stage)."""
+            if placed is not None:
+                if o in placed:
+                    raise PassError(f"pipeline-split: '{o.name}' across device groups would run on stages "
+                                    f"{placed[o][0]} and {s}; it must have one stage")
+                placed[o] = (s, new)
+
         def clone(o: Operation, inst: int | None) -> None:
+            if isinstance(o, graph.InputOp) and leaves.get(o) and mesh.foreign:
+                return micro_batch_of_union_input(o, inst)
             mapping = {v: get(v, inst) for v in o.operands}
             new = o.clone(value_mapper=mapping)
-            if collectives.get(o, (LOCAL,))[0] == CROSS:  # with other groups: this stage's devices for the virtual
-                remap_op(new, mesh.device_map(s))
-                if placed is not None:
-                    if o in placed:
-                        raise PassError(f"pipeline-split: '{o.name}' across device groups would run on stages "
-                                        f"{placed[o][0]} and {s}; it must have one stage")
-                    placed[o] = (s, new)
-            elif collectives.get(o, (LOCAL,))[0] == MAPPED:
-                remap_op(new, mesh.device_map(s))
+            if collectives.get(o, (LOCAL,))[0] in (CROSS, XPOST):  # with other groups: on this stage's devices
+                remap_op(new, mesh.remap(s))
+                place(o, new)
+            elif collectives.get(o, (LOCAL,))[0] in (MAPPED, ZERO):
+                remap_op(new, mesh.remap(s))
             elif o in collectives:  # a collective inside one micro-batch, over this stage's devices
                 new.properties["groups"] = comm.groups_attr(mesh.real(s, collectives[o][1]))
             if isinstance(new, (graph.ParameterOp, graph.InputOp)):
@@ -676,6 +752,42 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
             body.append(new)
             for old, r in zip(o.results, new.results):
                 vmap[(old, inst_of(old, inst))] = r
+
+        def micro_batch_of_union_input(o: Operation, inst: int | None) -> None:
+            """Micro-batch `inst` of a batch input that the other groups share (hetero_pipeline): the
+            stage reads its group's rows whole (once), then slices the micro-batch's rows and splits
+            them over its dp ranks (the worker's `x@mbI` are slices of the whole batch, which holds
+            the other groups' rows too)."""
+            typ = o.properties["global_type"]
+            layout = layout_of(typ)
+            g = next(g for g in layout.groups if g.devices == mesh.virtual)  # type: ignore[union-attr]
+            (axis, degree), *rest = g.states.axes
+            if axis != split(0) or any(a.kind != "dup" for a, _ in rest):
+                raise PassError(f"pipeline-split: input '{o.tensor_name.data}' is laid out as '{layout}'; beside "
+                                "other device groups a pipelined group's micro-batches need it split along dim 0 only")
+            dp = degree // microbatches
+            tp = mesh.size // dp
+            if (o.result, -1) not in vmap:
+                groups = [Group(mesh.stages[s], DistributedStates.of((DUP, mesh.size))) if h is g else h
+                          for h in layout.groups]  # type: ignore[union-attr]
+                whole = Layout(tuple(groups), layout.hetero, layout.shares)  # type: ignore[union-attr]
+                shape = whole.local_shape(mesh.stages[s][0], typ.get_shape())  # type: ignore[union-attr]
+                read = graph.InputOp(o.tensor_name.data, TensorType(o.result.type.element_type, shape))
+                read.properties["global_type"] = with_layout(typ, whole)
+                body.append(read)
+                vmap[(o.result, -1)] = read.result
+            rows = vmap[(o.result, -1)]
+            shape = list(rows.type.get_shape())  # type: ignore[attr-defined]
+            shape[0] //= microbatches
+            piece = graph.SliceOp(rows, 0, (inst or 0) * shape[0], TensorType(o.result.type.element_type, shape))
+            body.append(piece)
+            result = piece.result
+            if dp > 1:
+                real = [[mesh.stages[s][d * tp + t] for d in range(dp)] for t in range(tp)]
+                split_op = comm.LocalSplitOp(piece.result, real, o.result.type, dim=0)
+                body.append(split_op)
+                result = split_op.result
+            vmap[(o.result, inst_of(o.result, inst))] = result
 
         def issue(upto: Key | None) -> None:
             """Issue events in key order: all up to `upto`, then sends already made (upto None: sends only)."""
@@ -701,15 +813,19 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                     if (v, k) not in vmap and (v, k, stages.get(v.owner, FREE), s) in messages]
             if need:
                 issue(max(need))
-            if collectives.get(o, (LOCAL,))[0] == MEET:  # the sum over micro-batches, in micro-batch order,
-                vals = [get(v, k) for v, k in uses(o, inst)]  # then over the stage's dp ranks
+            if collectives.get(o, (LOCAL,))[0] in (MEET, XMEET):  # the sum over micro-batches, in their order,
+                vals = [get(v, k) for v, k in uses(o, inst)]  # then over the stage's dp ranks (and other groups)
                 acc = vals[0]
                 for x in vals[1:]:
                     add = graph.AddOp(acc, x, o.result.type)
                     body.append(add)
                     acc = add.result
-                real = mesh.real(s, collectives[o][1])
-                if len(real[0]) > 1:
+                if collectives[o][0] == XMEET:
+                    reduce = comm.AllReduceOp(acc, mesh.remap(s).groups(o.rank_groups), o.result.type)  # type: ignore
+                    body.append(reduce)
+                    place(o, reduce)
+                    acc = reduce.result
+                elif len((real := mesh.real(s, collectives[o][1]))[0]) > 1:
                     reduce = comm.AllReduceOp(acc, real, o.result.type)
                     body.append(reduce)
                     acc = reduce.result
