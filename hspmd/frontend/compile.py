@@ -81,8 +81,8 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
     A pipeline's step is compiled for one stage-shaped group (`Pipeline.stage_strategy`: one
     virtual device per micro-batch and stage position), then `pipeline-split` cuts the
     physical step into one program per stage. In a heterogeneous strategy one group may be
-    pipelined (`[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1`): its stage shape, on its
-    first stage's devices, stands in the union the step is annotated with, and
+    pipelined (`[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1`): its stage shape, on
+    virtual devices (`Pipeline.virtual`), stands in the union the step is annotated with, and
     `pipeline-split{virtual=...}` cuts that group's program into its stages
     (`hspmd.transforms.hetero_pipeline`).
     """

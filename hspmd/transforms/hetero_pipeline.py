@@ -1,16 +1,18 @@
 """Heterogeneous pipelines: a pipelined device group beside groups without pipeline stages.
 
 `[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1` is compiled as the union in which the
-pipelined group is replaced by its stage shape on virtual devices (its first stage's devices,
-one micro-batch: `[0,1]: tp=2 share=2 | [4,5]: tp=2 share=1`), so `apply-strategy` sees no
-pp, and the physical IR is one module per group as for any heterogeneous strategy.
+pipelined group is replaced by its stage shape on virtual devices, one per micro-batch and
+stage position (one micro-batch: its first stage's devices, `[0,1]: tp=2 share=2 | [4,5]: tp=2
+share=1`), so `apply-strategy` sees no pp, and the physical IR is one module per group as for
+any heterogeneous strategy.
 `pipeline-split{... virtual="0,1"}` then cuts only the virtual group's module into stage
 modules and calls `join_groups` here, which ties the stages to the other groups:
 
 * **cross-group collectives** (gradient sums across groups, the loss sum, exchanges) of the
   virtual module go to the stage that computes their operand (a layer-0 weight's to stage 0,
   a layer-1 weight's to stage 1, the loss's to the last stage); each names that stage's real
-  devices in place of the virtual ones. In every other group's module, the matching
+  devices in place of the virtual ones (with micro-batches, `pipeline-split` first sums them
+  over the micro-batches, so each runs once). In every other group's module, the matching
   collective (the k-th one that touches the virtual devices, matched in program order, as
   every heterogeneous program already pairs them) is remapped onto the same stage's devices,
   per op.
@@ -35,8 +37,8 @@ modules and calls `join_groups` here, which ties the stages to the other groups:
   `hspmd.microbatches = 1`) so that the runtime gathers parameters from every group's
   programs in one list on every rank.
 
-One micro-batch only: with m > 1 a stage's gradient sum spans micro-batches and another
-group at once, which `pipeline-split` refuses with one message (so does `compile_script`).
+With micro-batches, only sums may cross groups: an exchange between groups inside a
+micro-batch (tensor-parallel bias pieces) is refused by `pipeline-split` with one message.
 """
 
 from __future__ import annotations

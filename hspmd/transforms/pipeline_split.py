@@ -74,11 +74,18 @@ point of the same program). A stage assignment in which an action would need a v
 later action makes is refused with a message naming the op.
 
 **Beside other device groups** (`virtual="0,1"`: the devices of the stage-shaped group in a
-physical IR with several groups, one micro-batch): only that group's module is cut; leaves'
-union layouts get the stage's devices in place of the virtual ones; a collective that moves
-data to or from another group is `CROSS` (it runs on one stage, renamed onto its devices), one
-that only names other groups' devices is `MAPPED`; then `hetero_pipeline.join_groups` remaps
-and re-orders the other groups' modules (see its docstring for why no rank deadlocks).
+physical IR with several groups): only that group's module is cut; in leaves' union layouts
+the stage takes the virtual group's place (its micro-batch axis divided by m; the batch shape
+stays the whole batch's); a collective that moves data to or from another group is `CROSS`
+(one micro-batch: it runs on one stage, renamed onto its devices), one that only names other
+groups' devices is `MAPPED`. With m > 1 micro-batches, a cross-group all-reduce of a
+per-micro-batch value (`XMEET`) becomes the sum over the micro-batches, then one all-reduce
+with the other groups; a local_zero over the micro-batches of a summed value (`ZERO`) becomes
+one over the stage and the cross-group all-reduce after it (`XPOST`) runs once; a batch input
+the other groups share is read as the group's rows, then micro-batch i's slice is split over
+the stage's dp ranks; other exchanges across groups are refused. Then
+`hetero_pipeline.join_groups` remaps and re-orders the other groups' modules (see its
+docstring for why no rank deadlocks).
 """
 
 from __future__ import annotations
@@ -273,7 +280,8 @@ def stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> t
     """Return (the layout of a value on stage s's devices, the tensor dim split over the micro-batches).
 
     The major axis of the one-group layout holds the micro-batches: its degree is divided by
-    m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1).
+    m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1). In a
+    union with other groups (`virtual=...`) the stage's group replaces the virtual one.
     """
     mine = [i for i, g in enumerate(layout.groups) if g.devices == mesh.virtual] if layout is not None else []
     if layout is None or not mine or (len(layout.groups) > 1 and not mesh.foreign):
