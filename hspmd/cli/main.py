@@ -118,10 +118,11 @@ def cmd_run(args) -> int:
         from hspmd.runtime.worker import train
 
         (comm,) = InProcessCommunicator.create_world(1)
-        train(bundle, comm, args.steps, args.log, args.checkpoint)
+        train(bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels)
         return 0
     worker = ["-m", "hspmd.runtime.worker", bundle]
-    for flag, value in (("--steps", args.steps), ("--log", args.log), ("--checkpoint", args.checkpoint)):
+    for flag, value in (("--steps", args.steps), ("--log", args.log), ("--checkpoint", args.checkpoint),
+                        ("--kernels", args.kernels)):
         if value is not None:
             worker += [flag, str(value)]
     return launch(args.n, worker)
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log", help="write one JSON object per step to this file")
     r.add_argument("--checkpoint", help="write the final parameters to this .npz file")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
+    r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
+                   help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
+                        "or CuPy (cuda); see docs/kernels.md")
     r.set_defaults(func=cmd_run)
 
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)

@@ -22,6 +22,7 @@ from hspmd.ir.levels import LevelError, physical_groups, verify_physical
 from hspmd.runtime.bundle import BundleError, read_manifest
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
+from hspmd.runtime.kernel_exec import BACKENDS, fuse_for_run
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
@@ -84,8 +85,14 @@ def train(
     checkpoint: str | None = None,
     quiet: bool = False,
     keep_outputs: bool = False,
+    kernels: str = "cpu",
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
+
+    `kernels` picks how elementwise chains and row reductions run (`kernel_exec.BACKENDS`):
+    "cpu" fuses them into C++ kernels built from their CUDA source (NumPy per op, said once,
+    where no compiler is found), "numpy" runs NumPy per op, "cuda" is for CuPy (falls back to
+    "cpu" without a GPU).
 
     With `keep_outputs`, the result also holds every step's named outputs (gradients of a
     program compiled without an optimizer, for instance) and the initial parameters.
@@ -101,6 +108,7 @@ def train(
     module = parse_module(open(path).read(), path)
     verify_physical(module)
     (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
+    group_module = fuse_for_run(group_module, kernels)  # type: ignore[arg-type]
     fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
                and op.sym_name.data == "train_step"), None)
     if fn is None:
@@ -214,12 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--log")
     parser.add_argument("--checkpoint")
+    parser.add_argument("--kernels", choices=BACKENDS, default="cpu")
     args = parser.parse_args(argv)
     from hspmd.runtime.comm.mpi import MPICommunicator
 
     comm = MPICommunicator()
     try:
-        train(args.bundle, comm, args.steps, args.log, args.checkpoint)
+        train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels)
     except (RunError, BundleError, PlanError, IRTextError, LevelError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
