@@ -116,7 +116,8 @@ def train(
     plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
     if comm.rank == 0 and not quiet:
         print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
-              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets", flush=True)
+              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
+              f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
     microbatches = 1
     if MICROBATCHES_ATTR in group_module.attributes:
         microbatches = group_module.attributes[MICROBATCHES_ATTR].value.data  # type: ignore[attr-defined]
