@@ -62,6 +62,35 @@ def test_hetero_pipeline_with_micro_batches_equals_one_device(tmp_path, example,
     assert all(str(g).count("graph.slice") >= m for g in stages)
 
 
+def _named_devices(physical) -> set[int]:
+    """Return every device the physical IR names: rank groups, send/recv pairs, layouts."""
+    from xdsl.dialects.builtin import TensorType
+
+    from hspmd.dialects.dist import LayoutAttr, layout_of
+
+    out: set[int] = set()
+    for op in physical.walk():
+        for value in op.properties.values():
+            if isinstance(value, LayoutAttr):
+                out |= set(value.data.devices)
+            elif isinstance(value, TensorType) and layout_of(value) is not None:
+                out |= set(layout_of(value).devices)
+        if op.dialect_name() == "comm" and "groups" in op.properties:
+            out |= {d for g in op.rank_groups for d in g}
+        if isinstance(op, (comm.SendOp, comm.RecvOp)):
+            out |= {d for p in comm.groups_of(op.pairs) for d in p}
+    return out
+
+
+@pytest.mark.parametrize("strategy, n, m", [
+    ("[0]: dp=1 share=1 | [1-4]: dp=2 pp=2 share=3", 5, 3),  # virtual devices 1-6: 5 and 6 are not real
+    ("[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1", 6, 1),
+])
+def test_programs_name_only_real_devices(strategy, n, m):
+    compiled = compile_script(_script("gpt.py", ["data.batch_size=8"]), strategy, n, microbatches=m)
+    assert _named_devices(compiled.physical) == set(range(n))
+
+
 def _step(module) -> func.FuncOp:
     return next(f for f in module.body.block.ops if isinstance(f, func.FuncOp) and f.sym_name.data == "train_step")
 
