@@ -87,6 +87,9 @@ class MPICommunicator(Communicator):
         self._groups: dict[Any, Group] = {}
         self._closed = False
         self._scratch_bufs: dict[int, np.ndarray] = {}
+        # dtypes whose MPI_SUM of two buffers is NumPy's a + b, and their MPI datatypes
+        self._sum_types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+                           np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T}
 
     # -- basics --------------------------------------------------------------------------
 
@@ -230,9 +233,7 @@ class MPICommunicator(Communicator):
 
     def _sum_type(self, dtype: np.dtype) -> Any:
         """Return the MPI datatype whose MPI_SUM of two buffers is NumPy's ``a + b`` (None if none)."""
-        MPI = self._MPI
-        return {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T,
-                "int64": MPI.INT64_T}.get(dtype.name)
+        return self._sum_types.get(dtype)
 
     def iall_reduce(self, buf, group, out=None):
         """Start an all-reduce without blocking; the result's bits are those of :meth:`all_reduce`.
@@ -243,6 +244,12 @@ class MPICommunicator(Communicator):
         gathers the folded pieces (Allgatherv); below ``small_all_reduce_bytes`` every
         member gathers all buffers (Iallgather) and folds them in ``wait``.
         """
+        if out is buf and type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable:
+            g = self._groups.get(group)  # the hot path of gradient buckets: in place, two members
+            mpi_type = self._sum_types.get(buf.dtype)
+            if g is not None and len(g) == 2 and mpi_type is not None:
+                req = self._sub(g).Iallreduce(self._MPI.IN_PLACE, [buf.reshape(-1), mpi_type], op=self._MPI.SUM)
+                return _MPIRequest(req, lambda: buf)
         buf = as_buffer(buf, "all_reduce")
         g = self.check_group(group)
         if out is not None:
