@@ -540,13 +540,14 @@ def _nbytes(t) -> int:
 
 
 def build_plan(
-    fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
-    `bucket_bytes` is the size of a gradient all-reduce bucket (None or 0: every all-reduce
-    runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
+    `bucket_bytes` is the size of a gradient all-reduce bucket (default: the
+    `HSPMD_BUCKET_BYTES` environment variable, else `DEFAULT_BUCKET_BYTES`; None or 0: every
+    all-reduce runs blocking where the program has it). `reuse_buffers=False` gives every kernel a
     fresh array each step (for debugging a kernel's `out=` support). `allocate=False` only
     sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
     `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
@@ -555,6 +556,9 @@ def build_plan(
     """
     from hspmd.runtime.buckets import plan_buckets
 
+    if bucket_bytes == -1:
+        env = os.environ.get("HSPMD_BUCKET_BYTES")
+        bucket_bytes = int(env) if env else DEFAULT_BUCKET_BYTES
     flat = _flatten(fn, rank, communicator)
     devices = _devices(fn)
     if bucket_bytes:
