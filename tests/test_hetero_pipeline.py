@@ -1,7 +1,8 @@
 """Heterogeneous pipelines: one pipelined group beside groups without stages (`hetero_pipeline`).
 
-`[0,1]: pp=2 share=1 | [2]: dp=1 share=1` and friends train like one device (in-process ranks),
-with one micro-batch or several (GPipe, 1F1B; tensor parallelism only with one);
+`[0,1]: pp=2 share=1 | [2]: dp=1 share=1` and friends, and pipelines with different stage counts
+side by side (`[0,1]: pp=2 | [2-5]: pp=4`), train like one device (in-process ranks), with one
+micro-batch or several (GPipe, 1F1B; tensor parallelism only with one);
 each stage's cross-group collectives (gradient sums, the loss sum) name its own real devices,
 and the other group issues the same collectives, per stage, in the same order. A rendezvous
 simulation of every rank's blocking operations (collectives, sends, receives, exchanges) over
@@ -38,10 +39,26 @@ def test_hetero_pipeline_equals_one_device(tmp_path, example, strategy, n):
     for r in ranks:
         np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-4)
     assert ranks[0].params.keys() == ref.params.keys()
-    # gathered from the stages' and the other group's pieces (atol: GPT's key bias has a zero gradient
-    # in exact arithmetic, so Adam moves it by round-off only, differently in both runs)
+    # gathered from the stages' and the other group's pieces (a misplaced piece is off by the weights'
+    # scale, ~1e-2; the tolerance is for Adam, which turns round-off in tiny gradients, such as GPT's
+    # key bias, zero in exact arithmetic, into steps of up to a learning rate)
     for name, value in ref.params.items():
-        np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy, n, m, schedule", [
+    ("[0,1]: pp=2 share=1 | [2-5]: pp=4 share=1", 6, 2, "1f1b"),
+    ("[0-3]: dp=2 pp=2 share=1 | [4-7]: pp=4 share=1", 8, 1, "gpipe"),
+    ("[0-3]: pp=4 share=3 | [4-6]: pp=3 layers=2:1:1 share=1", 7, 2, "1f1b"),
+])
+def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strategy, n, m, schedule):
+    extra = ["model.layers=4", "data.batch_size=8"]
+    ref = _train(tmp_path, "gpt.py", "[0]: dp=1", 1, extra)[0]
+    compiled = compile_script(_script("gpt.py", extra), strategy, n, microbatches=m, pipeline_schedule=schedule)
+    assert deadlock_free(compiled.physical)
+    ranks = _train(tmp_path, "gpt.py", strategy, n, extra, microbatches=m, pipeline_schedule=schedule)
+    for r in ranks:
+        np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-4)
 
 
 @pytest.mark.parametrize("example, strategy, n, m, schedule, extra", [
@@ -179,17 +196,17 @@ def deadlock_free(physical) -> bool:
 
 @settings(max_examples=10, deadline=None)
 @given(first=st.booleans(), pp=st.sampled_from([2, 3]), tp=st.sampled_from([1, 2]), other_tp=st.sampled_from([1, 2]),
-       shares=st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)]), m=st.sampled_from([1, 2, 3]),
-       schedule=st.sampled_from(["gpipe", "1f1b"]))
-def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, shares, m, schedule):
+       other_pp=st.sampled_from([1, 1, 2, 3]), shares=st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)]),
+       m=st.sampled_from([1, 2, 3]), schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, other_pp, shares, m, schedule):
     if m > 1:  # micro-batches beside other groups: sums across groups only (no tensor-parallel exchanges)
         tp = other_tp = 1
-    n_pipe = pp * tp
-    devices = list(range(n_pipe + other_tp))
-    pipe_devs, other_devs = (devices[:n_pipe], devices[n_pipe:]) if first else (devices[other_tp:], devices[:other_tp])
+    n_pipe, n_other = pp * tp, other_pp * other_tp
+    devices = list(range(n_pipe + n_other))
+    pipe_devs, other_devs = (devices[:n_pipe], devices[n_pipe:]) if first else (devices[n_other:], devices[:n_other])
     fmt = lambda ds: ",".join(map(str, ds))  # noqa: E731
     piped = f"[{fmt(pipe_devs)}]: tp={tp} pp={pp} share={shares[0]}"
-    other = f"[{fmt(other_devs)}]: tp={other_tp} share={shares[1]}"
+    other = f"[{fmt(other_devs)}]: tp={other_tp} pp={other_pp} share={shares[1]}"
     strategy = f"{piped} | {other}" if first else f"{other} | {piped}"
     compiled = compile_script(_script("mlp.py", ["hidden=32", "batch_size=72"]), strategy, len(devices),
                               microbatches=m, pipeline_schedule=schedule)
@@ -210,7 +227,6 @@ def test_the_simulation_finds_a_deadlock():
 
 
 @pytest.mark.parametrize("strategy, n, kw, words", [
-    ("[0-3]: pp=2 tp=2 | [4-7]: pp=4", 8, {}, ["[0-3] (pp=2)", "[4-7] (pp=4)", "cannot be combined"]),
     ("[0-3]: pp=2 dp=2 zero=1 | [4]: dp=1", 5, {}, ["zero=1", "pp=2"]),
     ("[0-3]: pp=2 tp=2 | [4,5]: tp=2", 6, {"microbatches": 2}, ["comm.exchange", "microbatches=2",
                                                                  "only sum across groups"]),

@@ -36,6 +36,8 @@ class Pipeline:
     union: tuple[str, ...] | None = None
     share: int = 1
     other_devices: tuple[int, ...] = ()
+    #: the first number its virtual devices may take beyond its own devices (None: above every device)
+    fresh: int | None = None
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
@@ -52,19 +54,23 @@ class Pipeline:
         """
         v = microbatches * self.dp * self.tp
         if self.union is not None:  # the pipelined group on virtual devices, the others as written
-            stage = StrategyGroup(self.virtual(microbatches), dp=microbatches * self.dp, tp=self.tp, share=self.share,
-                                  sp=self.sp)
-            return " | ".join(str(stage) if g == "{}" else g for g in self.union)
+            return " | ".join(str(self.stage_group(microbatches)) if g == "{}" else g for g in self.union)
         if v == 1:
             return f"[{self.devices[0]}]: dp=1"
         devices = f"0-{v - 1}" if v > 2 else "0,1"
         return f"[{devices}]: dp={microbatches * self.dp} tp={self.tp}" + (" sp=1" if self.sp else "")
 
+    def stage_group(self, microbatches: int) -> StrategyGroup:
+        """Return the pipelined group as one stage on its virtual devices (micro-batches x dp as dp)."""
+        return StrategyGroup(self.virtual(microbatches), dp=microbatches * self.dp, tp=self.tp, share=self.share,
+                             sp=self.sp)
+
     def virtual(self, microbatches: int) -> tuple[int, ...]:
         """Return the virtual devices of a pipelined group beside other groups: one per micro-batch
-        and stage position, the group's own devices first, then numbers above every real device."""
+        and stage position, the group's own devices first, then numbers from `fresh` on (above
+        every real device, and above the other pipelined groups' virtual devices)."""
         v = microbatches * self.dp * self.tp
-        top = max([*self.devices, *self.other_devices]) + 1
+        top = self.fresh if self.fresh is not None else max([*self.devices, *self.other_devices]) + 1
         return (*self.devices, *range(top, top + v))[:v]
 
     def split_pass(self, microbatches: int, schedule: str) -> str:
@@ -86,23 +92,44 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
     `pipeline-split{virtual=...}` cuts that group's program into its stages
     (`hspmd.transforms.hetero_pipeline`).
     """
+    pipes = pipelines(strategy)
+    return pipes[0] if pipes else None
+
+
+def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
+    """Return the pipeline of every group with pp > 1, in the strategy's order (see `pipeline_stages`).
+
+    Several pipelined groups (`[0-3]: pp=2 share=1 | [4-7]: pp=4 share=1`) each get virtual
+    devices of their own (`fresh` numbers one after the other for `microbatches`), and are cut
+    one after the other; `pipeline-split` refuses them with one message when their stages'
+    collectives cannot be put in one order.
+    """
     piped = [g for g in strategy.groups if g.pp > 1]
-    if not piped:
-        return None
-    if len(piped) > 1:
-        a, b = piped[:2]
-        raise PassError(f"strategy '{strategy}': groups [{_devices(a)}] (pp={a.pp}) and [{_devices(b)}] (pp={b.pp}) "
-                        "are both pipelined; their stage counts cannot be combined: in a heterogeneous strategy "
-                        "at most one group may have pp > 1")
-    g = piped[0]
-    if g.zero:
-        raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) is not yet combined with pipeline "
-                        f"parallelism; use zero=0 in the group with pp={g.pp}")
-    union = None
-    if len(strategy.groups) > 1:
-        union = tuple("{}" if h is g else str(h) for h in strategy.groups)
-    others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
-    return Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others)
+    for g in piped:
+        if g.zero:
+            raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) is not yet combined with pipeline "
+                            f"parallelism; use zero=0 in the group with pp={g.pp}")
+    out = []
+    fresh = max(strategy.devices) + 1
+    for g in piped:
+        union = None
+        if len(strategy.groups) > 1:
+            union = tuple("{}" if h is g else str(h) for h in strategy.groups)
+        others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
+        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh)
+        fresh += microbatches * g.dp * g.tp
+        out.append(pipe)
+    return out
+
+
+def stage_union(strategy: Strategy, pipes: list[Pipeline], microbatches: int) -> str:
+    """Return the strategy the step is annotated with: each pipelined group as one stage on its
+    virtual devices (`Pipeline.stage_group`), the other groups as written."""
+    if len(strategy.groups) == 1:
+        return pipes[0].stage_strategy(microbatches)
+    by_devices = {p.devices: p for p in pipes}
+    return " | ".join(str(by_devices[g.devices].stage_group(microbatches)) if g.devices in by_devices else str(g)
+                      for g in strategy.groups)
 
 
 def _devices(g: StrategyGroup) -> str:
@@ -171,27 +198,28 @@ def compile_script(
     autodiff = "autodiff" if scale == 1.0 else f"autodiff{{loss_scale={scale!r}}}"
     run_passes(logical, autodiff + (f",{opt.pipeline()}" if opt is not None else ""))
     verify_logical(logical)
-    pipe = pipeline_stages(parsed)
+    m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
+    pipes = pipelines(parsed, max(m, 1))
+    pipe = pipes[0] if pipes else None
     split, annotate_as = "", str(parsed)
     if pipe:
         # one stage's step is compiled over one virtual device per micro-batch and stage position
         # (micro-batches x dp as the dp axis): its all-reduces over micro-batches are where
         # pipeline-split sums the micro-batches' gradients (and losses)
-        m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
         schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
         if pipe.union is None:  # (beside other groups, apply-strategy checks the group's rows against m x dp)
             _check_microbatches(logical, m, pipe.dp)
         elif m < 1:
             raise PassError(f"microbatches={m}: the number of micro-batches must be >= 1")
-        annotate_as = pipe.stage_strategy(m)
-        split = "," + pipe.split_pass(m, schedule)
+        annotate_as = stage_union(parsed, pipes, m)
+        split = "".join("," + p.split_pass(m, schedule) for p in pipes)
     annotated = logical.clone()
     try:
         run_passes(annotated, annotate_pipeline(annotate_as))
     except PassError as err:
         if pipe is None or pipe.union is None:
             raise
-        raise PassError(f"{err} (strategy '{parsed}' is annotated as '{annotate_as}': the pipelined group as one "
+        raise PassError(f"{err} (strategy '{parsed}' is annotated as '{annotate_as}': a pipelined group as one "
                         "stage, each micro-batch a virtual dp rank)") from None
     verify_annotated(annotated)
     physical = annotated.clone()

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from xdsl.dialects import func
-from xdsl.dialects.builtin import IntegerAttr, ModuleOp, TensorType, i64
+from xdsl.dialects.builtin import IntegerAttr, ModuleOp, TensorType, UnitAttr, i64
 from xdsl.ir import Operation
 
 from hspmd.dialects import comm, graph
@@ -59,6 +59,8 @@ from hspmd.transforms.util import PassError
 
 STAGE_ATTR = "hspmd.pipeline_stage"
 MICROBATCHES_ATTR = "hspmd.microbatches"
+#: marks a group without stages beside a pipeline (a one-stage pipeline whose step may be re-ordered)
+SINGLE_STAGE_ATTR = "hspmd.single_stage"
 
 
 def remap_layout(layout: Layout, mapping: Mapping[int, int]) -> Layout:
@@ -156,7 +158,8 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
     other group, modified in place.
     """
     virtual = set(virtual)  # type: ignore[assignment]
-    stage_of_device = {d: s for s, devs in enumerate(stage_devices) for d in devs}
+    # the stages of a pipeline cut before (several pipelined groups) keep their programs
+    fixed = [STAGE_ATTR in m.attributes and SINGLE_STAGE_ATTR not in m.attributes for _, m in others]
     for o in virtual_cross:
         if o not in placed:
             raise PassError(f"pipeline-split: internal error: the cross-group '{o.name}' went to no stage")
@@ -208,24 +211,28 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
                     remap_op(o, remaps[param_stage.get(o.tensor_name.data, 0)])
                 else:
                     remap_op(o, remaps[0])
-        module.attributes[STAGE_ATTR] = IntegerAttr(0, i64)
-        module.attributes[MICROBATCHES_ATTR] = IntegerAttr(1, i64)
-    # 2. the events of each stage, in program order
-    chains: list[list[tuple]] = []
+        if not fixed[gi]:
+            module.attributes[STAGE_ATTR] = IntegerAttr(0, i64)
+            module.attributes[MICROBATCHES_ATTR] = IntegerAttr(1, i64)
+            module.attributes[SINGLE_STAGE_ATTR] = UnitAttr()
+    # 2. the events of each stage (this pipeline's and any cut before), in program order
     clone_node = {clone: node_of[o] for o, (s, clone) in placed.items()}
-    for s, module in enumerate(stage_modules):
+
+    def chain_of(module: ModuleOp, nodes: Mapping[Operation, tuple]) -> list[tuple]:
         chain: list[tuple] = []
         counts: dict[tuple, int] = {}
         for o in _step(module).body.block.ops:
             if isinstance(o, (comm.SendOp, comm.RecvOp)):
-                src, dst = comm.groups_of(o.pairs)[0]
-                key = (stage_of_device[src], stage_of_device[dst])
-                k = counts.get((o.name, *key), 0)
-                counts[(o.name, *key)] = k + 1
-                chain.append(("msg", *key, k))
-            elif o in clone_node:
-                chain.append(clone_node[o])
-        chains.append(chain)
+                pairs = comm.groups_of(o.pairs)
+                k = counts.get(pairs, 0)
+                counts[pairs] = k + 1
+                chain.append(("msg", pairs, k))
+            elif o in nodes:
+                chain.append(nodes[o])
+        return chain
+
+    chains = [chain_of(module, clone_node) for module in stage_modules]
+    chains += [chain_of(module, node_of) for (_, module), f in zip(others, fixed) if f]
     # 3. a topological order of all events: stage chains + each other group's data dependencies
     succ: dict[tuple, set[tuple]] = {}
     indeg: dict[tuple, int] = {}
@@ -247,7 +254,9 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
             node(n, (-1, i))
         for a, b in zip(chain, chain[1:]):
             edge(a, b)
-    for mine, (_, module) in zip(other_cross, others):
+    for mine, (_, module), f in zip(other_cross, others, fixed):
+        if f:
+            continue
         for i, o in enumerate(mine):
             node(node_of[o], (i, 0))
         for o, deps in _cross_dependencies(_step(module), set(mine)).items():
@@ -264,13 +273,17 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
             if indeg[b] == 0:
                 heapq.heappush(ready, (prio[b], b))
     if len(order) != len(indeg):
-        raise PassError("pipeline-split: the collectives between the pipeline stages and the other groups cannot "
-                        "be put in one order that every rank follows (a group needs one collective's result for "
-                        "another that a stage issues first); such a heterogeneous pipeline would deadlock")
+        piped = [list(d) for (d, _), f in zip(others, fixed) if f]
+        raise PassError(f"pipeline-split: the collectives between the stages of the pipeline on "
+                        f"{[list(d) for d in stage_devices]} and the other groups"
+                        + (f" (stages {piped} of another pipeline)" if piped else "")
+                        + " cannot be put in one order that every rank follows, so these stage counts and layer "
+                        "placements cannot be combined (give the pipelines the same stages, or one pipeline only)")
     position = {n: i for i, n in enumerate(order)}
-    # 4. each other group's step in that order
-    for mine, (_, module) in zip(other_cross, others):
-        _reorder(_step(module), sorted(mine, key=lambda o: position[node_of[o]]))
+    # 4. each other group's step in that order (a stage of another pipeline keeps its own)
+    for mine, (_, module), f in zip(other_cross, others, fixed):
+        if not f:
+            _reorder(_step(module), sorted(mine, key=lambda o: position[node_of[o]]))
 
 
 def _cross_dependencies(step: func.FuncOp, cross: set[Operation]) -> dict[Operation, set[Operation]]:

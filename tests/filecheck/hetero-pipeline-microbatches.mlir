@@ -37,7 +37,7 @@ builtin.module {
 // CHECK-NEXT:    comm.send %[[LOSS]] {pairs = [array<i64: 1, 0>]} : tensor<f32>
 // CHECK:         %[[SUM1:.*]] = graph.add %{{.*}}, %{{.*}} : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x3xf32>
 // CHECK-NEXT:    %[[G1:.*]] = comm.all_reduce %[[SUM1]] {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
-// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64} {
+// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
 // CHECK:           graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<2x4xf32>
 // CHECK:           comm.all_reduce %l {groups = [array<i64: 1, 2>]} : tensor<f32> -> tensor<f32>
 // CHECK:           comm.all_reduce %{{.*}} {groups = [array<i64: 0, 2>]} : tensor<4x4xf32> -> tensor<4x4xf32>

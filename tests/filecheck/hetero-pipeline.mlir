@@ -39,7 +39,7 @@ builtin.module {
 // CHECK:         comm.send %[[LOSS]] {pairs = [array<i64: 1, 0>]} : tensor<f32>
 // CHECK:         %[[G1:.*]] = comm.all_reduce %{{.*}} {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
 // CHECK:         optim.sgd %w1, %[[G1]]
-// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64} {
+// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
 // CHECK-NEXT:    func.func @train_step() {
 // CHECK-NEXT:      graph.parameter "layers.0.weight" {{.*}}#dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=dup">
 // CHECK-NEXT:      graph.parameter "layers.1.weight" {{.*}}#dist.layout<"[1]: dup=1 | [2]: dup=1 ; hetero=dup">
