@@ -86,8 +86,9 @@ def pipeline_stages(strategy: Strategy) -> Pipeline | None:
 
     A pipeline's step is compiled for one stage-shaped group (`Pipeline.stage_strategy`: one
     virtual device per micro-batch and stage position), then `pipeline-split` cuts the
-    physical step into one program per stage. In a heterogeneous strategy one group may be
-    pipelined (`[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1`): its stage shape, on
+    physical step into one program per stage (this returns the first pipelined group's; see
+    `pipelines` for all). In a heterogeneous strategy a group may be pipelined beside others
+    (`[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1`): its stage shape, on
     virtual devices (`Pipeline.virtual`), stands in the union the step is annotated with, and
     `pipeline-split{virtual=...}` cuts that group's program into its stages
     (`hspmd.transforms.hetero_pipeline`).
@@ -130,12 +131,6 @@ def stage_union(strategy: Strategy, pipes: list[Pipeline], microbatches: int) ->
     by_devices = {p.devices: p for p in pipes}
     return " | ".join(str(by_devices[g.devices].stage_group(microbatches)) if g.devices in by_devices else str(g)
                       for g in strategy.groups)
-
-
-def _devices(g: StrategyGroup) -> str:
-    from hspmd.ir.layout import format_devices
-
-    return format_devices(g.devices)
 
 
 def _check_microbatches(logical: ModuleOp, m: int, dp: int = 1) -> None:

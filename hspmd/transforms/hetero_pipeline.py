@@ -34,8 +34,13 @@ modules and calls `join_groups` here, which ties the stages to the other groups:
   which is the classic condition for no deadlock; collectives inside one group are met by
   all its ranks at the same point of one program.
 * the other groups' modules are marked as one-stage pipelines (`hspmd.pipeline_stage = 0`,
-  `hspmd.microbatches = 1`) so that the runtime gathers parameters from every group's
-  programs in one list on every rank.
+  `hspmd.microbatches = 1`, `hspmd.single_stage`) so that the runtime gathers parameters from
+  every group's programs in one list on every rank.
+* **several pipelined groups** are cut one after the other (one `pipeline-split` each): a
+  later cut treats the stage modules of an earlier one as fixed chains of events (their
+  collectives with the pipeline being cut are remapped, never re-ordered). A collective
+  between two pipelines lies on two fixed chains, so the common order is found by the
+  topological sort or the strategy is refused with one message.
 
 With micro-batches, only sums may cross groups: an exchange between groups inside a
 micro-batch (tensor-parallel bias pieces) is refused by `pipeline-split` with one message.
