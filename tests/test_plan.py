@@ -260,3 +260,19 @@ def test_layer_norm_grad_into_strided_and_transposed_arrays():
     assert all(np.array_equal(a, c) for a, c in zip(ref, into))
     assert np.array_equal(ref[0], got[0])  # the sums over rows may add in another order for strided inputs
     assert all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(ref[1:], got[1:]))
+
+
+def test_an_elementwise_chain_shares_one_buffer(gpt):
+    """scale -> causal mask -> softmax of the attention scores write over one buffer."""
+    script, compiled = gpt
+    plan = build_plan(_step_fn(compiled.physical), 0, InProcessCommunicator.create_world(1)[0])
+    made_by = {}
+    shared = 0
+    for fn, ins, outs, kw, _ in plan.steps:
+        out = kw.get("out")
+        if isinstance(out, np.ndarray) and ins and ins[0] in made_by:
+            prev = made_by[ins[0]]
+            shared += prev.ctypes.data == out.ctypes.data and prev.shape == out.shape
+        if isinstance(out, np.ndarray) and len(outs) == 1:
+            made_by[outs[0]] = out
+    assert shared >= 3 * 2  # per layer: the bias add after a matmul, scale -> mask -> softmax, ...

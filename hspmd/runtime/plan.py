@@ -28,11 +28,10 @@ What the build does, in order:
 5. **In place.** An elementwise kernel that may write over its first operand (a ufunc —
    any operand —, or one marked `inplace_safe = True`) writes its result into that
    operand's buffer when the operand dies there (chains such as scale, mask, softmax share
-   one buffer).
-   **In-place updates.** A `graph.assign` of a value computed by an `out=` kernel after the
-   last use of the old parameter value writes straight into the parameter's array (Adam's
-   `p, m, v` are updated in place); other assigned or output values that live in plan-owned
-   memory are copied at the end of the step.
+   one buffer). A `graph.assign` of a value computed by an `out=` kernel after the last use
+   of the old parameter value writes straight into the parameter's array (Adam's `p, m, v`
+   are updated in place); other assigned or output values that live in plan-owned memory
+   are copied at the end of the step.
 6. **Frees.** Each step lists the slots that die after it, so kernel-allocated arrays are
    released as early as possible.
 7. **Rows in blocks and in parallel.** A large row-wise kernel (a ufunc, or one marked
