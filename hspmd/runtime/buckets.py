@@ -14,7 +14,10 @@ so that
   and is *waited on* just before the first node that reads one of its results (the results
   are views of the bucket's buffer);
 * between start and wait, a light *poll* node after each kernel calls `test()` on the buckets
-  in flight, so MPI progresses the transfers while the backward pass computes.
+  in flight, so MPI progresses the transfers while the backward pass computes;
+* a bucket with no other kernel between its start and its wait (a tensor-parallel
+  all-reduce read by the next op, say) is not made: its all-reduces stay blocking, which
+  is faster when nothing can overlap them.
 
 The sums are the communicator's (`iall_reduce` gives the bits of `all_reduce`: left folds in
 group order), and an element's sum does not depend on its neighbours, so bucketing changes no
@@ -134,17 +137,19 @@ def plan_buckets(flat, rank: int, communicator: Communicator, devices: frozenset
         size += nbytes
     groups.append(current)
 
+    grouped = {m[1] for members in groups for m in members}
     starts: dict[int, list[Node]] = {}
     waits: dict[int, list[Node]] = {}
     spans: list[tuple[int, int, Bucket]] = []
     removed = set()
     buckets = []
     for members in groups:
+        start, wait = max(m[0] for m in members), min(m[2] for m in members)
+        if all(j in grouped for j in range(start, min(wait, n))):
+            continue  # nothing would run while it is in flight: the blocking all-reduce is faster
         group, dtype = members[0][3], types[members[0][4].ins[0]][1]
         bucket = Bucket(communicator, group, dtype, [types[m[4].ins[0]][0] for m in members])
         buckets.append(bucket)
-        start = max(m[0] for m in members)
-        wait = min(m[2] for m in members)
         starts.setdefault(start, []).append(
             Node(None, bucket.start, tuple(m[4].ins[0] for m in members), (), "bucket-start", bucket))
         waits.setdefault(wait, []).append(
