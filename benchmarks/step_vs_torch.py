@@ -1,6 +1,6 @@
 """One training step of GPT-tiny: hspmd's plan against PyTorch eager, in the same process.
 
-    python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3] [--threads N]
+    python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3] [--threads N] [--kernels cpu|numpy]
 
 GPT-tiny: 4 layers, d_model 256, 4 heads, seq 128, batch 16, vocab 256, float32, AdamW with
 weight decay and gradient clipping (examples/gpt.py), one process. PyTorch runs the same
@@ -31,6 +31,11 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Two OpenMP runtimes share this process (PyTorch's own and the one hspmd's fused kernels link):
+# threads of one that busy-wait after their work take the cores from the other's. Both sleep at
+# once when idle (as hspmd's kernel loader sets for its own); PyTorch alone measured the same
+# either way (355-425 ms active, 374-423 ms passive, same machine).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 sys.path.insert(0, ROOT)
 
 TINY = {"model.layers": 4, "model.d_model": 256, "model.heads": 4, "model.seq_len": 128,
@@ -54,10 +59,14 @@ def compile_tiny():
 class Hspmd:
     """hspmd's side: the plan, its state, and one step per call."""
 
-    def __init__(self, script, compiled, fn, threads: int | None = None) -> None:
+    def __init__(self, script, compiled, fn, threads: int | None = None, kernels: str = "cpu") -> None:
         from hspmd.runtime.comm import InProcessCommunicator
+        from hspmd.runtime.kernel_exec import fuse_for_run
         from hspmd.runtime.plan import build_plan
 
+        module = fuse_for_run(fn.parent_op(), kernels)  # as `hspmd run` does (default: fused CPU kernels)
+        fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+                  and op.sym_name.data == "train_step")
         self.plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], threads=threads)
         self.state = self.plan.initial_state(int(script.config.get("seed", 0)))
         self.config = {**script.config, "lr_schedule": compiled.lr_schedule}
@@ -152,7 +161,7 @@ def limit_threads(n: int | None) -> None:
     threadpool_limits(n, user_api="blas")
 
 
-def memory_child(which: str, steps: int, threads: int | None) -> None:
+def memory_child(which: str, steps: int, threads: int | None, kernels: str) -> None:
     """Print the peak resident-set growth (bytes) of `steps` training steps of one framework."""
     script, compiled, fn = compile_tiny()
     batches = script.batches()
@@ -175,7 +184,7 @@ def memory_child(which: str, steps: int, threads: int | None) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     if which == "hspmd":
-        runner = Hspmd(script, compiled, fn, threads)
+        runner = Hspmd(script, compiled, fn, threads, kernels)
     else:
         runner = Torch(script, init)  # copies the parameters
     for batch in batch_list:
@@ -190,18 +199,20 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each (default 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
     parser.add_argument("--threads", type=int, help="threads for both (default: each its own default)")
+    parser.add_argument("--kernels", choices=["cpu", "numpy"], default="cpu",
+                        help="hspmd's elementwise and row kernels: fused C++ (cpu, the default of hspmd run) or NumPy per op")
     parser.add_argument("--memory-child", choices=["hspmd", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     limit_threads(args.threads)
     if args.memory_child:
-        memory_child(args.memory_child, 3, args.threads)
+        memory_child(args.memory_child, 3, args.threads, args.kernels)
         return 0
     import torch
 
     from hspmd.runtime.plan import matmul_flops
 
     script, compiled, fn = compile_tiny()
-    ours = Hspmd(script, compiled, fn, args.threads)
+    ours = Hspmd(script, compiled, fn, args.threads, args.kernels)
     theirs = Torch(script, ours.state)
     flops = matmul_flops(fn)
     batches = script.batches()
@@ -228,13 +239,13 @@ def main() -> int:
     med_ours, med_torch, med_mm = (float(np.median(x)) for x in (t_ours, t_torch, t_mm))
     numpy_rate = 2 * rows * d_model * 4 * d_model / med_mm
     achieved = flops / med_ours
-    print(f"median step: hspmd {med_ours * 1e3:.1f} ms, PyTorch eager {med_torch * 1e3:.1f} ms "
+    print(f"median step: hspmd ({args.kernels} kernels) {med_ours * 1e3:.1f} ms, PyTorch eager {med_torch * 1e3:.1f} ms "
           f"({args.steps} steps each, alternating)")
     print(f"matmul FLOPs per step {flops / 1e9:.2f} G: hspmd {achieved / 1e9:.1f} GFLOP/s, NumPy matmul "
           f"({rows}x{d_model} @ {d_model}x{4 * d_model}) {numpy_rate / 1e9:.1f} GFLOP/s: ratio {achieved / numpy_rate:.3f}")
     mem = {}
     for which in ("hspmd", "torch"):
-        extra = ["--threads", str(args.threads)] if args.threads else []
+        extra = (["--threads", str(args.threads)] if args.threads else []) + ["--kernels", args.kernels]
         proc = subprocess.run([sys.executable, __file__, "--memory-child", which, *extra], capture_output=True,
                               text=True, timeout=1800)
         if proc.returncode != 0:

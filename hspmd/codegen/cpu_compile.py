@@ -225,14 +225,14 @@ class Library:
 def load_library(path: Path) -> Library:
     """Return the loaded library at `path` (loaded once per process).
 
-    Before the first load, GOMP_SPINCOUNT (libgomp's busy-wait before a thread sleeps)
-    defaults to 20000 (tens of microseconds): long enough that back-to-back kernels do not pay
-    a futex wake-up each, short enough that on a machine with more busy processes than cores
-    (MPI ranks, other jobs) a spinning thread does not steal a whole time slice from the one
-    doing the work. OMP_DYNAMIC defaults to true: libgomp then starts no more threads than
-    the cores the load average leaves free, so a busy machine runs kernels on fewer threads
-    instead of waiting at every barrier for a descheduled one. Explicit settings are kept.
+    Before the first load, OMP_WAIT_POLICY defaults to passive: a kernel's threads sleep as
+    soon as it ends instead of busy-waiting for the next one, which (measured) took the cores
+    from the BLAS threads of the matmuls between kernels and from other OpenMP runtimes in the
+    process (PyTorch's), making a GPT step up to twice as slow. OMP_DYNAMIC defaults to true:
+    libgomp then starts no more threads than the cores the load average leaves free, so a busy
+    machine runs kernels on fewer threads instead of waiting at every barrier for a
+    descheduled one. Explicit settings are kept.
     """
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     os.environ.setdefault("OMP_DYNAMIC", "true")
     return Library(path)
