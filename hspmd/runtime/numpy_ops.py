@@ -509,6 +509,74 @@ def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
     return apply
 
 
+# ----------------------------------------------------------------------------- a split vocabulary
+
+
+def _annotated(op: Operation, rank: int):
+    """Return (global shape, layout) of `op`'s result from its `global_type`, or None where the
+    op runs whole (logical IR, a one-device program, or a rank the layout does not name)."""
+    from hspmd.dialects.dist import layout_of
+
+    typ = getattr(op, "global_type", None)
+    layout = layout_of(typ) if typ is not None else None
+    if layout is None or rank not in layout.devices:
+        return None
+    return typ.get_shape(), layout  # type: ignore[attr-defined]
+
+
+def embedding(op: graph.EmbeddingOp, rank: int) -> Kernel:
+    """`table[ids]`; with a vocabulary-split table (a partial result) the rows this rank owns,
+    zeros for the other ids: its table piece starts at (its coordinate on the partial axis) * rows."""
+    from hspmd.ir.layout import PARTIAL
+
+    found = _annotated(op, rank)
+    part = None
+    if found is not None:
+        layout = found[1]
+        for group in layout.groups:
+            if rank in group.devices:
+                part = group.states.coords(group.devices.index(rank)).get(PARTIAL)
+    if part is None:
+        return lambda table, ids: table[ids]
+
+    def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        local = ids - part * table.shape[0]
+        inside = (local >= 0) & (local < table.shape[0])
+        out = table[np.where(inside, local, 0)]
+        out[~inside] = 0
+        return out
+
+    return lookup
+
+
+def embedding_grad_kernel(op: graph.EmbeddingGradOp, rank: int) -> Kernel:
+    """Scatter-add `dy` at `ids` into this rank's rows of the table gradient (all rows, or the
+    vocabulary range its result piece covers when the result is split along V)."""
+    vocab = _result_shape(op)[0]
+    found = _annotated(op, rank)
+    start = found[1].slices(rank, found[0])[0].start if found is not None else 0
+    if start == 0 and (found is None or found[0][0] == vocab):
+        return lambda ids, dy: embedding_grad(ids, dy, vocab)
+
+    def grad(ids: np.ndarray, dy: np.ndarray) -> np.ndarray:
+        local = ids.reshape(-1) - start
+        inside = (local >= 0) & (local < vocab)
+        out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
+        np.add.at(out, local[inside], dy.reshape(-1, dy.shape[-1])[inside])
+        return out
+
+    return grad
+
+
+def one_hot(op: graph.OneHotOp, rank: int) -> Kernel:
+    """`labels[..., None] == classes` for the classes (global indices along the last dim) of this piece."""
+    shape, dtype = _result_shape(op), _result_dtype(op)
+    found = _annotated(op, rank)
+    start = found[1].slices(rank, found[0])[-1].start if found is not None else 0
+    classes = np.arange(start, start + shape[-1])
+    return lambda labels: (labels[..., None] == classes).astype(dtype)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -645,10 +713,11 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             eps = op.eps.value.data
             return lambda x, w, dy: rms_norm_grad(x, w, dy, eps)
         case graph.EmbeddingOp():
-            return lambda table, ids: table[ids]
+            return embedding(op, rank)
         case graph.EmbeddingGradOp():
-            vocab = _result_shape(op)[0]
-            return lambda ids, dy: embedding_grad(ids, dy, vocab)
+            return embedding_grad_kernel(op, rank)
+        case graph.OneHotOp():
+            return one_hot(op, rank)
         case graph.CausalMaskOp():
             mask = overwrites_first(causal_mask(op.value.value.data))
             return by_rows(mask) if len(_result_shape(op)) > 2 else mask
