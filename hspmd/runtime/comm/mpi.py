@@ -62,6 +62,25 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _scatter_counts(total: int, n: int, idx: int, item: int):
+    """Return the byte counts of a reduce-scatter by all-to-all, then all-gather, of `total` elements over `n` members.
+
+    (chunk bounds, this member's chunk length, (send counts, displacements), (receive counts,
+    displacements), (gather counts, displacements)): chunk j of every member goes to member j,
+    nothing to oneself; member `idx` receives the n-1 copies of its chunk into rows of an
+    (n, mine) array; the summed chunks are then gathered in place at their bounds.
+    """
+    bounds = chunk_bounds(total, n)
+    mine = bounds[idx + 1] - bounds[idx]
+    counts = [(bounds[j + 1] - bounds[j]) * item for j in range(n)]
+    displs = [b * item for b in bounds[:-1]]
+    send_counts = list(counts)
+    send_counts[idx] = 0
+    recv_counts = [mine * item] * n
+    recv_counts[idx] = 0
+    return bounds, mine, (send_counts, displs), (recv_counts, [j * mine * item for j in range(n)]), (counts, displs)
+
+
 class MPICommunicator(Communicator):
     """A :class:`~.base.Communicator` over an MPI communicator (default ``MPI.COMM_WORLD``).
 
@@ -199,20 +218,11 @@ class MPICommunicator(Communicator):
         # Reduce-scatter: piece j of every member goes to member j (nothing is sent to
         # oneself), member j folds the n copies in group order straight into its slice of
         # the result, then the slices are gathered in place.
-        item = buf.dtype.itemsize
         idx = c.Get_rank()
-        bounds = chunk_bounds(total, n)
-        mine = bounds[idx + 1] - bounds[idx]
-        counts = [(bounds[j + 1] - bounds[j]) * item for j in range(n)]
-        displs = [b * item for b in bounds[:-1]]
-        send_counts = list(counts)
-        send_counts[idx] = 0
-        recv_counts = [mine * item] * n
-        recv_counts[idx] = 0
-        recv_displs = [j * mine * item for j in range(n)]
+        bounds, mine, send, recv, gather = _scatter_counts(total, n, idx, buf.dtype.itemsize)
         pieces = self._scratch(0, (n, mine), buf.dtype)
         B = self._MPI.BYTE
-        c.Alltoallv([_bytes(flat), send_counts, displs, B], [_bytes(pieces), recv_counts, recv_displs, B])
+        c.Alltoallv([_bytes(flat), *send, B], [_bytes(pieces), *recv, B])
         own = flat[bounds[idx] : bounds[idx + 1]]
         terms = [own if j == idx else pieces[j] for j in range(n)]
         direct = out is not None and out.flags.c_contiguous
@@ -223,7 +233,7 @@ class MPICommunicator(Communicator):
             np.copyto(slot, self._scratch(1, (mine,), buf.dtype))
         else:
             fold_sum(terms, slot)
-        c.Allgatherv(self._MPI.IN_PLACE, [_bytes(target), counts, displs, B])
+        c.Allgatherv(self._MPI.IN_PLACE, [_bytes(target), *gather, B])
         if direct:
             return out
         if out is not None:
@@ -283,20 +293,11 @@ class MPICommunicator(Communicator):
             everyone = np.empty((n, total), dtype=buf.dtype)
             req = c.Iallgather(_bytes(flat), _bytes(everyone))
             return _MPIRequest(req, lambda: fold_sum([row.reshape(buf.shape) for row in everyone], out))
-        item = buf.dtype.itemsize
         idx = c.Get_rank()
-        bounds = chunk_bounds(total, n)
-        mine = bounds[idx + 1] - bounds[idx]
-        counts = [(bounds[j + 1] - bounds[j]) * item for j in range(n)]
-        displs = [b * item for b in bounds[:-1]]
-        send_counts = list(counts)
-        send_counts[idx] = 0
-        recv_counts = [mine * item] * n
-        recv_counts[idx] = 0
+        bounds, mine, send, recv, gather = _scatter_counts(total, n, idx, buf.dtype.itemsize)
         pieces = np.empty((n, mine), dtype=buf.dtype)
         B = MPI.BYTE
-        req = c.Ialltoallv([_bytes(flat), send_counts, displs, B],
-                           [_bytes(pieces), recv_counts, [j * mine * item for j in range(n)], B])
+        req = c.Ialltoallv([_bytes(flat), *send, B], [_bytes(pieces), *recv, B])
 
         def finish() -> np.ndarray:
             own = flat[bounds[idx]: bounds[idx + 1]]
@@ -304,7 +305,7 @@ class MPICommunicator(Communicator):
             direct = out is not None and out.flags.c_contiguous
             target = out.reshape(-1) if direct else flat
             target[bounds[idx]: bounds[idx + 1]] = pieces[idx]
-            c.Allgatherv(MPI.IN_PLACE, [_bytes(target), counts, displs, B])
+            c.Allgatherv(MPI.IN_PLACE, [_bytes(target), *gather, B])
             if direct:
                 return out
             if out is not None:
