@@ -34,8 +34,14 @@ _SAID: set[str] = set()
 
 
 class KernelFallbackWarning(RuntimeWarning):
-    """A kernel backend is unavailable here; the run goes on with a slower one."""
+    """A kernel backend is unavailable here; the run goes on with a slower one.
 
+    Not shown by default: `say_once` prints its one line itself. `warnings.filterwarnings(
+    "error", category=KernelFallbackWarning)` turns a fallback into an error.
+    """
+
+
+warnings.filterwarnings("ignore", category=KernelFallbackWarning)  # the printed line says it once
 
 def say_once(message: str) -> None:
     """Warn with `message` (one line, `hspmd: ...`) the first time it comes up in this process."""

@@ -8,7 +8,9 @@ it on in-process ranks too. Rank 0 prints one progress line per step and writes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -55,6 +57,11 @@ def load_batches(script: str, config: dict):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return iter(module.batches(config))
+
+
+def _quiet_unless(speak: bool):
+    """Return a context that keeps stderr as it is when `speak`, else silences it."""
+    return contextlib.nullcontext() if speak else contextlib.redirect_stderr(io.StringIO())
 
 
 def step_inputs(step: int, config: dict, input_names) -> dict[str, np.ndarray]:
@@ -108,12 +115,14 @@ def train(
     module = parse_module(open(path).read(), path)
     verify_physical(module)
     (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
-    group_module = fuse_for_run(group_module, kernels)  # type: ignore[arg-type]
+    with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
+        group_module = fuse_for_run(group_module, kernels)  # type: ignore[arg-type]
     fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
                and op.sym_name.data == "train_step"), None)
     if fn is None:
         raise RunError(f"{path}: the group's module has no @train_step function")
-    plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
+    with _quiet_unless(comm.rank == 0):
+        plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
     if comm.rank == 0 and not quiet:
         print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
               f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
