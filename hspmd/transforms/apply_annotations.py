@@ -27,9 +27,9 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import dist
 from hspmd.dialects.dist import with_layout
-from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
+from hspmd.frontend.strategy import Strategy, StrategyGroup
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, split
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, strategy_option
 
 
 def _group_states(group: StrategyGroup, axes: tuple[str, ...]) -> DistributedStates:
@@ -45,6 +45,7 @@ def _group_states(group: StrategyGroup, axes: tuple[str, ...]) -> DistributedSta
 def spec_layout(strategy: Strategy, axes: tuple[str, ...]) -> Layout:
     """Return the layout that mesh-axis spec `axes` (one entry per dim, "" for none) means under `strategy`.
 
+    >>> from hspmd.frontend.strategy import parse_strategy
     >>> str(spec_layout(parse_strategy("[0-3]: dp=2 tp=2"), ("dp", "", "tp")))
     '[0-3]: split(0)=2, split(2)=2'
     >>> str(spec_layout(parse_strategy("[0,1]: dp=2 share=3 | [2]: dp=1"), ("dp", "")))
@@ -69,10 +70,7 @@ class ApplyAnnotations(ModulePass):
         annotations = [o for o in op.walk() if isinstance(o, dist.AnnotateOp)]
         if not annotations:
             return
-        try:
-            strategy = parse_strategy(self.strategy)
-        except StrategyError as err:
-            raise PassError(str(err)) from None
+        strategy = strategy_option(self.strategy)
         for ann in annotations:
             shape = tuple(ann.input.type.get_shape())  # type: ignore[attr-defined]
             if ann.layout is not None:

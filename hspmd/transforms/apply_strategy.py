@@ -81,9 +81,9 @@ from xdsl.rewriter import Rewriter
 from hspmd.dialects import graph
 from hspmd.dialects.dist import with_layout
 from hspmd.dialects.sharding import _reshape_factors
-from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
+from hspmd.frontend.strategy import Strategy, StrategyGroup
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
-from hspmd.transforms.util import PassError, callee_of, step_function
+from hspmd.transforms.util import PassError, callee_of, step_function, strategy_option
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 
 COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
@@ -393,10 +393,7 @@ class ApplyStrategy(ModulePass):
     strategy: str = "[0]: dp=1"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        try:
-            strategy = parse_strategy(self.strategy)
-        except StrategyError as err:
-            raise PassError(str(err)) from None
+        strategy = strategy_option(self.strategy)
         hetero = len(strategy.groups) > 1
         if hetero and any(g.sp for g in strategy.groups):
             raise PassError(f"apply-strategy: strategy '{strategy}': sequence parallelism (sp=1) across several "

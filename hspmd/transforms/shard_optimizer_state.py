@@ -38,10 +38,10 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from hspmd.dialects import dist, graph, optim
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.frontend.strategy import Strategy, StrategyError, parse_strategy
+from hspmd.frontend.strategy import Strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.transforms.optimizer import STATE_PREFIX
-from hspmd.transforms.util import PassError, step_function
+from hspmd.transforms.util import PassError, step_function, strategy_option
 
 
 def _owner(name: str) -> str | None:
@@ -152,8 +152,5 @@ class ShardOptimizerState(ModulePass):
     strategy: str = "[0]: dp=1"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        try:
-            strategy = parse_strategy(self.strategy)
-        except StrategyError as err:
-            raise PassError(str(err)) from None
+        strategy = strategy_option(self.strategy)
         shard_states(op, strategy)

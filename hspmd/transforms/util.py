@@ -11,6 +11,16 @@ class PassError(Exception):
     """A pass cannot apply to this IR; the message says which op or name and why."""
 
 
+def strategy_option(text: str):
+    """Return the Strategy of a pass's `strategy` option; a bad one raises PassError with its message."""
+    from hspmd.frontend.strategy import StrategyError, parse_strategy
+
+    try:
+        return parse_strategy(text)
+    except StrategyError as err:
+        raise PassError(str(err)) from None
+
+
 def step_function(module: ModuleOp, name: str = "train_step") -> func.FuncOp:
     """Return the `func.func @name` of `module` (the training step)."""
     for op in module.walk():
