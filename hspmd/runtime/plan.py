@@ -363,15 +363,20 @@ def _by_rows(kernel: Callable, operand_types: list, result_type, threads: int) -
         def part(lo: int, hi: int):
             return kernel(*[a[lo:hi] if c else a for a, c in zip(args, cut)], out=out[lo:hi])
 
-        futures = [pool.submit(part, lo, hi) for lo, hi in blocks[1:]]
-        part(*blocks[0])
-        for f in futures:
-            f.result()
+        _run_spans(pool, part, blocks)
         return out
 
     by_rows.__name__ = getattr(kernel, "__name__", "kernel")
     by_rows.rows_of = kernel  # type: ignore[attr-defined]
     return by_rows
+
+
+def _run_spans(pool, part, spans) -> None:
+    """Run `part(lo, hi)` for every span: the first on this thread, the others on `pool` (None: none)."""
+    futures = [pool.submit(part, lo, hi) for lo, hi in spans[1:]] if pool is not None else []
+    part(*spans[0])
+    for f in futures:
+        f.result()
 
 
 def _as_rows(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -427,10 +432,7 @@ def _rowwise(kernel: Callable, operand_types: list, result_types: list, threads:
                 block_out = outs[0][b:e] if single else tuple(o[b:e] for o in outs)
                 kernel(*[v if c is None else v[b:e] for v, c in zip(views, cols)], out=block_out)
 
-        futures = [pool.submit(part, lo, hi) for lo, hi in spans[1:]] if pool is not None else []
-        part(*spans[0])
-        for f in futures:
-            f.result()
+        _run_spans(pool, part, spans)
         return out
 
     by_blocks.__name__ = getattr(kernel, "__name__", "kernel")

@@ -204,6 +204,16 @@ class Communicator(ABC):
         """Return ``group`` normalised to a tuple; CommError if the caller cannot use it."""
         return normalize_group(group, self.rank, self.size)
 
+    def check_all_reduce(
+        self, buf: np.ndarray, group: Sequence[int], out: np.ndarray | None
+    ) -> tuple[np.ndarray, Group]:
+        """Return (buffer, group) of an all-reduce (blocking or not), checked (``out``'s shape and dtype)."""
+        buf = as_buffer(buf, "all_reduce")
+        g = self.check_group(group)
+        if out is not None:
+            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        return buf, g
+
     def check_broadcast(
         self, buf: np.ndarray, group: Sequence[int], root: int, out: np.ndarray | None
     ) -> tuple[np.ndarray, Group, int]:

@@ -260,10 +260,7 @@ class InProcessCommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
 
     def all_reduce(self, buf, group, out=None):
-        buf = as_buffer(buf, "all_reduce")
-        g = self.check_group(group)
-        if out is not None:
-            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        buf, g = self.check_all_reduce(buf, group, out)
         if len(g) == 1:
             return _result(buf, out)
         bufs = self._exchange("all_reduce", g, (), np.array(buf, copy=True))
@@ -272,10 +269,7 @@ class InProcessCommunicator(Communicator):
 
     def iall_reduce(self, buf, group, out=None):
         """Post a copy of ``buf`` at once; ``wait()`` waits for the other members and folds."""
-        buf = as_buffer(buf, "all_reduce")
-        g = self.check_group(group)
-        if out is not None:
-            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        buf, g = self.check_all_reduce(buf, group, out)
         if len(g) == 1:
             return Request(_result(buf, out))
         return _InProcessRequest(self, self._arrive("all_reduce", g, (), np.array(buf, copy=True)), g, out)

@@ -186,10 +186,7 @@ class MPICommunicator(Communicator):
     # -- collectives ---------------------------------------------------------------------
 
     def all_reduce(self, buf, group, out=None):
-        buf = as_buffer(buf, "all_reduce")
-        g = self.check_group(group)
-        if out is not None:
-            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        buf, g = self.check_all_reduce(buf, group, out)
         n = len(g)
         if n == 1:
             return _result(buf, out)
@@ -260,10 +257,7 @@ class MPICommunicator(Communicator):
             if g is not None and len(g) == 2 and mpi_type is not None:
                 req = self._sub(g).Iallreduce(self._MPI.IN_PLACE, [buf.reshape(-1), mpi_type], op=self._MPI.SUM)
                 return _MPIRequest(req, lambda: buf)
-        buf = as_buffer(buf, "all_reduce")
-        g = self.check_group(group)
-        if out is not None:
-            check_out(out, buf.shape, buf.dtype, "all_reduce")
+        buf, g = self.check_all_reduce(buf, group, out)
         n = len(g)
         if n == 1:
             return Request(_result(buf, out))
