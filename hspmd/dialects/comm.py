@@ -195,30 +195,56 @@ class AllToAllOp(_Collective):
 
 @irdl_op_definition
 class SendOp(IRDLOperation):
-    """Sends the value along `pairs` ([src, dst] rank pairs): a rank that is a src sends to its dst."""
+    """Sends the value along `pairs` ([src, dst] rank pairs): a rank that is a src sends to its dst.
+
+    The send does not wait for its receive (the runtime waits for every send at the end of
+    the step), so a program's sends never block it. `tag` (default 0) tells messages between
+    the same two ranks apart: a receive takes the oldest message from its src with its tag.
+    """
 
     name = "comm.send"
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
     pairs = prop_def(ArrayAttr)
+    tag = opt_prop_def(IntegerAttr)
     assembly_format = "$input attr-dict `:` type($input)"
 
-    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]]):
-        super().__init__(operands=[input], properties={"pairs": groups_attr(pairs)})
+    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]], tag: int = 0):
+        props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
+        if tag:
+            props["tag"] = IntegerAttr(tag, i64)
+        super().__init__(operands=[input], properties=props)
+
+    @property
+    def tag_value(self) -> int:
+        """Return the message tag (0 when the op has none)."""
+        return self.tag.value.data if self.tag is not None else 0
 
 
 @irdl_op_definition
 class RecvOp(IRDLOperation):
-    """Receives a value along `pairs` ([src, dst] rank pairs): a rank that is a dst receives from its src."""
+    """Receives a value along `pairs` ([src, dst] rank pairs): a rank that is a dst receives from its src.
+
+    It takes the oldest message from its src with the same `tag` (default 0), and blocks until one comes.
+    """
 
     name = "comm.recv"
     irdl_options = (ParsePropInAttrDict(),)
     result = result_def(TensorType)
     pairs = prop_def(ArrayAttr)
+    tag = opt_prop_def(IntegerAttr)
     assembly_format = "attr-dict `:` type($result)"
 
-    def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute):
-        super().__init__(result_types=[result_type], properties={"pairs": groups_attr(pairs)})
+    def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute, tag: int = 0):
+        props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
+        if tag:
+            props["tag"] = IntegerAttr(tag, i64)
+        super().__init__(result_types=[result_type], properties=props)
+
+    @property
+    def tag_value(self) -> int:
+        """Return the message tag (0 when the op has none)."""
+        return self.tag.value.data if self.tag is not None else 0
 
 
 @irdl_op_definition

@@ -154,6 +154,20 @@ def exercise(comm) -> dict[str, np.ndarray]:
             comm.recv(got, peer, tag=5)
             comm.send(x, peer, tag=6)
         res["p2p"] = got
+    # non-blocking sends: both ends send first (tags 3 then 2, the buffer overwritten at once),
+    # then receive in the other tag order
+    if peer < n:
+        buf = make_input("isend3", rank, (2, 5), "float64")
+        requests = [comm.isend(buf, peer, tag=3)]
+        buf[...] = make_input("isend2", rank, (2, 5), "float64")
+        requests.append(comm.isend(buf, peer, tag=2))
+        buf[...] = 0
+        two, three = np.empty((2, 5)), np.empty((2, 5))
+        comm.recv(two, peer, tag=2)
+        comm.recv(three, peer, tag=3)
+        for req in requests:
+            req.wait()
+        res["isend"] = np.concatenate([two, three])
     # a ring with sendrecv, into a non-contiguous out.
     if n > 1:
         y = make_input("ring", rank, (4, 3), "int64")
@@ -176,6 +190,8 @@ def expected(n: int, rank: int) -> dict[str, np.ndarray]:
     peer = rank ^ 1
     if peer < n:
         exp["p2p"] = make_input("p2p", peer, (3, 4), "float32")
+        exp["isend"] = np.concatenate([make_input("isend2", peer, (2, 5), "float64"),
+                                       make_input("isend3", peer, (2, 5), "float64")])
     if n > 1:
         exp["ring"] = make_input("ring", (rank - 1) % n, (4, 3), "int64")
     return exp

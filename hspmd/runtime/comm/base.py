@@ -309,6 +309,15 @@ class Communicator(ABC):
         """
 
     @abstractmethod
+    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
+        """Return a request for sending ``buf`` to global rank ``dest``, without waiting for the receive.
+
+        The message holds a copy of ``buf`` (the caller may overwrite it at once); `wait()` on
+        the request returns once the message has left. Messages from one rank to another with
+        one tag are received in the order they were sent.
+        """
+
+    @abstractmethod
     def recv(self, out: np.ndarray, source: int, tag: int = 0) -> np.ndarray:
         """Return ``out`` filled with the message from global rank ``source`` with ``tag``.
 

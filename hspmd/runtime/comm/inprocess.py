@@ -376,6 +376,12 @@ class InProcessCommunicator(Communicator):
         msg = self._post(buf, dest, int(tag))
         self._await_taken(msg, dest, int(tag))
 
+    def isend(self, buf, dest, tag=0):
+        buf = as_buffer(buf, "isend")
+        dest = self._check_peer(dest, "isend")
+        self._post(buf, dest, int(tag))  # the message holds a copy: nothing left to wait for
+        return Request()
+
     def recv(self, out, source, tag=0):
         source = self._check_peer(source, "recv")
         tag = int(tag)

@@ -423,6 +423,13 @@ class MPICommunicator(Communicator):
         dest = self._check_peer(dest, "send")
         self._p2p.Send(_bytes(np.ascontiguousarray(buf)), dest=dest, tag=int(tag))
 
+    def isend(self, buf, dest, tag=0):
+        buf = as_buffer(buf, "isend")
+        dest = self._check_peer(dest, "isend")
+        data = np.array(buf, copy=True, order="C")  # MPI reads it until the send completes
+        req = self._p2p.Isend(_bytes(data), dest=dest, tag=int(tag))
+        return _MPIRequest(req, lambda: data)
+
     def _recv_target(self, out: np.ndarray) -> np.ndarray:
         """Return ``out`` if MPI can receive into it directly, else a contiguous temporary."""
         if not isinstance(out, np.ndarray) or not out.flags.writeable:
