@@ -1,10 +1,11 @@
-"""Pipeline parallelism: `pipeline-split` cuts the step into stages; schedules are pure functions.
+"""Pipeline parallelism: `pipeline-split` cuts the step into stages; the runtime walks the schedule.
 
 MLP and GPT on `[0,1]: pp=2` train with exactly the losses and final parameters of one device;
 activations go forward and their gradients backward with comm.send/recv; each stage holds and
 updates only its parameters. With m micro-batches (GPipe or 1F1B order) the gradients are
-summed before the update and the numbers equal one device's to round-off. GPipe and 1F1B are
-also checked as pure functions.
+summed before the update and the numbers equal one device's to round-off. A stage's program
+has one forward and one backward whatever m; the plan lays out the schedule's actions (the
+pure functions of `hspmd.ir.pipeline_schedule`, also checked here).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import pytest
 from conftest import EXAMPLES
 from xdsl.dialects import func
 
-from hspmd.dialects import comm, graph
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.frontend.compile import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.schedule_pipeline import (
+from hspmd.runtime.comm.inprocess import InProcessCommunicator
+from hspmd.runtime.plan import _flatten, build_plan
+from hspmd.ir.pipeline_schedule import (
     PipelineScheduleError,
     check_schedule,
     gpipe,
@@ -87,33 +90,53 @@ def test_pipeline_equals_one_device(tmp_path, example, strategy, n, m, schedule)
         np.testing.assert_allclose(got[name], value, rtol=1e-5 if m > 1 else 0, atol=atol, err_msg=name)
 
 
-def test_micro_batches_run_gpipe_order():
+def _stage_ops(compiled) -> list[list[tuple[str, list[str]]]]:
+    """Return each stage's functions with the names of their ops, in order."""
+    return [[(f.sym_name.data, [o.name for o in f.walk()]) for f in g.body.block.ops]
+            for _, g in physical_groups(compiled.physical)]
+
+
+def test_stage_programs_do_not_grow_with_micro_batches():
+    """One forward and one backward per stage; the micro-batch count is an attribute the runtime reads."""
+    ops = {m: _stage_ops(compile_script(_script("gpt.py", ["data.batch_size=8"]), "[0,1]: pp=2", 2,
+                                        microbatches=m, pipeline_schedule="1f1b")) for m in (1, 2, 4, 8)}
+    assert ops[1] == ops[2] == ops[4] == ops[8]
     compiled = compile_script(_script("gpt.py"), "[0,1]: pp=2", 2, microbatches=4)
     (_, g0), (_, g1) = physical_groups(compiled.physical)
-    inputs0 = [o.tensor_name.data for o in g0.walk() if isinstance(o, graph.InputOp)]
-    inputs1 = [o.tensor_name.data for o in g1.walk() if isinstance(o, graph.InputOp)]
-    assert inputs0 == ["ids@mb0", "ids@mb1", "ids@mb2", "ids@mb3", "lr"]
-    assert inputs1 == ["targets@mb0", "targets@mb1", "targets@mb2", "targets@mb3", "lr"]
-    p2p = [(o.name, o.result.type.get_shape() if isinstance(o, comm.RecvOp) else o.input.type.get_shape())
-           for o in g0.walk() if isinstance(o, (comm.SendOp, comm.RecvOp))]
-    # GPipe: the four micro-batches' activations go forward, then their gradients come back
-    assert p2p[:8] == [("comm.send", (1, 8, 32))] * 4 + [("comm.recv", (1, 8, 32))] * 4
+    for g, name in ((g0, "ids@mb"), (g1, "targets@mb")):
+        inputs = {o.tensor_name.data: o.result.type.get_shape() for o in g.walk() if isinstance(o, graph.InputOp)}
+        assert inputs == {name: (4, 1, 8), "lr": ()}  # the batch as 4 micro-batches of 1 row
+        (run,) = [o for o in g.walk() if isinstance(o, pipeline.RunOp)]
+        assert run.schedule.data == "gpipe" and run.ints()[:3] == (0 if g is g0 else 1, 2, 4)
+        assert sorted(f.sym_name.data for f in g.walk() if isinstance(f, func.FuncOp)) == \
+            ["Block_0_bwd", "Block_0_fwd", "pipeline_backward", "pipeline_forward", "train_step"]
 
 
-def test_one_f_one_b_interleaves_messages():
-    compiled = compile_script(_script("gpt.py"), "[0,1]: pp=2", 2, microbatches=4, pipeline_schedule="1f1b")
-    (_, g0), _ = physical_groups(compiled.physical)
-    seq = []
-    for o in g0.walk():
-        if isinstance(o, (comm.SendOp, comm.RecvOp)) and \
-                (o.input if isinstance(o, comm.SendOp) else o.result).type.get_shape() == (1, 8, 32):
-            seq.append(o.name[5:])
-        elif isinstance(o, func.CallOp):
-            seq.append(o.callee.root_reference.data[-3:])
-    # stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; activation i goes out when stage 1 wants it, after
-    # gradient i-1 came back (stage 1 runs F0 B0 F1 B1 ...), so the blocking messages meet
-    assert seq == ["fwd", "send", "fwd", "recv", "send", "bwd", "fwd", "recv", "send", "bwd",
-                   "fwd", "recv", "send", "bwd", "recv", "bwd"]
+def _p2p_order(compiled, stage: int) -> list[str]:
+    """Return the sends and receives of activations (and their gradients) in the order the plan of a
+    stage's first rank runs them: the schedule as the runtime walks it."""
+    devices, group = physical_groups(compiled.physical)[stage]
+    step = next(f for f in group.body.block.ops if isinstance(f, func.FuncOp) and f.sym_name.data == "train_step")
+    world = InProcessCommunicator.create_world(len(physical_groups(compiled.physical)))
+    flat = _flatten(step, devices[0], world[devices[0]])
+    return [n.op.name[5:] for n in flat.nodes if isinstance(n.op, (comm.SendOp, comm.RecvOp))
+            and len(n.op.operands[0].type.get_shape() if isinstance(n.op, comm.SendOp)
+                    else n.op.result.type.get_shape()) == 3]
+
+
+def test_runtime_walks_the_schedule():
+    gpipe_ = compile_script(_script("gpt.py"), "[0,1]: pp=2", 2, microbatches=4)
+    one_f = compile_script(_script("gpt.py"), "[0,1]: pp=2", 2, microbatches=4, pipeline_schedule="1f1b")
+    # stage 0 sends activation i after F(i) and receives gradient i in B(i)
+    assert _p2p_order(gpipe_, 0) == ["send"] * 4 + ["recv"] * 4
+    assert _p2p_order(one_f, 0) == ["send", "send", "recv", "send", "recv", "send", "recv", "recv"]
+    assert _p2p_order(one_f, 1) == ["recv", "send"] * 4  # F0 B0 F1 B1 ...
+    # 1F1B keeps at most 2 micro-batches' activations on stage 0, GPipe all 4: the plan's peak shows it
+    peaks = {name: [build_plan(next(f for f in g.body.block.ops if isinstance(f, func.FuncOp)
+                                    and f.sym_name.data == "train_step"), d[0],
+                               InProcessCommunicator.create_world(2)[d[0]], allocate=False).peak_bytes
+                    for d, g in physical_groups(c.physical)] for name, c in (("gpipe", gpipe_), ("1f1b", one_f))}
+    assert peaks["1f1b"][0] < peaks["gpipe"][0]
 
 
 def test_bad_micro_batches_are_refused():
@@ -132,9 +155,9 @@ def test_stages_hold_their_layers_and_pass_activations():
     (_, g0), (_, g1) = physical_groups(compiled.physical)
     sends0 = [o.input.type.get_shape() for o in g0.walk() if isinstance(o, comm.SendOp)]
     sends1 = [o.input.type.get_shape() for o in g1.walk() if isinstance(o, comm.SendOp)]
-    assert sends0[0] == (4, 8, 32)  # the activation after block 0
+    assert [s for s in sends0 if s] == [(4, 8, 32)]  # the activation after block 0
     assert (4, 8, 32) in sends1  # its gradient
-    assert all(len(s) == 0 for s in sends0[1:])  # then only scalars (gradient-norm clipping)
+    assert sum(1 for s in sends0 if not s) == 1  # and the scalar of gradient-norm clipping
     assert not any(isinstance(o, (comm.AllReduceOp, comm.AllGatherOp)) for o in compiled.physical.walk())
 
 
@@ -191,3 +214,38 @@ def test_bad_schedules_are_refused():
         check_schedule([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("F", 0), ("B", 0), ("B", 1)]], 2)
     with pytest.raises(PipelineScheduleError, match="stages >= 1"):
         gpipe(0, 2)
+
+
+# ----------------------------------------------------------------------------- the pipeline.run op
+
+_RUN = """builtin.module {
+  func.func @train_step(%0: tensor<4xf32>, %1: tensor<2x3xi32>) {
+    %2, %3 = pipeline.run @pipeline_forward, @pipeline_backward(%0) (%1) {schedule = "SCHED", stage = 0 : i64, stages = 2 : i64, microbatches = M : i64, stash = 1 : i64} : (tensor<4xf32>) (tensor<2x3xi32>) -> (tensor<4xf32>, tensor<4xf32>)
+    func.return
+  }
+  func.func @pipeline_forward(%0: tensor<4xf32>, %1: tensor<3xi32>) -> (tensor<4xf32>, tensor<4xf32>) {
+    func.return %0, %0 : tensor<4xf32>, tensor<4xf32>
+  }
+  func.func @pipeline_backward(%0: tensor<4xf32>, %1: tensor<3xi32>, %2: tensor<4xf32>) -> tensor<4xf32> {
+    func.return %2 : tensor<4xf32>
+  }
+}
+"""
+
+
+def test_pipeline_run_prints_parses_and_verifies():
+    from hspmd.ir.context import IRTextError, parse_module
+
+    text = _RUN.replace("SCHED", "1f1b").replace("M :", "2 :")
+    module = parse_module(text)
+    assert str(module) + "\n" == text
+    (run,) = [o for o in module.walk() if isinstance(o, pipeline.RunOp)]
+    assert pipeline.actions(run) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    for bad, words in [
+        (text.replace('"1f1b"', '"zigzag"'), "unknown schedule 'zigzag'"),
+        (text.replace("microbatches = 2", "microbatches = 3"), "leading dim of 3"),
+        (text.replace("@pipeline_backward(%0)", "@nowhere(%0)"), "no @nowhere"),
+        (text.replace("stash = 1", "stash = 0"), "stashed results"),
+    ]:
+        with pytest.raises(IRTextError, match=words):
+            parse_module(bad)

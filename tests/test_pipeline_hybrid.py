@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pipeline import _one_device, _script, _stage_params, _train
 
-from hspmd.dialects import comm, graph
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import layout_of
 from hspmd.frontend.compile import annotate_with_provenance, compile_script, pipeline_stages
 from hspmd.frontend.strategy import parse_strategy
@@ -65,8 +65,8 @@ def test_tensor_parallel_stages_keep_tp_collectives_on_their_devices():
         block = "blocks.0" if devices == (0, 1) else "blocks.1"
         qkv = leaves[f"{block}.attn.qkv.weight"]
         assert str(layout_of(qkv)) == f"[{devices[0]},{devices[1]}]: split(1)=2"  # column parallel in the stage
-        batch = leaves["ids@mb1" if devices == (0, 1) else "targets@mb1"]
-        assert batch.get_shape() == (2, 8) and str(layout_of(batch)) == f"[{devices[0]},{devices[1]}]: dup=2"
+        batch = leaves["ids@mb" if devices == (0, 1) else "targets@mb"]  # the batch as 2 micro-batches
+        assert batch.get_shape() == (2, 2, 8) and str(layout_of(batch)) == f"[{devices[0]},{devices[1]}]: dup=2"
     assert _stage_params(compiled)[0] & {"blocks.0.mlp.fc.weight", "wte.weight"}
 
 
@@ -75,13 +75,13 @@ def test_data_parallel_stages_sum_micro_batches_then_all_reduce():
     (d0, g0), (d1, g1) = physical_groups(compiled.physical)
     assert (d0, d1) == ((0, 1), (2, 3))
     ids = [o for o in g0.walk() if isinstance(o, graph.InputOp) and o.tensor_name.data.startswith("ids")]
-    assert [o.tensor_name.data for o in ids] == ["ids@mb0", "ids@mb1"]
-    assert all(o.global_type.get_shape() == (2, 8) and str(layout_of(o.global_type)) == "[0,1]: split(0)=2"
-               and o.result.type.get_shape() == (1, 8) for o in ids)
+    assert [o.tensor_name.data for o in ids] == ["ids@mb"]  # 2 micro-batches of 2 rows, split over dp
+    assert all(o.global_type.get_shape() == (2, 2, 8) and str(layout_of(o.global_type)) == "[0,1]: split(1)=2"
+               and o.result.type.get_shape() == (2, 1, 8) for o in ids)
     reduces = [o for o in g1.walk() if isinstance(o, comm.AllReduceOp)]
     head = [o for o in reduces if o.input.type.get_shape() == (32, 256)]
     assert len(head) == 1 and head[0].rank_groups == ((2, 3),)  # once, after the local sum of 2 micro-batches
-    assert isinstance(head[0].input.owner, graph.AddOp)
+    assert isinstance(head[0].input.owner, pipeline.RunOp)  # the sum is a result of the stage's run
 
 
 def _op_names(compiled):

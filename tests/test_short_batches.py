@@ -48,7 +48,8 @@ def test_pad_batch_errors_name_the_input_and_the_rule():
 
 
 def test_compiled_batch_shapes_undo_the_micro_batch_split():
-    assert compiled_batch_shapes([("x@mb0", (2, 5)), ("x@mb1", (2, 5)), ("lr", ())], 2) == [("x", (4, 5)), ("lr", ())]
+    # a stage in 2 micro-batches reads x@mb, the batch as [2, rows / 2, ...]
+    assert compiled_batch_shapes([("x@mb", (2, 2, 5)), ("lr", ())]) == [("x", (4, 5)), ("lr", ())]
 
 
 def test_lm_epochs_end_with_a_short_batch():

@@ -13,15 +13,16 @@ from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyExcepti
 
 
 def make_context() -> Context:
-    """Return a fresh Context with builtin, func, graph, optim, dist, comm and kernel loaded."""
+    """Return a fresh Context with builtin, func, graph, optim, dist, comm, kernel and pipeline loaded."""
     from hspmd.dialects.comm import Comm
     from hspmd.dialects.dist import Dist
     from hspmd.dialects.graph import Graph
     from hspmd.dialects.kernel import Kernel
     from hspmd.dialects.optim import Optim
+    from hspmd.dialects.pipeline import Pipeline
 
     ctx = Context()
-    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm, Kernel):
+    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm, Kernel, Pipeline):
         ctx.load_dialect(dialect)
     return ctx
 

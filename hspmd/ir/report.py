@@ -21,7 +21,8 @@ unless said otherwise), counted as the usual ring algorithms send them:
 | `comm.exchange` | what its transfers send from the group's busiest rank |
 
 Fractions are rounded down to whole bytes. An op inside a function counts once per call of
-that function in one step (calls through calls multiply).
+that function in one step (calls through calls multiply; a `pipeline.run` calls its forward and
+its backward once per micro-batch).
 
 Pure functions: nothing here changes the IR.
 """
@@ -38,7 +39,7 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.printer import Printer
 
-from hspmd.dialects import comm
+from hspmd.dialects import comm, pipeline
 from hspmd.dialects.comm import groups_of
 from hspmd.ir.levels import physical_groups
 
@@ -65,13 +66,23 @@ def _functions(module: ModuleOp) -> dict[str, func.FuncOp]:
     return {op.sym_name.data: op for op in module.body.block.ops if isinstance(op, func.FuncOp)}
 
 
+def _callees(fn: func.FuncOp) -> Counter:
+    """Return how many times one run of `fn` runs each function it calls: a `func.call` once, the
+    forward and the backward of a `pipeline.run` once per micro-batch."""
+    out: Counter = Counter()
+    for op in fn.walk():
+        if isinstance(op, func.CallOp):
+            out[op.callee.root_reference.data] += 1
+        elif isinstance(op, pipeline.RunOp):
+            for ref in (op.forward, op.backward):
+                out[ref.root_reference.data] += op.microbatches.value.data
+    return out
+
+
 def call_counts(module: ModuleOp, entry: str = STEP) -> dict[str, int]:
     """Return how many times each function of `module` runs in one call of `@entry` (0: never)."""
     funcs = _functions(module)
-    calls = {
-        name: Counter(op.callee.root_reference.data for op in fn.walk() if isinstance(op, func.CallOp))
-        for name, fn in funcs.items()
-    }
+    calls = {name: _callees(fn) for name, fn in funcs.items()}
     memo: dict[str, int] = {}
 
     def count(name: str, seen: frozenset[str] = frozenset()) -> int:

@@ -54,17 +54,17 @@ def pad_batch(batch: Mapping[str, np.ndarray], shapes: Iterable[tuple[str, tuple
     return out
 
 
-def compiled_batch_shapes(inputs: Iterable[tuple[str, tuple[int, ...]]], microbatches: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+def compiled_batch_shapes(inputs: Iterable[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
     """Return (name, global shape) of each batch input a program reads, before micro-batch splitting.
 
-    A program run in m micro-batches reads `x@mb0` ... `x@mb{m-1}`, each with 1/m of the rows
-    of the global input `x`; the global batch holds `x` with all of them.
+    A pipeline stage run in m micro-batches reads `x@mb`, the global batch `x` viewed as m
+    micro-batches of 1/m of its rows (`[m, rows / m, ...]`); the global batch holds `x`.
     """
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in inputs:
-        base, sep, _ = name.partition("@mb")
-        if sep and shape:
-            out[base] = (shape[0] * microbatches, *shape[1:])
+        base, sep, rest = name.rpartition("@mb")
+        if sep and not rest and len(shape) >= 2:
+            out[base] = (shape[0] * shape[1], *shape[2:])
         else:
             out.setdefault(name, tuple(shape))
     return list(out.items())

@@ -46,7 +46,7 @@ What the build does, in order:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,9 +54,10 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Operation, SSAValue
 
-from hspmd.dialects import comm, graph
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.init_spec import initial_value
+from hspmd.ir.pipeline_schedule import PipelineScheduleError
 from hspmd.ir.layout import Layout
 from hspmd.ir.types import dtype_name
 from hspmd.runtime import kernel_exec
@@ -209,15 +210,21 @@ def _group_of(groups: tuple[tuple[int, ...], ...], rank: int, op: Operation) -> 
 
 def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
     """Return the call that performs collective `op` for `rank`."""
-    if isinstance(op, comm.SendOp):
-        peers = {s: d for s, d in comm.groups_of(op.pairs)}
-        dest = peers.get(rank)
-        return (lambda x: communicator.send(_contiguous(x), dest)) if dest is not None else (lambda x: None)
+    if isinstance(op, comm.SendOp):  # non-blocking: the plan's last step waits for its sends
+        dest = {s: d for s, d in comm.groups_of(op.pairs)}.get(rank)
+        tag = op.tag_value
+        pending: list = []
+
+        def send(x: np.ndarray) -> None:
+            if dest is not None:
+                pending.append(communicator.isend(x, dest, tag))
+
+        send.pending = pending  # type: ignore[attr-defined]
+        return send
     if isinstance(op, comm.RecvOp):
-        peers = {d: s for s, d in comm.groups_of(op.pairs)}
-        src = peers.get(rank)
-        shape, dtype = op.result.type.get_shape(), dtype_name(op.result.type)
-        return lambda: communicator.recv(np.empty(shape, dtype), src)
+        src = {d: s for s, d in comm.groups_of(op.pairs)}.get(rank)
+        shape, dtype, tag = op.result.type.get_shape(), dtype_name(op.result.type), op.tag_value
+        return lambda: communicator.recv(np.empty(shape, dtype), src, tag)
     if isinstance(op, comm.ExchangeOp):
         return _exchange_kernel(op, rank, communicator)
     group = _group_of(op.rank_groups, rank, op)
@@ -451,7 +458,7 @@ class Node:
     kernel: Callable
     ins: tuple[int, ...]
     outs: tuple[int, ...]
-    kind: str = "op"  # "op", "bucket-start", "bucket-wait", "poll"
+    kind: str = "op"  # "op", "view" (its result is a view of its operand), "bucket-start", "bucket-wait", "poll"
     bucket: object = None
     into: dict[int, np.ndarray] | None = None  # result position -> array to write it into (a bucket's view)
 
@@ -512,6 +519,13 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
                     flat.outputs.append((op.tensor_name.data, slot(op.value)))
                 case graph.AssignOp():
                     flat.assigns.append((op.tensor_name.data, slot(op.value)))
+                case pipeline.RunOp() if not top:
+                    raise PlanError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
+                case pipeline.RunOp():
+                    results = _expand_pipeline(flat, op, tuple(slot(v) for v in op.operands),
+                                               lambda callee, args: call(callee, args, op))
+                    for r, s in zip(op.results, results):
+                        slots[r] = s
                 case func.CallOp():
                     name = op.callee.root_reference.data
                     if name in stack:
@@ -526,8 +540,88 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
                     flat.nodes.append(Node(op, kernel(op), ins, tuple(slot(r) for r in op.results)))
         return returns
 
+    def call(name: str, args: Sequence[int], at: Operation) -> tuple[int, ...]:
+        """Inline one call of @name (of a `pipeline.run`) on argument slots; return its result slots."""
+        callee = _lookup(module, name, at)
+        return body(callee.body.block, dict(zip(callee.body.block.args, args)), False, (fn.sym_name.data, name))
+
     body(fn.body.block, {}, True, (fn.sym_name.data,))
+    if any(isinstance(n.op, comm.SendOp) for n in flat.nodes):  # every send has left before the step ends
+        flat.nodes.append(Node(None, _wait_sends(flat.nodes), (), (), "poll"))
     return flat
+
+
+def _expand_pipeline(flat: _Flat, op: pipeline.RunOp, operands: tuple[int, ...],
+                     call: Callable[[str, Sequence[int]], tuple[int, ...]]) -> list[int]:
+    """Lay out a `pipeline.run` in the flat list: its stage's actions in schedule order, each an
+    inlined call of the forward or backward on one micro-batch's slices, then the left-fold sums.
+
+    The runtime walks the schedule here, once, when it builds the plan (as it inlines calls):
+    buffers are then reused across micro-batches by liveness, so a schedule that keeps fewer
+    micro-batches in flight (1F1B) needs less memory (`Plan.peak_bytes`).
+    """
+    try:
+        acts = pipeline.actions(op)
+    except PipelineScheduleError as err:
+        raise PlanError(f"'{op.name}': {err}") from None
+    _, _, m, stash = op.ints()
+    n_shared = len(op.shared)
+    shared, stacked = list(operands[:n_shared]), operands[n_shared:]
+    slices: dict[int, list[int]] = {}
+    kept: dict[int, tuple[int, ...]] = {}
+    sums: list[int | None] = [None] * len(op.sums)
+
+    def piece(i: int) -> list[int]:
+        if i not in slices:  # micro-batch i's slice of each micro-batched operand: a view
+            slices[i] = []
+            for s in stacked:
+                shape, dtype = flat.types[s]  # type: ignore[misc]
+                flat.types.append((shape[1:], dtype))
+                out = len(flat.types) - 1
+                flat.nodes.append(Node(None, _take(i), (s,), (out,), "view"))
+                slices[i].append(out)
+        return slices[i]
+
+    def accumulate(first: int, values: Sequence[int]) -> None:
+        for k, r in enumerate(values, start=first):
+            if sums[k] is None:
+                sums[k] = r
+            else:
+                flat.types.append(flat.types[r])
+                out = len(flat.types) - 1
+                flat.nodes.append(Node(None, np.add, (sums[k], r), (out,)))  # the kernel of graph.add
+                sums[k] = out
+
+    forward_sums = 0
+    for kind, i in acts:
+        if kind == "F":
+            results = call(op.forward.root_reference.data, shared + piece(i))
+            kept[i] = results[:stash]
+            forward_sums = len(results) - stash
+            accumulate(0, results[stash:])
+        else:
+            results = call(op.backward.root_reference.data, shared + piece(i) + list(kept.pop(i)))
+            accumulate(forward_sums, results)
+    if any(s is None for s in sums):
+        raise PlanError(f"'{op.name}': its forward and backward return fewer values than its {len(sums)} results")
+    return sums  # type: ignore[return-value]
+
+
+def _take(i: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Return the view of slice i along the leading dim."""
+    return lambda x: x[i]
+
+
+def _wait_sends(nodes: list[Node]) -> Callable[[], None]:
+    """Return the call that waits for every send the plan's send kernels started in this step."""
+    pending = [n.kernel.pending for n in nodes if isinstance(n.op, comm.SendOp)]
+
+    def wait_sends() -> None:
+        for requests in pending:
+            while requests:
+                requests.pop().wait()
+
+    return wait_sends
 
 
 # ----------------------------------------------------------------------------- building
@@ -657,7 +751,7 @@ def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True
         elif poolable:
             for pos, o in enumerate(node.outs):
                 alias[o] = frozenset({new_storage("fixed" if node.into and pos in node.into else "pooled", o)})
-        elif name in _VIEW_OPS:
+        elif name in _VIEW_OPS or node.kind == "view":
             for o in node.outs:
                 alias[o] = alias[node.ins[0]]
         else:

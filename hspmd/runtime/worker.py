@@ -30,7 +30,7 @@ from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Leaf, Plan, PlanError, build_plan
-from hspmd.transforms.pipeline_split import MICROBATCHES_ATTR, STAGE_ATTR
+from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.runtime.schedule import ScheduleError, schedule_from_spec
 
 
@@ -127,9 +127,6 @@ def train(
         print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
               f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
               f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
-    microbatches = 1
-    if MICROBATCHES_ATTR in group_module.attributes:
-        microbatches = group_module.attributes[MICROBATCHES_ATTR].value.data  # type: ignore[attr-defined]
     if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
         stage_params = _stage_parameters(bundle, manifest)
         gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
@@ -140,8 +137,8 @@ def train(
     steps = int(config.get("steps", 10) if steps is None else steps)
     state = plan.initial_state(int(config.get("seed", 0)))
     batches = load_batches(manifest.script, config)
-    names = {leaf.name for leaf in plan.inputs}
-    shapes = compiled_batch_shapes([(leaf.name, leaf.global_shape) for leaf in plan.inputs], microbatches)
+    names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+    shapes = compiled_batch_shapes(names.items())
     pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
@@ -161,8 +158,7 @@ def train(
                 batch = pad_batch(batch, shapes, pad)
             except BatchError as err:
                 raise RunError(f"step {step}: {err}") from None
-            if microbatches > 1:
-                batch = split_microbatches(batch, names, microbatches)
+            batch = split_microbatches(batch, names)
             start = time.perf_counter()
             outputs = plan.run(state, plan.local_batch(batch))
             elapsed = time.perf_counter() - start
@@ -188,18 +184,19 @@ def train(
     return result
 
 
-def split_microbatches(batch: dict[str, np.ndarray], names, m: int) -> dict[str, np.ndarray]:
-    """Add input `NAME@mbI` (micro-batch I of m: the I-th of m equal slices of dim 0) for each such name."""
+def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
+    """Add input `NAME@mb` (NAME's rows as m equal micro-batches, `[m, rows / m, ...]`, m from the
+    compiled shape) for each such name the program reads."""
     out = dict(batch)
-    for name in names:
-        base, sep, index = name.rpartition("@mb")
-        if not sep or base not in batch:
+    for name, shape in names.items():
+        base, sep, rest = name.rpartition("@mb")
+        if not sep or rest or base not in batch:
             continue
         value = np.asarray(batch[base])
+        m = shape[0]
         if value.ndim == 0 or value.shape[0] % m:
             raise RunError(f"input '{base}' of shape {value.shape}: {m} micro-batches need a batch dim divisible by {m}")
-        size = value.shape[0] // m
-        out[name] = value[int(index) * size:(int(index) + 1) * size]
+        out[name] = value.reshape(m, value.shape[0] // m, *value.shape[1:])
     return out
 
 

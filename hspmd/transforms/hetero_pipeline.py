@@ -57,15 +57,12 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, TensorType, UnitAttr, i64
 from xdsl.ir import Operation
 
-from hspmd.dialects import comm, graph
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import LayoutAttr, layout_of, with_layout
+from hspmd.dialects.pipeline import MICROBATCHES_ATTR, SINGLE_STAGE_ATTR, STAGE_ATTR  # noqa: F401
 from hspmd.ir.layout import Group, Layout
 from hspmd.transforms.util import PassError
 
-STAGE_ATTR = "hspmd.pipeline_stage"
-MICROBATCHES_ATTR = "hspmd.microbatches"
-#: marks a group without stages beside a pipeline (a one-stage pipeline whose step may be re-ordered)
-SINGLE_STAGE_ATTR = "hspmd.single_stage"
 
 
 def remap_layout(layout: Layout, mapping: Mapping[int, int]) -> Layout:
@@ -151,6 +148,27 @@ def _functions(module: ModuleOp) -> list[func.FuncOp]:
     return [f for f in module.body.block.ops if isinstance(f, func.FuncOp)]
 
 
+def executed_ops(module: ModuleOp) -> list[Operation]:
+    """Return the ops of a group's @train_step in the order a rank runs them: a `pipeline.run`
+    replaced by the bodies of its forward and backward, action by action of its schedule."""
+    funcs = {f.sym_name.data: f for f in _functions(module)}
+    out: list[Operation] = []
+    for o in _step(module).body.block.ops:
+        if isinstance(o, pipeline.RunOp):
+            for kind, _ in pipeline.actions(o):
+                ref = o.forward if kind == "F" else o.backward
+                out.extend(x for x in funcs[ref.root_reference.data].body.block.ops if not isinstance(x, func.ReturnOp))
+        else:
+            out.append(o)
+    return out
+
+
+def _pipeline_functions(module: ModuleOp) -> set[str]:
+    """Return the names of the functions a `pipeline.run` of the module runs."""
+    return {r.root_reference.data for o in _step(module).body.block.ops if isinstance(o, pipeline.RunOp)
+            for r in (o.forward, o.backward)}
+
+
 def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[int]], virtual: Sequence[int],
                 remaps: Sequence[Remap], virtual_cross: list[Operation],
                 placed: Mapping[Operation, tuple[int, Operation]],
@@ -180,14 +198,15 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
     for gi, (devices, module) in enumerate(others):
         own = set(devices)
         step = _step(module)
+        runs = _pipeline_functions(module)
         for f in _functions(module):
-            if f is step:
+            if f is step or f.sym_name.data in runs:
                 continue
             for o in f.walk():
                 if o.dialect_name() == "comm" and partners(o, own):
                     raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} of group {list(devices)} "
                                     "crosses groups; only the step itself may")
-        mine = [o for o in step.body.block.ops if o.dialect_name() == "comm" and partners(o, own)]
+        mine = [o for o in executed_ops(module) if o.dialect_name() == "comm" and partners(o, own)]
         with_virtual = [o for o in mine if partners(o, own) & virtual]
         expected = [o for o in virtual_cross if partners(o, virtual) & own]
         if len(with_virtual) != len(expected):
@@ -223,17 +242,18 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
     # 2. the events of each stage (this pipeline's and any cut before), in program order
     clone_node = {clone: node_of[o] for o, (s, clone) in placed.items()}
 
-    def chain_of(module: ModuleOp, nodes: Mapping[Operation, tuple]) -> list[tuple]:
-        chain: list[tuple] = []
+    def chain_of(module: ModuleOp, nodes: Mapping[Operation, tuple]) -> list[tuple[tuple, bool]]:
+        """Return the module's events in the order it runs them, each with whether it blocks (a send does not)."""
+        chain: list[tuple[tuple, bool]] = []
         counts: dict[tuple, int] = {}
-        for o in _step(module).body.block.ops:
-            if isinstance(o, (comm.SendOp, comm.RecvOp)):
-                pairs = comm.groups_of(o.pairs)
+        for o in executed_ops(module):
+            if isinstance(o, (comm.SendOp, comm.RecvOp)):  # the k-th message along these pairs with this tag
+                pairs = (comm.groups_of(o.pairs), o.tag_value)
                 k = counts.get(pairs, 0)
                 counts[pairs] = k + 1
-                chain.append(("msg", pairs, k))
+                chain.append((("msg", pairs, k), isinstance(o, comm.RecvOp)))
             elif o in nodes:
-                chain.append(nodes[o])
+                chain.append((nodes[o], True))
         return chain
 
     chains = [chain_of(module, clone_node) for module in stage_modules]
@@ -254,11 +274,15 @@ def join_groups(stage_modules: list[ModuleOp], stage_devices: Sequence[Sequence[
             succ[a].add(b)
             indeg[b] += 1
 
-    for chain in chains:
-        for i, n in enumerate(chain):
+    for chain in chains:  # each event after the last blocking one before it (sends do not hold a rank up)
+        for i, (n, _) in enumerate(chain):
             node(n, (-1, i))
-        for a, b in zip(chain, chain[1:]):
-            edge(a, b)
+        last = None
+        for n, blocking in chain:
+            if last is not None:
+                edge(last, n)
+            if blocking:
+                last = n
     for mine, (_, module), f in zip(other_cross, others, fixed):
         if f:
             continue

@@ -24,10 +24,10 @@ the tp ranks of one micro-batch) and the all-reduces where micro-batches and dp 
 * **leaves** (parameters and inputs) keep their layouts, moved onto each stage's devices: the
   major mesh axis of a virtual layout holds the micro-batches, so its degree is divided by m
   (a parameter replicated over micro-batches: `dup=2, split(1)=2` -> `split(1)=2` for m=2,
-  dp=1, tp=2); a batch input split over them (`split(0)`) becomes one input per micro-batch,
-  `x@mb0` ... `x@mb{m-1}` (global batch / m rows each, split over the stage's dp ranks),
-  which the worker cuts from the global batch. A parameter split over micro-batches (ZeRO)
-  is refused.
+  dp=1, tp=2); a batch input split over them (`split(0)`; with one micro-batch, every input
+  of rank >= 1) becomes `x@mb`, the batch viewed as `[m, rows / m, ...]` with its rows split
+  over the stage's dp ranks (dim 1), which the worker makes from the global batch; action i
+  gets slice i. A parameter split over micro-batches (ZeRO) is refused.
 
 Every op of the step goes to one stage:
 
@@ -52,26 +52,30 @@ Every op of the step goes to one stage:
 
 A value used on another stage than its producer's is sent with `comm.send` and received with
 `comm.recv` between the same position q of both stages (pairs `[stage_t[q], stage_c[q]]` for
-every q; see Schedules below for where); with one micro-batch every stage computes exactly the
+every q), each message with its own tag; with one micro-batch every stage computes exactly the
 numbers of the one-group step. `graph.output "loss"` is on every stage (the loss is sent to
 the others). The group modules carry `hspmd.pipeline_stage` and `hspmd.microbatches`; a
 stage's program is the same for each of its ranks and does not grow with them.
 
-**Micro-batches** (`microbatches=m` > 1): ops that depend on a micro-batch input run once per
-micro-batch; the all-reduces spanning micro-batches are the sums above; ops after them, and
-the optimizer's ops, run once at the end.
+**A stage's program** (`hspmd.dialects.pipeline`): `@train_step` holds the ops that do not
+depend on the batch (parameters, their views, copies of free ops: "pre"), one `pipeline.run`,
+then the ops after the sums over micro-batches (the all-reduces over the stage's dp ranks, the
+update, outputs and assignments: "post"). `@pipeline_forward` holds the stage's forward ops of
+one micro-batch, `@pipeline_backward` its backward ops; values pass as arguments: what pre
+makes (shared), micro-batch i's slices, and the forward values the backward needs (the stash).
+An all-reduce of the one-group program over the micro-batches becomes a result of the run
+(the sum over the micro-batches in their order; a value made on another stage is summed there
+and sent after its run), then an all-reduce over the stage's dp ranks when it has several. The
+program does not grow with the micro-batches: the runtime walks the `schedule`
+(`hspmd.ir.pipeline_schedule`: "gpipe" or "1f1b", checked complete and runnable here).
 
-**Schedules.** Each stage's program is unrolled in the order of its list in the `schedule`
-(`hspmd.runtime.schedule_pipeline`: "gpipe" or "1f1b", checked complete and runnable): the
-stage's forward ops of micro-batch i for action ("F", i), its backward ops for ("B", i), then
-the update. Every message gets a key: the position of the action that first uses it in one
-global order of all stages' actions (`check_schedule`'s), then the producer's place in the
-one-group step. Each stage issues its messages in key order (a send as soon as its value is
-made and every smaller key is issued; before an op, every message up to the receives it
-needs), so both ends of every blocking send/receive meet in one global order: no deadlock,
-for 1F1B as for GPipe (collectives inside a stage are met by all its positions at the same
-point of the same program). A stage assignment in which an action would need a value that a
-later action makes is refused with a message naming the op.
+**Messages**: a send goes right after its value is made (it does not block), a receive right
+before the first use of its value in the function that uses it. A micro-batch's value may go
+from a forward to a later stage's forward, from a backward to an earlier stage's backward, or
+from a forward to any stage's backward; a stage assignment that needs another flow (an action
+waiting for one that the schedule runs after it) is refused with a message naming the op.
+Since every stage runs the forwards, and the backwards, in micro-batch order, the k-th message
+with a tag is micro-batch k's; receives wait only for earlier actions, so no rank deadlocks.
 
 **Beside other device groups** (`virtual="0,1"`: the devices of the stage-shaped group in a
 physical IR with several groups): only that group's module is cut; in leaves' union layouts
@@ -82,7 +86,7 @@ groups' devices is `MAPPED`. With m > 1 micro-batches, a cross-group all-reduce 
 per-micro-batch value (`XMEET`) becomes the sum over the micro-batches, then one all-reduce
 with the other groups; a local_zero over the micro-batches of a summed value (`ZERO`) becomes
 one over the stage and the cross-group all-reduce after it (`XPOST`) runs once; a batch input
-the other groups share is read as the group's rows, then micro-batch i's slice is split over
+the other groups share is read as the group's rows, viewed as m micro-batches and split over
 the stage's dp ranks; other exchanges across groups are refused. Then
 `hetero_pipeline.join_groups` remaps and re-orders the other groups' modules (see its
 docstring for why no rank deadlocks).
@@ -95,19 +99,17 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr, TensorType, i64
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
-from hspmd.dialects import comm, graph
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, split
 from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
-from hspmd.runtime.schedule_pipeline import SCHEDULES, PipelineScheduleError, check_schedule
-from hspmd.transforms.hetero_pipeline import (MICROBATCHES_ATTR, STAGE_ATTR, comm_devices, join_groups,  # noqa: F401
-                                              partners, remap_layout, remap_op)
+from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
+from hspmd.dialects.pipeline import MICROBATCHES_ATTR, STAGE_ATTR
+from hspmd.transforms.hetero_pipeline import comm_devices, join_groups, partners, remap_layout, remap_op
 from hspmd.transforms.util import PassError
-
-# STAGE_ATTR ("hspmd.pipeline_stage") and MICROBATCHES_ATTR ("hspmd.microbatches") come from hetero_pipeline
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
@@ -425,7 +427,9 @@ class PipelineSplit(ModulePass):
             if isinstance(o, (graph.ParameterOp, graph.InputOp)):
                 what = f"{'parameter' if isinstance(o, graph.ParameterOp) else 'input'} '{o.tensor_name.data}'"
                 _, dim = stage_layout(layout_of(o.properties["global_type"]), mesh, 0, what)
-                leaves[o] = dim is not None
+                # batch inputs come in micro-batches (one micro-batch: every input of rank >= 1)
+                leaves[o] = dim is not None or (m == 1 and isinstance(o, graph.InputOp)
+                                                and len(o.result.type.get_shape()) > 0)
                 if dim is not None and (isinstance(o, graph.ParameterOp) or dim != 0):
                     raise PassError(f"pipeline-split: {what} is split over the micro-batches along dim {dim}; "
                                     "only batch inputs may be, along dim 0 (ZeRO is not combined with pipeline "
@@ -435,16 +439,20 @@ class PipelineSplit(ModulePass):
             order = check_schedule(plan, m)
         except PipelineScheduleError as err:
             raise PassError(f"pipeline-split: schedule '{self.schedule}': {err}") from None
-        post = {o for o, k in _kinds(ops, collectives, leaves).items() if k == "post"}
+        post = {o for o, k in _kinds(ops, collectives, leaves, m).items() if k == "post"}
         stages = _assign(ops, pp, layer_counts, post)
         placed: dict[Operation, tuple[int, Operation]] = {}
-        bodies = _emit_stages(ops, stages, mesh, plan, order, collectives, leaves, placed)
+        taken = {f.sym_name.data for f in functions} & {FORWARD_FN, BACKWARD_FN}
+        if taken:
+            raise PassError(f"pipeline-split: the group already has a function @{', @'.join(sorted(taken))}; "
+                            "those names are the stages' own")
+        programs = _emit_stages(ops, stages, mesh, self.schedule, order, collectives, leaves, placed)
         modules = []
         for s, devs in enumerate(stage_devices):
             fn = func.FuncOp("train_step", ((), ()))
-            fn.body.block.add_ops([*bodies[s], func.ReturnOp()])
-            others = [f.clone() for f in functions if f is not step]
-            for f in others:  # the callees' collectives (inside one micro-batch) on this stage's devices
+            fn.body.block.add_ops([*programs[s].step, func.ReturnOp()])
+            others = [programs[s].forward, programs[s].backward] + [f.clone() for f in functions if f is not step]
+            for f in others[2:]:  # the callees' collectives (inside one micro-batch) on this stage's devices
                 for o in f.walk():
                     if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
                         remap_op(o, mesh.device_map(s))
@@ -595,7 +603,7 @@ def _assign(ops: list[Operation], pp: int, counts: tuple[int, ...] | None = None
 
 
 def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
-           leaves: dict[Operation, bool]) -> dict[Operation, str]:
+           leaves: dict[Operation, bool], microbatches: int) -> dict[Operation, str]:
     """Return op -> "mb" (runs once per micro-batch: it depends on an input split over the
     micro-batches), "post" (after the accumulation: it depends on an all-reduce over the
     micro-batches) or "step" (once). Resolves each XSPAN in `collectives` into XMEET or XPOST."""
@@ -628,85 +636,131 @@ def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
         else:
             ks = {kind.get(v.owner, "step") for v in o.operands}
             kind[o] = "post" if "post" in ks else "mb" if "mb" in ks else "step"
-            if kind[o] == "mb" and isinstance(o, (graph.AssignOp, graph.OutputOp)):
+            if kind[o] == "mb" and isinstance(o, (graph.AssignOp, graph.OutputOp)) and microbatches == 1:
+                kind[o] = "post"  # one micro-batch: its value is the sum over the micro-batches
+            elif kind[o] == "mb" and isinstance(o, (graph.AssignOp, graph.OutputOp)):
                 raise PassError(f"pipeline-split: '{o.name}' \"{o.tensor_name.data}\" would be one value per "
                                 "micro-batch; only values summed over the micro-batches can be outputs or assigned")
     return kind
 
 
-Key = tuple  # (position of the consumer's action in the global order, producer op index, instance, result, dst)
+STEP, FWD, BWD = "step", "F", "B"  # where a value is made on a stage: its @train_step, forward or backward
+FORWARD_FN, BACKWARD_FN = "pipeline_forward", "pipeline_backward"
+#: message tags are 1, 2, ...; MPI promises at least this many
+MAX_TAG = 32767
 
 
-def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: StageMesh,
-                 plan: list[list[tuple[str, int]]], order: list[tuple[int, tuple[str, int]]],
+@dataclass
+class StageProgram:
+    """One stage's program: @train_step's ops (pre, `pipeline.run`, post) and the forward and backward."""
+
+    step: list[Operation]
+    forward: func.FuncOp
+    backward: func.FuncOp
+
+
+class _Function:
+    """The forward or backward of a stage while it is built: ops, and placeholders for its arguments."""
+
+    def __init__(self) -> None:
+        self.ops: list[Operation] = []
+        self.scratch = Block()  # placeholders (block arguments of a scratch block), replaced at the end
+        self.shared: dict[SSAValue, SSAValue] = {}  # step value -> placeholder
+        self.slices: dict[Operation, SSAValue] = {}  # micro-batched source -> placeholder
+        self.stash: dict[SSAValue, SSAValue] = {}  # the forward's value -> placeholder (backward only)
+        self.sums: list[SSAValue] = []  # values summed over the micro-batches
+
+    def placeholder(self, typ: Attribute) -> SSAValue:
+        return self.scratch.insert_arg(typ, len(self.scratch.args))
+
+    def build(self, name: str, args: list[tuple[SSAValue | None, Attribute]], results: list[SSAValue]) -> func.FuncOp:
+        """Return the function: arguments (placeholder or None, type) in order, then the ops and the return."""
+        block = Block(arg_types=[t for _, t in args])
+        for (ph, _), arg in zip(args, block.args):
+            if ph is not None:
+                ph.replace_all_uses_with(arg)
+        block.add_ops([*self.ops, func.ReturnOp(*results)])
+        fn = func.FuncOp(name, ([t for _, t in args], [r.type for r in results]), Region(block), "private")
+        self.scratch.erase(safe_erase=True)
+        return fn
+
+
+def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: StageMesh, schedule: str,
+                 order: list[tuple[int, tuple[str, int]]],
                  collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]],
                  leaves: dict[Operation, bool],
-                 placed: dict[Operation, tuple[int, Operation]] | None = None) -> list[list[Operation]]:
-    """Return each stage's step ops: its ops in the order of its schedule (once per micro-batch
-    where they depend on the batch), copies of the free ops it needs, the sums over micro-batches
-    (in place of the all-reduces of the one-group program), the update, and its sends/receives.
+                 placed: dict[Operation, tuple[int, Operation]] | None = None) -> list[StageProgram]:
+    """Return each stage's program (see the module docstring, A stage's program and Messages).
 
-    Every message gets a key: the position, in `order` (one global order of all stages' actions),
-    of the action that first uses it, then the producer's place in the one-group step. Each
-    stage issues its messages in key order (a send as soon as it is made and all smaller keys
-    are issued; before an op, every message up to the receives it needs), so the two ends of
-    every blocking send/receive meet in one global order: no deadlock, for any schedule.
-    `placed` receives (stage, clone) of each collective with other device groups.
+    @train_step: the ops every micro-batch shares (parameters, their views, copies of free
+    ops), one `pipeline.run` of the stage's forward and backward on each micro-batch in the
+    schedule's order (its results: the values summed over the micro-batches), then what
+    follows the sums (the all-reduces over the stage's dp ranks, the update) and the outputs.
+
+    A value used on another stage than its producer's is sent once it is made and received
+    before its first use; every message has its own tag (1, 2, ...), the same at both ends.
+    A value that is summed over micro-batches for another stage is summed by its producer's
+    `pipeline.run` and sent after it. `placed` receives (stage, clone) of each collective
+    with other device groups.
     """
-    kind = _kinds(ops, collectives, leaves)
-    microbatches = mesh.microbatches
+    m = mesh.microbatches
+    kind = _kinds(ops, collectives, leaves, m)
+    pp = len(mesh.stages)
     forward_end = next(i + 1 for i, o in enumerate(ops) if isinstance(o, graph.OutputOp)
                        and o.tensor_name.data == "loss")
     where = {o: j for j, o in enumerate(ops)}
     position = {sa: k for k, sa in enumerate(order)}
-    post = len(order)
-    pp = len(mesh.stages)
 
-    def inst_of(v: SSAValue, inst: int | None) -> int | None:
-        return inst if kind.get(v.owner, "step") == "mb" else None  # type: ignore[arg-type]
+    def coll(o: Operation) -> str:
+        return collectives.get(o, (LOCAL,))[0]
 
-    def uses(o: Operation, inst: int | None) -> list[tuple[SSAValue, int | None]]:
-        if collectives.get(o, (LOCAL,))[0] in (MEET, XMEET):
-            return [(o.operands[0], inst_of(o.operands[0], i)) for i in range(microbatches)]
-        return [(v, inst_of(v, inst)) for v in o.operands]
+    def region_of(o: Operation) -> str:
+        if kind[o] == "mb":
+            return FWD if where[o] < forward_end else BWD
+        return STEP
+
+    def stage_of(v: SSAValue) -> int:
+        return stages.get(v.owner, FREE) if isinstance(v.owner, Operation) else FREE
 
     def runs_on(o: Operation, s: int) -> bool:
         t = stages[o]
         return t == s or (t == FREE and isinstance(o, (graph.AssignOp, graph.OutputOp)))
 
-    items: list[list[tuple[Operation, int | None, int]]] = []
-    for s in range(pp):
-        done: set[Operation] = set()
-        mine: list[tuple[Operation, int | None, int]] = []
-        for phase, i in plan[s]:
-            at = position[(s, (phase, i))]
-            for o in ops[:forward_end] if phase == "F" else ops[forward_end:]:
-                if isinstance(o, (graph.AssignOp, graph.OutputOp)):
-                    continue  # outputs and assignments come last
-                if kind[o] == "mb":
-                    mine.append((o, i, at))
-                elif kind[o] == "step" and o not in done:
-                    done.add(o)
-                    mine.append((o, None, at))
-        mine.extend((o, None, post) for o in ops if kind[o] != "mb" and o not in done)
-        items.append([it for it in mine if runs_on(it[0], s)])
+    def micro_batched(o: Operation) -> bool:
+        """A source of one slice per micro-batch: a batch input, or a split over the micro-batches."""
+        return (o in leaves and leaves[o]) or coll(o) == SPLIT
 
-    # messages: (value, instance, src, dst) -> key, the first use on dst deciding
-    messages: dict[tuple[SSAValue, int | None, int, int], Key] = {}
+    # -- messages: (value, "mb" | "one" | "sum", src stage, dst stage) -> tag ----------------
+    messages: dict[tuple[SSAValue, str, int, int], int] = {}
     for c in range(pp):
-        for o, inst, at in items[c]:
-            for v, k in uses(o, inst):
-                producer = v.owner
-                t = stages.get(producer, FREE) if isinstance(producer, Operation) else FREE
-                if t in (FREE, c) or (v, k, t, c) in messages:
+        for o in ops:
+            if not runs_on(o, c):
+                continue
+            if coll(o) in (MEET, XMEET):
+                uses = [(o.operands[0], "sum")]
+            elif coll(o) == SPLIT:
+                uses = [(o.operands[0], "one")]
+            else:  # a micro-batch's value used after the run (one micro-batch) is its sum
+                after = region_of(o) == STEP
+                uses = [(v, ("sum" if after else "mb") if kind.get(v.owner) == "mb" else "one")  # type: ignore
+                        for v in o.operands]
+            for v, how in uses:
+                t = stage_of(v)
+                if t in (FREE, c) or (v, how, t, c) in messages:
                     continue
-                messages[(v, k, t, c)] = (at, where[producer], -1 if k is None else k,
-                                          list(producer.results).index(v), c)
-    made = {(r, inst_of(r, inst)): at for s in range(pp) for o, inst, at in items[s] for r in o.results}
-    for (v, k, t, c), key in messages.items():
-        if made[(v, k)] >= key[0] and key[0] != post:
-            raise PassError(f"pipeline-split: '{v.owner.name}' on stage {t} is made in an action that comes after "
-                            f"the one of stage {c} that uses it; this stage assignment does not fit the schedule")
+                if how == "mb":
+                    made, used = region_of(v.owner), region_of(o)  # type: ignore[arg-type]
+                    if any(position[(t, (made, i))] > position[(c, (used, i))] for i in range(m)):
+                        raise PassError(f"pipeline-split: '{v.owner.name}' on stage {t} is made in an action that "
+                                        f"comes after the one of stage {c} that uses it; this stage assignment "
+                                        f"does not fit the schedule")
+                messages[(v, how, t, c)] = len(messages) + 1
+    if len(messages) > MAX_TAG:
+        raise PassError(f"pipeline-split: the stages exchange {len(messages)} different messages; message tags "
+                        f"go up to {MAX_TAG}")
+    sends_of: dict[tuple[SSAValue, int], list[tuple[str, int, int]]] = {}
+    for (v, how, t, c), tag in messages.items():
+        sends_of.setdefault((v, t), []).append((how, c, tag))
 
     def pairs(t: int, c: int) -> list[list[int]]:
         """Return the (src, dst) pairs from stage t to stage c: the same position on both."""
@@ -714,20 +768,76 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
 
     out = []
     for s in range(pp):
-        body: list[Operation] = []
-        vmap: dict[tuple[SSAValue, int | None], SSAValue] = {}
-        events = sorted((key, v, k, t, c) for (v, k, t, c), key in messages.items() if s in (t, c))
-        next_event = 0
+        pre: list[Operation] = []
+        post: list[Operation] = []
+        cursor = [pre]  # where @train_step's ops go now: pre (before the run), then post
+        fns = {FWD: _Function(), BWD: _Function()}
+        vmap: dict[tuple[SSAValue, str], SSAValue] = {}
+        stacked: dict[Operation, SSAValue] = {}  # micro-batched source -> its stacked value in @train_step
+        sum_of: dict[SSAValue, SSAValue] = {}  # value -> placeholder of its sum in @train_step
+        sums = _Function()  # (only its placeholders: the run's results, made last)
+        stash_from: dict[SSAValue, SSAValue] = {}  # value -> the forward's value the backward gets
 
-        def get(v: SSAValue, inst: int | None) -> SSAValue:
-            k = (v, inst_of(v, inst))
-            if k not in vmap:
-                owner = v.owner
-                if not isinstance(owner, Operation) or stages.get(owner, FREE) != FREE:
-                    raise PassError(f"pipeline-split: internal error: stage {s} uses a value of another stage "
-                                    f"('{getattr(owner, 'name', owner)}') before receiving it")
-                clone(owner, k[1])
-            return vmap[k]
+        def emit(region: str, op: Operation) -> None:
+            (cursor[0] if region == STEP else fns[region].ops).append(op)
+
+        def send_made(v: SSAValue, new: SSAValue, region: str) -> None:
+            """Send a value made here to the stages that use it (sums are sent after the run)."""
+            for how, c, tag in sends_of.get((v, s), []):
+                if how != "sum":
+                    emit(region, comm.SendOp(new, pairs(s, c), tag))
+
+        def recv(v: SSAValue, how: str, t: int, region: str) -> SSAValue:
+            op = comm.RecvOp(pairs(t, s), v.type, messages[(v, how, t, s)])
+            emit(region, op)
+            return op.result
+
+        def get(v: SSAValue, region: str) -> SSAValue:
+            key = (v, region)
+            if key in vmap:
+                return vmap[key]
+            owner = v.owner
+            t = stage_of(v)
+            mb = isinstance(owner, Operation) and kind.get(owner) == "mb"
+            if region == STEP:
+                if mb and m == 1 and t in (s, FREE):  # one micro-batch's value: its own sum
+                    vmap[key] = summed(v)
+                elif mb and m == 1:
+                    vmap[key] = recv(v, "sum", t, STEP)
+                elif t == FREE and isinstance(owner, Operation) and not mb:
+                    clone(owner, STEP)
+                elif t != s and not mb:
+                    vmap[key] = recv(v, "one", t, STEP)
+                else:
+                    raise PassError(f"pipeline-split: internal error: stage {s} uses '{getattr(owner, 'name', owner)}'"
+                                    " in @train_step before it is made there")
+                return vmap[key]
+            fn = fns[region]
+            if not mb:  # a value every micro-batch shares: an argument
+                inner = before_run(v)
+                if inner not in fn.shared:
+                    fns[FWD].shared.setdefault(inner, fns[FWD].placeholder(inner.type))
+                    fns[BWD].shared.setdefault(inner, fns[BWD].placeholder(inner.type))
+                vmap[key] = fn.shared[inner]
+            elif micro_batched(owner):  # type: ignore[arg-type]
+                source(owner)  # type: ignore[arg-type]
+                if owner not in fn.slices:
+                    for f in fns.values():
+                        f.slices.setdefault(owner, f.placeholder(v.type))  # type: ignore[arg-type]
+                vmap[key] = fn.slices[owner]  # type: ignore[index]
+            elif region == BWD and (v, FWD) in vmap:  # made (or received) by the forward: stashed
+                if v not in fn.stash:
+                    fn.stash[v] = fn.placeholder(v.type)
+                    stash_from[v] = vmap[(v, FWD)]
+                vmap[key] = fn.stash[v]
+            elif t == FREE:
+                clone(owner, region)  # type: ignore[arg-type]
+            elif t != s:
+                vmap[key] = recv(v, "mb", t, region)
+            else:
+                raise PassError(f"pipeline-split: internal error: stage {s} uses '{owner.name}' "  # type: ignore
+                                f"in its {'forward' if region == FWD else 'backward'} before it is made there")
+            return vmap[key]
 
         def place(o: Operation, new: Operation) -> None:
             """Record where a collective across device groups runs (one stage)."""
@@ -737,126 +847,180 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                                     f"{placed[o][0]} and {s}; it must have one stage")
                 placed[o] = (s, new)
 
-        def clone(o: Operation, inst: int | None) -> None:
-            if isinstance(o, graph.InputOp) and leaves.get(o) and mesh.foreign:
-                return micro_batch_of_union_input(o, inst)
-            mapping = {v: get(v, inst) for v in o.operands}
+        def clone(o: Operation, region: str) -> None:
+            mapping = {v: get(v, region) for v in o.operands}
             new = o.clone(value_mapper=mapping)
-            if collectives.get(o, (LOCAL,))[0] in (CROSS, XPOST):  # with other groups: on this stage's devices
+            if coll(o) in (CROSS, XPOST):  # with other groups: on this stage's devices
                 remap_op(new, mesh.remap(s))
                 place(o, new)
-            elif collectives.get(o, (LOCAL,))[0] in (MAPPED, ZERO):
+            elif coll(o) in (MAPPED, ZERO):
                 remap_op(new, mesh.remap(s))
             elif o in collectives:  # a collective inside one micro-batch, over this stage's devices
                 new.properties["groups"] = comm.groups_attr(mesh.real(s, collectives[o][1]))
             if isinstance(new, (graph.ParameterOp, graph.InputOp)):
                 typ = new.properties["global_type"]
                 assert isinstance(typ, TensorType)
-                new.properties["global_type"], dim = stage_type(typ, mesh, s, f"'{o.tensor_name.data}'")
-                if dim is not None:  # a micro-batch of a batch input: its own name and global shape
-                    new.properties["tensor_name"] = StringAttr(f"{o.tensor_name.data}@mb{inst}")
+                new.properties["global_type"] = stage_type(typ, mesh, s, f"'{o.tensor_name.data}'")[0]
             else:
                 _restage_global_types([new], mesh, s)
-            body.append(new)
+            emit(region, new)
             for old, r in zip(o.results, new.results):
-                vmap[(old, inst_of(old, inst))] = r
+                vmap[(old, region)] = r
+                send_made(old, r, region)
 
-        def micro_batch_of_union_input(o: Operation, inst: int | None) -> None:
-            """Micro-batch `inst` of a batch input that the other groups share (hetero_pipeline): the
-            stage reads its group's rows whole (once), then slices the micro-batch's rows and splits
-            them over its dp ranks (the worker's `x@mbI` are slices of the whole batch, which holds
-            the other groups' rows too)."""
-            typ = o.properties["global_type"]
-            layout = layout_of(typ)
-            g = next(g for g in layout.groups if g.devices == mesh.virtual)  # type: ignore[union-attr]
-            (axis, degree), *rest = g.states.axes
-            if axis != split(0) or any(a.kind != "dup" for a, _ in rest):
-                raise PassError(f"pipeline-split: input '{o.tensor_name.data}' is laid out as '{layout}'; beside "
-                                "other device groups a pipelined group's micro-batches need it split along dim 0 only")
-            dp = degree // microbatches
-            tp = mesh.size // dp
-            if (o.result, -1) not in vmap:
-                groups = [Group(mesh.stages[s], DistributedStates.of((DUP, mesh.size))) if h is g else h
-                          for h in layout.groups]  # type: ignore[union-attr]
-                whole = Layout(tuple(groups), layout.hetero, layout.shares)  # type: ignore[union-attr]
-                shape = whole.local_shape(mesh.stages[s][0], typ.get_shape())  # type: ignore[union-attr]
-                read = graph.InputOp(o.tensor_name.data, TensorType(o.result.type.element_type, shape))
-                read.properties["global_type"] = with_layout(typ, whole)
-                body.append(read)
-                vmap[(o.result, -1)] = read.result
-            rows = vmap[(o.result, -1)]
-            shape = list(rows.type.get_shape())  # type: ignore[attr-defined]
-            shape[0] //= microbatches
-            piece = graph.SliceOp(rows, 0, (inst or 0) * shape[0], TensorType(o.result.type.element_type, shape))
-            body.append(piece)
-            result = piece.result
-            if dp > 1:
-                real = [[mesh.stages[s][d * tp + t] for d in range(dp)] for t in range(tp)]
-                split_op = comm.LocalSplitOp(piece.result, real, o.result.type, dim=0)
-                body.append(split_op)
-                result = split_op.result
-            vmap[(o.result, inst_of(o.result, inst))] = result
+        def source(o: Operation) -> None:
+            """Make (in @train_step, before the run) the stacked value of a micro-batched source."""
+            if o in stacked:
+                return
+            if isinstance(o, graph.InputOp) and mesh.foreign and m > 1:
+                stacked[o] = _union_input_microbatches(o, mesh, s, pre)
+            elif isinstance(o, graph.InputOp):  # NAME@mb: the batch as [m, rows / m, ...]
+                typ = stage_type(o.properties["global_type"], mesh, s, f"'{o.tensor_name.data}'")[0]  # type: ignore
+                read = graph.InputOp(f"{o.tensor_name.data}@mb", _stacked(o.result.type, m))  # type: ignore[arg-type]
+                read.properties["global_type"] = with_layout(_stacked(typ, m), _stacked_layout(layout_of(typ)))
+                pre.append(read)
+                stacked[o] = read.result
+            else:  # a split over the micro-batches (dim 0), then over the stage's positions
+                dim = o.dim.value.data  # type: ignore[attr-defined]
+                if dim != 0:
+                    raise PassError(f"pipeline-split: '{o.name}' splits a value over the micro-batches along dim "
+                                    f"{dim}; a pipeline stage takes micro-batches along dim 0 only")
+                x = before_run(o.operands[0])
+                shape = list(x.type.get_shape())  # type: ignore[attr-defined]
+                whole = graph.ReshapeOp(x, TensorType(x.type.element_type, [m, shape[0] // m, *shape[1:]]))  # type: ignore
+                pre.append(whole)
+                value = whole.result
+                real = mesh.real(s, collectives[o][1])
+                if len(real[0]) > 1:
+                    split_op = comm.LocalSplitOp(value, real, _stacked(o.results[0].type, m), dim=1)  # type: ignore
+                    pre.append(split_op)
+                    value = split_op.result
+                stacked[o] = value
 
-        def issue(upto: Key | None) -> None:
-            """Issue events in key order: all up to `upto`, then sends already made (upto None: sends only)."""
-            nonlocal next_event
-            while next_event < len(events):
-                key, v, k, t, c = events[next_event]
-                if t == s:
-                    if (v, k) not in vmap:
-                        if upto is not None and key <= upto:
-                            raise PassError("pipeline-split: internal error: a send is due before its value is made")
-                        return
-                    body.append(comm.SendOp(vmap[(v, k)], pairs(t, c)))
-                else:
-                    if upto is None or key > upto:
-                        return
-                    recv = comm.RecvOp(pairs(t, c), v.type)
-                    body.append(recv)
-                    vmap[(v, k)] = recv.result
-                next_event += 1
+        def before_run(v: SSAValue) -> SSAValue:
+            """Return `v` made (or received) in @train_step before the run."""
+            saved, cursor[0] = cursor[0], pre
+            try:
+                return get(v, STEP)
+            finally:
+                cursor[0] = saved
 
-        for o, inst, _ in items[s]:
-            need = [messages[(v, k, stages[v.owner], s)] for v, k in uses(o, inst)
-                    if (v, k) not in vmap and (v, k, stages.get(v.owner, FREE), s) in messages]
-            if need:
-                issue(max(need))
-            if collectives.get(o, (LOCAL,))[0] in (MEET, XMEET):  # the sum over micro-batches, in their order,
-                vals = [get(v, k) for v, k in uses(o, inst)]  # then over the stage's dp ranks (and other groups)
-                acc = vals[0]
-                for x in vals[1:]:
-                    add = graph.AddOp(acc, x, o.result.type)
-                    body.append(add)
-                    acc = add.result
-                if collectives[o][0] == XMEET:
+        def summed(v: SSAValue) -> SSAValue:
+            """Return (a placeholder for) the sum over micro-batches of a value this stage makes."""
+            if v not in sum_of:
+                region = region_of(v.owner) if isinstance(v.owner, Operation) and v.owner in kind else FWD
+                region = FWD if region == STEP else region
+                fns[region].sums.append(get(v, region))
+                sum_of[v] = sums.placeholder(v.type)
+                sum_regions.append((v, region))
+            return sum_of[v]
+
+        sum_regions: list[tuple[SSAValue, str]] = []
+
+        # 1. pre: what every micro-batch shares
+        for o in ops:
+            if runs_on(o, s) and kind[o] == "step" and not isinstance(o, (graph.AssignOp, graph.OutputOp)):
+                clone(o, STEP)
+        # 2. the forward and backward of one micro-batch
+        for o in ops:
+            if runs_on(o, s) and kind[o] == "mb" and not micro_batched(o):
+                clone(o, region_of(o))
+        # 3. post: the sums the other stages need, then what follows the sums
+        cursor[0] = post
+        for (v, how, t, c), tag in messages.items():
+            if t == s and how == "sum":
+                post.append(comm.SendOp(summed(v), pairs(s, c), tag))
+        for o in ops:
+            if not runs_on(o, s) or (kind[o] != "post" and not isinstance(o, (graph.AssignOp, graph.OutputOp))):
+                continue
+            if coll(o) in (MEET, XMEET):  # the sum over micro-batches, then over the stage's dp ranks (or groups)
+                v = o.operands[0]
+                t = stage_of(v)
+                acc = summed(v) if t in (s, FREE) else recv(v, "sum", t, STEP)
+                if coll(o) == XMEET:
                     reduce = comm.AllReduceOp(acc, mesh.remap(s).groups(o.rank_groups), o.result.type)  # type: ignore
-                    body.append(reduce)
+                    post.append(reduce)
                     place(o, reduce)
                     acc = reduce.result
                 elif len((real := mesh.real(s, collectives[o][1]))[0]) > 1:
-                    reduce = comm.AllReduceOp(acc, real, o.result.type)
-                    body.append(reduce)
+                    reduce = comm.AllReduceOp(acc, real, o.result.type)  # type: ignore[arg-type]
+                    post.append(reduce)
                     acc = reduce.result
-                vmap[(o.result, None)] = acc
-            elif collectives.get(o, (LOCAL,))[0] == SPLIT:  # slice `inst` of m, then split over the dp ranks
-                x = get(o.operands[0], inst)
-                dim = o.dim.value.data  # type: ignore[attr-defined]
-                shape = list(x.type.get_shape())  # type: ignore[attr-defined]
-                shape[dim] //= microbatches
-                piece = graph.SliceOp(x, dim, inst * shape[dim], TensorType(o.result.type.element_type, shape))
-                body.append(piece)
-                real = mesh.real(s, collectives[o][1])
-                result = piece.result
-                if len(real[0]) > 1:
-                    split_op = comm.LocalSplitOp(piece.result, real, o.result.type, dim=dim)
-                    body.append(split_op)
-                    result = split_op.result
-                vmap[(o.result, inst)] = result
+                vmap[(o.result, STEP)] = acc  # type: ignore[attr-defined]
+                send_made(o.result, acc, STEP)  # type: ignore[attr-defined]
             else:
-                clone(o, inst)
-            issue(None)
-        issue((post + 1,))
-        if next_event != len(events):
-            raise PassError(f"pipeline-split: internal error: stage {s} leaves messages unsent")
-        out.append(body)
+                clone(o, STEP)
+        out.append(_assemble_stage(s, pp, schedule, m, fns, stacked, stash_from, sum_regions, sum_of, sums,
+                                   pre, post))
     return out
+
+
+def _assemble_stage(s: int, pp: int, schedule: str, m: int, fns: dict[str, _Function],
+                    stacked: dict[Operation, SSAValue], stash_from: dict[SSAValue, SSAValue],
+                    sum_regions: list[tuple[SSAValue, str]],
+                    sum_of: dict[SSAValue, SSAValue], sums: _Function,
+                    pre: list[Operation], post: list[Operation]) -> StageProgram:
+    """Return the stage's program from its parts: @train_step = pre, `pipeline.run`, post."""
+    fwd, bwd = fns[FWD], fns[BWD]
+    shared = list(fwd.shared)  # the step values, in first-use order (the same keys in both)
+    sources = list(fwd.slices)
+    stash = list(bwd.stash)
+    slice_types = [fwd.slices[o].type for o in sources]
+    forward = fwd.build(FORWARD_FN, [(fwd.shared[v], v.type) for v in shared]
+                        + [(fwd.slices[o], t) for o, t in zip(sources, slice_types)],
+                        [stash_from[v] for v in stash] + fwd.sums)
+    backward = bwd.build(BACKWARD_FN, [(bwd.shared[v], v.type) for v in shared]
+                         + [(bwd.slices[o], t) for o, t in zip(sources, slice_types)]
+                         + [(bwd.stash[v], bwd.stash[v].type) for v in stash], bwd.sums)
+    order = [v for v, r in sum_regions if r == FWD] + [v for v, r in sum_regions if r == BWD]
+    run = pipeline.RunOp(FORWARD_FN, BACKWARD_FN, shared, [stacked[o] for o in sources],
+                         [v.type for v in order], schedule=schedule, stage=s, stages=pp, microbatches=m,
+                         stash=len(stash))
+    for v, r in zip(order, run.results):
+        sum_of[v].replace_all_uses_with(r)
+    sums.scratch.erase(safe_erase=True)
+    return StageProgram([*pre, run, *post], forward, backward)
+
+
+def _stacked(typ: TensorType, m: int) -> TensorType:
+    """Return the type of m slices of `typ` stacked along a new leading dim (no layout)."""
+    return TensorType(typ.element_type, [m, *typ.get_shape()])
+
+
+def _stacked_layout(layout: Layout | None) -> Layout:
+    """Return a one-micro-batch layout for the stacked tensor: every split dim one further."""
+    assert layout is not None
+    groups = tuple(Group(g.devices, DistributedStates(tuple((split(a.dim + 1) if a.kind == "split" else a, d)
+                                                            for a, d in g.states.axes))) for g in layout.groups)
+    hetero = split(layout.hetero.dim + 1) if layout.hetero.kind == "split" else layout.hetero
+    return Layout(groups, hetero, layout.shares)
+
+
+def _union_input_microbatches(o: graph.InputOp, mesh: StageMesh, s: int, pre: list[Operation]) -> SSAValue:
+    """Return the micro-batches of a batch input that the other groups share (hetero_pipeline), stacked:
+    the stage reads its group's rows whole, views them as [m, rows / m, ...], then splits dim 1 over its
+    dp ranks (the other groups' rows are in the same input)."""
+    m = mesh.microbatches
+    typ = o.properties["global_type"]
+    layout = layout_of(typ)  # type: ignore[arg-type]
+    g = next(g for g in layout.groups if g.devices == mesh.virtual)  # type: ignore[union-attr]
+    (axis, degree), *rest = g.states.axes
+    if axis != split(0) or any(a.kind != "dup" for a, _ in rest):
+        raise PassError(f"pipeline-split: input '{o.tensor_name.data}' is laid out as '{layout}'; beside "
+                        "other device groups a pipelined group's micro-batches need it split along dim 0 only")
+    dp = degree // m
+    tp = mesh.size // dp
+    groups = [Group(mesh.stages[s], DistributedStates.of((DUP, mesh.size))) if h is g else h
+              for h in layout.groups]  # type: ignore[union-attr]
+    whole = Layout(tuple(groups), layout.hetero, layout.shares)  # type: ignore[union-attr]
+    shape = whole.local_shape(mesh.stages[s][0], typ.get_shape())  # type: ignore[union-attr]
+    read = graph.InputOp(o.tensor_name.data, TensorType(o.result.type.element_type, shape))
+    read.properties["global_type"] = with_layout(typ, whole)  # type: ignore[arg-type]
+    rows = graph.ReshapeOp(read.result, TensorType(o.result.type.element_type, [m, shape[0] // m, *shape[1:]]))
+    pre.extend([read, rows])
+    if dp == 1:
+        return rows.result
+    real = [[mesh.stages[s][d * tp + t] for d in range(dp)] for t in range(tp)]
+    split_op = comm.LocalSplitOp(rows.result, real, _stacked(o.result.type, m), dim=1)
+    pre.append(split_op)
+    return split_op.result
