@@ -112,6 +112,22 @@ def test_launch_returns_exit_code():
     assert launch(2, ["-c", fail], timeout=TIMEOUT) != 0
 
 
+def test_ranks_share_the_cores_for_their_math_libraries(monkeypatch):
+    monkeypatch.setattr(launch_mod, "usable_cores", lambda: 8)
+    env = launch_mod.rank_environment(2, {"PATH": "/bin", "OPENBLAS_NUM_THREADS": "3"})
+    assert env["OMP_NUM_THREADS"] == "4" and env["MKL_NUM_THREADS"] == "4"
+    assert env["OPENBLAS_NUM_THREADS"] == "3" and env["PATH"] == "/bin"  # what the caller set stays
+    assert launch_mod.rank_environment(16, {})["OMP_NUM_THREADS"] == "1"  # more ranks than cores: one each
+
+
+@pytest.mark.mpi
+def test_launch_gives_each_rank_its_share_of_the_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    code = ("import os, sys; from mpi4py import MPI; "
+            f"sys.exit(0 if os.environ['OMP_NUM_THREADS'] == '{max(1, launch_mod.usable_cores() // 2)}' else 5)")
+    assert launch(2, ["-c", code], timeout=TIMEOUT) == 0
+
+
 @pytest.mark.mpi
 def test_launch_timeout_kills_all_processes(tmp_path):
     code = (

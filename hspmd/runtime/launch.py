@@ -2,6 +2,12 @@
 
 The MPICH ``mpiexec`` (Hydra) runs more processes than cores without extra flags, so
 ``mpiexec_command`` adds none; set ``HSPMD_MPIEXEC`` to use a different ``mpiexec``.
+
+``launch`` gives each rank its share of the cores for its math libraries' threads
+(``rank_environment``): without it, every rank starts one BLAS thread (and one OpenMP thread)
+per core, and n ranks on the same cores spin against each other. On the 2-core machine this
+was measured on, a GPT step over 2 ranks took 725 ms with the libraries' defaults and 27 ms
+with one thread per rank (one rank alone: 30 ms).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["LaunchError", "LaunchTimeout", "find_mpiexec", "launch", "mpiexec_command"]
+__all__ = ["LaunchError", "LaunchTimeout", "find_mpiexec", "launch", "mpiexec_command", "rank_environment"]
 
 _NAMES = ("mpiexec", "mpiexec.hydra")
 
@@ -99,6 +105,28 @@ def mpiexec_command(n: int, python_args: Sequence[str]) -> list[str]:
     return [find_mpiexec(), "-n", str(n), sys.executable, *map(str, python_args)]
 
 
+#: the thread counts of the math libraries a rank uses (BLAS, OpenMP in the fused kernels)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """Return the number of cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def rank_environment(n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return ``env`` (default: this process's) with each math-library thread count that it does
+    not set already set to the ranks' share of the cores, ``max(1, cores // n)``."""
+    out = dict(os.environ if env is None else env)
+    share = str(max(1, usable_cores() // max(1, int(n))))
+    for name in THREAD_VARIABLES:
+        out.setdefault(name, share)
+    return out
+
+
 def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """Return once ``proc`` and its process group are gone (SIGTERM, then SIGKILL)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -123,15 +151,14 @@ def launch(
     """Return the exit code of ``mpiexec -n n python *python_args``, run to completion.
 
     Output streams straight to this process's stdout/stderr.  ``env`` replaces the
-    environment as in :mod:`subprocess` (``None`` inherits it).  If the run takes longer
-    than ``timeout`` seconds, all its processes are killed and :class:`LaunchTimeout`
-    is raised; on KeyboardInterrupt they are killed too.
+    environment as in :mod:`subprocess` (``None`` inherits it); either way the ranks get
+    their share of the cores for their math libraries (``rank_environment``) unless it
+    says otherwise.  If the run takes longer than ``timeout`` seconds, all its processes
+    are killed and :class:`LaunchTimeout` is raised; on KeyboardInterrupt they are killed too.
     """
     cmd = mpiexec_command(n, python_args)
     try:
-        proc = subprocess.Popen(
-            cmd, env=None if env is None else dict(env), start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, env=rank_environment(n, env), start_new_session=True)
     except OSError as exc:
         raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
     try:
