@@ -249,3 +249,17 @@ def test_pipeline_run_prints_parses_and_verifies():
     ]:
         with pytest.raises(IRTextError, match=words):
             parse_module(bad)
+
+
+def test_stages_are_balanced_by_cost():
+    from hspmd.transforms.pipeline_split import _balanced_counts
+
+    assert _balanced_counts([10] * 4, 0, 0, 2) == (2, 2)
+    assert _balanced_counts([10] * 4, 1, 0, 3) == (1, 2, 1)  # the embedding's cost keeps stage 0 light
+    assert _balanced_counts([10] * 3, 0, 0, 2) == (2, 1)  # a tie: the earlier stage takes more
+    assert _balanced_counts([10] * 3, 0, 5, 2) == (2, 1)
+    assert _balanced_counts([40, 10, 10, 10], 0, 0, 2) == (1, 3)
+    compiled = compile_script(_script("gpt.py", ["model.layers=6"]), "[0-3]: pp=4", 4)
+    blocks = [len({name.split(".")[1] for name in names if name.startswith("blocks.")})
+              for names in _stage_params(compiled)]
+    assert blocks == [1, 2, 2, 1]  # the first and last stages also run the embedding and the head

@@ -23,7 +23,7 @@ class Pipeline:
 
     Stage s runs on `devices[s*dp*tp:(s+1)*dp*tp]`; inside a stage the devices are a dp x tp
     mesh, dp major, tp minor (`[0-3]: dp=1 tp=2 pp=2`: stage 0 is the tp pair 0,1, stage 1 is
-    2,3). `layers` gives each stage's layer count (None: balanced contiguous ranges).
+    2,3). `layers` gives each stage's layer count (None: contiguous ranges balanced by cost).
     """
 
     devices: tuple[int, ...]

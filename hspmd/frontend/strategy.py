@@ -7,7 +7,7 @@ degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2
 optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
-them; default: balanced contiguous ranges). Keys come in any order, separated by spaces or commas,
+them; default: contiguous ranges balanced by cost). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
