@@ -96,6 +96,22 @@ def _stage_ops(compiled) -> list[list[tuple[str, list[str]]]]:
             for _, g in physical_groups(compiled.physical)]
 
 
+@pytest.mark.parametrize("strategy, n, m, schedule", [
+    ("[0,1]: pp=2", 2, 2, "1f1b"),
+    ("[0-3]: dp=2 pp=2", 4, 2, "gpipe"),
+])
+def test_dropout_in_micro_batches_equals_one_device(tmp_path, strategy, n, m, schedule):
+    """A micro-batch's dropout masks are keyed by its rows' indices in the whole batch: one device's."""
+    extra = ["model.dropout=0.2"]
+    ref = _train(tmp_path, "gpt.py", "[0]: dp=1", 1, extra)[0]
+    ranks = _train(tmp_path, "gpt.py", strategy, n, extra, microbatches=m, pipeline_schedule=schedule)
+    for r in ranks:
+        np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-5)
+    compiled = compile_script(_script("gpt.py", extra), strategy, n, microbatches=m, pipeline_schedule=schedule)
+    drops = [o for o in compiled.physical.walk() if isinstance(o, graph.DropoutOp)]
+    assert drops and all(o.microbatches.value.data == m and o.microbatch_dim.value.data == 0 for o in drops)
+
+
 def test_stage_programs_do_not_grow_with_micro_batches():
     """One forward and one backward per stage; the micro-batch count is an attribute the runtime reads."""
     ops = {m: _stage_ops(compile_script(_script("gpt.py", ["data.batch_size=8"]), "[0,1]: pp=2", 2,

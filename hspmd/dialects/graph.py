@@ -1006,7 +1006,10 @@ class DropoutOp(_TensorOp):
     (`seed`, `salt`, the scalar integer `step`, the element's index in the global tensor), so it
     does not depend on how the tensor is sharded. `salt` tells dropouts of one step apart.
     `global_type` is set at the physical level (the annotated type of the result: global shape
-    and layout), where the kernel finds its piece's global offset from it."""
+    and layout), where the kernel finds its piece's global offset from it. In a pipeline
+    stage's forward or backward, `microbatches` m and `microbatch_dim` d say that `global_type`
+    is one micro-batch: the whole tensor has m of them along dim d, and the runtime tells the
+    kernel which one it runs (so the masks are those of one device)."""
 
     name = "graph.dropout"
     input = operand_def(TensorType)
@@ -1016,6 +1019,8 @@ class DropoutOp(_TensorOp):
     seed = prop_def(IntegerAttr[I64])
     salt = prop_def(IntegerAttr[I64])
     global_type = opt_prop_def(TypeAttribute)
+    microbatches = opt_prop_def(IntegerAttr[I64])
+    microbatch_dim = opt_prop_def(IntegerAttr[I64])
     traits = traits_def(Pure())
     #: specialize-groups records the annotated result type in `global_type`
     RECORDS_GLOBAL_TYPE: ClassVar[bool] = True

@@ -482,8 +482,14 @@ def global_indices(local_shape, global_shape, slices) -> np.ndarray:
     return idx
 
 
-def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
-    """`x * keep / (1 - rate)`, keep = uniform(seed, salt, step, global index) >= rate."""
+def dropout(op: graph.DropoutOp, rank: int, microbatch: int = 0) -> Kernel:
+    """`x * keep / (1 - rate)`, keep = uniform(seed, salt, step, global index) >= rate.
+
+    An op of a pipeline stage's forward or backward (`microbatches` m and `microbatch_dim` d
+    set) holds micro-batch `microbatch` of a tensor whose dim d is m times its global type's:
+    its elements take their indices in that whole tensor, so the masks are one device's. The
+    kernel's `for_microbatch(i)` returns the kernel of micro-batch i.
+    """
     from hspmd.dialects.dist import layout_of
 
     rate = op.rate.value.data
@@ -499,6 +505,12 @@ def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
         global_shape = typ.get_shape()  # type: ignore[attr-defined]
         layout = layout_of(typ)
         slices = layout.slices(rank, global_shape) if layout is not None else tuple(slice(0, s) for s in global_shape)
+    if op.microbatches is not None and op.microbatch_dim is not None:
+        m, d = op.microbatches.value.data, op.microbatch_dim.value.data
+        shift = microbatch * global_shape[d]
+        slices = tuple(slice((sl.start or 0) + shift, (sl.stop or global_shape[d]) + shift) if k == d else sl
+                       for k, sl in enumerate(slices))
+        global_shape = tuple(n * m if k == d else n for k, n in enumerate(global_shape))
     index = global_indices(local_shape, global_shape, slices)
     scale = 1.0 / (1.0 - rate)
 
@@ -506,6 +518,7 @@ def dropout(op: graph.DropoutOp, rank: int) -> Kernel:
         keep = dropout_uniform(dropout_key(seed, salt, int(step)), index) >= rate
         return np.where(keep, x * x.dtype.type(scale), x.dtype.type(0))
 
+    apply.for_microbatch = lambda i: dropout(op, rank, i)  # type: ignore[attr-defined]
     return apply
 
 

@@ -8,7 +8,11 @@ at an xDSL object.
 What the build does, in order:
 
 1. **Flatten.** The bodies of `func.call`ed functions (repeated layers) are inlined, so a step
-   is one flat list of kernel calls over numbered slots (one slot per SSA value).
+   is one flat list of kernel calls over numbered slots (one slot per SSA value). A pipeline
+   stage's `pipeline.run` is laid out the same way: its schedule's actions in order, each the
+   forward or the backward inlined on one micro-batch's slices, then the sums over the
+   micro-batches in their order (`hspmd.dialects.pipeline`). A `comm.send` starts a
+   non-blocking send; one last step waits for them all.
 2. **Bucket the all-reduces** (`hspmd.runtime.buckets`): the program's `comm.all_reduce` ops
    over groups inside this program's devices are grouped into buckets of about
    `bucket_bytes`; a bucket starts (non-blocking) as soon as its last operand is computed and
@@ -485,15 +489,23 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
     """Return the step function `fn` as one flat list of nodes, callees inlined."""
     flat = _Flat()
     module = fn.parent_op()
-    kernels: dict[Operation, Callable] = {}
+    kernels: dict[tuple[Operation, int | None], Callable] = {}
     make_kernel = make_kernel or _kernel
 
-    def kernel(op: Operation) -> Callable:
-        if op not in kernels:
-            kernels[op] = make_kernel(op, rank, communicator)
-        return kernels[op]
+    def kernel(op: Operation, microbatch: int | None) -> Callable:
+        """The op's kernel; inside a pipeline's forward or backward, micro-batch `microbatch`'s
+        where the kernel depends on it (`for_microbatch`, as a micro-batched dropout's mask)."""
+        if (op, None) not in kernels:
+            kernels[(op, None)] = make_kernel(op, rank, communicator)
+        k = kernels[(op, None)]
+        if microbatch is None or not hasattr(k, "for_microbatch"):
+            return k
+        if (op, microbatch) not in kernels:
+            kernels[(op, microbatch)] = k.for_microbatch(microbatch)
+        return kernels[(op, microbatch)]
 
-    def body(block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...]) -> tuple[int, ...]:
+    def body(block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...],
+             microbatch: int | None = None) -> tuple[int, ...]:
         def slot(value: SSAValue) -> int:
             if value not in slots:
                 slots[value] = flat.new_slot(value)
@@ -523,7 +535,7 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
                     raise PlanError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
                 case pipeline.RunOp():
                     results = _expand_pipeline(flat, op, tuple(slot(v) for v in op.operands),
-                                               lambda callee, args: call(callee, args, op))
+                                               lambda callee, args, i: call(callee, args, op, i))
                     for r, s in zip(op.results, results):
                         slots[r] = s
                 case func.CallOp():
@@ -532,18 +544,20 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
                         raise PlanError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
                     callee = _lookup(module, name, op)
                     inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
-                    results = body(callee.body.block, inner, False, stack + (name,))
+                    results = body(callee.body.block, inner, False, stack + (name,), microbatch)
                     for r, s in zip(op.results, results):
                         slots[r] = s  # the call's results are the callee's returned values
                 case _:
                     ins = tuple(slot(v) for v in op.operands)
-                    flat.nodes.append(Node(op, kernel(op), ins, tuple(slot(r) for r in op.results)))
+                    flat.nodes.append(Node(op, kernel(op, microbatch), ins, tuple(slot(r) for r in op.results)))
         return returns
 
-    def call(name: str, args: Sequence[int], at: Operation) -> tuple[int, ...]:
-        """Inline one call of @name (of a `pipeline.run`) on argument slots; return its result slots."""
+    def call(name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
+        """Inline @name (a `pipeline.run`'s forward or backward) on micro-batch `microbatch`'s
+        argument slots; return its result slots."""
         callee = _lookup(module, name, at)
-        return body(callee.body.block, dict(zip(callee.body.block.args, args)), False, (fn.sym_name.data, name))
+        return body(callee.body.block, dict(zip(callee.body.block.args, args)), False, (fn.sym_name.data, name),
+                    microbatch)
 
     body(fn.body.block, {}, True, (fn.sym_name.data,))
     if any(isinstance(n.op, comm.SendOp) for n in flat.nodes):  # every send has left before the step ends
@@ -552,7 +566,7 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
 
 
 def _expand_pipeline(flat: _Flat, op: pipeline.RunOp, operands: tuple[int, ...],
-                     call: Callable[[str, Sequence[int]], tuple[int, ...]]) -> list[int]:
+                     call: Callable[[str, Sequence[int], int], tuple[int, ...]]) -> list[int]:
     """Lay out a `pipeline.run` in the flat list: its stage's actions in schedule order, each an
     inlined call of the forward or backward on one micro-batch's slices, then the left-fold sums.
 
@@ -564,7 +578,7 @@ def _expand_pipeline(flat: _Flat, op: pipeline.RunOp, operands: tuple[int, ...],
         acts = pipeline.actions(op)
     except PipelineScheduleError as err:
         raise PlanError(f"'{op.name}': {err}") from None
-    _, _, m, stash = op.ints()
+    stash = op.ints()[3]
     n_shared = len(op.shared)
     shared, stacked = list(operands[:n_shared]), operands[n_shared:]
     slices: dict[int, list[int]] = {}
@@ -595,12 +609,12 @@ def _expand_pipeline(flat: _Flat, op: pipeline.RunOp, operands: tuple[int, ...],
     forward_sums = 0
     for kind, i in acts:
         if kind == "F":
-            results = call(op.forward.root_reference.data, shared + piece(i))
+            results = call(op.forward.root_reference.data, shared + piece(i), i)
             kept[i] = results[:stash]
             forward_sums = len(results) - stash
             accumulate(0, results[stash:])
         else:
-            results = call(op.backward.root_reference.data, shared + piece(i) + list(kept.pop(i)))
+            results = call(op.backward.root_reference.data, shared + piece(i) + list(kept.pop(i)), i)
             accumulate(forward_sums, results)
     if any(s is None for s in sums):
         raise PlanError(f"'{op.name}': its forward and backward return fewer values than its {len(sums)} results")

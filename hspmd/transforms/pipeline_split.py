@@ -318,12 +318,18 @@ def stage_type(typ: TensorType, mesh: StageMesh, s: int, what: str) -> tuple[Ten
 
 
 def _restage_global_types(ops, mesh: StageMesh, s: int) -> None:
-    """Put the `global_type` of position-dependent ops (embedding, one_hot, dropout) on stage s."""
+    """Put the `global_type` of position-dependent ops (embedding, one_hot, dropout) on stage s.
+
+    A dropout of one micro-batch (split over the micro-batches, one device group) also records
+    their number and dim, so that the runtime keys its mask by the whole tensor's indices."""
     for o in ops:
         typ = o.properties.get("global_type")
         if isinstance(typ, TensorType) and layout_of(typ) is not None \
                 and not isinstance(o, (graph.ParameterOp, graph.InputOp)):
-            o.properties["global_type"] = stage_type(typ, mesh, s, f"the result of '{o.name}'")[0]
+            o.properties["global_type"], dim = stage_type(typ, mesh, s, f"the result of '{o.name}'")
+            if isinstance(o, graph.DropoutOp) and dim is not None and len(layout_of(typ).groups) == 1:  # type: ignore
+                o.properties["microbatches"] = IntegerAttr(mesh.microbatches, i64)
+                o.properties["microbatch_dim"] = IntegerAttr(dim, i64)
 
 
 def _layers(ops: list[Operation], forward_end: int) -> tuple[list[list[Operation]], dict[str, int], str]:
