@@ -193,6 +193,18 @@ class AllToAllOp(_Collective):
             raise VerifyException(f"'{self.name}' cannot turn {list(src)} into {list(dst)}")
 
 
+def _message_properties(pairs: Sequence[Sequence[int]], tag: int) -> dict[str, Attribute]:
+    """Return the properties of a send or receive: its pairs, and its tag unless it is 0."""
+    props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
+    if tag:
+        props["tag"] = IntegerAttr(tag, i64)
+    return props
+
+
+def _tag_value(tag: IntegerAttr | None) -> int:
+    return tag.value.data if tag is not None else 0
+
+
 @irdl_op_definition
 class SendOp(IRDLOperation):
     """Sends the value along `pairs` ([src, dst] rank pairs): a rank that is a src sends to its dst.
@@ -210,15 +222,12 @@ class SendOp(IRDLOperation):
     assembly_format = "$input attr-dict `:` type($input)"
 
     def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]], tag: int = 0):
-        props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
-        if tag:
-            props["tag"] = IntegerAttr(tag, i64)
-        super().__init__(operands=[input], properties=props)
+        super().__init__(operands=[input], properties=_message_properties(pairs, tag))
 
     @property
     def tag_value(self) -> int:
         """Return the message tag (0 when the op has none)."""
-        return self.tag.value.data if self.tag is not None else 0
+        return _tag_value(self.tag)
 
 
 @irdl_op_definition
@@ -236,15 +245,12 @@ class RecvOp(IRDLOperation):
     assembly_format = "attr-dict `:` type($result)"
 
     def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute, tag: int = 0):
-        props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
-        if tag:
-            props["tag"] = IntegerAttr(tag, i64)
-        super().__init__(result_types=[result_type], properties=props)
+        super().__init__(result_types=[result_type], properties=_message_properties(pairs, tag))
 
     @property
     def tag_value(self) -> int:
         """Return the message tag (0 when the op has none)."""
-        return self.tag.value.data if self.tag is not None else 0
+        return _tag_value(self.tag)
 
 
 @irdl_op_definition
