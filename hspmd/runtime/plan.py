@@ -628,7 +628,7 @@ def _take(i: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def _wait_sends(nodes: list[Node]) -> Callable[[], None]:
     """Return the call that waits for every send the plan's send kernels started in this step."""
-    pending = [n.kernel.pending for n in nodes if isinstance(n.op, comm.SendOp)]
+    pending = [n.kernel.pending for n in nodes if isinstance(n.op, comm.SendOp) and hasattr(n.kernel, "pending")]
 
     def wait_sends() -> None:
         for requests in pending:
