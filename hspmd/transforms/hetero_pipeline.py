@@ -19,12 +19,14 @@ modules and calls `join_groups` here, which ties the stages to the other groups:
 * **layouts** left in the other modules (parameters' and inputs' `global_type`, the
   position-dependent ops' records, exchanges' `src`/`dst`) name the real devices too: a
   parameter those of the stage that owns it, anything else stage 0's.
-* **order** (deadlock freedom with blocking collectives): the stage programs are fixed by
-  `pipeline-split` (their sends and receives follow one global key order). Each stage's
-  program gives a chain of *events*: its sends, receives and cross-group collectives, in
-  program order. These chains have a common linear extension: messages appear in every chain
-  in key order, and a cross-group collective lies on one stage's chain only, so a cycle
-  through the chains would make a key smaller than itself. We add, for each other group,
+* **order** (deadlock freedom; collectives and receives block, sends do not): the stage
+  programs are fixed by `pipeline-split`. Each stage's program, run as the runtime runs it
+  (`executed_ops`: its `pipeline.run` walked in the schedule's order), gives a chain of
+  *events*: its sends, receives and cross-group collectives. An event follows the last
+  blocking event before it on its chain, and a receive follows its send. The stage chains
+  alone have a common linear extension: every receive waits for a send made earlier in the
+  schedule's dependency order (before and after the run: in the one-group step's order), and
+  a cross-group collective lies on one stage's chain only. We add, for each other group,
   its data dependencies between its cross-group collectives, and take a topological order of
   all events (smallest original position first among the ready ones); a cycle there is
   refused with one message. Each other group's step is then re-ordered (every op pulled in
