@@ -116,8 +116,7 @@ def test_given_layers_train_like_one_device(tmp_path):
 @pytest.mark.parametrize("strategy, n, words", [
     ("[0,1]: layers=1:2", 2, ["layers=1:2", "3 layers", "2 layers", "add up to 2"]),
     ("[0-5]: tp=2 pp=3", 6, ["pp=3", "2 layers"]),
-    ("[0-3]: dp=2 pp=2 zero=1", 4, ["zero=1", "not yet combined with pipeline"]),
-    ("[0-3]: pp=2 dp=2 zero=1 | [4]: dp=1", 5, ["zero=1", "not yet combined with pipeline"]),
+    ("[0-3]: pp=2 dp=2 zero=1 | [4]: dp=1", 5, ["zero=1", "pipeline beside other device groups", "pp=2"]),
     ("[0-5]: tp=3 pp=2", 6, ["tp=3"]),
 ])
 def test_bad_hybrid_pipelines_are_refused_in_one_message(strategy, n, words):

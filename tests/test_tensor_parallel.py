@@ -144,5 +144,5 @@ def test_bad_tensor_parallel_degrees_name_parameter_shape_and_rule():
 
 
 def test_zero_in_a_pipelined_group_beside_others_is_refused():
-    with pytest.raises(PassError, match="not yet combined with pipeline"):
+    with pytest.raises(PassError, match="ZeRO .zero=1. in a pipeline beside other device groups"):
         compile_script(_script("mlp.py"), "[0-3]: dp=2 pp=2 zero=1 | [4]: dp=1", 5)

@@ -38,6 +38,8 @@ class Pipeline:
     other_devices: tuple[int, ...] = ()
     #: the first number its virtual devices may take beyond its own devices (None: above every device)
     fresh: int | None = None
+    #: ZeRO over each stage's dp ranks (`shard-stage-optimizer`)
+    zero: int = 0
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
@@ -74,11 +76,12 @@ class Pipeline:
         return (*self.devices, *range(top, top + v))[:v]
 
     def split_pass(self, microbatches: int, schedule: str) -> str:
-        """Return the `pipeline-split{...}` pass text for this pipeline."""
+        """Return the `pipeline-split{...}` pass text for this pipeline (then `shard-stage-optimizer` with ZeRO)."""
         layers = f' layers="{",".join(map(str, self.layers))}"' if self.layers else ""
         virtual = f' virtual="{",".join(map(str, self.virtual(microbatches)))}"' if self.union is not None else ""
+        zero = f",shard-stage-optimizer{{dp={self.dp} tp={self.tp}}}" if self.zero and self.dp > 1 else ""
         return (f'pipeline-split{{devices="{",".join(map(str, self.devices))}" pp={self.pp} tp={self.tp} '
-                f'microbatches={microbatches} schedule="{schedule}"{layers}{virtual}}}')
+                f'microbatches={microbatches} schedule="{schedule}"{layers}{virtual}}}' + zero)
 
 
 def pipeline_stages(strategy: Strategy) -> Pipeline | None:
@@ -107,9 +110,10 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
     """
     piped = [g for g in strategy.groups if g.pp > 1]
     for g in piped:
-        if g.zero:
-            raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) is not yet combined with pipeline "
-                            f"parallelism; use zero=0 in the group with pp={g.pp}")
+        if g.zero and len(strategy.groups) > 1:
+            raise PassError(f"strategy '{strategy}': ZeRO (zero={g.zero}) in a pipeline beside other device groups "
+                            f"is not supported; use zero=0 in the group with pp={g.pp} (ZeRO with pp works in a "
+                            "strategy of one group)")
     out = []
     fresh = max(strategy.devices) + 1
     for g in piped:
@@ -117,7 +121,7 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
         if len(strategy.groups) > 1:
             union = tuple("{}" if h is g else str(h) for h in strategy.groups)
         others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
-        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh)
+        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero)
         fresh += microbatches * g.dp * g.tp
         out.append(pipe)
     return out

@@ -25,6 +25,7 @@ _PASSES = {
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
     "pipeline-split": "hspmd.transforms.pipeline_split:PipelineSplit",
+    "shard-stage-optimizer": "hspmd.transforms.shard_stage_optimizer:ShardStageOptimizer",
     "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
 }
 

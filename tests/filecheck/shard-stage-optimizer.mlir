@@ -1,0 +1,37 @@
+// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.5},apply-strategy{strategy="[0-3]: dp=4"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split{devices="0,1,2,3" pp=2 microbatches=2},shard-stage-optimizer{dp=2}' | filecheck %s
+
+// shard-stage-optimizer after pipeline-split: `[0-3]: dp=2 pp=2 zero=1` with 2 micro-batches.
+// On each stage the gradient's all-reduce over the stage's 2 dp ranks (after the run's sum over
+// the micro-batches) becomes a reduce-scatter along dim 0; Adam's states hold that half (their
+// layout says so); the update runs on the parameter's half (local_split) and the new parameter
+// is all-gathered before its assignment. The states' shapes are halves: 2x4 of 4x4, 2x3 of 4x3.
+
+builtin.module {
+  func.func @train_step() {
+    %w0 = graph.parameter "layers.0.weight" {init = "normal:0.1"} : tensor<4x4xf32>
+    %w1 = graph.parameter "layers.1.weight" {init = "normal:0.1"} : tensor<4x3xf32>
+    %x = graph.input "x" : tensor<8x4xf32>
+    %h = graph.matmul %x, %w0 : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+    %r = graph.relu %h : (tensor<8x4xf32>) -> tensor<8x4xf32>
+    %y = graph.matmul %r, %w1 : (tensor<8x4xf32>, tensor<4x3xf32>) -> tensor<8x3xf32>
+    %s = graph.reduce_sum %y {dims = array<i64: 0, 1>} : (tensor<8x3xf32>) -> tensor<f32>
+    %l = graph.scale %s {factor = 0.125 : f64} : (tensor<f32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+}
+
+// CHECK:       builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:         %[[M:.*]] = graph.parameter "opt.m.layers.0.weight" {init = "zeros", global_type = tensor<4x4xf32, #dist.layout<"[0,1]: split(0)=2">>} : tensor<2x4xf32>
+// CHECK:         %[[G:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
+// CHECK:         %[[GS:.*]] = comm.reduce_scatter %[[G]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
+// CHECK-NOT:     comm.all_reduce %[[G]]
+// CHECK:         %[[W:.*]] = comm.local_split %w0 {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
+// CHECK-NEXT:    %[[NEW:.*]], %[[NM:.*]], %[[NV:.*]] = optim.adam %[[W]], %[[GS]], %[[M]]
+// CHECK-NEXT:    %[[FULL:.*]] = comm.all_gather %[[NEW]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<2x4xf32> -> tensor<4x4xf32>
+// CHECK:         graph.assign "layers.0.weight", %[[FULL]] : tensor<4x4xf32>
+// CHECK:         graph.assign "opt.m.layers.0.weight", %[[NM]] : tensor<2x4xf32>
+// CHECK:       builtin.module @group1 attributes {hspmd.devices = array<i64: 2, 3>, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:         graph.parameter "opt.v.layers.1.weight" {init = "zeros", global_type = tensor<4x3xf32, #dist.layout<"[2,3]: split(0)=2">>} : tensor<2x3xf32>
+// CHECK:         comm.reduce_scatter %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
+// CHECK:         comm.all_gather %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
