@@ -66,6 +66,8 @@ def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strate
     ("gpt.py", "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3, 3, "1f1b", []),
     ("gpt.py", "[0-3]: dp=2 pp=2 share=1 | [4,5]: dp=2 share=1", 6, 2, "1f1b", ["data.batch_size=8"]),
     ("mlp.py", "[0]: dp=1 share=1 | [1-4]: dp=2 pp=2 share=3", 5, 3, "gpipe", []),  # more micro-batches than stages
+    # Hetu v2's flagship shape with micro-batches: tp inside the stages and beside them
+    ("gpt.py", "[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1", 6, 2, "1f1b", ["data.batch_size=12"]),
 ])
 def test_hetero_pipeline_with_micro_batches_equals_one_device(tmp_path, example, strategy, n, m, schedule, extra):
     ref = _train(tmp_path, example, "[0]: dp=1", 1, extra)[0] if extra else _one_device(tmp_path, example)
@@ -219,7 +221,7 @@ def deadlock_free(physical) -> bool:
        other_pp=st.sampled_from([1, 1, 2, 3]), shares=st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)]),
        m=st.sampled_from([1, 2, 3]), schedule=st.sampled_from(["gpipe", "1f1b"]))
 def test_every_rank_meets_its_collectives_in_one_order(first, pp, tp, other_tp, other_pp, shares, m, schedule):
-    if m > 1:  # micro-batches beside other groups: sums across groups only (no tensor-parallel exchanges)
+    if m > 1 and other_pp > 1:  # micro-batches with tp in two pipelines: refused (per-micro-batch sums across them)
         tp = other_tp = 1
     n_pipe, n_other = pp * tp, other_pp * other_tp
     devices = list(range(n_pipe + n_other))
@@ -248,8 +250,8 @@ def test_the_simulation_finds_a_deadlock():
 
 @pytest.mark.parametrize("strategy, n, kw, words", [
     ("[0-3]: pp=2 dp=2 zero=1 | [4]: dp=1", 5, {}, ["zero=1", "pp=2"]),
-    ("[0-3]: pp=2 tp=2 | [4,5]: tp=2", 6, {"microbatches": 2}, ["comm.exchange", "microbatches=2",
-                                                                 "only sum across groups"]),
+    ("[0-3]: pp=2 tp=2 | [4-7]: pp=2 tp=2", 8, {"microbatches": 2}, ["comm.all_reduce", "2 micro-batches",
+                                                                     "several pipelined groups"]),
     ("[0-3]: dp=2 pp=2 | [4,5]: dp=2", 6, {"microbatches": 2}, ["dp=4", "annotated as", "virtual dp rank"]),
 ])
 def test_bad_hetero_pipelines_are_refused_in_one_message(strategy, n, kw, words):

@@ -3,7 +3,8 @@
 `hspmd run -n N examples/gpt.py --strategy S --steps 20 --log F` for Hetu v2's flagship shape
 `[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 pp=1 share=1` (6 ranks) and the simpler
 `[0,1]: pp=2 share=1 | [2]: dp=1 share=1`, `[0,1]: pp=2 share=3 | [2]: pp=1 share=1` and the
-pipelined group second, with micro-batches (GPipe, 1F1B), and two pipelines side by side,
+pipelined group second, with micro-batches (GPipe, 1F1B; with tp in every group too), and two
+pipelines side by side,
 against `hspmd run -n 1`
 (reference and sizes from tests/test_strategies_mpi.py).
 """
@@ -27,6 +28,7 @@ reference = test_strategies_mpi.reference  # the module-scoped fixture: the 1-de
     (6, "[0,1]: dp=2 share=1 | [2-5]: dp=2 pp=2 layers=1:1 share=3", []),  # pipelined second, dp in stages
     (3, "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", ["microbatches=3", "pipeline_schedule=1f1b"]),
     (6, "[0-3]: dp=2 pp=2 share=1 | [4,5]: dp=2 share=1", ["microbatches=2"]),
+    (6, "[0-3]: tp=2 pp=2 share=1 | [4,5]: tp=2 share=1", ["microbatches=2", "pipeline_schedule=1f1b"]),
     (6, "[0-3]: tp=2 pp=2 share=2 | [4,5]: pp=2 share=1", []),  # two pipelines, tp stages beside single ones
     (5, "[0,1]: pp=2 share=1 | [2,3]: pp=2 share=2 | [4]: dp=1 share=1", ["microbatches=2", "pipeline_schedule=1f1b"]),
 ])

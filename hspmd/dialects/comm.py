@@ -264,6 +264,12 @@ class ExchangeOp(IRDLOperation):
     into one region sum); transfers run in list order, every rank sending and receiving its
     own in that one global order, so each blocking send meets its receive (the earliest
     unfinished transfer always has both ends at it).
+
+    In a pipeline stage's forward or backward an exchange may keep the layouts of the
+    stage-shaped step's *virtual* devices (one per micro-batch and stage position) when every
+    transfer of theirs stays on one device: `microbatch_ranks` lists the virtual devices
+    (micro-batch major) and `stage_ranks` the stage's real ones, and the rank at stage position
+    q runs micro-batch i's transfers as virtual device `microbatch_ranks[i * len(stage_ranks) + q]`.
     """
 
     name = "comm.exchange"
@@ -273,6 +279,8 @@ class ExchangeOp(IRDLOperation):
     src = prop_def(LayoutAttr)
     dst = prop_def(LayoutAttr)
     shape = prop_def(DenseArrayBase)
+    microbatch_ranks = opt_prop_def(DenseArrayBase)
+    stage_ranks = opt_prop_def(DenseArrayBase)
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
     def __init__(self, input: SSAValue, src: Layout, dst: Layout, shape: Sequence[int], result_type: Attribute):

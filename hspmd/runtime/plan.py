@@ -261,11 +261,20 @@ def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callab
     raise PlanError(f"no runtime for '{op.name}'")
 
 
-def _exchange_kernel(op: comm.ExchangeOp, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
-    """Return the call doing `rank`'s transfers of an exchange, in the op's one global order."""
+def _exchange_kernel(op: comm.ExchangeOp, rank: int, communicator: Communicator,
+                     microbatch: int = 0) -> Callable[..., np.ndarray]:
+    """Return the call doing `rank`'s transfers of an exchange, in the op's one global order
+    (an exchange over a stage's virtual devices: those of its virtual device in `microbatch`,
+    all on the rank itself; the kernel's `for_microbatch(i)` gives micro-batch i's)."""
     shape, dtype = op.result.type.get_shape(), dtype_name(op.result.type)
+    me = rank
+    if op.microbatch_ranks is not None and op.stage_ranks is not None:
+        stage = tuple(op.stage_ranks.get_values())
+        me = tuple(op.microbatch_ranks.get_values())[microbatch * len(stage) + stage.index(rank)]
     mine = [(s, d, tuple(slice(a, a + n) for a, _, n in r), tuple(slice(b, b + n) for _, b, n in r))
-            for s, d, r in op.transfer_list() if rank in (s, d)]
+            for s, d, r in op.transfer_list() if me in (s, d)]
+    if me != rank and any(s != d for s, d, _, _ in mine):
+        raise PlanError(f"'{op.name}' over virtual devices moves data between them; only local transfers can run")
 
     def exchange(x: np.ndarray) -> np.ndarray:
         out = np.zeros(shape, dtype)
@@ -278,6 +287,8 @@ def _exchange_kernel(op: comm.ExchangeOp, rank: int, communicator: Communicator)
                 out[dr] += communicator.recv(np.empty(out[dr].shape, dtype), s)
         return out
 
+    if me != rank:
+        exchange.for_microbatch = lambda i: _exchange_kernel(op, rank, communicator, i)  # type: ignore[attr-defined]
     return exchange
 
 

@@ -44,8 +44,9 @@ modules and calls `join_groups` here, which ties the stages to the other groups:
   between two pipelines lies on two fixed chains, so the common order is found by the
   topological sort or the strategy is refused with one message.
 
-With micro-batches, only sums may cross groups: an exchange between groups inside a
-micro-batch (tensor-parallel bias pieces) is refused by `pipeline-split` with one message.
+With micro-batches, only sums may cross groups (all-reduces, or exchanges that sum the
+pipelined group's pieces); an exchange that moves other data between groups inside a
+micro-batch is refused by `pipeline-split` with one message.
 """
 
 from __future__ import annotations

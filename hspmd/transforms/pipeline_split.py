@@ -88,7 +88,10 @@ stays the whole batch's); a collective that moves data to or from another group 
 groups' devices is `MAPPED`. With m > 1 micro-batches, a cross-group all-reduce of a
 per-micro-batch value (`XMEET`) becomes the sum over the micro-batches, then one all-reduce
 with the other groups; a local_zero over the micro-batches of a summed value (`ZERO`) becomes
-one over the stage and the cross-group all-reduce after it (`XPOST`) runs once; a batch input
+one over the stage and the cross-group all-reduce after it (`XPOST`) runs once; an exchange that
+sums the group's pieces across groups (its virtual group partial over the micro-batches) is an
+`XMEET` too; one whose transfers all stay on one device (`VLOCAL`: a replicated bias into the
+batch's rows) keeps the virtual layouts and runs in each micro-batch as its virtual device; a batch input
 the other groups share is read as the group's rows, viewed as m micro-batches and split over
 the stage's dp ranks; other exchanges across groups are refused. Then
 `hetero_pipeline.join_groups` remaps and re-orders the other groups' modules (see its
@@ -106,8 +109,9 @@ from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import comm, graph, pipeline
+from hspmd.dialects.graph import i64_array
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, split
+from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout, split
 from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.dialects.pipeline import MICROBATCHES_ATTR, STAGE_ATTR
@@ -213,10 +217,33 @@ class StageRemap:
 
 
 LOCAL, MEET, SPLIT, CROSS, MAPPED = "local", "meet", "split", "cross", "mapped"
+# with micro-batches beside other groups: an exchange whose transfers each stay on one device (VLOCAL)
+# runs per micro-batch as that micro-batch's virtual device (`comm.exchange {microbatch_ranks}`)
+VLOCAL = "vlocal"
 # with micro-batches beside other groups: a sum across groups and micro-batches (XSPAN, resolved by its
 # operand into XMEET: the micro-batches' sum then the cross-group sum, or XPOST: the sum of a value
 # zeroed on all but one micro-batch by a ZERO, a local_zero over the micro-batches of a summed value)
 XSPAN, XMEET, XPOST, ZERO = "xspan", "xmeet", "xpost", "zero"
+
+
+def _run_as_virtual(o: Operation, mesh: StageMesh, s: int) -> None:
+    """Let an exchange over the virtual devices run on stage s per micro-batch (`VLOCAL`)."""
+    o.properties["microbatch_ranks"] = i64_array(mesh.virtual)
+    o.properties["stage_ranks"] = i64_array(mesh.stages[s])
+
+
+def _sums_microbatches(o: comm.ExchangeOp, mesh: StageMesh) -> bool:
+    """Return whether an exchange with other groups takes the virtual group's pieces as partial sums
+    over the micro-batches (the major axis) and gives every micro-batch the same result."""
+    m = mesh.microbatches
+
+    def major(layout: Layout):
+        g = next((g for g in layout.groups if g.devices == mesh.virtual), None)
+        return g.states.axes[0] if g is not None and g.states.axes else None
+
+    src, dst = major(o.src.data), major(o.dst.data)
+    return (src is not None and src[0] == PARTIAL and src[1] % m == 0
+            and (dst is None or (dst[0] == DUP and dst[1] % m == 0)))
 
 
 def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
@@ -239,17 +266,25 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
         crossing = partners(o, frozenset(mesh.virtual))
         if m == 1:
             return (CROSS if crossing else MAPPED), ()
+        virtual = set(mesh.virtual)
+        if isinstance(o, comm.ExchangeOp) and not crossing and all(
+                s == d for s, d, _ in o.transfer_list() if s in virtual or d in virtual):
+            return VLOCAL, ()
+        if isinstance(o, comm.ExchangeOp) and _sums_microbatches(o, mesh):
+            return XSPAN, ()  # a sum across groups of partial pieces (the micro-batches' among them)
         if not crossing or not isinstance(o, comm.AllReduceOp):
-            raise PassError(f"pipeline-split: '{o.name}' names other device groups inside a micro-batch; with "
-                            f"microbatches={m} a pipelined group beside other groups may only sum across groups "
-                            "(all-reduces of gradients and the loss), so use microbatches=1 (or tp=1 in every group)")
+            raise PassError(f"pipeline-split: '{o.name}' moves data across device groups inside a micro-batch; "
+                            f"with microbatches={m} a pipelined group beside other groups may only sum across groups "
+                            "(all-reduces of gradients and the loss), so use microbatches=1 (or the same tp in every "
+                            "group)")
         for g in o.rank_groups:  # type: ignore[attr-defined]
             by_mb: dict[int, set[int]] = {}
             for p in mesh.positions([d for d in g if d not in mesh.foreign]):
                 by_mb.setdefault(p // size, set()).add(p % size)
             if by_mb and (len(by_mb) != m or len({frozenset(v) for v in by_mb.values()}) != 1):
                 raise PassError(f"pipeline-split: '{o.name}' group {list(g)} sums across device groups over some "
-                                f"but not all {m} micro-batches, or other positions in each")
+                                f"but not all {m} micro-batches, or other positions in each (as tensor parallelism "
+                                "in several pipelined groups does: use tp=1 there, or microbatches=1)")
         return XSPAN, ()
     groups = [mesh.positions(g) for g in o.rank_groups]  # type: ignore[attr-defined]
     kind = LOCAL
@@ -428,7 +463,7 @@ class PipelineSplit(ModulePass):
                     raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
                                     "supported there (point-to-point messages are the split's own)")
                 collectives[o] = classify_collective(o, mesh)
-                if f is not step and collectives[o][0] not in (LOCAL, MAPPED):
+                if f is not step and collectives[o][0] not in (LOCAL, MAPPED, VLOCAL):
                     raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
                                     "device groups; only the step itself may")
         leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
@@ -463,7 +498,9 @@ class PipelineSplit(ModulePass):
             others = [programs[s].forward, programs[s].backward] + [f.clone() for f in functions if f is not step]
             for f in others[2:]:  # the callees' collectives (inside one micro-batch) on this stage's devices
                 for o in f.walk():
-                    if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
+                    if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == VLOCAL:
+                        _run_as_virtual(o, mesh, s)
+                    elif o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
                         remap_op(o, mesh.device_map(s))
                     elif o.dialect_name() == "comm":
                         o.properties["groups"] = comm.groups_attr(mesh.real(s, classify_collective(o, mesh)[1]))
@@ -719,6 +756,8 @@ def _kinds(ops: list[Operation], collectives: dict[Operation, tuple],
         c = collectives.get(o, (LOCAL,))[0]
         if c in (MEET, XMEET) or o.dialect_name() == "optim":  # the update comes last
             kind[o] = "post"
+        elif c == VLOCAL:  # each micro-batch's own piece
+            kind[o] = "mb"
         elif o in leaves:
             kind[o] = "mb" if leaves[o] else "step"
         elif collectives.get(o, (LOCAL,))[0] == SPLIT:  # micro-batch i's slice: one per micro-batch
@@ -948,6 +987,8 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                 place(o, new)
             elif coll(o) in (MAPPED, ZERO):
                 remap_op(new, mesh.remap(s))
+            elif coll(o) == VLOCAL:
+                _run_as_virtual(new, mesh, s)
             elif o in collectives:  # a collective inside one micro-batch, over this stage's devices
                 new.properties["groups"] = comm.groups_attr(mesh.real(s, collectives[o][1]))
             if isinstance(new, (graph.ParameterOp, graph.InputOp)):
@@ -1030,7 +1071,13 @@ def _emit_stages(ops: list[Operation], stages: dict[Operation, int], mesh: Stage
                 v = o.operands[0]
                 t = stage_of(v)
                 acc = summed(v) if t in (s, FREE) else recv(v, "sum", t, STEP)
-                if coll(o) == XMEET:
+                if coll(o) == XMEET and isinstance(o, comm.ExchangeOp):  # the stage's pieces in the virtual ones'
+                    across = o.clone(value_mapper={o.input: acc})
+                    remap_op(across, mesh.remap(s))
+                    post.append(across)
+                    place(o, across)
+                    acc = across.result
+                elif coll(o) == XMEET:
                     reduce = comm.AllReduceOp(acc, mesh.remap(s).groups(o.rank_groups), o.result.type)  # type: ignore
                     post.append(reduce)
                     place(o, reduce)
