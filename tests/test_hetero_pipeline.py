@@ -68,6 +68,8 @@ def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strate
     ("mlp.py", "[0]: dp=1 share=1 | [1-4]: dp=2 pp=2 share=3", 5, 3, "gpipe", []),  # more micro-batches than stages
     # Hetu v2's flagship shape with micro-batches: tp inside the stages and beside them
     ("gpt.py", "[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1", 6, 2, "1f1b", ["data.batch_size=12"]),
+    # dropout: each micro-batch draws its rows' masks as its virtual device (one device's masks)
+    ("gpt.py", "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3, 2, "gpipe", ["model.dropout=0.2", "data.batch_size=8"]),
 ])
 def test_hetero_pipeline_with_micro_batches_equals_one_device(tmp_path, example, strategy, n, m, schedule, extra):
     ref = _train(tmp_path, example, "[0]: dp=1", 1, extra)[0] if extra else _one_device(tmp_path, example)

@@ -1009,7 +1009,10 @@ class DropoutOp(_TensorOp):
     and layout), where the kernel finds its piece's global offset from it. In a pipeline
     stage's forward or backward, `microbatches` m and `microbatch_dim` d say that `global_type`
     is one micro-batch: the whole tensor has m of them along dim d, and the runtime tells the
-    kernel which one it runs (so the masks are those of one device)."""
+    kernel which one it runs (so the masks are those of one device). Beside other device groups
+    (a union layout) the op keeps the stage-shaped step's layout over virtual devices instead,
+    with `microbatch_ranks` and `stage_ranks` as on `comm.exchange`: the rank at stage position
+    q draws micro-batch i's mask as virtual device `microbatch_ranks[i * len(stage_ranks) + q]`."""
 
     name = "graph.dropout"
     input = operand_def(TensorType)
@@ -1021,6 +1024,8 @@ class DropoutOp(_TensorOp):
     global_type = opt_prop_def(TypeAttribute)
     microbatches = opt_prop_def(IntegerAttr[I64])
     microbatch_dim = opt_prop_def(IntegerAttr[I64])
+    microbatch_ranks = opt_prop_def(DenseArrayBase)
+    stage_ranks = opt_prop_def(DenseArrayBase)
     traits = traits_def(Pure())
     #: specialize-groups records the annotated result type in `global_type`
     RECORDS_GLOBAL_TYPE: ClassVar[bool] = True

@@ -504,7 +504,11 @@ def dropout(op: graph.DropoutOp, rank: int, microbatch: int = 0) -> Kernel:
     else:
         global_shape = typ.get_shape()  # type: ignore[attr-defined]
         layout = layout_of(typ)
-        slices = layout.slices(rank, global_shape) if layout is not None else tuple(slice(0, s) for s in global_shape)
+        me = rank
+        if op.microbatch_ranks is not None and op.stage_ranks is not None:  # as the micro-batch's virtual device
+            stage = tuple(op.stage_ranks.get_values())
+            me = tuple(op.microbatch_ranks.get_values())[microbatch * len(stage) + stage.index(rank)]
+        slices = layout.slices(me, global_shape) if layout is not None else tuple(slice(0, s) for s in global_shape)
     if op.microbatches is not None and op.microbatch_dim is not None:
         m, d = op.microbatches.value.data, op.microbatch_dim.value.data
         shift = microbatch * global_shape[d]

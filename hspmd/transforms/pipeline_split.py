@@ -227,7 +227,7 @@ XSPAN, XMEET, XPOST, ZERO = "xspan", "xmeet", "xpost", "zero"
 
 
 def _run_as_virtual(o: Operation, mesh: StageMesh, s: int) -> None:
-    """Let an exchange over the virtual devices run on stage s per micro-batch (`VLOCAL`)."""
+    """Let an exchange (`VLOCAL`) or a dropout over the virtual devices run on stage s per micro-batch."""
     o.properties["microbatch_ranks"] = i64_array(mesh.virtual)
     o.properties["stage_ranks"] = i64_array(mesh.stages[s])
 
@@ -361,8 +361,12 @@ def _restage_global_types(ops, mesh: StageMesh, s: int) -> None:
         typ = o.properties.get("global_type")
         if isinstance(typ, TensorType) and layout_of(typ) is not None \
                 and not isinstance(o, (graph.ParameterOp, graph.InputOp)):
-            o.properties["global_type"], dim = stage_type(typ, mesh, s, f"the result of '{o.name}'")
-            if isinstance(o, graph.DropoutOp) and dim is not None and len(layout_of(typ).groups) == 1:  # type: ignore
+            staged, dim = stage_type(typ, mesh, s, f"the result of '{o.name}'")
+            if isinstance(o, graph.DropoutOp) and dim is not None and len(layout_of(typ).groups) > 1:  # type: ignore
+                _run_as_virtual(o, mesh, s)  # beside other groups: the virtual layout, as each micro-batch's device
+                continue
+            o.properties["global_type"] = staged
+            if isinstance(o, graph.DropoutOp) and dim is not None:
                 o.properties["microbatches"] = IntegerAttr(mesh.microbatches, i64)
                 o.properties["microbatch_dim"] = IntegerAttr(dim, i64)
 
