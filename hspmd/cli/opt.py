@@ -65,13 +65,9 @@ class HspmdOptMain(xDSLOptMain):
 
     def register_all_dialects(self) -> None:
         super().register_all_dialects()
-        from hspmd.dialects.comm import Comm
-        from hspmd.dialects.dist import Dist
-        from hspmd.dialects.graph import Graph
-        from hspmd.dialects.kernel import Kernel
-        from hspmd.dialects.optim import Optim
+        from hspmd.ir.context import hspmd_dialects
 
-        for dialect in (Graph, Optim, Dist, Comm, Kernel):
+        for dialect in hspmd_dialects():
             if dialect.name not in self.ctx.registered_dialect_names:
                 self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
 

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import Builtin, ModuleOp
 from xdsl.dialects.func import Func
+from xdsl.ir import Dialect
 from xdsl.parser import Parser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyException
 
 
-def make_context() -> Context:
-    """Return a fresh Context with builtin, func, graph, optim, dist, comm, kernel and pipeline loaded."""
+def hspmd_dialects() -> tuple[Dialect, ...]:
+    """Return hspmd's own dialects: graph, optim, dist, comm, kernel and pipeline."""
     from hspmd.dialects.comm import Comm
     from hspmd.dialects.dist import Dist
     from hspmd.dialects.graph import Graph
@@ -21,8 +22,13 @@ def make_context() -> Context:
     from hspmd.dialects.optim import Optim
     from hspmd.dialects.pipeline import Pipeline
 
+    return (Graph, Optim, Dist, Comm, Kernel, Pipeline)
+
+
+def make_context() -> Context:
+    """Return a fresh Context with builtin, func and hspmd's dialects loaded."""
     ctx = Context()
-    for dialect in (Builtin, Func, Graph, Optim, Dist, Comm, Kernel, Pipeline):
+    for dialect in (Builtin, Func, *hspmd_dialects()):
         ctx.load_dialect(dialect)
     return ctx
 
