@@ -24,6 +24,7 @@ from hspmd.dialects.dist import layout_of
 from hspmd.frontend.compile import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.frontend.strategy import StrategyError, parse_strategy
+from hspmd.ir.report import collective_report
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
@@ -156,11 +157,34 @@ def test_strategy_text_with_zero():
     assert "shard-optimizer-state" not in annotate_pipeline("[0-3]: dp=4")
 
 
-def test_zero_with_several_groups_is_not_supported_yet():
-    from hspmd.transforms.util import PassError
+@pytest.mark.parametrize("example, strategy, n", [
+    ("mlp.py", "[0,1]: dp=2 zero=1 | [2,3]: dp=2", 4),  # only the first group shards its states
+    ("gpt.py", "[0,1]: dp=2 share=1 zero=1 | [2]: dp=1 share=1", 3),
+    ("gpt.py", "[0,1]: dp=2 zero=2 | [2,3]: dp=2 zero=2", 4),
+])
+def test_zero_in_heterogeneous_groups_equals_one_device(tmp_path, example, strategy, n):
+    ref, ref_ckpt = _one_device(tmp_path, example)
+    got, ckpt = _train(tmp_path, example, strategy, n)
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-4)
+    for name, value in ref.params.items():
+        np.testing.assert_allclose(got.params[name], value, rtol=1e-4, atol=5e-5, err_msg=name)
+    for name in (k for k in ref_ckpt if k.startswith("opt.m.")):
+        np.testing.assert_allclose(ckpt[name], ref_ckpt[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
-    with pytest.raises(PassError, match="ZeRO .* needs one device group"):
-        _compile("mlp.py", "[0,1]: dp=2 zero=1 | [2,3]: dp=2", 4)
+
+def test_zero_in_matched_groups_reduce_scatters_then_sums_across_them():
+    """Groups alike: each reduce-scatters inside, then the slices are summed across the groups, so
+    a rank sends what it would without ZeRO; each group's states are split over its own dp."""
+    plain = _compile("mlp.py", "[0,1]: dp=2 | [2,3]: dp=2", 4).physical
+    zero = _compile("mlp.py", "[0,1]: dp=2 zero=1 | [2,3]: dp=2 zero=1", 4).physical
+    lay = _layouts(_compile("mlp.py", "[0,1]: dp=2 zero=1 | [2,3]: dp=2 zero=1", 4).annotated)
+    assert lay["opt.m.layers.0.weight"] == "[0,1]: split(0)=2 | [2,3]: split(0)=2 ; hetero=dup"
+    kinds = Counter(name for name, _ in _comms(zero).elements())
+    assert kinds["comm.reduce_scatter"] == kinds["comm.all_gather"] > 0
+    across = _comms(zero)[("comm.all_reduce", ((0, 2), (1, 3)))]  # the slices' sums across the groups
+    assert across >= kinds["comm.reduce_scatter"] // 2, _comms(zero)
+    sent = {name: sum(r.bytes_per_step for r in collective_report(m)) for name, m in (("plain", plain), ("zero", zero))}
+    assert sent["zero"] <= sent["plain"] * 1.01, sent
 
 
 def test_pipeline_stages_shard_their_states_over_their_dp_ranks():

@@ -338,7 +338,9 @@ def _hierarchical(src: Layout, dst: Layout) -> tuple[CommStep, ...] | None:
     all_reduce (see `_hetero`) sends no more bytes, and that is used instead. Then one
     `all_reduce` across the groups over the devices at the same position sums the groups'
     partial pieces slice by slice (a collective over matching slices), and each group converts
-    its inner states as its own one-group plan would (e.g. `[0,1]: tp=2 | [2,3]: tp=2`: a
+    its inner states as its own one-group plan would; when that only shrinks the pieces
+    (reduce-scatters, local splits: ZeRO's gradients over dp groups), the groups convert first
+    and the sum across them moves the slices only (e.g. `[0,1]: tp=2 | [2,3]: tp=2`: a
     column weight's gradient `[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=partial` ->
     `hetero=dup` is one all_reduce over [0,2] and [1,3], half the tensor each; to replicated
     everywhere, that and an all_gather inside each group: a rank sends B/2 + B/2 where
@@ -355,7 +357,11 @@ def _hierarchical(src: Layout, dst: Layout) -> tuple[CommStep, ...] | None:
     across = CommStep("all_reduce", tuple(tuple(g.devices[i] for g in src.groups) for i in range(n)))
     inner = _merged([plan_transition(Layout.spmd(sg.devices, sg.states), Layout.spmd(dg.devices, dg.states))
                      for sg, dg in zip(src.groups, dst.groups)])
-    return None if inner is None else (across, *inner)
+    if inner is None:
+        return None
+    if inner and all(step.kind in ("reduce_scatter", "local_split") for step in inner):
+        return (*inner, across)  # shrink inside the groups first: the sum across them moves a slice only
+    return (across, *inner)
 
 
 # --------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ Nothing else changes: `optim.sgd`/`optim.adam` are elementwise, so propagation r
 update on the state's shards. The partial gradient then needs `partial -> split`
 (reduce-scatter), the replicated parameter `dup -> split` (a local slice), and the
 `graph.assign` of the updated shard needs the parameter's layout (all-gather): ZeRO stage 2's
-communication. `zero=1` and `zero=2` compile to the same program: the gradient is only ever
+communication. In a strategy of several device groups, each group with `zero` splits its part of a state
+over its own dp (a union layout, hetero=dup); the other groups keep theirs.
+
+`zero=1` and `zero=2` compile to the same program: the gradient is only ever
 consumed by the sharded update, so all-reducing it whole (stage 1) would do strictly more work
 than the reduce-scatter that propagation picks, and the IR has no separate gradient buffer
 whose memory stage 2 would save. `zero=0` (or dp=1) leaves the module as it is.
@@ -81,17 +84,28 @@ def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: in
     return None
 
 
+def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy) -> Layout | None:
+    """Return a parameter's layout over several groups with each ZeRO group's part split over its dp
+    (`sharded_state_layout` per group; the other groups keep theirs), or None when no part changes."""
+    if len(layout.groups) != len(strategy.groups):
+        return None
+    groups, changed = [], False
+    for part, g in zip(layout.groups, strategy.groups):
+        new = sharded_state_layout(Layout.spmd(part.devices, part.states), shape, g.dp, g.tp) if g.zero else None
+        groups.append(new.groups[0] if new is not None else part)
+        changed |= new is not None
+    return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
+
+
 def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
     """Shard the optimizer states of `module` as `strategy` says; return {state: its layout or why not}."""
-    if len(strategy.groups) != 1 or strategy.groups[0].zero == 0:
-        if any(g.zero for g in strategy.groups):
-            raise PassError(f"shard-optimizer-state: strategy '{strategy}': ZeRO (zero=1/2) needs one device "
-                            "group; heterogeneous groups are not supported yet")
+    if not any(g.zero for g in strategy.groups):
         return {}
-    (group,) = strategy.groups
-    if group.pp != 1:
+    if any(g.pp != 1 for g in strategy.groups):
         raise PassError(f"shard-optimizer-state: strategy '{strategy}': ZeRO with pipeline parallelism "
-                        "is not supported yet (pp=1)")
+                        "is not supported here (pp=1); pipeline stages shard theirs with shard-stage-optimizer")
+    union = len(strategy.groups) > 1
+    group = strategy.groups[0]
     ops = [o for o in step_function(module).body.block.ops if isinstance(o, graph.ParameterOp)]
     shapes = {o.tensor_name.data: tuple(o.result.type.get_shape()) for o in ops}
     report: dict[str, str] = {}
@@ -104,9 +118,10 @@ def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         layout = layout_of(op.result)
         if layout is None:
             raise PassError(f"shard-optimizer-state: state '{name}' has no layout; run 'apply-strategy' first")
-        new = sharded_state_layout(layout, shape, group.dp, group.tp)
+        new = _sharded_union(layout, shape, strategy) if union else sharded_state_layout(layout, shape, group.dp,
+                                                                                         group.tp)
         if new is None:
-            report[name] = f"kept {layout}: no dim of {list(shape)} that dp={group.dp} divides and tp does not split"
+            report[name] = f"kept {layout}: no dim of {list(shape)} that dp divides and tp does not split"
             continue
         report[name] = str(new)
         Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, new))
