@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
         (4, "[0,1]: tp=2 share=3 | [2,3]: tp=2 share=1"),  # hierarchical: across the groups over matching halves
         (4, "[0-3]: dp=4 zero=2"),
         (4, "[0-3]: dp=2 pp=2 zero=1"),  # ZeRO inside pipeline stages
+        (4, "[0,1]: dp=2 zero=1 | [2,3]: dp=2 zero=1"),  # ZeRO in each of two groups
     ],
 )
 def test_gpt_over_mpi_logs_the_single_device_losses(tmp_path, reference, n, strategy):
