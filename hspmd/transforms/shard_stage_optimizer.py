@@ -68,7 +68,6 @@ def _recreate(op: Operation, operands: list[SSAValue], result_types: list) -> Op
 class _Stage:
     """One stage module being sharded: its step, run, backward and dp groups."""
 
-    module: ModuleOp
     step: func.FuncOp
     run: pipeline.RunOp
     backward: func.FuncOp
@@ -102,16 +101,15 @@ def _shard_stage(module: ModuleOp, devices: tuple[int, ...], dp: int, tp: int) -
     runs = [o for o in step.body.block.ops if isinstance(o, pipeline.RunOp)] if step else []
     if len(runs) != 1:
         raise PassError("shard-stage-optimizer: a stage module needs a @train_step with one pipeline.run")
-    stage = _Stage(module, step, runs[0], funcs[runs[0].backward.root_reference.data],  # type: ignore[arg-type]
+    stage = _Stage(step, runs[0], funcs[runs[0].backward.root_reference.data],  # type: ignore[arg-type]
                    [[devices[d * tp + t] for d in range(dp)] for t in range(tp)], dp)
     sharded_squares: set[Operation] = set()
     for update in [o for o in step.body.block.ops if isinstance(o, _UPDATES)]:  # type: ignore[union-attr]
-        squares = _shard_update(stage, update, tp)
-        sharded_squares |= squares
-    squares = [o for o in step.walk() if isinstance(o, optim.SumSquaresOp)]  # type: ignore[union-attr]
+        sharded_squares |= _shard_update(stage, update, tp)
     if not sharded_squares:
         return
-    for sq in squares:  # a whole gradient's square counts on the first dp rank only
+    for sq in [o for o in step.walk() if isinstance(o, optim.SumSquaresOp)]:  # type: ignore[union-attr]
+        # a whole gradient's square counts on the first dp rank only
         if sq not in sharded_squares:
             zero = comm.LocalZeroOp(sq.result, stage.groups, sq.result.type)
             Rewriter.insert_op(zero, InsertPoint.after(sq))
