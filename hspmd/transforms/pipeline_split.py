@@ -809,14 +809,13 @@ class _Function:
     def placeholder(self, typ: Attribute) -> SSAValue:
         return self.scratch.insert_arg(typ, len(self.scratch.args))
 
-    def build(self, name: str, args: list[tuple[SSAValue | None, Attribute]], results: list[SSAValue]) -> func.FuncOp:
-        """Return the function: arguments (placeholder or None, type) in order, then the ops and the return."""
-        block = Block(arg_types=[t for _, t in args])
-        for (ph, _), arg in zip(args, block.args):
-            if ph is not None:
-                ph.replace_all_uses_with(arg)
+    def build(self, name: str, args: list[SSAValue], results: list[SSAValue]) -> func.FuncOp:
+        """Return the function: its arguments (the placeholders, in order), then the ops and the return."""
+        block = Block(arg_types=[ph.type for ph in args])
+        for ph, arg in zip(args, block.args):
+            ph.replace_all_uses_with(arg)
         block.add_ops([*self.ops, func.ReturnOp(*results)])
-        fn = func.FuncOp(name, ([t for _, t in args], [r.type for r in results]), Region(block), "private")
+        fn = func.FuncOp(name, ([ph.type for ph in args], [r.type for r in results]), Region(block), "private")
         self.scratch.erase(safe_erase=True)
         return fn
 
@@ -1109,13 +1108,10 @@ def _assemble_stage(s: int, pp: int, schedule: str, m: int, fns: dict[str, _Func
     shared = list(fwd.shared)  # the step values, in first-use order (the same keys in both)
     sources = list(fwd.slices)
     stash = list(bwd.stash)
-    slice_types = [fwd.slices[o].type for o in sources]
-    forward = fwd.build(FORWARD_FN, [(fwd.shared[v], v.type) for v in shared]
-                        + [(fwd.slices[o], t) for o, t in zip(sources, slice_types)],
+    forward = fwd.build(FORWARD_FN, [fwd.shared[v] for v in shared] + [fwd.slices[o] for o in sources],
                         [stash_from[v] for v in stash] + fwd.sums)
-    backward = bwd.build(BACKWARD_FN, [(bwd.shared[v], v.type) for v in shared]
-                         + [(bwd.slices[o], t) for o, t in zip(sources, slice_types)]
-                         + [(bwd.stash[v], bwd.stash[v].type) for v in stash], bwd.sums)
+    backward = bwd.build(BACKWARD_FN, [bwd.shared[v] for v in shared] + [bwd.slices[o] for o in sources]
+                         + [bwd.stash[v] for v in stash], bwd.sums)
     order = [v for v, r in sum_regions if r == FWD] + [v for v, r in sum_regions if r == BWD]
     run = pipeline.RunOp(FORWARD_FN, BACKWARD_FN, shared, [stacked[o] for o in sources],
                          [v.type for v in order], schedule=schedule, stage=s, stages=pp, microbatches=m,
