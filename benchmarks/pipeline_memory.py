@@ -39,7 +39,7 @@ def peaks(compiled) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hspmd.frontend.compile import compile_script
+    from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
 
     parser = argparse.ArgumentParser(prog="python benchmarks/pipeline_memory.py")

@@ -44,7 +44,7 @@ TINY = {"model.layers": 4, "model.d_model": 256, "model.heads": 4, "model.seq_le
 
 def compile_tiny():
     """Return (script, compiled, step function) of GPT-tiny on one device."""
-    from hspmd.frontend.compile import compile_script
+    from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script
     from hspmd.ir.levels import physical_groups
 

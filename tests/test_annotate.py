@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from hspmd.dialects import dist
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.frontend.strategy import parse_strategy
+from hspmd.ir.strategy import parse_strategy
 from hspmd.frontend.tracing import TraceError
 from hspmd.ir.report import collective_report
 from hspmd.runtime.comm import run_spmd

@@ -11,7 +11,7 @@ from hspmd.frontend.tracing import Tracer
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+from hspmd.compiler import annotate, run_passes, to_physical
 
 OPS = ["matmul", "add_bias", "relu", "mul", "transpose", "scale", "sub", "reshape", "sum_dim"]
 
@@ -62,8 +62,8 @@ def build(ops, shape, with_ce):
 
 def run_once(module, params, batch):
     compiled = module.clone()
-    run_passes(compiled, annotate_pipeline("[0]: dp=1"))
-    run_passes(compiled, PHYSICAL_PIPELINE)
+    annotate(compiled, "[0]: dp=1")
+    to_physical(compiled)
     (_, group), = physical_groups(compiled)
     fn = next(o for o in group.walk() if o.name == "func.func")
     (comm,) = InProcessCommunicator.create_world(1)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import EXAMPLES
 from hspmd.dialects import comm as comm_dialect
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.buckets import Bucket

@@ -12,7 +12,7 @@ from hspmd.ir.context import module_text, parse_module
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+from hspmd.compiler import annotate, run_passes, to_physical
 
 
 class Block(hs.nn.Module):
@@ -49,8 +49,8 @@ def trace(layers, as_function, batch=4):
 
 
 def run(module, n, outputs=("loss",)):
-    run_passes(module, annotate_pipeline(f"[0-{n - 1}]: dp={n}" if n > 2 else f"[{','.join(map(str, range(n)))}]: dp={n}"))
-    run_passes(module, PHYSICAL_PIPELINE)
+    annotate(module, f"[0-{n - 1}]: dp={n}" if n > 2 else f"[{','.join(map(str, range(n)))}]: dp={n}")
+    to_physical(module)
     ((_, group),) = physical_groups(module)
     step = next(o for o in group.body.block.ops if o.sym_name.data == "train_step")
     batch = {"x": np.arange(16.0).reshape(4, 4) / 10, "y": np.array([0, 2, 1, 1])}

@@ -20,7 +20,7 @@ from conftest import EXAMPLES, run_cli
 from test_spmd_property import _run_mlp, check_property, make_batch, programs
 from hspmd.dialects import graph
 from hspmd.dialects.dist import ReshardOp, layout_of
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.runtime.checkpoint import load_checkpoint

@@ -19,7 +19,7 @@ from test_pipeline import _one_device, _script, _stage_params, _train
 from xdsl.dialects import func
 
 from hspmd.dialects import comm, graph, pipeline
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.ir.levels import physical_groups
 from hspmd.transforms.hetero_pipeline import comm_signature, executed_ops, partners
 from hspmd.dialects.pipeline import STAGE_ATTR

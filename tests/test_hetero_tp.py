@@ -74,7 +74,7 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 
 from conftest import EXAMPLES, run_cli  # noqa: E402
-from hspmd.frontend.compile import compile_script, write_bundle  # noqa: E402
+from hspmd.compiler import compile_script, write_bundle  # noqa: E402
 from hspmd.frontend.script import load_script, parse_overrides  # noqa: E402
 from hspmd.runtime.checkpoint import load_checkpoint  # noqa: E402
 from hspmd.runtime.worker import train  # noqa: E402

@@ -12,7 +12,7 @@ from xdsl.dialects.builtin import TensorType, f32
 from conftest import EXAMPLES
 from hspmd.dialects import comm, dist, graph
 from hspmd.dialects.dist import LayoutAttr, layout_of, with_layout
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.context import module_text, parse_module

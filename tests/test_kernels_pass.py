@@ -140,7 +140,7 @@ def test_the_verifier_rejects_bad_kernels(edit, message):
 
 
 def gpt_physical(tmp_path, *sets: str):
-    from hspmd.frontend.compile import compile_script
+    from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.levels import physical_groups
 
@@ -331,7 +331,7 @@ def test_a_gpt_training_step_fused_equals_numpy_per_op(tmp_path, precision):
 @needs_cxx
 def test_data_parallel_gpt_fused_on_two_ranks_equals_numpy(tmp_path):
     """dp=2: all-reduces of gradients between the fused kernels; fusion keeps their order."""
-    from hspmd.frontend.compile import compile_script
+    from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.levels import physical_groups
     from hspmd.runtime.comm import run_spmd
@@ -365,7 +365,7 @@ def test_data_parallel_gpt_fused_on_two_ranks_equals_numpy(tmp_path):
 @needs_cxx
 def test_heterogeneous_tensor_parallel_gpt_fused_equals_numpy():
     """Two groups with different programs (tp=2 on ranks 0,1; tp=1 on rank 2), each fused."""
-    from hspmd.frontend.compile import compile_script
+    from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.levels import physical_groups
     from hspmd.runtime.comm import run_spmd

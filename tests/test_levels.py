@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import EXAMPLES
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
 from hspmd.ir.context import module_text, parse_module
 from hspmd.ir.levels import LevelError, verify_annotated, verify_logical, verify_physical

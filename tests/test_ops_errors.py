@@ -63,7 +63,7 @@ def test_dropout_inside_a_function_module_draws_a_different_mask_per_call(t):
     from hspmd.ir.levels import physical_groups
     from hspmd.runtime.comm import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
-    from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+    from hspmd.compiler import annotate, run_passes, to_physical
 
     class Drop(hs.nn.Module):
         function = True
@@ -77,8 +77,8 @@ def test_dropout_inside_a_function_module_draws_a_different_mask_per_call(t):
     t.output("a", first)
     t.output("b", second)
     module = t.finish()
-    run_passes(module, annotate_pipeline("[0]: dp=1"))
-    run_passes(module, PHYSICAL_PIPELINE)
+    annotate(module, "[0]: dp=1")
+    to_physical(module)
     ((_, group),) = physical_groups(module)
     step = next(o for o in group.body.block.ops if o.sym_name.data == "train_step")
     (comm,) = InProcessCommunicator.create_world(1)

@@ -21,7 +21,7 @@ from hspmd.frontend.tracing import Tracer
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+from hspmd.compiler import annotate, run_passes, to_physical
 
 EPS = 1e-6
 TOL64 = dict(rtol=1e-5, atol=1e-7)
@@ -46,8 +46,8 @@ class Builder:
 
 def compile_plan(module):
     run_passes(module, "autodiff")
-    run_passes(module, annotate_pipeline("[0]: dp=1"))
-    run_passes(module, PHYSICAL_PIPELINE)
+    annotate(module, "[0]: dp=1")
+    to_physical(module)
     (_, group), = physical_groups(module)
     fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
     (comm,) = InProcessCommunicator.create_world(1)

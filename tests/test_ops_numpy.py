@@ -20,7 +20,7 @@ from hspmd.ir.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+from hspmd.compiler import annotate, run_passes, to_physical
 
 TOL = dict(rtol=1e-12, atol=1e-13)
 small = st.integers(1, 4)
@@ -32,8 +32,8 @@ def run_forward(fn, **arrays):
     inputs = [t.input(name, a.shape, a.dtype.name) for name, a in arrays.items()]
     t.output("y", fn(*inputs))
     module = t.finish()
-    run_passes(module, annotate_pipeline("[0]: dp=1"))
-    run_passes(module, PHYSICAL_PIPELINE)
+    annotate(module, "[0]: dp=1")
+    to_physical(module)
     (_, group), = physical_groups(module)
     fn_op = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
     (comm,) = InProcessCommunicator.create_world(1)

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from hspmd.frontend.compile import default_strategy
+from hspmd.compiler import default_strategy
 from hspmd.frontend.ops import cross_entropy, relu
 from hspmd.frontend.optim import SGD, Adam, AdamW, Optimizer, WarmupCosine, WarmupLinear
 from hspmd.frontend.tracing import Tracer
@@ -26,7 +26,7 @@ from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
 from hspmd.runtime.schedule import schedule_from_spec
 from hspmd.runtime.worker import step_inputs
-from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
+from hspmd.compiler import annotate, run_passes, to_physical
 
 SEED = 3
 STEPS = 5
@@ -65,9 +65,9 @@ def compile_mlp(opt: Optimizer, n: int):
     module = trace_mlp()
     run_passes(module, "autodiff," + opt.pipeline())
     verify_logical(module)
-    run_passes(module, annotate_pipeline(default_strategy(n)))
+    annotate(module, default_strategy(n))
     verify_annotated(module)
-    run_passes(module, PHYSICAL_PIPELINE)
+    to_physical(module)
     verify_physical(module)
     return module
 

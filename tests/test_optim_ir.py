@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from hspmd.frontend.compile import compile_script, default_strategy, write_bundle
+from hspmd.compiler import compile_script, default_strategy, write_bundle
 from hspmd.frontend.optim import SGD, Adam, AdamW, WarmupCosine, pass_float
 from hspmd.frontend.script import ScriptError, load_script
 from hspmd.ir.context import IRTextError, parse_module
@@ -22,7 +22,8 @@ from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.optim_kernels import adam, sgd
 from hspmd.runtime.schedule import schedule_from_spec
 from hspmd.runtime.worker import train
-from hspmd.transforms.pipeline import build_passes, run_passes
+from hspmd.compiler import run_passes
+from hspmd.transforms import build_passes
 from hspmd.transforms.util import PassError
 from test_optim import BATCHES, CLIP, reference
 

@@ -19,7 +19,7 @@ from conftest import EXAMPLES
 from xdsl.dialects import func
 
 from hspmd.dialects import comm, graph, pipeline
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import run_spmd

@@ -19,8 +19,9 @@ from test_pipeline import _one_device, _script, _stage_params, _train
 
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import layout_of
-from hspmd.frontend.compile import annotate_with_provenance, compile_script, pipeline_stages
-from hspmd.frontend.strategy import parse_strategy
+from hspmd.compiler import annotate_with_provenance, compile_script
+from hspmd.transforms.pipeline.virtual import annotation_strategy, pipelines
+from hspmd.ir.strategy import parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.levels import physical_groups
 from hspmd.transforms.pipeline_split import LOCAL, MEET, SPLIT, StageMesh, classify_collective, stage_layout
@@ -128,7 +129,7 @@ def test_bad_hybrid_pipelines_are_refused_in_one_message(strategy, n, words):
 
 def test_explain_shows_the_stage_shaped_annotated_step():
     compiled = compile_script(_script("gpt.py"), "[0-3]: dp=1 tp=2 pp=2", 4, microbatches=2)
-    assert compiled.annotated_as == "[0-3]: dp=2 tp=2"
+    assert str(annotation_strategy(compiled.strategy)) == "[0-3]: dp=2 tp=2"
     module, provenance = annotate_with_provenance(compiled)
     qkv = next(o for o in module.walk() if isinstance(o, graph.ParameterOp)
                and o.tensor_name.data == "blocks.0.attn.qkv.weight")
@@ -136,12 +137,12 @@ def test_explain_shows_the_stage_shaped_annotated_step():
 
 
 def test_pipeline_shape_is_stage_major_then_dp_then_tp():
-    pipe = pipeline_stages(parse_strategy("[0-7]: dp=2 tp=2 pp=2"))
+    (pipe,) = pipelines(parse_strategy("[0-7]: dp=2 tp=2 pp=2"))
     assert pipe.stages == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert pipe.stage_strategy(2) == "[0-7]: dp=4 tp=2"
     assert pipe.stage_strategy(1) == "[0-3]: dp=2 tp=2"
-    assert pipeline_stages(parse_strategy("[0,1]: pp=2")).stage_strategy(1) == "[0]: dp=1"
-    assert pipeline_stages(parse_strategy("[0,1]: dp=2")) is None
+    assert pipelines(parse_strategy("[0,1]: pp=2"))[0].stage_strategy(1) == "[0]: dp=1"
+    assert pipelines(parse_strategy("[0,1]: dp=2")) == []
 
 
 @settings(max_examples=60, deadline=None)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import EXAMPLES
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime import numpy_ops

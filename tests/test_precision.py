@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import ScriptError, load_script, parse_overrides
 from hspmd.ir.context import module_text
 from hspmd.runtime.comm import run_spmd

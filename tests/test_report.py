@@ -9,9 +9,9 @@ import pytest
 from xdsl.dialects import func
 
 from conftest import EXAMPLES, run_cli
-from hspmd.frontend.compile import annotate_with_provenance
+from hspmd.compiler import annotate_with_provenance
 from hspmd.dialects import comm
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.context import module_text, parse_module
 from hspmd.ir.report import call_counts, collective_report, explain_rows, format_explain, format_report, value_names
@@ -206,7 +206,7 @@ def test_propagate_equals_the_pass_and_explains_a_copied_callee():
 
     from hspmd.dialects.dist import with_layout
     from hspmd.ir.layout_text import parse_layout
-    from hspmd.transforms.pipeline import run_passes
+    from hspmd.compiler import run_passes
     from hspmd.transforms.propagate_layouts import propagate
 
     module = parse_module(TWO_CALLS)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hspmd.dialects.dist import layout_of
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.ir.report import collective_report
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train

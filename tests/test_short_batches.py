@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.comm import run_spmd

@@ -38,7 +38,7 @@ from hspmd.ir.levels import physical_groups, verify_annotated, verify_physical
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
 from hspmd.transforms.autodiff import Autodiff
-from hspmd.transforms.pipeline import run_passes
+from hspmd.compiler import run_passes
 from hspmd.transforms.util import PassError
 
 INIT = "normal:0.5"

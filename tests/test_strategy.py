@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hspmd.frontend.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
+from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup, parse_strategy
 
 
 def test_design_example():

@@ -16,7 +16,7 @@ import pytest
 from conftest import EXAMPLES
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train

@@ -17,7 +17,7 @@ from conftest import EXAMPLES
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
-from hspmd.frontend.compile import compile_script, write_bundle  # noqa: E402
+from hspmd.compiler import compile_script, write_bundle  # noqa: E402
 from hspmd.frontend.script import load_script  # noqa: E402
 from hspmd.runtime.comm import run_spmd  # noqa: E402
 from hspmd.runtime.worker import train  # noqa: E402

@@ -31,12 +31,12 @@ import hspmd as hs
 from conftest import EXAMPLES, run_cli
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.frontend.compile import compile_script
+from hspmd.compiler import compile_script
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.ir.report import collective_report
 from hspmd.transforms.autodiff import Autodiff
-from hspmd.transforms.pipeline import run_passes
+from hspmd.compiler import run_passes
 from hspmd.transforms.util import PassError
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, run_cli
-from hspmd.frontend.compile import compile_script, default_strategy, write_bundle
+from hspmd.compiler import compile_script, default_strategy, write_bundle
 from hspmd.frontend.script import load_script
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime.checkpoint import load_checkpoint

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, run_cli
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import ScriptError, load_script, parse_overrides
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train

@@ -21,14 +21,14 @@ import hspmd as hs
 from conftest import EXAMPLES
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
-from hspmd.frontend.compile import compile_script, write_bundle
+from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.frontend.strategy import StrategyError, parse_strategy
+from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 from hspmd.ir.report import collective_report
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
-from hspmd.transforms.pipeline import annotate_pipeline
+from hspmd.compiler import annotate_passes
 
 STEPS = 3
 SMALL = {
@@ -153,8 +153,9 @@ def test_strategy_text_with_zero():
         parse_strategy("[0-3]: dp=4 zero=3")
     text = str(err.value)
     assert "column 18" in text and "zero=3" in text and "^" in text and "0, 1 or 2" in text, text
-    assert "shard-optimizer-state" in annotate_pipeline(DP4)
-    assert "shard-optimizer-state" not in annotate_pipeline("[0-3]: dp=4")
+    names = lambda text: [p.name for p in annotate_passes(StrategyRecord(0, parse_strategy(text)))]  # noqa: E731
+    assert "shard-optimizer-state" in names(DP4)
+    assert "shard-optimizer-state" not in names("[0-3]: dp=4")
 
 
 @pytest.mark.parametrize("example, strategy, n", [

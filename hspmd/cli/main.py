@@ -22,7 +22,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Return the exception classes that mean "the user's input is wrong"."""
     from hspmd.dialects.sharding import ShardingError
     from hspmd.frontend.script import ScriptError
-    from hspmd.frontend.strategy import StrategyError
+    from hspmd.ir.strategy import StrategyError
     from hspmd.frontend.tracing import TraceError
     from hspmd.ir.context import IRTextError
     from hspmd.ir.layout import LayoutError
@@ -46,7 +46,7 @@ def _add_script_options(p: argparse.ArgumentParser) -> None:
 
 
 def _load_and_compile(args, n: int):
-    from hspmd.frontend.compile import compile_script, default_strategy
+    from hspmd.compiler import compile_script, default_strategy
     from hspmd.frontend.script import load_script, parse_overrides
 
     script = load_script(args.script, parse_overrides(args.set))
@@ -55,8 +55,8 @@ def _load_and_compile(args, n: int):
 
 
 def cmd_compile(args) -> int:
-    from hspmd.frontend.compile import write_bundle
-    from hspmd.frontend.strategy import parse_strategy
+    from hspmd.compiler import write_bundle
+    from hspmd.ir.strategy import parse_strategy
     from hspmd.ir.context import module_text
 
     if args.emit == "kernels" and not args.dump_dir:
@@ -84,7 +84,7 @@ def cmd_compile(args) -> int:
     if args.explain:
         from hspmd.ir.report import explain_rows, format_explain
 
-        from hspmd.frontend.compile import annotate_with_provenance
+        from hspmd.compiler import annotate_with_provenance
 
         sys.stdout.write(format_explain(explain_rows(*annotate_with_provenance(compiled))))
     if not (args.dump_dir or args.report or args.explain):
@@ -93,7 +93,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from hspmd.frontend.compile import write_bundle
+    from hspmd.compiler import write_bundle
     from hspmd.runtime.bundle import read_manifest
     from hspmd.runtime.launch import launch
 

@@ -8,7 +8,7 @@ quotes is the layout grammar of `hspmd.ir.layout_text`, the same text users writ
 from __future__ import annotations
 
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
-from xdsl.ir import Attribute, Data, Dialect, SSAValue
+from xdsl.ir import Attribute, Data, Dialect, Operation, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
     ParsePropInAttrDict,
@@ -24,8 +24,10 @@ from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.ir.layout import Layout, LayoutError
+from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 
-__all__ = ["AnnotateOp", "Dist", "LayoutAttr", "MESH_AXES", "ReshardOp", "layout_of", "with_layout", "without_layout"]
+__all__ = ["AnnotateOp", "Dist", "LayoutAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
+           "layout_of", "module_strategies", "record_strategy", "with_layout", "without_layout"]
 
 # the mesh axes a strategy gives each device group, which `dist.annotate` may name per dim
 MESH_AXES = ("dp", "tp")
@@ -52,6 +54,73 @@ class LayoutAttr(Data[Layout]):
     def print_parameter(self, printer: Printer) -> None:
         with printer.in_angle_brackets():
             printer.print_string_literal(str(self.data))
+
+
+@irdl_attr_definition
+class StrategyAttr(Data[StrategyRecord]):
+    """`#dist.strategy<id = 0, "[0-3]: dp=1 tp=2 pp=2", microbatches = 4, schedule = "1f1b">`: a strategy
+    as IR data (`hspmd.ir.strategy.StrategyRecord`), in the module's `dist.strategies` list.
+
+    `apply-strategy` records it; every later pass that needs the strategy reads it from there.
+    """
+
+    name = "dist.strategy"
+
+    @classmethod
+    def parse_parameter(cls, parser: AttrParser) -> StrategyRecord:
+        def key(word: str) -> None:
+            parser.parse_keyword(word)
+            parser.parse_punctuation("=")
+
+        with parser.in_angle_brackets():
+            start = parser.pos
+            key("id")
+            sid = parser.parse_integer(allow_boolean=False, allow_negative=False)
+            parser.parse_punctuation(",")
+            text_pos = parser.pos
+            text = parser.parse_str_literal("strategy text")
+            parser.parse_punctuation(",")
+            key("microbatches")
+            m = parser.parse_integer(allow_boolean=False, allow_negative=False)
+            parser.parse_punctuation(",")
+            key("schedule")
+            schedule = parser.parse_str_literal("pipeline schedule name")
+            try:
+                strategy = parse_strategy(text)
+            except StrategyError as err:
+                parser.raise_error(f"bad strategy: {err}", text_pos, text_pos + len(text) + 2)
+            try:
+                return StrategyRecord(sid, strategy, m, schedule)
+            except StrategyError as err:
+                parser.raise_error(f"bad strategy record: {err}", start, parser.pos)
+
+    def print_parameter(self, printer: Printer) -> None:
+        r = self.data
+        with printer.in_angle_brackets():
+            printer.print_string(f"id = {r.id}, ")
+            printer.print_string_literal(str(r.strategy))
+            printer.print_string(f", microbatches = {r.microbatches}, schedule = ")
+            printer.print_string_literal(r.schedule)
+
+
+#: the module attribute holding the module's strategies: `[#dist.strategy<id = 0, ...>, ...]`
+STRATEGIES_ATTR = "dist.strategies"
+
+
+def module_strategies(module: Operation) -> tuple[StrategyRecord, ...]:
+    """Return the strategies recorded on `module` (`dist.strategies`), in id order; () if none."""
+    attr = module.attributes.get(STRATEGIES_ATTR)
+    if attr is None:
+        return ()
+    assert isinstance(attr, ArrayAttr)
+    return tuple(sorted((a.data for a in attr.data if isinstance(a, StrategyAttr)), key=lambda r: r.id))
+
+
+def record_strategy(module: Operation, record: StrategyRecord) -> None:
+    """Add `record` to the strategies of `module`, replacing one with the same id."""
+    kept = [r for r in module_strategies(module) if r.id != record.id]
+    module.attributes[STRATEGIES_ATTR] = ArrayAttr([StrategyAttr(r) for r in sorted([*kept, record],
+                                                                                     key=lambda r: r.id)])
 
 
 def layout_of(value: SSAValue | Attribute) -> Layout | None:
@@ -174,4 +243,4 @@ class AnnotateOp(IRDLOperation):
                 raise VerifyException(f"'dist.annotate' spec {list(axes)} names '{a}' twice; a mesh axis splits one dim")
 
 
-Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr])
+Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr, StrategyAttr])

@@ -96,16 +96,21 @@ class Optimizer:
             return {"kind": "constant", "lr": float(self.lr)}
         return self.schedule.spec(self.lr)
 
+    def passes(self) -> list[tuple[str, dict]]:
+        """Return the passes (name, options) that write clipping and this optimizer's update after `autodiff`."""
+        clip = [("clip-grad-norm", {"max_norm": self.clip_grad_norm})] if self.clip_grad_norm else []
+        return [(name, {k: v if isinstance(v, bool) else float(v) for k, v in options.items()})
+                for name, options in (*clip, self._update_pass())]
+
     def pipeline(self) -> str:
-        """Return the pass spec that writes clipping and this optimizer's update after `autodiff`."""
-        clip = f"clip-grad-norm{_options(max_norm=self.clip_grad_norm)}," if self.clip_grad_norm else ""
-        return clip + self._update_pass()
+        """Return `passes()` as pass-spec text (`clip-grad-norm{max_norm=1.0},adam{...}`), as `hspmd-opt -p` reads it."""
+        return ",".join(name + _options(**options) for name, options in self.passes())
 
     def _lr_options(self) -> dict:
         # a constant lr is baked into the IR; a schedule needs the per-step input "lr"
         return {"lr_input": True} if self.schedule is not None else {"lr": self.lr}
 
-    def _update_pass(self) -> str:
+    def _update_pass(self) -> tuple[str, dict]:
         raise NotImplementedError
 
 
@@ -128,11 +133,11 @@ class SGD(Optimizer):
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(not self.nesterov or self.momentum > 0, "Nesterov momentum needs a momentum > 0")
 
-    def _update_pass(self) -> str:
+    def _update_pass(self) -> tuple[str, dict]:
         opts = {**self._lr_options(), "momentum": self.momentum, "weight_decay": self.weight_decay}
         if self.nesterov:
             opts["nesterov"] = True
-        return "sgd" + _options(**opts)
+        return "sgd", opts
 
 
 @dataclass(frozen=True)
@@ -151,12 +156,12 @@ class Adam(Optimizer):
         _check(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
 
-    def _update_pass(self) -> str:
+    def _update_pass(self) -> tuple[str, dict]:
         beta1, beta2 = self.betas
         opts = {**self._lr_options(), "beta1": beta1, "beta2": beta2, "eps": self.eps, "weight_decay": self.weight_decay}
         if self.decoupled:
             opts["decoupled"] = True
-        return "adam" + _options(**opts)
+        return "adam", opts
 
 
 @dataclass(frozen=True)

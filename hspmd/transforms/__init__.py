@@ -1,7 +1,7 @@
 """Passes over hspmd IR, one per file, each registered here under its kebab-case name.
 
 `get_all_passes()` maps names to loaders so that importing the registry imports no pass;
-`hspmd-opt -p name{opt=value}` and `run_pipeline` speak the same names.
+`hspmd-opt -p name{opt=value}` and `build_passes` speak the same names.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from xdsl.passes import ModulePass
+from xdsl.passes import ModulePass, PassPipeline
 
 # name -> "module:Class"
 _PASSES = {
@@ -41,3 +41,9 @@ def _loader(target: str) -> Callable[[], type[ModulePass]]:
 def get_all_passes() -> dict[str, Callable[[], type[ModulePass]]]:
     """Return {pass name: loader of its ModulePass class} for every hspmd pass."""
     return {name: _loader(target) for name, target in _PASSES.items()}
+
+
+def build_passes(spec: str, extra: dict[str, Callable[[], type[ModulePass]]] | None = None) -> list[ModulePass]:
+    """Return the passes a textual pipeline spec (`a,b{opt=1}`) names."""
+    available = {**get_all_passes(), **(extra or {})}
+    return list(PassPipeline.parse_spec(available, spec).passes)

@@ -1,7 +1,7 @@
 """`apply-annotations`: turn each `hs.annotate` (`dist.annotate`) into a `dist.reshard` to its layout.
 
-`apply-annotations{strategy="[0-3]: dp=2 tp=2"}` runs after `apply-strategy`, before
-`propagate-layouts`, over every function of the module (block functions included). A
+`apply-annotations` runs after `apply-strategy` (whose strategy it reads from the module's
+`dist.strategies`; a pipeline's is its stage-shaped one), before `propagate-layouts`, over every function of the module (block functions included). A
 `dist.annotate` whose spec names a mesh axis per dim becomes the layout of that spec in each
 device group of the strategy (mesh dp major, tp minor: `("dp", "", "tp")` under `dp=2 tp=2` is
 `split(0)=2, split(2)=2`; an axis of degree 1 splits nothing); over several groups, a dim on
@@ -27,9 +27,10 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import dist
 from hspmd.dialects.dist import with_layout
-from hspmd.frontend.strategy import Strategy, StrategyGroup
+from hspmd.ir.strategy import Strategy, StrategyGroup
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, split
-from hspmd.transforms.util import PassError, strategy_option
+from hspmd.transforms.pipeline.virtual import annotation_strategy
+from hspmd.transforms.util import PassError, module_strategy
 
 
 def _group_states(group: StrategyGroup, axes: tuple[str, ...]) -> DistributedStates:
@@ -45,7 +46,7 @@ def _group_states(group: StrategyGroup, axes: tuple[str, ...]) -> DistributedSta
 def spec_layout(strategy: Strategy, axes: tuple[str, ...]) -> Layout:
     """Return the layout that mesh-axis spec `axes` (one entry per dim, "" for none) means under `strategy`.
 
-    >>> from hspmd.frontend.strategy import parse_strategy
+    >>> from hspmd.ir.strategy import parse_strategy
     >>> str(spec_layout(parse_strategy("[0-3]: dp=2 tp=2"), ("dp", "", "tp")))
     '[0-3]: split(0)=2, split(2)=2'
     >>> str(spec_layout(parse_strategy("[0,1]: dp=2 share=3 | [2]: dp=1"), ("dp", "")))
@@ -64,13 +65,14 @@ class ApplyAnnotations(ModulePass):
     """Replace every `dist.annotate` by a `dist.reshard` to the layout it asks for under the strategy."""
 
     name = "apply-annotations"
-    strategy: str = "[0]: dp=1"
+    #: the id of the module's strategy to read (None: its only one)
+    strategy_id: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         annotations = [o for o in op.walk() if isinstance(o, dist.AnnotateOp)]
         if not annotations:
             return
-        strategy = strategy_option(self.strategy)
+        strategy = annotation_strategy(module_strategy(op, self.strategy_id, self.name))
         for ann in annotations:
             shape = tuple(ann.input.type.get_shape())  # type: ignore[attr-defined]
             if ann.layout is not None:

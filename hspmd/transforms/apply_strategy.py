@@ -79,11 +79,12 @@ from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
-from hspmd.dialects.dist import with_layout
+from hspmd.dialects.dist import record_strategy, with_layout
 from hspmd.dialects.sharding import _reshape_factors
-from hspmd.frontend.strategy import Strategy, StrategyGroup
+from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup, StrategyRecord, parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
-from hspmd.transforms.util import PassError, callee_of, step_function, strategy_option
+from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
+from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 
 COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
@@ -391,50 +392,72 @@ class ApplyStrategy(ModulePass):
 
     name = "apply-strategy"
     strategy: str = "[0]: dp=1"
+    #: micro-batches per step and the pipeline schedule, for a strategy with pp > 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    #: the id the strategy is recorded under (a module may carry several)
+    id: int = 0
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        strategy = strategy_option(self.strategy)
-        hetero = len(strategy.groups) > 1
-        if hetero and any(g.sp for g in strategy.groups):
-            raise PassError(f"apply-strategy: strategy '{strategy}': sequence parallelism (sp=1) across several "
-                            "device groups is not supported yet; use sp=1 with one group")
-        params, batch = strategy_layouts(strategy)
-        group = strategy.groups[0] if hetero else strategy_group(strategy)
-        leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
-        roles: dict[str, str] = {}
-        for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
-            roles = tensor_parallel_roles(op, tp, vocab=not hetero)
-            group = next(g for g in strategy.groups if g.tp == tp)
-        if not hetero and group.tp > 1:
-            split_vocabulary_losses(op, roles, group.tp)
-        if not hetero and group.tp > 1:
-            residual_stream(op, group)
-        names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
-        for leaf in leaves:
-            name = leaf.tensor_name.data
-            shape = leaf.result.type.get_shape()
-            if isinstance(leaf, graph.InputOp):
-                layout, kind = (batch if shape else params), "input"
-                if hetero and shape:
-                    check_batch_rows(strategy, name, shape)
-            else:
-                kind = "parameter"
-                role = roles.get(name)
-                if role is None and name.startswith("opt."):  # optimizer state follows its parameter
-                    owner = name.split(".", 2)[-1]
-                    if names.get(owner) == shape:
-                        role = roles.get(owner)
-                layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
-                if role is not None:
-                    try:
-                        layout.check_shape(shape, f"parameter '{name}'")
-                    except LayoutError as err:
-                        raise PassError(
-                            f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
-                            f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
-                            f"{str(err).rsplit(': ', 1)[-1]}") from None
-            try:
-                layout.check_shape(shape, f"{kind} '{name}'")
-            except LayoutError as err:
-                raise PassError(str(err)) from None
-            Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+        try:
+            record = StrategyRecord(self.id, parse_strategy(self.strategy), self.microbatches, self.schedule)
+        except StrategyError as err:
+            raise PassError(str(err)) from None
+        check_microbatches(op, record)
+        record_strategy(op, record)
+        strategy = annotation_strategy(record)
+        try:
+            lay_out(op, strategy)
+        except PassError as err:
+            if strategy == record.strategy or len(strategy.groups) == 1:
+                raise
+            raise PassError(f"{err} (strategy '{record.strategy}' is annotated as '{strategy}': a pipelined group "
+                            "as one stage, each micro-batch a virtual dp rank)") from None
+
+
+def lay_out(op: ModuleOp, strategy: Strategy) -> None:
+    """Lay out the parameters and inputs of `op`'s step as `strategy` says (a pipeline's stage-shaped one)."""
+    hetero = len(strategy.groups) > 1
+    if hetero and any(g.sp for g in strategy.groups):
+        raise PassError(f"apply-strategy: strategy '{strategy}': sequence parallelism (sp=1) across several "
+                        "device groups is not supported yet; use sp=1 with one group")
+    params, batch = strategy_layouts(strategy)
+    group = strategy.groups[0] if hetero else strategy_group(strategy)
+    leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
+    roles: dict[str, str] = {}
+    for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
+        roles = tensor_parallel_roles(op, tp, vocab=not hetero)
+        group = next(g for g in strategy.groups if g.tp == tp)
+    if not hetero and group.tp > 1:
+        split_vocabulary_losses(op, roles, group.tp)
+    if not hetero and group.tp > 1:
+        residual_stream(op, group)
+    names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+    for leaf in leaves:
+        name = leaf.tensor_name.data
+        shape = leaf.result.type.get_shape()
+        if isinstance(leaf, graph.InputOp):
+            layout, kind = (batch if shape else params), "input"
+            if hetero and shape:
+                check_batch_rows(strategy, name, shape)
+        else:
+            kind = "parameter"
+            role = roles.get(name)
+            if role is None and name.startswith("opt."):  # optimizer state follows its parameter
+                owner = name.split(".", 2)[-1]
+                if names.get(owner) == shape:
+                    role = roles.get(owner)
+            layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
+            if role is not None:
+                try:
+                    layout.check_shape(shape, f"parameter '{name}'")
+                except LayoutError as err:
+                    raise PassError(
+                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
+                        f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
+                        f"{str(err).rsplit(': ', 1)[-1]}") from None
+        try:
+            layout.check_shape(shape, f"{kind} '{name}'")
+        except LayoutError as err:
+            raise PassError(str(err)) from None
+        Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))

@@ -116,31 +116,8 @@ from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.dialects.pipeline import MICROBATCHES_ATTR, STAGE_ATTR
 from hspmd.transforms.hetero_pipeline import comm_devices, join_groups, partners, remap_layout, remap_op
-from hspmd.transforms.util import PassError
-
-
-def parse_devices(text: str) -> tuple[int, ...]:
-    """Return the devices of option `devices` ("0,1,2,3", stage-major)."""
-    try:
-        devices = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    except ValueError:
-        raise PassError(f"pipeline-split: devices '{text}' is not a comma-separated list of device numbers") from None
-    if len(devices) < 2 or len(set(devices)) != len(devices):
-        raise PassError(f"pipeline-split: devices '{text}' must name at least 2 distinct devices (at least one per stage)")
-    return devices
-
-
-def parse_layers(text: str, pp: int) -> tuple[int, ...] | None:
-    """Return the per-stage layer counts of option `layers` ("3,1"; "" -> None: balanced)."""
-    if not text.strip():
-        return None
-    try:
-        counts = tuple(int(t) for t in text.replace(":", ",").replace(" ", "").split(",") if t)
-    except ValueError:
-        raise PassError(f"pipeline-split: layers '{text}' is not a comma-separated list of layer counts") from None
-    if len(counts) != pp or any(c < 1 for c in counts):
-        raise PassError(f"pipeline-split: layers '{text}' must give one count >= 1 for each of the {pp} stages")
-    return counts
+from hspmd.transforms.pipeline.virtual import pipelines
+from hspmd.transforms.util import PassError, module_strategy
 
 
 @dataclass(frozen=True)
@@ -399,130 +376,126 @@ class PipelineSplit(ModulePass):
 
     name = "pipeline-split"
 
-    devices: str = "0,1"
-    pp: int = 0  # 0: one device per stage
-    tp: int = 1
-    microbatches: int = 1
-    schedule: str = "gpipe"
-    layers: str = ""
-    # the pipelined group's virtual devices when other device groups sit beside it ("": one group)
-    virtual: str = ""
+    #: the id of the module's strategy to read (None: its only one)
+    strategy_id: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        devices = parse_devices(self.devices)
-        pp = self.pp or len(devices)
-        if pp < 2 or len(devices) % pp:
-            raise PassError(f"pipeline-split: pp={pp} stages do not divide the {len(devices)} devices "
-                            f"'{self.devices}' (and a pipeline needs pp >= 2)")
-        size = len(devices) // pp
-        if self.tp < 1 or size % self.tp:
-            raise PassError(f"pipeline-split: tp={self.tp} does not divide the {size} devices of a stage")
-        stage_devices = tuple(devices[s * size:(s + 1) * size] for s in range(pp))
-        layer_counts = parse_layers(self.layers, pp)
-        groups = physical_groups(op)
-        m = self.microbatches
-        if m < 1:
-            raise PassError(f"pipeline-split: microbatches={m}; it must be >= 1")
-        schedule = SCHEDULES.get(self.schedule)
-        if schedule is None:
-            raise PassError(f"pipeline-split: unknown schedule '{self.schedule}' (known: {', '.join(SCHEDULES)})")
-        dp = size // self.tp
-        other_groups: list[tuple[tuple[int, ...], ModuleOp]] = []
-        if self.virtual.strip():  # a pipelined group beside other groups (hetero_pipeline)
-            want = parse_devices(self.virtual) if "," in self.virtual else (int(self.virtual),)
-            mine = [g for g in groups if g[0] == want]
-            if len(mine) != 1 or len(want) != m * size:
-                raise PassError(f"pipeline-split: virtual='{self.virtual}' must be the devices of one group of the "
-                                f"input, {m} micro-batch(es) x {size} devices of a stage (it has groups "
-                                f"{[list(g) for g, _ in groups]})")
-            other_groups = [g for g in groups if g[0] != want]
-            groups = mine
-            if set(devices) & {d for g, _ in other_groups for d in g}:
-                raise PassError(f"pipeline-split: devices '{self.devices}' overlap another group's "
-                                f"{[list(g) for g, _ in other_groups]}")
-        if len(groups) != 1 or len(groups[0][0]) != m * size:
-            raise PassError(f"pipeline-split: the input must be the physical IR of one group of {m * size} devices, "
-                            f"{m} micro-batch(es) x {size} devices of a stage (`[0-{m * size - 1}]: dp={m * dp} "
-                            f"tp={self.tp}` before the split) (it has groups {[list(g) for g, _ in groups]}); "
-                            "with other device groups beside it, name its devices with virtual=...")
-        (virtual, group), = groups
-        if op is group:
-            raise PassError("pipeline-split: the physical module must hold its group module (run specialize-groups)")
-        foreign = frozenset(d for g, _ in other_groups for d in g)
-        if foreign & set(virtual):
-            raise PassError(f"pipeline-split: the virtual devices {list(virtual)} overlap another group's")
-        mesh = StageMesh(stage_devices, tuple(virtual), m, foreign)
-        functions = [f for f in group.body.block.ops if isinstance(f, func.FuncOp)]
-        step = next((f for f in functions if f.sym_name.data == "train_step"), None)
-        if step is None:
-            raise PassError("pipeline-split: the group has no @train_step")
-        ops = [o for o in step.body.block.ops if not isinstance(o, func.ReturnOp)]
-        collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]] = {}
-        for f in functions:
+        record = module_strategy(op, self.strategy_id, self.name)
+        for pipe in pipelines(record.strategy, record.microbatches):
+            split_group(op, pipe.devices, pipe.pp, pipe.tp, record.microbatches, record.schedule, pipe.layers,
+                        pipe.virtual(record.microbatches) if pipe.union is not None else None)
+
+
+def split_group(op: ModuleOp, devices: tuple[int, ...], pp: int, tp: int, m: int, schedule_name: str,
+                layer_counts: tuple[int, ...] | None, virtual_devices: tuple[int, ...] | None) -> None:
+    """Cut the physical step of one pipelined group (its virtual devices: `virtual_devices`, or the
+    module's only group) into one group module per stage (see the module docstring)."""
+    if pp < 2 or len(devices) % pp:
+        raise PassError(f"pipeline-split: pp={pp} stages do not divide the {len(devices)} devices "
+                        f"{list(devices)} (and a pipeline needs pp >= 2)")
+    size = len(devices) // pp
+    if tp < 1 or size % tp:
+        raise PassError(f"pipeline-split: tp={tp} does not divide the {size} devices of a stage")
+    stage_devices = tuple(devices[s * size:(s + 1) * size] for s in range(pp))
+    groups = physical_groups(op)
+    schedule = SCHEDULES[schedule_name]
+    dp = size // tp
+    other_groups: list[tuple[tuple[int, ...], ModuleOp]] = []
+    if virtual_devices is not None:  # a pipelined group beside other groups (hetero_pipeline)
+        want = tuple(virtual_devices)
+        mine = [g for g in groups if g[0] == want]
+        if len(mine) != 1 or len(want) != m * size:
+            raise PassError(f"pipeline-split: virtual devices {list(want)} must be the devices of one group of the "
+                            f"input, {m} micro-batch(es) x {size} devices of a stage (it has groups "
+                            f"{[list(g) for g, _ in groups]})")
+        other_groups = [g for g in groups if g[0] != want]
+        groups = mine
+        if set(devices) & {d for g, _ in other_groups for d in g}:
+            raise PassError(f"pipeline-split: devices {list(devices)} overlap another group's "
+                            f"{[list(g) for g, _ in other_groups]}")
+    if len(groups) != 1 or len(groups[0][0]) != m * size:
+        raise PassError(f"pipeline-split: the input must be the physical IR of one group of {m * size} devices, "
+                        f"{m} micro-batch(es) x {size} devices of a stage (`[0-{m * size - 1}]: dp={m * dp} "
+                        f"tp={tp}` before the split) (it has groups {[list(g) for g, _ in groups]}); "
+                        "with other device groups beside it, name its devices with virtual=...")
+    (virtual, group), = groups
+    if op is group:
+        raise PassError("pipeline-split: the physical module must hold its group module (run specialize-groups)")
+    foreign = frozenset(d for g, _ in other_groups for d in g)
+    if foreign & set(virtual):
+        raise PassError(f"pipeline-split: the virtual devices {list(virtual)} overlap another group's")
+    mesh = StageMesh(stage_devices, tuple(virtual), m, foreign)
+    functions = [f for f in group.body.block.ops if isinstance(f, func.FuncOp)]
+    step = next((f for f in functions if f.sym_name.data == "train_step"), None)
+    if step is None:
+        raise PassError("pipeline-split: the group has no @train_step")
+    ops = [o for o in step.body.block.ops if not isinstance(o, func.ReturnOp)]
+    collectives: dict[Operation, tuple[str, tuple[tuple[int, ...], ...]]] = {}
+    for f in functions:
+        for o in f.walk():
+            if o.dialect_name() != "comm":
+                continue
+            if not hasattr(o, "rank_groups") and not (isinstance(o, comm.ExchangeOp)
+                                                      and comm_devices(o) & mesh.foreign):
+                raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
+                                "supported there (point-to-point messages are the split's own)")
+            collectives[o] = classify_collective(o, mesh)
+            if f is not step and collectives[o][0] not in (LOCAL, MAPPED, VLOCAL):
+                raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
+                                "device groups; only the step itself may")
+    leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
+    for o in ops:
+        if isinstance(o, (graph.ParameterOp, graph.InputOp)):
+            what = f"{'parameter' if isinstance(o, graph.ParameterOp) else 'input'} '{o.tensor_name.data}'"
+            _, dim = stage_layout(layout_of(o.properties["global_type"]), mesh, 0, what)
+            # batch inputs come in micro-batches (one micro-batch: every input of rank >= 1)
+            leaves[o] = dim is not None or (m == 1 and isinstance(o, graph.InputOp)
+                                            and len(o.result.type.get_shape()) > 0)
+            if dim is not None and (isinstance(o, graph.ParameterOp) or dim != 0):
+                raise PassError(f"pipeline-split: {what} is split over the micro-batches along dim {dim}; "
+                                "only batch inputs may be, along dim 0 (ZeRO is not combined with pipeline "
+                                "stages)")
+    plan = schedule(pp, m)
+    try:
+        order = check_schedule(plan, m)
+    except PipelineScheduleError as err:
+        raise PassError(f"pipeline-split: schedule '{schedule_name}': {err}") from None
+    post = {o for o, k in _kinds(ops, collectives, leaves, m).items() if k == "post"}
+    stages = _assign(ops, pp, layer_counts, post)
+    placed: dict[Operation, tuple[int, Operation]] = {}
+    taken = {f.sym_name.data for f in functions} & {FORWARD_FN, BACKWARD_FN}
+    if taken:
+        raise PassError(f"pipeline-split: the group already has a function @{', @'.join(sorted(taken))}; "
+                        "those names are the stages' own")
+    programs = _emit_stages(ops, stages, mesh, schedule_name, order, collectives, leaves, placed)
+    modules = []
+    for s, devs in enumerate(stage_devices):
+        fn = func.FuncOp("train_step", ((), ()))
+        fn.body.block.add_ops([*programs[s].step, func.ReturnOp()])
+        others = [programs[s].forward, programs[s].backward] + [f.clone() for f in functions if f is not step]
+        for f in others[2:]:  # the callees' collectives (inside one micro-batch) on this stage's devices
             for o in f.walk():
-                if o.dialect_name() != "comm":
-                    continue
-                if not hasattr(o, "rank_groups") and not (isinstance(o, comm.ExchangeOp)
-                                                          and comm_devices(o) & mesh.foreign):
-                    raise PassError(f"pipeline-split: '{o.name}' in the one-group step: only collectives are "
-                                    "supported there (point-to-point messages are the split's own)")
-                collectives[o] = classify_collective(o, mesh)
-                if f is not step and collectives[o][0] not in (LOCAL, MAPPED, VLOCAL):
-                    raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
-                                    "device groups; only the step itself may")
-        leaves: dict[Operation, bool] = {}  # leaf -> split over the micro-batches
-        for o in ops:
-            if isinstance(o, (graph.ParameterOp, graph.InputOp)):
-                what = f"{'parameter' if isinstance(o, graph.ParameterOp) else 'input'} '{o.tensor_name.data}'"
-                _, dim = stage_layout(layout_of(o.properties["global_type"]), mesh, 0, what)
-                # batch inputs come in micro-batches (one micro-batch: every input of rank >= 1)
-                leaves[o] = dim is not None or (m == 1 and isinstance(o, graph.InputOp)
-                                                and len(o.result.type.get_shape()) > 0)
-                if dim is not None and (isinstance(o, graph.ParameterOp) or dim != 0):
-                    raise PassError(f"pipeline-split: {what} is split over the micro-batches along dim {dim}; "
-                                    "only batch inputs may be, along dim 0 (ZeRO is not combined with pipeline "
-                                    "stages)")
-        plan = schedule(pp, m)
-        try:
-            order = check_schedule(plan, m)
-        except PipelineScheduleError as err:
-            raise PassError(f"pipeline-split: schedule '{self.schedule}': {err}") from None
-        post = {o for o, k in _kinds(ops, collectives, leaves, m).items() if k == "post"}
-        stages = _assign(ops, pp, layer_counts, post)
-        placed: dict[Operation, tuple[int, Operation]] = {}
-        taken = {f.sym_name.data for f in functions} & {FORWARD_FN, BACKWARD_FN}
-        if taken:
-            raise PassError(f"pipeline-split: the group already has a function @{', @'.join(sorted(taken))}; "
-                            "those names are the stages' own")
-        programs = _emit_stages(ops, stages, mesh, self.schedule, order, collectives, leaves, placed)
-        modules = []
-        for s, devs in enumerate(stage_devices):
-            fn = func.FuncOp("train_step", ((), ()))
-            fn.body.block.add_ops([*programs[s].step, func.ReturnOp()])
-            others = [programs[s].forward, programs[s].backward] + [f.clone() for f in functions if f is not step]
-            for f in others[2:]:  # the callees' collectives (inside one micro-batch) on this stage's devices
-                for o in f.walk():
-                    if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == VLOCAL:
-                        _run_as_virtual(o, mesh, s)
-                    elif o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
-                        remap_op(o, mesh.device_map(s))
-                    elif o.dialect_name() == "comm":
-                        o.properties["groups"] = comm.groups_attr(mesh.real(s, classify_collective(o, mesh)[1]))
-                _restage_global_types(f.walk(), mesh, s)
-            module = ModuleOp([fn, *others], attributes={DEVICES_ATTR: devices_attr(devs),
-                                                        STAGE_ATTR: IntegerAttr(s, i64),
-                                                        MICROBATCHES_ATTR: IntegerAttr(m, i64)})
-            modules.append(module)
-        if other_groups:  # cross-group collectives onto the stages' devices, the other groups in a safe order
-            join_groups(modules, stage_devices, virtual, [mesh.remap(s) for s in range(pp)],
-                        [o for o in ops if collectives.get(o, (LOCAL,))[0] in (CROSS, XMEET, XPOST)], placed,
-                        other_groups)
-        for module in modules:  # the stages where the one-group module was
-            op.body.block.insert_op_before(module, group)
-        group.detach()
-        group.erase()
-        for gi, (_, module) in enumerate(physical_groups(op)):
-            module.sym_name = StringAttr(f"group{gi}")
+                if o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == VLOCAL:
+                    _run_as_virtual(o, mesh, s)
+                elif o.dialect_name() == "comm" and classify_collective(o, mesh)[0] == MAPPED:
+                    remap_op(o, mesh.device_map(s))
+                elif o.dialect_name() == "comm":
+                    o.properties["groups"] = comm.groups_attr(mesh.real(s, classify_collective(o, mesh)[1]))
+            _restage_global_types(f.walk(), mesh, s)
+        module = ModuleOp([fn, *others], attributes={DEVICES_ATTR: devices_attr(devs),
+                                                    STAGE_ATTR: IntegerAttr(s, i64),
+                                                    MICROBATCHES_ATTR: IntegerAttr(m, i64)})
+        modules.append(module)
+    if other_groups:  # cross-group collectives onto the stages' devices, the other groups in a safe order
+        join_groups(modules, stage_devices, virtual, [mesh.remap(s) for s in range(pp)],
+                    [o for o in ops if collectives.get(o, (LOCAL,))[0] in (CROSS, XMEET, XPOST)], placed,
+                    other_groups)
+    for module in modules:  # the stages where the one-group module was
+        op.body.block.insert_op_before(module, group)
+    group.detach()
+    group.erase()
+    for gi, (_, module) in enumerate(physical_groups(op)):
+        module.sym_name = StringAttr(f"group{gi}")
 
 
 FREE = -1

@@ -1,7 +1,7 @@
 """`shard-optimizer-state`: ZeRO-style sharding of the optimizer states over data parallelism.
 
-`shard-optimizer-state{strategy="[0-3]: dp=4 zero=2"}` runs after `apply-strategy` and before
-`propagate-layouts`. Every per-parameter optimizer state `graph.parameter "opt.KIND.NAME"`
+`shard-optimizer-state` runs after `apply-strategy` (whose strategy it reads from the module:
+`[0-3]: dp=4 zero=2` below) and before `propagate-layouts`. Every per-parameter optimizer state `graph.parameter "opt.KIND.NAME"`
 shaped like parameter NAME (`opt.m.*`, `opt.v.*`, `opt.momentum.*`) gets, in its type, a
 layout split over the group's dp mesh axis along its first dim that dp divides; the
 parameters themselves keep apply-strategy's layouts. The mesh is dp major, tp minor, so with
@@ -41,10 +41,11 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from hspmd.dialects import dist, graph, optim
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.frontend.strategy import Strategy
+from hspmd.ir.strategy import Strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.transforms.optimizer import STATE_PREFIX
-from hspmd.transforms.util import PassError, step_function, strategy_option
+from hspmd.transforms.pipeline.virtual import annotation_strategy
+from hspmd.transforms.util import PassError, module_strategy, step_function
 
 
 def _owner(name: str) -> str | None:
@@ -164,8 +165,10 @@ class ShardOptimizerState(ModulePass):
     """Split the optimizer states over the dp mesh axis (ZeRO stages 1 and 2)."""
 
     name = "shard-optimizer-state"
-    strategy: str = "[0]: dp=1"
+    #: the id of the module's strategy to read (None: its only one)
+    strategy_id: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        strategy = strategy_option(self.strategy)
-        shard_states(op, strategy)
+        strategy = annotation_strategy(module_strategy(op, self.strategy_id, self.name))
+        if any(g.zero for g in strategy.groups):
+            shard_states(op, strategy)

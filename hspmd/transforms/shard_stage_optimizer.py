@@ -1,6 +1,6 @@
 """`shard-stage-optimizer`: ZeRO over the data-parallel ranks of each pipeline stage.
 
-`shard-stage-optimizer{dp=2 tp=1}` runs after `pipeline-split` on the stage modules of a
+`shard-stage-optimizer` runs after `pipeline-split` on the stage modules of a
 pipeline whose stages hold dp x tp devices (dp major, tp minor: the dp groups of a stage
 are `[stage[d*tp + t] for d]` for each tp rank t). `[0-7]: dp=2 pp=2 zero=1` compiles to it.
 For each parameter update (`optim.adam`, `optim.sgd`) whose parameter's layout
@@ -41,7 +41,7 @@ from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.ir.levels import physical_groups
 from hspmd.transforms.optimizer import STATE_PREFIX
 from hspmd.transforms.shard_optimizer_state import sharded_state_layout
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, module_strategy
 
 _UPDATES = (optim.AdamOp, optim.SGDOp)
 
@@ -200,17 +200,19 @@ class ShardStageOptimizer(ModulePass):
 
     name = "shard-stage-optimizer"
 
-    dp: int = 1
-    tp: int = 1
+    #: the id of the module's strategy to read (None: its only one)
+    strategy_id: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        if self.dp < 1 or self.tp < 1:
-            raise PassError(f"shard-stage-optimizer: dp={self.dp} and tp={self.tp} must be >= 1")
-        if self.dp == 1:
+        record = module_strategy(op, self.strategy_id, self.name)
+        if len(record.strategy.groups) != 1:
+            return  # (ZeRO in a pipeline beside other groups is refused when the strategy is applied)
+        group = record.strategy.groups[0]
+        if group.pp == 1 or not group.zero or group.dp == 1:
             return
         for devices, module in physical_groups(op):
             if pipeline.STAGE_ATTR in module.attributes and pipeline.SINGLE_STAGE_ATTR not in module.attributes:
-                _shard_stage(module, devices, self.dp, self.tp)
+                _shard_stage(module, devices, group.dp, group.tp)
 
 
 __all__ = ["ShardStageOptimizer"]

@@ -6,19 +6,33 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation
 
+from hspmd.dialects.dist import module_strategies
+from hspmd.ir.strategy import StrategyRecord
+
 
 class PassError(Exception):
     """A pass cannot apply to this IR; the message says which op or name and why."""
 
 
-def strategy_option(text: str):
-    """Return the Strategy of a pass's `strategy` option; a bad one raises PassError with its message."""
-    from hspmd.frontend.strategy import StrategyError, parse_strategy
+def module_strategy(module: ModuleOp, sid: int | None = None, what: str = "this pass") -> StrategyRecord:
+    """Return the strategy recorded on `module` (`dist.strategies`) with id `sid`, or its only one.
 
-    try:
-        return parse_strategy(text)
-    except StrategyError as err:
-        raise PassError(str(err)) from None
+    Raises PassError when there is none (`apply-strategy` records it), or when `sid` is None and
+    the module holds several.
+    """
+    records = module_strategies(module)
+    if sid is not None:
+        for r in records:
+            if r.id == sid:
+                return r
+        raise PassError(f"{what} needs strategy {sid}, but the module records "
+                        f"{', '.join(str(r.id) for r in records) or 'none'} (apply-strategy records one)")
+    if not records:
+        raise PassError(f"{what} needs the module's strategy (`dist.strategies`), and the module has none: "
+                        "run apply-strategy first")
+    if len(records) > 1:
+        raise PassError(f"{what}: the module records {len(records)} strategies; say which one (its id)")
+    return records[0]
 
 
 def step_function(module: ModuleOp, name: str = "train_step") -> func.FuncOp:

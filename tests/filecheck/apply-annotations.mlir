@@ -1,9 +1,9 @@
-// RUN: hspmd-opt %s -p 'apply-annotations{strategy="[0-3]: dp=2 tp=2"}' | filecheck %s
+// RUN: hspmd-opt %s -p 'apply-annotations' | filecheck %s
 
 // hs.annotate's op becomes a reshard to the layout its spec means on the strategy's mesh
 // (dp major, tp minor); a whole layout is kept as written.
 
-builtin.module {
+builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0-3]: dp=2 tp=2", microbatches = 1, schedule = "gpipe">]} {
   func.func @train_step() {
     %x = graph.input "x" : tensor<8x16xf32>
     %a = dist.annotate %x {spec = ["dp", "tp"]} : tensor<8x16xf32> -> tensor<8x16xf32>

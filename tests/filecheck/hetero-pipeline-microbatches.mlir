@@ -1,4 +1,4 @@
-// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0,1]: dp=2 share=3 | [2]: dp=1 share=1"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split{devices="0,1" pp=2 microbatches=2 virtual="0,1"}' | filecheck %s
+// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0,1]: pp=2 share=3 | [2]: dp=1 share=1" microbatches=2},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split' | filecheck %s
 
 // A heterogeneous pipeline with 2 micro-batches, `[0,1]: pp=2 share=3 | [2]: dp=1 share=1`:
 // the pipelined group is annotated as one stage whose 2 micro-batches are virtual dp ranks

@@ -1,4 +1,4 @@
-// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0]: dp=1 share=3 | [2]: dp=1 share=1"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split{devices="0,1" pp=2 virtual="0"}' | filecheck %s
+// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0,1]: pp=2 share=3 | [2]: dp=1 share=1"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split' | filecheck %s
 
 // A heterogeneous pipeline, `[0,1]: pp=2 share=3 | [2]: dp=1 share=1`: the union is annotated
 // with the pipelined group as its first stage's shape (`[0]: dp=1 share=3`), then

@@ -1,4 +1,4 @@
-// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0-3]: dp=4"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split{devices="0,1,2,3" pp=2 microbatches=2}' | filecheck %s
+// RUN: hspmd-opt %s -p 'autodiff,sgd{lr=0.5},apply-strategy{strategy="[0-3]: dp=2 pp=2" microbatches=2},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split' | filecheck %s
 
 // pipeline-split on a data-parallel stage: `[0-3]: dp=2 pp=2` with 2 micro-batches is compiled
 // as `[0-3]: dp=4` (micro-batches x dp ranks), then cut into stage 0 on devices 0,1 and stage 1

@@ -20,7 +20,7 @@ builtin.module {
   }
 }
 
-// CHECK:       builtin.module {
+// CHECK:       builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=2", microbatches = 1, schedule = "gpipe">]} {
 // CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {init = "normal:0.1", global_type = tensor<4x3xf32, #dist.layout<"[0,1]: dup=2">>} : tensor<4x3xf32>

@@ -1,6 +1,6 @@
-// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2 zero=2"},shard-optimizer-state{strategy="[0,1]: dp=2 zero=2"},propagate-layouts,insert-reshard' | filecheck %s
-// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2 zero=2"},shard-optimizer-state{strategy="[0,1]: dp=2 zero=2"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard' | filecheck %s --check-prefix=PHYS
-// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2"},shard-optimizer-state{strategy="[0,1]: dp=2"}' | filecheck %s --check-prefix=OFF
+// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2 zero=2"},shard-optimizer-state,propagate-layouts,insert-reshard' | filecheck %s
+// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2 zero=2"},shard-optimizer-state,propagate-layouts,insert-reshard,specialize-groups,lower-reshard' | filecheck %s --check-prefix=PHYS
+// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.01},apply-strategy{strategy="[0,1]: dp=2"},shard-optimizer-state' | filecheck %s --check-prefix=OFF
 
 // ZeRO: the moments of w [4, 3] are split along dim 0 over dp; those of b [3] (dp=2 divides no
 // dim) and the scalar states stay replicated like their parameters. The elementwise update then

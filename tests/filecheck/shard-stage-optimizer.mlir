@@ -1,4 +1,4 @@
-// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.5},apply-strategy{strategy="[0-3]: dp=4"},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split{devices="0,1,2,3" pp=2 microbatches=2},shard-stage-optimizer{dp=2}' | filecheck %s
+// RUN: hspmd-opt %s -p 'autodiff,adam{lr=0.5},apply-strategy{strategy="[0-3]: dp=2 pp=2 zero=1" microbatches=2},propagate-layouts,insert-reshard,specialize-groups,lower-reshard,pipeline-split,shard-stage-optimizer' | filecheck %s
 
 // shard-stage-optimizer after pipeline-split: `[0-3]: dp=2 pp=2 zero=1` with 2 micro-batches.
 // On each stage the gradient's all-reduce over the stage's 2 dp ranks (after the run's sum over

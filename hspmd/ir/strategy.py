@@ -25,11 +25,13 @@ from lark.exceptions import UnexpectedInput
 from hspmd.ir.layout import format_devices
 from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message, devices_of, syntax_error
 
-__all__ = ["StrategyError", "StrategyGroup", "Strategy", "parse_strategy"]
+__all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
 _KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers")
 _DEFAULTS = {"zero": 0, "sp": 0, "layers": None}
 ZERO_STAGES = (0, 1, 2)
+#: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
@@ -222,3 +224,34 @@ def parse_strategy(text: str) -> Strategy:
             values["dp"] = len(devices)
         groups.append(StrategyGroup(devices, **values))
     return Strategy(tuple(groups))
+
+
+@dataclass(frozen=True)
+class StrategyRecord:
+    """A strategy as a module records it (`#dist.strategy`): its id, the strategy, and how its
+    pipelines run (micro-batches per step, schedule).
+
+    A module may carry several records, one per id, so that one program can hold the steps of
+    several strategies (graph switching); passes read the record, never strategy text.
+
+    >>> StrategyRecord(0, parse_strategy("[0-3]: tp=2 pp=2"), microbatches=4, schedule="1f1b").pipelined
+    True
+    """
+
+    id: int
+    strategy: Strategy
+    microbatches: int = 1
+    schedule: str = "gpipe"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.id, bool) or not isinstance(self.id, int) or self.id < 0:
+            raise StrategyError(f"a strategy's id must be an integer >= 0, not {self.id!r}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise StrategyError(f"microbatches={self.microbatches!r}: the number of micro-batches must be >= 1")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise StrategyError(f"unknown schedule '{self.schedule}' (known: {', '.join(PIPELINE_SCHEDULES)})")
+
+    @property
+    def pipelined(self) -> bool:
+        """Return whether some group of the strategy has pp > 1."""
+        return any(g.pp > 1 for g in self.strategy.groups)

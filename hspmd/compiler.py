@@ -1,0 +1,196 @@
+"""The compiler driver: a model script and a strategy -> the levels of its training step -> a bundle.
+
+`compile_script` traces the script (`hspmd.frontend`), then runs pass objects level by level:
+
+    logical     autodiff, [clip-grad-norm], the optimizer's update          (training_passes)
+    annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
+                [shard-optimizer-state], propagate-layouts, insert-reshard   (annotate_passes)
+    physical    specialize-groups, lower-reshard, and with pp > 1
+                pipeline-split, [shard-stage-optimizer]                       (physical_passes)
+
+`apply-strategy` is the one pass that takes the strategy as an option; every later pass reads
+the strategy the module records. `hspmd compile`, `hspmd run` and the Python API all come
+through here; the pass lists are plain Python lists, so a user can insert a pass of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass
+
+from hspmd.dialects.dist import module_strategies
+from hspmd.frontend.optim import Optimizer
+from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
+from hspmd.ir.context import make_context, module_text
+from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
+from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
+from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
+from hspmd.transforms import build_passes, get_all_passes
+from hspmd.transforms.apply_annotations import ApplyAnnotations
+from hspmd.transforms.apply_strategy import ApplyStrategy
+from hspmd.transforms.autodiff import Autodiff
+from hspmd.transforms.insert_reshard import InsertReshard
+from hspmd.transforms.lower_reshard import LowerReshard
+from hspmd.transforms.pipeline.virtual import annotation_strategy
+from hspmd.transforms.pipeline_split import PipelineSplit
+from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
+from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
+from hspmd.transforms.shard_stage_optimizer import ShardStageOptimizer
+from hspmd.transforms.specialize_groups import SpecializeGroups
+from hspmd.transforms.util import PassError
+
+__all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script",
+           "default_strategy", "physical_passes", "run_passes", "to_physical", "training_passes", "write_bundle"]
+
+
+def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | None = None) -> ModuleOp:
+    """Run `passes` (pass objects, or pass-spec text as `hspmd-opt -p` reads it) on `module` in place,
+    verify it, and return it."""
+    ctx = ctx or make_context()
+    for p in build_passes(passes) if isinstance(passes, str) else passes:
+        p.apply(ctx, module)
+    module.verify()
+    return module
+
+
+def training_passes(optimizer: Optimizer | None, scale: float = 1.0) -> list[ModulePass]:
+    """Return the passes that turn a traced forward step into a training step: autodiff (with
+    loss scale `scale`), then the optimizer's clipping and update (none without an optimizer)."""
+    registry = get_all_passes()
+    update = [registry[name]()(**options) for name, options in optimizer.passes()] if optimizer else []
+    return [Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(), *update]
+
+
+def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
+    """Return the passes that take logical IR to annotated IR under `record`'s strategy.
+
+    `apply-strategy` records the strategy on the module; a strategy asking for ZeRO (`zero=1` or
+    `zero=2`, outside pipelines) adds `shard-optimizer-state` after `apply-annotations`.
+    """
+    s = record.strategy
+    apply = ApplyStrategy(strategy=str(s), microbatches=record.microbatches, schedule=record.schedule, id=record.id)
+    zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in annotation_strategy(record).groups) else []
+    return [apply, ApplyAnnotations(strategy_id=record.id), *zero, PropagateLayouts(), InsertReshard()]
+
+
+def physical_passes(record: StrategyRecord) -> list[ModulePass]:
+    """Return the passes that take annotated IR to physical IR: one module per device group; with
+    pp > 1 one per pipeline stage (and ZeRO over each stage's dp ranks when the strategy asks)."""
+    passes: list[ModulePass] = [SpecializeGroups(), LowerReshard()]
+    if record.pipelined:
+        passes.append(PipelineSplit(strategy_id=record.id))
+        if any(g.pp > 1 and g.zero and g.dp > 1 for g in record.strategy.groups):
+            passes.append(ShardStageOptimizer(strategy_id=record.id))
+    return passes
+
+
+def annotate(module: ModuleOp, strategy: str | StrategyRecord) -> ModuleOp:
+    """Annotate logical `module` in place under `strategy` (text: one strategy, id 0, no micro-batches)."""
+    record = strategy if isinstance(strategy, StrategyRecord) else StrategyRecord(0, parse_strategy(strategy))
+    run_passes(module, annotate_passes(record))
+    verify_annotated(module)
+    return module
+
+
+def to_physical(module: ModuleOp) -> ModuleOp:
+    """Lower annotated `module` in place to physical IR under the strategy it records."""
+    (record,) = module_strategies(module)
+    run_passes(module, physical_passes(record))
+    verify_physical(module)
+    return module
+
+
+def default_strategy(n: int) -> str:
+    """Return the data-parallel strategy over `n` devices (`[0,1]: dp=2` for n=2)."""
+    devices = ",".join(str(i) for i in range(n)) if n < 3 else f"0-{n - 1}"
+    return f"[{devices}]: dp={n}"
+
+
+@dataclass
+class Compiled:
+    """The three levels of one compiled training step."""
+
+    script: ModelScript
+    strategy: StrategyRecord
+    logical: ModuleOp
+    annotated: ModuleOp
+    physical: ModuleOp
+    # the learning-rate schedule the runtime feeds as input "lr" (hspmd.runtime.schedule spec)
+    lr_schedule: dict | None = None
+
+
+def compile_script(
+    script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True,
+    microbatches: int | None = None, pipeline_schedule: str | None = None,
+) -> Compiled:
+    """Return the logical, annotated and physical IR of the script's training step.
+
+    `optimizer`: True uses the script's `optimizer(config)` (plain SGD with `config["lr"]` if it
+    has none), an `hspmd.optim` optimizer overrides it, and False compiles no update at all:
+    the step then outputs every gradient as `grad:NAME`.
+
+    With pipeline parallelism (`pp` > 1), `microbatches` (default: the script's
+    `config["microbatches"]`, else 1) micro-batches run through the stages in the order of
+    `pipeline_schedule` (default `config["pipeline_schedule"]`, else "gpipe") and their
+    gradients are summed before the update.
+    """
+    parsed = parse_strategy(strategy)
+    if num_devices is not None:
+        parsed.check_devices(num_devices)
+    m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
+    schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
+    try:
+        record = StrategyRecord(0, parsed, m, schedule)
+    except StrategyError as err:  # micro-batches or schedule: how the pipeline runs, not the strategy text
+        raise PassError(str(err)) from None
+    logical = trace_script(script)
+    opt = script_optimizer(script) if optimizer is True else optimizer or None
+    run_passes(logical, training_passes(opt, loss_scale(script)))
+    verify_logical(logical)
+    annotated = annotate(logical.clone(), record)
+    physical = to_physical(annotated.clone())
+    return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
+
+
+def write_bundle(compiled: Compiled, directory: str) -> str:
+    """Write the levels and the manifest of `compiled` into `directory`; return the directory."""
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(compiled.logical))
+    atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(compiled.annotated))
+    groups = []
+    for gi, (devices, module) in enumerate(physical_groups(compiled.physical)):
+        name = f"physical_group{gi}.mlir"
+        atomic_write_text(os.path.join(directory, name), module_text(module))
+        groups.append(GroupEntry(list(devices), name))
+    manifest = Manifest(
+        script=compiled.script.path,
+        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
+        strategy=str(compiled.strategy.strategy),
+        num_devices=sum(len(g.devices) for g in groups),
+        groups=groups,
+    )
+    write_manifest(directory, manifest)
+    return directory
+
+
+def annotate_with_provenance(compiled: Compiled):
+    """Return the annotated IR of `compiled` made again from its logical IR, and where each layout came from.
+
+    The annotate passes run as in `compile_script`, with `propagate-layouts` through `propagate`,
+    which also returns the provenance; the IR is the same as `compiled.annotated`.
+    """
+    module = compiled.logical.clone()
+    ctx = make_context()
+    provenance = {}
+    for p in annotate_passes(compiled.strategy):
+        if isinstance(p, PropagateLayouts):
+            provenance = propagate(module)
+        else:
+            p.apply(ctx, module)
+    module.verify()
+    verify_annotated(module)
+    return module, provenance
