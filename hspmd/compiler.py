@@ -119,7 +119,7 @@ class Compiled:
     logical: ModuleOp
     annotated: ModuleOp
     physical: ModuleOp
-    # the learning-rate schedule the runtime feeds as input "lr" (hspmd.runtime.schedule spec)
+    # the learning-rate schedule the runtime feeds as input "lr" (hspmd.ir.lr_schedule spec)
     lr_schedule: dict | None = None
 
 

@@ -24,7 +24,7 @@ from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, v
 from hspmd.runtime.checkpoint import gather_parameters
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
-from hspmd.runtime.schedule import schedule_from_spec
+from hspmd.ir.lr_schedule import schedule_from_spec
 from hspmd.runtime.worker import step_inputs
 from hspmd.compiler import annotate, run_passes, to_physical
 

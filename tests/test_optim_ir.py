@@ -20,7 +20,7 @@ from hspmd.ir.context import IRTextError, parse_module
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.optim_kernels import adam, sgd
-from hspmd.runtime.schedule import schedule_from_spec
+from hspmd.ir.lr_schedule import schedule_from_spec
 from hspmd.runtime.worker import train
 from hspmd.compiler import run_passes
 from hspmd.transforms import build_passes

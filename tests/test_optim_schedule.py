@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hspmd.frontend.optim import SGD, AdamW, WarmupCosine, WarmupLinear
-from hspmd.runtime.schedule import ScheduleError, constant, schedule_from_spec, warmup_cosine, warmup_linear
+from hspmd.ir.lr_schedule import ScheduleError, constant, schedule_from_spec, warmup_cosine, warmup_linear
 from hspmd.runtime.worker import RunError, step_inputs
 
 

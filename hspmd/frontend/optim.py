@@ -10,7 +10,7 @@ A model script may define `optimizer(config)` returning one of these (the defaul
 An optimizer is a description, not a runtime object: `pipeline()` gives the passes that
 write its update into the step's IR (`clip-grad-norm{max_norm=1.0},adam{...}`), and
 `schedule_spec()` the learning-rate schedule that the bundle records and the runtime feeds
-as the step input "lr" (see `hspmd.runtime.schedule`). Arguments and defaults are PyTorch's.
+as the step input "lr" (see `hspmd.ir.lr_schedule`). Arguments and defaults are PyTorch's.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Optimizer:
     schedule: WarmupCosine | WarmupLinear | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        from hspmd.runtime.schedule import schedule_from_spec
+        from hspmd.ir.lr_schedule import schedule_from_spec
 
         _check(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
         if self.clip_grad_norm is not None:
@@ -91,7 +91,7 @@ class Optimizer:
             schedule_from_spec(self.schedule_spec())  # raises ScheduleError (a ValueError) if it makes no sense
 
     def schedule_spec(self) -> dict:
-        """Return the lr schedule as the dict `hspmd.runtime.schedule.schedule_from_spec` reads."""
+        """Return the lr schedule as the dict `hspmd.ir.lr_schedule.schedule_from_spec` reads."""
         if self.schedule is None:
             return {"kind": "constant", "lr": float(self.lr)}
         return self.schedule.spec(self.lr)

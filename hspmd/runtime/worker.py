@@ -31,7 +31,7 @@ from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Leaf, Plan, PlanError, build_plan
 from hspmd.dialects.pipeline import STAGE_ATTR
-from hspmd.runtime.schedule import ScheduleError, schedule_from_spec
+from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
 
 class RunError(Exception):
@@ -67,7 +67,7 @@ def _quiet_unless(speak: bool):
 def step_inputs(step: int, config: dict, input_names) -> dict[str, np.ndarray]:
     """Return the per-step scalar inputs the plan reads: "lr" (from the schedule) and "step".
 
-    "lr" follows `config["lr_schedule"]` (a `hspmd.runtime.schedule` spec; a constant
+    "lr" follows `config["lr_schedule"]` (a `hspmd.ir.lr_schedule` spec; a constant
     `config["lr"]` without one); "step" is the step number, counting from 1.
     """
     out: dict[str, np.ndarray] = {}
