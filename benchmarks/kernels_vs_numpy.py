@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_DYNAMIC"] = "false"
 
     from hspmd.codegen.cpu_compile import find_compiler
-    from hspmd.ir.context import parse_module
+    from hspmd.dialects.context import parse_module
     from hspmd.runtime.kernel_exec import cpu_call, fused_ops, numpy_call, program_library
     from hspmd.transforms.fuse_kernels import fuse_module
 

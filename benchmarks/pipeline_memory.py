@@ -25,7 +25,7 @@ def peaks(compiled) -> list[int]:
     """Return the peak bytes of the first rank of every device group of a compiled program."""
     from xdsl.dialects import func
 
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
 

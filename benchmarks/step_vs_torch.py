@@ -46,7 +46,7 @@ def compile_tiny():
     """Return (script, compiled, step function) of GPT-tiny on one device."""
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
 
     script = load_script(os.path.join(ROOT, "examples", "gpt.py"), TINY)
     compiled = compile_script(script, "[0]: dp=1", 1)

@@ -25,8 +25,8 @@ from xdsl.passes import ModulePass
 from hspmd.dialects.dist import module_strategies
 from hspmd.frontend.optim import Optimizer
 from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
-from hspmd.ir.context import make_context, module_text
-from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
+from hspmd.dialects.context import make_context, module_text
+from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
 from hspmd.transforms import build_passes, get_all_passes

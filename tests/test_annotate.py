@@ -13,7 +13,7 @@ from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.strategy import parse_strategy
 from hspmd.frontend.tracing import TraceError
-from hspmd.ir.report import collective_report
+from hspmd.codegen.report import collective_report
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
 from hspmd.transforms.apply_annotations import spec_layout

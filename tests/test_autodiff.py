@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import hspmd as hs
 from hspmd.frontend.tracing import Tracer
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
 from hspmd.compiler import annotate, run_passes, to_physical

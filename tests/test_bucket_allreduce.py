@@ -13,7 +13,7 @@ from conftest import EXAMPLES
 from hspmd.dialects import comm as comm_dialect
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.buckets import Bucket
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan

@@ -8,8 +8,8 @@ import pytest
 import hspmd as hs
 from hspmd.frontend.nn import bind_parameters
 from hspmd.frontend.tracing import Tracer
-from hspmd.ir.context import module_text, parse_module
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.context import module_text, parse_module
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
 from hspmd.compiler import annotate, run_passes, to_physical

@@ -117,7 +117,7 @@ def test_sharding_rules_across_groups():
 
 
 def _groups(module):
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
 
     return physical_groups(module)
 

@@ -15,8 +15,8 @@ from hspmd.dialects.dist import LayoutAttr, layout_of, with_layout
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
 from hspmd.frontend.tracing import Tracer
-from hspmd.ir.context import module_text, parse_module
-from hspmd.ir.levels import devices_attr
+from hspmd.dialects.context import module_text, parse_module
+from hspmd.dialects.levels import devices_attr
 
 
 def _roundtrip(module):

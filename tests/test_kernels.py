@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hspmd.codegen.cpu_compile import find_compiler, load_library
-from hspmd.ir.context import parse_module
+from hspmd.dialects.context import parse_module
 from hspmd.runtime.kernel_exec import build_program, cpu_call, fused_ops, numpy_call, program_library
 from hspmd.transforms.fuse_kernels import fuse_module
 

@@ -14,7 +14,7 @@ import pytest
 
 from hspmd.codegen import cpu_compile
 from hspmd.dialects.kernel import FusedOp
-from hspmd.ir.context import IRTextError, module_text, parse_module
+from hspmd.dialects.context import IRTextError, module_text, parse_module
 from hspmd.runtime import kernel_exec
 from hspmd.transforms.fuse_kernels import fuse_module
 
@@ -142,7 +142,7 @@ def test_the_verifier_rejects_bad_kernels(edit, message):
 def gpt_physical(tmp_path, *sets: str):
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(list(sets)))
     compiled = compile_script(script, "[0]: dp=1", 1)
@@ -333,7 +333,7 @@ def test_data_parallel_gpt_fused_on_two_ranks_equals_numpy(tmp_path):
     """dp=2: all-reduces of gradients between the fused kernels; fusion keeps their order."""
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm import run_spmd
     from hspmd.runtime.plan import build_plan
 
@@ -367,7 +367,7 @@ def test_heterogeneous_tensor_parallel_gpt_fused_equals_numpy():
     """Two groups with different programs (tp=2 on ranks 0,1; tp=1 on rank 2), each fused."""
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm import run_spmd
     from hspmd.runtime.plan import build_plan
 

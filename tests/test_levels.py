@@ -9,8 +9,8 @@ import pytest
 from conftest import EXAMPLES
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
-from hspmd.ir.context import module_text, parse_module
-from hspmd.ir.levels import LevelError, verify_annotated, verify_logical, verify_physical
+from hspmd.dialects.context import module_text, parse_module
+from hspmd.dialects.levels import LevelError, verify_annotated, verify_logical, verify_physical
 
 ANNOTATED = """\
 builtin.module {

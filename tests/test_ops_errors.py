@@ -60,7 +60,7 @@ def test_bad_input_raises_trace_error(t, make, message):
 def test_dropout_inside_a_function_module_draws_a_different_mask_per_call(t):
     import numpy as np
 
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
     from hspmd.compiler import annotate, run_passes, to_physical

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import hspmd as hs
 from hspmd.frontend.tracing import Tracer
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan

@@ -214,7 +214,7 @@ def test_every_case_on_4_ranks_data_parallel():
 def test_physical_text_round_trips(name):
     """Every op of every case prints and parses back at the logical and physical levels (the
     worker parses its group's physical program, dropout's global_type included)."""
-    from hspmd.ir.context import module_text, parse_module
+    from hspmd.dialects.context import module_text, parse_module
     from hspmd.ir.layout import DistributedStates, split
 
     logical, shapes, batch = trace_case(name, 0)

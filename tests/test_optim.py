@@ -20,7 +20,7 @@ from hspmd.frontend.ops import cross_entropy, relu
 from hspmd.frontend.optim import SGD, Adam, AdamW, Optimizer, WarmupCosine, WarmupLinear
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.init_spec import initial_value
-from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
+from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.runtime.checkpoint import gather_parameters
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan

@@ -16,7 +16,7 @@ import pytest
 from hspmd.compiler import compile_script, default_strategy, write_bundle
 from hspmd.frontend.optim import SGD, Adam, AdamW, WarmupCosine, pass_float
 from hspmd.frontend.script import ScriptError, load_script
-from hspmd.ir.context import IRTextError, parse_module
+from hspmd.dialects.context import IRTextError, parse_module
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.optim_kernels import adam, sgd

@@ -21,7 +21,7 @@ from xdsl.dialects import func
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.inprocess import InProcessCommunicator
 from hspmd.runtime.plan import _flatten, build_plan
@@ -250,7 +250,7 @@ _RUN = """builtin.module {
 
 
 def test_pipeline_run_prints_parses_and_verifies():
-    from hspmd.ir.context import IRTextError, parse_module
+    from hspmd.dialects.context import IRTextError, parse_module
 
     text = _RUN.replace("SCHED", "1f1b").replace("M :", "2 :")
     module = parse_module(text)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import EXAMPLES
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import PlanError, accepts_out, build_plan
@@ -149,7 +149,7 @@ def test_kernels_without_out_still_run(gpt, monkeypatch):
 
 
 def test_recursive_callee_is_refused():
-    from hspmd.ir.context import parse_module
+    from hspmd.dialects.context import parse_module
 
     text = """
 builtin.module @group0 attributes {hspmd.devices = array<i64: 0>} {

@@ -10,7 +10,7 @@ import pytest
 from conftest import EXAMPLES
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import ScriptError, load_script, parse_overrides
-from hspmd.ir.context import module_text
+from hspmd.dialects.context import module_text
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
 

@@ -13,9 +13,9 @@ from hspmd.compiler import annotate_with_provenance
 from hspmd.dialects import comm
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.ir.context import module_text, parse_module
-from hspmd.ir.report import call_counts, collective_report, explain_rows, format_explain, format_report, value_names
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.context import module_text, parse_module
+from hspmd.codegen.report import call_counts, collective_report, explain_rows, format_explain, format_report, value_names
+from hspmd.dialects.levels import physical_groups
 
 MLP = os.path.join(EXAMPLES, "mlp.py")
 GPT = os.path.join(EXAMPLES, "gpt.py")

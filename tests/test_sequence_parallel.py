@@ -16,7 +16,7 @@ import pytest
 
 from hspmd.dialects.dist import layout_of
 from hspmd.compiler import compile_script, write_bundle
-from hspmd.ir.report import collective_report
+from hspmd.codegen.report import collective_report
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
 from hspmd.transforms.util import PassError

@@ -34,7 +34,7 @@ from hspmd.frontend.ops import cross_entropy, relu
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.init_spec import initial_value
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
-from hspmd.ir.levels import physical_groups, verify_annotated, verify_physical
+from hspmd.dialects.levels import physical_groups, verify_annotated, verify_physical
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.plan import build_plan
 from hspmd.transforms.autodiff import Autodiff

@@ -34,7 +34,7 @@ from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.compiler import compile_script
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
-from hspmd.ir.report import collective_report
+from hspmd.codegen.report import collective_report
 from hspmd.transforms.autodiff import Autodiff
 from hspmd.compiler import run_passes
 from hspmd.transforms.util import PassError

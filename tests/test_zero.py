@@ -24,7 +24,7 @@ from hspmd.dialects.dist import layout_of
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
-from hspmd.ir.report import collective_report
+from hspmd.codegen.report import collective_report
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train

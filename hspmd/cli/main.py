@@ -24,10 +24,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.frontend.script import ScriptError
     from hspmd.ir.strategy import StrategyError
     from hspmd.frontend.tracing import TraceError
-    from hspmd.ir.context import IRTextError
+    from hspmd.dialects.context import IRTextError
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.layout_text import LayoutSyntaxError
-    from hspmd.ir.levels import LevelError
+    from hspmd.dialects.levels import LevelError
     from hspmd.runtime.bundle import BundleError
     from hspmd.runtime.launch import LaunchError
     from hspmd.runtime.plan import PlanError
@@ -57,7 +57,7 @@ def _load_and_compile(args, n: int):
 def cmd_compile(args) -> int:
     from hspmd.compiler import write_bundle
     from hspmd.ir.strategy import parse_strategy
-    from hspmd.ir.context import module_text
+    from hspmd.dialects.context import module_text
 
     if args.emit == "kernels" and not args.dump_dir:
         raise SystemExit("hspmd: error: --emit kernels needs --dump-dir")
@@ -75,14 +75,14 @@ def cmd_compile(args) -> int:
         print(f"wrote {', '.join(w for w in written if w.endswith('.mlir'))} and {cu} kernels in "
               f"{os.path.join(args.dump_dir, 'kernels')}")
     if args.report:
-        from hspmd.ir.report import collective_report, format_report
+        from hspmd.codegen.report import collective_report, format_report
 
         sys.stdout.write(format_report(collective_report(compiled.physical), compiled.physical))
         from hspmd.runtime.plan import memory_report
 
         sys.stdout.write(memory_report(compiled.physical))
     if args.explain:
-        from hspmd.ir.report import explain_rows, format_explain
+        from hspmd.codegen.report import explain_rows, format_explain
 
         from hspmd.compiler import annotate_with_provenance
 

@@ -65,7 +65,7 @@ class HspmdOptMain(xDSLOptMain):
 
     def register_all_dialects(self) -> None:
         super().register_all_dialects()
-        from hspmd.ir.context import hspmd_dialects
+        from hspmd.dialects.context import hspmd_dialects
 
         for dialect in hspmd_dialects():
             if dialect.name not in self.ctx.registered_dialect_names:
@@ -84,7 +84,7 @@ class HspmdOptMain(xDSLOptMain):
         """Return the program as `hspmd compile` writes it, so dumps print back unchanged."""
         if self.args.target != "mlir":
             return super().output_resulting_program(prog)
-        from hspmd.ir.context import module_text
+        from hspmd.dialects.context import module_text
 
         return module_text(prog)
 

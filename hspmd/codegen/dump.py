@@ -14,8 +14,8 @@ from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.codegen.nvrtc_check import gpu_text
 from hspmd.dialects.kernel import FusedOp
-from hspmd.ir.context import module_text
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.context import module_text
+from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.bundle import atomic_write_text
 
 

@@ -371,3 +371,18 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int | None = Non
         return per_sample.mean()
     mask = logits.tracer.emit(graph.LabelMaskOp(labels.value, ignore, _typed(logits, labels.shape)))
     return divide(per_sample.sum(), mask.sum())
+
+
+def _install_operators(cls: type) -> None:
+    """Give `Tensor` the operators and methods that are ops of this module (`/`, `**`, `@`,
+    `x.max`): `tracing` defines the tensor and the operators it emits itself, this module the ops
+    built on them, so neither module imports the other's functions back."""
+    cls.__truediv__ = lambda self, other: divide(self, other)
+    cls.__rtruediv__ = lambda self, other: divide(other, self)
+    cls.__pow__ = lambda self, exponent: power(self, exponent)
+    cls.__matmul__ = lambda self, other: matmul(self, self._lift(other, "matmul"))
+    cls.__rmatmul__ = lambda self, other: matmul(self._lift(other, "matmul"), self)
+    cls.max = lambda self, dims=None: max(self, dims)
+
+
+_install_operators(Tensor)

@@ -101,7 +101,8 @@ def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] |
 
 
 class Tensor:
-    """A traced tensor: a value of the step function being built, with NumPy-like operators."""
+    """A traced tensor: a value of the step function being built, with NumPy-like operators
+    (`/`, `**`, `@` and `max` come with `hspmd.frontend.ops`, which every `import hspmd` loads)."""
 
     __array_priority__ = 100  # make `ndarray op Tensor` defer to Tensor
 
@@ -182,33 +183,8 @@ class Tensor:
             return self.tracer.emit(graph.ScaleOp(self.value, float(other)))
         return self._binary(other, graph.MulOp, "mul", swap=True)
 
-    def __truediv__(self, other):
-        from hspmd.frontend.ops import divide
-
-        return divide(self, other)
-
-    def __rtruediv__(self, other):
-        from hspmd.frontend.ops import divide
-
-        return divide(other, self)
-
-    def __pow__(self, exponent):
-        from hspmd.frontend.ops import power
-
-        return power(self, exponent)
-
     def __neg__(self):
         return self * -1.0
-
-    def __matmul__(self, other):
-        from hspmd.frontend.ops import matmul
-
-        return matmul(self, self._lift(other, "matmul"))
-
-    def __rmatmul__(self, other):
-        from hspmd.frontend.ops import matmul
-
-        return matmul(self._lift(other, "matmul"), self)
 
     @property
     def T(self) -> Tensor:
@@ -237,11 +213,6 @@ class Tensor:
         dims = _dims(dims, self.ndim, "sum")
         shape = [s for i, s in enumerate(self.shape) if i not in dims]
         return self.tracer.emit(graph.ReduceSumOp(self.value, dims, TensorType(self.value.type.element_type, shape)))
-
-    def max(self, dims: int | Sequence[int] | None = None) -> Tensor:
-        from hspmd.frontend.ops import max as reduce_max
-
-        return reduce_max(self, dims)
 
     def mean(self, dims: int | Sequence[int] | None = None) -> Tensor:
         dims = _dims(dims, self.ndim, "mean")

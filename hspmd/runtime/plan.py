@@ -709,7 +709,7 @@ def matmul_flops(fn: func.FuncOp) -> int:
 
 def memory_report(physical) -> str:
     """Return one line per rank of a physical module: its plan's peak bytes per step (and buffers)."""
-    from hspmd.ir.levels import physical_groups
+    from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
 
     groups = physical_groups(physical)
@@ -729,7 +729,7 @@ def memory_report(physical) -> str:
 
 def _devices(fn: func.FuncOp) -> frozenset[int] | None:
     """Return the devices of the group module holding `fn` (None when it says nothing)."""
-    from hspmd.ir.levels import DEVICES_ATTR
+    from hspmd.dialects.levels import DEVICES_ATTR
 
     module = fn.parent_op()
     attr = module.attributes.get(DEVICES_ATTR) if module is not None else None

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hspmd.ir.context import IRTextError, parse_module
-from hspmd.ir.levels import LevelError, physical_groups, verify_physical
+from hspmd.dialects.context import IRTextError, parse_module
+from hspmd.dialects.levels import LevelError, physical_groups, verify_physical
 from hspmd.runtime.bundle import BundleError, read_manifest
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint

@@ -25,7 +25,7 @@ from xdsl.passes import ModulePass
 from hspmd.dialects import comm, dist
 from hspmd.dialects.graph import i64_array
 from hspmd.ir.layout import Layout, LayoutError, split
-from hspmd.ir.levels import DEVICES_ATTR
+from hspmd.dialects.levels import DEVICES_ATTR
 from hspmd.ir.reshard_plan import CommStep, plan_transition
 from hspmd.transforms.util import PassError
 

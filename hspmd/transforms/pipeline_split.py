@@ -112,7 +112,7 @@ from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.graph import i64_array
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout, split
-from hspmd.ir.levels import DEVICES_ATTR, devices_attr, physical_groups
+from hspmd.dialects.levels import DEVICES_ATTR, devices_attr, physical_groups
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.dialects.pipeline import MICROBATCHES_ATTR, STAGE_ATTR
 from hspmd.transforms.hetero_pipeline import comm_devices, join_groups, partners, remap_layout, remap_op

@@ -38,7 +38,7 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from hspmd.dialects import comm, graph, optim, pipeline
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 from hspmd.transforms.optimizer import STATE_PREFIX
 from hspmd.transforms.shard_optimizer_state import sharded_state_layout
 from hspmd.transforms.util import PassError, module_strategy

@@ -21,7 +21,7 @@ from xdsl.rewriter import Rewriter
 from hspmd.dialects import dist, graph
 from hspmd.dialects.dist import LayoutAttr, layout_of, without_layout
 from hspmd.ir.layout import LayoutError
-from hspmd.ir.levels import DEVICES_ATTR, devices_attr
+from hspmd.dialects.levels import DEVICES_ATTR, devices_attr
 from hspmd.transforms.util import PassError, step_function
 
 

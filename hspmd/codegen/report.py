@@ -41,7 +41,7 @@ from xdsl.printer import Printer
 
 from hspmd.dialects import comm, pipeline
 from hspmd.dialects.comm import groups_of
-from hspmd.ir.levels import physical_groups
+from hspmd.dialects.levels import physical_groups
 
 __all__ = [
     "ExplainRow", "Row", "call_counts", "collective_report", "explain_rows", "format_explain", "format_report",
