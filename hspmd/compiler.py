@@ -22,7 +22,6 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from hspmd.dialects.dist import module_strategies
 from hspmd.frontend.optim import Optimizer
 from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
 from hspmd.dialects.context import make_context, module_text
@@ -41,7 +40,7 @@ from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.shard_stage_optimizer import ShardStageOptimizer
 from hspmd.transforms.specialize_groups import SpecializeGroups
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, module_strategy
 
 __all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script",
            "default_strategy", "physical_passes", "run_passes", "to_physical", "training_passes", "write_bundle"]
@@ -96,10 +95,10 @@ def annotate(module: ModuleOp, strategy: str | StrategyRecord) -> ModuleOp:
     return module
 
 
-def to_physical(module: ModuleOp) -> ModuleOp:
-    """Lower annotated `module` in place to physical IR under the strategy it records."""
-    (record,) = module_strategies(module)
-    run_passes(module, physical_passes(record))
+def to_physical(module: ModuleOp, strategy_id: int | None = None) -> ModuleOp:
+    """Lower annotated `module` in place to physical IR under the strategy it records (`strategy_id`:
+    which one, when it records several)."""
+    run_passes(module, physical_passes(module_strategy(module, strategy_id, "to_physical")))
     verify_physical(module)
     return module
 
