@@ -21,7 +21,7 @@ from xdsl.dialects import func
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.compiler import compile_script
 from hspmd.ir.levels import physical_groups
-from hspmd.transforms.hetero_pipeline import comm_signature, executed_ops, partners
+from hspmd.transforms.pipeline.devices import comm_signature, executed_ops, partners
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.transforms.util import PassError
 
