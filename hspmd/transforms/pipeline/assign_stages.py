@@ -202,5 +202,6 @@ class AssignPipelineStages(ModulePass):
             g = find_group(op, pipe, m)
             check_pipeline_schedule(record.schedule, pipe.pp, m)
             post = {o for o, kind in op_kinds(g.ops, g.collectives, g.leaves, m).items() if kind == "post"}
+            attrs = {s: IntegerAttr(s, i64) for s in range(FREE, pipe.pp)}  # one attribute object per stage
             for o, s in assign_stages(g.ops, pipe.pp, pipe.layers, post).items():
-                o.attributes[OP_STAGE_ATTR] = IntegerAttr(s, i64)
+                o.attributes[OP_STAGE_ATTR] = attrs[s] if s in attrs else IntegerAttr(s, i64)

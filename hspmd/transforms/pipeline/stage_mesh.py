@@ -11,7 +11,7 @@ ZERO); `stage_layout` / `stage_type` give a value's layout and type on a stage.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xdsl.dialects.builtin import IntegerAttr, TensorType, i64
 from xdsl.ir import Operation
@@ -41,6 +41,12 @@ class StageMesh:
     microbatches: int
     #: the devices of the other groups of a heterogeneous strategy (`virtual=...`)
     foreign: frozenset[int] = frozenset()
+    #: `stage_type`'s results so far, (type, stage) -> (type on the stage, micro-batch dim)
+    types: dict[tuple[TensorType, int], tuple[TensorType, int | None]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False)
+    #: `stage_layout`'s results so far, (layout, stage) -> (layout on the stage, micro-batch dim)
+    layouts: dict[tuple[Layout | None, int], tuple[Layout, int | None]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False)
 
     def device_map(self, s: int) -> dict[int, int]:
         """Return virtual device -> stage s's real device (one micro-batch: position p is `stages[s][p]`)."""
@@ -207,7 +213,15 @@ def stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> t
     The major axis of the one-group layout holds the micro-batches: its degree is divided by
     m. The dim is None when the micro-batches hold replicas or partial sums (or m = 1). In a
     union with other groups (`virtual=...`) the stage's group replaces the virtual one.
+    (Memoized on the mesh, like `stage_type`.)
     """
+    key = (layout, s)
+    if key not in mesh.layouts:
+        mesh.layouts[key] = _stage_layout(layout, mesh, s, what)
+    return mesh.layouts[key]
+
+
+def _stage_layout(layout: Layout | None, mesh: StageMesh, s: int, what: str) -> tuple[Layout, int | None]:
     mine = [i for i, g in enumerate(layout.groups) if g.devices == mesh.virtual] if layout is not None else []
     if layout is None or not mine or (len(layout.groups) > 1 and not mesh.foreign):
         raise PassError(f"pipeline-split: {what} has layout '{layout}', not one over the one-group "
@@ -236,12 +250,16 @@ def staged_layout(typ: TensorType) -> Layout:
 
 def stage_type(typ: TensorType, mesh: StageMesh, s: int, what: str) -> tuple[TensorType, int | None]:
     """Return (the annotated type `typ` of the one-group program on stage s, the micro-batch dim):
-    one micro-batch's global shape (the dim split over micro-batches divided by m), the stage's layout."""
-    layout, dim = stage_layout(layout_of(typ), mesh, s, what)
-    shape = list(typ.get_shape())
-    if dim is not None and len(layout.groups) == 1:  # (a union keeps the whole batch's shape)
-        shape[dim] //= mesh.microbatches
-    return with_layout(TensorType(typ.element_type, shape), layout), dim
+    one micro-batch's global shape (the dim split over micro-batches divided by m), the stage's layout.
+    (Memoized on the mesh: many ops share a type, and building one costs more than looking it up.)"""
+    key = (typ, s)
+    if key not in mesh.types:
+        layout, dim = stage_layout(layout_of(typ), mesh, s, what)
+        shape = list(typ.get_shape())
+        if dim is not None and len(layout.groups) == 1:  # (a union keeps the whole batch's shape)
+            shape[dim] //= mesh.microbatches
+        mesh.types[key] = (with_layout(TensorType(typ.element_type, shape), layout), dim)
+    return mesh.types[key]
 
 
 def restage_global_types(ops: Iterable[Operation], mesh: StageMesh, s: int) -> None:
