@@ -5,8 +5,9 @@
     logical     autodiff, [clip-grad-norm], the optimizer's update          (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
                 [shard-optimizer-state], propagate-layouts, insert-reshard   (annotate_passes)
-    physical    specialize-groups, lower-reshard, and with pp > 1
-                pipeline-split, [shard-stage-optimizer]                       (physical_passes)
+    physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
+                assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
+                (together: pipeline-split), then [shard-stage-optimizer]       (physical_passes)
 
 `apply-strategy` is the one pass that takes the strategy as an option; every later pass reads
 the strategy the module records. `hspmd compile`, `hspmd run` and the Python API all come
@@ -35,10 +36,10 @@ from hspmd.transforms.autodiff import Autodiff
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.lower_reshard import LowerReshard
 from hspmd.transforms.pipeline.virtual import annotation_strategy
-from hspmd.transforms.pipeline_split import PipelineSplit
+from hspmd.transforms.pipeline.shard_stage_optimizer import ShardStageOptimizer
+from hspmd.transforms.pipeline.split import pipeline_split_passes
 from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
-from hspmd.transforms.shard_stage_optimizer import ShardStageOptimizer
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.util import PassError, module_strategy
 
@@ -81,7 +82,7 @@ def physical_passes(record: StrategyRecord) -> list[ModulePass]:
     pp > 1 one per pipeline stage (and ZeRO over each stage's dp ranks when the strategy asks)."""
     passes: list[ModulePass] = [SpecializeGroups(), LowerReshard()]
     if record.pipelined:
-        passes.append(PipelineSplit(strategy_id=record.id))
+        passes += pipeline_split_passes(record)  # assign, outline [, join] per pipelined group
         if any(g.pp > 1 and g.zero and g.dp > 1 for g in record.strategy.groups):
             passes.append(ShardStageOptimizer(strategy_id=record.id))
     return passes

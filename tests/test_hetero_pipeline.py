@@ -1,4 +1,4 @@
-"""Heterogeneous pipelines: one pipelined group beside groups without stages (`hetero_pipeline`).
+"""Heterogeneous pipelines: one pipelined group beside groups without stages (`join-pipeline-groups`).
 
 `[0,1]: pp=2 share=1 | [2]: dp=1 share=1` and friends, and pipelines with different stage counts
 side by side (`[0,1]: pp=2 | [2-5]: pp=4`), train like one device (in-process ranks), with one
@@ -21,7 +21,7 @@ from xdsl.dialects import func
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.compiler import compile_script
 from hspmd.dialects.levels import physical_groups
-from hspmd.transforms.hetero_pipeline import comm_signature, executed_ops, partners
+from hspmd.transforms.pipeline.devices import comm_signature, executed_ops, partners
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.transforms.util import PassError
 

@@ -268,7 +268,7 @@ def test_pipeline_run_prints_parses_and_verifies():
 
 
 def test_stages_are_balanced_by_cost():
-    from hspmd.transforms.pipeline_split import _balanced_counts
+    from hspmd.transforms.pipeline.balance import balanced_counts as _balanced_counts
 
     assert _balanced_counts([10] * 4, 0, 0, 2) == (2, 2)
     assert _balanced_counts([10] * 4, 1, 0, 3) == (1, 2, 1)  # the embedding's cost keeps stage 0 light

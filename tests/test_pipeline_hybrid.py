@@ -24,7 +24,7 @@ from hspmd.transforms.pipeline.virtual import annotation_strategy, pipelines
 from hspmd.ir.strategy import parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.dialects.levels import physical_groups
-from hspmd.transforms.pipeline_split import LOCAL, MEET, SPLIT, StageMesh, classify_collective, stage_layout
+from hspmd.transforms.pipeline.stage_mesh import LOCAL, MEET, SPLIT, StageMesh, classify_collective, stage_layout
 from hspmd.transforms.util import PassError
 
 

@@ -44,7 +44,8 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError
 
-__all__ = ["Pipeline", "RunOp", "STAGE_ATTR", "MICROBATCHES_ATTR", "SINGLE_STAGE_ATTR", "actions"]
+__all__ = ["Pipeline", "RunOp", "STAGE_ATTR", "MICROBATCHES_ATTR", "SINGLE_STAGE_ATTR", "OP_STAGE_ATTR", "CROSS_ATTR",
+           "actions"]
 
 #: a stage's group module: its stage number
 STAGE_ATTR = "hspmd.pipeline_stage"
@@ -52,6 +53,13 @@ STAGE_ATTR = "hspmd.pipeline_stage"
 MICROBATCHES_ATTR = "hspmd.microbatches"
 #: marks a group without stages beside a pipeline (a one-stage pipeline whose step may be re-ordered)
 SINGLE_STAGE_ATTR = "hspmd.single_stage"
+#: an op of a stage-shaped step: its stage (-1: free, each stage that needs it computes its own copy);
+#: written by `assign-pipeline-stages`, read (and dropped) by `outline-pipeline-stages`
+OP_STAGE_ATTR = "pipeline.stage"
+#: a stage's collective with other device groups: its index k among the stage-shaped step's
+#: cross-group collectives (program order); written by `outline-pipeline-stages`, read (and
+#: dropped) by `join-pipeline-groups`
+CROSS_ATTR = "pipeline.cross"
 
 
 @irdl_op_definition

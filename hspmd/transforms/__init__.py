@@ -24,8 +24,11 @@ _PASSES = {
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
-    "pipeline-split": "hspmd.transforms.pipeline_split:PipelineSplit",
-    "shard-stage-optimizer": "hspmd.transforms.shard_stage_optimizer:ShardStageOptimizer",
+    "assign-pipeline-stages": "hspmd.transforms.pipeline.assign_stages:AssignPipelineStages",
+    "outline-pipeline-stages": "hspmd.transforms.pipeline.outline_stages:OutlinePipelineStages",
+    "join-pipeline-groups": "hspmd.transforms.pipeline.join_groups:JoinPipelineGroups",
+    "pipeline-split": "hspmd.transforms.pipeline.split:PipelineSplit",
+    "shard-stage-optimizer": "hspmd.transforms.pipeline.shard_stage_optimizer:ShardStageOptimizer",
     "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
 }
 

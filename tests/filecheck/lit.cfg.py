@@ -24,6 +24,9 @@ config.test_exec_root = os.path.join(tempfile.gettempdir(), f"hspmd-lit-{os.getu
 
 bin_dir = os.path.dirname(sys.executable)
 config.environment["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+# a checkout run with PYTHONPATH (a worktree beside the venv's own install) tests its own code
+if os.environ.get("PYTHONPATH"):
+    config.environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
 for tool in ("hspmd-opt", "filecheck"):
     path = os.path.join(bin_dir, tool)
     if not os.path.exists(path):
