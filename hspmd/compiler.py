@@ -8,6 +8,7 @@
     physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
                 assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
                 (together: pipeline-split), then [shard-stage-optimizer]       (physical_passes)
+    kernel      fuse-kernels on each group's module, when a bundle is written  (kernel_level)
 
 `apply-strategy` is the one pass that takes the strategy as an option; every later pass reads
 the strategy the module records. `hspmd compile`, `hspmd run` and the Python API all come
@@ -17,7 +18,7 @@ through here; the pass lists are plain Python lists, so a user can insert a pass
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
@@ -28,11 +29,12 @@ from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, tra
 from hspmd.dialects.context import make_context, module_text
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
-from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
+from hspmd.codegen.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
 from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
 from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
+from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.lower_reshard import LowerReshard
 from hspmd.transforms.pipeline.virtual import annotation_strategy
@@ -44,7 +46,8 @@ from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.util import PassError, module_strategy
 
 __all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script",
-           "default_strategy", "physical_passes", "run_passes", "to_physical", "training_passes", "write_bundle"]
+           "default_strategy", "kernel_level", "physical_passes", "run_passes", "to_physical", "training_passes",
+           "write_bundle"]
 
 
 def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | None = None) -> ModuleOp:
@@ -112,7 +115,7 @@ def default_strategy(n: int) -> str:
 
 @dataclass
 class Compiled:
-    """The three levels of one compiled training step."""
+    """The levels of one compiled training step (the kernel level made on first use)."""
 
     script: ModelScript
     strategy: StrategyRecord
@@ -121,6 +124,23 @@ class Compiled:
     physical: ModuleOp
     # the learning-rate schedule the runtime feeds as input "lr" (hspmd.ir.lr_schedule spec)
     lr_schedule: dict | None = None
+    _kernel_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
+
+    def kernel_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
+        """Return each device group's kernel level: its physical module fused by `fuse-kernels`."""
+        if self._kernel_groups is None:
+            self._kernel_groups = kernel_level(self.physical)
+        return self._kernel_groups
+
+
+def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, fused copy) for each device group of `physical` (`fuse-kernels`)."""
+    out = []
+    for devices, module in physical_groups(physical):
+        fused = module.clone()
+        fuse_module(fused)
+        out.append((devices, fused))
+    return out
 
 
 def compile_script(
@@ -162,10 +182,12 @@ def write_bundle(compiled: Compiled, directory: str) -> str:
     atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(compiled.logical))
     atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(compiled.annotated))
     groups = []
-    for gi, (devices, module) in enumerate(physical_groups(compiled.physical)):
-        name = f"physical_group{gi}.mlir"
+    for gi, ((devices, module), (_, fused)) in enumerate(zip(physical_groups(compiled.physical),
+                                                              compiled.kernel_groups())):
+        name, kernels = f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir"
         atomic_write_text(os.path.join(directory, name), module_text(module))
-        groups.append(GroupEntry(list(devices), name))
+        atomic_write_text(os.path.join(directory, kernels), module_text(fused))
+        groups.append(GroupEntry(list(devices), name, kernels))
     manifest = Manifest(
         script=compiled.script.path,
         config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},

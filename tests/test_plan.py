@@ -21,7 +21,8 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.dialects.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
-from hspmd.runtime.plan import PlanError, accepts_out, build_plan
+from hspmd.codegen.schedule import PlanError
+from hspmd.runtime.plan import accepts_out, build_plan
 from hspmd.runtime.worker import step_inputs
 
 SMALL = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "data.batch_size=4"]

@@ -28,9 +28,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.layout_text import LayoutSyntaxError
     from hspmd.dialects.levels import LevelError
-    from hspmd.runtime.bundle import BundleError
+    from hspmd.codegen.bundle import BundleError
     from hspmd.runtime.launch import LaunchError
-    from hspmd.runtime.plan import PlanError
+    from hspmd.codegen.schedule import PlanError
     from hspmd.runtime.worker import RunError
     from hspmd.transforms.util import PassError
 
@@ -68,12 +68,11 @@ def cmd_compile(args) -> int:
         files = sorted(os.listdir(args.dump_dir))
         print(f"wrote {', '.join(files)} to {args.dump_dir}")
     if args.emit == "kernels":
-        from hspmd.codegen.dump import write_kernels
+        from hspmd.codegen.dump import write_kernel_sources
 
-        written = write_kernels(compiled.physical, args.dump_dir)
-        cu = sum(1 for w in written if w.endswith(".cu"))
-        print(f"wrote {', '.join(w for w in written if w.endswith('.mlir'))} and {cu} kernels in "
-              f"{os.path.join(args.dump_dir, 'kernels')}")
+        written = write_kernel_sources([m for _, m in compiled.kernel_groups()], args.dump_dir)
+        levels = ", ".join(f"kernel_group{i}.mlir" for i in range(len(compiled.kernel_groups())))
+        print(f"wrote {len(written)} kernels of {levels} in {os.path.join(args.dump_dir, 'kernels')}")
     if args.report:
         from hspmd.codegen.report import collective_report, format_report
 
@@ -94,7 +93,7 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     from hspmd.compiler import write_bundle
-    from hspmd.runtime.bundle import read_manifest
+    from hspmd.codegen.bundle import read_manifest
     from hspmd.runtime.launch import launch
 
     if os.path.isdir(args.script):

@@ -1,9 +1,9 @@
-"""Write the kernel level of a compiled program: `hspmd compile --emit kernels --dump-dir D`.
+"""Write the kernels of a compiled program as CUDA C files: `hspmd compile --emit kernels --dump-dir D`.
 
-For each device group's physical module, a fused copy (`fuse-kernels`) is written as
-`D/kernel_group<i>.mlir` (it parses back with `parse_module`) and every kernel's complete
-CUDA C text (portability layer + source, as NVRTC and CuPy compile it) as
-`D/kernels/<name>.cu`; kernels with one name in several groups are one kernel.
+The kernel level itself (`D/kernel_group<i>.mlir`, fused by the compiler's `fuse-kernels`) is
+part of every bundle; this writes every kernel's complete CUDA C text (portability layer +
+source, as NVRTC and CuPy compile it) as `D/kernels/<name>.cu`; kernels with one name in
+several groups are one kernel.
 """
 
 from __future__ import annotations
@@ -12,27 +12,18 @@ import os
 
 from xdsl.dialects.builtin import ModuleOp
 
+from hspmd.codegen.bundle import atomic_write_text
 from hspmd.codegen.nvrtc_check import gpu_text
 from hspmd.dialects.kernel import FusedOp
-from hspmd.dialects.context import module_text
-from hspmd.dialects.levels import physical_groups
-from hspmd.runtime.bundle import atomic_write_text
 
 
-def write_kernels(physical: ModuleOp, directory: str) -> list[str]:
-    """Write the kernel-level IR and .cu files of `physical` under `directory`; return the
-    written paths relative to it."""
-    from hspmd.transforms.fuse_kernels import fuse_module
-
+def write_kernel_sources(kernel_groups: list[ModuleOp], directory: str) -> list[str]:
+    """Write the .cu file of every `kernel.fused` op of the (fused) group modules under
+    `directory/kernels`; return the written paths relative to `directory`."""
     os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
     written: list[str] = []
     sources: dict[str, str] = {}
-    for gi, (_, module) in enumerate(physical_groups(physical)):
-        fused = module.clone()
-        fuse_module(fused)
-        name = f"kernel_group{gi}.mlir"
-        atomic_write_text(os.path.join(directory, name), module_text(fused))
-        written.append(name)
+    for gi, fused in enumerate(kernel_groups):
         for op in fused.walk():
             if isinstance(op, FusedOp):
                 # names restart per group module: keep the first, suffix a different kernel

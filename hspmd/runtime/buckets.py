@@ -34,6 +34,7 @@ import numpy as np
 
 from hspmd.dialects import comm
 from hspmd.runtime.comm.base import Communicator, Request
+from hspmd.runtime.nodes import Node, group_of
 
 
 class Bucket:
@@ -90,8 +91,7 @@ def _poller(buckets: list[Bucket]):
 
 def plan_buckets(flat, rank: int, communicator: Communicator, devices: frozenset[int] | None,
                  bucket_bytes: int) -> list[Bucket]:
-    """Rewrite `flat.nodes` (a `plan._Flat`) with bucketed, overlapped all-reduces; return the buckets."""
-    from hspmd.runtime.plan import Node, _group_of
+    """Rewrite `flat.nodes` (a `plan._Flat`, a bound schedule) with bucketed, overlapped all-reduces; return the buckets."""
 
     nodes, types = flat.nodes, flat.types
     if devices is None or bucket_bytes <= 0:
@@ -112,7 +112,7 @@ def plan_buckets(flat, rank: int, communicator: Communicator, devices: frozenset
     for i, node in enumerate(nodes):
         if not isinstance(node.op, comm.AllReduceOp) or types[node.ins[0]] is None:
             continue
-        group = _group_of(node.op.rank_groups, rank, node.op)
+        group = group_of(node.op.rank_groups, rank, node.op)
         if len(group) < 2 or not set(group) <= devices or types[node.ins[0]] != types[node.outs[0]]:
             continue
         ready = defined.get(node.ins[0], -1) + 1

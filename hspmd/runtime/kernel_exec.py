@@ -5,9 +5,10 @@
   every kernel of the program (`hspmd/codegen/cpu_compile.py`, cached on disk by content);
   where no compiler is found or the build fails, it says so once and runs the op's body with
   the per-op NumPy kernels instead.
-* `fuse_for_run(module, backend)` is what a runner calls before building plans: "numpy"
-  leaves the module as it is, "cpu" fuses a copy and builds its library (falling back to the
-  unfused module, with one line on stderr, when there is no compiler), "cuda" fuses for CuPy
+* `program_for(physical, kernel_level, backend)` is what a runner calls before building plans:
+  the compiler fused the program already (the bundle's kernel level); "numpy" takes the
+  physical program, "cpu" the kernel level with its library built (falling back to the physical
+  program, with one line on stderr, when there is no compiler), "cuda" the kernel level for CuPy
   (falling back to "cpu", with one line, when CuPy or a GPU is missing).
 """
 
@@ -203,35 +204,34 @@ def kernel_for(op: Operation, rank: int = 0) -> Callable:
     return cpu_call(op, lib)
 
 
-def fuse_for_run(module: ModuleOp, backend: str = "cpu") -> ModuleOp:
+def program_for(physical: ModuleOp, kernel_level: ModuleOp | None, backend: str = "cpu") -> ModuleOp:
     """Return the module a runner should build plans from for `backend` ("numpy", "cpu", "cuda").
 
-    "numpy": `module` itself. "cpu": a fused copy whose library is built now (so a compile
-    failure is found before the first step); `module` itself, said once, without a compiler.
-    "cuda": a fused copy for the CuPy backend; as "cpu", said once, without CuPy or a GPU.
-    The caller's module is never changed.
+    The compiler fused the program once (`kernel_level`, the bundle's `kernel_groupK.mlir`); this
+    only picks. "numpy": `physical`. "cpu": `kernel_level`, its library built now (so a compile
+    failure is found before the first step); `physical`, said once, without a compiler. "cuda":
+    `kernel_level` for the CuPy backend; as "cpu", said once, without CuPy or a GPU. Without a
+    kernel level (a bundle from before it was part of them), `physical`, said once.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend '{backend}' (expected one of {', '.join(BACKENDS)})")
     if backend == "numpy":
-        return module
-    from hspmd.transforms.fuse_kernels import fuse_module
-
+        return physical
+    if kernel_level is None:
+        say_once("hspmd: the bundle has no kernel level (compile it again to fuse kernels); running NumPy per op")
+        return physical
     if backend == "cuda":
         from hspmd.codegen.cupy_backend import gpu_status
 
         ok, why = gpu_status()
         if ok:
-            fused = module.clone()
-            fuse_module(fused)
-            return fused
+            return kernel_level
         say_once(f"hspmd: the cuda backend is unavailable ({why}); running on the CPU")
     if cpu_compile.find_compiler() is None:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
-        return module
-    fused = module.clone()
-    if not fuse_module(fused):
-        return module  # nothing to fuse: no library to build
-    if program_library(fused) is None:
-        return module
-    return fused
+        return physical
+    if not fused_ops(kernel_level):
+        return physical  # nothing was fused: no library to build
+    if program_library(kernel_level) is None:
+        return physical
+    return kernel_level

@@ -7,7 +7,8 @@ at an xDSL object.
 
 What the build does, in order:
 
-1. **Flatten.** The bodies of `func.call`ed functions (repeated layers) are inlined, so a step
+1. **Flatten** (`hspmd.codegen.schedule`, the compile-side half, which knows no ranks or kernels;
+   here its steps get their kernels). The bodies of `func.call`ed functions (repeated layers) are inlined, so a step
    is one flat list of kernel calls over numbered slots (one slot per SSA value). A pipeline
    stage's `pipeline.run` is laid out the same way: its schedule's actions in order, each the
    forward or the backward inlined on one micro-batch's slices, then the sums over the
@@ -50,22 +51,20 @@ What the build does, in order:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import TensorType
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import Operation
 
-from hspmd.dialects import comm, graph, pipeline
-from hspmd.dialects.dist import layout_of
+from hspmd.codegen.schedule import Leaf, PlanError, Schedule, schedule_step
+from hspmd.dialects import comm
 from hspmd.ir.init_spec import initial_value
-from hspmd.ir.pipeline_schedule import PipelineScheduleError
-from hspmd.ir.layout import Layout
 from hspmd.ir.types import dtype_name
 from hspmd.runtime import kernel_exec
 from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.nodes import Node, group_of
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 
@@ -92,22 +91,6 @@ _FRESH_OPS = frozenset({
     "optim.clip_coef", "comm.all_reduce", "comm.all_gather", "comm.reduce_scatter", "comm.broadcast",
     "comm.all_to_all", "comm.recv", "comm.exchange", "comm.local_split",
 })
-
-
-class PlanError(Exception):
-    """The physical IR cannot be run by this rank (wrong level, missing group, unknown op)."""
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """A parameter or input: its slot, global shape, layout and dtype (and initialiser)."""
-
-    name: str
-    slot: int
-    global_shape: tuple[int, ...]
-    layout: Layout
-    dtype: str
-    init: str = ""
 
 
 @dataclass
@@ -205,13 +188,6 @@ def _contiguous(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else x.copy(order="C")
 
 
-def _group_of(groups: tuple[tuple[int, ...], ...], rank: int, op: Operation) -> tuple[int, ...]:
-    for g in groups:
-        if rank in g:
-            return g
-    raise PlanError(f"rank {rank} is in no group of '{op.name}' {list(groups)}")
-
-
 def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
     """Return the call that performs collective `op` for `rank`."""
     if isinstance(op, comm.SendOp):  # non-blocking: the plan's last step waits for its sends
@@ -231,7 +207,7 @@ def _comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callab
         return lambda: communicator.recv(np.empty(shape, dtype), src, tag)
     if isinstance(op, comm.ExchangeOp):
         return _exchange_kernel(op, rank, communicator)
-    group = _group_of(op.rank_groups, rank, op)
+    group = group_of(op.rank_groups, rank, op)
     match op:
         case comm.AllReduceOp():
             return lambda x: communicator.all_reduce(_contiguous(x), group)
@@ -292,19 +268,6 @@ def _exchange_kernel(op: comm.ExchangeOp, rank: int, communicator: Communicator,
     return exchange
 
 
-def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Layout]:
-    typ = op.global_type
-    layout = layout_of(typ) if typ is not None else None
-    if not isinstance(typ, TensorType) or layout is None:
-        raise PlanError(f"'{op.name}' \"{op.tensor_name.data}\" has no global_type with a layout: not physical IR")
-    return typ.get_shape(), layout
-
-
-def _constant(op: graph.ConstantOp) -> np.ndarray:
-    typ = op.result.type
-    return np.full(typ.get_shape(), op.value.value.data, dtype_name(typ))
-
-
 def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     """Return the call that computes `op` on `rank`."""
     if op.dialect_name() == "comm":
@@ -312,13 +275,6 @@ def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     if op.dialect_name() in KERNELS:
         return KERNELS[op.dialect_name()](op, rank)
     raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
-
-
-def _lookup(module, name: str, op: Operation) -> func.FuncOp:
-    for candidate in module.body.block.ops if module is not None else ():
-        if isinstance(candidate, func.FuncOp) and candidate.sym_name.data == name:
-            return candidate
-    raise PlanError(f"'{op.name}' calls @{name}, which the module does not define")
 
 
 def accepts_out(fn: Callable) -> bool:
@@ -466,48 +422,27 @@ def _rowwise(kernel: Callable, operand_types: list, result_types: list, threads:
 
 
 @dataclass
-class Node:
-    """One kernel call of the flat program: the op, its kernel, operand and result slots."""
-
-    op: Operation | None
-    kernel: Callable
-    ins: tuple[int, ...]
-    outs: tuple[int, ...]
-    kind: str = "op"  # "op", "view" (its result is a view of its operand), "bucket-start", "bucket-wait", "poll"
-    bucket: object = None
-    into: dict[int, np.ndarray] | None = None  # result position -> array to write it into (a bucket's view)
-
-
-@dataclass
 class _Flat:
-    """A step function with its callees inlined: nodes over slots, with each slot's type."""
+    """A schedule with its kernels bound for one rank: nodes over the schedule's slots."""
 
-    nodes: list[Node] = field(default_factory=list)
-    types: list[tuple[tuple[int, ...], np.dtype] | None] = field(default_factory=list)
-    params: list[Leaf] = field(default_factory=list)
-    inputs: list[Leaf] = field(default_factory=list)
-    constants: dict[int, np.ndarray] = field(default_factory=dict)
-    outputs: list[tuple[str, int]] = field(default_factory=list)
-    assigns: list[tuple[str, int]] = field(default_factory=list)
-
-    def new_slot(self, value: SSAValue) -> int:
-        typ = value.type
-        self.types.append((tuple(typ.get_shape()), np.dtype(dtype_name(typ))) if isinstance(typ, TensorType) else None)
-        return len(self.types) - 1
+    nodes: list[Node]
+    types: list[tuple[tuple[int, ...], np.dtype] | None]
+    params: list[Leaf]
+    inputs: list[Leaf]
+    constants: dict[int, np.ndarray]
+    outputs: list[tuple[str, int]]
+    assigns: list[tuple[str, int]]
 
 
-def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel=None) -> _Flat:
-    """Return the step function `fn` as one flat list of nodes, callees inlined."""
-    flat = _Flat()
-    module = fn.parent_op()
+def _bind(schedule: Schedule, rank: int, communicator: Communicator) -> _Flat:
+    """Return `schedule` with each step's kernel made for `rank` (`codegen.schedule` decided the steps)."""
     kernels: dict[tuple[Operation, int | None], Callable] = {}
-    make_kernel = make_kernel or _kernel
 
     def kernel(op: Operation, microbatch: int | None) -> Callable:
         """The op's kernel; inside a pipeline's forward or backward, micro-batch `microbatch`'s
         where the kernel depends on it (`for_microbatch`, as a micro-batched dropout's mask)."""
         if (op, None) not in kernels:
-            kernels[(op, None)] = make_kernel(op, rank, communicator)
+            kernels[(op, None)] = _kernel(op, rank, communicator)
         k = kernels[(op, None)]
         if microbatch is None or not hasattr(k, "for_microbatch"):
             return k
@@ -515,121 +450,20 @@ def _flatten(fn: func.FuncOp, rank: int, communicator: Communicator, make_kernel
             kernels[(op, microbatch)] = k.for_microbatch(microbatch)
         return kernels[(op, microbatch)]
 
-    def body(block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...],
-             microbatch: int | None = None) -> tuple[int, ...]:
-        def slot(value: SSAValue) -> int:
-            if value not in slots:
-                slots[value] = flat.new_slot(value)
-            return slots[value]
-
-        returns: tuple[int, ...] = ()
-        for op in block.ops:
-            match op:
-                case func.ReturnOp():
-                    returns = tuple(slot(v) for v in op.operands)
-                case graph.ParameterOp() | graph.InputOp() | graph.OutputOp() | graph.AssignOp() if not top:
-                    raise PlanError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
-                case graph.ParameterOp() | graph.InputOp():
-                    shape, layout = _global(op)
-                    leaf = Leaf(op.tensor_name.data, slot(op.result), shape, layout, dtype_name(op.result.type))
-                    if isinstance(op, graph.ParameterOp):
-                        flat.params.append(Leaf(**{**leaf.__dict__, "init": op.init.data}))
-                    else:
-                        flat.inputs.append(leaf)
-                case graph.ConstantOp():
-                    flat.constants[slot(op.result)] = _constant(op)
-                case graph.OutputOp():
-                    flat.outputs.append((op.tensor_name.data, slot(op.value)))
-                case graph.AssignOp():
-                    flat.assigns.append((op.tensor_name.data, slot(op.value)))
-                case pipeline.RunOp() if not top:
-                    raise PlanError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
-                case pipeline.RunOp():
-                    results = _expand_pipeline(flat, op, tuple(slot(v) for v in op.operands),
-                                               lambda callee, args, i: call(callee, args, op, i))
-                    for r, s in zip(op.results, results):
-                        slots[r] = s
-                case func.CallOp():
-                    name = op.callee.root_reference.data
-                    if name in stack:
-                        raise PlanError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
-                    callee = _lookup(module, name, op)
-                    inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
-                    results = body(callee.body.block, inner, False, stack + (name,), microbatch)
-                    for r, s in zip(op.results, results):
-                        slots[r] = s  # the call's results are the callee's returned values
-                case _:
-                    ins = tuple(slot(v) for v in op.operands)
-                    flat.nodes.append(Node(op, kernel(op, microbatch), ins, tuple(slot(r) for r in op.results)))
-        return returns
-
-    def call(name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
-        """Inline @name (a `pipeline.run`'s forward or backward) on micro-batch `microbatch`'s
-        argument slots; return its result slots."""
-        callee = _lookup(module, name, at)
-        return body(callee.body.block, dict(zip(callee.body.block.args, args)), False, (fn.sym_name.data, name),
-                    microbatch)
-
-    body(fn.body.block, {}, True, (fn.sym_name.data,))
-    if any(isinstance(n.op, comm.SendOp) for n in flat.nodes):  # every send has left before the step ends
-        flat.nodes.append(Node(None, _wait_sends(flat.nodes), (), (), "poll"))
-    return flat
-
-
-def _expand_pipeline(flat: _Flat, op: pipeline.RunOp, operands: tuple[int, ...],
-                     call: Callable[[str, Sequence[int], int], tuple[int, ...]]) -> list[int]:
-    """Lay out a `pipeline.run` in the flat list: its stage's actions in schedule order, each an
-    inlined call of the forward or backward on one micro-batch's slices, then the left-fold sums.
-
-    The runtime walks the schedule here, once, when it builds the plan (as it inlines calls):
-    buffers are then reused across micro-batches by liveness, so a schedule that keeps fewer
-    micro-batches in flight (1F1B) needs less memory (`Plan.peak_bytes`).
-    """
-    try:
-        acts = pipeline.actions(op)
-    except PipelineScheduleError as err:
-        raise PlanError(f"'{op.name}': {err}") from None
-    stash = op.ints()[3]
-    n_shared = len(op.shared)
-    shared, stacked = list(operands[:n_shared]), operands[n_shared:]
-    slices: dict[int, list[int]] = {}
-    kept: dict[int, tuple[int, ...]] = {}
-    sums: list[int | None] = [None] * len(op.sums)
-
-    def piece(i: int) -> list[int]:
-        if i not in slices:  # micro-batch i's slice of each micro-batched operand: a view
-            slices[i] = []
-            for s in stacked:
-                shape, dtype = flat.types[s]  # type: ignore[misc]
-                flat.types.append((shape[1:], dtype))
-                out = len(flat.types) - 1
-                flat.nodes.append(Node(None, _take(i), (s,), (out,), "view"))
-                slices[i].append(out)
-        return slices[i]
-
-    def accumulate(first: int, values: Sequence[int]) -> None:
-        for k, r in enumerate(values, start=first):
-            if sums[k] is None:
-                sums[k] = r
-            else:
-                flat.types.append(flat.types[r])
-                out = len(flat.types) - 1
-                flat.nodes.append(Node(None, np.add, (sums[k], r), (out,)))  # the kernel of graph.add
-                sums[k] = out
-
-    forward_sums = 0
-    for kind, i in acts:
-        if kind == "F":
-            results = call(op.forward.root_reference.data, shared + piece(i), i)
-            kept[i] = results[:stash]
-            forward_sums = len(results) - stash
-            accumulate(0, results[stash:])
+    nodes: list[Node] = []
+    for step in schedule.steps:
+        if step.kind == "op":
+            assert step.op is not None
+            nodes.append(Node(step.op, kernel(step.op, step.microbatch), step.ins, step.outs))
+        elif step.kind == "take":
+            nodes.append(Node(None, _take(step.index), step.ins, step.outs, "view"))
+        elif step.kind == "add":
+            nodes.append(Node(None, np.add, step.ins, step.outs))  # the kernel of graph.add
         else:
-            results = call(op.backward.root_reference.data, shared + piece(i) + list(kept.pop(i)), i)
-            accumulate(forward_sums, results)
-    if any(s is None for s in sums):
-        raise PlanError(f"'{op.name}': its forward and backward return fewer values than its {len(sums)} results")
-    return sums  # type: ignore[return-value]
+            assert step.kind == "wait-sends", step.kind
+            nodes.append(Node(None, _wait_sends(nodes), (), (), "poll"))
+    return _Flat(nodes, schedule.types, schedule.params, schedule.inputs, schedule.constants, schedule.outputs,
+                 schedule.assigns)
 
 
 def _take(i: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -679,7 +513,7 @@ def build_plan(
     if bucket_bytes == -1:
         env = os.environ.get("HSPMD_BUCKET_BYTES")
         bucket_bytes = int(env) if env else DEFAULT_BUCKET_BYTES
-    flat = _flatten(fn, rank, communicator)
+    flat = _bind(schedule_step(fn), rank, communicator)
     devices = _devices(fn)
     if bucket_bytes:
         plan_buckets(flat, rank, communicator, devices, bucket_bytes)
@@ -687,24 +521,6 @@ def build_plan(
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
     return _assemble(flat, rank, reuse_buffers, allocate, max(1, threads))
-
-
-def matmul_flops(fn: func.FuncOp) -> int:
-    """Return the floating-point operations of one step's matmuls (2 m k n each, callees counted per call)."""
-    from hspmd.runtime.comm.inprocess import InProcessCommunicator
-
-    def kernel_free(op, rank, communicator):  # only the op list is needed: no kernels are made
-        return None
-
-    flops = 0
-    for node in _flatten(fn, 0, InProcessCommunicator.create_world(1)[0], make_kernel=kernel_free).nodes:
-        if isinstance(node.op, graph.MatmulOp):
-            out_shape = node.op.results[0].type.get_shape()
-            flops += 2 * int(np.prod(out_shape, dtype=np.int64)) * node.op.operands[0].type.get_shape()[-1]
-        elif isinstance(node.op, graph.MatmulRhsGradOp):
-            a_shape = node.op.operands[0].type.get_shape()
-            flops += 2 * int(np.prod(a_shape, dtype=np.int64)) * node.op.operands[1].type.get_shape()[-1]
-    return flops
 
 
 def memory_report(physical) -> str:

@@ -21,15 +21,16 @@ import numpy as np
 
 from hspmd.dialects.context import IRTextError, parse_module
 from hspmd.dialects.levels import LevelError, physical_groups, verify_physical
-from hspmd.runtime.bundle import BundleError, read_manifest
+from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
-from hspmd.runtime.kernel_exec import BACKENDS, fuse_for_run
+from hspmd.runtime.kernel_exec import BACKENDS, program_for
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
-from hspmd.runtime.plan import Leaf, Plan, PlanError, build_plan
+from hspmd.codegen.schedule import Leaf, PlanError
+from hspmd.runtime.plan import Plan, build_plan
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -115,8 +116,12 @@ def train(
     module = parse_module(open(path).read(), path)
     verify_physical(module)
     (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
+    kernel_level = None
+    if entry.kernels is not None and kernels != "numpy":
+        kpath = os.path.join(bundle, entry.kernels)
+        kernel_level = parse_module(open(kpath).read(), kpath)
     with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
-        group_module = fuse_for_run(group_module, kernels)  # type: ignore[arg-type]
+        group_module = program_for(group_module, kernel_level, kernels)  # type: ignore[arg-type]
     fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
                and op.sym_name.data == "train_step"), None)
     if fn is None:

@@ -1,8 +1,12 @@
 """Executable bundles: a dump directory that `hspmd run` can execute without the compiler.
 
-A bundle holds `logical.mlir`, `annotated.mlir`, one `physical_groupK.mlir` per device group
-and `manifest.json`, which records what running needs: the model script that provides the
-data, its config, the strategy, the device count, and which program each group runs.
+A bundle holds `logical.mlir`, `annotated.mlir`, per device group its physical program
+`physical_groupK.mlir` and its kernel level `kernel_groupK.mlir` (the same program with
+elementwise chains and row reductions fused into `kernel.fused` ops: the compiler fuses once,
+the runtime only picks), and `manifest.json`, which records what running needs: the model
+script that provides the data, its config, the strategy, the device count, and which programs
+each group runs. It is the compiler's output format and the runtime's input: nothing else
+passes between them.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ class BundleError(Exception):
 
 @dataclass
 class GroupEntry:
-    """One device group and the file holding its physical program."""
+    """One device group, the file holding its physical program and the one holding its kernel
+    level (None in bundles written before the kernel level was part of them)."""
 
     devices: list[int]
     program: str
+    kernels: str | None = None
 
 
 @dataclass
