@@ -554,207 +554,245 @@ def _devices(fn: func.FuncOp) -> frozenset[int] | None:
 
 def _assemble(flat: _Flat, rank: int, reuse_buffers: bool, allocate: bool = True, threads: int = 1) -> Plan:
     """Return the plan of a flat program: storages, liveness, buffers, in-place updates, frees."""
-    nodes, types = flat.nodes, flat.types
-    n_nodes, n_slots = len(nodes), len(types)
-    end_pos = n_nodes  # outputs and assigns are read after the last node
+    memory = _Memory(flat, reuse_buffers)
+    memory.liveness()
+    memory.update_parameters_in_place()
+    memory.reuse_dying_operands()
+    memory.pack_buffers()
+    plan = Plan(rank, params=flat.params, inputs=flat.inputs, constants=flat.constants, outputs=flat.outputs,
+                assigns=flat.assigns, num_slots=len(flat.types))
+    memory.emit_steps(plan, allocate, threads)
+    memory.count_peak(plan)
+    return plan
 
-    # -- storages: which memory each slot may share ------------------------------------
-    # storage kinds: "param" (state arrays), "fixed" (inputs, constants, buckets: never
-    # written by the plan), "pooled" (an out= buffer), "fresh" (kernel-allocated)
-    kind: list[str] = []
-    owner: list[int] = []  # the slot a storage was created for
-    alias: list[frozenset[int]] = [frozenset()] * n_slots
 
-    def new_storage(k: str, slot: int) -> int:
-        kind.append(k)
-        owner.append(slot)
-        return len(kind) - 1
+class _Memory:
+    """The memory decisions of one flat program, phase by phase (see the module docstring, 3-6).
 
-    param_storage: dict[str, int] = {}
-    for p in flat.params:
-        param_storage[p.name] = s = new_storage("param", p.slot)
-        alias[p.slot] = frozenset({s})
-    for leaf in flat.inputs:
-        alias[leaf.slot] = frozenset({new_storage("fixed", leaf.slot)})
-    for slot in flat.constants:
-        alias[slot] = frozenset({new_storage("fixed", slot)})
+    A *storage* is a memory block: "param" (state arrays), "fixed" (inputs, constants, buckets:
+    never written by the plan), "pooled" (an out= buffer), "fresh" (kernel-allocated). Each slot
+    has the set of storages it may share memory with (`alias`).
+    """
 
-    out_capable: list[bool] = []
-    for node in nodes:
+    def __init__(self, flat: _Flat, reuse_buffers: bool) -> None:
+        self.flat, self.nodes, self.types = flat, flat.nodes, flat.types
+        self.kind: list[str] = []
+        self.owner: list[int] = []  # the slot a storage was created for
+        self.alias: list[frozenset[int]] = [frozenset()] * len(self.types)
+        self.param_storage: dict[str, int] = {}
+        for p in flat.params:
+            self.param_storage[p.name] = s = self._new_storage("param", p.slot)
+            self.alias[p.slot] = frozenset({s})
+        for leaf in flat.inputs:
+            self.alias[leaf.slot] = frozenset({self._new_storage("fixed", leaf.slot)})
+        for slot in flat.constants:
+            self.alias[slot] = frozenset({self._new_storage("fixed", slot)})
+        self.out_capable = [self._storages_of(node, reuse_buffers) for node in self.nodes]
+        self.inplace: dict[tuple[int, int], str] = {}  # (node index, result position) -> parameter name
+        self.root = list(range(len(self.kind)))  # a storage -> the storage whose buffer it takes over
+
+    def _new_storage(self, k: str, slot: int) -> int:
+        self.kind.append(k)
+        self.owner.append(slot)
+        return len(self.kind) - 1
+
+    def _storages_of(self, node: Node, reuse_buffers: bool) -> bool:
+        """Give `node`'s results their storages; return whether it writes into out= buffers."""
+        types, alias = self.types, self.alias
         name = node.op.name if node.op is not None else ""
         poolable = (reuse_buffers and node.kind == "op" and accepts_out(node.kernel)
                     and all(types[o] is not None and types[o][0] != () for o in node.outs))
-        out_capable.append(poolable)
         if node.kind == "bucket-wait":
-            fixed = new_storage("fixed", node.outs[0] if node.outs else -1)
+            fixed = self._new_storage("fixed", node.outs[0] if node.outs else -1)
             for o in node.outs:
                 alias[o] = frozenset({fixed})
         elif poolable:
             for pos, o in enumerate(node.outs):
-                alias[o] = frozenset({new_storage("fixed" if node.into and pos in node.into else "pooled", o)})
+                alias[o] = frozenset({self._new_storage("fixed" if node.into and pos in node.into else "pooled", o)})
         elif name in _VIEW_OPS or node.kind == "view":
             for o in node.outs:
                 alias[o] = alias[node.ins[0]]
         else:
             shared = frozenset() if name in _FRESH_OPS else frozenset().union(*(alias[i] for i in node.ins))
             for o in node.outs:
-                alias[o] = shared | {new_storage("fresh", o)}
+                alias[o] = shared | {self._new_storage("fresh", o)}
+        return poolable
 
-    # -- liveness ------------------------------------------------------------------------
-    defined = [-1] * n_slots  # node index defining each slot (-1: before the first node)
-    last_use = [-1] * n_slots
-    for i, node in enumerate(nodes):
-        for o in node.outs:
-            defined[o] = i
-            last_use[o] = max(last_use[o], i)
-        for a in node.ins:
-            last_use[a] = i
-    for _, slot in flat.outputs + flat.assigns:
-        last_use[slot] = end_pos
-    n_storages = len(kind)
-    s_start = [n_nodes + 1] * n_storages
-    s_end = [-1] * n_storages
-    for slot in range(n_slots):
-        for s in alias[slot]:
-            s_end[s] = max(s_end[s], last_use[slot])
-    for s in range(n_storages):
-        o = owner[s]
-        s_start[s] = defined[o] if o >= 0 else -1
-        s_end[s] = max(s_end[s], s_start[s])
+    def liveness(self) -> None:
+        """Each slot's defining node and last use; each storage's first and last node."""
+        flat, n_nodes, n_slots = self.flat, len(self.nodes), len(self.types)
+        self.defined = defined = [-1] * n_slots  # node index defining each slot (-1: before the first node)
+        self.last_use = last_use = [-1] * n_slots
+        for i, node in enumerate(self.nodes):
+            for o in node.outs:
+                defined[o] = i
+                last_use[o] = max(last_use[o], i)
+            for a in node.ins:
+                last_use[a] = i
+        for _, slot in flat.outputs + flat.assigns:
+            last_use[slot] = n_nodes  # outputs and assigns are read after the last node
+        n_storages = len(self.kind)
+        self.s_start = [n_nodes + 1] * n_storages
+        self.s_end = s_end = [-1] * n_storages
+        for slot in range(n_slots):
+            for s in self.alias[slot]:
+                s_end[s] = max(s_end[s], last_use[slot])
+        for s in range(n_storages):
+            o = self.owner[s]
+            self.s_start[s] = defined[o] if o >= 0 else -1
+            s_end[s] = max(s_end[s], self.s_start[s])
 
-    # -- in-place parameter updates --------------------------------------------------------
-    inplace: dict[tuple[int, int], str] = {}  # (node index, result position) -> parameter name
-    assigned_once = [name for name, _ in flat.assigns]
-    out_slots = {slot for _, slot in flat.outputs}
-    slot_uses: dict[int, int] = {}
-    for _, slot in flat.assigns:
-        slot_uses[slot] = slot_uses.get(slot, 0) + 1
-    params_by_name = {p.name: p for p in flat.params}
-    for name, slot in flat.assigns:
-        p = params_by_name.get(name)
-        i = defined[slot]
-        if (p is None or i < 0 or not out_capable[i] or assigned_once.count(name) != 1 or slot in out_slots
-                or slot_uses[slot] != 1 or types[slot] != types[p.slot]):
-            continue
-        last = s_end[param_storage[name]]
-        if (last < i or last == i and inplace_safe(nodes[i].kernel)) and len(alias[slot]) == 1:
-            inplace[(i, nodes[i].outs.index(slot))] = name
-            alias[slot] = frozenset({param_storage[name]})
+    def update_parameters_in_place(self) -> None:
+        """An assigned value computed by an out= kernel after the parameter's last use is written
+        straight into the parameter's array."""
+        flat, types, nodes = self.flat, self.types, self.nodes
+        assigned_once = [name for name, _ in flat.assigns]
+        out_slots = {slot for _, slot in flat.outputs}
+        slot_uses: dict[int, int] = {}
+        for _, slot in flat.assigns:
+            slot_uses[slot] = slot_uses.get(slot, 0) + 1
+        params_by_name = {p.name: p for p in flat.params}
+        for name, slot in flat.assigns:
+            p = params_by_name.get(name)
+            i = self.defined[slot]
+            if (p is None or i < 0 or not self.out_capable[i] or assigned_once.count(name) != 1
+                    or slot in out_slots or slot_uses[slot] != 1 or types[slot] != types[p.slot]):
+                continue
+            last = self.s_end[self.param_storage[name]]
+            if (last < i or last == i and inplace_safe(nodes[i].kernel)) and len(self.alias[slot]) == 1:
+                self.inplace[(i, nodes[i].outs.index(slot))] = name
+                self.alias[slot] = frozenset({self.param_storage[name]})
 
-    # -- elementwise results in the buffer of an operand that dies there ------------------
-    root = list(range(n_storages))  # a storage -> the storage whose buffer it takes over
-
-    def find(s: int) -> int:
-        while root[s] != s:
-            s = root[s]
+    def find(self, s: int) -> int:
+        """Return the storage whose buffer storage `s` uses."""
+        while self.root[s] != s:
+            s = self.root[s]
         return s
 
-    for i, node in enumerate(nodes):
-        if not out_capable[i] or len(node.outs) != 1 or (i, 0) in inplace or not inplace_safe(node.kernel):
-            continue
-        o = node.outs[0]
-        (so,) = alias[o]
-        if kind[so] != "pooled":
-            continue
-        for a in node.ins if isinstance(node.kernel, np.ufunc) else node.ins[:1]:
-            if types[a] != types[o] or len(alias[a]) != 1:
+    def reuse_dying_operands(self) -> None:
+        """An elementwise result takes the buffer of an operand that dies there."""
+        types, alias, kind, find = self.types, self.alias, self.kind, self.find
+        for i, node in enumerate(self.nodes):
+            if (not self.out_capable[i] or len(node.outs) != 1 or (i, 0) in self.inplace
+                    or not inplace_safe(node.kernel)):
                 continue
-            (sa,) = alias[a]
-            r = find(sa)
-            others = {find(x) for b in node.ins if b != a for x in alias[b]}
-            if kind[sa] == "pooled" and owner[sa] == a and s_end[r] == i and r not in others:
-                root[so] = r
-                s_end[r] = max(s_end[r], s_end[so])
-                break
+            o = node.outs[0]
+            (so,) = alias[o]
+            if kind[so] != "pooled":
+                continue
+            for a in node.ins if isinstance(node.kernel, np.ufunc) else node.ins[:1]:
+                if types[a] != types[o] or len(alias[a]) != 1:
+                    continue
+                (sa,) = alias[a]
+                r = find(sa)
+                others = {find(x) for b in node.ins if b != a for x in alias[b]}
+                if kind[sa] == "pooled" and self.owner[sa] == a and self.s_end[r] == i and r not in others:
+                    self.root[so] = r
+                    self.s_end[r] = max(self.s_end[r], self.s_end[so])
+                    break
 
-    # -- buffers: pooled storages packed by liveness (best fit) ----------------------------
-    pooled = sorted((s for s in range(n_storages) if kind[s] == "pooled" and root[s] == s
-                     and (defined[owner[s]], nodes[defined[owner[s]]].outs.index(owner[s])) not in inplace),
-                    key=lambda s: (s_start[s], s))
-    buffers: list[int] = []  # bytes of each buffer
-    free: list[int] = []  # buffer indices free at the current point
-    busy: list[tuple[int, int]] = []  # (end, buffer index)
-    storage_buffer: dict[int, int] = {}
-    for s in pooled:
-        need = max(_nbytes(types[owner[s]]), 1)
-        still = []
-        for end, b in busy:
-            (free.append(b) if end < s_start[s] else still.append((end, b)))
-        busy = still
-        fits = [b for b in free if buffers[b] >= need]
-        if fits:
-            b = min(fits, key=lambda b: buffers[b])
-            free.remove(b)
-        else:
-            buffers.append(need)
-            b = len(buffers) - 1
-        storage_buffer[s] = b
-        busy.append((s_end[s], b))
-
-    raw = [np.empty(size if allocate else 0, dtype=np.uint8) for size in buffers]
-
-    def view(s: int) -> np.ndarray | None:
-        if not allocate:
-            return None
-        shape, dtype = types[owner[s]]
-        return raw[storage_buffer[find(s)]][: _nbytes(types[owner[s]])].view(dtype).reshape(shape)
-
-    # -- steps -----------------------------------------------------------------------------
-    plan = Plan(rank, params=flat.params, inputs=flat.inputs, constants=flat.constants, outputs=flat.outputs,
-                assigns=flat.assigns, num_slots=n_slots)
-    keep = {slot for _, slot in flat.outputs + flat.assigns} | {p.slot for p in flat.params}
-    dead_at: list[list[int]] = [[] for _ in range(n_nodes)]
-    for slot in range(n_slots):
-        if slot not in keep and 0 <= last_use[slot] < n_nodes:
-            dead_at[last_use[slot]].append(slot)
-    for i, node in enumerate(nodes):
-        kw: dict = {}
-        if out_capable[i]:
-            template: list = []
-            places = []
-            for pos, o in enumerate(node.outs):
-                name = inplace.get((i, pos))
-                if node.into and pos in node.into:
-                    template.append(node.into[pos] if allocate else None)
-                elif name is None:
-                    (s,) = alias[o]
-                    template.append(view(s))
-                else:
-                    template.append(None)
-                    places.append((pos, name, types[o][0], types[o][1]))
-            if places:
-                plan._inplace.append((kw, tuple(template), places))
+    def pack_buffers(self) -> None:
+        """Pack the pooled storages into buffers by liveness (best fit)."""
+        owner, defined, s_start = self.owner, self.defined, self.s_start
+        pooled = sorted((s for s in range(len(self.kind)) if self.kind[s] == "pooled" and self.root[s] == s
+                         and (defined[owner[s]], self.nodes[defined[owner[s]]].outs.index(owner[s]))
+                         not in self.inplace),
+                        key=lambda s: (s_start[s], s))
+        self.buffers: list[int] = []  # bytes of each buffer
+        free: list[int] = []  # buffer indices free at the current point
+        busy: list[tuple[int, int]] = []  # (end, buffer index)
+        self.storage_buffer: dict[int, int] = {}
+        for s in pooled:
+            need = max(_nbytes(self.types[owner[s]]), 1)
+            still = []
+            for end, b in busy:
+                (free.append(b) if end < s_start[s] else still.append((end, b)))
+            busy = still
+            fits = [b for b in free if self.buffers[b] >= need]
+            if fits:
+                b = min(fits, key=lambda b: self.buffers[b])
+                free.remove(b)
             else:
-                kw["out"] = template[0] if len(template) == 1 else tuple(template)
+                self.buffers.append(need)
+                b = len(self.buffers) - 1
+            self.storage_buffer[s] = b
+            busy.append((self.s_end[s], b))
+
+    def emit_steps(self, plan: Plan, allocate: bool, threads: int) -> None:
+        """Append one step per node to `plan`: its kernel, out= buffers and the slots that die."""
+        flat, nodes, types, alias = self.flat, self.nodes, self.types, self.alias
+        raw = [np.empty(size if allocate else 0, dtype=np.uint8) for size in self.buffers]
+
+        def view(s: int) -> np.ndarray | None:
+            if not allocate:
+                return None
+            shape, dtype = types[self.owner[s]]
+            return raw[self.storage_buffer[self.find(s)]][: _nbytes(types[self.owner[s]])].view(dtype).reshape(shape)
+
+        keep = {slot for _, slot in flat.outputs + flat.assigns} | {p.slot for p in flat.params}
+        dead_at: list[list[int]] = [[] for _ in range(len(nodes))]
+        for slot in range(len(types)):
+            if slot not in keep and 0 <= self.last_use[slot] < len(nodes):
+                dead_at[self.last_use[slot]].append(slot)
+        for i, node in enumerate(nodes):
+            kw: dict = {}
+            if self.out_capable[i]:
+                template: list = []
+                places = []
+                for pos, o in enumerate(node.outs):
+                    name = self.inplace.get((i, pos))
+                    if node.into and pos in node.into:
+                        template.append(node.into[pos] if allocate else None)
+                    elif name is None:
+                        (s,) = alias[o]
+                        template.append(view(s))
+                    else:
+                        template.append(None)
+                        places.append((pos, name, types[o][0], types[o][1]))
+                if places:
+                    plan._inplace.append((kw, tuple(template), places))
+                else:
+                    kw["out"] = template[0] if len(template) == 1 else tuple(template)
+            plan.steps.append((self._kernel_of(i, threads), node.ins, node.outs, kw, tuple(dead_at[i])))
+        updated = {nodes[i].outs[pos]: name for (i, pos), name in self.inplace.items()}
+        plan._copy_out = frozenset(
+            (name, slot) for name, slot in flat.outputs + flat.assigns
+            if updated.get(slot) != name and any(self.kind[s] != "fresh" for s in alias[slot])
+        )
+        plan.buckets = [b.summary() for b in self._buckets()]
+
+    def _kernel_of(self, i: int, threads: int) -> Callable:
+        """Return node i's kernel, run by blocks of rows (and threads) when its result is large."""
+        node, types = self.nodes[i], self.types
         kernel = node.kernel
-        if out_capable[i] and _nbytes(types[node.outs[0]]) >= ROW_PARALLEL_BYTES:
+        if self.out_capable[i] and _nbytes(types[node.outs[0]]) >= ROW_PARALLEL_BYTES:
             operand_types = [types[a] for a in node.ins]
             kernel = (_rowwise(kernel, operand_types, [types[o] for o in node.outs], threads)
                       or (_by_rows(kernel, operand_types, types[node.outs[0]], threads)
                           if threads > 1 and len(node.outs) == 1 else None)
                       or kernel)
-        plan.steps.append((kernel, node.ins, node.outs, kw, tuple(dead_at[i])))
-    updated = {nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}
-    plan._copy_out = frozenset(
-        (name, slot) for name, slot in flat.outputs + flat.assigns
-        if updated.get(slot) != name and any(kind[s] != "fresh" for s in alias[slot])
-    )
-    plan.buckets = [b.summary() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values()]
+        return kernel
 
-    # -- peak bytes ----------------------------------------------------------------------------
-    plan.buffer_bytes = sum(buffers)
-    persistent = sum(_nbytes(types[p.slot]) for p in flat.params) + sum(_nbytes(types[l.slot]) for l in flat.inputs)
-    persistent += sum(c.nbytes for c in flat.constants.values())
-    persistent += sum(b.nbytes() for b in {id(n.bucket): n.bucket for n in nodes if n.bucket is not None}.values())
-    delta = [0] * (n_nodes + 2)
-    for s in range(n_storages):
-        if kind[s] == "fresh" and s_start[s] >= 0:
-            size = _nbytes(types[owner[s]])
-            delta[s_start[s]] += size
-            delta[min(s_end[s], n_nodes) + 1] -= size
-    live = peak_fresh = 0
-    for d in delta:
-        live += d
-        peak_fresh = max(peak_fresh, live)
-    plan.peak_bytes = plan.buffer_bytes + peak_fresh + persistent
-    return plan
+    def _buckets(self) -> list:
+        return list({id(n.bucket): n.bucket for n in self.nodes if n.bucket is not None}.values())
+
+    def count_peak(self, plan: Plan) -> None:
+        """Set the plan's buffer and peak bytes: buffers, the largest sum of live kernel-allocated
+        arrays, parameters, inputs, constants and buckets."""
+        flat, types, n_nodes = self.flat, self.types, len(self.nodes)
+        plan.buffer_bytes = sum(self.buffers)
+        persistent = (sum(_nbytes(types[p.slot]) for p in flat.params)
+                      + sum(_nbytes(types[leaf.slot]) for leaf in flat.inputs))
+        persistent += sum(c.nbytes for c in flat.constants.values())
+        persistent += sum(b.nbytes() for b in self._buckets())
+        delta = [0] * (n_nodes + 2)
+        for s in range(len(self.kind)):
+            if self.kind[s] == "fresh" and self.s_start[s] >= 0:
+                size = _nbytes(types[self.owner[s]])
+                delta[self.s_start[s]] += size
+                delta[min(self.s_end[s], n_nodes) + 1] -= size
+        live = peak_fresh = 0
+        for d in delta:
+            live += d
+            peak_fresh = max(peak_fresh, live)
+        plan.peak_bytes = plan.buffer_bytes + peak_fresh + persistent
