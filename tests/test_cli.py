@@ -14,7 +14,7 @@ def test_compile_dumps_three_levels_that_hspmd_opt_prints_unchanged(tmp_path):
     d = tmp_path / "bundle"
     run_cli("hspmd", "compile", MLP, "--strategy", "[0,1]: dp=2", "--dump-dir", str(d), check=True)
     names = sorted(os.listdir(d))
-    assert names == ["annotated.mlir", "logical.mlir", "manifest.json", "physical_group0.mlir"]
+    assert names == ["annotated.mlir", "kernel_group0.mlir", "logical.mlir", "manifest.json", "physical_group0.mlir"]
     for name in names:
         if not name.endswith(".mlir"):
             continue

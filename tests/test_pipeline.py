@@ -24,7 +24,8 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.inprocess import InProcessCommunicator
-from hspmd.runtime.plan import _flatten, build_plan
+from hspmd.codegen.schedule.flatten import flatten
+from hspmd.runtime.plan import build_plan
 from hspmd.ir.pipeline_schedule import (
     PipelineScheduleError,
     check_schedule,
@@ -131,10 +132,9 @@ def test_stage_programs_do_not_grow_with_micro_batches():
 def _p2p_order(compiled, stage: int) -> list[str]:
     """Return the sends and receives of activations (and their gradients) in the order the plan of a
     stage's first rank runs them: the schedule as the runtime walks it."""
-    devices, group = physical_groups(compiled.physical)[stage]
+    _, group = physical_groups(compiled.physical)[stage]
     step = next(f for f in group.body.block.ops if isinstance(f, func.FuncOp) and f.sym_name.data == "train_step")
-    world = InProcessCommunicator.create_world(len(physical_groups(compiled.physical)))
-    flat = _flatten(step, devices[0], world[devices[0]])
+    flat = flatten(step)
     return [n.op.name[5:] for n in flat.nodes if isinstance(n.op, (comm.SendOp, comm.RecvOp))
             and len(n.op.operands[0].type.get_shape() if isinstance(n.op, comm.SendOp)
                     else n.op.result.type.get_shape()) == 3]

@@ -229,14 +229,14 @@ def test_in_place_kernels_match_the_textbook_formulas(rows, cols, seed):
 
 def test_rows_by_blocks_on_threads_give_the_bits_of_one_call(monkeypatch):
     """Large row-wise kernels run by blocks of rows on threads: the same bits as one call."""
-    from hspmd.runtime import plan as plan_mod
+    from hspmd.runtime import rows as rows_mod
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(SMALL))
     compiled = compile_script(script, "[0]: dp=1", 1)
     comm = InProcessCommunicator.create_world(1)[0]
     single = build_plan(_step_fn(compiled.physical), 0, comm, threads=1)  # too small to be cut
-    monkeypatch.setattr(plan_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
-    monkeypatch.setattr(plan_mod, "ROW_BLOCK_ELEMENTS", 100)  # several blocks per thread
+    monkeypatch.setattr(rows_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
+    monkeypatch.setattr(rows_mod, "ROW_BLOCK_ELEMENTS", 100)  # several blocks per thread
     threaded = build_plan(_step_fn(compiled.physical), 0, comm, threads=3)
     wrapped = [fn for fn, *_ in threaded.steps if hasattr(fn, "rows_of")]
     assert len(wrapped) > 10 and not any(hasattr(fn, "rows_of") for fn, *_ in single.steps)

@@ -28,7 +28,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.layout_text import LayoutSyntaxError
     from hspmd.ir.levels import LevelError
-    from hspmd.runtime.bundle import BundleError
+    from hspmd.codegen.bundle import BundleError
     from hspmd.runtime.launch import LaunchError
     from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
@@ -69,8 +69,9 @@ def cmd_compile(args) -> int:
         print(f"wrote {', '.join(files)} to {args.dump_dir}")
     if args.emit == "kernels":
         from hspmd.codegen.dump import write_kernels
+        from hspmd.frontend.compile import kernel_level
 
-        written = write_kernels(compiled.physical, args.dump_dir)
+        written = write_kernels(kernel_level(compiled), args.dump_dir)
         cu = sum(1 for w in written if w.endswith(".cu"))
         print(f"wrote {', '.join(w for w in written if w.endswith('.mlir'))} and {cu} kernels in "
               f"{os.path.join(args.dump_dir, 'kernels')}")
@@ -78,7 +79,7 @@ def cmd_compile(args) -> int:
         from hspmd.ir.report import collective_report, format_report
 
         sys.stdout.write(format_report(collective_report(compiled.physical), compiled.physical))
-        from hspmd.runtime.plan import memory_report
+        from hspmd.codegen.schedule.analysis import memory_report
 
         sys.stdout.write(memory_report(compiled.physical))
     if args.explain:
@@ -94,7 +95,7 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     from hspmd.frontend.compile import write_bundle
-    from hspmd.runtime.bundle import read_manifest
+    from hspmd.codegen.bundle import read_manifest
     from hspmd.runtime.launch import launch
 
     if os.path.isdir(args.script):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from xdsl.dialects.builtin import ModuleOp
@@ -10,9 +9,9 @@ from xdsl.dialects.builtin import ModuleOp
 from hspmd.frontend.optim import Optimizer
 from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
 from hspmd.frontend.strategy import Strategy, StrategyGroup, parse_strategy
-from hspmd.ir.context import module_text
 from hspmd.ir.levels import physical_groups, verify_annotated, verify_logical, verify_physical
-from hspmd.runtime.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
+from hspmd.codegen import bundle
+from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.pipeline import PHYSICAL_PIPELINE, annotate_pipeline, run_passes
 from hspmd.transforms.util import PassError
 
@@ -228,24 +227,26 @@ def compile_script(
                     annotate_as)
 
 
+def kernel_level(compiled: Compiled) -> list[ModuleOp]:
+    """Return every device group's physical program fused (`fuse-kernels` on a copy), in group order."""
+    out = []
+    for _, module in physical_groups(compiled.physical):
+        fused = module.clone()
+        fuse_module(fused)
+        out.append(fused)
+    return out
+
+
 def write_bundle(compiled: Compiled, directory: str) -> str:
-    """Write the levels and the manifest of `compiled` into `directory`; return the directory."""
-    os.makedirs(directory, exist_ok=True)
-    atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(compiled.logical))
-    atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(compiled.annotated))
-    groups = []
-    for gi, (devices, module) in enumerate(physical_groups(compiled.physical)):
-        name = f"physical_group{gi}.mlir"
-        atomic_write_text(os.path.join(directory, name), module_text(module))
-        groups.append(GroupEntry(list(devices), name))
-    manifest = Manifest(
-        script=compiled.script.path,
-        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
-        strategy=compiled.strategy,
-        num_devices=sum(len(g.devices) for g in groups),
-        groups=groups,
+    """Write the levels (the kernel level too) and the manifest of `compiled` into `directory`;
+    return the directory."""
+    groups = physical_groups(compiled.physical)
+    bundle.write_bundle(
+        directory, script=compiled.script.path,
+        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule}, strategy=compiled.strategy,
+        logical=compiled.logical, annotated=compiled.annotated,
+        groups=[(devices, module, fused) for (devices, module), fused in zip(groups, kernel_level(compiled))],
     )
-    write_manifest(directory, manifest)
     return directory
 
 

@@ -5,10 +5,12 @@
   every kernel of the program (`hspmd/codegen/cpu_compile.py`, cached on disk by content);
   where no compiler is found or the build fails, it says so once and runs the op's body with
   the per-op NumPy kernels instead.
-* `fuse_for_run(module, backend)` is what a runner calls before building plans: "numpy"
-  leaves the module as it is, "cpu" fuses a copy and builds its library (falling back to the
-  unfused module, with one line on stderr, when there is no compiler), "cuda" fuses for CuPy
-  (falling back to "cpu", with one line, when CuPy or a GPU is missing).
+* `select_program(physical, kernels, backend)` is what a runner calls before building plans:
+  the compiler fused each group's program once (the bundle's kernel-level IR); "numpy" runs
+  the physical program, "cpu" the kernel-level one and builds its library (falling back to
+  the physical program, with one line on stderr, when there is no compiler), "cuda" the
+  kernel-level one for CuPy (falling back to "cpu", with one line, when CuPy or a GPU is
+  missing).
 """
 
 from __future__ import annotations
@@ -203,35 +205,36 @@ def kernel_for(op: Operation, rank: int = 0) -> Callable:
     return cpu_call(op, lib)
 
 
-def fuse_for_run(module: ModuleOp, backend: str = "cpu") -> ModuleOp:
+def select_program(physical: ModuleOp, kernels: ModuleOp | None, backend: str = "cpu") -> ModuleOp:
     """Return the module a runner should build plans from for `backend` ("numpy", "cpu", "cuda").
 
-    "numpy": `module` itself. "cpu": a fused copy whose library is built now (so a compile
-    failure is found before the first step); `module` itself, said once, without a compiler.
-    "cuda": a fused copy for the CuPy backend; as "cpu", said once, without CuPy or a GPU.
-    The caller's module is never changed.
+    `physical` is a group's physical program and `kernels` the same program at the kernel
+    level (fused by the compiler; None for a bundle written before bundles held it).
+    "numpy": `physical`. "cpu": `kernels`, its library built now (so a compile failure is
+    found before the first step); `physical`, said once, without a compiler, or where the
+    build fails. "cuda": `kernels` for the CuPy backend; as "cpu", said once, without CuPy or
+    a GPU. Without kernel-level IR: `physical`, said once.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend '{backend}' (expected one of {', '.join(BACKENDS)})")
     if backend == "numpy":
-        return module
-    from hspmd.transforms.fuse_kernels import fuse_module
-
+        return physical
+    if kernels is None:
+        say_once("hspmd: the bundle holds no kernel-level IR (compiled before kernels were fused by the "
+                 "compiler; compile it again to fuse); running NumPy per op")
+        return physical
     if backend == "cuda":
         from hspmd.codegen.cupy_backend import gpu_status
 
         ok, why = gpu_status()
         if ok:
-            fused = module.clone()
-            fuse_module(fused)
-            return fused
+            return kernels
         say_once(f"hspmd: the cuda backend is unavailable ({why}); running on the CPU")
     if cpu_compile.find_compiler() is None:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
-        return module
-    fused = module.clone()
-    if not fuse_module(fused):
-        return module  # nothing to fuse: no library to build
-    if program_library(fused) is None:
-        return module
-    return fused
+        return physical
+    if not fused_ops(kernels):
+        return physical  # nothing fused: no library to build
+    if program_library(kernels) is None:
+        return physical
+    return kernels
