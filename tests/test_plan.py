@@ -276,3 +276,36 @@ def test_an_elementwise_chain_shares_one_buffer(gpt):
         if isinstance(out, np.ndarray) and len(outs) == 1:
             made_by[outs[0]] = out
     assert shared >= 3 * 2  # per layer: the bias add after a matmul, scale -> mask -> softmax, ...
+
+
+@pytest.mark.parametrize("example, overrides, strategy, n", [
+    ("gpt.py", SMALL, "[0,1]: tp=2", 2),
+    ("llama.py", [], "[0]: dp=1", 1),
+    ("mlp.py", [], "[0,1]: dp=2", 2),
+])
+def test_the_schedules_kernel_facts_agree_with_the_runtime_kernels(example, overrides, strategy, n):
+    """The schedule decides out= buffers and in-place writes from static facts of each op
+    (`kernel_facts`); every runtime kernel, per op and fused, must be what those facts say."""
+    from hspmd.codegen import cpu_compile
+    from hspmd.codegen.schedule.kernel_facts import out_facts
+    from hspmd.frontend.compile import kernel_level
+    from hspmd.runtime.plan import KERNELS, inplace_safe
+
+    script = load_script(os.path.join(EXAMPLES, example), parse_overrides(overrides))
+    compiled = compile_script(script, strategy, n)
+    modules = [m for _, m in physical_groups(compiled.physical)]
+    if cpu_compile.find_compiler() is not None:  # fused kernels run compiled (else NumPy per op)
+        modules += kernel_level(compiled)
+    checked = set()
+    leaves = {"graph.parameter", "graph.input", "graph.output", "graph.assign", "graph.constant", "kernel.yield"}
+    for module in modules:
+        for op in module.walk():
+            if (op.dialect_name() not in KERNELS or op.name in leaves or op.parent_op() is None
+                    or op.parent_op().name == "kernel.fused"):
+                continue
+            kernel = KERNELS[op.dialect_name()](op, 0)
+            facts = out_facts(op)
+            got = (accepts_out(kernel), inplace_safe(kernel), isinstance(kernel, np.ufunc))
+            assert got == (facts.takes_out, facts.inplace_safe, facts.overwrites == "any"), op.name
+            checked.add(op.name)
+    assert len(checked) > 10
