@@ -61,11 +61,11 @@ class Hspmd:
 
     def __init__(self, script, compiled, fn, threads: int | None = None, kernels: str = "cpu") -> None:
         from hspmd.runtime.comm import InProcessCommunicator
-        from hspmd.runtime.kernel_exec import program_for
+        from hspmd.runtime.kernel_exec import select_program
         from hspmd.runtime.plan import build_plan
 
-        (_, fused), = compiled.kernel_groups()  # the kernel level a bundle holds
-        module = program_for(fn.parent_op(), fused, kernels)  # as `hspmd run` does (default: fused CPU kernels)
+        (_, fused), = compiled.kernel_groups()  # the bundle's kernel level, as the compiler writes it
+        module = select_program(fn.parent_op(), fused, kernels)  # as `hspmd run` does (default: fused CPU kernels)
         fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
                   and op.sym_name.data == "train_step")
         self.plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], threads=threads)
@@ -210,7 +210,7 @@ def main() -> int:
         return 0
     import torch
 
-    from hspmd.codegen.schedule import matmul_flops
+    from hspmd.codegen.schedule.analysis import matmul_flops
 
     script, compiled, fn = compile_tiny()
     ours = Hspmd(script, compiled, fn, args.threads, args.kernels)

@@ -17,7 +17,6 @@ through here; the pass lists are plain Python lists, so a user can insert a pass
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from xdsl.context import Context
@@ -26,10 +25,10 @@ from xdsl.passes import ModulePass
 
 from hspmd.frontend.optim import Optimizer
 from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
-from hspmd.dialects.context import make_context, module_text
+from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
-from hspmd.codegen.bundle import GroupEntry, Manifest, atomic_write_text, write_manifest
+from hspmd.codegen import bundle
 from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
 from hspmd.transforms.apply_strategy import ApplyStrategy
@@ -177,25 +176,15 @@ def compile_script(
 
 
 def write_bundle(compiled: Compiled, directory: str) -> str:
-    """Write the levels and the manifest of `compiled` into `directory`; return the directory."""
-    os.makedirs(directory, exist_ok=True)
-    atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(compiled.logical))
-    atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(compiled.annotated))
-    groups = []
-    for gi, ((devices, module), (_, fused)) in enumerate(zip(physical_groups(compiled.physical),
-                                                              compiled.kernel_groups())):
-        name, kernels = f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir"
-        atomic_write_text(os.path.join(directory, name), module_text(module))
-        atomic_write_text(os.path.join(directory, kernels), module_text(fused))
-        groups.append(GroupEntry(list(devices), name, kernels))
-    manifest = Manifest(
-        script=compiled.script.path,
+    """Write the levels (the kernel level too) and the manifest of `compiled` into `directory`;
+    return the directory."""
+    bundle.write_bundle(
+        directory, script=compiled.script.path,
         config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
-        strategy=str(compiled.strategy.strategy),
-        num_devices=sum(len(g.devices) for g in groups),
-        groups=groups,
+        strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
+        groups=[(devices, module, fused) for (devices, module), (_, fused) in zip(physical_groups(compiled.physical),
+                                                                                  compiled.kernel_groups())],
     )
-    write_manifest(directory, manifest)
     return directory
 
 

@@ -83,7 +83,7 @@ def test_buckets_start_after_their_operands_and_end_before_their_uses(gpt_dp2):
             read.setdefault(a, []).append(i)
     assert set(starts) == set(waits) and len(starts) == len(plan.buckets)
     bucketed = sum(count for _, count, _ in plan.buckets)
-    blocking = sum(getattr(fn_, "__name__", "") == "<lambda>" and fn_.__qualname__.startswith("_comm_kernel")
+    blocking = sum(getattr(fn_, "__name__", "") == "<lambda>" and fn_.__qualname__.startswith("comm_kernel")
                    for fn_, *_ in plan.steps)
     assert bucketed + blocking == n_all_reduce and bucketed > blocking  # the rest run where the program has them
     for key, (s, ins) in starts.items():

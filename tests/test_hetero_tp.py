@@ -13,7 +13,7 @@ from hspmd.ir.layout import gather, scatter
 from hspmd.ir.layout_text import parse_layout
 from hspmd.ir.reshard_plan import plan_transition
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.plan import _comm_kernel
+from hspmd.runtime.comm_kernels import comm_kernel
 from hspmd.transforms.lower_reshard import _exchange_op
 from test_reshard_plan import union_transitions
 
@@ -37,7 +37,7 @@ def _run_exchange(src, dst, a, rng):
         op = _exchange_op(step, block.args[0], _R, (r,), src, dst, tuple(a.shape))
         op.verify()
         assert tuple(op.result.type.get_shape()) == dst.local_shape(r, a.shape)
-        return _comm_kernel(op, r, c)(pieces[r])
+        return comm_kernel(op, r, c)(pieces[r])
 
     out = run_spmd(n, body, timeout=30)
     return {r: out[r] for r in dst.devices}

@@ -21,12 +21,6 @@ from hspmd.transforms.fuse_kernels import fuse_module
 from conftest import EXAMPLES
 
 
-def for_run(module, backend):
-    """Return the program `hspmd run` picks for `module` with `backend`: the compiler's kernel
-    level (here a fused copy, as `compiler.kernel_level` makes it) or `module` itself."""
-    fused = module.clone()
-    fuse_module(fused)
-    return kernel_exec.program_for(module, fused, backend)
 
 needs_cxx = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="needs a C++ compiler")
 F = "tensor<4x8xf32>"
@@ -36,6 +30,13 @@ def fused(text: str):
     module = parse_module("builtin.module {\n" + text + "\n}")
     fuse_module(module)
     return module
+
+
+def fused_copy(module):
+    """Return a fused copy of `module` (what the compiler writes as a bundle's kernel level)."""
+    copy = module.clone()
+    fuse_module(copy)
+    return copy
 
 
 def names(module) -> list[str]:
@@ -246,7 +247,7 @@ func.func @f(%x: {F}) -> {F} {{
 }}
 }}""")
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="no C\\+\\+ compiler"):
-        assert for_run(src, "cpu") is src
+        assert kernel_exec.select_program(src, fused_copy(src), "cpu") is src
     m = fused(module_text(src).split("{", 1)[1].rsplit("}", 1)[0])
     (op,) = [o for o in m.walk() if isinstance(o, FusedOp)]
     with pytest.warns(kernel_exec.KernelFallbackWarning):
@@ -256,7 +257,7 @@ func.func @f(%x: {F}) -> {F} {{
     np.testing.assert_array_equal(fn(x), np.tanh(np.exp(x)))
     assert fn2(x).shape == (4, 8)
     err = capsys.readouterr().err
-    assert err.count("no C++ compiler") == 2  # one line for picking the program, one for the kernel: each once
+    assert err.count("no C++ compiler") == 2  # one line for select_program, one for the kernel: each once
     assert all(line.startswith("hspmd: ") for line in err.strip().splitlines())
 
 
@@ -272,7 +273,7 @@ func.func @f(%x: {F}) -> {F} {{
 }}
 }}""")
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="building the CPU kernels failed"):
-        assert for_run(src, "cpu") is src
+        assert kernel_exec.select_program(src, fused_copy(src), "cpu") is src
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
@@ -288,14 +289,29 @@ func.func @f(%x: {F}) -> {F} {{
 }}
 }}""")
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="cuda backend is unavailable"):
-        out = for_run(src, "cuda")
-    assert for_run(src, "numpy") is src
+        out = kernel_exec.select_program(src, fused_copy(src), "cuda")
+    assert kernel_exec.select_program(src, fused_copy(src), "numpy") is src
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        for_run(src, "tpu")
+        kernel_exec.select_program(src, fused_copy(src), "tpu")
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith("hspmd: the cuda backend is unavailable")
     if cpu_compile.find_compiler() is not None:
         assert any(isinstance(o, FusedOp) for o in out.walk())
+
+
+def test_a_bundle_without_kernel_level_ir_runs_the_physical_program_and_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(kernel_exec, "_SAID", set())
+    src = parse_module(f"""builtin.module {{
+func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  func.return %1 : {F}
+}}
+}}""")
+    with pytest.warns(kernel_exec.KernelFallbackWarning, match="no kernel-level IR"):
+        assert kernel_exec.select_program(src, None, "cpu") is src
+        assert kernel_exec.select_program(src, None, "cpu") is src
+    assert kernel_exec.select_program(src, None, "numpy") is src
+    assert capsys.readouterr().err.count("no kernel-level IR") == 1
 
 
 # ----------------------------------------------------------------------------- whole programs
@@ -308,7 +324,7 @@ def test_a_gpt_training_step_fused_equals_numpy_per_op(tmp_path, precision):
     from hspmd.runtime.plan import build_plan
 
     _, group = gpt_physical(tmp_path, *SMALL_GPT, f"precision={precision}")
-    fused_group = for_run(group, "cpu")
+    fused_group = kernel_exec.select_program(group, fused_copy(group), "cpu")
     assert fused_group is not group
     n_kernels = sum(isinstance(o, FusedOp) for o in fused_group.walk())
     assert n_kernels >= 10
@@ -347,7 +363,7 @@ def test_data_parallel_gpt_fused_on_two_ranks_equals_numpy(tmp_path):
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(list(SMALL_GPT)))
     ((_, group),) = physical_groups(compile_script(script, "[0,1]: dp=2", 2).physical)
-    fused_group = for_run(group, "cpu")
+    fused_group = kernel_exec.select_program(group, fused_copy(group), "cpu")
 
     def comm_order(mod):
         return [o.name for o in mod.walk() if o.name.startswith("comm.")]
@@ -381,7 +397,7 @@ def test_heterogeneous_tensor_parallel_gpt_fused_equals_numpy():
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(list(SMALL_GPT)))
     groups = physical_groups(compile_script(script, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", 3).physical)
-    fused_groups = {d: for_run(m, "cpu") for d, m in groups}
+    fused_groups = {d: kernel_exec.select_program(m, fused_copy(m), "cpu") for d, m in groups}
     assert all(any(isinstance(o, FusedOp) for o in m.walk()) for m in fused_groups.values())
     rng = np.random.default_rng(0)
     batch = {"ids": rng.integers(0, 256, (4, 16)), "targets": rng.integers(0, 256, (4, 16)), "lr": np.array(1e-3)}

@@ -24,7 +24,7 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.dialects.levels import physical_groups
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.inprocess import InProcessCommunicator
-from hspmd.codegen.schedule import schedule_step
+from hspmd.codegen.schedule.flatten import flatten
 from hspmd.runtime.plan import build_plan
 from hspmd.ir.pipeline_schedule import (
     PipelineScheduleError,
@@ -134,7 +134,8 @@ def _p2p_order(compiled, stage: int) -> list[str]:
     stage's first rank runs them: the schedule as the runtime walks it."""
     _, group = physical_groups(compiled.physical)[stage]
     step = next(f for f in group.body.block.ops if isinstance(f, func.FuncOp) and f.sym_name.data == "train_step")
-    return [n.op.name[5:] for n in schedule_step(step).steps if isinstance(n.op, (comm.SendOp, comm.RecvOp))
+    flat = flatten(step)
+    return [n.op.name[5:] for n in flat.nodes if isinstance(n.op, (comm.SendOp, comm.RecvOp))
             and len(n.op.operands[0].type.get_shape() if isinstance(n.op, comm.SendOp)
                     else n.op.result.type.get_shape()) == 3]
 

@@ -21,8 +21,7 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.dialects.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
-from hspmd.codegen.schedule import PlanError
-from hspmd.runtime.plan import accepts_out, build_plan
+from hspmd.runtime.plan import PlanError, accepts_out, build_plan
 from hspmd.runtime.worker import step_inputs
 
 SMALL = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "data.batch_size=4"]
@@ -230,14 +229,14 @@ def test_in_place_kernels_match_the_textbook_formulas(rows, cols, seed):
 
 def test_rows_by_blocks_on_threads_give_the_bits_of_one_call(monkeypatch):
     """Large row-wise kernels run by blocks of rows on threads: the same bits as one call."""
-    from hspmd.runtime import plan as plan_mod
+    from hspmd.runtime import rows as rows_mod
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(SMALL))
     compiled = compile_script(script, "[0]: dp=1", 1)
     comm = InProcessCommunicator.create_world(1)[0]
     single = build_plan(_step_fn(compiled.physical), 0, comm, threads=1)  # too small to be cut
-    monkeypatch.setattr(plan_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
-    monkeypatch.setattr(plan_mod, "ROW_BLOCK_ELEMENTS", 100)  # several blocks per thread
+    monkeypatch.setattr(rows_mod, "ROW_PARALLEL_BYTES", 1024)  # the small model's activations qualify
+    monkeypatch.setattr(rows_mod, "ROW_BLOCK_ELEMENTS", 100)  # several blocks per thread
     threaded = build_plan(_step_fn(compiled.physical), 0, comm, threads=3)
     wrapped = [fn for fn, *_ in threaded.steps if hasattr(fn, "rows_of")]
     assert len(wrapped) > 10 and not any(hasattr(fn, "rows_of") for fn, *_ in single.steps)
@@ -277,3 +276,35 @@ def test_an_elementwise_chain_shares_one_buffer(gpt):
         if isinstance(out, np.ndarray) and len(outs) == 1:
             made_by[outs[0]] = out
     assert shared >= 3 * 2  # per layer: the bias add after a matmul, scale -> mask -> softmax, ...
+
+
+@pytest.mark.parametrize("example, overrides, strategy, n", [
+    ("gpt.py", SMALL, "[0,1]: tp=2", 2),
+    ("llama.py", [], "[0]: dp=1", 1),
+    ("mlp.py", [], "[0,1]: dp=2", 2),
+])
+def test_the_schedules_kernel_facts_agree_with_the_runtime_kernels(example, overrides, strategy, n):
+    """The schedule decides out= buffers and in-place writes from static facts of each op
+    (`kernel_facts`); every runtime kernel, per op and fused, must be what those facts say."""
+    from hspmd.codegen import cpu_compile
+    from hspmd.codegen.schedule.kernel_facts import out_facts
+    from hspmd.runtime.plan import KERNELS, inplace_safe
+
+    script = load_script(os.path.join(EXAMPLES, example), parse_overrides(overrides))
+    compiled = compile_script(script, strategy, n)
+    modules = [m for _, m in physical_groups(compiled.physical)]
+    if cpu_compile.find_compiler() is not None:  # fused kernels run compiled (else NumPy per op)
+        modules += [m for _, m in compiled.kernel_groups()]
+    checked = set()
+    leaves = {"graph.parameter", "graph.input", "graph.output", "graph.assign", "graph.constant", "kernel.yield"}
+    for module in modules:
+        for op in module.walk():
+            if (op.dialect_name() not in KERNELS or op.name in leaves or op.parent_op() is None
+                    or op.parent_op().name == "kernel.fused"):
+                continue
+            kernel = KERNELS[op.dialect_name()](op, 0)
+            facts = out_facts(op)
+            got = (accepts_out(kernel), inplace_safe(kernel), isinstance(kernel, np.ufunc))
+            assert got == (facts.takes_out, facts.inplace_safe, facts.overwrites == "any"), op.name
+            checked.add(op.name)
+    assert len(checked) > 10

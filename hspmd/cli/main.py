@@ -30,7 +30,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.dialects.levels import LevelError
     from hspmd.codegen.bundle import BundleError
     from hspmd.runtime.launch import LaunchError
-    from hspmd.codegen.schedule import PlanError
+    from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
     from hspmd.transforms.util import PassError
 
@@ -77,7 +77,7 @@ def cmd_compile(args) -> int:
         from hspmd.codegen.report import collective_report, format_report
 
         sys.stdout.write(format_report(collective_report(compiled.physical), compiled.physical))
-        from hspmd.runtime.plan import memory_report
+        from hspmd.codegen.schedule.analysis import memory_report
 
         sys.stdout.write(memory_report(compiled.physical))
     if args.explain:

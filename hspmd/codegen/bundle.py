@@ -1,19 +1,24 @@
 """Executable bundles: a dump directory that `hspmd run` can execute without the compiler.
 
-A bundle holds `logical.mlir`, `annotated.mlir`, per device group its physical program
-`physical_groupK.mlir` and its kernel level `kernel_groupK.mlir` (the same program with
-elementwise chains and row reductions fused into `kernel.fused` ops: the compiler fuses once,
-the runtime only picks), and `manifest.json`, which records what running needs: the model
-script that provides the data, its config, the strategy, the device count, and which programs
-each group runs. It is the compiler's output format and the runtime's input: nothing else
-passes between them.
+A bundle holds `logical.mlir`, `annotated.mlir`, one `physical_groupK.mlir` per device group,
+the same program at the kernel level (fused by the compiler) as `kernel_groupK.mlir`, and
+`manifest.json`, which records what running needs: the model script that provides the data,
+its config, the strategy, the device count, and which programs each group runs. The
+compiler writes it (`write_bundle`), the runtime reads it (`read_manifest`). A manifest
+written before bundles held kernel-level IR has no `kernels` entries: such a bundle runs its
+physical programs (NumPy per op).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+from xdsl.dialects.builtin import ModuleOp
+
+from hspmd.dialects.context import module_text
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -25,8 +30,8 @@ class BundleError(Exception):
 
 @dataclass
 class GroupEntry:
-    """One device group, the file holding its physical program and the one holding its kernel
-    level (None in bundles written before the kernel level was part of them)."""
+    """One device group, the file holding its physical program and the file holding the same
+    program at the kernel level (None in bundles written before they held it)."""
 
     devices: list[int]
     program: str
@@ -82,3 +87,25 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_bundle(directory: str, *, script: str, config: dict, strategy: str, logical: ModuleOp,
+                 annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp]]) -> Manifest:
+    """Write a bundle into `directory` and return its manifest.
+
+    `groups` holds, per device group, its devices, its physical program and the same program
+    at the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one).
+    """
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(logical))
+    atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(annotated))
+    entries = []
+    for gi, (devices, physical, kernels) in enumerate(groups):
+        entry = GroupEntry(list(devices), f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir")
+        atomic_write_text(os.path.join(directory, entry.program), module_text(physical))
+        atomic_write_text(os.path.join(directory, entry.kernels), module_text(kernels))
+        entries.append(entry)
+    manifest = Manifest(script=script, config=config, strategy=strategy,
+                        num_devices=sum(len(g.devices) for g in entries), groups=entries)
+    write_manifest(directory, manifest)
+    return manifest

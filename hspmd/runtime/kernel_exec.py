@@ -5,11 +5,12 @@
   every kernel of the program (`hspmd/codegen/cpu_compile.py`, cached on disk by content);
   where no compiler is found or the build fails, it says so once and runs the op's body with
   the per-op NumPy kernels instead.
-* `program_for(physical, kernel_level, backend)` is what a runner calls before building plans:
-  the compiler fused the program already (the bundle's kernel level); "numpy" takes the
-  physical program, "cpu" the kernel level with its library built (falling back to the physical
-  program, with one line on stderr, when there is no compiler), "cuda" the kernel level for CuPy
-  (falling back to "cpu", with one line, when CuPy or a GPU is missing).
+* `select_program(physical, kernels, backend)` is what a runner calls before building plans:
+  the compiler fused each group's program once (the bundle's kernel-level IR); "numpy" runs
+  the physical program, "cpu" the kernel-level one and builds its library (falling back to
+  the physical program, with one line on stderr, when there is no compiler), "cuda" the
+  kernel-level one for CuPy (falling back to "cpu", with one line, when CuPy or a GPU is
+  missing).
 """
 
 from __future__ import annotations
@@ -204,34 +205,36 @@ def kernel_for(op: Operation, rank: int = 0) -> Callable:
     return cpu_call(op, lib)
 
 
-def program_for(physical: ModuleOp, kernel_level: ModuleOp | None, backend: str = "cpu") -> ModuleOp:
+def select_program(physical: ModuleOp, kernels: ModuleOp | None, backend: str = "cpu") -> ModuleOp:
     """Return the module a runner should build plans from for `backend` ("numpy", "cpu", "cuda").
 
-    The compiler fused the program once (`kernel_level`, the bundle's `kernel_groupK.mlir`); this
-    only picks. "numpy": `physical`. "cpu": `kernel_level`, its library built now (so a compile
-    failure is found before the first step); `physical`, said once, without a compiler. "cuda":
-    `kernel_level` for the CuPy backend; as "cpu", said once, without CuPy or a GPU. Without a
-    kernel level (a bundle from before it was part of them), `physical`, said once.
+    `physical` is a group's physical program and `kernels` the same program at the kernel
+    level (fused by the compiler; None for a bundle written before bundles held it).
+    "numpy": `physical`. "cpu": `kernels`, its library built now (so a compile failure is
+    found before the first step); `physical`, said once, without a compiler, or where the
+    build fails. "cuda": `kernels` for the CuPy backend; as "cpu", said once, without CuPy or
+    a GPU. Without kernel-level IR: `physical`, said once.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend '{backend}' (expected one of {', '.join(BACKENDS)})")
     if backend == "numpy":
         return physical
-    if kernel_level is None:
-        say_once("hspmd: the bundle has no kernel level (compile it again to fuse kernels); running NumPy per op")
+    if kernels is None:
+        say_once("hspmd: the bundle holds no kernel-level IR (compiled before kernels were fused by the "
+                 "compiler; compile it again to fuse); running NumPy per op")
         return physical
     if backend == "cuda":
         from hspmd.codegen.cupy_backend import gpu_status
 
         ok, why = gpu_status()
         if ok:
-            return kernel_level
+            return kernels
         say_once(f"hspmd: the cuda backend is unavailable ({why}); running on the CPU")
     if cpu_compile.find_compiler() is None:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
         return physical
-    if not fused_ops(kernel_level):
-        return physical  # nothing was fused: no library to build
-    if program_library(kernel_level) is None:
+    if not fused_ops(kernels):
+        return physical  # nothing fused: no library to build
+    if program_library(kernels) is None:
         return physical
-    return kernel_level
+    return kernels

@@ -7,8 +7,10 @@ tuple. Kernels compute in the operands' dtype unless a comment says otherwise.
 Kernels marked with `@takes_out` also accept `out=` (an array of the result's shape and
 dtype, or a tuple of them for several results): they fill it and return it. The plan hands
 them buffers it reuses from step to step; NumPy ufuncs (np.add, np.exp, ...) take `out=`
-natively. View ops (transpose, broadcast, split, slice, reshape) return views of their
-operand, not copies: the plan tracks the aliasing.
+natively. Which ops get buffers is decided with the schedule from
+`hspmd.codegen.schedule.kernel_facts`, which must say what these markers say. View ops
+(transpose, broadcast, split, slice, reshape) return views of their operand, not copies: the
+schedule tracks the aliasing.
 """
 
 from __future__ import annotations
@@ -609,6 +611,16 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
     Most kernels ignore the rank; ops whose values depend on where a piece lies in the global
     tensor (counter-based dropout) use it with the op's `global_type` layout.
     """
+    fn = _pointwise_or_shape_kernel(op)
+    if fn is None:
+        fn = _layer_kernel(op, rank)
+    if fn is None:
+        raise NotImplementedError(f"no NumPy kernel for '{op.name}'")
+    return fn
+
+
+def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
+    """Return the kernel of an elementwise, matmul, reduction or view op (None for other ops)."""
     match op:
         case graph.AddOp():
             return np.add
@@ -706,6 +718,12 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
         case graph.CastOp():
             dtype = _result_dtype(op)
             return lambda x: x.astype(dtype)
+    return None
+
+
+def _layer_kernel(op: Operation, rank: int) -> Kernel | None:
+    """Return the kernel of a softmax, norm, embedding, loss, slicing or dropout op (None for other ops)."""
+    match op:
         case graph.SoftmaxOp():
             axis = op.dim.value.data
             rows = _along(axis, len(_result_shape(op)))
@@ -767,4 +785,4 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
             return rope(op.base.value.data, -1.0)
         case graph.DropoutOp():
             return dropout(op, rank)
-    raise NotImplementedError(f"no NumPy kernel for '{op.name}'")
+    return None

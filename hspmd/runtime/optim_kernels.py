@@ -88,7 +88,8 @@ def clip_coef(total: float, max_norm: float) -> float:
 
 
 def _update(fn: Callable) -> Callable:
-    """Mark `fn` as taking `out=` that may be its own operands (elementwise): see `hspmd.runtime.plan`."""
+    """Mark `fn` as taking `out=` that may be its own operands (elementwise): see
+    `hspmd.codegen.schedule.kernel_facts`, whose table must say the same of its op."""
     fn.accepts_out = True  # type: ignore[attr-defined]
     fn.inplace_safe = True  # type: ignore[attr-defined]
     fn.rowwise = True  # type: ignore[attr-defined]  (elementwise: the plan may run it by blocks)

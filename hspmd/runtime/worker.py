@@ -22,15 +22,15 @@ import numpy as np
 from hspmd.dialects.context import IRTextError, parse_module
 from hspmd.dialects.levels import LevelError, physical_groups, verify_physical
 from hspmd.codegen.bundle import BundleError, read_manifest
+from hspmd.codegen.schedule.model import Leaf
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
-from hspmd.runtime.kernel_exec import BACKENDS, program_for
+from hspmd.runtime.kernel_exec import BACKENDS, select_program
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
-from hspmd.codegen.schedule import Leaf, PlanError
-from hspmd.runtime.plan import Plan, build_plan
+from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -98,9 +98,10 @@ def train(
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
     `kernels` picks how elementwise chains and row reductions run (`kernel_exec.BACKENDS`):
-    "cpu" fuses them into C++ kernels built from their CUDA source (NumPy per op, said once,
-    where no compiler is found), "numpy" runs NumPy per op, "cuda" is for CuPy (falls back to
-    "cpu" without a GPU).
+    "cpu" runs the bundle's kernel-level program, its fused kernels built as C++ from their
+    CUDA source (the physical program, NumPy per op, said once, where no compiler is found or
+    the bundle has no kernel level), "numpy" runs the physical program NumPy per op, "cuda" is
+    for CuPy (falls back to "cpu" without a GPU).
 
     With `keep_outputs`, the result also holds every step's named outputs (gradients of a
     program compiled without an optimizer, for instance) and the initial parameters.
@@ -113,15 +114,12 @@ def train(
         )
     entry = manifest.group_for(comm.rank)
     path = os.path.join(bundle, entry.program)
-    module = parse_module(open(path).read(), path)
-    verify_physical(module)
-    (devices, group_module), *_ = [g for g in physical_groups(module) if comm.rank in g[0]]
-    kernel_level = None
-    if entry.kernels is not None and kernels != "numpy":
-        kpath = os.path.join(bundle, entry.kernels)
-        kernel_level = parse_module(open(kpath).read(), kpath)
+    group_module = _group_program(path, comm.rank, verify=True)
+    kernel_module = None
+    if kernels != "numpy" and entry.kernels is not None:
+        kernel_module = _group_program(os.path.join(bundle, entry.kernels), comm.rank)
     with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
-        group_module = program_for(group_module, kernel_level, kernels)  # type: ignore[arg-type]
+        group_module = select_program(group_module, kernel_module, kernels)
     fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
                and op.sym_name.data == "train_step"), None)
     if fn is None:
@@ -203,6 +201,16 @@ def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndar
             raise RunError(f"input '{base}' of shape {value.shape}: {m} micro-batches need a batch dim divisible by {m}")
         out[name] = value.reshape(m, value.shape[0] // m, *value.shape[1:])
     return out
+
+
+def _group_program(path: str, rank: int, verify: bool = False):
+    """Return the group module of the program in `path` that `rank` runs (the physical level
+    verified with `verify`)."""
+    module = parse_module(open(path).read(), path)
+    if verify:
+        verify_physical(module)
+    (_, group_module), *_ = [g for g in physical_groups(module) if rank in g[0]]
+    return group_module
 
 
 def _stage_parameters(bundle: str, manifest) -> list[Leaf]:

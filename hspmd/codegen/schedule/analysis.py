@@ -1,0 +1,40 @@
+"""Reports read from schedules: a step's matmul FLOPs, and every rank's planned memory."""
+
+from __future__ import annotations
+
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp
+
+from hspmd.codegen.schedule import build_schedule
+from hspmd.codegen.schedule.flatten import flatten
+from hspmd.dialects import graph
+from hspmd.dialects.levels import physical_groups
+
+
+def matmul_flops(fn: func.FuncOp) -> int:
+    """Return the floating-point operations of one step's matmuls (2 m k n each, callees counted per call)."""
+    flops = 0
+    for node in flatten(fn).nodes:
+        if isinstance(node.op, graph.MatmulOp):
+            out_shape = node.op.results[0].type.get_shape()
+            flops += 2 * int(np.prod(out_shape, dtype=np.int64)) * node.op.operands[0].type.get_shape()[-1]
+        elif isinstance(node.op, graph.MatmulRhsGradOp):
+            a_shape = node.op.operands[0].type.get_shape()
+            flops += 2 * int(np.prod(a_shape, dtype=np.int64)) * node.op.operands[1].type.get_shape()[-1]
+    return flops
+
+
+def memory_report(physical: ModuleOp) -> str:
+    """Return one line per rank of a physical module: its schedule's peak bytes per step (and buffers)."""
+    lines = ["plan memory per rank (one step: buffers reused by liveness, live arrays, parameters, inputs):"]
+    for devices, module in physical_groups(physical):
+        fn = next((op for op in module.body.block.ops if isinstance(op, func.FuncOp)
+                   and op.sym_name.data == "train_step"), None)
+        if fn is None:
+            continue
+        for rank in devices:
+            schedule = build_schedule(fn, rank)
+            lines.append(f"  rank {rank}: peak {schedule.peak_bytes:,} bytes ({schedule.peak_bytes / 2**20:.1f} MiB), "
+                         f"buffers {schedule.buffer_bytes:,} bytes, {len(schedule.buckets)} all-reduce buckets")
+    return "\n".join(lines) + "\n"

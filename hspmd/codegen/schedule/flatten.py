@@ -1,0 +1,226 @@
+"""A step function as one flat list of nodes over numbered slots: calls inlined, pipelines laid out.
+
+The bodies of `func.call`ed functions (repeated layers) are inlined, so a step is one flat
+list of kernel calls over numbered slots (one slot per SSA value). A pipeline stage's
+`pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
+or the backward inlined on one micro-batch's slices, then the sums over the micro-batches
+in their order (`hspmd.dialects.pipeline`). A program with `comm.send`s ends with one node
+that waits for them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import TensorType
+from xdsl.ir import Operation, SSAValue
+
+from hspmd.codegen.schedule.kernel_facts import FRESH, SUM, OutFacts, out_facts
+from hspmd.codegen.schedule.model import Constant, Leaf, ScheduleError, SlotType
+from hspmd.dialects import comm, graph, pipeline
+from hspmd.dialects.dist import layout_of
+from hspmd.ir.layout import Layout
+from hspmd.ir.pipeline_schedule import PipelineScheduleError
+from hspmd.ir.types import dtype_name
+
+
+@dataclass
+class Node:
+    """One call of the flat program while it is scheduled (`model.Step` once finished).
+
+    `kind` as `model.Step.kind`; `into` maps a result position to the (bucket, member) it is
+    written into.
+    """
+
+    op: Operation | None
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    kind: str = "op"
+    facts: OutFacts = FRESH
+    microbatch: int | None = None
+    bucket: int | None = None
+    polls: tuple[int, ...] = ()
+    into: dict[int, tuple[int, int]] | None = None
+
+
+@dataclass
+class Flat:
+    """A step function with its callees inlined: nodes over slots, with each slot's type."""
+
+    nodes: list[Node] = field(default_factory=list)
+    types: list[SlotType] = field(default_factory=list)
+    params: list[Leaf] = field(default_factory=list)
+    inputs: list[Leaf] = field(default_factory=list)
+    constants: list[Constant] = field(default_factory=list)
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+    assigns: list[tuple[str, int]] = field(default_factory=list)
+
+    def new_slot(self, value: SSAValue) -> int:
+        """Return a new slot for `value`, typed as it."""
+        typ = value.type
+        self.types.append((tuple(typ.get_shape()), np.dtype(dtype_name(typ))) if isinstance(typ, TensorType) else None)
+        return len(self.types) - 1
+
+    def like(self, slot: int, drop_leading: bool = False) -> int:
+        """Return a new slot of `slot`'s type (without its leading dim with `drop_leading`)."""
+        shape, dtype = self.types[slot]  # type: ignore[misc]
+        self.types.append((shape[1:], dtype) if drop_leading else (shape, dtype))
+        return len(self.types) - 1
+
+
+def _global(op: graph.ParameterOp | graph.InputOp) -> tuple[tuple[int, ...], Layout]:
+    typ = op.global_type
+    layout = layout_of(typ) if typ is not None else None
+    if not isinstance(typ, TensorType) or layout is None:
+        raise ScheduleError(f"'{op.name}' \"{op.tensor_name.data}\" has no global_type with a layout: not physical IR")
+    return typ.get_shape(), layout
+
+
+def _lookup(module, name: str, op: Operation) -> func.FuncOp:
+    for candidate in module.body.block.ops if module is not None else ():
+        if isinstance(candidate, func.FuncOp) and candidate.sym_name.data == name:
+            return candidate
+    raise ScheduleError(f"'{op.name}' calls @{name}, which the module does not define")
+
+
+class _Inliner:
+    """Walks a step function's body into a `Flat`, inlining calls (see the module docstring)."""
+
+    def __init__(self, fn: func.FuncOp) -> None:
+        self.fn, self.module, self.flat = fn, fn.parent_op(), Flat()
+
+    def leaf(self, op: Operation, slot: int, top: bool, stack: tuple[str, ...]) -> None:
+        """Record a parameter, input, constant, output or assign of the step function."""
+        flat = self.flat
+        if not top:
+            raise ScheduleError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
+        match op:
+            case graph.ParameterOp() | graph.InputOp():
+                shape, layout = _global(op)
+                leaf = Leaf(op.tensor_name.data, slot, shape, layout, dtype_name(op.result.type))
+                if isinstance(op, graph.ParameterOp):
+                    flat.params.append(Leaf(**{**leaf.__dict__, "init": op.init.data}))
+                else:
+                    flat.inputs.append(leaf)
+            case graph.OutputOp():
+                flat.outputs.append((op.tensor_name.data, slot))
+            case graph.AssignOp():
+                flat.assigns.append((op.tensor_name.data, slot))
+
+    def body(self, block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...],
+             microbatch: int | None = None) -> tuple[int, ...]:
+        """Append `block`'s ops (values in `slots`); return the slots it returns."""
+        flat = self.flat
+
+        def slot(value: SSAValue) -> int:
+            if value not in slots:
+                slots[value] = flat.new_slot(value)
+            return slots[value]
+
+        returns: tuple[int, ...] = ()
+        for op in block.ops:
+            match op:
+                case func.ReturnOp():
+                    returns = tuple(slot(v) for v in op.operands)
+                case graph.ParameterOp() | graph.InputOp():
+                    self.leaf(op, slot(op.result), top, stack)
+                case graph.OutputOp() | graph.AssignOp():
+                    self.leaf(op, slot(op.value), top, stack)
+                case graph.ConstantOp():
+                    typ = op.result.type
+                    flat.constants.append(Constant(slot(op.result), tuple(typ.get_shape()), dtype_name(typ),
+                                                   op.value.value.data))
+                case pipeline.RunOp() if not top:
+                    raise ScheduleError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
+                case pipeline.RunOp():
+                    results = _expand_pipeline(flat, op, tuple(slot(v) for v in op.operands),
+                                               lambda callee, args, i, at=op: self.call(callee, args, at, i))
+                    for r, s in zip(op.results, results):
+                        slots[r] = s
+                case func.CallOp():
+                    name = op.callee.root_reference.data
+                    if name in stack:
+                        raise ScheduleError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
+                    callee = _lookup(self.module, name, op)
+                    inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
+                    results = self.body(callee.body.block, inner, False, stack + (name,), microbatch)
+                    for r, s in zip(op.results, results):
+                        slots[r] = s  # the call's results are the callee's returned values
+                case _:
+                    ins = tuple(slot(v) for v in op.operands)
+                    flat.nodes.append(Node(op, ins, tuple(slot(r) for r in op.results), facts=out_facts(op),
+                                           microbatch=microbatch))
+        return returns
+
+    def call(self, name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
+        """Inline @name (a `pipeline.run`'s forward or backward) on micro-batch `microbatch`'s
+        argument slots; return its result slots."""
+        callee = _lookup(self.module, name, at)
+        return self.body(callee.body.block, dict(zip(callee.body.block.args, args)), False,
+                         (self.fn.sym_name.data, name), microbatch)
+
+
+def flatten(fn: func.FuncOp) -> Flat:
+    """Return the step function `fn` as one flat list of nodes, callees inlined."""
+    inliner = _Inliner(fn)
+    inliner.body(fn.body.block, {}, True, (fn.sym_name.data,))
+    flat = inliner.flat
+    if any(isinstance(n.op, comm.SendOp) for n in flat.nodes):  # every send has left before the step ends
+        flat.nodes.append(Node(None, (), (), "wait-sends"))
+    return flat
+
+
+def _expand_pipeline(flat: Flat, op: pipeline.RunOp, operands: tuple[int, ...],
+                     call: Callable[[str, Sequence[int], int], tuple[int, ...]]) -> list[int]:
+    """Lay out a `pipeline.run` in the flat list: its stage's actions in schedule order, each an
+    inlined call of the forward or backward on one micro-batch's slices, then the left-fold sums.
+
+    The schedule is walked here, once (as calls are inlined): buffers are then reused across
+    micro-batches by liveness, so a schedule that keeps fewer micro-batches in flight (1F1B)
+    needs less memory (`Schedule.peak_bytes`).
+    """
+    try:
+        acts = pipeline.actions(op)
+    except PipelineScheduleError as err:
+        raise ScheduleError(f"'{op.name}': {err}") from None
+    stash = op.ints()[3]
+    n_shared = len(op.shared)
+    shared, stacked = list(operands[:n_shared]), operands[n_shared:]
+    slices: dict[int, list[int]] = {}
+    kept: dict[int, tuple[int, ...]] = {}
+    sums: list[int | None] = [None] * len(op.sums)
+
+    def piece(i: int) -> list[int]:
+        if i not in slices:  # micro-batch i's slice of each micro-batched operand: a view
+            slices[i] = []
+            for s in stacked:
+                out = flat.like(s, drop_leading=True)
+                flat.nodes.append(Node(None, (s,), (out,), "take", microbatch=i))
+                slices[i].append(out)
+        return slices[i]
+
+    def accumulate(first: int, values: Sequence[int]) -> None:
+        for k, r in enumerate(values, start=first):
+            if sums[k] is None:
+                sums[k] = r
+            else:
+                out = flat.like(r)
+                flat.nodes.append(Node(None, (sums[k], r), (out,), "sum", facts=SUM))  # as graph.add
+                sums[k] = out
+
+    forward_sums = 0
+    for kind, i in acts:
+        if kind == "F":
+            results = call(op.forward.root_reference.data, shared + piece(i), i)
+            kept[i] = results[:stash]
+            forward_sums = len(results) - stash
+            accumulate(0, results[stash:])
+        else:
+            results = call(op.backward.root_reference.data, shared + piece(i) + list(kept.pop(i)), i)
+            accumulate(forward_sums, results)
+    if any(s is None for s in sums):
+        raise ScheduleError(f"'{op.name}': its forward and backward return fewer values than its {len(sums)} results")
+    return sums  # type: ignore[return-value]

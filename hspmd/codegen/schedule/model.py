@@ -1,0 +1,160 @@
+"""The finished execution schedule of one rank: plain data the runtime binds and replays.
+
+A `Schedule` says what runs in which order over numbered slots (one per value), where each
+result is written (a reused buffer, a bucket, a parameter's own array, or a fresh array the
+kernel allocates), which slots die after each step, and how many bytes all that takes. It
+holds op references for the steps that compute an IR op, so the runtime can make their
+kernels; it holds no kernel, array or communicator (`hspmd.runtime.plan` binds those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from xdsl.ir import Operation
+
+from hspmd.codegen.schedule.kernel_facts import FRESH, OutFacts
+from hspmd.ir.layout import Layout
+
+#: (shape, dtype) of a slot; None for a value that is not a tensor
+SlotType = tuple[tuple[int, ...], np.dtype] | None
+
+
+class ScheduleError(Exception):
+    """The physical IR cannot be scheduled for this rank (wrong level, missing group, recursion)."""
+
+
+def nbytes(t: SlotType) -> int:
+    """Return the bytes of a value of slot type `t` (0 for None)."""
+    if t is None:
+        return 0
+    shape, dtype = t
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A parameter or input: its slot, global shape, layout and dtype (and initialiser)."""
+
+    name: str
+    slot: int
+    global_shape: tuple[int, ...]
+    layout: Layout
+    dtype: str
+    init: str = ""
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A `graph.constant`: slot `slot` holds `value` everywhere in an array of `shape` and `dtype`."""
+
+    slot: int
+    shape: tuple[int, ...]
+    dtype: str
+    value: float
+
+    def array(self) -> np.ndarray:
+        """Return the constant's array."""
+        return np.full(self.shape, self.value, self.dtype)
+
+    def nbytes(self) -> int:
+        """Return the bytes of the constant's array."""
+        return nbytes((self.shape, np.dtype(self.dtype)))
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One bucket of all-reduces: one flat buffer over `group` holding tensors of `shapes`."""
+
+    group: tuple[int, ...]
+    dtype: np.dtype
+    shapes: tuple[tuple[int, ...], ...]
+
+    def nbytes(self) -> int:
+        """Return the bytes of the bucket's buffer (at least one element)."""
+        return max(sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes), 1) * self.dtype.itemsize
+
+    def summary(self) -> tuple[tuple[int, ...], int, int]:
+        """Return (group, number of tensors, bytes)."""
+        return self.group, len(self.shapes), self.nbytes()
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one result of a step is written (`out=`).
+
+    kind "buffer": a view of shape `shape` and dtype `dtype` at the start of reused buffer
+    `index`; "bucket": member `member` of bucket `index`; "param": the array of parameter
+    `name` itself (an in-place update).
+    """
+
+    kind: str
+    index: int = -1
+    member: int = -1
+    name: str = ""
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of the schedule, over slots.
+
+    kind "op": computes IR op `op` (inside a pipeline's forward or backward on micro-batch
+    `microbatch`, else `microbatch` is None); "take": slice `microbatch` of its operand along
+    the leading dim (a view); "sum": `ins[0] + ins[1]` (a pipeline's micro-batch sums);
+    "bucket-start" / "bucket-wait": start / wait for bucket `bucket`; "poll": let the buckets
+    `polls` progress; "wait-sends": wait for every send the step started.
+    `out` places each result (None: the kernel allocates); `facts` is what the schedule
+    assumed of the kernel in placing them; `frees` lists the slots that die after the step.
+    """
+
+    kind: str
+    op: Operation | None
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    microbatch: int | None = None
+    out: tuple[Destination, ...] | None = None
+    facts: OutFacts = FRESH
+    frees: tuple[int, ...] = ()
+    bucket: int | None = None
+    polls: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The finished schedule of one rank's step (see the module docstring)."""
+
+    rank: int
+    steps: tuple[Step, ...]
+    slot_types: tuple[SlotType, ...]
+    params: tuple[Leaf, ...]
+    inputs: tuple[Leaf, ...]
+    constants: tuple[Constant, ...]
+    outputs: tuple[tuple[str, int], ...]
+    assigns: tuple[tuple[str, int], ...]
+    #: (name, slot) of outputs/assigns read from schedule-owned memory: copied at the end of a step
+    copy_out: frozenset[tuple[str, int]]
+    #: bytes of each reused buffer
+    buffers: tuple[int, ...]
+    #: the all-reduce buckets, by index
+    buckets: tuple[BucketSpec, ...]
+    #: peak bytes during a step: buffers, live kernel-allocated arrays, parameters (with optimizer
+    #: state), inputs, constants and all-reduce buckets
+    peak_bytes: int
+
+    @property
+    def num_slots(self) -> int:
+        """Return the number of slots."""
+        return len(self.slot_types)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Return the bytes of the reused buffers."""
+        return sum(self.buffers)
+
+    def bucket_summaries(self) -> list[tuple[tuple[int, ...], int, int]]:
+        """Return (group, number of tensors, bytes) of every bucket, in the order they start."""
+        order = list(dict.fromkeys(s.bucket for s in self.steps if s.bucket is not None))
+        return [self.buckets[b].summary() for b in order]
