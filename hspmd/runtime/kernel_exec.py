@@ -205,36 +205,41 @@ def kernel_for(op: Operation, rank: int = 0) -> Callable:
     return cpu_call(op, lib)
 
 
-def select_program(physical: ModuleOp, kernels: ModuleOp | None, backend: str = "cpu") -> ModuleOp:
+def select_program(physical: ModuleOp | Callable[[], ModuleOp],
+                   kernels: ModuleOp | Callable[[], ModuleOp] | None, backend: str = "cpu") -> ModuleOp:
     """Return the module a runner should build plans from for `backend` ("numpy", "cpu", "cuda").
 
     `physical` is a group's physical program and `kernels` the same program at the kernel
-    level (fused by the compiler; None for a bundle written before bundles held it).
+    level (fused by the compiler; None for a bundle written before bundles held it); either may
+    be given as a function that loads it, called only if that level is the one chosen (parsing
+    a large program's text is the slow part of starting a run).
     "numpy": `physical`. "cpu": `kernels`, its library built now (so a compile failure is
     found before the first step); `physical`, said once, without a compiler, or where the
     build fails. "cuda": `kernels` for the CuPy backend; as "cpu", said once, without CuPy or
     a GPU. Without kernel-level IR: `physical`, said once.
     """
+    def load(level):
+        return level if isinstance(level, ModuleOp) else level()
+
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend '{backend}' (expected one of {', '.join(BACKENDS)})")
     if backend == "numpy":
-        return physical
+        return load(physical)
     if kernels is None:
         say_once("hspmd: the bundle holds no kernel-level IR (compiled before kernels were fused by the "
                  "compiler; compile it again to fuse); running NumPy per op")
-        return physical
+        return load(physical)
     if backend == "cuda":
         from hspmd.codegen.cupy_backend import gpu_status
 
         ok, why = gpu_status()
         if ok:
-            return kernels
+            return load(kernels)
         say_once(f"hspmd: the cuda backend is unavailable ({why}); running on the CPU")
     if cpu_compile.find_compiler() is None:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); running NumPy per op")
-        return physical
-    if not fused_ops(kernels):
-        return physical  # nothing fused: no library to build
-    if program_library(kernels) is None:
-        return physical
-    return kernels
+        return load(physical)
+    fused = load(kernels)
+    if not fused_ops(fused) or program_library(fused) is None:
+        return load(physical)  # nothing fused (no library to build), or the build failed
+    return fused

@@ -114,12 +114,11 @@ def train(
         )
     entry = manifest.group_for(comm.rank)
     path = os.path.join(bundle, entry.program)
-    group_module = _group_program(path, comm.rank, verify=True)
-    kernel_module = None
-    if kernels != "numpy" and entry.kernels is not None:
-        kernel_module = _group_program(os.path.join(bundle, entry.kernels), comm.rank)
+    kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
     with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
-        group_module = select_program(group_module, kernel_module, kernels)
+        group_module = select_program(  # only the level that runs is parsed
+            lambda: _group_program(path, comm.rank, verify=True),
+            (lambda: _group_program(kernel_path, comm.rank)) if kernel_path is not None else None, kernels)
     fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
                and op.sym_name.data == "train_step"), None)
     if fn is None:
