@@ -38,8 +38,8 @@ from hspmd.dialects.pipeline import OP_STAGE_ATTR
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.transforms.pipeline.balance import layer_costs, layers_of, stage_of_layers
 from hspmd.transforms.pipeline.group import find_group, forward_end, op_kinds
-from hspmd.transforms.pipeline.virtual import pipelines
-from hspmd.transforms.util import PassError, module_strategy
+from hspmd.transforms.pipeline.virtual import selected_pipelines
+from hspmd.transforms.util import PassError
 
 __all__ = ["FREE", "AssignPipelineStages", "assign_stages"]
 
@@ -194,11 +194,9 @@ class AssignPipelineStages(ModulePass):
     group: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        record = module_strategy(op, self.strategy_id, self.name)
+        record, pipes = selected_pipelines(op, self.strategy_id, self.group, self.name)
         m = record.microbatches
-        for k, pipe in enumerate(pipelines(record.strategy, m)):
-            if self.group is not None and k != self.group:
-                continue
+        for pipe in pipes:
             g = find_group(op, pipe, m)
             check_pipeline_schedule(record.schedule, pipe.pp, m)
             post = {o for o, kind in op_kinds(g.ops, g.collectives, g.leaves, m).items() if kind == "post"}

@@ -52,8 +52,8 @@ from hspmd.dialects.levels import physical_groups
 from hspmd.transforms.pipeline.devices import (Remap, comm_signature, executed_ops, functions, partners,
                                                remap_op, train_step)
 from hspmd.transforms.pipeline.stage_mesh import StageMesh
-from hspmd.transforms.pipeline.virtual import Pipeline, pipelines
-from hspmd.transforms.util import PassError, module_strategy
+from hspmd.transforms.pipeline.virtual import Pipeline, selected_pipelines
+from hspmd.transforms.util import PassError
 
 __all__ = ["JoinPipelineGroups", "join_pipeline"]
 
@@ -287,9 +287,9 @@ class JoinPipelineGroups(ModulePass):
     group: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        record = module_strategy(op, self.strategy_id, self.name)
-        for k, pipe in enumerate(pipelines(record.strategy, record.microbatches)):
-            if (self.group is None or k == self.group) and pipe.union is not None:
+        record, pipes = selected_pipelines(op, self.strategy_id, self.group, self.name)
+        for pipe in pipes:
+            if pipe.union is not None:
                 join_pipeline(op, pipe, record.microbatches)
 
 

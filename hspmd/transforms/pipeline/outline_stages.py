@@ -49,8 +49,8 @@ from hspmd.transforms.pipeline.stage_builder import (BACKWARD_FN, FORWARD_FN, FR
                                                      StagePlan, StageProgram)
 from hspmd.transforms.pipeline.stage_mesh import (CROSS, MAPPED, MEET, SPLIT, VLOCAL, XMEET, XPOST, StageMesh,
                                                   classify_collective, restage_global_types, run_as_virtual)
-from hspmd.transforms.pipeline.virtual import pipelines
-from hspmd.transforms.util import PassError, module_strategy
+from hspmd.transforms.pipeline.virtual import selected_pipelines
+from hspmd.transforms.util import PassError
 
 __all__ = ["MAX_TAG", "OutlinePipelineStages", "outline_group", "read_stages"]
 
@@ -188,8 +188,6 @@ class OutlinePipelineStages(ModulePass):
     group: int | None = None
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        record = module_strategy(op, self.strategy_id, self.name)
-        m = record.microbatches
-        for k, pipe in enumerate(pipelines(record.strategy, m)):
-            if self.group is None or k == self.group:
-                outline_group(op, find_group(op, pipe, m), record.schedule)
+        record, pipes = selected_pipelines(op, self.strategy_id, self.group, self.name)
+        for pipe in pipes:
+            outline_group(op, find_group(op, pipe, record.microbatches), record.schedule)

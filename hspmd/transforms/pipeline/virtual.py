@@ -20,9 +20,9 @@ from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.dialects import graph
 from hspmd.ir.strategy import Strategy, StrategyGroup, StrategyRecord, parse_strategy
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, module_strategy
 
-__all__ = ["Pipeline", "annotation_strategy", "check_microbatches", "pipelines"]
+__all__ = ["Pipeline", "annotation_strategy", "check_microbatches", "pipelines", "selected_pipelines"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,15 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
         fresh += microbatches * g.dp * g.tp
         out.append(pipe)
     return out
+
+
+def selected_pipelines(module: ModuleOp, strategy_id: int | None, group: int | None,
+                       what: str) -> tuple[StrategyRecord, list[Pipeline]]:
+    """Return the module's strategy (id `strategy_id`) and the pipelines a pass `what` works on:
+    the one with index `group` among the strategy's pipelined groups, or all of them (None)."""
+    record = module_strategy(module, strategy_id, what)
+    pipes = pipelines(record.strategy, record.microbatches)
+    return record, [p for k, p in enumerate(pipes) if group is None or k == group]
 
 
 def annotation_strategy(record: StrategyRecord) -> Strategy:
