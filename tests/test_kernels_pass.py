@@ -32,6 +32,16 @@ def fused(text: str):
     return module
 
 
+def exp_module():
+    """Return a module of one function computing exp(x): one op to fuse."""
+    return parse_module(f"""builtin.module {{
+func.func @f(%x: {F}) -> {F} {{
+  %1 = graph.exp %x : ({F}) -> {F}
+  func.return %1 : {F}
+}}
+}}""")
+
+
 def fused_copy(module):
     """Return a fused copy of `module` (what the compiler writes as a bundle's kernel level)."""
     copy = module.clone()
@@ -266,12 +276,7 @@ def test_a_failing_compiler_falls_back_with_one_line(tmp_path, monkeypatch, caps
     monkeypatch.setenv("HSPMD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_compile, "find_compiler", lambda: "/bin/false")
     monkeypatch.setattr(kernel_exec, "_SAID", set())
-    src = parse_module(f"""builtin.module {{
-func.func @f(%x: {F}) -> {F} {{
-  %1 = graph.exp %x : ({F}) -> {F}
-  func.return %1 : {F}
-}}
-}}""")
+    src = exp_module()
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="building the CPU kernels failed"):
         assert kernel_exec.select_program(src, fused_copy(src), "cpu") is src
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
@@ -282,12 +287,7 @@ def test_the_cuda_backend_without_cupy_or_gpu_falls_back_to_the_cpu_with_one_lin
 
     monkeypatch.setattr(cupy_backend, "gpu_status", lambda: (False, "CuPy is not installed"))
     monkeypatch.setattr(kernel_exec, "_SAID", set())
-    src = parse_module(f"""builtin.module {{
-func.func @f(%x: {F}) -> {F} {{
-  %1 = graph.exp %x : ({F}) -> {F}
-  func.return %1 : {F}
-}}
-}}""")
+    src = exp_module()
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="cuda backend is unavailable"):
         out = kernel_exec.select_program(src, fused_copy(src), "cuda")
     assert kernel_exec.select_program(src, fused_copy(src), "numpy") is src
@@ -301,17 +301,28 @@ func.func @f(%x: {F}) -> {F} {{
 
 def test_a_bundle_without_kernel_level_ir_runs_the_physical_program_and_says_so_once(monkeypatch, capsys):
     monkeypatch.setattr(kernel_exec, "_SAID", set())
-    src = parse_module(f"""builtin.module {{
-func.func @f(%x: {F}) -> {F} {{
-  %1 = graph.exp %x : ({F}) -> {F}
-  func.return %1 : {F}
-}}
-}}""")
+    src = exp_module()
     with pytest.warns(kernel_exec.KernelFallbackWarning, match="no kernel-level IR"):
         assert kernel_exec.select_program(src, None, "cpu") is src
         assert kernel_exec.select_program(src, None, "cpu") is src
     assert kernel_exec.select_program(src, None, "numpy") is src
     assert capsys.readouterr().err.count("no kernel-level IR") == 1
+
+
+def test_only_the_level_that_runs_is_loaded():
+    """`hspmd run` hands loaders: parsing a large program's text is the slow part of a start."""
+    src = exp_module()
+    loaded: list[str] = []
+
+    def loader(name, module):
+        return lambda: loaded.append(name) or module
+
+    assert kernel_exec.select_program(loader("physical", src), loader("kernels", fused_copy(src)), "numpy") is src
+    assert loaded == ["physical"]
+    if cpu_compile.find_compiler() is not None:
+        loaded.clear()
+        out = kernel_exec.select_program(loader("physical", src), loader("kernels", fused_copy(src)), "cpu")
+        assert loaded == ["kernels"] and any(isinstance(o, FusedOp) for o in out.walk())
 
 
 # ----------------------------------------------------------------------------- whole programs
