@@ -50,8 +50,7 @@ def _load_and_compile(args, n: int):
     from hspmd.frontend.script import load_script, parse_overrides
 
     script = load_script(args.script, parse_overrides(args.set))
-    strategy = args.strategy or default_strategy(n)
-    return compile_script(script, strategy, n)
+    return compile_script(script, args.strategy or default_strategy(n), n)
 
 
 def cmd_compile(args) -> int:
@@ -91,40 +90,81 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
+#: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
+WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
+                  "init_from")
+
+
+def worker_arguments(args, bundle: str) -> list[str]:
+    """Return the arguments of `python -m hspmd.runtime.worker` for `hspmd run`'s `args`."""
+    out = ["-m", "hspmd.runtime.worker", bundle]
+    for name in WORKER_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
+
+
+def check_run_options(args) -> None:
+    """Raise SystemExit (an argparse-style message) for `hspmd run` options that do not go together."""
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise SystemExit("hspmd: error: --checkpoint-every must be at least 1")
+    if args.keep is not None and args.keep < 1:
+        raise SystemExit("hspmd: error: --keep must be at least 1")
+    if (args.checkpoint_every is not None or args.keep is not None) and not args.checkpoint_dir:
+        raise SystemExit("hspmd: error: --checkpoint-every and --keep need --checkpoint-dir")
+    if args.resume and args.init_from:
+        raise SystemExit("hspmd: error: --resume and --init-from exclude each other")
+    if args.elastic and not args.checkpoint_dir:
+        raise SystemExit("hspmd: error: --elastic needs --checkpoint-dir (it resumes from there)")
+    if (args.fallback_strategy or args.max_restarts != 3) and not args.elastic:
+        raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
+    if args.max_restarts < 0:
+        raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+
+
+def compile_for_run(args, n: int, strategy: str | None) -> str:
+    """Return the bundle `hspmd run` runs on `n` ranks: `args.script` itself when it is a bundle
+    directory, else the script compiled under `strategy` (default: data parallel over `n`)."""
     from hspmd.compiler import write_bundle
     from hspmd.codegen.bundle import read_manifest
-    from hspmd.runtime.launch import launch
+    from hspmd.compiler import compile_script, default_strategy
+    from hspmd.frontend.script import load_script, parse_overrides
 
     if os.path.isdir(args.script):
-        if args.strategy or args.set:
+        if strategy or args.set:
             raise SystemExit("hspmd: error: a bundle is already compiled; --strategy and --set apply to scripts only")
-        bundle = args.script
-        manifest = read_manifest(bundle)
-        if manifest.num_devices != args.n:
+        manifest = read_manifest(args.script)
+        if manifest.num_devices != n:
             from hspmd.runtime.worker import RunError
 
             raise RunError(
-                f"bundle {bundle} was compiled for {manifest.num_devices} devices "
-                f"(strategy '{manifest.strategy}') but -n is {args.n}"
+                f"bundle {args.script} was compiled for {manifest.num_devices} devices "
+                f"(strategy '{manifest.strategy}') but -n is {n}"
             )
-    else:
-        compiled = _load_and_compile(args, args.n)
-        bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
-        write_bundle(compiled, bundle)
-    if args.n == 1:  # one rank: no MPI needed
-        from hspmd.runtime.comm.inprocess import InProcessCommunicator
-        from hspmd.runtime.worker import train
+        return args.script
+    script = load_script(args.script, parse_overrides(args.set))
+    compiled = compile_script(script, strategy or default_strategy(n), n)
+    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
+    write_bundle(compiled, bundle)
+    return bundle
 
-        (comm,) = InProcessCommunicator.create_world(1)
-        train(bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels)
-        return 0
-    worker = ["-m", "hspmd.runtime.worker", bundle]
-    for flag, value in (("--steps", args.steps), ("--log", args.log), ("--checkpoint", args.checkpoint),
-                        ("--kernels", args.kernels)):
-        if value is not None:
-            worker += [flag, str(value)]
-    return launch(args.n, worker)
+
+def cmd_run(args) -> int:
+    from hspmd.runtime.launch import launch
+
+    check_run_options(args)
+    if args.elastic:
+        from hspmd.cli.elastic import run_elastic
+
+        return run_elastic(args)
+    bundle = compile_for_run(args, args.n, args.strategy)
+    if args.n == 1 and not (args.hosts or args.hostfile):  # one rank: no MPI needed
+        from hspmd.runtime.comm.inprocess import InProcessCommunicator
+        from hspmd.runtime.worker import main as worker_main
+
+        return worker_main(worker_arguments(args, bundle)[2:], InProcessCommunicator.create_world(1)[0])
+    return launch(args.n, worker_arguments(args, bundle), hosts=args.hosts, hostfile=args.hostfile)
 
 
 def cmd_opt(rest: list[str]) -> int:
@@ -159,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, help="training steps (default: the script's config)")
     r.add_argument("--log", help="write one JSON object per step to this file")
     r.add_argument("--checkpoint", help="write the final parameters to this .npz file")
+    ck = r.add_argument_group("checkpoints (docs/checkpoints.md)")
+    ck.add_argument("--checkpoint-dir", metavar="D",
+                    help="write sharded checkpoints D/step-<k>/ (safetensors pieces and a manifest)")
+    ck.add_argument("--checkpoint-every", type=int, metavar="K",
+                    help="with --checkpoint-dir: a checkpoint every K steps (and always after the last step)")
+    ck.add_argument("--keep", type=int, metavar="N", help="with --checkpoint-dir: keep only the newest N checkpoints")
+    ck.add_argument("--resume", metavar="PATH",
+                    help="continue from a checkpoint: D (its newest complete step) or D/step-<k>; any strategy")
+    ck.add_argument("--init-from", metavar="FILE",
+                    help="start from the global tensors of a .safetensors file (hspmd checkpoint export)")
+    el = r.add_argument_group("elastic runs (docs/checkpoints.md)")
+    el.add_argument("--elastic", action="store_true",
+                    help="watch the ranks; when one dies, resume from the newest checkpoint on the ranks left")
+    el.add_argument("--fallback-strategy", action="append", metavar="S", default=[],
+                    help="with --elastic: a strategy to use when ranks are lost (repeat; the first that fits is used, "
+                         "else data parallelism over what is left)")
+    el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
+    el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
+    el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "

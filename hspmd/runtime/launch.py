@@ -91,18 +91,21 @@ def find_mpiexec() -> str:
     )
 
 
-def mpiexec_command(n: int, python_args: Sequence[str]) -> list[str]:
+def mpiexec_command(n: int, python_args: Sequence[str], hosts: str | None = None,
+                    hostfile: str | None = None) -> list[str]:
     """Return the command line that runs ``python *python_args`` on ``n`` MPI processes.
 
     It is ``[mpiexec, "-n", str(n), sys.executable, *python_args]``; MPICH needs no flag to
-    run more processes than there are cores.
+    run more processes than there are cores. ``hosts`` (comma-separated names) and
+    ``hostfile`` go to mpiexec as its own ``-hosts`` and ``-f`` options.
     """
     if isinstance(python_args, (str, bytes)):
         raise TypeError("python_args must be a sequence of arguments, not one string")
     n = int(n)
     if n < 1:
         raise LaunchError(f"the number of processes must be at least 1, got {n}")
-    return [find_mpiexec(), "-n", str(n), sys.executable, *map(str, python_args)]
+    placement = (["-hosts", hosts] if hosts else []) + (["-f", hostfile] if hostfile else [])
+    return [find_mpiexec(), *placement, "-n", str(n), sys.executable, *map(str, python_args)]
 
 
 #: the thread counts of the math libraries a rank uses (BLAS, OpenMP in the fused kernels)
@@ -147,6 +150,8 @@ def launch(
     python_args: Sequence[str],
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
 ) -> int:
     """Return the exit code of ``mpiexec -n n python *python_args``, run to completion.
 
@@ -156,7 +161,7 @@ def launch(
     says otherwise.  If the run takes longer than ``timeout`` seconds, all its processes
     are killed and :class:`LaunchTimeout` is raised; on KeyboardInterrupt they are killed too.
     """
-    cmd = mpiexec_command(n, python_args)
+    cmd = mpiexec_command(n, python_args, hosts, hostfile)
     try:
         proc = subprocess.Popen(cmd, env=rank_environment(n, env), start_new_session=True)
     except OSError as exc:

@@ -1,4 +1,4 @@
-"""Checkpoints: the global value of every parameter in one `.npz` file, written atomically.
+"""The final parameters: the global value of every parameter in one `.npz` file, written atomically.
 
 Each rank holds pieces; `gather_parameters` brings one copy of every distinct piece to rank 0,
 which assembles the global arrays with the layout algebra. The file is written to a temporary
