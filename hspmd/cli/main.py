@@ -32,11 +32,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.launch import LaunchError
     from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
+    from hspmd.runtime.checkpoint.manifest import CheckpointError
     from hspmd.transforms.util import PassError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
-        BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError,
+        BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
     )
 
 
@@ -154,6 +155,12 @@ def cmd_run(args) -> int:
     from hspmd.runtime.launch import launch
 
     check_run_options(args)
+    if args.resume:  # said before compiling: the newest complete checkpoint there, or an error
+        from hspmd.runtime.checkpoint.manifest import resolve_checkpoint
+
+        resolve_checkpoint(args.resume)
+    if args.init_from and not os.path.isfile(args.init_from):
+        raise SystemExit(f"hspmd: error: --init-from {args.init_from}: no such file")
     if args.elastic:
         from hspmd.cli.elastic import run_elastic
 

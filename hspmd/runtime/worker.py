@@ -1,8 +1,13 @@
 """One rank of a training run: load the bundle's program for this rank, build the plan, train.
 
-`python -m hspmd.runtime.worker BUNDLE [--steps K] [--log FILE] [--checkpoint FILE]` is what
+`python -m hspmd.runtime.worker BUNDLE [--steps K] [--log FILE] [--checkpoint FILE]
+[--checkpoint-dir D --checkpoint-every K --keep N] [--resume PATH | --init-from FILE]` is what
 `hspmd run` starts under mpiexec; `train` is the same loop for any communicator, so tests run
 it on in-process ranks too. Rank 0 prints one progress line per step and writes the log.
+
+With a checkpoint directory each rank writes `D/.ranks/rank-<r>.pid` ("<host> <pid>") at
+start-up, for launchers and tests that watch or kill ranks (`hspmd run --elastic`), and the
+environment variable `HSPMD_FAULT=rank:step` kills that rank at that step (`hspmd.runtime.fault`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import io
 import json
 import os
 import sys
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +31,10 @@ from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
+from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest as read_checkpoint_manifest, resolve_checkpoint
+from hspmd.runtime.checkpoint.reader import CheckpointElsewhere, load_global_file, load_state
+from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
+from hspmd.runtime.fault import fault_point
 from hspmd.runtime.kernel_exec import BACKENDS, select_program
 from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
@@ -39,6 +49,24 @@ class RunError(Exception):
     """A run cannot start or go on; the message says why."""
 
 
+class QuietRunError(RunError):
+    """A run cannot go on because another rank failed; that rank says why, this one says nothing."""
+
+
+class AgreedRunError(RunError):
+    """A run cannot go on, and every rank knows it (no rank waits for another): said, no abort."""
+
+
+def _write_pid(directory: str, rank: int) -> None:
+    """Write `directory/.ranks/rank-<r>.pid`: this rank's host and process id."""
+    ranks = os.path.join(directory, ".ranks")
+    os.makedirs(ranks, exist_ok=True)
+    path = os.path.join(ranks, f"rank-{rank}.pid")
+    with open(path + ".part", "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    os.replace(path + ".part", path)
+
+
 @dataclass
 class RunResult:
     """What a rank saw: the losses per step and, on rank 0, the final global parameters."""
@@ -48,6 +76,19 @@ class RunResult:
     initial_params: dict[str, np.ndarray] | None = None  # with keep_outputs, on rank 0
     outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # with keep_outputs: this rank's, per step
     lrs: list[float] = field(default_factory=list)  # the learning rate fed as input "lr", per step (if it has one)
+    first_step: int = 1  # the first step this run trained (after a resume, the checkpoint's step + 1)
+    checkpoint_stall_s: list[float] = field(default_factory=list)  # the training thread's time in each checkpoint
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Where a run writes sharded checkpoints and what it starts from (docs/checkpoints.md)."""
+
+    directory: str | None = None  # write D/step-<k>/ ...
+    every: int | None = None  # ... every K steps, and after the last
+    keep: int | None = None  # keep the newest N
+    resume: str | None = None  # continue from D (its newest) or D/step-<k>
+    init_from: str | None = None  # start from a file of global tensors
 
 
 def load_batches(script: str, config: dict):
@@ -94,6 +135,8 @@ def train(
     quiet: bool = False,
     keep_outputs: bool = False,
     kernels: str = "cpu",
+    checkpoints: CheckpointOptions | None = None,
+    log_append: bool = False,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -105,6 +148,10 @@ def train(
 
     With `keep_outputs`, the result also holds every step's named outputs (gradients of a
     program compiled without an optimizer, for instance) and the initial parameters.
+
+    `checkpoints` writes sharded checkpoints and resumes from one (`CheckpointOptions`): a
+    resumed run continues at the checkpoint's step + 1 with its parameters, optimizer states and
+    data position, up to `steps` in all. `log_append` appends to `log` instead of rewriting it.
     """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
@@ -129,6 +176,7 @@ def train(
         print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
               f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
               f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
+    stage_params: list[Leaf] = []
     if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
         stage_params = _stage_parameters(bundle, manifest)
         gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
@@ -137,17 +185,48 @@ def train(
 
     config = manifest.config
     steps = int(config.get("steps", 10) if steps is None else steps)
-    state = plan.initial_state(int(config.get("seed", 0)))
+    seed = int(config.get("seed", 0))
+    state = plan.initial_state(seed)
+    ck = checkpoints or CheckpointOptions()
+    done = 0  # steps already trained (by the run a checkpoint comes from)
+    try:  # what every rank finds alike: rank 0 says it
+        where = resolve_checkpoint(ck.resume) if ck.resume else None
+        saved = read_checkpoint_manifest(where) if where else None
+        writer = None
+        if ck.directory:
+            _write_pid(ck.directory, comm.rank)
+            writer = CheckpointWriter(ck.directory, comm.rank, comm.size, plan.params,
+                                      RunInfo(manifest.strategy, manifest.num_devices, manifest.script, config, seed),
+                                      ck.keep)
+    except (CheckpointError, OSError) as err:
+        raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
+    try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
+        if where and saved:
+            state = load_state(where, saved, plan.params, comm.rank, comm)
+            done = saved.step
+            if comm.rank == 0 and not quiet:
+                print(f"resumed from {where} (step {saved.step}, saved under '{saved.strategy}')", flush=True)
+        elif ck.init_from:
+            state = load_global_file(ck.init_from, plan.params, comm.rank, comm, state)
+    except CheckpointElsewhere as err:
+        raise QuietRunError(str(err)) from None
+    except CheckpointError as err:
+        raise AgreedRunError(str(err)) from None
     batches = load_batches(manifest.script, config)
+    for _ in range(done):  # the data position: the batches the checkpointed steps consumed
+        next(batches, None)
     names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
     shapes = compiled_batch_shapes(names.items())
     pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
         result.initial_params = gather(state)
-    log_file = open(log, "w") if log and comm.rank == 0 else None
+    log_file = open(log, "a" if log_append else "w") if log and comm.rank == 0 else None
+    result.first_step = done + 1
+    every = ck.every or steps
     try:
-        for step in range(1, steps + 1):
+        for step in range(done + 1, steps + 1):
+            fault_point(comm.rank, step)
             try:
                 batch = next(batches)
             except StopIteration:
@@ -177,6 +256,13 @@ def train(
                         record["lr"] = result.lrs[-1]
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
+            if writer is not None and (step % every == 0 or step == steps):
+                writer.save(step, state, step, result.lrs[-1] if "lr" in scalars else None)
+        if writer is not None:
+            writer.close()
+            result.checkpoint_stall_s = writer.stall_s
+    except CheckpointError as err:
+        raise RunError(str(err)) from None
     finally:
         if log_file:
             log_file.close()
@@ -234,20 +320,34 @@ def gather_stage_parameters(stages: list[Leaf], state: dict[str, np.ndarray],
     return gather_parameters(Plan(comm.rank, params=stages), state, comm)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one MPI rank; returns the exit code."""
+def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int:
+    """Entry point of one rank (an MPI process unless `comm` is given); returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m hspmd.runtime.worker")
     parser.add_argument("bundle")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--log")
+    parser.add_argument("--log-append", action="store_true")
     parser.add_argument("--checkpoint")
     parser.add_argument("--kernels", choices=BACKENDS, default="cpu")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--keep", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--init-from")
     args = parser.parse_args(argv)
-    from hspmd.runtime.comm.mpi import MPICommunicator
+    if comm is None:
+        from hspmd.runtime.comm.mpi import MPICommunicator
 
-    comm = MPICommunicator()
+        comm = MPICommunicator()
+    checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
     try:
-        train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels)
+        train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
+              checkpoints=checkpoints, log_append=args.log_append)
+    except QuietRunError:  # every rank knows; the one that found it has said why
+        return 1
+    except AgreedRunError as err:
+        print(f"hspmd run: error: {err}", file=sys.stderr, flush=True)
+        return 1
     except (RunError, BundleError, PlanError, IRTextError, LevelError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
