@@ -41,7 +41,8 @@ class PieceFiles:
     def __init__(self, root: str) -> None:
         self.root, self.open = root, {}
 
-    def get(self, file: str):
+    def get(self, file: str, what: str = ""):
+        """Return the open safetensors file `file`; CheckpointError naming it (and `what` was wanted of it)."""
         if file not in self.open:
             path = os.path.join(self.root, file)
             if os.path.basename(file) != file:
@@ -49,7 +50,8 @@ class PieceFiles:
             try:
                 self.open[file] = safe_open(path, framework="numpy")
             except (OSError, SafetensorError, ValueError) as err:
-                raise CheckpointError(f"{path}: cannot read it as safetensors ({err})") from None
+                raise CheckpointError(f"{path}: {what + ': ' if what else ''}cannot read it as safetensors "
+                                      f"({err})") from None
         return self.open[file]
 
 
@@ -57,7 +59,7 @@ def _read(files: PieceFiles, file: str, key: str, index: tuple[slice, ...] | Non
     """Return `index` of tensor `key` in `file` (all of it for None)."""
     path = os.path.join(files.root, file)
     try:
-        handle = files.get(file)
+        handle = files.get(file, what)
         if index is None or not index:
             return handle.get_tensor(key)
         return handle.get_slice(key)[index]
