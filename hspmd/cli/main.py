@@ -2,6 +2,7 @@
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
     hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE]
+    hspmd checkpoint info|export D [--to FILE]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
 Errors a user can cause end in one message on stderr and exit code 1, never a traceback.
@@ -174,6 +175,18 @@ def cmd_run(args) -> int:
     return launch(args.n, worker_arguments(args, bundle), hosts=args.hosts, hostfile=args.hostfile)
 
 
+def cmd_checkpoint(args) -> int:
+    from hspmd.runtime.checkpoint.tools import checkpoint_info, export_checkpoint
+
+    if args.action == "info":
+        sys.stdout.write(checkpoint_info(args.path, verify=not args.no_verify))
+    else:
+        if not args.to:
+            raise SystemExit("hspmd: error: checkpoint export needs --to FILE.safetensors")
+        print(export_checkpoint(args.path, args.to, include_optimizer=args.optimizer))
+    return 0
+
+
 def cmd_opt(rest: list[str]) -> int:
     from hspmd.cli.opt import main as opt_main
 
@@ -230,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
                         "or CuPy (cuda); see docs/kernels.md")
     r.set_defaults(func=cmd_run)
+
+    k = sub.add_parser("checkpoint", help="inspect or export a sharded checkpoint (docs/checkpoints.md)")
+    k.add_argument("action", choices=("info", "export"),
+                   help="info: steps, tensors, strategy, sizes, checksums; export: one file of global tensors")
+    k.add_argument("path", help="a checkpoint directory (its newest step) or one D/step-<k>")
+    k.add_argument("--to", metavar="FILE", help="export: the .safetensors file to write (loads with safetensors.numpy.load_file)")
+    k.add_argument("--optimizer", action="store_true", help="export: include the optimizer states (opt.*)")
+    k.add_argument("--no-verify", action="store_true", help="info: skip reading every piece to check its checksum")
+    k.set_defaults(func=cmd_checkpoint)
 
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser

@@ -25,7 +25,7 @@ from hspmd.runtime.checkpoint.manifest import CheckpointError, Manifest, Piece, 
 from hspmd.runtime.checkpoint.writer import region_of
 from hspmd.runtime.comm.base import Communicator
 
-__all__ = ["CheckpointElsewhere", "check_tensors", "load_global_file", "load_state"]
+__all__ = ["CheckpointElsewhere", "PieceFiles", "assemble", "check_tensors", "load_global_file", "load_state", "verify_piece"]
 
 #: the prefix of optimizer states: a file of global tensors may leave them out (they start fresh)
 OPTIMIZER_PREFIX = "opt."
@@ -35,7 +35,7 @@ class CheckpointElsewhere(CheckpointError):
     """Another rank found the checkpoint bad (it says where); this rank loaded nothing either."""
 
 
-class _Files:
+class PieceFiles:
     """The safetensors files of one checkpoint, opened once each."""
 
     def __init__(self, root: str) -> None:
@@ -53,7 +53,7 @@ class _Files:
         return self.open[file]
 
 
-def _read(files: _Files, file: str, key: str, index: tuple[slice, ...] | None, what: str) -> np.ndarray:
+def _read(files: PieceFiles, file: str, key: str, index: tuple[slice, ...] | None, what: str) -> np.ndarray:
     """Return `index` of tensor `key` in `file` (all of it for None)."""
     path = os.path.join(files.root, file)
     try:
@@ -85,7 +85,7 @@ def check_tensors(entries: dict[str, TensorEntry], leaves: Iterable[Leaf], where
             raise CheckpointError(f"{where}: tensor '{leaf.name}' is {entry.dtype}, this model's is {leaf.dtype}")
 
 
-def _verify_piece(files: _Files, name: str, piece: Piece, dtype: str) -> None:
+def verify_piece(files: PieceFiles, name: str, piece: Piece, dtype: str) -> None:
     """Raise CheckpointError unless `piece` reads back whole, with its shape, dtype and CRC-32."""
     path = os.path.join(files.root, piece.file)
     data = _read(files, piece.file, piece.key, None, f"tensor '{name}'")
@@ -112,7 +112,7 @@ def _overlap(a: Region, b: Region) -> Region | None:
     return out if all(x0 < x1 for x0, x1 in out) or not out else None
 
 
-def _assemble(files: _Files, entry: TensorEntry, want: Region, dtype: str) -> np.ndarray:
+def assemble(files: PieceFiles, entry: TensorEntry, want: Region, dtype: str) -> np.ndarray:
     """Return the `want` region of tensor `entry`, read from the overlapping parts of its pieces."""
     out = np.empty(tuple(b - a for a, b in want), dtype=dtype)
     covered = 0
@@ -134,15 +134,15 @@ def _assemble(files: _Files, entry: TensorEntry, want: Region, dtype: str) -> np
 def load_state(checkpoint: str, manifest: Manifest, leaves: list[Leaf], rank: int,
                comm: Communicator) -> dict[str, np.ndarray]:
     """Return this rank's pieces of `leaves` from `checkpoint` (see the module docstring)."""
-    files = _Files(checkpoint)
+    files = PieceFiles(checkpoint)
     problem = None
     try:
         check_tensors(manifest.tensors, leaves, checkpoint)
         everything = [(e, p) for e in manifest.tensors.values() for p in e.pieces]
         for i, (entry, piece) in enumerate(everything):
             if i % comm.size == rank:
-                _verify_piece(files, entry.name, piece, entry.dtype)
-        state = {leaf.name: _assemble(files, manifest.tensors[leaf.name], region_of(leaf, rank), leaf.dtype)
+                verify_piece(files, entry.name, piece, entry.dtype)
+        state = {leaf.name: assemble(files, manifest.tensors[leaf.name], region_of(leaf, rank), leaf.dtype)
                  for leaf in leaves}
     except CheckpointError as err:
         problem = str(err)
@@ -180,7 +180,7 @@ def load_global_file(path: str, leaves: list[Leaf], rank: int, comm: Communicato
     """Return this rank's pieces of `leaves` from a file of global tensors, named as the model tree;
     optimizer states the file lacks keep their `initial` value. Checksums stored in the file's
     metadata (`crc32/<name>`, as `hspmd checkpoint export` writes) are checked, tensor i by rank i mod N."""
-    files = _Files(os.path.dirname(os.path.abspath(path)))
+    files = PieceFiles(os.path.dirname(os.path.abspath(path)))
     problem = None
     state: dict[str, np.ndarray] = {}
     try:
@@ -188,9 +188,9 @@ def load_global_file(path: str, leaves: list[Leaf], rank: int, comm: Communicato
         check_tensors(entries, leaves, path, optional=OPTIMIZER_PREFIX)
         for i, entry in enumerate(entries.values()):
             if i % comm.size == rank and entry.pieces[0].crc32 >= 0:
-                _verify_piece(files, entry.name, entry.pieces[0], entry.dtype)
+                verify_piece(files, entry.name, entry.pieces[0], entry.dtype)
         for leaf in leaves:
-            state[leaf.name] = (_assemble(files, entries[leaf.name], region_of(leaf, rank), leaf.dtype)
+            state[leaf.name] = (assemble(files, entries[leaf.name], region_of(leaf, rank), leaf.dtype)
                                 if leaf.name in entries else initial[leaf.name])
     except CheckpointError as err:
         problem = str(err)

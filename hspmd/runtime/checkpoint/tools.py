@@ -1,0 +1,107 @@
+"""Offline tools over a checkpoint directory: `hspmd checkpoint info` and `hspmd checkpoint export`.
+
+Both run in one process and read every piece (checking each CRC-32); training runs never do
+(see `reader`).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from hspmd.runtime.checkpoint.manifest import (
+    CheckpointError, Manifest, read_manifest, resolve_checkpoint, step_dirs,
+)
+from hspmd.runtime.checkpoint.reader import OPTIMIZER_PREFIX, assemble, PieceFiles, verify_piece
+
+__all__ = ["checkpoint_info", "export_checkpoint", "global_tensors"]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _verify_all(checkpoint: str, manifest: Manifest) -> int:
+    """Return the number of pieces of `manifest`, each read back and checked; CheckpointError at the first bad one."""
+    files = PieceFiles(checkpoint)
+    count = 0
+    for entry in manifest.tensors.values():
+        for piece in entry.pieces:
+            verify_piece(files, entry.name, piece, entry.dtype)
+            count += 1
+    return count
+
+
+def checkpoint_info(path: str, verify: bool = True) -> str:
+    """Return a report on checkpoint `path` (a directory of `step-<k>`s, or one of them): the
+    steps it holds and, for the newest (or the one named), the run, the tensors and their sizes,
+    and whether every piece matches its checksum."""
+    checkpoint = resolve_checkpoint(path)
+    manifest = read_manifest(checkpoint)
+    lines = []
+    steps = step_dirs(path) if os.path.realpath(checkpoint) != os.path.realpath(path) else []
+    if steps:
+        lines.append(f"{path}: {len(steps)} checkpoint(s), steps {', '.join(str(k) for k, _ in steps)}")
+    total = sum(p.nbytes for e in manifest.tensors.values() for p in e.pieces)
+    params = [e for n, e in manifest.tensors.items() if not n.startswith(OPTIMIZER_PREFIX)]
+    lines += [
+        f"checkpoint {checkpoint}",
+        f"  step {manifest.step} (data position {manifest.data_position}, seed {manifest.seed}"
+        + (f", lr {manifest.lr:.6g}" if manifest.lr is not None else "") + ")",
+        f"  strategy '{manifest.strategy}' on {manifest.num_devices} devices; script {manifest.script}",
+        f"  {len(manifest.tensors)} tensors ({len(params)} parameters, "
+        f"{sum(int(np.prod(e.shape, dtype=np.int64)) for e in params):,} elements), "
+        f"{sum(len(e.pieces) for e in manifest.tensors.values())} pieces, {_size(total)} in "
+        f"{len(manifest.files)} files",
+    ]
+    for file, size in sorted(manifest.files.items()):
+        lines.append(f"    {file}  {_size(size)}")
+    width = max((len(n) for n in manifest.tensors), default=0)
+    for name, e in manifest.tensors.items():
+        lines.append(f"  {name:<{width}}  {e.dtype:<8} {str(list(e.shape)):<14} {len(e.pieces)} piece(s)  {e.layout}")
+    if verify:
+        lines.append(f"  checksums: all {_verify_all(checkpoint, manifest)} pieces verified")
+    return "\n".join(lines) + "\n"
+
+
+def global_tensors(path: str, include_optimizer: bool = False) -> tuple[Manifest, dict[str, np.ndarray]]:
+    """Return the manifest of checkpoint `path` and its global tensors (optimizer states only with
+    `include_optimizer`), each assembled from its pieces, every piece checked."""
+    checkpoint = resolve_checkpoint(path)
+    manifest = read_manifest(checkpoint)
+    _verify_all(checkpoint, manifest)
+    files = PieceFiles(checkpoint)
+    out = {}
+    for name, entry in manifest.tensors.items():
+        if include_optimizer or not name.startswith(OPTIMIZER_PREFIX):
+            out[name] = assemble(files, entry, tuple((0, s) for s in entry.shape), entry.dtype)
+    return manifest, out
+
+
+def export_checkpoint(path: str, to: str, include_optimizer: bool = False) -> str:
+    """Write the global tensors of checkpoint `path` to one safetensors file `to` (named as the
+    model tree, with `crc32/<name>` and the step in its metadata), atomically; return a summary."""
+    manifest, tensors = global_tensors(path, include_optimizer)
+    if not tensors:
+        raise CheckpointError(f"{path}: holds no tensors to export")
+    meta = {"format": "hspmd-global", "step": str(manifest.step), "strategy": manifest.strategy}
+    meta.update({f"crc32/{k}": str(zlib.crc32(np.ascontiguousarray(v).data)) for k, v in tensors.items()})
+    os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
+    tmp = f"{to}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, to)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    nbytes = sum(v.nbytes for v in tensors.values())
+    return f"wrote {len(tensors)} tensors ({_size(nbytes)}) of step {manifest.step} to {to}"
