@@ -165,7 +165,7 @@ def cmd_run(args) -> int:
     if args.elastic:
         from hspmd.cli.elastic import run_elastic
 
-        return run_elastic(args)
+        return run_elastic(args, compile_for_run, worker_arguments)
     bundle = compile_for_run(args, args.n, args.strategy)
     if args.n == 1 and not (args.hosts or args.hostfile):  # one rank: no MPI needed
         from hspmd.runtime.comm.inprocess import InProcessCommunicator

@@ -1,7 +1,13 @@
 """Fault injection for tests of elastic runs: `HSPMD_FAULT=rank:step` kills that rank at that step.
 
 The rank sends itself SIGKILL at the start of the step, which is what a crash or the kernel's
-out-of-memory killer does: nothing is flushed, nothing is said.
+out-of-memory killer does: nothing is flushed, nothing is said. Steps count from 1, as in the
+`--log` file, and are the run's own (a run resumed from step 5 meets step 7 two steps in).
+
+`hspmd run --elastic` drops the variable from the environment of the attempts it restarts: a
+fault fires once per run (the ranks are numbered anew after a restart, so it would otherwise
+strike another device at every resume), and it reads the value before the first attempt, so a
+malformed one is an error of the command line rather than of every rank.
 """
 
 from __future__ import annotations

@@ -92,12 +92,13 @@ def find_mpiexec() -> str:
 
 
 def mpiexec_command(n: int, python_args: Sequence[str], hosts: str | None = None,
-                    hostfile: str | None = None) -> list[str]:
+                    hostfile: str | None = None, options: Sequence[str] = ()) -> list[str]:
     """Return the command line that runs ``python *python_args`` on ``n`` MPI processes.
 
     It is ``[mpiexec, "-n", str(n), sys.executable, *python_args]``; MPICH needs no flag to
     run more processes than there are cores. ``hosts`` (comma-separated names) and
-    ``hostfile`` go to mpiexec as its own ``-hosts`` and ``-f`` options.
+    ``hostfile`` go to mpiexec as its own ``-hosts`` and ``-f`` options; ``options`` are more of
+    mpiexec's own, put before ``-n``.
     """
     if isinstance(python_args, (str, bytes)):
         raise TypeError("python_args must be a sequence of arguments, not one string")
@@ -105,7 +106,7 @@ def mpiexec_command(n: int, python_args: Sequence[str], hosts: str | None = None
     if n < 1:
         raise LaunchError(f"the number of processes must be at least 1, got {n}")
     placement = (["-hosts", hosts] if hosts else []) + (["-f", hostfile] if hostfile else [])
-    return [find_mpiexec(), *placement, "-n", str(n), sys.executable, *map(str, python_args)]
+    return [find_mpiexec(), *placement, *options, "-n", str(n), sys.executable, *map(str, python_args)]
 
 
 #: the thread counts of the math libraries a rank uses (BLAS, OpenMP in the fused kernels)
