@@ -34,11 +34,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
     from hspmd.runtime.checkpoint.manifest import CheckpointError
+    from hspmd.runtime.fault import FaultSpecError
     from hspmd.transforms.util import PassError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
+        FaultSpecError,
     )
 
 
@@ -160,6 +162,10 @@ def cmd_run(args) -> int:
         from hspmd.runtime.checkpoint.manifest import resolve_checkpoint
 
         resolve_checkpoint(args.resume)
+    if os.environ.get("HSPMD_FAULT"):  # said here, not by every rank at its first step
+        from hspmd.runtime.fault import parse_faults
+
+        parse_faults(os.environ["HSPMD_FAULT"])
     if args.init_from and not os.path.isfile(args.init_from):
         raise SystemExit(f"hspmd: error: --init-from {args.init_from}: no such file")
     if args.elastic:
