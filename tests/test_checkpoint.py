@@ -157,6 +157,29 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
     assert load_file(os.path.join(d, "step-3", "rank-00000.safetensors"))["w@0:4,0:3"][0, 0] == 3
 
 
+def test_a_late_rank_0_does_not_remove_what_the_others_write(tmp_path):
+    """Rank 0 clears an earlier run's unfinished checkpoints when its writer starts; a rank that
+    starts sooner and saves at once must not lose its pieces to that (the ranks wait for it)."""
+    import time
+
+    layout = Layout.replicated((0, 1))
+    leaves = [Leaf(f"t{i}", 0, (4,), layout, "float32") for i in range(8)]
+    info = RunInfo("[0,1]: dp=2", 2, "x.py", {}, 0)
+    d = str(tmp_path / "ck")
+    os.makedirs(os.path.join(d, "step-1.tmp"))  # left by a crashed run
+
+    def rank(comm):
+        if comm.rank == 0:
+            time.sleep(0.5)
+        writer = CheckpointWriter(d, comm.rank, comm.size, leaves, info, comm=comm)
+        writer.save(1, {leaf.name: np.full(4, comm.rank, np.float32) for leaf in leaves}, 1, None)
+        writer.close()
+
+    run_spmd(2, rank, timeout=60)
+    assert {p.key for e in read_manifest(os.path.join(d, "step-1")).tensors.values() for p in e.pieces} == \
+        {f"t{i}@0:4" for i in range(8)}
+
+
 def _corrupt(path: str, how: str) -> None:
     data = bytearray(open(path, "rb").read())
     if how == "flip":

@@ -197,7 +197,7 @@ def train(
             _write_pid(ck.directory, comm.rank)
             writer = CheckpointWriter(ck.directory, comm.rank, comm.size, plan.params,
                                       RunInfo(manifest.strategy, manifest.num_devices, manifest.script, config, seed),
-                                      ck.keep)
+                                      ck.keep, comm)
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it

@@ -36,6 +36,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hspmd.codegen.schedule.model import Leaf
+from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.checkpoint.manifest import (
     MANIFEST, CheckpointError, Manifest, Piece, Region, TensorEntry, piece_key, step_dirs,
 )
@@ -110,7 +111,10 @@ class CheckpointWriter:
     """Writes this rank's pieces of `leaves` to `directory/step-<k>/` (see the module docstring)."""
 
     def __init__(self, directory: str, rank: int, size: int, leaves: list[Leaf], info: RunInfo,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, comm: Communicator | None = None) -> None:
+        """`comm` (the run's ranks) makes every rank wait until rank 0 has removed an earlier
+        run's unfinished checkpoints, so none removes a directory this run already writes to;
+        without it (one rank, or a test) the caller keeps the ranks apart."""
         self.directory, self.rank, self.size, self.info, self.keep = directory, rank, size, info, keep
         self.pieces = owned_pieces(leaves, rank)
         self.leaves = {leaf.name: leaf for leaf in leaves}
@@ -123,6 +127,8 @@ class CheckpointWriter:
             for name in os.listdir(directory):
                 if name.startswith("step-") and name.endswith((".tmp", ".old")):
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        if comm is not None and comm.size > 1:
+            comm.barrier()
 
     def save(self, step: int, state: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
         """Start writing checkpoint `step` of `state` (this rank's pieces) in the background."""
