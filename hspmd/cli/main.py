@@ -36,16 +36,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.checkpoint.manifest import CheckpointError
     from hspmd.runtime.fault import FaultSpecError
     from hspmd.transforms.util import PassError
+    from hspmd.planner import PlanError as PlannerError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError,
+        FaultSpecError, PlannerError,
     )
 
 
 def _add_script_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", help="strategy text, e.g. '[0,1]: dp=2' (default: data parallel over -n)")
+    p.add_argument("--strategy", help="strategy text, e.g. '[0,1]: dp=2' (default: data parallel over -n); 'auto' plans one (hspmd run)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
 
 
@@ -148,7 +149,13 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
             )
         return args.script
     script = load_script(args.script, parse_overrides(args.set))
-    compiled = compile_script(script, strategy or default_strategy(n), n)
+    microbatches = schedule = None
+    if strategy == "auto":
+        from hspmd.cli.plan import auto_strategy
+
+        strategy, microbatches, schedule = auto_strategy(args, script, n)
+    compiled = compile_script(script, strategy or default_strategy(n), n, microbatches=microbatches,
+                              pipeline_schedule=schedule)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
     write_bundle(compiled, bundle)
     return bundle
@@ -244,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
+    r.add_argument("--profile", metavar="P", help="with --strategy auto: the device profile to plan with (hspmd profile)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
@@ -259,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--no-verify", action="store_true", help="info: skip reading every piece to check its checksum")
     k.set_defaults(func=cmd_checkpoint)
 
+    from hspmd.cli.plan import add_plan_parser
+
+    add_plan_parser(sub)
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser
 

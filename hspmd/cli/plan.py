@@ -1,0 +1,151 @@
+"""`hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank 2GiB] [--top 5]` and `--strategy auto`.
+
+Prints the model facts the planner read, the top candidates as a table (strategy, settings,
+predicted step time and memory per rank, what the time is made of, and why each lost to the
+first), and last the chosen strategy alone on one line, as `--strategy` takes it. The choice
+is the fastest candidate that fits the memory limit and compiles; the compile is checked
+before it is printed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+__all__ = ["add_plan_parser", "auto_strategy", "choose_strategy", "cmd_plan", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """Return the bytes of a size such as `2GiB`, `512MiB`, `1.5e9` (SystemExit when it is not one)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SystemExit(f"hspmd: error: --memory-per-rank {text!r}: expected a size such as 2GiB, 512MiB or 1e9")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def add_plan_parser(sub) -> None:
+    """Add the `plan` subcommand to `hspmd`'s subparsers."""
+    p = sub.add_parser("plan", help="pick a strategy for a script on N devices (docs/planning.md)")
+    p.add_argument("script")
+    p.add_argument("-n", type=int, required=True, help="number of devices")
+    p.add_argument("--profile", metavar="P", help="a device profile from 'hspmd profile' (default: all ranks alike)")
+    p.add_argument("--memory-per-rank", metavar="SIZE", help="drop candidates that need more, e.g. 2GiB")
+    p.add_argument("--top", type=int, default=5, help="candidates to show (default 5)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
+    p.set_defaults(func=cmd_plan)
+
+
+def load_machine(profile: str | None, n: int):
+    """Return the planner's Machine: from the profile file, or every rank alike."""
+    from hspmd.planner import Machine
+
+    if profile is None:
+        return Machine.uniform(n)
+    from hspmd.ir.device_profile import load_profile
+
+    return Machine.from_profile(load_profile(profile), n)
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def _why(c, best) -> str:
+    """Return what makes candidate `c` slower than `best` (its largest excess)."""
+    if c is best:
+        return "fastest"
+    mine, theirs = c.parts(), best.parts()
+    name, excess = max(((k, mine[k] - theirs[k]) for k in mine), key=lambda kv: kv[1])
+    return f"+{(c.step_s / best.step_s - 1) * 100:.0f}%: {name} +{excess * 1e3:.1f} ms"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _compiles(script, candidate, n: int) -> str | None:
+    """Return None when the candidate compiles, else the compiler's message."""
+    from hspmd.compiler import compile_script
+    from hspmd.transforms.util import PassError
+    from hspmd.ir.strategy import StrategyError
+
+    try:
+        compile_script(script, candidate.strategy(), n, microbatches=candidate.microbatches,
+                       pipeline_schedule=candidate.schedule)
+    except (PassError, StrategyError) as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def choose_strategy(script, n: int, profile: str | None = None, memory: float | None = None,
+                    report=None):
+    """Return (the chosen Candidate, every candidate that fits, those over memory, facts, machine,
+    seconds spent reading facts, seconds searching). `report(line)` hears about candidates that
+    do not compile."""
+    from hspmd.planner import PlanError, model_facts, plan
+
+    machine = load_machine(profile, n)
+    start = time.perf_counter()
+    facts = model_facts(script, n)
+    read = time.perf_counter() - start
+    start = time.perf_counter()
+    fits, over = plan(facts, machine, memory)
+    searched = time.perf_counter() - start
+    if not fits:
+        raise PlanError(f"no strategy fits {_mib(memory or 0)} per rank; the leanest needs {_mib(over[0].memory_bytes)}"
+                        if over else "no strategy fits")
+    for c in fits[:8]:
+        problem = _compiles(script, c, n)
+        if problem is None:
+            return c, fits, over, facts, machine, read, searched
+        if report:
+            report(f"  {c.strategy()} does not compile ({problem}); next")
+    raise PlanError("none of the best candidates compiles; see the messages above")
+
+
+def cmd_plan(args) -> int:
+    from hspmd.frontend.script import load_script, parse_overrides
+
+    if args.top < 1:
+        raise SystemExit("hspmd: error: --top must be at least 1")
+    memory = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
+    script = load_script(args.script, parse_overrides(args.set))
+    chosen, fits, over, facts, machine, read, searched = choose_strategy(script, args.n, args.profile, memory, print)
+    where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
+    print(f"planning {args.script} for {args.n} devices ({where})")
+    print(f"model: {facts.rows} rows per step, {facts.layers} layer{'s' if facts.layers != 1 else ''}, "
+          f"{facts.matmul_flops / 1e9:.2f} GFLOP of matmuls, {_mib(facts.param_bytes)} of parameters "
+          f"+ {_mib(facts.state_bytes)} of optimizer states, tp up to {max(facts.tp_degrees)}, up to {facts.max_pp} "
+          f"stages; read in {read:.1f} s, {len(fits) + len(over)} candidates searched in {searched:.2f} s")
+    shown = ([chosen] + [c for c in fits if c is not chosen])[: args.top]
+    rows = [["#", "strategy", "settings", "step ms", "memory/rank", "compute", "bubble", "tp", "pp", "dp", "why not"]]
+    for i, c in enumerate(shown, 1):
+        p = c.parts()
+        rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+                     f"{p['compute'] * 1e3:.1f}", f"{p['pipeline bubble'] * 1e3:.1f}", f"{p['tp collectives'] * 1e3:.1f}",
+                     f"{p['pipeline sends'] * 1e3:.1f}",
+                     f"{(p['dp gradient sync'] + p['gradient sum across groups']) * 1e3:.1f}", _why(c, chosen)])
+    for c in over[: max(0, args.top - len(shown))]:
+        rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+                     "", "", "", "", "", f"over --memory-per-rank {_mib(memory or 0)}"])
+    print(_table(rows))
+    if chosen.settings():
+        print("run it with: " + " ".join(f"--set {s}" for s in chosen.settings()))
+    print("strategy:")
+    print(chosen.strategy())
+    return 0
+
+
+def auto_strategy(args, script, n: int) -> tuple[str, int | None, str | None]:
+    """Return (strategy text, micro-batches, schedule) that `--strategy auto` runs, said in one line."""
+    chosen, *_ = choose_strategy(script, n, getattr(args, "profile", None))
+    settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
+    print(f"hspmd run: --strategy auto chose '{chosen.strategy()}'{settings} (predicted "
+          f"{chosen.step_s * 1e3:.1f} ms per step; 'hspmd plan' shows the others)", flush=True)
+    if chosen.settings():
+        return chosen.strategy(), chosen.microbatches, chosen.schedule
+    return chosen.strategy(), None, None

@@ -1,0 +1,169 @@
+"""What a strategy's cost is made of, read once from the IR of a few probe compiles of a script.
+
+`model_facts(script, max_devices)` traces the script's training step once, then lays it out
+under a handful of probe strategies and reads their physical IR:
+
+* `[0]: dp=1`: matmul FLOPs (callees counted per call), the bytes that the other ops write
+  (the optimizer's update ops apart: they scale with the parameters, not with the batch), the
+  parameter and optimizer-state bytes, and the one device's planned peak memory, whose rest
+  (peak minus parameters, states and inputs) is the activation memory of the whole batch;
+* `[0,1]: tp=2`: the operand bytes and the number of the collectives tensor parallelism adds
+  per step (activations: they scale with the rows a rank computes);
+* `[0,1]: pp=2`: the bytes a stage sends to the next per step;
+* `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
+  shapes allow (heads, hidden sizes, vocabulary).
+
+Everything is per step for the script's whole batch; `cost.group_cost` scales it to the rows,
+degrees and micro-batches of a candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, TensorType
+
+from hspmd.codegen.report import call_counts, collective_report
+from hspmd.codegen.schedule import build_schedule
+from hspmd.codegen.schedule.flatten import flatten
+from hspmd.compiler import annotate, loss_scale, run_passes, script_optimizer, to_physical, trace_script, training_passes
+from hspmd.dialects import graph
+from hspmd.dialects.levels import physical_groups, verify_logical
+from hspmd.frontend.script import ModelScript
+from hspmd.ir.strategy import StrategyRecord, parse_strategy
+from hspmd.transforms.util import PassError
+
+__all__ = ["ModelFacts", "model_facts"]
+
+#: the tp degrees the planner considers (beyond 8, tensor parallelism rarely pays off)
+TP_DEGREES = (2, 4, 8)
+#: the prefix of optimizer-state parameters
+STATE_PREFIX = "opt."
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Per step, for the script's whole batch (see the module docstring)."""
+
+    rows: int  # batch rows per step
+    layers: int  # repeated blocks (1 when the model has none)
+    matmul_flops: float
+    matmul_calls: int  # matmuls per step: their mean size picks the rate from a profile
+    activation_bytes_written: float  # bytes the non-matmul ops write (batch-proportional)
+    update_bytes_written: float  # bytes the optimizer's update ops write (parameter-proportional)
+    param_bytes: int  # trainable parameters (= gradient bytes)
+    state_bytes: int  # optimizer states
+    activation_bytes: int  # one device's planned peak less parameters, states and inputs
+    tp_degrees: tuple[int, ...]  # tp degrees whose layouts fit the model (1 first)
+    tp_bytes: float  # operand bytes of the collectives tp=2 adds
+    tp_calls: int  # how many of them
+    pp_bytes: float  # bytes a stage sends to the next (tp=1, one micro-batch)
+    max_pp: int  # the most pipeline stages the model can be cut into (1: none)
+    ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
+    element_bytes: int = 4  # bytes of a parameter element (gradient all-reduces move these)
+
+    def mean_matmul_flops(self) -> float:
+        """Return the FLOPs of an average matmul of the whole batch."""
+        return self.matmul_flops / max(1, self.matmul_calls)
+
+
+def _nbytes(t) -> int:
+    if not isinstance(t, TensorType):
+        return 0
+    width = getattr(t.element_type, "size", None) or (getattr(t.element_type, "bitwidth", 32) + 7) // 8
+    return int(np.prod(t.get_shape(), dtype=np.int64)) * width
+
+
+def _step_fn(module: ModuleOp) -> func.FuncOp:
+    (_, group), *_ = physical_groups(module)
+    return next(op for op in group.body.block.ops if isinstance(op, func.FuncOp) and op.sym_name.data == "train_step")
+
+
+def _layout(logical: ModuleOp, strategy: str) -> ModuleOp:
+    return annotate(logical.clone(), StrategyRecord(0, parse_strategy(strategy), 1, "gpipe"))
+
+
+def _one_device(physical: ModuleOp) -> dict:
+    fn = _step_fn(physical)
+    flops = calls = ops = 0
+    act = upd = 0.0
+    for node in flatten(fn).nodes:
+        op = node.op
+        if op is None or op.name.startswith(("comm.", "func.", "pipeline.")):
+            continue
+        ops += 1
+        if isinstance(op, graph.MatmulOp):
+            flops += 2 * int(np.prod(op.result.type.get_shape(), dtype=np.int64)) * op.lhs.type.get_shape()[-1]
+            calls += 1
+        elif isinstance(op, graph.MatmulRhsGradOp):
+            flops += 2 * int(np.prod(op.lhs.type.get_shape(), dtype=np.int64)) * op.dy.type.get_shape()[-1]
+            calls += 1
+        else:
+            written = sum(_nbytes(r.type) for r in op.results)
+            if op.name.startswith("optim."):
+                upd += written
+            else:
+                act += written
+    params = states = inputs = 0
+    for op in fn.walk():
+        if isinstance(op, graph.ParameterOp):
+            if op.tensor_name.data.startswith(STATE_PREFIX):
+                states += _nbytes(op.result.type)
+            else:
+                params += _nbytes(op.result.type)
+        elif isinstance(op, graph.InputOp):
+            inputs += _nbytes(op.result.type)
+    peak = build_schedule(fn, 0).peak_bytes
+    counts = call_counts(fn.parent_op())
+    layers = max((c for name, c in counts.items() if name != "train_step"), default=1) or 1
+    return {"flops": flops, "calls": calls, "act": act, "upd": upd, "params": params, "states": states,
+            "activations": max(0, peak - params - states - inputs), "layers": layers, "ops": ops}
+
+
+def _collectives(physical: ModuleOp, ops: tuple[str, ...]) -> tuple[float, int]:
+    """Return (operand bytes, calls) per step of the `ops` collectives rank 0 takes part in."""
+    total, calls = 0.0, 0
+    for row in collective_report(physical):
+        if 0 in row.devices and row.op in ops:
+            item = 2 if row.element_type in ("f16", "bf16") else 8 if row.element_type in ("f64", "i64") else 4
+            total += float(np.prod(row.shape, dtype=np.int64)) * item * row.calls
+            calls += row.calls
+    return total, calls
+
+
+def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
+    """Return the facts of `script` the planner prices candidates with (the module docstring).
+
+    Raises the compiler's errors (`PassError`, `ScriptError`, ...) when the script itself does not
+    compile on one device.
+    """
+    first = next(script.batches())
+    rows = int(np.shape(next(iter(first.values())))[0])
+    logical = trace_script(script)
+    run_passes(logical, training_passes(script_optimizer(script), loss_scale(script)))
+    verify_logical(logical)
+    one = _one_device(to_physical(_layout(logical, "[0]: dp=1")))
+    tp_degrees, tp_bytes, tp_calls = [1], 0.0, 0
+    for t in TP_DEGREES:
+        if t > max_devices:
+            break
+        try:
+            annotated = _layout(logical, f"[0-{t - 1}]: tp={t}")
+        except PassError:
+            break
+        tp_degrees.append(t)
+        if t == 2:
+            tp_bytes, tp_calls = _collectives(to_physical(annotated), ("comm.all_reduce", "comm.all_gather",
+                                                                      "comm.reduce_scatter", "comm.all_to_all"))
+    pp_bytes, max_pp = 0.0, 1
+    if max_devices >= 2:
+        try:
+            pp_bytes, _ = _collectives(to_physical(_layout(logical, "[0,1]: pp=2")), ("comm.send",))
+            max_pp = one["layers"] if one["layers"] > 1 else 2
+        except PassError:
+            pass
+    return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
+                      one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
+                      pp_bytes, max_pp, one["ops"])

@@ -1,0 +1,227 @@
+"""The search: device groups, per-group degrees, micro-batches and batch shares, ranked by cost.
+
+1. **Groupings.** Ranks are sorted by their matmul rate at the model's matmul size and cut
+   into clusters of like speed (each within `LIKE_SPEED` of its fastest). Up to three
+   groupings are priced: every device in one group (the slowest sets the pace), one group per
+   cluster (when there are several), and each cluster cut into groups of powers of two (when a
+   size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
+2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
+   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; for a
+   pipeline, 1, 2, 4 or 8 micro-batches (one count for the whole strategy, as the runtime has)
+   under 1F1B. Combinations the runtime does not run are left out (several pipelined groups
+   with tp and micro-batches; ZeRO in a pipeline beside other groups).
+3. **Rows per group.** Each group needs a multiple of dp * m rows. Starting from the least
+   each may hold, rows go one unit at a time to the group whose step would then end first
+   (min-max greedy, HetSeq's "fewer rows to the slower GPU" from the cost model).
+4. **Choosing across groups.** A group's configuration is chosen with the others fixed, in
+   turn, twice (coordinate descent), each time with the rows re-balanced: the number of
+   candidates stays linear in the configurations per group, not their product, so 64 devices
+   in several clusters plan in well under a second once the facts are read.
+
+A candidate's step time is its slowest group's plus the gradient sum across groups; those
+over `memory_per_rank` are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import reduce
+
+from hspmd.ir.strategy import Strategy, StrategyGroup
+from hspmd.planner.cost import GroupConfig, GroupCost, group_cost
+from hspmd.planner.facts import ModelFacts
+from hspmd.planner.machine import Machine
+
+__all__ = ["Candidate", "PlanError", "clusters", "plan"]
+
+#: ranks within this factor of a cluster's fastest share its group
+LIKE_SPEED = 0.85
+MICROBATCHES = (1, 2, 4, 8)
+
+
+class PlanError(Exception):
+    """No strategy fits (the devices, the model's shapes, the memory limit)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy the planner priced."""
+
+    groups: tuple[GroupConfig, ...]
+    rows: tuple[int, ...]
+    microbatches: int
+    costs: tuple[GroupCost, ...]
+    cross_s: float  # the gradient sum across groups
+
+    @property
+    def step_s(self) -> float:
+        return max(c.step_s for c in self.costs) + self.cross_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(c.memory_bytes for c in self.costs)
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if any(g.pp > 1 for g in self.groups) else "gpipe"
+
+    def strategy(self) -> str:
+        """Return the strategy text (`--strategy`), batch shares as the rows' smallest ratio."""
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero),)))
+        common = reduce(math.gcd, self.rows)
+        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero)
+                                  for g, r in zip(self.groups, self.rows))))
+
+    def settings(self) -> list[str]:
+        """Return the `--set` entries the strategy runs with (micro-batches of a pipeline)."""
+        if not any(g.pp > 1 for g in self.groups):
+            return []
+        return [f"microbatches={self.microbatches}", f"pipeline_schedule={self.schedule}"]
+
+    def parts(self) -> dict[str, float]:
+        """Return the slowest group's time split by what it is made of, plus the cross-group sum."""
+        slowest = max(self.costs, key=lambda c: c.step_s)
+        return {**slowest.parts(), "gradient sum across groups": self.cross_s}
+
+
+def clusters(machine: Machine, flops_per_call: float) -> list[tuple[int, ...]]:
+    """Return the ranks cut into groups of like speed, fastest first, each sorted by rank."""
+    speed = machine.speeds(flops_per_call)
+    order = sorted(range(machine.n), key=lambda r: (-speed[r], r))
+    out: list[list[int]] = []
+    for r in order:
+        if out and speed[r] >= LIKE_SPEED * speed[out[-1][0]]:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return [tuple(sorted(c)) for c in out]
+
+
+def _binary_pieces(devices: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Return `devices` cut into runs whose sizes are the powers of two of its size (6: 4 + 2)."""
+    out, start = [], 0
+    for bit in reversed(range(len(devices).bit_length())):
+        if len(devices) & (1 << bit):
+            out.append(devices[start:start + (1 << bit)])
+            start += 1 << bit
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _configs(devices: tuple[int, ...], facts: ModelFacts, alone: bool) -> list[GroupConfig]:
+    out = []
+    n = len(devices)
+    for tp in facts.tp_degrees:
+        if n % tp:
+            continue
+        for pp in _divisors(n // tp):
+            if pp > facts.max_pp:
+                continue
+            dp = n // (tp * pp)
+            for zero in ((0, 1) if dp > 1 and (pp == 1 or alone) else (0,)):
+                out.append(GroupConfig(devices, dp, tp, pp, zero))
+    return out
+
+
+def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
+    """Return whether the runtime runs this combination (README: "Not yet")."""
+    pipelined = [g for g in groups if g.pp > 1]
+    if m > 1 and not pipelined:
+        return False  # micro-batches only split pipelines
+    if len(pipelined) > 1 and m > 1 and any(g.tp > 1 for g in pipelined):
+        return False
+    return True
+
+
+def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> tuple[int, ...] | None:
+    """Return rows per group (multiples of dp * m, summing to the batch) by min-max greedy."""
+    units = [g.dp * m for g in groups]
+    rows = list(units)
+    left = facts.rows - sum(rows)
+    if left < 0:
+        return None
+    if len(groups) == 1:
+        return (facts.rows,) if left % units[0] == 0 else None
+    while left > 0:
+        best, best_t = None, math.inf
+        for i, (g, u) in enumerate(zip(groups, units)):
+            if u <= left:
+                t = group_cost(facts, machine, g, rows[i] + u, m).step_s
+                if t < best_t:
+                    best, best_t = i, t
+        if best is None:
+            return None
+        rows[best] += units[best]
+        left -= units[best]
+    return tuple(rows)
+
+
+def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> Candidate | None:
+    if not _runs(groups, m):
+        return None
+    rows = _balance(facts, machine, groups, m)
+    if rows is None:
+        return None
+    schedule = "1f1b" if any(g.pp > 1 for g in groups) else "gpipe"
+    costs = tuple(group_cost(facts, machine, g, r, m, schedule) for g, r in zip(groups, rows))
+    cross = 0.0
+    if len(groups) > 1:
+        shard = min(g.tp * g.pp for g in groups)
+        cross = machine.collective("all_reduce", tuple(g.devices[0] for g in groups), facts.param_bytes / shard)
+    return Candidate(groups, rows, m, costs, cross)
+
+
+def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[int, ...]]) -> list[Candidate]:
+    alone = len(parts) == 1
+    options = [_configs(p, facts, alone) for p in parts]
+    out: list[Candidate] = []
+    for m in MICROBATCHES:
+        if alone:
+            out.extend(c for g in options[0] if (c := _price(facts, machine, (g,), m)) is not None)
+            continue
+        # coordinate descent from the plain data-parallel choice of every group
+        chosen = [next((g for g in opts if g.tp == 1 and g.pp == 1 and g.zero == 0), opts[0]) for opts in options]
+        best = _price(facts, machine, tuple(chosen), m)
+        for _ in range(2):
+            for i, opts in enumerate(options):
+                for g in opts:
+                    trial = tuple(chosen[:i] + [g] + chosen[i + 1:])
+                    c = _price(facts, machine, trial, m)
+                    if c is not None:
+                        out.append(c)
+                        if best is None or c.step_s < best.step_s:
+                            best, chosen = c, list(trial)
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
+    """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
+
+    Raises PlanError when no candidate runs on these devices at all.
+    """
+    parts = clusters(machine, facts.mean_matmul_flops())
+    groupings = [[tuple(range(machine.n))]] + ([parts] if len(parts) > 1 else [])
+    split = [piece for p in parts for piece in _binary_pieces(p)]
+    if len(split) > len(parts):  # sizes that divide nothing (3, 6, ...): groups of powers of two
+        groupings.append(split)
+    seen: dict[tuple[str, int], Candidate] = {}
+    for grouping in groupings:
+        for c in _grouping_candidates(facts, machine, grouping):
+            key = (c.strategy(), c.microbatches if c.settings() else 1)
+            if key not in seen or c.step_s < seen[key].step_s:
+                seen[key] = c
+    ranked = sorted(seen.values(), key=lambda c: (c.step_s, c.strategy()))
+    if not ranked:
+        raise PlanError(f"no strategy fits {machine.n} devices and a batch of {facts.rows} rows "
+                        f"(tp degrees the model allows: {', '.join(map(str, facts.tp_degrees))})")
+    fits = [c for c in ranked if memory_per_rank is None or c.memory_bytes <= memory_per_rank]
+    over = [c for c in ranked if c not in fits]
+    return fits, over

@@ -1,0 +1,130 @@
+"""The planner: facts read from the IR, candidates that fit the devices and compile, batch rows
+that follow device speed, the memory limit, `hspmd plan` and `hspmd run --strategy auto`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import EXAMPLES, run_cli
+from hspmd.codegen.schedule.analysis import matmul_flops
+from hspmd.compiler import compile_script
+from hspmd.dialects.levels import physical_groups
+from hspmd.frontend.script import load_script, parse_overrides
+from hspmd.ir.strategy import parse_strategy
+from hspmd.planner import Machine, PlanError, model_facts, plan
+from hspmd.planner.cost import GroupConfig, group_cost
+from hspmd.planner.search import clusters
+
+GPT = os.path.join(EXAMPLES, "gpt.py")
+SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=8"]
+SETS = [a for s in SMALL for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script(GPT, parse_overrides(SMALL))
+
+
+@pytest.fixture(scope="module")
+def facts(script):
+    return model_facts(script, 8)
+
+
+def test_facts_come_from_the_ir(script, facts):
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    (_, module), = physical_groups(compiled.physical)
+    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) and op.sym_name.data == "train_step")
+    assert facts.matmul_flops == matmul_flops(fn)
+    assert facts.rows == 8 and facts.layers == 2 and facts.max_pp == 2
+    assert facts.tp_degrees[:2] == (1, 2) and 8 not in facts.tp_degrees  # 4 heads: tp=8 does not fit
+    assert facts.tp_bytes > 0 and facts.pp_bytes > 0 and facts.param_bytes > 0
+    assert 2 * facts.param_bytes <= facts.state_bytes <= 2 * facts.param_bytes + 64  # AdamW: m, v and scalars
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+def test_the_best_candidate_fits_the_devices_and_compiles(script, facts, n):
+    fits, _ = plan(facts, Machine.uniform(n))
+    assert fits == sorted(fits, key=lambda c: c.step_s)
+    best = fits[0]
+    assert parse_strategy(best.strategy()).num_devices == n
+    compile_script(script, best.strategy(), n, microbatches=best.microbatches, pipeline_schedule=best.schedule)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=1, max_size=8))
+def test_every_candidate_is_a_valid_strategy_with_whole_rows(facts, speeds):
+    n = len(speeds)
+    try:
+        fits, over = plan(facts, Machine.uniform(n, tuple(speeds)))
+    except PlanError:
+        return  # e.g. 7 devices of 4 speeds and 8 rows: no grouping divides the batch
+    for c in fits + over:
+        s = parse_strategy(c.strategy())
+        s.check_devices(n)
+        assert sum(c.rows) == facts.rows
+        for g, r in zip(c.groups, c.rows):
+            assert r % (g.dp * c.microbatches) == 0 and r > 0
+
+
+def test_faster_devices_get_more_rows(facts):
+    machine = Machine.uniform(3, (1.0, 1.0, 3.0))
+    assert clusters(machine, facts.mean_matmul_flops()) == [(2,), (0, 1)]
+    fits, _ = plan(facts, machine)
+    hetero = next(c for c in fits if len(c.groups) == 2)
+    rows = {g.devices: r / len(g.devices) for g, r in zip(hetero.groups, hetero.rows)}
+    assert rows[(2,)] > rows[(0, 1)]
+
+
+def test_costs_order_the_obvious_cases(facts):
+    fast, slow = Machine.uniform(2), Machine.uniform(2, (1.0, 0.5))
+    dp2 = GroupConfig((0, 1), dp=2)
+    assert group_cost(facts, slow, dp2, 8).step_s > group_cost(facts, fast, dp2, 8).step_s
+    pp2 = GroupConfig((0, 1), pp=2)
+    assert group_cost(facts, fast, pp2, 8, m=1).bubble_s > group_cost(facts, fast, pp2, 8, m=4).bubble_s
+    zero = GroupConfig((0, 1), dp=2, zero=1)
+    assert group_cost(facts, fast, zero, 8).memory_bytes < group_cost(facts, fast, dp2, 8).memory_bytes
+
+
+def test_a_memory_limit_drops_candidates(facts):
+    fits, over = plan(facts, Machine.uniform(4))
+    limit = sorted(c.memory_bytes for c in fits)[len(fits) // 2]
+    fits2, over2 = plan(facts, Machine.uniform(4), limit)
+    assert all(c.memory_bytes <= limit for c in fits2) and over2
+    assert all(c.memory_bytes > limit for c in over2)
+
+
+def test_sixty_four_devices_plan(facts):
+    fits, _ = plan(facts, Machine.uniform(64, (1.0,) * 32 + (2.0,) * 32))
+    assert fits and parse_strategy(fits[0].strategy()).num_devices == 64
+
+
+def test_hspmd_plan_prints_a_strategy_line_run_accepts(tmp_path):
+    r = run_cli("hspmd", "plan", GPT, "-n", "4", *SETS, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert parse_strategy(last).num_devices == 4
+    assert "why not" in r.stdout and "fastest" in r.stdout
+
+
+def test_hspmd_run_strategy_auto(tmp_path):
+    log = tmp_path / "a.jsonl"
+    r = run_cli("hspmd", "run", "-n", "2", GPT, "--strategy", "auto", "--steps", "2", "--log", str(log), *SETS,
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--strategy auto chose" in r.stdout
+    assert len(log.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--memory-per-rank", "lots"], "expected a size"),
+    (["--memory-per-rank", "1KiB"], "no strategy fits"),
+    (["--profile", "/nonexistent/profile.json"], "profile.json"),
+])
+def test_plan_errors_are_one_line(args, message):
+    r = run_cli("hspmd", "plan", GPT, "-n", "2", *args, *SETS, timeout=300)
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr
