@@ -104,3 +104,13 @@ def test_compile_cost_on_the_command_line(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     bad = run_cli("hspmd", "compile", MLP, "-n", "2", "--cost", "--profile", str(tmp_path / "bad.json"))
     assert bad.returncode == 1 and "not a device profile" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_bucketed_all_reduces_overlap_the_backward():
+    c = _compiled(GPT, "[0,1]: dp=2", 2)
+    prof = DeviceProfile.uniform(2)
+    blocking = estimate_cost(c.kernel_groups(), prof, bucket_bytes=None)
+    bucketed = estimate_cost(c.kernel_groups(), prof, bucket_bytes=1 << 16)
+    assert blocking.ranks[0].exposed_comm_s == pytest.approx(blocking.ranks[0].comm_s)
+    assert bucketed.ranks[0].exposed_comm_s < bucketed.ranks[0].comm_s / 2
+    assert bucketed.step_s < blocking.step_s
