@@ -66,7 +66,7 @@ from hspmd.dialects.comm import groups_of
 from hspmd.dialects.levels import physical_groups
 from hspmd.ir.device_profile import DeviceProfile
 
-__all__ = ["CostError", "CostEstimate", "RankCost", "estimate_cost", "step_costs"]
+__all__ = ["CostError", "CostEstimate", "RankCost", "comm_seconds", "compute_seconds", "estimate_cost", "step_costs"]
 
 STEP = "train_step"
 # ops whose result is a view of an operand: no work (codegen/schedule/memory.py's list)

@@ -153,6 +153,7 @@ class DeviceProfile:
     link, `default_link` is used for pairs not measured; `collectives` holds the measured
     alpha-beta fits. `source` says where the numbers came from ("measured ...",
     "synthetic ..."); `meta` is free-form (host, date, parameters of the measurement).
+    Profiles compare by value; they are not hashable (`links` and `meta` are dicts).
     """
 
     ranks: tuple[RankRates, ...]
@@ -171,9 +172,9 @@ class DeviceProfile:
             if any(p.gflops <= 0 or p.flops <= 0 for p in rates.matmul) or rates.elementwise_bps <= 0 or (
                     rates.fused_bps is not None and rates.fused_bps <= 0):
                 raise ProfileError(f"rank {r} has a rate that is not positive")
-            if list(rates.matmul) != sorted(rates.matmul, key=lambda p: p.flops):
-                object.__setattr__(self, "ranks", tuple(
-                    replace(x, matmul=tuple(sorted(x.matmul, key=lambda p: p.flops))) for x in self.ranks))
+        # the matmul table sorted by FLOPs, for the interpolation
+        object.__setattr__(self, "ranks", tuple(
+            replace(x, matmul=tuple(sorted(x.matmul, key=lambda p: p.flops))) for x in self.ranks))
         n = len(self.ranks)
         for link in (self.default_link, *self.links.values()):
             if link.latency_s < 0 or link.bandwidth_bps <= 0:
