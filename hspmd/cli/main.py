@@ -1,8 +1,10 @@
 """`hspmd`: compile model scripts through the three IR levels and run them on N ranks.
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
+    hspmd compile SCRIPT [--strategy TEXT] [-n N] --cost [--profile P]
     hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE]
     hspmd checkpoint info|export D [--to FILE]
+    hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
 Errors a user can cause end in one message on stderr and exit code 1, never a traceback.
@@ -37,11 +39,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.fault import FaultSpecError
     from hspmd.transforms.util import PassError
     from hspmd.planner import PlanError as PlannerError
+    from hspmd.ir.device_profile import ProfileError
+    from hspmd.runtime.profiler import ProfileRunError
+    from hspmd.codegen.cost_model import CostError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError, PlannerError,
+        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError,
     )
 
 
@@ -90,9 +95,30 @@ def cmd_compile(args) -> int:
         from hspmd.compiler import annotate_with_provenance
 
         sys.stdout.write(format_explain(explain_rows(*annotate_with_provenance(compiled))))
-    if not (args.dump_dir or args.report or args.explain):
+    if args.cost:
+        sys.stdout.write(cost_text(compiled, n, args.profile))
+    elif args.profile:
+        raise SystemExit("hspmd: error: --profile needs --cost")
+    if not (args.dump_dir or args.report or args.explain or args.cost):
         sys.stdout.write(module_text(getattr(compiled, args.level)))
     return 0
+
+
+def cost_text(compiled, n: int, profile_path: str | None) -> str:
+    """Return `hspmd compile --cost`'s table: the predicted step of `compiled` on `n` ranks under the
+    profile at `profile_path` (None: `DeviceProfile.default_cpu`, and the output says so)."""
+    from hspmd.codegen.cost_model import CostError, estimate_cost
+    from hspmd.ir.device_profile import DeviceProfile
+
+    if profile_path is None:
+        profile = DeviceProfile.default_cpu(n)
+    else:
+        profile = DeviceProfile.load(profile_path)
+        if profile.num_ranks < n:
+            raise CostError(f"{profile_path} describes {profile.num_ranks} ranks, the program runs on {n}; "
+                            f"measure with hspmd profile -n {n}")
+        profile = profile.restricted(n)
+    return estimate_cost(compiled.kernel_groups(), profile).format()
 
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
@@ -223,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every collective of the physical program per device group, with bytes per rank per step")
     c.add_argument("--explain", action="store_true",
                    help="print each value of the annotated step with its layout and where that layout came from")
+    c.add_argument("--cost", action="store_true",
+                   help="print the predicted step time per rank (compute, communication, bubbles, peak memory)")
+    c.add_argument("--profile", metavar="P",
+                   help="with --cost: the device profile to use (from hspmd profile; default: a synthetic CPU profile)")
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="train a model script or a compiled bundle on N ranks")
@@ -268,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_checkpoint)
 
     from hspmd.cli.plan import add_plan_parser
+    from hspmd.cli.profile import add_profile_parser
 
+    add_profile_parser(sub)
     add_plan_parser(sub)
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser

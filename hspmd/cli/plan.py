@@ -44,9 +44,9 @@ def load_machine(profile: str | None, n: int):
 
     if profile is None:
         return Machine.uniform(n)
-    from hspmd.ir.device_profile import load_profile
+    from hspmd.ir.device_profile import DeviceProfile
 
-    return Machine.from_profile(load_profile(profile), n)
+    return Machine.from_profile(DeviceProfile.load(profile), n)
 
 
 def _mib(b: float) -> str:

@@ -1,91 +1,76 @@
-"""What the planner knows of the devices: compute rates per rank and the time of a collective.
+"""What the planner knows of the devices: a `DeviceProfile` seen the way the search asks.
 
-`Machine` holds, per rank, a small table of matmul rates by matmul size (FLOPs of one call,
-FLOP/s) read by linear interpolation in log(FLOPs), and an elementwise rate (bytes written
-per second); per pair of ranks a latency and a bandwidth. A collective over a group costs what
-the ring algorithm costs on the group's slowest link (latency per round, bytes over the
-bandwidth), with the bytes a rank sends as `hspmd compile --report` counts them.
+`Machine` wraps a profile (`hspmd profile`, `hspmd.ir.device_profile`) with the planner's
+questions: a rank's matmul rate for matmuls of a given size (the profile's table, interpolated
+in log FLOPs), its elementwise rate, the seconds of a collective over a group (the profile's
+measured fits, else the ring model over the group's slowest link), and a fixed cost per kernel
+launched, which the profile does not measure (Python's dispatch of one kernel on a CPU rank).
 
-`Machine.uniform(n)` assumes every rank alike (the planner's default without a profile);
-`Machine.from_profile(profile)` reads a measured `DeviceProfile` (`hspmd profile`).
+`Machine.uniform(n)` is the profile `hspmd compile --cost` assumes without one: every rank
+alike, this machine's kind of CPU core (`DeviceProfile.default_cpu`).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from hspmd.ir.device_profile import DeviceProfile, ProfileError
 
 __all__ = ["Machine"]
 
-#: a rank's matmul rates when nothing was measured: (FLOPs of one call, FLOP/s); small matmuls
-#: run below the large-shape rate (measured on a 2-core machine's NumPy, rounded)
-DEFAULT_MATMUL = ((1e5, 2e9), (1e7, 2e10), (1e9, 6e10))
-#: elementwise bytes written per second, link latency (s) and bandwidth (bytes/s) by default
-DEFAULT_ELEMENTWISE = 2e9
-DEFAULT_LATENCY = 2e-5
-DEFAULT_BANDWIDTH = 2e9
+#: seconds one kernel costs whatever its size (dispatch and launch; about what a CPU rank's
+#: plan spends per step on each of GPT-tiny's ~1,000 kernels)
+OP_OVERHEAD_S = 2e-5
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Machine:
-    """Rates of `n` ranks (see the module docstring)."""
+    """The devices the planner plans for (see the module docstring)."""
 
-    matmul: tuple[tuple[tuple[float, float], ...], ...]  # per rank: ((FLOPs per call, FLOP/s), ...)
-    elementwise: tuple[float, ...]  # per rank: bytes written per second
-    latency: tuple[tuple[float, ...], ...]  # [a][b]: seconds
-    bandwidth: tuple[tuple[float, ...], ...]  # [a][b]: bytes per second
-    measured: bool = False  # from a profile, or assumed
-    op_overhead: float = 2e-5  # seconds a kernel costs whatever its size (dispatch, launch)
+    profile: DeviceProfile
+    op_overhead: float = OP_OVERHEAD_S
+
+    @staticmethod
+    def uniform(n: int, speed: Sequence[float] | None = None) -> Machine:
+        """Return `n` alike ranks (or with relative compute `speed`s) of the default CPU profile."""
+        profile = DeviceProfile.default_cpu(n)
+        return Machine(profile.with_speed(speed) if speed is not None else profile)
+
+    @staticmethod
+    def from_profile(profile: DeviceProfile, n: int) -> Machine:
+        """Return the first `n` ranks of a measured profile (ProfileError if it has fewer)."""
+        if profile.num_ranks < n:
+            raise ProfileError(f"the profile measured {profile.num_ranks} ranks; planning for {n} needs "
+                               f"a profile of at least {n} (hspmd profile -n {n})")
+        return Machine(profile.restricted(n))
 
     @property
     def n(self) -> int:
-        return len(self.elementwise)
+        return self.profile.num_ranks
 
-    @staticmethod
-    def uniform(n: int, speed: tuple[float, ...] | None = None) -> Machine:
-        """Return `n` ranks alike (or with relative compute `speed`s), this machine's defaults."""
-        speed = tuple(speed) if speed is not None else (1.0,) * n
-        return Machine(tuple(tuple((f, r * s) for f, r in DEFAULT_MATMUL) for s in speed),
-                       tuple(DEFAULT_ELEMENTWISE * s for s in speed),
-                       tuple((DEFAULT_LATENCY,) * n for _ in range(n)),
-                       tuple((DEFAULT_BANDWIDTH,) * n for _ in range(n)))
+    @property
+    def measured(self) -> bool:
+        return not self.profile.source.startswith("synthetic")
+
+    @property
+    def elementwise(self) -> tuple[float, ...]:
+        """Return every rank's elementwise rate, bytes written per second."""
+        return tuple(r.elementwise_bps for r in self.profile.ranks)
 
     def matmul_rate(self, rank: int, flops_per_call: float) -> float:
         """Return rank's FLOP/s on matmuls of `flops_per_call` FLOPs each."""
-        table = self.matmul[rank]
-        x = math.log(max(flops_per_call, 1.0))
-        pts = [(math.log(f), r) for f, r in table]
-        if x <= pts[0][0]:
-            return pts[0][1]
-        for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
-            if x <= x1:
-                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
-        return pts[-1][1]
-
-    def link(self, group: tuple[int, ...]) -> tuple[float, float]:
-        """Return (latency, bandwidth) of the slowest link between neighbours of `group`'s ring."""
-        if len(group) < 2:
-            return 0.0, math.inf
-        pairs = list(zip(group, group[1:] + group[:1]))
-        return (max(self.latency[a][b] for a, b in pairs), min(self.bandwidth[a][b] for a, b in pairs))
-
-    def collective(self, kind: str, group: tuple[int, ...], nbytes: float, calls: int = 1) -> float:
-        """Return the seconds of `calls` collectives `kind` over `group`, each on a buffer of
-        `nbytes` per rank (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send)."""
-        n = len(group)
-        if n < 2 or nbytes <= 0:
-            return 0.0
-        alpha, beta = self.link(group)
-        if kind == "all_reduce":
-            rounds, sent = 2 * (n - 1), 2 * (n - 1) / n * nbytes
-        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            rounds, sent = n - 1, (n - 1) / n * nbytes
-        elif kind in ("broadcast", "send"):
-            rounds, sent = (n - 1 if kind == "broadcast" else 1), nbytes
-        else:
-            raise ValueError(f"unknown collective {kind!r}")
-        return calls * (rounds * alpha) + calls * sent / beta
+        return self.profile.rates(rank).matmul_gflops(flops_per_call) * 1e9
 
     def speeds(self, flops_per_call: float) -> tuple[float, ...]:
         """Return every rank's matmul rate at `flops_per_call`."""
         return tuple(self.matmul_rate(r, flops_per_call) for r in range(self.n))
+
+    def collective(self, kind: str, group: tuple[int, ...], nbytes: float, calls: int = 1) -> float:
+        """Return the seconds of `calls` collectives `kind` over `group`, each on `nbytes` per rank
+        (`send`: from the group's first rank to its second)."""
+        if len(group) < 2 or nbytes <= 0:
+            return 0.0
+        if kind == "send":
+            return calls * self.profile.p2p_seconds(group[0], group[1], nbytes)
+        return calls * self.profile.time(kind, group, nbytes)

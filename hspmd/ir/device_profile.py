@@ -1,0 +1,413 @@
+"""How fast each rank computes and communicates: measured (`hspmd profile`) or synthetic.
+
+A `DeviceProfile` is plain, frozen data about N ranks, in seconds and bytes:
+
+* per rank, compute rates: a small **matmul table** (`MatmulPoint`: the FLOPs of one
+  float32 matmul and the GFLOP/s measured for it), read by `matmul_seconds(rank, flops)`
+  which interpolates the rate linearly in log(FLOPs) between the measured points and holds
+  it constant outside them; an **elementwise** rate (bytes read + written per second by a
+  NumPy ufunc chain) and a **fused** rate (bytes per second of a fused C++ kernel; falls back
+  to the elementwise rate when not measured);
+* per ordered rank pair, a **point-to-point link** (`Link`: latency seconds, bandwidth bytes
+  per second), `link(a, b)` falling back to the profile's `default_link`;
+* per collective kind (`COLLECTIVES`) and measured group, an alpha-beta fit
+  (`CollectiveFit`): ``time = latency + nbytes / bandwidth`` for a rank's local buffer of
+  ``nbytes`` bytes.
+
+`time(kind, group, nbytes)` is the model a planner reads: a fit measured over exactly that
+group if there is one; else the kind's fit over a measured group of the same size, slowed to
+the group's slowest link; else the usual ring algorithms over the slowest link of the group
+(`ring_seconds`). Everything is deterministic and pure: no I/O except `save`/`load`.
+
+The JSON form (`to_json` / `from_json`, `save` / `load`) carries `"format":
+"hspmd-device-profile"` and `"version": 1`; a file that is not one, or is malformed, raises
+`ProfileError` with one line saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "COLLECTIVES", "DEFAULT_CPU", "FORMAT", "VERSION", "CollectiveFit", "DeviceProfile", "Link", "MatmulPoint", "ProfileError",
+    "RankRates", "ring_seconds",
+]
+
+FORMAT = "hspmd-device-profile"
+VERSION = 1
+
+#: collective kinds a profile may describe (the `comm` dialect's names without the prefix)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+#: the rates of `DeviceProfile.default_cpu` (the arguments of `DeviceProfile.uniform`)
+DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0}
+
+
+class ProfileError(ValueError):
+    """A device profile is malformed, or asked about ranks or kinds it does not have."""
+
+
+@dataclass(frozen=True)
+class MatmulPoint:
+    """One measured matmul: `flops` (2 m k n) at `gflops` GFLOP/s; `shape` is (m, k, n), informative."""
+
+    flops: float
+    gflops: float
+    shape: tuple[int, int, int] = (0, 0, 0)
+
+
+@dataclass(frozen=True)
+class RankRates:
+    """The compute rates of one rank.
+
+    `matmul`: measured points, sorted by FLOPs (at least one). `elementwise_bps`: bytes moved
+    (read + written) per second by NumPy elementwise ops; `fused_bps`: the same for fused C++
+    kernels (None: not measured, the elementwise rate is used).
+    """
+
+    matmul: tuple[MatmulPoint, ...]
+    elementwise_bps: float
+    fused_bps: float | None = None
+
+    def matmul_gflops(self, flops: float) -> float:
+        """Return the GFLOP/s of a matmul of `flops` FLOPs: interpolated in log(FLOPs), clamped at the ends."""
+        pts = self.matmul
+        if flops <= pts[0].flops or len(pts) == 1:
+            return pts[0].gflops
+        if flops >= pts[-1].flops:
+            return pts[-1].gflops
+        for lo, hi in zip(pts, pts[1:]):
+            if lo.flops <= flops <= hi.flops:
+                if hi.flops == lo.flops:
+                    return hi.gflops
+                t = (math.log(flops) - math.log(lo.flops)) / (math.log(hi.flops) - math.log(lo.flops))
+                return lo.gflops + t * (hi.gflops - lo.gflops)
+        return pts[-1].gflops  # not reached: the points are sorted
+
+    def scaled(self, factor: float) -> RankRates:
+        """Return these rates multiplied by `factor` (0.5: a rank twice as slow)."""
+        return RankRates(
+            tuple(replace(p, gflops=p.gflops * factor) for p in self.matmul),
+            self.elementwise_bps * factor,
+            None if self.fused_bps is None else self.fused_bps * factor,
+        )
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: a message of n bytes takes `latency_s + n / bandwidth_bps` seconds."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Return the time of one message of `nbytes` bytes."""
+        return self.latency_s + nbytes / self.bandwidth_bps
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """An alpha-beta fit of one collective over one group: `latency_s + nbytes / bandwidth_bps`.
+
+    `nbytes` is the local buffer of one rank (the operand; for all_gather the result), so
+    `bandwidth_bps` is an *algorithm* bandwidth, the ring's (n-1)/n factors folded in.
+    """
+
+    kind: str
+    group: tuple[int, ...]
+    latency_s: float
+    bandwidth_bps: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Return the fitted time for a local buffer of `nbytes` bytes."""
+        return self.latency_s + nbytes / self.bandwidth_bps
+
+
+def ring_seconds(kind: str, n: int, nbytes: float, link: Link) -> float:
+    """Return the time of collective `kind` over `n` ranks by the ring algorithms over `link`.
+
+    all_reduce: 2(n-1) steps of nbytes/n; all_gather (nbytes: the result), reduce_scatter and
+    all_to_all: n-1 steps of nbytes/n; broadcast: a pipelined ring, about (n-1) latencies
+    plus nbytes once. One rank (n <= 1) takes no time.
+    """
+    if kind not in COLLECTIVES:
+        raise ProfileError(f"unknown collective kind '{kind}' (known: {', '.join(COLLECTIVES)})")
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * link.seconds(nbytes / n)
+    if kind == "broadcast":
+        return (n - 1) * link.latency_s + nbytes / link.bandwidth_bps
+    return (n - 1) * link.seconds(nbytes / n)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Compute and communication rates of `num_ranks` ranks (module docstring).
+
+    `ranks[r]` are rank r's compute rates; `links` maps an ordered pair (a, b) to its measured
+    link, `default_link` is used for pairs not measured; `collectives` holds the measured
+    alpha-beta fits. `source` says where the numbers came from ("measured ...",
+    "synthetic ..."); `meta` is free-form (host, date, parameters of the measurement).
+    Profiles compare by value; they are not hashable (`links` and `meta` are dicts).
+    """
+
+    ranks: tuple[RankRates, ...]
+    default_link: Link
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    collectives: tuple[CollectiveFit, ...] = ()
+    source: str = "synthetic"
+    meta: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ProfileError("a device profile needs at least one rank")
+        for r, rates in enumerate(self.ranks):
+            if not rates.matmul:
+                raise ProfileError(f"rank {r} has no matmul rate")
+            if any(p.gflops <= 0 or p.flops <= 0 for p in rates.matmul) or rates.elementwise_bps <= 0 or (
+                    rates.fused_bps is not None and rates.fused_bps <= 0):
+                raise ProfileError(f"rank {r} has a rate that is not positive")
+        # the matmul table sorted by FLOPs, for the interpolation
+        object.__setattr__(self, "ranks", tuple(
+            replace(x, matmul=tuple(sorted(x.matmul, key=lambda p: p.flops))) for x in self.ranks))
+        n = len(self.ranks)
+        for link in (self.default_link, *self.links.values()):
+            if link.latency_s < 0 or link.bandwidth_bps <= 0:
+                raise ProfileError("a link has a negative latency or a bandwidth that is not positive")
+        for a, b in self.links:
+            if not (0 <= a < n and 0 <= b < n):
+                raise ProfileError(f"link ({a}, {b}) names a rank outside 0..{n - 1}")
+        for fit in self.collectives:
+            if fit.kind not in COLLECTIVES:
+                raise ProfileError(f"unknown collective kind '{fit.kind}' (known: {', '.join(COLLECTIVES)})")
+            if any(not 0 <= r < n for r in fit.group):
+                raise ProfileError(f"{fit.kind} group {list(fit.group)} names a rank outside 0..{n - 1}")
+            if fit.latency_s < 0 or fit.bandwidth_bps <= 0:
+                raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative latency or bandwidth not positive")
+        object.__setattr__(self, "links", dict(self.links))
+        object.__setattr__(self, "meta", dict(self.meta))
+
+    # -- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def uniform(n: int, gflops: float = 50.0, elementwise_gbps: float = 5.0, fused_gbps: float | None = None,
+                latency_s: float = 20e-6, bandwidth_gbps: float = 5.0,
+                speed: Sequence[float] | None = None) -> DeviceProfile:
+        """Return a synthetic profile of `n` alike ranks, optionally of unequal speed.
+
+        `gflops`: the matmul rate at every size; `elementwise_gbps` / `fused_gbps`: GB/s (1e9
+        bytes) moved by elementwise / fused kernels; every link has `latency_s` and
+        `bandwidth_gbps`; collectives follow the ring model. `speed[r]` multiplies rank r's
+        compute rates (default all 1.0: `speed=[0.5, 1]` makes rank 0 twice as slow).
+        """
+        if n < 1:
+            raise ProfileError(f"a device profile needs at least one rank, got {n}")
+        factors = [1.0] * n if speed is None else [float(s) for s in speed]
+        if len(factors) != n:
+            raise ProfileError(f"speed has {len(factors)} factors for {n} ranks")
+        if any(f <= 0 for f in factors):
+            raise ProfileError("speed factors must be positive")
+        base = RankRates((MatmulPoint(1.0, gflops),), elementwise_gbps * 1e9,
+                         None if fused_gbps is None else fused_gbps * 1e9)
+        return DeviceProfile(
+            tuple(base.scaled(f) for f in factors), Link(latency_s, bandwidth_gbps * 1e9),
+            source=f"synthetic: {n} ranks, {gflops:g} GFLOP/s, {elementwise_gbps:g} GB/s elementwise, "
+                   f"links {latency_s * 1e6:g} us + {bandwidth_gbps:g} GB/s",
+        )
+
+    @staticmethod
+    def default_cpu(n: int) -> DeviceProfile:
+        """Return the synthetic profile used when none is given (`hspmd compile --cost` without
+        `--profile`): `n` alike CPU ranks of one core each, with the rates of `DEFAULT_CPU`
+        (about what one core of a 2-core x86 cloud machine with other load measured: 40
+        GFLOP/s float32 matmuls, 10 GB/s elementwise, shared-memory MPI messages at 10 us and
+        5 GB/s)."""
+        return replace(DeviceProfile.uniform(n, **DEFAULT_CPU),
+                       source=f"synthetic default CPU profile of {n} ranks (no --profile given; "
+                              f"measure one with hspmd profile)")
+
+    def with_speed(self, speed: Sequence[float]) -> DeviceProfile:
+        """Return this profile with rank r's compute rates multiplied by `speed[r]`."""
+        if len(speed) != self.num_ranks or any(s <= 0 for s in speed):
+            raise ProfileError(f"speed needs {self.num_ranks} positive factors, got {list(speed)}")
+        return replace(self, ranks=tuple(r.scaled(float(s)) for r, s in zip(self.ranks, speed)))
+
+    def with_link(self, a: int, b: int, link: Link, both_ways: bool = True) -> DeviceProfile:
+        """Return this profile with the link a -> b (and b -> a) replaced; collective fits over
+        groups holding both are dropped (they no longer describe the links)."""
+        links = dict(self.links)
+        links[(a, b)] = link
+        if both_ways:
+            links[(b, a)] = link
+        fits = tuple(f for f in self.collectives if not (a in f.group and b in f.group))
+        return replace(self, links=links, collectives=fits)
+
+    def restricted(self, n: int) -> DeviceProfile:
+        """Return the profile of ranks 0..n-1 only (for a program on fewer ranks than profiled)."""
+        if not 1 <= n <= self.num_ranks:
+            raise ProfileError(f"the profile has {self.num_ranks} ranks; cannot take {n}")
+        return replace(
+            self, ranks=self.ranks[:n], links={k: v for k, v in self.links.items() if max(k) < n},
+            collectives=tuple(f for f in self.collectives if max(f.group) < n))
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_ranks(self) -> int:
+        """Return the number of ranks described."""
+        return len(self.ranks)
+
+    def rates(self, rank: int) -> RankRates:
+        """Return rank `rank`'s compute rates (ProfileError if the profile has no such rank)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ProfileError(f"the profile describes ranks 0..{self.num_ranks - 1}, not rank {rank}")
+        return self.ranks[rank]
+
+    def matmul_seconds(self, rank: int, flops: float) -> float:
+        """Return the time of a float32 matmul of `flops` FLOPs on `rank`."""
+        if flops <= 0:
+            return 0.0
+        return flops / (self.rates(rank).matmul_gflops(flops) * 1e9)
+
+    def elementwise_seconds(self, rank: int, nbytes: float) -> float:
+        """Return the time of NumPy elementwise work moving `nbytes` bytes (read + written) on `rank`."""
+        return nbytes / self.rates(rank).elementwise_bps
+
+    def fused_seconds(self, rank: int, nbytes: float) -> float:
+        """Return the time of a fused kernel moving `nbytes` bytes on `rank` (elementwise rate if not measured)."""
+        rates = self.rates(rank)
+        return nbytes / (rates.fused_bps or rates.elementwise_bps)
+
+    def link(self, a: int, b: int) -> Link:
+        """Return the link from rank a to rank b (measured, else its reverse, else the default)."""
+        return self.links.get((a, b)) or self.links.get((b, a)) or self.default_link
+
+    def p2p_seconds(self, a: int, b: int, nbytes: float) -> float:
+        """Return the time of one message of `nbytes` bytes from a to b (0 when a == b)."""
+        return 0.0 if a == b else self.link(a, b).seconds(nbytes)
+
+    def slowest_link(self, group: Iterable[int]) -> Link:
+        """Return the slowest link between members of `group` (by a 1 MiB message), or the default."""
+        g = list(group)
+        pairs = [self.link(a, b) for a in g for b in g if a != b]
+        return max(pairs, key=lambda lk: lk.seconds(2 ** 20), default=self.default_link)
+
+    def fit(self, kind: str, group: Sequence[int]) -> CollectiveFit | None:
+        """Return the fit measured for `kind` over exactly `group` (any order), or None."""
+        key = tuple(sorted(group))
+        return next((f for f in self.collectives if f.kind == kind and tuple(sorted(f.group)) == key), None)
+
+    def time(self, kind: str, group: Sequence[int], nbytes: float) -> float:
+        """Return the seconds of collective `kind` over `group` for a local buffer of `nbytes` bytes.
+
+        An exact measured fit if there is one; else a fit of `kind` over a measured group of the
+        same size, scaled by how much slower this group's slowest link is than that group's;
+        else `ring_seconds` over the group's slowest link. A group of one rank takes 0.
+        """
+        if kind not in COLLECTIVES:
+            raise ProfileError(f"unknown collective kind '{kind}' (known: {', '.join(COLLECTIVES)})")
+        n = len(set(group))
+        if n <= 1:
+            return 0.0
+        exact = self.fit(kind, group)
+        if exact is not None:
+            return exact.seconds(nbytes)
+        slow = self.slowest_link(group)
+        same = [f for f in self.collectives if f.kind == kind and len(set(f.group)) == n]
+        if same:
+            f = same[0]
+            ref = self.slowest_link(f.group)
+            ratio = slow.seconds(max(nbytes, 1.0)) / ref.seconds(max(nbytes, 1.0))
+            return f.seconds(nbytes) * max(ratio, 1e-9)
+        return ring_seconds(kind, n, nbytes, slow)
+
+    # -- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """Return the profile as a JSON-ready dict (see the module docstring)."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "source": self.source,
+            "meta": dict(self.meta),
+            "ranks": [
+                {"rank": r, "matmul": [{"shape": list(p.shape), "flops": p.flops, "gflops": p.gflops}
+                                       for p in x.matmul],
+                 "elementwise_bps": x.elementwise_bps, "fused_bps": x.fused_bps}
+                for r, x in enumerate(self.ranks)
+            ],
+            "default_link": {"latency_s": self.default_link.latency_s,
+                             "bandwidth_bps": self.default_link.bandwidth_bps},
+            "links": [{"src": a, "dst": b, "latency_s": lk.latency_s, "bandwidth_bps": lk.bandwidth_bps}
+                      for (a, b), lk in sorted(self.links.items())],
+            "collectives": [{"kind": f.kind, "group": list(f.group), "latency_s": f.latency_s,
+                             "bandwidth_bps": f.bandwidth_bps} for f in self.collectives],
+        }
+
+    @staticmethod
+    def from_json(data: object, where: str = "profile") -> DeviceProfile:
+        """Return the profile of a dict made by `to_json` (ProfileError, naming `where`, if malformed)."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ProfileError(f"{where}: not a device profile (no \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise ProfileError(f"{where}: device profile version {data.get('version')!r} is not supported "
+                               f"(this hspmd reads version {VERSION})")
+        try:
+            ranks = tuple(
+                RankRates(
+                    tuple(MatmulPoint(float(p["flops"]), float(p["gflops"]), tuple(int(d) for d in p.get("shape", (0, 0, 0))))
+                          for p in r["matmul"]),
+                    float(r["elementwise_bps"]),
+                    None if r.get("fused_bps") is None else float(r["fused_bps"]),
+                )
+                for r in data["ranks"]
+            )
+            dl = data["default_link"]
+            links = {(int(x["src"]), int(x["dst"])): Link(float(x["latency_s"]), float(x["bandwidth_bps"]))
+                     for x in data.get("links", [])}
+            fits = tuple(CollectiveFit(str(f["kind"]), tuple(int(r) for r in f["group"]), float(f["latency_s"]),
+                                       float(f["bandwidth_bps"])) for f in data.get("collectives", []))
+            return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
+                                 str(data.get("source", "")), dict(data.get("meta", {})))
+        except ProfileError as err:
+            raise ProfileError(f"{where}: {err}") from None
+        except KeyError as err:
+            raise ProfileError(f"{where}: malformed device profile: missing field {err}") from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ProfileError(f"{where}: malformed device profile: {err}") from None
+
+    def save(self, path: str) -> None:
+        """Write the profile to `path` as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @staticmethod
+    def load(path: str) -> DeviceProfile:
+        """Return the profile in JSON file `path` (ProfileError if it is not valid JSON or not a profile)."""
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        return DeviceProfile.from_json(data, path)
+
+    def summary(self) -> str:
+        """Return a short readable description: per rank, its rates; the links and collectives measured."""
+        lines = [f"device profile: {self.num_ranks} ranks ({self.source})"]
+        for r, x in enumerate(self.ranks):
+            mm = ", ".join(f"{p.gflops:.1f}" for p in x.matmul)
+            fused = f", fused {x.fused_bps / 1e9:.2f} GB/s" if x.fused_bps else ""
+            lines.append(f"  rank {r}: matmul GFLOP/s {mm}; elementwise {x.elementwise_bps / 1e9:.2f} GB/s{fused}")
+        for (a, b), lk in sorted(self.links.items()):
+            lines.append(f"  link {a}->{b}: {lk.latency_s * 1e6:.1f} us, {lk.bandwidth_bps / 1e9:.2f} GB/s")
+        for f in self.collectives:
+            lines.append(f"  {f.kind} over {list(f.group)}: {f.latency_s * 1e6:.1f} us + "
+                         f"{f.bandwidth_bps / 1e9:.2f} GB/s")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,259 @@
+"""Measuring a `DeviceProfile` on real ranks (`hspmd profile -n N`).
+
+Run on every rank as ``python -m hspmd.runtime.profiler OUT [--cpu-bind LIST] [--reps K]``
+under ``mpiexec`` (the CLI does that): each rank pins itself to its core if asked
+(`bind_cpu`), then all ranks measure *at the same time*, so ranks that share a core show
+the share they really get:
+
+* **matmul**: float32 NumPy matmuls at `MATMUL_SHAPES`, each repeated for about
+  `seconds_per_point`, in 5 windows timed as a whole; the median window's mean is kept
+  (a mean, not a minimum: a rank that loses its core half of the time measures half the
+  rate; the median: a burst of someone else's load does not count);
+* **elementwise**: ``np.add(a, b, out=c)`` over 1 Mi float32 (12 bytes moved per element);
+* **fused**: not measured (building a fused C++ kernel costs seconds); the profile's
+  `fused_bps` stays None and the elementwise rate stands in for it;
+* **point to point**: for each rank pair in turn (the others wait at a barrier), a ping-pong
+  of a small and a large message gives a one-way latency and a bandwidth (both directions);
+* **collectives**: every kind of `COLLECTIVES` over the whole world and over every pair,
+  with the project's `MPICommunicator`, at a small and a large buffer; an alpha-beta fit of
+  the two (`CollectiveFit`).
+
+Rank 0 gathers every rank's numbers and writes the JSON profile. `measure` is the whole
+measurement for one rank; `main` is the rank's entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hspmd.ir.device_profile import COLLECTIVES, CollectiveFit, DeviceProfile, Link, MatmulPoint, RankRates
+
+__all__ = ["MATMUL_SHAPES", "bind_cpu", "main", "measure", "parse_cpu_bind"]
+
+#: (m, k, n) of the measured matmuls
+MATMUL_SHAPES = ((64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 512, 1024))
+#: the elements of the elementwise test arrays
+ELEMENTWISE_SIZE = 1 << 20
+#: buffer sizes (bytes) of the small and the large message / collective
+SMALL_BYTES, LARGE_BYTES = 1024, 4 << 20
+
+
+class ProfileRunError(RuntimeError):
+    """The profile run cannot start (a bad --cpu-bind) or failed on a rank."""
+
+
+def parse_cpu_bind(text: str, n: int) -> list[int]:
+    """Return the core of each of `n` ranks from `0,0,1` (one core per rank, comma-separated)."""
+    try:
+        cores = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ProfileRunError(f"--cpu-bind {text!r}: expected one core number per rank, like 0,0,1") from None
+    if len(cores) != n:
+        raise ProfileRunError(f"--cpu-bind {text!r} names {len(cores)} cores for {n} ranks")
+    if any(c < 0 for c in cores):
+        raise ProfileRunError(f"--cpu-bind {text!r}: core numbers must not be negative")
+    return cores
+
+
+def bind_cpu(core: int) -> None:
+    """Pin this process to `core` (os.sched_setaffinity)."""
+    try:
+        os.sched_setaffinity(0, {core})
+    except (AttributeError, OSError) as err:
+        raise ProfileRunError(f"cannot pin to core {core}: {err}") from None
+
+
+def _timed(fn: Callable[[], object], seconds: float, windows: int = 5) -> float:
+    """Return the seconds of one call of `fn`: the median over `windows` windows of the mean time
+    of calls repeated for `seconds / windows` each (after one warm-up call).
+
+    A window's mean (not a minimum) keeps the share of a core a rank really gets when it
+    shares it; the median of windows drops bursts of unrelated load on the machine.
+    """
+    fn()
+    means = []
+    for _ in range(windows):
+        reps, start = 0, time.perf_counter()
+        while True:
+            fn()
+            reps += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds / windows:
+                break
+        means.append(elapsed / reps)
+    return sorted(means)[len(means) // 2]
+
+
+def _compute(seconds_per_point: float) -> RankRates:
+    """Return this rank's matmul and elementwise rates."""
+    rng = np.random.default_rng(0)
+    points = []
+    for m, k, n in MATMUL_SHAPES:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        out = np.empty((m, n), np.float32)
+        t = _timed(lambda: np.matmul(a, b, out=out), seconds_per_point)
+        flops = 2.0 * m * k * n
+        points.append(MatmulPoint(flops, flops / t / 1e9, (m, k, n)))
+    x = rng.standard_normal(ELEMENTWISE_SIZE, dtype=np.float32)
+    y = rng.standard_normal(ELEMENTWISE_SIZE, dtype=np.float32)
+    z = np.empty_like(x)
+    t = _timed(lambda: np.add(x, y, out=z), seconds_per_point)
+    return RankRates(tuple(points), 3 * x.nbytes / t)
+
+
+def _fit(small: float, large: float) -> tuple[float, float]:
+    """Return (latency, bandwidth) of the line through (SMALL_BYTES, small) and (LARGE_BYTES, large)."""
+    slope = max((large - small) / (LARGE_BYTES - SMALL_BYTES), 1e-15)
+    return max(small - slope * SMALL_BYTES, 0.0), 1.0 / slope
+
+
+def _pingpong(comm, a: int, b: int, reps: int) -> Link:
+    """Return the link a <-> b from ping-pongs of a small and a large message (run by a and b)."""
+    times = []
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        buf = np.zeros(size // 4, np.float32)
+        out = np.empty_like(buf)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            if comm.rank == a:
+                comm.send(buf, b)
+                comm.recv(out, b)
+            else:
+                comm.recv(out, a)
+                comm.send(buf, a)
+            best = min(best, (time.perf_counter() - start) / 2)
+        times.append(best)
+    lat, bw = _fit(*times)
+    return Link(lat, bw)
+
+
+def _collective_call(comm, kind: str, group: tuple[int, ...], nbytes: int) -> Callable[[], object]:
+    """Return a call of collective `kind` over `group` on a local buffer of `nbytes` (all_gather: the result)."""
+    n = len(group)
+    elems = max(nbytes // 4 // n, 1) * n
+    buf = np.ones(elems, np.float32)
+    if kind == "all_reduce":
+        return lambda: comm.all_reduce(buf, group)
+    if kind == "all_gather":
+        piece = np.ones(elems // n, np.float32)
+        return lambda: comm.all_gather(piece, group, 0)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter(buf, group, 0)
+    if kind == "all_to_all":
+        return lambda: comm.all_to_all(buf, group, 0, 0)
+    if kind == "broadcast":
+        return lambda: comm.broadcast(buf, group, group[0])
+    raise ValueError(kind)
+
+
+def _collective(comm, kind: str, group: tuple[int, ...], reps: int) -> CollectiveFit | None:
+    """Return the fit of `kind` over `group` (members only; None elsewhere): the slowest member's best time."""
+    mine = comm.rank in group
+    times = []
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        best = float("inf")
+        if mine:
+            call = _collective_call(comm, kind, group, size)
+            call()
+            for _ in range(reps):
+                start = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - start)
+        times.append(best)
+    everyone = comm.mpi_comm.allgather(times if mine else None)
+    if not mine:
+        return None
+    worst = [max(t[i] for t in everyone if t is not None) for i in range(2)]
+    lat, bw = _fit(*worst)
+    return CollectiveFit(kind, group, lat, bw)
+
+
+def groups_measured(n: int) -> list[tuple[int, ...]]:
+    """Return the groups whose collectives are measured: the world, then every pair (n > 2)."""
+    world = tuple(range(n))
+    pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
+    return [world] + [p for p in pairs if p != world] if n > 1 else []
+
+
+def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str = "") -> DeviceProfile | None:
+    """Measure on every rank of `comm` at once; return the profile on rank 0 (None on the others).
+
+    `reps`: repetitions of each message and collective (the best is kept); `seconds_per_point`:
+    how long each compute rate is measured; `cpu_bind` is recorded in the profile's meta.
+    """
+    n, rank = comm.size, comm.rank
+    comm.barrier()
+    rates = _compute(seconds_per_point)
+    comm.barrier()
+    links: dict[tuple[int, int], Link] = {}
+    for a in range(n):
+        for b in range(a + 1, n):
+            if rank in (a, b):
+                link = _pingpong(comm, a, b, reps)
+                if rank == a:
+                    links[(a, b)] = links[(b, a)] = link
+            comm.barrier()
+    fits = []
+    for group in groups_measured(n):
+        for kind in COLLECTIVES:
+            fit = _collective(comm, kind, group, reps)
+            if fit is not None and rank == group[0]:
+                fits.append(fit)
+            comm.barrier()
+    gathered = comm.mpi_comm.gather((rates, links, fits, platform.node()), root=0)
+    if rank != 0:
+        return None
+    all_links: dict[tuple[int, int], Link] = {}
+    all_fits: list[CollectiveFit] = []
+    for _, lk, fs, _ in gathered:
+        all_links.update(lk)
+        all_fits += fs
+    order = {g: i for i, g in enumerate(groups_measured(n))}
+    all_fits.sort(key=lambda f: (order[f.group], COLLECTIVES.index(f.kind)))
+    default = max(all_links.values(), key=lambda lk: lk.seconds(2 ** 20)) if all_links else Link(1e-6, 1e10)
+    hosts = sorted({g[3] for g in gathered})
+    return DeviceProfile(
+        tuple(g[0] for g in gathered), default, all_links, tuple(all_fits),
+        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})",
+        meta={"hosts": [g[3] for g in gathered], "reps": reps, "seconds_per_point": seconds_per_point,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_bind": cpu_bind,
+              "threads": os.environ.get("OMP_NUM_THREADS", "")},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One rank of `hspmd profile`: pin, measure, and (rank 0) write the profile."""
+    p = argparse.ArgumentParser(prog="python -m hspmd.runtime.profiler")
+    p.add_argument("out")
+    p.add_argument("--cpu-bind", default="")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seconds-per-point", type=float, default=0.15)
+    args = p.parse_args(argv)
+    from hspmd.runtime.comm.mpi import MPICommunicator
+
+    comm = MPICommunicator()
+    try:
+        if args.cpu_bind:
+            bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
+        profile = measure(comm, args.reps, args.seconds_per_point, args.cpu_bind)
+        if profile is not None:
+            profile.save(args.out)
+    except ProfileRunError as err:
+        print(f"hspmd profile: error on rank {comm.rank}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
