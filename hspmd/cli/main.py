@@ -1,7 +1,8 @@
 """`hspmd`: compile model scripts through the three IR levels and run them on N ranks.
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
-    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE]
+    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
+    hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd checkpoint info|export D [--to FILE]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
@@ -36,11 +37,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.checkpoint.manifest import CheckpointError
     from hspmd.runtime.fault import FaultSpecError
     from hspmd.transforms.util import PassError
+    from hspmd.cli.plot import PlotError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError,
+        FaultSpecError, PlotError,
     )
 
 
@@ -96,7 +98,7 @@ def cmd_compile(args) -> int:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from")
+                  "init_from", "trace", "progress")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -125,6 +127,8 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
     if args.max_restarts < 0:
         raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+    if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise SystemExit(f"hspmd: error: --trace {args.trace}: its directory does not exist")
 
 
 def compile_for_run(args, n: int, strategy: str | None) -> str:
@@ -158,6 +162,8 @@ def cmd_run(args) -> int:
     from hspmd.runtime.launch import launch
 
     check_run_options(args)
+    # the ranks' output goes through mpiexec: whether it ends on a terminal is known only here
+    args.progress = "bar" if sys.stdout.isatty() else None
     if args.resume:  # said before compiling: the newest complete checkpoint there, or an error
         from hspmd.runtime.checkpoint.manifest import resolve_checkpoint
 
@@ -190,6 +196,13 @@ def cmd_checkpoint(args) -> int:
         if not args.to:
             raise SystemExit("hspmd: error: checkpoint export needs --to FILE.safetensors")
         print(export_checkpoint(args.path, args.to, include_optimizer=args.optimizer))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from hspmd.cli.plot import plot_logs
+
+    print(plot_logs(args.logs, args.output))
     return 0
 
 
@@ -244,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
+    r.add_argument("--trace", metavar="FILE",
+                   help="write every rank's kernels, collectives, waits, checkpoint writes and steps to FILE, "
+                        "a Chrome/Perfetto trace (open it in ui.perfetto.dev)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
@@ -258,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--optimizer", action="store_true", help="export: include the optimizer states (opt.*)")
     k.add_argument("--no-verify", action="store_true", help="info: skip reading every piece to check its checksum")
     k.set_defaults(func=cmd_checkpoint)
+
+    g = sub.add_parser("plot", help="draw the loss and throughput of one or more --log files")
+    g.add_argument("logs", nargs="+", metavar="LOG", help="a JSON-lines log written by 'hspmd run --log'")
+    g.add_argument("-o", "--output", default="loss.png", help="the image to write (default: loss.png)")
+    g.set_defaults(func=cmd_plot)
 
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser
