@@ -8,6 +8,7 @@ Otherwise each step prints `step K/N  loss L  T ms`, as it always has, for logs 
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import TextIO
 
@@ -35,8 +36,10 @@ class Progress:
         if bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=done, unit="step", file=self.file, dynamic_ncols=True,
-                             leave=True)
+            # a terminal that reports no size (0 columns and rows) gets the fallback size, not a hidden bar
+            size = shutil.get_terminal_size((100, 20))
+            self._bar = tqdm(total=total, initial=done, unit="step", file=self.file, ncols=size.columns,
+                             nrows=size.lines, leave=True)
 
     def step(self, step: int, loss: float, elapsed_s: float, items: tuple[int, str] | None = None) -> None:
         """Report step `step`: its loss, its time, the items its batch held."""

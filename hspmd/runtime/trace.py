@@ -60,13 +60,16 @@ class StepLabel:
 def step_label(step: Step, types: Sequence[SlotType], bucket_bytes: Sequence[int] = ()) -> StepLabel | None:
     """Return the label of schedule step `step` (None for a step that gets no event).
 
-    Communication (`comm.*`, a bucket's start and wait) carries `bytes`: of its operands, or of
-    its results where it has none (a receive); a bucket's, from `bucket_bytes`."""
+    Categories: "kernel", "comm" (a collective, a send or receive, a bucket's start), "wait" (a
+    bucket's wait, the sends' wait). Communication carries `bytes`: of its operands, or of its
+    results where it has none (a receive); a bucket's, from `bucket_bytes`."""
     if step.kind in _UNTRACED:
         return None
     args: dict = {}
-    if step.kind in ("bucket-start", "bucket-wait"):
-        cat = "comm"
+    if step.kind == "wait-sends":
+        cat = "wait"
+    elif step.kind in ("bucket-start", "bucket-wait"):
+        cat = "comm" if step.kind == "bucket-start" else "wait"
         args["bucket"] = step.bucket
         if step.bucket is not None and step.bucket < len(bucket_bytes):
             args["bytes"] = bucket_bytes[step.bucket]
