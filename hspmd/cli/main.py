@@ -2,7 +2,9 @@
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
     hspmd compile SCRIPT [--strategy TEXT] [-n N] --cost [--profile P]
-    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE]
+    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
+    hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
+    hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
     hspmd checkpoint info|export D [--to FILE]
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
@@ -42,11 +44,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.ir.device_profile import ProfileError
     from hspmd.runtime.profiler import ProfileRunError
     from hspmd.codegen.cost_model import CostError
+    from hspmd.cli.plot import PlotError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError,
+        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError,
     )
 
 
@@ -123,7 +126,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from")
+                  "init_from", "trace", "progress")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -152,6 +155,8 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
     if args.max_restarts < 0:
         raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+    if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise SystemExit(f"hspmd: error: --trace {args.trace}: its directory does not exist")
 
 
 def compile_for_run(args, n: int, strategy: str | None) -> str:
@@ -191,6 +196,8 @@ def cmd_run(args) -> int:
     from hspmd.runtime.launch import launch
 
     check_run_options(args)
+    # the ranks' output goes through mpiexec: whether it ends on a terminal is known only here
+    args.progress = "bar" if sys.stdout.isatty() else None
     if args.resume:  # said before compiling: the newest complete checkpoint there, or an error
         from hspmd.runtime.checkpoint.manifest import resolve_checkpoint
 
@@ -223,6 +230,13 @@ def cmd_checkpoint(args) -> int:
         if not args.to:
             raise SystemExit("hspmd: error: checkpoint export needs --to FILE.safetensors")
         print(export_checkpoint(args.path, args.to, include_optimizer=args.optimizer))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from hspmd.cli.plot import plot_logs
+
+    print(plot_logs(args.logs, args.output))
     return 0
 
 
@@ -282,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
     r.add_argument("--profile", metavar="P", help="with --strategy auto: the device profile to plan with (hspmd profile)")
+    r.add_argument("--trace", metavar="FILE",
+                   help="write every rank's kernels, collectives, waits, checkpoint writes and steps to FILE, "
+                        "a Chrome/Perfetto trace (open it in ui.perfetto.dev)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
@@ -296,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--optimizer", action="store_true", help="export: include the optimizer states (opt.*)")
     k.add_argument("--no-verify", action="store_true", help="info: skip reading every piece to check its checksum")
     k.set_defaults(func=cmd_checkpoint)
+
+    g = sub.add_parser("plot", help="draw the loss and throughput of one or more --log files")
+    g.add_argument("logs", nargs="+", metavar="LOG", help="a JSON-lines log written by 'hspmd run --log'")
+    g.add_argument("-o", "--output", default="loss.png", help="the image to write (default: loss.png)")
+    g.set_defaults(func=cmd_plot)
 
     from hspmd.cli.plan import add_plan_parser
     from hspmd.cli.profile import add_profile_parser

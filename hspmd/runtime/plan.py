@@ -12,6 +12,10 @@ which kernels write into `out=` buffers and which may overwrite an operand; a bo
 that cannot do what its op's facts promise (a test's stand-in, a fused kernel run as NumPy
 per op) computes its result fresh and is copied into the buffer. A large row-wise kernel
 runs by blocks of rows, on `threads` threads (`rows`).
+
+`Plan.run(state, inputs, tracer)` with a `trace.Tracer` replays the same steps in a second
+loop that times each one and hands the timings to the tracer with the steps' labels (their
+IR names); without one, the loop is the untimed one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
+from hspmd.runtime.trace import StepLabel, Tracer, step_label
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
 KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
@@ -72,6 +77,8 @@ class Plan:
     _copy_out: frozenset = frozenset()
     # in-place parameter updates: (keyword dict, out template, [(position, name, shape, dtype)])
     _inplace: list = field(default_factory=list)
+    #: per step, what a trace calls it (None: no event); read only by a traced run
+    labels: list[StepLabel | None] = field(default_factory=list)
 
     def initial_state(self, seed: int) -> dict[str, np.ndarray]:
         """Return this rank's pieces of every parameter's initial value."""
@@ -95,12 +102,14 @@ class Plan:
             out[leaf.name] = contiguous(value[leaf.layout.slices(self.rank, leaf.global_shape)])
         return out
 
-    def run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+            tracer: Tracer | None = None) -> dict[str, np.ndarray]:
         """Run one step on local pieces; update `state` and return the named outputs.
 
         Parameters updated in place (see the module docstring) are written into the arrays
         of `state` themselves; an array that cannot be written (read-only, another dtype,
-        not C-contiguous) is first replaced in `state` by a writeable copy.
+        not C-contiguous) is first replaced in `state` by a writeable copy. With `tracer`,
+        every step is timed and recorded (`Tracer.plan_steps`).
         """
         for kw, template, places in self._inplace:
             outs = list(template)
@@ -118,21 +127,41 @@ class Plan:
             env[p.slot] = state[p.name]
         for leaf in self.inputs:
             env[leaf.slot] = inputs[leaf.name]
-        for fn, args, outs, kw, dead in self.steps:
-            result = fn(*[env[a] for a in args], **kw)
-            if len(outs) == 1:
-                env[outs[0]] = result
-            elif outs:  # several results come back as a tuple
-                for slot, value in zip(outs, result):
-                    env[slot] = value
-            for slot in dead:
-                env[slot] = None
+        if tracer is not None:
+            self._run_traced(env, tracer)
+        else:
+            for fn, args, outs, kw, dead in self.steps:
+                result = fn(*[env[a] for a in args], **kw)
+                if len(outs) == 1:
+                    env[outs[0]] = result
+                elif outs:  # several results come back as a tuple
+                    for slot, value in zip(outs, result):
+                        env[slot] = value
+                for slot in dead:
+                    env[slot] = None
         copy = self._copy_out
         for name, slot in self.assigns:
             value = env[slot]
             state[name] = np.array(value, copy=True) if (name, slot) in copy else value
         return {name: (np.array(env[slot], copy=True) if (name, slot) in copy else env[slot])
                 for name, slot in self.outputs}
+
+    def _run_traced(self, env: list, tracer: Tracer) -> None:
+        """Run the steps as `run` does, timing each; record them with `tracer`."""
+        clock = tracer.clock
+        timings = []
+        for i, (fn, args, outs, kw, dead) in enumerate(self.steps):
+            start = clock()
+            result = fn(*[env[a] for a in args], **kw)
+            timings.append((i, start, clock()))
+            if len(outs) == 1:
+                env[outs[0]] = result
+            elif outs:
+                for slot, value in zip(outs, result):
+                    env[slot] = value
+            for slot in dead:
+                env[slot] = None
+        tracer.plan_steps(self.labels, timings)
 
 
 
@@ -246,7 +275,9 @@ class _Binder:
                     assigns=list(s.assigns), num_slots=s.num_slots, buffer_bytes=s.buffer_bytes,
                     peak_bytes=s.peak_bytes, buckets=s.bucket_summaries(), _copy_out=s.copy_out)
         types = s.slot_types
+        bucket_bytes = [b.nbytes() for b in s.buckets]
         for step in s.steps:
+            plan.labels.append(step_label(step, types, bucket_bytes))
             kernel = self.call(step)
             kw: dict = {}
             if step.out is not None:

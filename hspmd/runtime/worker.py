@@ -1,9 +1,11 @@
 """One rank of a training run: load the bundle's program for this rank, build the plan, train.
 
 `python -m hspmd.runtime.worker BUNDLE [--steps K] [--log FILE] [--checkpoint FILE]
-[--checkpoint-dir D --checkpoint-every K --keep N] [--resume PATH | --init-from FILE]` is what
-`hspmd run` starts under mpiexec; `train` is the same loop for any communicator, so tests run
-it on in-process ranks too. Rank 0 prints one progress line per step and writes the log.
+[--checkpoint-dir D --checkpoint-every K --keep N] [--resume PATH | --init-from FILE] [--trace FILE]
+[--progress bar|lines]` is what `hspmd run` starts under mpiexec; `train` is the same loop for
+any communicator, so tests run it on in-process ranks too. Rank 0 reports each step
+(`progress`: a live bar, or one plain line per step) and writes the log. With `--trace` every
+rank records its events (`trace.Tracer`) and rank 0 gathers them into one trace file.
 
 With a checkpoint directory each rank writes `D/.ranks/rank-<r>.pid` ("<host> <pid>") at
 start-up, for launchers and tests that watch or kill ranks (`hspmd run --elastic`), and the
@@ -41,6 +43,8 @@ from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Plan, PlanError, build_plan
+from hspmd.runtime.progress import Progress, batch_items
+from hspmd.runtime.trace import Tracer, write_trace
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -137,6 +141,8 @@ def train(
     kernels: str = "cpu",
     checkpoints: CheckpointOptions | None = None,
     log_append: bool = False,
+    trace: str | None = None,
+    progress_bar: bool = False,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -152,6 +158,10 @@ def train(
     `checkpoints` writes sharded checkpoints and resumes from one (`CheckpointOptions`): a
     resumed run continues at the checkpoint's step + 1 with its parameters, optimizer states and
     data position, up to `steps` in all. `log_append` appends to `log` instead of rewriting it.
+
+    `trace` (a path, the same on every rank) records every rank's events and writes them, on
+    rank 0, as one Chrome / Perfetto trace (`hspmd.runtime.trace`). `progress_bar` shows rank
+    0's steps as a live bar instead of one line each (`hspmd.runtime.progress`).
     """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
@@ -183,6 +193,7 @@ def train(
     else:
         gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
 
+    tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
     steps = int(config.get("steps", 10) if steps is None else steps)
     seed = int(config.get("seed", 0))
@@ -197,7 +208,7 @@ def train(
             _write_pid(ck.directory, comm.rank)
             writer = CheckpointWriter(ck.directory, comm.rank, comm.size, plan.params,
                                       RunInfo(manifest.strategy, manifest.num_devices, manifest.script, config, seed),
-                                      ck.keep, comm)
+                                      ck.keep, comm, tracer)
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
@@ -224,13 +235,17 @@ def train(
     log_file = open(log, "a" if log_append else "w") if log and comm.rank == 0 else None
     result.first_step = done + 1
     every = ck.every or steps
+    progress = Progress(steps, done, progress_bar) if comm.rank == 0 and not quiet else None
     try:
         for step in range(done + 1, steps + 1):
             fault_point(comm.rank, step)
+            if tracer is not None:
+                tracer.step, step_start = step, tracer.clock()
             try:
                 batch = next(batches)
             except StopIteration:
                 raise RunError(f"the script's batches ran out after {step - 1} steps") from None
+            items = batch_items(batch) if progress is not None else None
             scalars = step_inputs(step, config, names)
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
@@ -241,15 +256,15 @@ def train(
                 raise RunError(f"step {step}: {err}") from None
             batch = split_microbatches(batch, names)
             start = time.perf_counter()
-            outputs = plan.run(state, plan.local_batch(batch))
+            outputs = plan.run(state, plan.local_batch(batch), tracer)
             elapsed = time.perf_counter() - start
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
             if keep_outputs:
                 result.outputs.append(outputs)
             if comm.rank == 0:
-                if not quiet:
-                    print(f"step {step}/{steps}  loss {loss:.6f}  {elapsed * 1e3:.1f} ms", flush=True)
+                if progress is not None:
+                    progress.step(step, loss, elapsed, items)
                 if log_file:
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
                     if "lr" in scalars:
@@ -258,17 +273,36 @@ def train(
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
                 writer.save(step, state, step, result.lrs[-1] if "lr" in scalars else None)
+            if tracer is not None:
+                tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if writer is not None:
-            writer.close()
+            if tracer is not None:
+                with tracer.span("checkpoint.wait", "checkpoint"):
+                    writer.close()
+            else:
+                writer.close()
             result.checkpoint_stall_s = writer.stall_s
     except CheckpointError as err:
         raise RunError(str(err)) from None
     finally:
+        if progress is not None:
+            progress.close()
         if log_file:
             log_file.close()
     result.params = gather(state)
     if checkpoint and comm.rank == 0 and result.params is not None:
-        save_checkpoint(checkpoint, result.params, steps)
+        if tracer is not None:
+            with tracer.span("checkpoint.save", "checkpoint", path=checkpoint):
+                save_checkpoint(checkpoint, result.params, steps)
+        else:
+            save_checkpoint(checkpoint, result.params, steps)
+    if tracer is not None:
+        events = tracer.gather(comm)
+        if events is not None:
+            try:
+                write_trace(trace, events)
+            except OSError as err:
+                raise RunError(f"--trace {trace}: {err.strerror or err}") from None
     return result
 
 
@@ -334,6 +368,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--keep", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--init-from")
+    parser.add_argument("--trace")
+    parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
@@ -342,7 +378,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
-              checkpoints=checkpoints, log_append=args.log_append)
+              checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
+              progress_bar=args.progress == "bar")
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:

@@ -32,7 +32,7 @@ class Node:
     """One call of the flat program while it is scheduled (`model.Step` once finished).
 
     `kind` as `model.Step.kind`; `into` maps a result position to the (bucket, member) it is
-    written into.
+    written into; `scope` as `model.Step.scope`.
     """
 
     op: Operation | None
@@ -44,6 +44,7 @@ class Node:
     bucket: int | None = None
     polls: tuple[int, ...] = ()
     into: dict[int, tuple[int, int]] | None = None
+    scope: str = ""
 
 
 @dataclass
@@ -111,8 +112,9 @@ class _Inliner:
                 flat.assigns.append((op.tensor_name.data, slot))
 
     def body(self, block, slots: dict[SSAValue, int], top: bool, stack: tuple[str, ...],
-             microbatch: int | None = None) -> tuple[int, ...]:
-        """Append `block`'s ops (values in `slots`); return the slots it returns."""
+             microbatch: int | None = None, scope: str = "") -> tuple[int, ...]:
+        """Append `block`'s ops (values in `slots`); return the slots it returns. `scope` names the
+        pipeline function being inlined ("" outside one)."""
         flat = self.flat
 
         def slot(value: SSAValue) -> int:
@@ -146,13 +148,13 @@ class _Inliner:
                         raise ScheduleError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
                     callee = _lookup(self.module, name, op)
                     inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
-                    results = self.body(callee.body.block, inner, False, stack + (name,), microbatch)
+                    results = self.body(callee.body.block, inner, False, stack + (name,), microbatch, scope)
                     for r, s in zip(op.results, results):
                         slots[r] = s  # the call's results are the callee's returned values
                 case _:
                     ins = tuple(slot(v) for v in op.operands)
                     flat.nodes.append(Node(op, ins, tuple(slot(r) for r in op.results), facts=out_facts(op),
-                                           microbatch=microbatch))
+                                           microbatch=microbatch, scope=scope))
         return returns
 
     def call(self, name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
@@ -160,7 +162,7 @@ class _Inliner:
         argument slots; return its result slots."""
         callee = _lookup(self.module, name, at)
         return self.body(callee.body.block, dict(zip(callee.body.block.args, args)), False,
-                         (self.fn.sym_name.data, name), microbatch)
+                         (self.fn.sym_name.data, name), microbatch, name)
 
 
 def flatten(fn: func.FuncOp) -> Flat:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hspmd.codegen.schedule.flatten import Flat
-from hspmd.codegen.schedule.model import BucketSpec, Destination, Schedule, Step, nbytes
+from hspmd.codegen.schedule.model import BucketSpec, Destination, Schedule, Step, nbytes, step_name
 
 # ops whose result is a view of their first operand (never written through)
 _VIEW_OPS = ("graph.reshape", "graph.transpose", "graph.broadcast", "graph.split", "graph.slice")
@@ -264,7 +264,7 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     steps = tuple(
         Step(node.kind, node.op, node.ins, node.outs, node.microbatch,
              _destinations(flat, st, i, root, storage_buffer, inplace), node.facts, tuple(dead_at[i]), node.bucket,
-             node.polls)
+             node.polls, step_name(node.kind, node.op), node.scope)
         for i, node in enumerate(flat.nodes)
     )
     updated = {flat.nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}

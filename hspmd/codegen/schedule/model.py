@@ -108,6 +108,9 @@ class Step:
     `polls` progress; "wait-sends": wait for every send the step started.
     `out` places each result (None: the kernel allocates); `facts` is what the schedule
     assumed of the kernel in placing them; `frees` lists the slots that die after the step.
+    `name` is what the step is called in traces (`step_name`: the IR op's name, `kernel.fused
+    @NAME` for a fused kernel); `scope` the pipeline function (`pipeline_forward`,
+    `pipeline_backward`) whose inlined body holds the step, "" outside a `pipeline.run`.
     """
 
     kind: str
@@ -120,6 +123,25 @@ class Step:
     frees: tuple[int, ...] = ()
     bucket: int | None = None
     polls: tuple[int, ...] = ()
+    name: str = ""
+    scope: str = ""
+
+
+#: the names of the steps that compute no IR op of their own (`step_name`)
+KIND_NAMES = {
+    "take": "pipeline.take", "sum": "pipeline.sum", "bucket-start": "comm.all_reduce.start",
+    "bucket-wait": "comm.all_reduce.wait", "poll": "comm.all_reduce.poll", "wait-sends": "comm.send.wait",
+}
+
+
+def step_name(kind: str, op: Operation | None) -> str:
+    """Return the name of a step of kind `kind` computing `op` in traces: the op's IR name
+    (`graph.matmul`, `comm.all_reduce`), `kernel.fused @NAME` for a fused kernel, else the
+    kind's `KIND_NAMES` entry (a bucket's start and wait, a micro-batch sum, the sends' wait)."""
+    if kind == "op" and op is not None:
+        kernel = op.properties.get("kernel") if op.name == "kernel.fused" else None
+        return f"{op.name} @{kernel.data}" if kernel is not None else op.name  # type: ignore[attr-defined]
+    return KIND_NAMES.get(kind, kind)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ training thread) and hands them to a background thread, which
    renames `step-<k>.tmp` to `step-<k>` (fsyncing the directory), and deletes the checkpoints
    beyond `keep`.
 
+With a `trace.Tracer`, the copy on the training thread is traced as `checkpoint.snapshot` and
+the background write as `checkpoint.write` (rank 0's manifest and rename as
+`checkpoint.manifest`) on the tracer's own checkpoint thread.
+
 A crash at any moment leaves every earlier `step-<j>` as it was: an unfinished checkpoint is a
 `.tmp` directory, which the next run's rank 0 removes. At most one checkpoint is in flight per
 rank; `save` waits for the previous one, and `close` for the last.
@@ -40,6 +44,7 @@ from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.checkpoint.manifest import (
     MANIFEST, CheckpointError, Manifest, Piece, Region, TensorEntry, piece_key, step_dirs,
 )
+from hspmd.runtime.trace import CHECKPOINT, MAIN, Tracer
 
 __all__ = ["CheckpointWriter", "RunInfo", "owned_pieces", "region_of"]
 
@@ -111,11 +116,13 @@ class CheckpointWriter:
     """Writes this rank's pieces of `leaves` to `directory/step-<k>/` (see the module docstring)."""
 
     def __init__(self, directory: str, rank: int, size: int, leaves: list[Leaf], info: RunInfo,
-                 keep: int | None = None, comm: Communicator | None = None) -> None:
+                 keep: int | None = None, comm: Communicator | None = None, tracer: Tracer | None = None) -> None:
         """`comm` (the run's ranks) makes every rank wait until rank 0 has removed an earlier
         run's unfinished checkpoints, so none removes a directory this run already writes to;
-        without it (one rank, or a test) the caller keeps the ranks apart."""
+        without it (one rank, or a test) the caller keeps the ranks apart. `tracer` records
+        the snapshots and writes."""
         self.directory, self.rank, self.size, self.info, self.keep = directory, rank, size, info, keep
+        self.tracer = tracer
         self.pieces = owned_pieces(leaves, rank)
         self.leaves = {leaf.name: leaf for leaf in leaves}
         self._thread: threading.Thread | None = None
@@ -134,8 +141,12 @@ class CheckpointWriter:
     def save(self, step: int, state: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
         """Start writing checkpoint `step` of `state` (this rank's pieces) in the background."""
         start = time.perf_counter()
+        traced = self.tracer.clock() if self.tracer is not None else 0
         self.wait()
         snapshot = self._snapshot(state)
+        if self.tracer is not None:
+            self.tracer.complete("checkpoint.snapshot", "checkpoint", traced, self.tracer.clock(), MAIN,
+                                 {"bytes": sum(int(b.nbytes) for b in snapshot.values())})
         thread = threading.Thread(target=self._guarded, args=(self._write, step, snapshot, data_position, lr),
                                   name=f"checkpoint-{step}", daemon=True)
         self._thread = thread
@@ -171,6 +182,16 @@ class CheckpointWriter:
             self._error = err
 
     def _write(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
+        if self.tracer is None:
+            return self._write_pieces(step, snapshot, data_position, lr)
+        start = self.tracer.clock()
+        try:
+            self._write_pieces(step, snapshot, data_position, lr)
+        finally:
+            self.tracer.complete("checkpoint.write", "checkpoint", start, self.tracer.clock(), CHECKPOINT,
+                                 {"step": step, "bytes": sum(int(b.nbytes) for b in snapshot.values())})
+
+    def _write_pieces(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
         tmp = os.path.join(self.directory, f"step-{step}.tmp")
         os.makedirs(tmp, exist_ok=True)
         file = f"rank-{self.rank:05d}.safetensors"
@@ -189,7 +210,10 @@ class CheckpointWriter:
         index = {"rank": self.rank, "pieces": pieces,
                  "files": {file: os.path.getsize(os.path.join(tmp, file))} if snapshot else {}}
         _write_json(os.path.join(tmp, f"rank-{self.rank:05d}.json"), json.dumps(index))
-        if self.rank == 0:
+        if self.rank == 0 and self.tracer is not None:
+            with self.tracer.span("checkpoint.manifest", "checkpoint", CHECKPOINT, step=step):
+                self._finish(step, tmp, data_position, lr)
+        elif self.rank == 0:
             self._finish(step, tmp, data_position, lr)
 
     def _indices(self, tmp: str) -> list[dict]:
