@@ -126,7 +126,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from", "trace", "progress")
+                  "init_from", "cpu_bind", "trace", "progress")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -155,6 +155,12 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
     if args.max_restarts < 0:
         raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+    if args.cpu_bind and args.elastic:
+        raise SystemExit("hspmd: error: --cpu-bind names a core per rank and cannot follow --elastic's restarts")
+    if args.cpu_bind:
+        from hspmd.runtime.profiler import parse_cpu_bind
+
+        parse_cpu_bind(args.cpu_bind, args.n)
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise SystemExit(f"hspmd: error: --trace {args.trace}: its directory does not exist")
 
@@ -295,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
+    r.add_argument("--cpu-bind", metavar="LIST",
+                   help="pin rank r to core LIST[r], e.g. 0,0,1 (ranks of unequal speed on one machine)")
     r.add_argument("--profile", metavar="P", help="with --strategy auto: the device profile to plan with (hspmd profile)")
     r.add_argument("--trace", metavar="FILE",
                    help="write every rank's kernels, collectives, waits, checkpoint writes and steps to FILE, "

@@ -12,8 +12,8 @@ of the batch, per rank (all of them wait for the slowest device of the group):
 * tp: the collectives tp adds (bytes measured at tp=2, scaled to the rows, per micro-batch
   and stage), each a ring over the tp ranks;
 * pp: the sends between stages, one per micro-batch each way;
-* dp: the gradient all-reduce (ZeRO: reduce-scatter plus all-gather, the same bytes) in
-  4 MiB buckets over the dp ranks. It is counted whole, not overlapped with the backward:
+* dp: the gradient all-reduce in 4 MiB buckets over the dp ranks (ZeRO: a reduce-scatter
+  of each parameter's gradient and an all-gather of the parameter, per tensor, unbucketed). It is counted whole, not overlapped with the backward:
   on CPU ranks the transfers take the cores the backward needs, so the overlap is small;
 * memory: parameters, gradients and optimizer states of its shard (states over dp with
   ZeRO), and the activations of its rows (GPipe keeps every micro-batch's, 1F1B at most pp).
@@ -101,10 +101,12 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         pp_s = 2 * machine.collective("send", pp_group[:2], facts.pp_bytes * frac / dp / m, m)
     grads = facts.param_bytes / shard
     dp_s = 0.0
-    if dp > 1:
+    if dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
+        calls = max(1, facts.param_tensors)
+        dp_s = sum(machine.collective(k, dp_group, grads / calls, calls) for k in ("reduce_scatter", "all_gather"))
+    elif dp > 1:
         buckets = max(1, math.ceil(grads / BUCKET_BYTES))
-        kinds = ("reduce_scatter", "all_gather") if config.zero else ("all_reduce",)
-        dp_s = sum(machine.collective(k, dp_group, grads / buckets, buckets) for k in kinds)
+        dp_s = machine.collective("all_reduce", dp_group, grads / buckets, buckets)
     in_flight = 1.0 if schedule == "gpipe" or pp == 1 else min(pp, m) / m
     memory = (2 * grads + facts.state_bytes / (shard * (dp if config.zero else 1))
               + facts.activation_bytes * frac / (dp * shard) * in_flight)

@@ -62,6 +62,7 @@ class ModelFacts:
     pp_bytes: float  # bytes a stage sends to the next (tp=1, one micro-batch)
     max_pp: int  # the most pipeline stages the model can be cut into (1: none)
     ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
+    param_tensors: int = 1  # trainable parameters (ZeRO syncs each one with its own collectives)
     element_bytes: int = 4  # bytes of a parameter element (gradient all-reduces move these)
 
     def mean_matmul_flops(self) -> float:
@@ -106,20 +107,22 @@ def _one_device(physical: ModuleOp) -> dict:
                 upd += written
             else:
                 act += written
-    params = states = inputs = 0
+    params = states = inputs = tensors = 0
     for op in fn.walk():
         if isinstance(op, graph.ParameterOp):
             if op.tensor_name.data.startswith(STATE_PREFIX):
                 states += _nbytes(op.result.type)
             else:
                 params += _nbytes(op.result.type)
+                tensors += 1
         elif isinstance(op, graph.InputOp):
             inputs += _nbytes(op.result.type)
     peak = build_schedule(fn, 0).peak_bytes
     counts = call_counts(fn.parent_op())
     layers = max((c for name, c in counts.items() if name != "train_step"), default=1) or 1
     return {"flops": flops, "calls": calls, "act": act, "upd": upd, "params": params, "states": states,
-            "activations": max(0, peak - params - states - inputs), "layers": layers, "ops": ops}
+            "activations": max(0, peak - params - states - inputs), "layers": layers, "ops": ops,
+            "tensors": tensors}
 
 
 def _collectives(physical: ModuleOp, ops: tuple[str, ...]) -> tuple[float, int]:
@@ -166,4 +169,4 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             pass
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
-                      pp_bytes, max_pp, one["ops"])
+                      pp_bytes, max_pp, one["ops"], one["tensors"])

@@ -72,8 +72,9 @@ class Candidate:
             g = self.groups[0]
             return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero),)))
         common = reduce(math.gcd, self.rows)
+        pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
         return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero)
-                                  for g, r in zip(self.groups, self.rows))))
+                                  for g, r in pairs)))
 
     def settings(self) -> list[str]:
         """Return the `--set` entries the strategy runs with (micro-batches of a pipeline)."""

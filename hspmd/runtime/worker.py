@@ -370,11 +370,16 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--init-from")
     parser.add_argument("--trace")
     parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
+    parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
 
         comm = MPICommunicator()
+    if args.cpu_bind:  # checked by `hspmd run` before launching
+        from hspmd.runtime.profiler import bind_cpu, parse_cpu_bind
+
+        bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
