@@ -123,10 +123,10 @@ def _groups(module):
 
 
 def test_rows_a_group_cannot_split_are_refused_with_one_message():
-    with pytest.raises(PassError) as err:  # 16 rows 1:1 -> 8 and 8; dp=3 does not divide 8
-        compile_script(_script("mlp.py"), "[0-2]: dp=3 share=1 | [3]: dp=1 share=1", 4)
+    with pytest.raises(PassError) as err:  # 16 rows 1:15 -> 1 and 15; one row cannot feed dp=3
+        compile_script(_script("mlp.py"), "[0-2]: dp=3 share=1 | [3]: dp=1 share=15", 4)
     text = str(err.value)
-    assert "'x'" in text and "[16, 64]" in text and "1:1" in text and "8+8" in text and "dp=3" in text, text
+    assert "'x'" in text and "[16, 64]" in text and "1:15" in text and "1+15" in text and "dp=3" in text, text
 
 
 @pytest.mark.mpi

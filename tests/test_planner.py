@@ -17,7 +17,7 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.strategy import parse_strategy
 from hspmd.planner import Machine, PlanError, model_facts, plan
 from hspmd.planner.cost import GroupConfig, group_cost
-from hspmd.planner.search import clusters
+from hspmd.planner.search import clusters, preference
 
 GPT = os.path.join(EXAMPLES, "gpt.py")
 SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=8"]
@@ -48,7 +48,7 @@ def test_facts_come_from_the_ir(script, facts):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
 def test_the_best_candidate_fits_the_devices_and_compiles(script, facts, n):
     fits, _ = plan(facts, Machine.uniform(n))
-    assert fits == sorted(fits, key=lambda c: c.step_s)
+    assert fits == sorted(fits, key=preference)  # by step time, ZeRO needing a clear win
     best = fits[0]
     assert parse_strategy(best.strategy()).num_devices == n
     compile_script(script, best.strategy(), n, microbatches=best.microbatches, pipeline_schedule=best.schedule)
@@ -66,8 +66,8 @@ def test_every_candidate_is_a_valid_strategy_with_whole_rows(facts, speeds):
         s = parse_strategy(c.strategy())
         s.check_devices(n)
         assert sum(c.rows) == facts.rows
-        for g, r in zip(c.groups, c.rows):
-            assert r % (g.dp * c.microbatches) == 0 and r > 0
+        for g, r in zip(c.groups, c.rows):  # a pipeline's rows divide into micro-batches; others may be uneven
+            assert r >= g.dp and (g.pp == 1 or r % (g.dp * c.microbatches) == 0)
 
 
 def test_faster_devices_get_more_rows(facts):

@@ -17,6 +17,7 @@ when they are not their default (1; `zero` 0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lark import Lark, Token
@@ -255,3 +256,44 @@ class StrategyRecord:
     def pipelined(self) -> bool:
         """Return whether some group of the strategy has pp > 1."""
         return any(g.pp > 1 for g in self.strategy.groups)
+
+
+def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
+    """Return `strategy` with every group whose rows its dp does not divide cut in two even ones.
+
+    A group's rows are its share of the batch's `rows` (`apportion`); within a group they are
+    split equally over dp. Where dp does not divide them (`dp=3` over 16 rows, a 9-row share
+    over `dp=2`), the first r dp ranks (r the remainder) take one row more than the others: the
+    group becomes two groups of the same tp and ZeRO stage, `dp=r` with q+1 rows per rank and
+    `dp=d-r` with q, their shares the rows themselves, which the layouts then hold exactly
+    (HetSeq's per-GPU row counts). Every group of the result splits its rows evenly; the
+    training math is unchanged (the loss weights each row by 1/B whoever holds it).
+
+    Groups with a pipeline, with fewer rows than dp ranks, or whose rows divide are left as they
+    are (the compiler's checks speak for them); a strategy with nothing to even is returned as is.
+
+    >>> str(even_out_rows(parse_strategy("[0-2]: dp=3"), 16))
+    '[0]: dp=1 share=3 | [1,2]: dp=2 share=5'
+    >>> str(even_out_rows(parse_strategy("[0-3]: dp=2 tp=2 share=9 | [4,5]: tp=2 share=7"), 16))
+    '[0,1]: dp=1 tp=2 share=5 | [2,3]: dp=1 tp=2 share=4 | [4,5]: dp=1 tp=2 share=7'
+    """
+    from hspmd.ir.layout import apportion
+
+    groups = strategy.groups
+    counts = apportion(rows, tuple(g.share for g in groups)) if len(groups) > 1 else (rows,)
+    out: list[tuple[StrategyGroup, int]] = []
+    for g, r in zip(groups, counts):
+        if g.pp > 1 or r < g.dp or r % g.dp == 0:
+            out.append((g, r))
+            continue
+        q, rem = divmod(r, g.dp)
+        cut = rem * g.tp  # devices are dp-major, tp-minor: dp rank i holds devices[i*tp:(i+1)*tp]
+        for devices, dp, per in ((g.devices[:cut], rem, q + 1), (g.devices[cut:], g.dp - rem, q)):
+            out.append((StrategyGroup(devices, dp=dp, tp=g.tp, zero=g.zero if dp > 1 else 0, sp=g.sp), dp * per))
+    if len(out) == len(groups):
+        return strategy
+    common = 0
+    for _, r in out:
+        common = math.gcd(common, r)
+    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers)
+                          for g, r in out))

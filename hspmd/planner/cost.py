@@ -80,7 +80,8 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
                schedule: str = "gpipe") -> GroupCost:
     """Return the cost of `config` computing `rows` of the batch in `m` micro-batches."""
     dp, tp, pp = config.dp, config.tp, config.pp
-    frac = rows / facts.rows  # of the batch's work
+    # of the batch's work, per dp rank: the busiest (rows need not divide: the first ranks take one more)
+    frac = math.ceil(rows / dp) * dp / facts.rows
     shard = tp * pp
     per_call = facts.mean_matmul_flops() * frac / (dp * tp * m)
     mm_rate = min(machine.matmul_rate(r, per_call) for r in config.devices)

@@ -10,9 +10,11 @@
    pipeline, 1, 2, 4 or 8 micro-batches (one count for the whole strategy, as the runtime has)
    under 1F1B. Combinations the runtime does not run are left out (several pipelined groups
    with tp and micro-batches; ZeRO in a pipeline beside other groups).
-3. **Rows per group.** Each group needs a multiple of dp * m rows. Starting from the least
-   each may hold, rows go one unit at a time to the group whose step would then end first
-   (min-max greedy, HetSeq's "fewer rows to the slower GPU" from the cost model).
+3. **Rows per group.** A pipelined group needs a multiple of dp * m rows; any other group at
+   least dp rows, divisible or not (the compiler evens uneven rows into two groups:
+   `even_out_rows`). Starting from the least each may hold, rows go one unit at a time to the
+   group whose step would then end first (min-max greedy, HetSeq's "fewer rows to the slower
+   GPU" from the cost model).
 4. **Choosing across groups.** A group's configuration is chosen with the others fixed, in
    turn, twice (coordinate descent), each time with the rows re-balanced: the number of
    candidates stays linear in the configurations per group, not their product, so 64 devices
@@ -33,11 +35,13 @@ from hspmd.planner.cost import GroupConfig, GroupCost, group_cost
 from hspmd.planner.facts import ModelFacts
 from hspmd.planner.machine import Machine
 
-__all__ = ["Candidate", "PlanError", "clusters", "plan"]
+__all__ = ["Candidate", "PlanError", "clusters", "plan", "preference"]
 
 #: ranks within this factor of a cluster's fastest share its group
 LIKE_SPEED = 0.85
 MICROBATCHES = (1, 2, 4, 8)
+#: how much faster a ZeRO candidate must be predicted than its plain twin to rank above it
+ZERO_MARGIN = 0.02
 
 
 class PlanError(Exception):
@@ -142,13 +146,16 @@ def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
 
 def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> tuple[int, ...] | None:
     """Return rows per group (multiples of dp * m, summing to the batch) by min-max greedy."""
-    units = [g.dp * m for g in groups]
-    rows = list(units)
+    units = [g.dp * m if g.pp > 1 else 1 for g in groups]  # rows need not divide dp (even_out_rows)
+    rows = [g.dp * m for g in groups]
     left = facts.rows - sum(rows)
     if left < 0:
         return None
     if len(groups) == 1:
         return (facts.rows,) if left % units[0] == 0 else None
+    units = [u if u > 1 else max(1, min(facts.rows // 64, g.dp)) for g, u in zip(groups, units)]  # bounded steps
+    if left % math.gcd(*units):
+        units = [u if g.pp > 1 else 1 for g, u in zip(groups, units)]
     while left > 0:
         best, best_t = None, math.inf
         for i, (g, u) in enumerate(zip(groups, units)):
@@ -203,6 +210,14 @@ def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[
     return out
 
 
+def preference(c: Candidate) -> tuple[float, int, str]:
+    """Rank by step time, ZeRO counted 2 % slower per group that uses it: its per-tensor
+    collectives and gradient copies cost more than the model sees, so it must win clearly
+    (or be needed for memory) to be chosen; ties go to fewer groups."""
+    zero = sum(1 for g in c.groups if g.zero)
+    return (c.step_s * (1 + ZERO_MARGIN * zero), len(c.groups), c.strategy())
+
+
 def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
 
@@ -219,7 +234,7 @@ def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = No
             key = (c.strategy(), c.microbatches if c.settings() else 1)
             if key not in seen or c.step_s < seen[key].step_s:
                 seen[key] = c
-    ranked = sorted(seen.values(), key=lambda c: (c.step_s, c.strategy()))
+    ranked = sorted(seen.values(), key=preference)
     if not ranked:
         raise PlanError(f"no strategy fits {machine.n} devices and a batch of {facts.rows} rows "
                         f"(tp degrees the model allows: {', '.join(map(str, facts.tp_degrees))})")

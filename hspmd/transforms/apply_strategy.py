@@ -81,7 +81,9 @@ from xdsl.rewriter import Rewriter
 from hspmd.dialects import graph
 from hspmd.dialects.dist import record_strategy, with_layout
 from hspmd.dialects.sharding import _reshape_factors
-from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup, StrategyRecord, parse_strategy
+from hspmd.ir.strategy import (
+    Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
+)
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
@@ -400,7 +402,11 @@ class ApplyStrategy(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         try:
-            record = StrategyRecord(self.id, parse_strategy(self.strategy), self.microbatches, self.schedule)
+            parsed = parse_strategy(self.strategy)
+            rows = _batch_rows(op)
+            if rows is not None and not any(g.pp > 1 for g in parsed.groups):
+                parsed = even_out_rows(parsed, rows)  # uneven rows inside a group: two even groups
+            record = StrategyRecord(self.id, parsed, self.microbatches, self.schedule)
         except StrategyError as err:
             raise PassError(str(err)) from None
         check_microbatches(op, record)
@@ -413,6 +419,14 @@ class ApplyStrategy(ModulePass):
                 raise
             raise PassError(f"{err} (strategy '{record.strategy}' is annotated as '{strategy}': a pipelined group "
                             "as one stage, each micro-batch a virtual dp rank)") from None
+
+
+def _batch_rows(op: ModuleOp) -> int | None:
+    """Return the batch rows of the step's inputs (dim 0 of the first that has dims), None without one."""
+    for o in step_function(op).body.block.ops:
+        if isinstance(o, graph.InputOp) and o.result.type.get_shape():
+            return o.result.type.get_shape()[0]
+    return None
 
 
 def lay_out(op: ModuleOp, strategy: Strategy) -> None:
