@@ -96,8 +96,10 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
     fits, over = plan(facts, machine, memory)
     searched = time.perf_counter() - start
     if not fits:
-        raise PlanError(f"no strategy fits {_mib(memory or 0)} per rank; the leanest needs {_mib(over[0].memory_bytes)}"
-                        if over else "no strategy fits")
+        lean = min(over, key=lambda c: c.memory_bytes)
+        raise PlanError(f"no strategy fits --memory-per-rank {_mib(memory or 0)}: the leanest of {len(over)} "
+                        f"candidates, '{lean.strategy()}'{' with ' + ' '.join(lean.settings()) if lean.settings() else ''}"
+                        f", needs {_mib(lean.memory_bytes)} per rank (more devices, ZeRO or a smaller batch need less)")
     for c in fits[:8]:
         problem = _compiles(script, c, n)
         if problem is None:

@@ -210,6 +210,19 @@ def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[
     return out
 
 
+def _nothing_fits(facts: ModelFacts, n: int) -> str:
+    """Say why no strategy keeps `n` devices busy, the closest one, and what it would need."""
+    tp, pp = max(facts.tp_degrees), facts.max_pp
+    most = facts.rows * tp * pp  # dp at most one row per rank, times the model's split
+    closest = Strategy((StrategyGroup(tuple(range(min(n, most))), dp=min(n, most) // (tp * pp) or 1,
+                                      tp=tp, pp=pp),)) if most < n and most >= tp * pp else None
+    need = -(-n // (tp * pp))  # rows for dp = n / (tp pp)
+    return (f"no strategy fits {n} devices: a batch of {facts.rows} rows, tp at most {tp} (the model's shapes) "
+            f"and at most {pp} pipeline stage{'s' if pp > 1 else ''} keep at most {most} devices busy"
+            + (f"; the closest is '{closest}' on {closest.num_devices} devices" if closest else "")
+            + f"; {n} devices need a batch of at least {need} rows, or use fewer devices")
+
+
 def preference(c: Candidate) -> tuple[float, int, str]:
     """Rank by step time, ZeRO counted 2 % slower per group that uses it: its per-tensor
     collectives and gradient copies cost more than the model sees, so it must win clearly
@@ -236,8 +249,7 @@ def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = No
                 seen[key] = c
     ranked = sorted(seen.values(), key=preference)
     if not ranked:
-        raise PlanError(f"no strategy fits {machine.n} devices and a batch of {facts.rows} rows "
-                        f"(tp degrees the model allows: {', '.join(map(str, facts.tp_degrees))})")
+        raise PlanError(_nothing_fits(facts, machine.n))
     fits = [c for c in ranked if memory_per_rank is None or c.memory_bytes <= memory_per_rank]
     over = [c for c in ranked if c not in fits]
     return fits, over

@@ -1,0 +1,126 @@
+"""The cost model against measured step times: GPT under 7 strategies on 1 to 4 ranks.
+
+    python benchmarks/cost_model.py [--steps 12]
+
+For each rank count a device profile is measured (`hspmd profile -n k`, the ranks with the
+threads `hspmd run` gives them). The runtime's fixed cost per kernel (Python's dispatch of one
+step of a plan) is measured once, on a GPT so small that its kernels do no work: its step
+time over its plan's length. Then each strategy is compiled, priced by the cost model over its
+kernel-level program (`estimate_cost`, the profile of its rank count, that dispatch cost per
+kernel), and run (`hspmd run -n k --log`, the median of rank 0's step times after 3 steps).
+
+Printed: per strategy the predicted and measured step time and their ratio; whether the cost
+model's fastest strategy among those of 2 ranks, and among those of 4, is the measured fastest;
+and last the largest error |predicted / measured - 1| (the issue's target: at most 0.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SCRIPT = os.path.join(ROOT, "examples", "gpt.py")
+SETS = ["model.layers=2"]
+HSPMD = os.path.join(os.path.dirname(sys.executable), "hspmd")
+STRATEGIES = [  # (ranks, strategy, extra --set entries)
+    (1, "[0]: dp=1", []),
+    (2, "[0,1]: dp=2", []),
+    (2, "[0,1]: tp=2", []),
+    (2, "[0,1]: pp=2", ["microbatches=2"]),
+    (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1", []),
+    (4, "[0-3]: dp=4", []),
+    (4, "[0-3]: dp=2 tp=2", []),
+]
+
+
+def hspmd(*args: str) -> str:
+    proc = subprocess.run([HSPMD, *args], capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    if proc.returncode:
+        raise SystemExit(f"hspmd {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def dispatch_seconds() -> float:
+    """Return the runtime's seconds per plan step on kernels that do no work (a tiny GPT)."""
+    from hspmd.compiler import compile_script
+    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.runtime.comm import InProcessCommunicator
+    from hspmd.runtime.kernel_exec import select_program
+    from hspmd.runtime.plan import build_plan
+    from hspmd.runtime.worker import step_inputs
+
+    script = load_script(SCRIPT, parse_overrides(SETS + ["model.d_model=8", "model.heads=2", "model.seq_len=2",
+                                                          "data.batch_size=1", "model.vocab_size=8"]))
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    (_, physical), = compiled.kernel_groups()
+    module = select_program(lambda: physical, lambda: physical, "cpu")
+    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) and op.sym_name.data == "train_step")
+    plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
+    state = plan.initial_state(0)
+    config = {**script.config, "lr_schedule": compiled.lr_schedule}
+    names = {leaf.name for leaf in plan.inputs}
+    batches = script.batches()
+    times = []
+    for step in range(1, 40):
+        inputs = plan.local_batch({**next(batches), **step_inputs(step, config, names)})
+        start = time.perf_counter()
+        plan.run(state, inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:]) / len(plan.steps)
+
+
+def main() -> int:
+    from hspmd.codegen.cost_model import estimate_cost
+    from hspmd.compiler import compile_script
+    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.ir.device_profile import DeviceProfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12, help="steps per run (default 12; the first 3 dropped)")
+    args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="hspmd-costbench-")
+    try:
+        overhead = dispatch_seconds()
+        print(f"dispatch cost per kernel (a tiny GPT's step / its plan's steps): {overhead * 1e6:.1f} us")
+        profiles = {}
+        for k in sorted({k for k, _, _ in STRATEGIES}):
+            path = os.path.join(directory, f"profile-{k}.json")
+            hspmd("profile", "-n", str(k), "-o", path)
+            profiles[k] = DeviceProfile.load(path)
+        rows = []
+        for k, strategy, extra in STRATEGIES:
+            script = load_script(SCRIPT, parse_overrides(SETS + extra))
+            compiled = compile_script(script, strategy, k)
+            predicted = estimate_cost(compiled.kernel_groups(), profiles[k], overhead_s=overhead).step_s
+            log = os.path.join(directory, "run.jsonl")
+            hspmd("run", "-n", str(k), SCRIPT, "--strategy", strategy, "--steps", str(args.steps), "--log", log,
+                  *[a for s in SETS + extra for a in ("--set", s)])
+            times = [json.loads(line)["time_s"] for line in open(log) if line.startswith("{")]
+            measured = statistics.median(times[3:])
+            rows.append((k, strategy, extra, predicted, measured))
+            print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} predicted {predicted * 1e3:7.1f} ms  "
+                  f"measured {measured * 1e3:7.1f} ms  ratio {predicted / measured:.2f}", flush=True)
+        for k in (2, 4):
+            some = [r for r in rows if r[0] == k]
+            by_model = min(some, key=lambda r: r[3])[1]
+            by_run = min(some, key=lambda r: r[4])[1]
+            print(f"{k} ranks: fastest predicted '{by_model}', fastest measured '{by_run}': "
+                  f"{'agree' if by_model == by_run else 'DISAGREE'}")
+        worst = max(abs(r[3] / r[4] - 1) for r in rows)
+        print(f"largest prediction error over {len(rows)} strategies: {worst:.3f}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
