@@ -121,10 +121,15 @@ def test_hspmd_run_strategy_auto(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--memory-per-rank", "lots"], "expected a size"),
-    (["--memory-per-rank", "1KiB"], "no strategy fits"),
+    (["--memory-per-rank", "1KiB"], "the leanest of"),
     (["--profile", "/nonexistent/profile.json"], "profile.json"),
+    (["-n", "3", "--profile", "PROFILE2"], "measured 2 ranks, the plan is for 3"),
 ])
-def test_plan_errors_are_one_line(args, message):
+def test_plan_errors_are_one_line(tmp_path, args, message):
+    from hspmd.ir.device_profile import DeviceProfile
+
+    DeviceProfile.uniform(2).save(str(tmp_path / "p2.json"))
+    args = [str(tmp_path / "p2.json") if a == "PROFILE2" else a for a in args]
     r = run_cli("hspmd", "plan", GPT, "-n", "2", *args, *SETS, timeout=300)
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr

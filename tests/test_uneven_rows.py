@@ -92,3 +92,29 @@ def test_the_module_records_the_evened_strategy():
     compiled = compile_script(_script("mlp.py"), "[0-2]: dp=3", 3)
     (record,) = module_strategies(compiled.annotated)
     assert str(record.strategy) == "[0]: dp=1 share=3 | [1,2]: dp=2 share=5"  # 16 rows: 6 | 5 + 5
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(2, 4), rows=st.integers(2, 13), hetero=st.booleans())
+def test_random_uneven_row_counts_give_the_one_device_gradient(tmp_path_factory, n, rows, hetero):
+    """Random batch sizes over random dp (and a second group beside): gradients equal one device's."""
+    if rows < n:
+        return
+    strategy = f"[0-{n - 1}]: dp={n}"
+    if hetero and rows > n:
+        strategy = f"[0-{n - 2}]: dp={n - 1} share=2 | [{n - 1}]: dp=1 share=1"
+    counts = apportion(rows, (2, 1)) if "|" in strategy else (rows,)
+    if counts[0] < (n - 1 if "|" in strategy else n) or counts[-1] < 1:
+        return
+    script = load_script(os.path.join(EXAMPLES, "mlp.py"), parse_overrides([f"batch_size={rows}", "hidden=16", "steps=1"]))
+    tmp = tmp_path_factory.mktemp("uneven")
+    outs = {}
+    for s, k in (("[0]: dp=1", 1), (strategy, n)):
+        bundle = tmp / f"b{k}"
+        write_bundle(compile_script(script, s, k, optimizer=False), str(bundle))
+        outs[k] = run_spmd(k, lambda comm, b=str(bundle): train(b, comm, steps=1, quiet=True, keep_outputs=True),
+                           timeout=300)
+    ref = outs[1][0].outputs[0]
+    for got in outs[n]:
+        for name, value in ref.items():
+            np.testing.assert_allclose(got.outputs[0][name], value, rtol=1e-5, atol=1e-6, err_msg=f"{strategy}: {name}")

@@ -44,9 +44,19 @@ def load_machine(profile: str | None, n: int):
 
     if profile is None:
         return Machine.uniform(n)
-    from hspmd.ir.device_profile import DeviceProfile
+    import socket
 
-    return Machine.from_profile(DeviceProfile.load(profile), n)
+    from hspmd.ir.device_profile import DeviceProfile, ProfileError
+
+    loaded = DeviceProfile.load(profile)
+    if loaded.num_ranks != n:
+        raise ProfileError(f"{profile}: the profile measured {loaded.num_ranks} ranks, the plan is for {n}; "
+                           f"measure these devices: hspmd profile -n {n} -o {profile}")
+    hosts = set(loaded.meta.get("hosts") or [])
+    if hosts and socket.gethostname() not in hosts:
+        print(f"note: {profile} was measured on {', '.join(sorted(hosts))}, not on this host "
+              f"({socket.gethostname()}): the plan assumes those devices")
+    return Machine.from_profile(loaded, n)
 
 
 def _mib(b: float) -> str:
