@@ -59,7 +59,7 @@ def dispatch_seconds() -> float:
     from hspmd.runtime.worker import step_inputs
 
     script = load_script(SCRIPT, parse_overrides(SETS + ["model.d_model=8", "model.heads=2", "model.seq_len=2",
-                                                          "data.batch_size=1", "model.vocab_size=8"]))
+                                                          "data.batch_size=1"]))
     compiled = compile_script(script, "[0]: dp=1", 1)
     (_, physical), = compiled.kernel_groups()
     module = select_program(lambda: physical, lambda: physical, "cpu")
