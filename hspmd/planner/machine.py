@@ -19,9 +19,9 @@ from hspmd.ir.device_profile import DeviceProfile, ProfileError
 
 __all__ = ["Machine"]
 
-#: seconds one kernel costs whatever its size (dispatch and launch; about what a CPU rank's
-#: plan spends per step on each of GPT-tiny's ~1,000 kernels)
-OP_OVERHEAD_S = 2e-5
+#: seconds one kernel costs whatever its size (a plan's dispatch of one step on a CPU rank:
+#: 6.5-6.7 us measured by benchmarks/cost_model.py on a GPT whose kernels do no work)
+OP_OVERHEAD_S = 7e-6
 
 
 @dataclass(frozen=True, eq=False)
