@@ -53,14 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_vs_torch import TINY, Hspmd, compile_tiny  # noqa: E402  (sets OMP_WAIT_POLICY as it needs)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _rank_plan(ranks: int, comm):
     """Return (script, plan, state) of GPT-tiny under `[0..R-1]: dp=R` as this MPI rank."""
     from hspmd.compiler import compile_script
@@ -84,7 +76,7 @@ def io_child(ranks: int, reps: int, directory: str) -> int:
 
     from hspmd.runtime.checkpoint.manifest import piece_key, read_manifest
     from hspmd.runtime.checkpoint.reader import load_state
-    from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
+    from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo, fsync_path
     from hspmd.runtime.comm.mpi import MPICommunicator
 
     comm = MPICommunicator()
@@ -110,7 +102,7 @@ def io_child(ranks: int, reps: int, directory: str) -> int:
 
     def plain_write() -> None:
         save_file(owned, plain_w)
-        _fsync(plain_w)
+        fsync_path(plain_w)
 
     def ours_read() -> dict[str, np.ndarray]:
         where = os.path.join(ck, f"step-{step[0]}")

@@ -46,7 +46,7 @@ from hspmd.runtime.checkpoint.manifest import (
 )
 from hspmd.runtime.trace import CHECKPOINT, MAIN, Tracer
 
-__all__ = ["CheckpointWriter", "RunInfo", "owned_pieces", "region_of"]
+__all__ = ["CheckpointWriter", "RunInfo", "fsync_path", "owned_pieces", "region_of"]
 
 #: how long rank 0 waits for the other ranks' pieces of one checkpoint before giving up on it
 INDEX_TIMEOUT_S = 600.0
@@ -93,7 +93,7 @@ class RunInfo:
     seed: int
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     """Flush `path` (a file or a directory) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -199,7 +199,7 @@ class CheckpointWriter:
         if snapshot:
             path = os.path.join(tmp, file)
             save_file(snapshot, path)
-            _fsync_path(path)
+            fsync_path(path)
         for leaf, region in self.pieces:
             key = piece_key(leaf.name, region)
             data = snapshot[key]
@@ -247,7 +247,7 @@ class CheckpointWriter:
                             {"dropout": "counter-based: a mask is a hash of (seed, op salt, step, element)",
                              "seed": info.seed, "step": step}, files)
         _write_json(os.path.join(tmp, MANIFEST), manifest.to_json())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         final = os.path.join(self.directory, f"step-{step}")
         old = None
         if os.path.exists(final):  # a rerun from an earlier step writes this step again
@@ -255,7 +255,7 @@ class CheckpointWriter:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_path(self.directory)
+        fsync_path(self.directory)
         if old:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep:
