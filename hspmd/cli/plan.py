@@ -80,13 +80,15 @@ def _table(rows: list[list[str]]) -> str:
 def _compiles(script, candidate, n: int) -> str | None:
     """Return None when the candidate compiles, else the compiler's message."""
     from hspmd.compiler import compile_script
-    from hspmd.transforms.util import PassError
+    from hspmd.dialects.sharding import ShardingError
+    from hspmd.ir.layout import LayoutError
     from hspmd.ir.strategy import StrategyError
+    from hspmd.transforms.util import PassError
 
     try:
         compile_script(script, candidate.strategy(), n, microbatches=candidate.microbatches,
                        pipeline_schedule=candidate.schedule)
-    except (PassError, StrategyError) as err:
+    except (PassError, StrategyError, ShardingError, LayoutError) as err:
         return str(err).splitlines()[0]
     return None
 
