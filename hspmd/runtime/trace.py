@@ -21,6 +21,8 @@ communicator; `write_trace` writes `{"traceEvents": [...]}`, loadable in ui.perf
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import time
@@ -179,6 +181,11 @@ class Tracer:
             payload = comm.recv(np.empty(int(size[0]), dtype=np.uint8), r, GATHER_TAG + 1)
             out += json.loads(payload.tobytes().decode())
         return out
+
+
+def traced(tracer: Tracer | None, name: str, cat: str, tid: int = MAIN, **args):
+    """Return a `with` context recording its block as one event of `tracer` (nothing without one)."""
+    return contextlib.nullcontext() if tracer is None else tracer.span(name, cat, tid, **args)
 
 
 def write_trace(path: str, events: list[dict]) -> None:

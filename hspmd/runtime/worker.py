@@ -44,7 +44,7 @@ from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
-from hspmd.runtime.trace import Tracer, write_trace
+from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -276,10 +276,7 @@ def train(
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if writer is not None:
-            if tracer is not None:
-                with tracer.span("checkpoint.wait", "checkpoint"):
-                    writer.close()
-            else:
+            with traced(tracer, "checkpoint.wait", "checkpoint"):
                 writer.close()
             result.checkpoint_stall_s = writer.stall_s
     except CheckpointError as err:
@@ -291,10 +288,7 @@ def train(
             log_file.close()
     result.params = gather(state)
     if checkpoint and comm.rank == 0 and result.params is not None:
-        if tracer is not None:
-            with tracer.span("checkpoint.save", "checkpoint", path=checkpoint):
-                save_checkpoint(checkpoint, result.params, steps)
-        else:
+        with traced(tracer, "checkpoint.save", "checkpoint", path=checkpoint):
             save_checkpoint(checkpoint, result.params, steps)
     if tracer is not None:
         events = tracer.gather(comm)

@@ -44,7 +44,7 @@ from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.checkpoint.manifest import (
     MANIFEST, CheckpointError, Manifest, Piece, Region, TensorEntry, piece_key, step_dirs,
 )
-from hspmd.runtime.trace import CHECKPOINT, MAIN, Tracer
+from hspmd.runtime.trace import CHECKPOINT, MAIN, Tracer, traced
 
 __all__ = ["CheckpointWriter", "RunInfo", "fsync_path", "owned_pieces", "region_of"]
 
@@ -182,14 +182,9 @@ class CheckpointWriter:
             self._error = err
 
     def _write(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
-        if self.tracer is None:
-            return self._write_pieces(step, snapshot, data_position, lr)
-        start = self.tracer.clock()
-        try:
+        with traced(self.tracer, "checkpoint.write", "checkpoint", CHECKPOINT, step=step,
+                    bytes=sum(int(b.nbytes) for b in snapshot.values())):
             self._write_pieces(step, snapshot, data_position, lr)
-        finally:
-            self.tracer.complete("checkpoint.write", "checkpoint", start, self.tracer.clock(), CHECKPOINT,
-                                 {"step": step, "bytes": sum(int(b.nbytes) for b in snapshot.values())})
 
     def _write_pieces(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
         tmp = os.path.join(self.directory, f"step-{step}.tmp")
@@ -210,11 +205,9 @@ class CheckpointWriter:
         index = {"rank": self.rank, "pieces": pieces,
                  "files": {file: os.path.getsize(os.path.join(tmp, file))} if snapshot else {}}
         _write_json(os.path.join(tmp, f"rank-{self.rank:05d}.json"), json.dumps(index))
-        if self.rank == 0 and self.tracer is not None:
-            with self.tracer.span("checkpoint.manifest", "checkpoint", CHECKPOINT, step=step):
+        if self.rank == 0:
+            with traced(self.tracer, "checkpoint.manifest", "checkpoint", CHECKPOINT, step=step):
                 self._finish(step, tmp, data_position, lr)
-        elif self.rank == 0:
-            self._finish(step, tmp, data_position, lr)
 
     def _indices(self, tmp: str) -> list[dict]:
         """Return every rank's index of checkpoint directory `tmp`, waiting for them to appear."""
