@@ -123,7 +123,7 @@ def test_hspmd_run_strategy_auto(tmp_path):
     (["--memory-per-rank", "lots"], "expected a size"),
     (["--memory-per-rank", "1KiB"], "the leanest of"),
     (["--profile", "/nonexistent/profile.json"], "profile.json"),
-    (["-n", "3", "--profile", "PROFILE2"], "measured 2 ranks, the plan is for 3"),
+    (["-n", "3", "--profile", "PROFILE2"], "describes 2 ranks, the program runs on 3"),
 ])
 def test_plan_errors_are_one_line(tmp_path, args, message):
     from hspmd.ir.device_profile import DeviceProfile

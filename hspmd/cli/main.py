@@ -110,17 +110,10 @@ def cmd_compile(args) -> int:
 def cost_text(compiled, n: int, profile_path: str | None) -> str:
     """Return `hspmd compile --cost`'s table: the predicted step of `compiled` on `n` ranks under the
     profile at `profile_path` (None: `DeviceProfile.default_cpu`, and the output says so)."""
-    from hspmd.codegen.cost_model import CostError, estimate_cost
+    from hspmd.codegen.cost_model import estimate_cost
     from hspmd.ir.device_profile import DeviceProfile
 
-    if profile_path is None:
-        profile = DeviceProfile.default_cpu(n)
-    else:
-        profile = DeviceProfile.load(profile_path)
-        if profile.num_ranks < n:
-            raise CostError(f"{profile_path} describes {profile.num_ranks} ranks, the program runs on {n}; "
-                            f"measure with hspmd profile -n {n}")
-        profile = profile.restricted(n)
+    profile = DeviceProfile.default_cpu(n) if profile_path is None else DeviceProfile.load_for(profile_path, n)
     return estimate_cost(compiled.kernel_groups(), profile).format()
 
 

@@ -46,17 +46,14 @@ def load_machine(profile: str | None, n: int):
         return Machine.uniform(n)
     import socket
 
-    from hspmd.ir.device_profile import DeviceProfile, ProfileError
+    from hspmd.ir.device_profile import DeviceProfile
 
-    loaded = DeviceProfile.load(profile)
-    if loaded.num_ranks != n:
-        raise ProfileError(f"{profile}: the profile measured {loaded.num_ranks} ranks, the plan is for {n}; "
-                           f"measure these devices: hspmd profile -n {n} -o {profile}")
+    loaded = DeviceProfile.load_for(profile, n)
     hosts = set(loaded.meta.get("hosts") or [])
     if hosts and socket.gethostname() not in hosts:
         print(f"note: {profile} was measured on {', '.join(sorted(hosts))}, not on this host "
               f"({socket.gethostname()}): the plan assumes those devices")
-    return Machine.from_profile(loaded, n)
+    return Machine(loaded)
 
 
 def _mib(b: float) -> str:

@@ -255,6 +255,16 @@ class DeviceProfile:
             self, ranks=self.ranks[:n], links={k: v for k, v in self.links.items() if max(k) < n},
             collectives=tuple(f for f in self.collectives if max(f.group) < n))
 
+    @staticmethod
+    def load_for(path: str, n: int) -> DeviceProfile:
+        """Return the profile in `path` for a program on ranks 0..n-1: its first n ranks
+        (ProfileError, saying what to measure, when it has fewer)."""
+        profile = DeviceProfile.load(path)
+        if profile.num_ranks < n:
+            raise ProfileError(f"{path}: the profile describes {profile.num_ranks} ranks, the program runs on {n}; "
+                               f"measure these devices: hspmd profile -n {n} -o {path}")
+        return profile.restricted(n)
+
     # -- queries ------------------------------------------------------------------------------
 
     @property

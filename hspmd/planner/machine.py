@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hspmd.ir.device_profile import DeviceProfile, ProfileError
+from hspmd.ir.device_profile import DeviceProfile
 
 __all__ = ["Machine"]
 
@@ -36,14 +36,6 @@ class Machine:
         """Return `n` alike ranks (or with relative compute `speed`s) of the default CPU profile."""
         profile = DeviceProfile.default_cpu(n)
         return Machine(profile.with_speed(speed) if speed is not None else profile)
-
-    @staticmethod
-    def from_profile(profile: DeviceProfile, n: int) -> Machine:
-        """Return the first `n` ranks of a measured profile (ProfileError if it has fewer)."""
-        if profile.num_ranks < n:
-            raise ProfileError(f"the profile measured {profile.num_ranks} ranks; planning for {n} needs "
-                               f"a profile of at least {n} (hspmd profile -n {n})")
-        return Machine(profile.restricted(n))
 
     @property
     def n(self) -> int:
