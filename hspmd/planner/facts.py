@@ -63,7 +63,6 @@ class ModelFacts:
     max_pp: int  # the most pipeline stages the model can be cut into (1: none)
     ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
     param_tensors: int = 1  # trainable parameters (ZeRO syncs each one with its own collectives)
-    element_bytes: int = 4  # bytes of a parameter element (gradient all-reduces move these)
 
     def mean_matmul_flops(self) -> float:
         """Return the FLOPs of an average matmul of the whole batch."""

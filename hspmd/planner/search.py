@@ -145,17 +145,19 @@ def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
 
 
 def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> tuple[int, ...] | None:
-    """Return rows per group (multiples of dp * m, summing to the batch) by min-max greedy."""
+    """Return rows per group (a pipelined group's a multiple of dp * m, any other at least dp;
+    summing to the batch) by min-max greedy."""
     units = [g.dp * m if g.pp > 1 else 1 for g in groups]  # rows need not divide dp (even_out_rows)
-    rows = [g.dp * m for g in groups]
+    rows = [g.dp * (m if g.pp > 1 else 1) for g in groups]  # the least each group may hold
     left = facts.rows - sum(rows)
     if left < 0:
         return None
     if len(groups) == 1:
         return (facts.rows,) if left % units[0] == 0 else None
-    units = [u if u > 1 else max(1, min(facts.rows // 64, g.dp)) for g, u in zip(groups, units)]  # bounded steps
-    if left % math.gcd(*units):
-        units = [u if g.pp > 1 else 1 for g, u in zip(groups, units)]
+    # a large batch goes in coarser steps (at most ~64 per group), unless they cannot sum to it
+    coarse = [u if g.pp > 1 else max(1, min(facts.rows // 64, g.dp)) for g, u in zip(groups, units)]
+    if left % math.gcd(*coarse) == 0:
+        units = coarse
     while left > 0:
         best, best_t = None, math.inf
         for i, (g, u) in enumerate(zip(groups, units)):
