@@ -52,15 +52,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation
 
-from hspmd.codegen.report import bytes_sent
+from hspmd.codegen.report import bytes_sent, tensor_nbytes
 from hspmd.codegen.schedule import build_schedule
+from hspmd.codegen.schedule.analysis import op_matmul_flops
 from hspmd.codegen.schedule.buckets import group_of
-from hspmd.codegen.schedule.model import Schedule
+from hspmd.codegen.schedule.model import Schedule, nbytes
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.comm import groups_of
 from hspmd.dialects.levels import physical_groups
@@ -142,25 +142,9 @@ class CostEstimate:
 # one op
 
 
-def _nbytes(t) -> int:
-    if not isinstance(t, TensorType):
-        return 0
-    elem = t.element_type
-    width = getattr(elem, "size", None) or (getattr(elem, "bitwidth", 8) + 7) // 8
-    return int(np.prod(t.get_shape(), dtype=np.int64)) * width
-
-
 def _moved(op: Operation) -> int:
     """Return the bytes a kernel reads and writes: its tensor operands and results."""
-    return sum(_nbytes(v.type) for v in op.operands) + sum(_nbytes(v.type) for v in op.results)
-
-
-def _matmul_flops(op: Operation) -> int:
-    if isinstance(op, graph.MatmulOp):
-        out = op.results[0].type.get_shape()  # type: ignore[attr-defined]
-        return 2 * int(np.prod(out, dtype=np.int64)) * op.operands[0].type.get_shape()[-1]  # type: ignore
-    a = op.operands[0].type.get_shape()  # type: ignore[attr-defined]
-    return 2 * int(np.prod(a, dtype=np.int64)) * op.operands[1].type.get_shape()[-1]  # type: ignore
+    return sum(tensor_nbytes(v.type) for v in op.operands) + sum(tensor_nbytes(v.type) for v in op.results)
 
 
 def compute_seconds(op: Operation, rank: int, profile: DeviceProfile) -> float:
@@ -168,7 +152,7 @@ def compute_seconds(op: Operation, rank: int, profile: DeviceProfile) -> float:
     if op.name in _VIEWS or op.name in _FREE:
         return 0.0
     if isinstance(op, (graph.MatmulOp, graph.MatmulRhsGradOp)):
-        return profile.matmul_seconds(rank, _matmul_flops(op))
+        return profile.matmul_seconds(rank, op_matmul_flops(op))
     if op.name == "kernel.fused":
         return profile.fused_seconds(rank, _moved(op))
     return profile.elementwise_seconds(rank, _moved(op))
@@ -180,10 +164,10 @@ def comm_seconds(op: Operation, rank: int, profile: DeviceProfile) -> float:
     if kind is not None:
         group = group_of(op.rank_groups, rank, op)  # type: ignore[attr-defined]
         value = op.results[0] if kind == "all_gather" else op.operands[0]
-        return profile.time(kind, group, _nbytes(value.type))
+        return profile.time(kind, group, tensor_nbytes(value.type))
     if isinstance(op, comm.RecvOp):
         src = next((s for s, d in groups_of(op.pairs) if d == rank), rank)
-        return profile.p2p_seconds(src, rank, _nbytes(op.result.type))
+        return profile.p2p_seconds(src, rank, tensor_nbytes(op.result.type))
     if isinstance(op, comm.ExchangeOp):
         sent = bytes_sent(op, (rank,))
         members = [m for m in op.members() if m < profile.num_ranks]
@@ -249,11 +233,7 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
 
 
 def _slot_bytes(schedule: Schedule, slot: int) -> int:
-    t = schedule.slot_types[slot]
-    if t is None:
-        return 0
-    shape, dtype = t
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return nbytes(schedule.slot_types[slot])
 
 
 # ---------------------------------------------------------------------------------------------

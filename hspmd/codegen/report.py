@@ -120,7 +120,10 @@ class Row:
         return self.bytes_per_call * self.calls
 
 
-def _nbytes(t: TensorType) -> int:
+def tensor_nbytes(t) -> int:
+    """Return the bytes of a value of type `t` (0 for a type that is not a tensor)."""
+    if not isinstance(t, TensorType):
+        return 0
     size = 1
     for d in t.get_shape():
         size *= d
@@ -136,19 +139,19 @@ def bytes_sent(op: Operation, devices: tuple[int, ...] = ()) -> int:
     group's ranks; all members when empty) sends.
     """
     if isinstance(op, comm.ExchangeOp):
-        item = _nbytes(TensorType(op.input.type.element_type, [1]))  # type: ignore[attr-defined]
+        item = tensor_nbytes(TensorType(op.input.type.element_type, [1]))  # type: ignore[attr-defined]
         sent: dict[int, int] = {}
         for s, d, region in op.transfer_list():
             if s != d:
                 sent[s] = sent.get(s, 0) + item * int(np.prod([n for _, _, n in region]))
         return max((sent.get(r, 0) for r in devices or op.members()), default=0)
     if isinstance(op, comm.SendOp):
-        return _nbytes(op.input.type)  # type: ignore[arg-type]
+        return tensor_nbytes(op.input.type)  # type: ignore[arg-type]
     if isinstance(op, (comm.RecvOp, comm.LocalSplitOp, comm.LocalZeroOp)):
         return 0
     assert isinstance(op, comm._Collective)  # noqa: SLF001
     n = op.group_size()
-    b_in, b_out = _nbytes(op.input.type), _nbytes(op.result.type)  # type: ignore[arg-type]
+    b_in, b_out = tensor_nbytes(op.input.type), tensor_nbytes(op.result.type)  # type: ignore[arg-type]
     if isinstance(op, comm.AllReduceOp):
         return 2 * (n - 1) * b_in // n
     if isinstance(op, comm.AllGatherOp):

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp
 
-from hspmd.codegen.report import call_counts, collective_report
+from hspmd.codegen.report import call_counts, collective_report, tensor_nbytes
 from hspmd.codegen.schedule import build_schedule
+from hspmd.codegen.schedule.analysis import op_matmul_flops
 from hspmd.codegen.schedule.flatten import flatten
 from hspmd.compiler import annotate, loss_scale, run_passes, script_optimizer, to_physical, trace_script, training_passes
 from hspmd.dialects import graph
@@ -69,13 +70,6 @@ class ModelFacts:
         return self.matmul_flops / max(1, self.matmul_calls)
 
 
-def _nbytes(t) -> int:
-    if not isinstance(t, TensorType):
-        return 0
-    width = getattr(t.element_type, "size", None) or (getattr(t.element_type, "bitwidth", 32) + 7) // 8
-    return int(np.prod(t.get_shape(), dtype=np.int64)) * width
-
-
 def _step_fn(module: ModuleOp) -> func.FuncOp:
     (_, group), *_ = physical_groups(module)
     return next(op for op in group.body.block.ops if isinstance(op, func.FuncOp) and op.sym_name.data == "train_step")
@@ -94,14 +88,12 @@ def _one_device(physical: ModuleOp) -> dict:
         if op is None or op.name.startswith(("comm.", "func.", "pipeline.")):
             continue
         ops += 1
-        if isinstance(op, graph.MatmulOp):
-            flops += 2 * int(np.prod(op.result.type.get_shape(), dtype=np.int64)) * op.lhs.type.get_shape()[-1]
-            calls += 1
-        elif isinstance(op, graph.MatmulRhsGradOp):
-            flops += 2 * int(np.prod(op.lhs.type.get_shape(), dtype=np.int64)) * op.dy.type.get_shape()[-1]
+        mm = op_matmul_flops(op)
+        if mm:
+            flops += mm
             calls += 1
         else:
-            written = sum(_nbytes(r.type) for r in op.results)
+            written = sum(tensor_nbytes(r.type) for r in op.results)
             if op.name.startswith("optim."):
                 upd += written
             else:
@@ -110,12 +102,12 @@ def _one_device(physical: ModuleOp) -> dict:
     for op in fn.walk():
         if isinstance(op, graph.ParameterOp):
             if op.tensor_name.data.startswith(STATE_PREFIX):
-                states += _nbytes(op.result.type)
+                states += tensor_nbytes(op.result.type)
             else:
-                params += _nbytes(op.result.type)
+                params += tensor_nbytes(op.result.type)
                 tensors += 1
         elif isinstance(op, graph.InputOp):
-            inputs += _nbytes(op.result.type)
+            inputs += tensor_nbytes(op.result.type)
     peak = build_schedule(fn, 0).peak_bytes
     counts = call_counts(fn.parent_op())
     layers = max((c for name, c in counts.items() if name != "train_step"), default=1) or 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
 
 from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.flatten import flatten
@@ -12,17 +13,20 @@ from hspmd.dialects import graph
 from hspmd.dialects.levels import physical_groups
 
 
+def op_matmul_flops(op: Operation | None) -> int:
+    """Return the floating-point operations of one matmul op (2 m k n; 0 for any other op)."""
+    if isinstance(op, graph.MatmulOp):
+        out_shape = op.results[0].type.get_shape()  # type: ignore[attr-defined]
+        return 2 * int(np.prod(out_shape, dtype=np.int64)) * op.operands[0].type.get_shape()[-1]  # type: ignore
+    if isinstance(op, graph.MatmulRhsGradOp):
+        a_shape = op.operands[0].type.get_shape()  # type: ignore[attr-defined]
+        return 2 * int(np.prod(a_shape, dtype=np.int64)) * op.operands[1].type.get_shape()[-1]  # type: ignore
+    return 0
+
+
 def matmul_flops(fn: func.FuncOp) -> int:
     """Return the floating-point operations of one step's matmuls (2 m k n each, callees counted per call)."""
-    flops = 0
-    for node in flatten(fn).nodes:
-        if isinstance(node.op, graph.MatmulOp):
-            out_shape = node.op.results[0].type.get_shape()
-            flops += 2 * int(np.prod(out_shape, dtype=np.int64)) * node.op.operands[0].type.get_shape()[-1]
-        elif isinstance(node.op, graph.MatmulRhsGradOp):
-            a_shape = node.op.operands[0].type.get_shape()
-            flops += 2 * int(np.prod(a_shape, dtype=np.int64)) * node.op.operands[1].type.get_shape()[-1]
-    return flops
+    return sum(op_matmul_flops(node.op) for node in flatten(fn).nodes)
 
 
 def memory_report(physical: ModuleOp) -> str:
