@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lark import Lark, Token
 from lark.exceptions import UnexpectedInput
 
-from hspmd.ir.layout import format_devices
+from hspmd.ir.layout import apportion, format_devices
 from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message, devices_of, syntax_error
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
@@ -277,8 +277,6 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
     >>> str(even_out_rows(parse_strategy("[0-3]: dp=2 tp=2 share=9 | [4,5]: tp=2 share=7"), 16))
     '[0,1]: dp=1 tp=2 share=5 | [2,3]: dp=1 tp=2 share=4 | [4,5]: dp=1 tp=2 share=7'
     """
-    from hspmd.ir.layout import apportion
-
     groups = strategy.groups
     counts = apportion(rows, tuple(g.share for g in groups)) if len(groups) > 1 else (rows,)
     out: list[tuple[StrategyGroup, int]] = []
@@ -292,8 +290,6 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
             out.append((StrategyGroup(devices, dp=dp, tp=g.tp, zero=g.zero if dp > 1 else 0, sp=g.sp), dp * per))
     if len(out) == len(groups):
         return strategy
-    common = 0
-    for _, r in out:
-        common = math.gcd(common, r)
+    common = math.gcd(*(r for _, r in out))
     return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers)
                           for g, r in out))

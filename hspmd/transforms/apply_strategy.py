@@ -404,8 +404,10 @@ class ApplyStrategy(ModulePass):
         try:
             parsed = parse_strategy(self.strategy)
             rows = _batch_rows(op)
+            # uneven rows inside a group: two even groups (not beside pipelines: their micro-batch
+            # and stage checks assume the groups as written)
             if rows is not None and not any(g.pp > 1 for g in parsed.groups):
-                parsed = even_out_rows(parsed, rows)  # uneven rows inside a group: two even groups
+                parsed = even_out_rows(parsed, rows)
             record = StrategyRecord(self.id, parsed, self.microbatches, self.schedule)
         except StrategyError as err:
             raise PassError(str(err)) from None
