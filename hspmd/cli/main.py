@@ -179,13 +179,12 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
             )
         return args.script
     script = load_script(args.script, parse_overrides(args.set))
-    microbatches = schedule = None
     if strategy == "auto":
         from hspmd.cli.plan import auto_strategy
 
-        strategy, microbatches, schedule = auto_strategy(args, script, n)
-    compiled = compile_script(script, strategy or default_strategy(n), n, microbatches=microbatches,
-                              pipeline_schedule=schedule)
+        compiled = auto_strategy(args, script, n)
+    else:
+        compiled = compile_script(script, strategy or default_strategy(n), n)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
     write_bundle(compiled, bundle)
     return bundle

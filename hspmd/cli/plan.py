@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports the compiler only when a command needs it
+    from hspmd.compiler import Compiled
+    from hspmd.planner import Candidate, Machine, ModelFacts
 
 __all__ = ["add_plan_parser", "auto_strategy", "choose_strategy", "cmd_plan", "parse_bytes"]
 
@@ -74,8 +80,8 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _compiles(script, candidate, n: int) -> str | None:
-    """Return None when the candidate compiles, else the compiler's message."""
+def _compile(script, candidate, n: int):
+    """Return (the candidate compiled, None), or (None, the compiler's message) when it does not compile."""
     from hspmd.compiler import compile_script
     from hspmd.dialects.sharding import ShardingError
     from hspmd.ir.layout import LayoutError
@@ -83,18 +89,30 @@ def _compiles(script, candidate, n: int) -> str | None:
     from hspmd.transforms.util import PassError
 
     try:
-        compile_script(script, candidate.strategy(), n, microbatches=candidate.microbatches,
-                       pipeline_schedule=candidate.schedule)
+        return compile_script(script, candidate.strategy(), n, microbatches=candidate.microbatches,
+                              pipeline_schedule=candidate.schedule), None
     except (PassError, StrategyError, ShardingError, LayoutError) as err:
-        return str(err).splitlines()[0]
-    return None
+        return None, str(err).splitlines()[0]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the planner chose and what it weighed."""
+
+    chosen: Candidate
+    compiled: Compiled  # the chosen strategy, compiled (checked before it is chosen)
+    fits: list[Candidate]  # every candidate under the memory limit, best first
+    over: list[Candidate]  # those over it
+    facts: ModelFacts
+    machine: Machine
+    read_s: float  # reading the facts (the probe compiles)
+    search_s: float
 
 
 def choose_strategy(script, n: int, profile: str | None = None, memory: float | None = None,
-                    report=None):
-    """Return (the chosen Candidate, every candidate that fits, those over memory, facts, machine,
-    seconds spent reading facts, seconds searching). `report(line)` hears about candidates that
-    do not compile."""
+                    report=None) -> Choice:
+    """Return the planner's choice for `script` on `n` devices: the fastest candidate under
+    `memory` that compiles. `report(line)` hears about candidates that do not compile."""
     from hspmd.planner import PlanError, model_facts, plan
 
     machine = load_machine(profile, n)
@@ -110,9 +128,9 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
                         f"candidates, '{lean.strategy()}'{' with ' + ' '.join(lean.settings()) if lean.settings() else ''}"
                         f", needs {_mib(lean.memory_bytes)} per rank (more devices, ZeRO or a smaller batch need less)")
     for c in fits[:8]:
-        problem = _compiles(script, c, n)
-        if problem is None:
-            return c, fits, over, facts, machine, read, searched
+        compiled, problem = _compile(script, c, n)
+        if compiled is not None:
+            return Choice(c, compiled, fits, over, facts, machine, read, searched)
         if report:
             report(f"  {c.strategy()} does not compile ({problem}); next")
     raise PlanError("none of the best candidates compiles; see the messages above")
@@ -125,7 +143,9 @@ def cmd_plan(args) -> int:
         raise SystemExit("hspmd: error: --top must be at least 1")
     memory = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     script = load_script(args.script, parse_overrides(args.set))
-    chosen, fits, over, facts, machine, read, searched = choose_strategy(script, args.n, args.profile, memory, print)
+    choice = choose_strategy(script, args.n, args.profile, memory, print)
+    chosen, fits, over, facts, machine = choice.chosen, choice.fits, choice.over, choice.facts, choice.machine
+    read, searched = choice.read_s, choice.search_s
     where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
     print(f"planning {args.script} for {args.n} devices ({where})")
     print(f"model: {facts.rows} rows per step, {facts.layers} layer{'s' if facts.layers != 1 else ''}, "
@@ -151,12 +171,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def auto_strategy(args, script, n: int) -> tuple[str, int | None, str | None]:
-    """Return (strategy text, micro-batches, schedule) that `--strategy auto` runs, said in one line."""
-    chosen, *_ = choose_strategy(script, n, getattr(args, "profile", None))
+def auto_strategy(args, script, n: int) -> Compiled:
+    """Return the program `--strategy auto` runs (planned, compiled), the choice said in one line."""
+    choice = choose_strategy(script, n, getattr(args, "profile", None))
+    chosen = choice.chosen
     settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
     print(f"hspmd run: --strategy auto chose '{chosen.strategy()}'{settings} (predicted "
           f"{chosen.step_s * 1e3:.1f} ms per step; 'hspmd plan' shows the others)", flush=True)
-    if chosen.settings():
-        return chosen.strategy(), chosen.microbatches, chosen.schedule
-    return chosen.strategy(), None, None
+    return choice.compiled
