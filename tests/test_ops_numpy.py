@@ -180,6 +180,22 @@ def test_embedding_and_its_gradient(ids_shape, vocab, dim, seed):
     np.testing.assert_allclose(numpy_ops.embedding_grad(ids, dy, vocab), scatter, **TOL)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), vocab=st.integers(1, 40), dim=small, seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([np.float32, np.float64]))
+def test_scatter_add_rows_is_add_at_bit_for_bit(n, vocab, dim, seed, dtype):
+    """The grouped scatter-add adds each row's contributions in the same order as np.add.at
+    (same bits), below and above the repeat count where it hands over to np.add.at."""
+    rng = np.random.default_rng(seed)
+    index = rng.integers(0, vocab, size=n)
+    rows = rng.standard_normal((n, dim)).astype(dtype) * 10.0 ** rng.integers(-3, 4, size=(n, 1))
+    start = rng.standard_normal((vocab, dim)).astype(dtype)
+    expect = start.copy()
+    np.add.at(expect, index, rows)
+    got = numpy_ops.scatter_add_rows(start.copy(), index, rows)
+    np.testing.assert_array_equal(got, expect)
+
+
 @settings(max_examples=10, deadline=None)
 @given(lead=st.lists(small, max_size=2).map(tuple), tq=small, tk=small, seed=st.integers(0, 2**16))
 def test_causal_mask(lead, tq, tk, seed):

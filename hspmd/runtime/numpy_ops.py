@@ -159,9 +159,10 @@ def erf(x: np.ndarray) -> np.ndarray:
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`a @ b`; a batch of rows times one 2-D matrix is done as one 2-D product (one BLAS call).
 
-    Transposed operands (views) go to BLAS as they are, without a copy, where NumPy can.
+    Transposed operands (views) go to BLAS as they are, without a copy, where NumPy can; so
+    does an `out=` with strided rows (a result laid out for its consumer, `schedule.placement`).
     """
-    if b.ndim == 2 and a.ndim > 2:
+    if b.ndim == 2 and a.ndim > 2 and (out is None or out.flags.c_contiguous):
         rows = a.reshape(-1, a.shape[-1])  # a view when a's leading dims merge
         if out is None:
             return np.matmul(rows, b).reshape(*a.shape[:-1], b.shape[1])
@@ -174,6 +175,21 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
 def matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`a^T g` over all leading dims merged: the gradient of the right operand of `a @ w`."""
     return np.matmul(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]), out=out)
+
+
+def concat(xs: tuple[np.ndarray, ...], axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """`np.concatenate(xs, axis)`; into `out`, an operand that already is its part of `out` (the
+    same view: a matmul wrote it there, `schedule.placement`) is not copied."""
+    if out is None:
+        return np.concatenate(xs, axis=axis)
+    axis %= out.ndim
+    start = 0
+    for x in xs:
+        part = out[(slice(None),) * axis + (slice(start, start + x.shape[axis]),)]
+        start += x.shape[axis]
+        if not (x.ctypes.data == part.ctypes.data and x.strides == part.strides and x.shape == part.shape):
+            np.copyto(part, x)
+    return out
 
 
 def _tanh_inner(x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -358,11 +374,40 @@ def rms_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float)
 # ----------------------------------------------------------------------------- indexing
 
 
-def embedding_grad(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
-    """Scatter-add the rows of `dy` into a zero [vocab, D] table at `ids`."""
-    out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
-    np.add.at(out, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+#: above this many repeats of one id, the scatter-add runs as `np.add.at` (one pass per repeat otherwise)
+_SCATTER_PASSES = 64
+
+
+def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Add row i of `rows` into row `index[i]` of `out`, in place, in the order of i; return `out`.
+
+    The same bits as `np.add.at(out, index, rows)` (each row of `out` gets its rows added one
+    by one in order), about 9x faster on a GPT's ids: the rows are grouped by index (a
+    stable sort) and the k-th row of every group is added in one vectorized pass, so the
+    passes number the most repeats of one index. With more than `_SCATTER_PASSES` repeats,
+    `np.add.at` itself.
+    """
+    if index.size == 0:
+        return out
+    order = np.argsort(index, kind="stable")
+    sorted_index = index[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))
+    counts = np.diff(np.append(starts, index.size))
+    if counts.max() > _SCATTER_PASSES:
+        np.add.at(out, index, rows)
+        return out
+    grouped = rows[order]
+    targets = sorted_index[starts]
+    for k in range(int(counts.max())):
+        more = counts > k
+        out[targets[more]] += grouped[starts[more] + k]
     return out
+
+
+def embedding_grad(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
+    """Scatter-add the rows of `dy` into a zero [vocab, D] table at `ids` (in the order of the ids)."""
+    out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
+    return scatter_add_rows(out, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
 
 
 def causal_mask(value: float) -> Kernel:
@@ -581,8 +626,7 @@ def embedding_grad_kernel(op: graph.EmbeddingGradOp, rank: int) -> Kernel:
         local = ids.reshape(-1) - start
         inside = (local >= 0) & (local < vocab)
         out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
-        np.add.at(out, local[inside], dy.reshape(-1, dy.shape[-1])[inside])
-        return out
+        return scatter_add_rows(out, local[inside], dy.reshape(-1, dy.shape[-1])[inside])
 
     return grad
 
@@ -769,7 +813,7 @@ def _layer_kernel(op: Operation, rank: int) -> Kernel | None:
             return lambda x: tuple(np.split(x, bounds, axis=d))  # views
         case graph.ConcatOp():
             d = op.dim.value.data
-            return takes_out(lambda *xs, out=None: np.concatenate(xs, axis=d, out=out))
+            return takes_out(lambda *xs, out=None: concat(xs, d, out))
         case graph.SoftmaxCrossEntropyOp():
             ignore = op.ignore_index.value.data if op.ignore_index is not None else None
             return lambda logits, labels: softmax_cross_entropy(logits, labels, ignore)

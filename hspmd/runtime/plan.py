@@ -260,8 +260,7 @@ class _Binder:
             if d.kind == "bucket":
                 template.append(self.buckets[d.index].views[d.member] if self.allocate else None)
             elif d.kind == "buffer":
-                template.append(self.raw[d.index][: nbytes((d.shape, d.dtype))].view(d.dtype).reshape(d.shape)
-                                if self.allocate else None)
+                template.append(d.view(self.raw[d.index]) if self.allocate else None)
             else:
                 template.append(None)
                 places.append((pos, d.name, d.shape, d.dtype))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hspmd.codegen.schedule.flatten import Flat
+from hspmd.codegen.schedule.placement import Placement, placements
 from hspmd.codegen.schedule.model import BucketSpec, Destination, Schedule, Step, nbytes, step_name
 
 # ops whose result is a view of their first operand (never written through)
@@ -54,6 +55,8 @@ class _Storages:
     alias: list[frozenset[int]] = field(default_factory=list)
     param: dict[str, int] = field(default_factory=dict)  # parameter name -> its storage
     out_capable: list[bool] = field(default_factory=list)  # per node: writes into out=
+    placed: dict[int, Placement] = field(default_factory=dict)  # matmul results in a consumer's layout
+    hosts: dict[int, int] = field(default_factory=dict)  # host slot -> its storage, for placed results
     start: list[int] = field(default_factory=list)  # per storage: node defining it
     end: list[int] = field(default_factory=list)  # per storage: last node using it
 
@@ -74,18 +77,27 @@ def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
         st.alias[leaf.slot] = frozenset({st.new("fixed", leaf.slot)})
     for c in flat.constants:
         st.alias[c.slot] = frozenset({st.new("fixed", c.slot)})
-    for node in flat.nodes:
+    st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out and not node.into
+                      and all(types[o] is not None and types[o][0] != () for o in node.outs) for node in flat.nodes]
+    st.placed = placements(flat, lambda i: st.out_capable[i])
+    for i, node in enumerate(flat.nodes):
         name = node.op.name if node.op is not None else ""
         poolable = (reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
                     and all(types[o] is not None and types[o][0] != () for o in node.outs))
-        st.out_capable.append(poolable)
+        st.out_capable[i] = poolable
         if node.kind == "bucket-wait":
             fixed = st.new("fixed", node.outs[0] if node.outs else -1)
             for o in node.outs:
                 st.alias[o] = frozenset({fixed})
         elif poolable:
             for pos, o in enumerate(node.outs):
-                st.alias[o] = frozenset({st.new("fixed" if node.into and pos in node.into else "pooled", o)})
+                if node.into and pos in node.into:
+                    st.alias[o] = frozenset({st.new("fixed", o)})
+                    continue
+                host = st.placed[o].host if o in st.placed else o
+                if host not in st.hosts:  # a concat's buffer is made by its first placed operand
+                    st.hosts[host] = st.new("pooled", host)
+                st.alias[o] = frozenset({st.hosts[host]})
         elif name in _VIEW_OPS or node.kind == "take":
             for o in node.outs:
                 st.alias[o] = st.alias[node.ins[0]]
@@ -112,12 +124,15 @@ def _liveness(flat: Flat, st: _Storages) -> tuple[list[int], list[int]]:
     n_storages = len(st.kind)
     st.start = [n_nodes + 1] * n_storages
     st.end = [-1] * n_storages
-    for slot in range(n_slots):
-        for s in st.alias[slot]:
-            st.end[s] = max(st.end[s], last_use[slot])
     for s in range(n_storages):
         o = st.owner[s]
         st.start[s] = defined[o] if o >= 0 else -1
+    for slot in range(n_slots):
+        for s in st.alias[slot]:
+            st.end[s] = max(st.end[s], last_use[slot])
+            if st.kind[s] == "pooled":  # a concat's buffer is written first by its placed operands
+                st.start[s] = min(st.start[s], defined[slot])
+    for s in range(n_storages):
         st.end[s] = max(st.end[s], st.start[s])
     return defined, last_use
 
@@ -223,7 +238,12 @@ def _destinations(flat: Flat, st: _Storages, i: int, root: list[int], storage_bu
             out.append(Destination("bucket", bucket, member))
         elif name is None:
             (s,) = st.alias[o]
-            out.append(Destination("buffer", storage_buffer[root[s]], shape=shape, dtype=dtype))
+            place = st.placed.get(o)
+            if place is None:
+                out.append(Destination("buffer", storage_buffer[root[s]], shape=shape, dtype=dtype))
+            else:
+                out.append(Destination("buffer", storage_buffer[root[s]], shape=shape, dtype=dtype,
+                                       stored=place.stored, select=place.select, perm=place.perm))
         else:
             out.append(Destination("param", name=name, shape=shape, dtype=dtype))
     return tuple(out)

@@ -87,6 +87,10 @@ class Destination:
     kind "buffer": a view of shape `shape` and dtype `dtype` at the start of reused buffer
     `index`; "bucket": member `member` of bucket `index`; "param": the array of parameter
     `name` itself (an in-place update).
+
+    A buffer destination with `stored` (`placement.Placement`) is laid out for its consumer:
+    the buffer holds a C-contiguous array of shape `stored`, and the result is its slice
+    `select` (dim, start, stop; None: all of it) transposed by `perm` (see `view`).
     """
 
     kind: str
@@ -95,6 +99,20 @@ class Destination:
     name: str = ""
     shape: tuple[int, ...] = ()
     dtype: np.dtype | None = None
+    stored: tuple[int, ...] | None = None
+    select: tuple[int, int, int] | None = None
+    perm: tuple[int, ...] | None = None
+
+    def view(self, raw: np.ndarray) -> np.ndarray:
+        """Return this buffer destination's array in buffer `raw` (bytes)."""
+        shape = self.shape if self.stored is None else self.stored
+        array = raw[: nbytes((shape, self.dtype))].view(self.dtype).reshape(shape)
+        if self.select is not None:
+            d, start, stop = self.select
+            array = array[(slice(None),) * d + (slice(start, stop),)]
+        if self.perm is not None:
+            array = array.transpose(self.perm)
+        return array
 
 
 @dataclass(frozen=True)
