@@ -33,6 +33,7 @@ from hspmd.codegen.schedule.kernel_facts import OutFacts
 from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime import kernel_exec, rows
+from hspmd.runtime.blas_threads import BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
@@ -79,6 +80,8 @@ class Plan:
     _inplace: list = field(default_factory=list)
     #: per step, what a trace calls it (None: no event); read only by a traced run
     labels: list[StepLabel | None] = field(default_factory=list)
+    #: BLAS's thread count chosen per step by measurement (`blas_threads`), or None: BLAS's own
+    blas: BlasThreads | None = None
 
     def initial_state(self, seed: int) -> dict[str, np.ndarray]:
         """Return this rank's pieces of every parameter's initial value."""
@@ -104,7 +107,8 @@ class Plan:
 
     def run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
             tracer: Tracer | None = None) -> dict[str, np.ndarray]:
-        """Run one step on local pieces; update `state` and return the named outputs.
+        """Run one step on local pieces; update `state` and return the named outputs (on the
+        BLAS thread count `blas` picks, when it is set).
 
         Parameters updated in place (see the module docstring) are written into the arrays
         of `state` themselves; an array that cannot be written (read-only, another dtype,
@@ -120,6 +124,13 @@ class Plan:
                     arr = state[name] = np.array(arr, dtype=dtype, order="C", copy=True)
                 outs[pos] = arr
             kw["out"] = outs[0] if len(outs) == 1 else tuple(outs)
+        if self.blas is not None:
+            with self.blas.around_step():
+                return self._run(state, inputs, tracer)
+        return self._run(state, inputs, tracer)
+
+    def _run(self, state: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+             tracer: Tracer | None) -> dict[str, np.ndarray]:
         env: list = [None] * self.num_slots
         for slot, value in self.constants.items():
             env[slot] = value
@@ -317,17 +328,23 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
-              threads: int | None = None) -> Plan:
+              threads: int | None = None, blas_threads: str | None = None) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    return _Binder(schedule, communicator, allocate, max(1, threads)).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads)).bind()
+    choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
+    if choice not in ("auto", "fixed"):
+        raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
+    if choice == "auto" and allocate:
+        plan.blas = BlasThreads()
+    return plan
 
 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
-    reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None,
+    reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
@@ -336,9 +353,15 @@ def build_plan(
     `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
     kernel; matmuls use BLAS's own threads. (On the 2-core machine these were measured on,
     shared with other work, 2 threads did not beat 1.)
+    `blas_threads` (default: the `HSPMD_BLAS_THREADS` environment variable, else "fixed"):
+    "auto" runs each step's matmuls on BLAS's thread count or on one thread, whichever the
+    last steps measured faster (`blas_threads.BlasThreads`: a machine shared with other work
+    can make BLAS's threads several times slower than one); "fixed" leaves BLAS as it is.
+    Under "auto" the bits of a product can depend on the choice where OpenBLAS picks another
+    kernel for another thread count (seen on a 33x1000 @ 1000x65 product, not on GPT-tiny's).
     """
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
     except ScheduleError as err:
         raise PlanError(str(err)) from None
-    return bind_plan(schedule, communicator, allocate=allocate, threads=threads)
+    return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads)
