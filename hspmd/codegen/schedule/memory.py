@@ -8,7 +8,10 @@
    last use of any value that may alias it.
 2. **Buffers by liveness.** Kernels that take `out=` (`kernel_facts.out_facts`) write into
    buffers preallocated once and reused by storages whose lifetimes do not overlap (best fit
-   by size). `Schedule.peak_bytes` is the rank's peak: buffers + the largest sum of live
+   by size). A batched matmul whose result is only transposed into a reshape or a concat
+   writes in that consumer's layout (`placement.py`): into its own buffer laid out
+   transposed, or into its slice of the concat's buffer (one storage, living from the first
+   such matmul). `Schedule.peak_bytes` is the rank's peak: buffers + the largest sum of live
    kernel-allocated arrays + parameters, inputs, constants and all-reduce buckets.
 3. **In place.** An elementwise kernel that may write over its first operand (a ufunc: any
    operand) writes its result into that operand's buffer when the operand dies there
