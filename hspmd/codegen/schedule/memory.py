@@ -80,14 +80,12 @@ def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
         st.alias[leaf.slot] = frozenset({st.new("fixed", leaf.slot)})
     for c in flat.constants:
         st.alias[c.slot] = frozenset({st.new("fixed", c.slot)})
-    st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out and not node.into
+    st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
                       and all(types[o] is not None and types[o][0] != () for o in node.outs) for node in flat.nodes]
-    st.placed = placements(flat, lambda i: st.out_capable[i])
+    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into)
     for i, node in enumerate(flat.nodes):
         name = node.op.name if node.op is not None else ""
-        poolable = (reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
-                    and all(types[o] is not None and types[o][0] != () for o in node.outs))
-        st.out_capable[i] = poolable
+        poolable = st.out_capable[i]
         if node.kind == "bucket-wait":
             fixed = st.new("fixed", node.outs[0] if node.outs else -1)
             for o in node.outs:
