@@ -54,6 +54,13 @@ class OpRule:
     #: dims: weights stay where they are, activations are gathered or reduced to meet them, as
     #: Megatron does; a weight gradient keeps the weight's split rather than the sequence's)
     prefer: frozenset[str] = frozenset()
+    #: which operand sets the mesh the op runs on, where operands lie on different meshes or
+    #: split different factors on one: an operand index, or a factor (the operand splitting it,
+    #: the most split first). Operands on another mesh then give their splits to the mesh axes
+    #: the leader leaves free. Mixture of experts: the expert weights (split along the expert
+    #: dim) lead the expert matmuls, the tokens (split along the batch) lead the combine, so the
+    #: reshards between them are all-to-alls of the tokens, never gathers of the weights.
+    lead: int | str | None = None
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -89,6 +96,9 @@ def rule_for(op: Operation) -> OpRule | None:
         case graph.ScaleOp():
             d = _dims("d", len(_shape(op.result)))
             return OpRule((d,), (d,), frozenset({0}))
+        case graph.ExpertMatmulOp():
+            return OpRule((("e", "i", "k"), ("e", "k", "j")), (("e", "i", "j"),), frozenset({0, 1}), joint=False,
+                          lead="e")
         case graph.MatmulOp():
             b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
             rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
@@ -214,6 +224,23 @@ def _rule_for_more(op: Operation) -> OpRule | None:
         case graph.DropoutOp():  # the mask is keyed by global indices (global_type): any split is fine
             d = _dims("d", len(_shape(op.result)))
             return OpRule((d, ()), (d,), frozenset({0}))
+    return _rule_for_moe(op)
+
+
+def _rule_for_moe(op: Operation) -> OpRule | None:
+    """Rules of the mixture-of-experts ops: groups `g` split freely, experts `e` where the weights lie."""
+    match op:
+        case graph.MoeRouteOp():  # a group's routing needs its whole sequence and every expert
+            return OpRule((("g", "s", "e"),), (("g", "s", "e", "c"),), blocked=frozenset({"s", "e", "c"}))
+        case graph.MoeDispatchOp():
+            return OpRule((("g", "s", "d"), ("g", "s", "e", "c")), (("e", "g", "c", "d"),), frozenset({0, 1}),
+                          joint=False)
+        case graph.MoeCombineOp():  # the tokens' side (weights) leads: expert outputs come back by all-to-all
+            return OpRule((("e", "g", "c", "d"), ("g", "s", "e", "c")), (("g", "s", "d"),), frozenset({0, 1}),
+                          joint=False, lead=1)
+        case graph.MoeWeightsGradOp():
+            return OpRule((("g", "s", "d"), ("e", "g", "c", "d")), (("g", "s", "e", "c"),), frozenset({0, 1}),
+                          joint=False, lead=0)
     return None
 
 
@@ -316,7 +343,8 @@ def _infer_group(
     if hint is not None and not _flexible(hint):
         candidates.append((len(ins), hint))
     if candidates:
-        driver = max(candidates, key=lambda c: (sum(a != DUP for a, _ in c[1].axes), -c[0]))[1]
+        leaders = [c for c in candidates if _leads(rule, c[0], c[1])] or candidates
+        driver = max(leaders, key=lambda c: (sum(a != DUP for a, _ in c[1].axes), -c[0]))[1]
         mesh = [deg for _, deg in driver.axes]
     else:
         mesh = [n] if n > 1 else []
@@ -357,6 +385,18 @@ def _infer_group(
             offer(ins[i].axes, rule.operands[i], i)
     if hint is not None and not _flexible(hint) and len(rule.results) == 1:
         offer(hint.axes, rule.results[0], None)
+    if rule.lead is not None:  # operands on another mesh: their splits take the free mesh axes
+        for i in order:
+            ds = ins[i]
+            if ds is None or _flexible(ds) or [d for _, d in ds.axes] == mesh:
+                continue
+            for axis, _ in ds.axes:
+                f = rule.operands[i][axis.dim] if axis.kind == "split" else None
+                free = [m for m in range(len(mesh)) if roles[m] is None]
+                if f is None or f in used or f in rule.blocked or not free or not _fits(rule, f, mesh[free[0]]):
+                    continue
+                roles[free[0]] = ("factor", f)
+                used.add(f)
 
     def layout_for(roles, factors: Sequence[str], idx: int | None) -> DistributedStates | None:
         axes: list[tuple[Axis, int]] = []
@@ -394,6 +434,15 @@ def _infer_group(
                 return operands, results  # type: ignore[return-value]
     # unreachable: with every role dropped each layout is all dup, which merges into one axis
     raise ShardingError("the layouts cannot be expressed in one device order")
+
+
+def _leads(rule: OpRule, index: int, ds: DistributedStates) -> bool:
+    """Return whether operand `index`, laid out `ds`, is one that `rule.lead` names."""
+    if isinstance(rule.lead, int):
+        return index == rule.lead
+    if isinstance(rule.lead, str) and index < len(rule.operands):
+        return any(a.kind == "split" and rule.operands[index][a.dim] == rule.lead for a, _ in ds.axes)
+    return False
 
 
 def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = None) -> Inference:
