@@ -1,0 +1,207 @@
+"""Mixture of experts: routing with capacity, the MoE layer against PyTorch, and expert
+parallelism (`ep=`) equal to one device, dropped tokens included.
+
+The routing is defined per sequence (one routing group), so the tokens dropped at an
+expert's capacity do not depend on how the batch is split: `[0,1]: ep=2` and
+`[0-3]: dp=2 ep=2` train the numbers of one device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hspmd as hs
+from conftest import EXAMPLES, run_cli
+from hspmd.compiler import annotate, compile_script, run_passes, to_physical, write_bundle
+from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of
+from hspmd.dialects.levels import physical_groups
+from hspmd.frontend.nn import bind_parameters
+from hspmd.frontend.script import load_script, parse_overrides
+from hspmd.frontend.tracing import Tracer
+from hspmd.runtime.comm import InProcessCommunicator, run_spmd
+from hspmd.runtime.numpy_ops import moe_route
+from hspmd.runtime.plan import build_plan
+from hspmd.runtime.worker import train
+from hspmd.transforms.util import PassError
+
+MOE = os.path.join(EXAMPLES, "moe.py")
+STEPS = 3
+# capacity_factor 0.5 with top-2: an expert has T/E slots per sequence for 2T/E choices on
+# average, so at least half of the choices are dropped, on every strategy alike
+SMALL = ["model.d_model=32", "model.d_ff=32", "model.seq_len=8", "model.heads=2", "model.layers=2",
+         "model.experts=4", "model.top_k=2", "model.capacity_factor=0.5", "data.batch_size=8", "optim.warmup=1"]
+
+
+def route_by_loop(probs: np.ndarray, top_k: int, capacity: int) -> np.ndarray:
+    """GShard's routing written plainly: choices rank by rank, tokens in order, slots first come."""
+    g, s, e = probs.shape
+    mask = np.zeros((g, s, e, capacity))
+    for gi in range(g):
+        order = [sorted(range(e), key=lambda x: (-probs[gi, si, x], x))[:top_k] for si in range(s)]
+        used = [0] * e
+        for rank in range(top_k):
+            for si in range(s):
+                x = order[si][rank]
+                if used[x] < capacity:
+                    mask[gi, si, x, used[x]] = 1
+                used[x] += 1
+    return mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(g=st.integers(1, 3), s=st.integers(1, 9), e=st.integers(1, 5), data=st.data(), seed=st.integers(0, 2**16))
+def test_route_matches_a_plain_loop(g, s, e, data, seed):
+    top_k = data.draw(st.integers(1, e))
+    capacity = data.draw(st.integers(1, 4))
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.ones(e), size=(g, s))
+    if data.draw(st.booleans()):  # ties: the lower expert index wins
+        probs = np.round(probs, 1)
+    got = moe_route(probs, top_k, capacity)
+    np.testing.assert_array_equal(got, route_by_loop(probs, top_k, capacity))
+    kept = got.sum(axis=(1, 3))
+    assert (kept <= capacity).all()  # no expert holds more than its slots per group
+    assert (got.sum(axis=(2, 3)) <= top_k).all()
+
+
+def _moe_plan(moe: hs.nn.MoE, shape, seed: int):
+    """Return (plan, batch) of `loss = sum(moe(x)[0] * c) + aux`, x and c random inputs."""
+    t = Tracer()
+    rng = np.random.default_rng(seed)
+    batch = {"x": rng.standard_normal(shape), "c": rng.standard_normal(shape)}
+    with bind_parameters(moe, t):
+        x = t.parameter("x", shape, "zeros", "float64")  # a parameter, to get its gradient
+        y, aux = moe(x)
+        t.output("y", y)
+        t.output("aux", aux)
+        t.output("loss", (y * t.input("c", shape, "float64")).sum() + aux)
+    module = t.finish()
+    run_passes(module, "autodiff")
+    annotate(module, "[0]: dp=1")
+    to_physical(module)
+    (_, group), = physical_groups(module)
+    fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
+    (comm,) = InProcessCommunicator.create_world(1)
+    return build_plan(fn, 0, comm), batch
+
+
+def _torch_moe(state: dict[str, np.ndarray], c: np.ndarray, moe: hs.nn.MoE):
+    """The same layer in PyTorch (the mask from the plain-loop routing): y, aux and the gradients."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in state.items()}
+    x = p["x"]
+    b, t, d = x.shape
+    probs = torch.softmax(x @ p["router"], -1)
+    mask = torch.tensor(route_by_loop(probs.detach().numpy(), moe.top_k, moe.capacity(t)))
+    slots = torch.einsum("gsd,gsec->egcd", x, mask).reshape(moe.experts, -1, d)
+    h = torch.nn.functional.gelu(torch.bmm(slots, p["w1"]), approximate="tanh")
+    out = torch.bmm(h, p["w2"]).reshape(moe.experts, b, -1, d)
+    y = torch.einsum("egcd,gsec->gsd", out, mask * probs[..., None])
+    f = mask.sum(dim=(1, 3)) / (t * moe.top_k)
+    aux = moe.experts * (f * probs.mean(dim=1)).sum(dim=1).mean()
+    ((y * torch.tensor(c)).sum() + aux).backward()
+    return y.detach().numpy(), aux.item(), {k: v.grad.numpy() for k, v in p.items()}
+
+
+@pytest.mark.parametrize("experts,top_k,factor", [(4, 1, 1.0), (4, 2, 0.5), (3, 2, 2.0), (1, 1, 1.0)])
+def test_moe_layer_equals_pytorch(experts, top_k, factor):
+    moe = hs.nn.MoE(6, 5, experts=experts, top_k=top_k, capacity_factor=factor, init_std=0.5)
+    for p in moe.parameters():
+        p.dtype = "float64"
+    plan, batch = _moe_plan(moe, (3, 7, 6), seed=experts + top_k)
+    state = plan.initial_state(1)
+    state["x"] = batch["x"]
+    ref_state = {k: v.copy() for k, v in state.items()}
+    out = plan.run(state, plan.local_batch(batch))
+    y, aux, grads = _torch_moe(ref_state, batch["c"], moe)
+    np.testing.assert_allclose(out["y"], y, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["aux"], aux, rtol=1e-10)
+    for name, g in grads.items():
+        np.testing.assert_allclose(out[f"grad:{name}"], g, rtol=1e-8, atol=1e-10, err_msg=name)
+    if factor < 1:  # the case drops tokens: some choice found its expert full
+        probs = torch.softmax(torch.tensor(ref_state["x"]) @ torch.tensor(ref_state["router"]), -1).numpy()
+        assert route_by_loop(probs, top_k, moe.capacity(7)).sum() < 3 * 7 * top_k
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+_reference: dict[tuple, object] = {}
+
+
+def _script(extra=()):
+    return load_script(MOE, parse_overrides([*SMALL, f"steps={STEPS}", *extra]))
+
+
+def _train(tmp_path, strategy: str, n: int, extra=()):
+    bundle = tmp_path / f"moe-{n}-{abs(hash((strategy, tuple(extra))))}"
+    write_bundle(compile_script(_script(extra), strategy, n), str(bundle))
+    return run_spmd(n, lambda comm: train(str(bundle), comm, steps=STEPS, quiet=True, keep_outputs=True),
+                    timeout=300)
+
+
+def _check_equal(tmp_path, strategy: str, n: int, extra=()):
+    key = tuple(extra)
+    if key not in _reference:
+        _reference[key] = _train(tmp_path, "[0]: dp=1", 1, extra)[0]
+    ref = _reference[key]
+    ranks = _train(tmp_path, strategy, n, extra)
+    for got in ranks:
+        assert len(got.losses) == STEPS
+        np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-5)
+    for name, value in ref.params.items():
+        np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4")])
+def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
+    _check_equal(tmp_path, strategy, n)
+
+
+def test_expert_weights_are_split_and_tokens_move_by_all_to_all():
+    compiled = compile_script(_script(), "[0-3]: dp=2 ep=2", 4)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["blocks.1.moe.w1"] == lay["blocks.1.moe.w2"] == "[0-3]: dup=2, split(0)=2"
+    assert lay["opt.m.blocks.1.moe.w1"] == "[0-3]: dup=2, split(0)=2"  # Adam's state follows
+    assert lay["blocks.1.moe.router"] == "[0-3]: dup=4"
+    comms = [o for o in compiled.physical.walk() if o.name.startswith("comm.")]
+    a2a = [o for o in comms if o.name == "comm.all_to_all"]
+    assert len(a2a) >= 4  # into and out of the experts, forward and backward
+    assert all(sorted(map(tuple, o.rank_groups)) == [(0, 1), (2, 3)] for o in a2a)  # inside ep pairs
+    assert not [o for o in comms if o.name == "comm.all_gather"]  # no gathered tokens or weights
+
+
+def test_experts_that_ep_does_not_divide_get_one_message():
+    with pytest.raises(PassError, match=r"ep cannot split parameter 'blocks.1.moe.w1'.*expert dim"):
+        compile_script(_script(["model.experts=3"]), "[0,1]: ep=2", 2)
+
+
+def test_cli_bad_ep_is_one_message(tmp_path):
+    proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0-3]: ep=3", timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "dp*tp*pp*ep" in proc.stderr + proc.stdout
+
+
+@pytest.mark.mpi
+def test_moe_ep2_over_mpi_logs_the_single_device_losses(tmp_path):
+    sets = [a for kv in SMALL for a in ("--set", kv)]
+
+    def losses(n: int, strategy: str) -> list[float]:
+        log = tmp_path / f"moe-{n}.jsonl"
+        run_cli("hspmd", "run", "-n", str(n), MOE, "--strategy", strategy, "--steps", "6", "--log", str(log), *sets,
+                check=True, timeout=600)
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    reference = losses(1, "[0]: dp=1")
+    for n, strategy in ((2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2")):
+        got = losses(n, strategy)
+        assert len(got) == 6 and all(math.isfinite(v) for v in got)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=strategy)
