@@ -160,9 +160,14 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4")])
+@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"),
+                                        (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2")])
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
+
+
+def test_expert_parallel_in_a_pipeline_with_microbatches_equals_one_device(tmp_path):
+    _check_equal(tmp_path, "[0-3]: ep=2 pp=2", 4, ["microbatches=2"])
 
 
 def test_expert_weights_are_split_and_tokens_move_by_all_to_all():

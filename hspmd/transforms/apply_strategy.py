@@ -164,7 +164,7 @@ def role_layout(group: StrategyGroup, role: str | None) -> Layout:
     dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0, VOCAB_TABLE: 0, VOCAB_HEAD: 1}.get(role)  # type: ignore[arg-type]
     if dim is None:
         return Layout.replicated(group.devices)
-    return Layout.spmd(group.devices, DistributedStates.of((DUP, group.dp), (split(dim), group.tp)))
+    return Layout.spmd(group.devices, DistributedStates.of((DUP, group.batch_ranks), (split(dim), group.tp)))
 
 
 # ----------------------------------------------------------------------------- classification
