@@ -166,6 +166,25 @@ def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
 
 
+@pytest.mark.parametrize("strategy", ["[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2",
+                                      "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
+                                      "[0]: experts=2 | [1,2]: ep=2 experts=6",
+                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1"])
+def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
+    """Unlike groups hold different numbers of experts (split across groups by experts=, as the
+    batch is by share=): the tokens reach them by uneven exchanges."""
+    _check_equal(tmp_path, strategy, 3, ["model.experts=8"])
+
+
+def test_uneven_expert_placement_layout_and_errors():
+    compiled = compile_script(_script(["model.experts=8"]), "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", 3)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["blocks.1.moe.w1"] == "[0,1]: split(0)=2 | [2]: dup=1 ; hetero=split(0), shares=3:1"
+    with pytest.raises(PassError, match=r"places 6\+2 = 8 experts but expert weight 'blocks.1.moe.w1' has 4"):
+        compile_script(_script(), "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", 3)
+
+
 def test_expert_parallel_in_a_pipeline_with_microbatches_equals_one_device(tmp_path):
     _check_equal(tmp_path, "[0-3]: ep=2 pp=2", 4, ["microbatches=2"])
 

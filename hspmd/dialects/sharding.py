@@ -445,6 +445,13 @@ def _leads(rule: OpRule, index: int, ds: DistributedStates) -> bool:
     return False
 
 
+def _leads_across(rule: OpRule, index: int, x: Layout) -> bool:
+    """Return whether operand `index`, split across groups in `x`, is one that `rule.lead` names."""
+    if isinstance(rule.lead, int):
+        return index == rule.lead
+    return isinstance(rule.lead, str) and rule.operands[index][x.hetero.dim] == rule.lead
+
+
 def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = None) -> Inference:
     """Return the operand layouts `op` needs and the result layouts it gives.
 
@@ -538,6 +545,8 @@ def _hetero_role(op: Operation, rule: OpRule, ins: Sequence[Layout | None], hint
     across groups and missing from a result was summed over: that result is partial across groups.
     """
     tensors = [(x, rule.operands[i], i) for i, x in enumerate(ins) if x is not None and same_groups(x)]
+    if rule.lead is not None:  # the leading operand's split across groups first (expert weights stay put)
+        tensors.sort(key=lambda t: not (t[0].hetero.kind == "split" and _leads_across(rule, t[2], t[0])))
     if hint is not None and same_groups(hint) and len(rule.results) == 1:
         tensors.append((hint, rule.results[0], None))
     for x, factors, _ in tensors:

@@ -4,7 +4,9 @@
 
 One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`), pipeline (`pp`)
 and expert-parallel (`ep`: a mixture of experts' weights split along the expert dim over ep
-ranks, which also split the batch, as dp ranks do; see docs/moe.md) degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
+ranks, which also split the batch, as dp ranks do; see docs/moe.md) degrees, `experts=N` for
+how many of a mixture's experts the group holds when groups hold different numbers
+(`[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2`; every group then says it, and ep divides it), the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
 optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
@@ -29,8 +31,8 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep")
-_DEFAULTS = {"zero": 0, "sp": 0, "layers": None}
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts")
+_DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None}
 ZERO_STAGES = (0, 1, 2)
 #: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -43,7 +45,8 @@ NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share, zero, sp, layers or ep)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number",
+                                   "NAME": "a key (dp, tp, pp, share, zero, sp, layers, ep or experts)",
                                    "$END": "end of text"})
 
 
@@ -88,6 +91,7 @@ class StrategyGroup:
     sp: int = 0
     layers: tuple[int, ...] | None = None
     ep: int = 1
+    experts: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -109,6 +113,10 @@ class StrategyGroup:
                                                    for n in self.layers):
                 raise StrategyError(f"group '{text}' gives layers={':'.join(map(str, self.layers))} for pp={self.pp}; "
                                     "layers needs one count >= 1 per pipeline stage")
+        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
+                                         or self.experts < 1 or self.experts % self.ep):
+            raise StrategyError(f"group '{text}' has experts={self.experts!r}; a group's experts must be an integer "
+                                f">= 1 that its ep={self.ep} divides (each ep rank holds experts/ep of them)")
         if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
             raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
         n = self.dp * self.tp * self.pp * self.ep
@@ -158,6 +166,16 @@ class Strategy:
             if both:
                 raise StrategyError(f"strategy '{self}' puts device {min(both)} in more than one group")
             seen.update(g.devices)
+        given = [g.experts is not None for g in groups]
+        if any(given) and not all(given):
+            raise StrategyError(f"strategy '{self}' gives experts= for some groups only; give every group its "
+                                "number of experts (they add up to the model's experts) or none")
+
+    @property
+    def expert_shares(self) -> tuple[int, ...] | None:
+        """Return each group's number of experts where the strategy places them unevenly, else None."""
+        counts = tuple(g.experts for g in self.groups)
+        return None if None in counts else counts  # type: ignore[return-value]
 
     def __str__(self) -> str:
         return " | ".join(str(g) for g in self.groups)
@@ -209,7 +227,7 @@ def parse_strategy(text: str) -> Strategy:
         for kv in kvs:
             key, value, *more = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp, layers or ep")
+                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp, layers, ep or experts")
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
             if more and key != "layers":
@@ -292,7 +310,7 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
     counts = apportion(rows, tuple(g.share for g in groups)) if len(groups) > 1 else (rows,)
     out: list[tuple[StrategyGroup, int]] = []
     for g, r in zip(groups, counts):
-        if g.pp > 1 or g.ep > 1 or r < g.dp or r % g.dp == 0:
+        if g.pp > 1 or g.ep > 1 or g.experts is not None or r < g.dp or r % g.dp == 0:
             out.append((g, r))
             continue
         q, rem = divmod(r, g.dp)
@@ -302,5 +320,5 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
     if len(out) == len(groups):
         return strategy
     common = math.gcd(*(r for _, r in out))
-    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers, g.ep)
+    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers, g.ep, g.experts)
                           for g, r in out))

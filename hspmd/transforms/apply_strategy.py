@@ -85,7 +85,7 @@ from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
-from hspmd.transforms.expert_parallel import expert_layout, expert_parameters
+from hspmd.transforms.expert_parallel import expert_layout, expert_parameters, uneven_experts_layout
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
@@ -454,7 +454,7 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
         split_vocabulary_losses(op, roles, group.tp)
     if not hetero and group.tp > 1:
         residual_stream(op, group)
-    if any(g.ep > 1 for g in strategy.groups):
+    if any(g.ep > 1 for g in strategy.groups) or (hetero and strategy.expert_shares is not None):
         roles.update({name: EXPERT for name in expert_parameters(op)})
     names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
@@ -472,6 +472,8 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
                 if names.get(owner) == shape:
                     role = roles.get(owner)
             layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
+            if role == EXPERT and hetero and strategy.expert_shares is not None:
+                layout = uneven_experts_layout(strategy, name, shape)
             if role is not None:
                 try:
                     layout.check_shape(shape, f"parameter '{name}'")

@@ -15,8 +15,8 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, SSAValue
 
 from hspmd.dialects import graph
-from hspmd.ir.layout import DUP, DistributedStates, Layout, split
-from hspmd.ir.strategy import StrategyGroup
+from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, split
+from hspmd.ir.strategy import Strategy, StrategyGroup
 from hspmd.transforms.util import PassError, callee_of, step_function
 
 
@@ -64,3 +64,17 @@ def expert_layout(group: StrategyGroup) -> Layout:
                         "is not supported yet (the experts would be replicated on two mesh axes that are "
                         "not neighbours); use dp and ep, or ep and tp")
     return Layout.spmd(group.devices, DistributedStates.of(*axes))
+
+
+def uneven_experts_layout(strategy: Strategy, name: str, shape) -> Layout:
+    """Return an expert weight's layout where the groups hold different numbers of experts
+    (`[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2`): split along the expert dim across the
+    groups by those numbers (`hetero=split(0)`), and inside each group as `expert_layout`."""
+    shares = strategy.expert_shares
+    assert shares is not None
+    if shape[0] != sum(shares):
+        raise PassError(f"apply-strategy: strategy '{strategy}' places {'+'.join(map(str, shares))} = {sum(shares)} "
+                        f"experts but expert weight '{name}' has {shape[0]} (its dim 0); the groups' experts= "
+                        "must add up to the model's experts")
+    groups = tuple(Group(g.devices, expert_layout(g).groups[0].states) for g in strategy.groups)
+    return Layout(groups, split(0), shares)
