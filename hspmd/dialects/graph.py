@@ -1079,6 +1079,29 @@ class ExpertMatmulOp(_Matmul):
 
 
 @irdl_op_definition
+class ExpertMatmulRhsGradOp(_TensorOp):
+    """`lhs[e]^T @ dy[e]` per expert: [E, m, k], [E, m, n] -> [E, k, n], the gradient of an expert
+    weight (its own op, rather than a matmul of a transpose, so that the backward uses the
+    tokens the forward moved to the experts as they are, with no second all-to-all)."""
+
+    name = "graph.expert_matmul_rhs_grad"
+    lhs = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, lhs: SSAValue, dy: SSAValue, result_type: Attribute):
+        super().__init__(operands=[lhs, dy], result_types=[result_type])
+
+    def verify_(self) -> None:
+        a, g, r = tensor_shape(self.lhs), tensor_shape(self.dy), tensor_shape(self.result)
+        if len(a) != 3 or len(g) != 3 or a[:2] != g[:2] or r != (a[0], a[2], g[2]):
+            raise VerifyException(f"'{self.name}' needs lhs [E, m, k] and dy [E, m, n] giving [E, k, n], "
+                                  f"got {list(a)}, {list(g)} -> {list(r)}")
+        _same_element_type(self, self.lhs, self.dy, self.result)
+
+
+@irdl_op_definition
 class MoeRouteOp(_Unary):
     """Top-k routing with capacity: router probabilities [G, S, E] -> dispatch mask [G, S, E, C].
 
@@ -1232,6 +1255,7 @@ Graph = Dialect(
         RopeGradOp,
         DropoutOp,
         ExpertMatmulOp,
+        ExpertMatmulRhsGradOp,
         MoeRouteOp,
         MoeDispatchOp,
         MoeCombineOp,

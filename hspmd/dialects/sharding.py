@@ -99,6 +99,9 @@ def rule_for(op: Operation) -> OpRule | None:
         case graph.ExpertMatmulOp():
             return OpRule((("e", "i", "k"), ("e", "k", "j")), (("e", "i", "j"),), frozenset({0, 1}), joint=False,
                           lead="e")
+        case graph.ExpertMatmulRhsGradOp():  # m is contracted: split, it leaves partial sums
+            return OpRule((("e", "m", "k"), ("e", "m", "n")), (("e", "k", "n"),), frozenset({0, 1}), joint=False,
+                          lead="e")
         case graph.MatmulOp():
             b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
             rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")

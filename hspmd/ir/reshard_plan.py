@@ -266,7 +266,7 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
                  and (target[j].kind != "split" or inner(j, target[j]))]
         if not ready:
             return None
-        j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], -j))
+        j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], j))
         steps += _axis_steps(roles[j], target[j], groups(j))
         roles[j] = target[j]
         pending.remove(j)

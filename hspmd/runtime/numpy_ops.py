@@ -176,6 +176,12 @@ def matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None)
     return np.matmul(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]), out=out)
 
 
+@takes_out
+def expert_matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a[e]^T g[e]` for every expert e: the gradient of the expert weights of `a @ w`."""
+    return np.matmul(a.transpose(0, 2, 1), g, out=out)
+
+
 def _tanh_inner(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Fill `out` with `tanh(sqrt(2/pi) * (x + 0.044715 x^3))` (the tanh GELU's t), in place."""
     np.multiply(x, x, out=out)
@@ -688,6 +694,8 @@ def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
             return matmul
         case graph.MatmulRhsGradOp():
             return matmul_rhs_grad
+        case graph.ExpertMatmulRhsGradOp():
+            return expert_matmul_rhs_grad
         case graph.TransposeOp():
             perm = tuple(op.perm.get_values())
             return lambda x: np.transpose(x, perm)  # a view

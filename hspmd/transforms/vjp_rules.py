@@ -126,7 +126,7 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
             return [lambda: emit(graph.ReluGradOp(op.input, g))]
         case graph.ExpertMatmulOp():  # the same op on the gradients, so they stay where the experts are
             return [lambda: emit(graph.ExpertMatmulOp(g, _transpose(emit, op.rhs), op.lhs.type)),
-                    lambda: emit(graph.ExpertMatmulOp(_transpose(emit, op.lhs), g, op.rhs.type))]
+                    lambda: emit(graph.ExpertMatmulRhsGradOp(op.lhs, g, op.rhs.type))]
         case graph.MoeRouteOp():  # piecewise constant: no gradient
             return [None]
         case graph.MoeDispatchOp():
