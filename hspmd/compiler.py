@@ -4,7 +4,8 @@
 
     logical     autodiff, [clip-grad-norm], the optimizer's update          (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
-                [shard-optimizer-state], propagate-layouts, insert-reshard   (annotate_passes)
+                [shard-optimizer-state], propagate-layouts, insert-reshard,
+                reuse-resharded-residuals                                     (annotate_passes)
     physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
                 assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
                 (together: pipeline-split), then [shard-stage-optimizer]       (physical_passes)
