@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import hspmd as hs
 from conftest import EXAMPLES, run_cli
+from test_spmd_property import check_outputs, compile_step, run_step
 from hspmd.compiler import annotate, compile_script, run_passes, to_physical, write_bundle
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
@@ -27,6 +28,7 @@ from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.nn import bind_parameters
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.frontend.tracing import Tracer
+from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.runtime.comm import InProcessCommunicator, run_spmd
 from hspmd.runtime.numpy_ops import moe_route
 from hspmd.runtime.plan import build_plan
@@ -132,6 +134,43 @@ def test_moe_layer_equals_pytorch(experts, top_k, factor):
 
 
 # ----------------------------------------------------------------------------- expert parallelism
+
+
+@settings(max_examples=12, deadline=None)
+@given(experts=st.sampled_from([2, 4]), data=st.data(), seed=st.integers(0, 2**16),
+       mesh=st.sampled_from([(1, 2), (2, 2), (1, 4)]))
+def test_random_routing_under_expert_parallelism_equals_one_device(experts, data, seed, mesh):
+    """The MoE layer (loss, y, aux, every gradient) with random router weights, top-k and
+    capacity, the batch split over dp*ep ranks and the experts over ep, equals one device."""
+    dp, ep = mesh
+    if experts % ep:
+        ep, dp = 2, mesh[0] * mesh[1] // 2
+    n = dp * ep
+    top_k = data.draw(st.integers(1, experts))
+    factor = data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    moe = hs.nn.MoE(4, 3, experts=experts, top_k=top_k, capacity_factor=factor, init_std=1.0)
+    for p in moe.parameters():
+        p.dtype = "float64"
+    t = Tracer()
+    rng = np.random.default_rng(seed)
+    shape = (4, 6, 4)
+    batch = {"x": rng.standard_normal(shape), "c": rng.standard_normal(shape)}
+    with bind_parameters(moe, t):
+        y, aux = moe(t.input("x", shape, "float64"))
+        t.output("y", y)
+        t.output("aux", aux)
+        t.output("loss", (y * t.input("c", shape, "float64")).sum() + aux)
+    logical = t.finish()
+    run_passes(logical, "autodiff")
+    devices = range(n)
+    tokens = Layout.spmd(devices, DistributedStates.of((split(0), n)))
+    experts_layout = Layout.spmd(devices, DistributedStates.of(*[(a, d) for a, d in ((DUP, dp), (split(0), ep)) if d > 1]))
+    layouts = {"x": tokens, "c": tokens, "router": Layout.replicated(devices), "w1": experts_layout, "w2": experts_layout}
+    (ref,) = run_step(compile_step(logical, {k: Layout.replicated((0,)) for k in layouts}), 1, batch)
+    physical = compile_step(logical, layouts)
+    assert any(o.name == "comm.all_to_all" for o in physical.walk())
+    check_outputs(run_step(physical, n, batch), ref, f"MoE E={experts} top_k={top_k} c={factor} on dp={dp} ep={ep}")
+
 
 _reference: dict[tuple, object] = {}
 
