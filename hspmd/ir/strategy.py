@@ -128,7 +128,8 @@ class StrategyGroup:
             degrees = f"{self.dp}*{self.tp}*{self.pp}" + (f"*{self.ep}" if self.ep > 1 else "")
             raise StrategyError(
                 f"group '{text}' has {product} = {degrees} = {n} but {len(self.devices)} "
-                f"devices; the product of dp, tp, pp and ep must equal the number of devices{hint}")
+                f"devices; the product of {'dp, tp, pp and ep' if self.ep > 1 else 'dp, tp and pp'} must equal "
+                f"the number of devices{hint}")
 
     @property
     def batch_ranks(self) -> int:
