@@ -54,12 +54,12 @@ def alltoall_bytes(strategy: str, ranks: int) -> tuple[int, int]:
 def routed_minimum(steps: int, directory: str) -> tuple[float, float]:
     """Return (rank 0's minimum bytes per step for its routed tokens, the fraction of choices kept)."""
     from hspmd.compiler import compile_script, write_bundle
-    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.frontend.script import load_script
     from hspmd.runtime import numpy_ops
     from hspmd.runtime.comm import run_spmd
     from hspmd.runtime.worker import train
 
-    script = load_script(SCRIPT, parse_overrides([f"steps={steps}"]))
+    script = load_script(SCRIPT)
     model = script.config["model"]
     d, experts, top_k = model["d_model"], model["experts"], model["top_k"]
     masks: list[np.ndarray] = []
