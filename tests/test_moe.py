@@ -75,6 +75,54 @@ def test_route_matches_a_plain_loop(g, s, e, data, seed):
     assert (got.sum(axis=(2, 3)) <= top_k).all()
 
 
+def _route_kernel(g: int, s: int, e: int, top_k: int, capacity: int, dt: str):
+    """Return (module, its one kernel.fused op) of a function that routes probabilities [g, s, e]."""
+    from hspmd.dialects.context import parse_module
+    from hspmd.runtime.kernel_exec import fused_ops
+    from hspmd.transforms.fuse_kernels import fuse_module
+
+    p, m = f"tensor<{g}x{s}x{e}x{dt}>", f"tensor<{g}x{s}x{e}x{capacity}x{dt}>"
+    module = parse_module(f"builtin.module {{\nfunc.func @f(%p: {p}) -> {m} {{\n"
+                          f"  %r = graph.moe_route %p {{top_k = {top_k} : i64}} : ({p}) -> {m}\n"
+                          f"  func.return %r : {m}\n}}\n}}")
+    fuse_module(module)
+    (op,) = fused_ops(module)
+    return module, op
+
+
+@pytest.mark.skipif(__import__("hspmd.codegen.cpu_compile", fromlist=["x"]).find_compiler() is None,
+                    reason="needs a C++ compiler")
+@settings(max_examples=8, deadline=None)
+@given(g=st.integers(1, 3), s=st.integers(1, 9), e=st.integers(1, 6), data=st.data(), seed=st.integers(0, 2**16))
+def test_route_kernel_from_its_cuda_source_matches_numpy(g, s, e, data, seed):
+    """The routing kernel's CUDA C, built for the CPU, gives NumPy's mask, one thread per block
+    and with a team of threads (barriers), ties included."""
+    from hspmd.codegen.cpu_compile import load_library
+    from hspmd.runtime.kernel_exec import build_program, cpu_call, program_library
+
+    top_k, capacity = data.draw(st.integers(1, e)), data.draw(st.integers(1, 4))
+    dt = data.draw(st.sampled_from(["f32", "f64"]))
+    module, op = _route_kernel(g, s, e, top_k, capacity, dt)
+    probs = np.random.default_rng(seed).dirichlet(np.ones(e), size=(g, s))
+    if data.draw(st.booleans()):
+        probs = np.round(probs, 1)
+    probs = probs.astype(np.float32 if dt == "f32" else np.float64)
+    expect = moe_route(probs, top_k, capacity)
+    np.testing.assert_array_equal(cpu_call(op, program_library(module))(probs), expect)
+    team = load_library(build_program(module, team=True))
+    np.testing.assert_array_equal(cpu_call(op, team, 4)(probs), expect)
+
+
+def test_route_kernel_compiles_for_gpus():
+    from hspmd.codegen.nvrtc_check import check_module, nvrtc_status
+
+    ok, why = nvrtc_status()
+    if not ok:
+        pytest.skip(f"NVRTC: {why}")
+    module, _ = _route_kernel(4, 64, 8, 2, 16, "f32")
+    assert all(size > 0 for size in check_module(module).values())
+
+
 def _moe_plan(moe: hs.nn.MoE, shape, seed: int):
     """Return (plan, batch) of `loss = sum(moe(x)[0] * c) + aux`, x and c random inputs."""
     t = Tracer()
@@ -240,6 +288,15 @@ def test_expert_weights_are_split_and_tokens_move_by_all_to_all():
     assert len(a2a) >= 4  # into and out of the experts, forward and backward
     assert all(sorted(map(tuple, o.rank_groups)) == [(0, 1), (2, 3)] for o in a2a)  # inside ep pairs
     assert not [o for o in comms if o.name == "comm.all_gather"]  # no gathered tokens or weights
+
+
+def test_compile_report_lists_the_all_to_alls_with_bytes():
+    proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0,1]: ep=2", "--report", timeout=300, check=True)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("comm.all_to_all")]
+    assert len(rows) == 4  # tokens into and out of the experts, and their gradients
+    # [E, B, C, D] = [4, 16, 32, 64] floats, half of each rank's piece to the other rank
+    assert all(r[-1] == "131,072" for r in rows)
+    assert "comm.all_to_all 4)" in proc.stdout
 
 
 def test_experts_that_ep_does_not_divide_get_one_message():
