@@ -304,10 +304,16 @@ def test_experts_that_ep_does_not_divide_get_one_message():
         compile_script(_script(["model.experts=3"]), "[0,1]: ep=2", 2)
 
 
-def test_cli_bad_ep_is_one_message(tmp_path):
-    proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0-3]: ep=3", timeout=300)
+@pytest.mark.parametrize("strategy,message", [
+    ("[0-3]: ep=3", "dp*tp*pp*ep = 1*1*1*3 = 3 but 4 devices"),
+    ("[0-3]: dp=2 ep=2 zero=1", "ZeRO (zero=1) with expert parallelism (ep=2), which is not supported yet"),
+    ("[0,1]: ep=2 experts=3 | [2,3]: experts=1", "experts=3; a group's experts must be an integer >= 1 that its ep=2"),
+    ("[0,1]: ep=2 experts=2 | [2,3]: dp=2", "gives experts= for some groups only"),
+])
+def test_cli_bad_ep_is_one_message(strategy, message):
+    proc = run_cli("hspmd", "compile", MOE, "-n", "4", "--strategy", strategy, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "dp*tp*pp*ep = 1*1*1*3 = 3 but 4 devices" in proc.stderr + proc.stdout
+    assert message in proc.stderr + proc.stdout
 
 
 @pytest.mark.mpi
