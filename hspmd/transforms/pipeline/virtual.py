@@ -50,6 +50,8 @@ class Pipeline:
     zero: int = 0
     #: expert-parallel ranks inside each stage, between dp and tp (`[0-3]: ep=2 pp=2`)
     ep: int = 1
+    #: the experts the group holds where groups hold different numbers (`experts=`)
+    experts: int | None = None
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
@@ -74,7 +76,7 @@ class Pipeline:
     def stage_group(self, microbatches: int) -> StrategyGroup:
         """Return the pipelined group as one stage on its virtual devices (micro-batches x dp as dp)."""
         return StrategyGroup(self.virtual(microbatches), dp=microbatches * self.dp, tp=self.tp, share=self.share,
-                             sp=self.sp, ep=self.ep)
+                             sp=self.sp, ep=self.ep, experts=self.experts)
 
     def virtual(self, microbatches: int) -> tuple[int, ...]:
         """Return the virtual devices of a pipelined group beside other groups: one per micro-batch
@@ -108,7 +110,7 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
             union = tuple("{}" if h is g else str(h) for h in strategy.groups)
         others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
         pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero,
-                        g.ep)
+                        g.ep, g.experts)
         fresh += microbatches * g.dp * g.ep * g.tp
         out.append(pipe)
     return out
