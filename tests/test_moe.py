@@ -317,18 +317,25 @@ def test_cli_bad_ep_is_one_message(strategy, message):
     assert message in proc.stderr + proc.stdout
 
 
+_mpi_reference: dict[str, list[float]] = {}
+
+
+def _mpi_losses(tmp_path, n: int, strategy: str, experts: str) -> list[float]:
+    sets = [a for kv in [*SMALL, f"model.experts={experts}"] for a in ("--set", kv)]
+    log = tmp_path / f"moe-{n}-{len(list(tmp_path.iterdir()))}.jsonl"
+    run_cli("hspmd", "run", "-n", str(n), MOE, "--strategy", strategy, "--steps", "6", "--log", str(log), *sets,
+            check=True, timeout=600)
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
 @pytest.mark.mpi
-def test_moe_ep2_over_mpi_logs_the_single_device_losses(tmp_path):
-    sets = [a for kv in SMALL for a in ("--set", kv)]
-
-    def losses(n: int, strategy: str) -> list[float]:
-        log = tmp_path / f"moe-{n}.jsonl"
-        run_cli("hspmd", "run", "-n", str(n), MOE, "--strategy", strategy, "--steps", "6", "--log", str(log), *sets,
-                check=True, timeout=600)
-        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-
-    reference = losses(1, "[0]: dp=1")
-    for n, strategy in ((2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2")):
-        got = losses(n, strategy)
-        assert len(got) == 6 and all(math.isfinite(v) for v in got)
-        np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=strategy)
+@pytest.mark.parametrize("n,strategy,experts", [
+    (2, "[0,1]: ep=2", "4"), (4, "[0-3]: dp=2 ep=2", "4"), (4, "[0-3]: ep=2 tp=2", "4"), (4, "[0-3]: ep=2 pp=2", "4"),
+    (3, "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", "8"),
+])
+def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, experts):
+    if experts not in _mpi_reference:
+        _mpi_reference[experts] = _mpi_losses(tmp_path, 1, "[0]: dp=1", experts)
+    got = _mpi_losses(tmp_path, n, strategy, experts)
+    assert len(got) == 6 and all(math.isfinite(v) for v in got)
+    np.testing.assert_allclose(got, _mpi_reference[experts], rtol=1e-5, err_msg=strategy)
