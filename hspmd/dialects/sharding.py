@@ -17,6 +17,11 @@ more mesh axis with one role, a factor split across groups by `shares`, partial,
 a factor split across groups and missing from a result (the batch dim of a weight gradient,
 of `reduce_sum`) leaves that result partial across groups (`hetero=partial`), as a mesh axis
 does. Within each group the group's states are inferred as for one SPMD group.
+
+A rule may name a *lead* (`OpRule.lead`: an operand, or the operand splitting a factor) whose
+mesh and splits the op takes where operands disagree, across groups too; operands on another
+mesh give their splits to the mesh axes it leaves free. The mixture-of-experts ops use it so
+that tokens travel to the experts (all-to-all), never the experts to the tokens.
 """
 
 from __future__ import annotations
