@@ -273,6 +273,15 @@ def test_uneven_expert_placement_layout_and_errors():
         compile_script(_script(), "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", 3)
 
 
+def test_mixed_precision_moe_under_ep_follows_one_device(tmp_path):
+    """bfloat16 compute (float32 master weights, the aux loss cast to the loss's float32):
+    ep=2 stays within bfloat16's rounding of one device."""
+    ref = _train(tmp_path, "[0]: dp=1", 1, ["precision=bfloat16"])[0]
+    got = _train(tmp_path, "[0,1]: ep=2", 2, ["precision=bfloat16"])[0]
+    assert all(math.isfinite(v) for v in got.losses)
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=2e-3)
+
+
 def test_expert_parallel_in_a_pipeline_with_microbatches_equals_one_device(tmp_path):
     _check_equal(tmp_path, "[0-3]: ep=2 pp=2", 4, ["microbatches=2"])
 

@@ -235,7 +235,11 @@ def moe_lm_loss(model: MoEGPT, batch: dict) -> Tensor:
     """Return the next-token cross-entropy of an `MoEGPT` plus `model.aux_weight` times its load-balancing loss."""
     logits, aux = model(batch["ids"])
     loss = ops.cross_entropy(logits, batch["targets"])
-    return loss + aux * model.aux_weight if aux is not None and model.aux_weight else loss
+    if aux is None or not model.aux_weight:
+        return loss
+    if aux.dtype != loss.dtype:  # mixed precision: the loss is float32, the layers compute in 16 bits
+        aux = ops.cast(aux, loss.dtype)
+    return loss + aux * model.aux_weight
 
 
 def lm_loss(model: Module, batch: dict) -> Tensor:
