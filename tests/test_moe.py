@@ -348,3 +348,18 @@ def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, exper
     got = _mpi_losses(tmp_path, n, strategy, experts)
     assert len(got) == 6 and all(math.isfinite(v) for v in got)
     np.testing.assert_allclose(got, _mpi_reference[experts], rtol=1e-5, err_msg=strategy)
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path):
+    """Sharded checkpoints hold each rank's experts; one device reads them back whole and goes on
+    with the numbers of a run that never stopped."""
+    sets = [a for kv in SMALL for a in ("--set", kv)]
+    ck, log, ref = tmp_path / "ck", tmp_path / "resumed.jsonl", tmp_path / "ref.jsonl"
+    run_cli("hspmd", "run", "-n", "2", MOE, "--strategy", "[0,1]: ep=2", "--steps", "2", "--checkpoint-dir", str(ck),
+            "--checkpoint-every", "2", *sets, check=True, timeout=600)
+    run_cli("hspmd", "run", "-n", "1", MOE, "--steps", "3", "--resume", str(ck), "--log", str(log), *sets,
+            check=True, timeout=600)
+    run_cli("hspmd", "run", "-n", "1", MOE, "--steps", "3", "--log", str(ref), *sets, check=True, timeout=600)
+    last = [json.loads(f.read_text().splitlines()[-1])["loss"] for f in (log, ref)]
+    np.testing.assert_allclose(last[0], last[1], rtol=1e-6)
