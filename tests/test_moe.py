@@ -363,3 +363,13 @@ def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path):
     run_cli("hspmd", "run", "-n", "1", MOE, "--steps", "3", "--log", str(ref), *sets, check=True, timeout=600)
     last = [json.loads(f.read_text().splitlines()[-1])["loss"] for f in (log, ref)]
     np.testing.assert_allclose(last[0], last[1], rtol=1e-6)
+
+
+def test_annotations_read_dp_as_the_batch_axis_under_ep():
+    """`hs.annotate(x, ("dp", ...))` splits the batch as the strategy does: over dp*ep ranks."""
+    from hspmd.ir.strategy import parse_strategy
+    from hspmd.transforms.apply_annotations import spec_layout
+
+    assert str(spec_layout(parse_strategy("[0-3]: dp=2 ep=2"), ("dp", None))) == "[0-3]: split(0)=4"
+    assert str(spec_layout(parse_strategy("[0-3]: ep=2 tp=2"), ("dp", "tp"))) == "[0-3]: split(0)=2, split(1)=2"
+    assert str(spec_layout(parse_strategy("[0-3]: dp=2 ep=2"), (None, None))) == "[0-3]: dup=4"
