@@ -4,7 +4,8 @@
 
     logical     autodiff, [clip-grad-norm], the optimizer's update          (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
-                [shard-optimizer-state], propagate-layouts, insert-reshard   (annotate_passes)
+                [shard-optimizer-state], propagate-layouts, insert-reshard,
+                reuse-resharded-residuals                                     (annotate_passes)
     physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
                 assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
                 (together: pipeline-split), then [shard-stage-optimizer]       (physical_passes)
@@ -35,6 +36,7 @@ from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
 from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.insert_reshard import InsertReshard
+from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
 from hspmd.transforms.lower_reshard import LowerReshard
 from hspmd.transforms.pipeline.virtual import annotation_strategy
 from hspmd.transforms.pipeline.shard_stage_optimizer import ShardStageOptimizer
@@ -76,7 +78,8 @@ def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
     s = record.strategy
     apply = ApplyStrategy(strategy=str(s), microbatches=record.microbatches, schedule=record.schedule, id=record.id)
     zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in annotation_strategy(record).groups) else []
-    return [apply, ApplyAnnotations(strategy_id=record.id), *zero, PropagateLayouts(), InsertReshard()]
+    return [apply, ApplyAnnotations(strategy_id=record.id), *zero, PropagateLayouts(), InsertReshard(),
+            ReuseReshardedResiduals()]
 
 
 def physical_passes(record: StrategyRecord) -> list[ModulePass]:

@@ -264,8 +264,23 @@ def attention_block(b, draw):
     return hs.rms_norm((att @ v).transpose((0, 2, 1, 3)).reshape((bsz, t, h * hd)))
 
 
+def expert_matmul(b, draw):
+    e, m, k, n = draw(small), draw(small), draw(small), draw(small)
+    return hs.expert_matmul(b.param("a", (e, m, k)), b.param("w", (e, k, n)))
+
+
+def moe_dispatch_combine(b, draw):
+    """Tokens routed by a fixed mask (from input probabilities), through experts' slots and back."""
+    g, s, e, d = draw(small), draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(small)
+    top_k, capacity = draw(st.integers(1, e)), draw(st.integers(1, 3))
+    probs = b.input("p", (g, s, e), b.rng.dirichlet(np.ones(e), size=(g, s)))
+    mask = hs.moe_route(probs, top_k, capacity)
+    slots = hs.moe_dispatch(b.param("x", (g, s, d)), mask)
+    return hs.moe_combine(slots * b.param("scale", (e, g, capacity, d)), mask * b.param("w", (g, s, e, capacity)))
+
+
 CASES = [
-    matmul_2d, matmul_batched, matmul_weight, divide, divide_number, power, exp, log, sqrt, rsqrt, tanh,
+    expert_matmul, moe_dispatch_combine, matmul_2d, matmul_batched, matmul_weight, divide, divide_number, power, exp, log, sqrt, rsqrt, tanh,
     silu, gelu_tanh, gelu_erf, negate, softmax, layer_norm, rms_norm, embedding, causal_attention, slice_,
     split, concat, reduce_max, cross_entropy, rope, dropout, attention_block,
 ]

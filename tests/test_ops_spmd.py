@@ -140,7 +140,18 @@ def attention_block(L):
     return y @ L.param("proj", (d, d)) + x
 
 
+def moe_layer(L):
+    """Routing, dispatch, experts and combine of a mixture of experts (the router's probabilities
+    an input, so the routing does not depend on a parameter's gradient)."""
+    probs = L.input("p", (4, 4, 4), L.rng.dirichlet(np.ones(4), size=(4, 4)))
+    mask = hs.moe_route(probs, 2, 2)
+    slots = hs.moe_dispatch(L.input("x", (4, 4, 2)), mask).reshape((4, 8, 2))
+    out = hs.expert_matmul(hs.tanh(hs.expert_matmul(slots, L.param("w1", (4, 2, 4)))), L.param("w2", (4, 4, 2)))
+    return hs.moe_combine(out.reshape((4, 4, 2, 2)), mask * L.input("gw", (4, 4, 4, 2)))
+
+
 CASES = {f.__name__: f for f in (
+    moe_layer,
     matmul_weight, matmul_batched, elementwise, softmax_last, softmax_first, layer_norm, rms_norm, embedding,
     causal_attention, split_concat_slice, reduce_max, cross_entropy, cross_entropy_mean, rope, dropout,
     attention_block,

@@ -109,6 +109,19 @@ def test_fallback_through_replicas():
     check(parse_layout("[0,1]: partial=2"), parse_layout("[1,0]: split(0)=2"), a, np.random.default_rng(1))
 
 
+def test_a_refinement_of_the_mesh_keeps_per_axis_steps():
+    """[4] and [2, 2] refine to one mesh: tokens split 4 ways over dp*ep move into the experts'
+    layout (and back) by one all-to-all inside each ep pair, not by gathering everything."""
+    tokens, experts = "[0-3]: split(1)=4", "[0-3]: split(1)=2, split(0)=2"
+    assert plan(tokens, experts) == ["all_to_all(dim=0, src_dim=1) [0,1] [2,3]"]
+    assert plan(experts, tokens) == ["all_to_all(dim=1, src_dim=0) [0,1] [2,3]"]
+    a = np.arange(4.0 * 8 * 3).reshape(4, 8, 3)
+    check(parse_layout(tokens), parse_layout(experts), a)
+    check(parse_layout(experts), parse_layout(tokens), a)
+    # nested splits that would come out in the wrong order fall back to replicas
+    assert plan(tokens, "[0-3]: split(0)=2, split(1)=2")[0] == "all_gather(dim=1) [0,1,2,3]"
+
+
 def test_heterogeneous_transitions_are_not_supported_yet():
     with pytest.raises(NotImplementedError, match="heterogeneous resharding is not supported yet"):
         plan("[0,1]: dup=2", "[0]: dup=1 | [1]: dup=1 ; hetero=dup")

@@ -151,7 +151,7 @@ def compute_seconds(op: Operation, rank: int, profile: DeviceProfile) -> float:
     """Return the predicted time of the kernel of non-communication op `op` on `rank`."""
     if op.name in _VIEWS or op.name in _FREE:
         return 0.0
-    if isinstance(op, (graph.MatmulOp, graph.MatmulRhsGradOp)):
+    if isinstance(op, (graph.MatmulOp, graph.ExpertMatmulOp, graph.MatmulRhsGradOp, graph.ExpertMatmulRhsGradOp)):
         return profile.matmul_seconds(rank, op_matmul_flops(op))
     if op.name == "kernel.fused":
         return profile.fused_seconds(rank, _moved(op))

@@ -356,7 +356,7 @@ def _prologue_function(name: str, pro: Prologue, t: str, cols: int) -> tuple[str
 #: ops computed by a row kernel (a reduction over the last dim, one block per row)
 ROW_OPS = (
     graph.SoftmaxOp, graph.SoftmaxGradOp, graph.LayerNormOp, graph.LayerNormGradOp, graph.RmsNormOp,
-    graph.RmsNormGradOp, graph.SoftmaxCrossEntropyOp, graph.SoftmaxCrossEntropyGradOp,
+    graph.RmsNormGradOp, graph.SoftmaxCrossEntropyOp, graph.SoftmaxCrossEntropyGradOp, graph.MoeRouteOp,
 )
 
 
@@ -561,11 +561,56 @@ HS_KERNEL void {name}(XPARAM, const L* __restrict__ labels, const T* __restrict_
 """
 
 
+_MOE_ROUTE = """\
+// {name}: top-{k} routing, {capacity} slots per expert; one block per routing group [{tokens}, {experts}]
+HS_KERNEL void {name}(XPARAM, T* __restrict__ y, long rows, long cols) {
+  HS_ROWS(r, rows) {
+    XDECL
+    T* yr = y + r * ({tokens}L * {experts}L * {capacity}L);
+    HS_COLS(j, {tokens}L * {experts}L * {capacity}L) yr[j] = (T)0;
+    __syncthreads();
+    // a thread per expert fills its slots: choices rank by rank, tokens in order (as graph.moe_route)
+    HS_COLS(e, {experts}) {
+      long used = 0;
+      for (long k = 0; k < {k}; ++k) {
+        for (long s = 0; s < {tokens}; ++s) {
+          // the k-th choice of token s: order by probability, then by the lower expert
+          long pick = -1, prev = -1;
+          T pv = (T)0, prevv = HS_INF;
+          for (long t = 0; t <= k; ++t) {
+            pick = -1;
+            for (long c = 0; c < {experts}; ++c) {
+              const T v = XLOAD[s * {experts}L + c];
+              const bool after = v < prevv || (v == prevv && c > prev);
+              if (after && (pick < 0 || v > pv)) {
+                pick = c;
+                pv = v;
+              }
+            }
+            prev = pick;
+            prevv = pv;
+          }
+          if (pick == e) {
+            if (used < {capacity}) yr[(s * {experts}L + e) * {capacity}L + used] = (T)1;
+            ++used;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+"""
+
+
 def row_extents(op: Operation) -> tuple[int, int]:
-    """Return (rows, cols) of a row op: its main operand as rows of its last dim."""
+    """Return (rows, cols) of a row op: its main operand as rows of its last dim (a routing
+    group's [tokens, experts] for `graph.moe_route`)."""
     s = shape(op.operands[0])
     if not s:
         raise EmitError(f"'{op.name}' on a 0-d tensor")
+    if isinstance(op, graph.MoeRouteOp):
+        return s[0], s[1] * s[2]
     return math.prod(s[:-1]), s[-1]
 
 
@@ -600,6 +645,10 @@ def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> Kern
             src = _fill(_RMS_NORM_GRAD, eps=eps, **kw)
             launches = [f"row {name}_rows {rows} {cols}", f"elementwise {name}_cols {cols} {rows}"]
             scratch = [rows]
+        case graph.MoeRouteOp():
+            _, tokens, experts = shape(op.operands[0])
+            src = _fill(_MOE_ROUTE, k=str(op.top_k.value.data), capacity=str(shape(op.result)[-1]),
+                        tokens=str(tokens), experts=str(experts), **kw)
         case graph.SoftmaxCrossEntropyOp() | graph.SoftmaxCrossEntropyGradOp():
             lab = c_type(op.operands[1].type)
             ignore = op.ignore_index.value.data if op.ignore_index is not None else None

@@ -17,6 +17,11 @@ more mesh axis with one role, a factor split across groups by `shares`, partial,
 a factor split across groups and missing from a result (the batch dim of a weight gradient,
 of `reduce_sum`) leaves that result partial across groups (`hetero=partial`), as a mesh axis
 does. Within each group the group's states are inferred as for one SPMD group.
+
+A rule may name a *lead* (`OpRule.lead`: an operand, or the operand splitting a factor) whose
+mesh and splits the op takes where operands disagree, across groups too; operands on another
+mesh give their splits to the mesh axes it leaves free. The mixture-of-experts ops use it so
+that tokens travel to the experts (all-to-all), never the experts to the tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ class OpRule:
     #: dims: weights stay where they are, activations are gathered or reduced to meet them, as
     #: Megatron does; a weight gradient keeps the weight's split rather than the sequence's)
     prefer: frozenset[str] = frozenset()
+    #: which operand sets the mesh the op runs on, where operands lie on different meshes or
+    #: split different factors on one: an operand index, or a factor (the operand splitting it,
+    #: the most split first). Operands on another mesh then give their splits to the mesh axes
+    #: the leader leaves free. Mixture of experts: the expert weights (split along the expert
+    #: dim) lead the expert matmuls, the tokens (split along the batch) lead the combine, so the
+    #: reshards between them are all-to-alls of the tokens, never gathers of the weights.
+    lead: int | str | None = None
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:
@@ -89,6 +101,12 @@ def rule_for(op: Operation) -> OpRule | None:
         case graph.ScaleOp():
             d = _dims("d", len(_shape(op.result)))
             return OpRule((d,), (d,), frozenset({0}))
+        case graph.ExpertMatmulOp():
+            return OpRule((("e", "i", "k"), ("e", "k", "j")), (("e", "i", "j"),), frozenset({0, 1}), joint=False,
+                          lead="e")
+        case graph.ExpertMatmulRhsGradOp():  # m is contracted: split, it leaves partial sums
+            return OpRule((("e", "m", "k"), ("e", "m", "n")), (("e", "k", "n"),), frozenset({0, 1}), joint=False,
+                          lead="e")
         case graph.MatmulOp():
             b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
             rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
@@ -214,6 +232,23 @@ def _rule_for_more(op: Operation) -> OpRule | None:
         case graph.DropoutOp():  # the mask is keyed by global indices (global_type): any split is fine
             d = _dims("d", len(_shape(op.result)))
             return OpRule((d, ()), (d,), frozenset({0}))
+    return _rule_for_moe(op)
+
+
+def _rule_for_moe(op: Operation) -> OpRule | None:
+    """Rules of the mixture-of-experts ops: groups `g` split freely, experts `e` where the weights lie."""
+    match op:
+        case graph.MoeRouteOp():  # a group's routing needs its whole sequence and every expert
+            return OpRule((("g", "s", "e"),), (("g", "s", "e", "c"),), blocked=frozenset({"s", "e", "c"}))
+        case graph.MoeDispatchOp():
+            return OpRule((("g", "s", "d"), ("g", "s", "e", "c")), (("e", "g", "c", "d"),), frozenset({0, 1}),
+                          joint=False)
+        case graph.MoeCombineOp():  # the tokens' side (weights) leads: expert outputs come back by all-to-all
+            return OpRule((("e", "g", "c", "d"), ("g", "s", "e", "c")), (("g", "s", "d"),), frozenset({0, 1}),
+                          joint=False, lead=1)
+        case graph.MoeWeightsGradOp():
+            return OpRule((("g", "s", "d"), ("e", "g", "c", "d")), (("g", "s", "e", "c"),), frozenset({0, 1}),
+                          joint=False, lead=0)
     return None
 
 
@@ -316,7 +351,8 @@ def _infer_group(
     if hint is not None and not _flexible(hint):
         candidates.append((len(ins), hint))
     if candidates:
-        driver = max(candidates, key=lambda c: (sum(a != DUP for a, _ in c[1].axes), -c[0]))[1]
+        leaders = [c for c in candidates if _leads(rule, c[0], c[1])] or candidates
+        driver = max(leaders, key=lambda c: (sum(a != DUP for a, _ in c[1].axes), -c[0]))[1]
         mesh = [deg for _, deg in driver.axes]
     else:
         mesh = [n] if n > 1 else []
@@ -357,6 +393,18 @@ def _infer_group(
             offer(ins[i].axes, rule.operands[i], i)
     if hint is not None and not _flexible(hint) and len(rule.results) == 1:
         offer(hint.axes, rule.results[0], None)
+    if rule.lead is not None:  # operands on another mesh: their splits take the free mesh axes
+        for i in order:
+            ds = ins[i]
+            if ds is None or _flexible(ds) or [d for _, d in ds.axes] == mesh:
+                continue
+            for axis, _ in ds.axes:
+                f = rule.operands[i][axis.dim] if axis.kind == "split" else None
+                free = [m for m in range(len(mesh)) if roles[m] is None]
+                if f is None or f in used or f in rule.blocked or not free or not _fits(rule, f, mesh[free[0]]):
+                    continue
+                roles[free[0]] = ("factor", f)
+                used.add(f)
 
     def layout_for(roles, factors: Sequence[str], idx: int | None) -> DistributedStates | None:
         axes: list[tuple[Axis, int]] = []
@@ -394,6 +442,22 @@ def _infer_group(
                 return operands, results  # type: ignore[return-value]
     # unreachable: with every role dropped each layout is all dup, which merges into one axis
     raise ShardingError("the layouts cannot be expressed in one device order")
+
+
+def _leads(rule: OpRule, index: int, ds: DistributedStates) -> bool:
+    """Return whether operand `index`, laid out `ds`, is one that `rule.lead` names."""
+    if isinstance(rule.lead, int):
+        return index == rule.lead
+    if isinstance(rule.lead, str) and index < len(rule.operands):
+        return any(a.kind == "split" and rule.operands[index][a.dim] == rule.lead for a, _ in ds.axes)
+    return False
+
+
+def _leads_across(rule: OpRule, index: int, x: Layout) -> bool:
+    """Return whether operand `index`, split across groups in `x`, is one that `rule.lead` names."""
+    if isinstance(rule.lead, int):
+        return index == rule.lead
+    return isinstance(rule.lead, str) and rule.operands[index][x.hetero.dim] == rule.lead
 
 
 def infer(op: Operation, ins: Sequence[Layout | None], hint: Layout | None = None) -> Inference:
@@ -489,6 +553,8 @@ def _hetero_role(op: Operation, rule: OpRule, ins: Sequence[Layout | None], hint
     across groups and missing from a result was summed over: that result is partial across groups.
     """
     tensors = [(x, rule.operands[i], i) for i, x in enumerate(ins) if x is not None and same_groups(x)]
+    if rule.lead is not None:  # the leading operand's split across groups first (expert weights stay put)
+        tensors.sort(key=lambda t: not (t[0].hetero.kind == "split" and _leads_across(rule, t[2], t[0])))
     if hint is not None and same_groups(hint) and len(rule.results) == 1:
         tensors.append((hint, rule.results[0], None))
     for x, factors, _ in tensors:

@@ -192,3 +192,56 @@ class RMSNorm(Module):
 
         return rms_norm(x, self.weight.traced("rms_norm"), self.eps)
 
+
+
+class MoE(Module):
+    """A mixture-of-experts MLP on x [B, T, D] (Switch/GShard): a router, E expert MLPs, the combine.
+
+    Every sequence is one routing group: a token goes to its `top_k` most probable experts
+    (softmax of `x @ router`), each expert takes at most `capacity = ceil(top_k * T *
+    capacity_factor / E)` tokens per sequence (later tokens are dropped: they contribute 0,
+    so the residual around the layer carries them), and an expert's output is weighted by
+    its router probability. Expert e is `gelu(x @ w1[e]) @ w2[e]` (tanh GELU, no biases).
+    Routing per sequence makes the dropped tokens the same however the batch is split over
+    devices, so expert parallelism (`ep=`) gives the numbers of one device.
+
+    `forward` returns (y, aux): `aux` is the load-balancing loss, `E * mean over sequences of
+    sum_e f_e * P_e`, f_e the fraction of the sequence's top_k * T choices kept at expert e
+    and P_e its mean router probability (1.0 when routing is uniform); add it, scaled, to the
+    training loss.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, experts: int, top_k: int = 1, capacity_factor: float = 1.0,
+                 init_std: float = 0.02, out_std: float | None = None) -> None:
+        if experts < 1 or not 1 <= top_k <= experts or capacity_factor <= 0:
+            raise ValueError(f"MoE needs experts >= 1, 1 <= top_k <= experts and capacity_factor > 0, "
+                             f"got experts={experts}, top_k={top_k}, capacity_factor={capacity_factor}")
+        self.experts = experts
+        self.top_k = top_k
+        self.capacity_factor = float(capacity_factor)
+        self.router = Parameter((d_model, experts), f"normal:{init_std!r}")
+        self.w1 = Parameter((experts, d_model, d_ff), f"normal:{init_std!r}")
+        self.w2 = Parameter((experts, d_ff, d_model), f"normal:{(out_std or init_std)!r}")
+
+    def capacity(self, tokens: int) -> int:
+        """Return the slots each expert has per routing group of `tokens` tokens."""
+        return max(1, math.ceil(self.top_k * tokens * self.capacity_factor / self.experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        from hspmd.dialects.graph import BroadcastOp
+        from hspmd.frontend import ops
+
+        b, t, d = x.shape
+        e, c = self.experts, self.capacity(t)
+        probs = ops.softmax(x @ self.router.traced("moe"), -1)  # [B, T, E]
+        mask = ops.moe_route(probs, self.top_k, c)  # [B, T, E, C]
+        spread = x.tracer.emit(BroadcastOp(probs.value, [0, 1, 2], mask.value.type))
+        gates = mask * spread
+        slots = ops.moe_dispatch(x, mask).reshape((e, b * c, d))
+        hidden = ops.gelu(ops.expert_matmul(slots, self.w1.traced("moe")), approximate="tanh")
+        out = ops.expert_matmul(hidden, self.w2.traced("moe")).reshape((e, b, c, d))
+        y = ops.moe_combine(out, gates)
+        kept = mask.sum([1, 3])  # [B, E] choices kept per expert
+        mean_prob = probs.sum([1])  # [B, E], times T
+        aux = (kept * mean_prob).sum([0, 1]) * (e / (b * t * t * self.top_k))
+        return y, aux

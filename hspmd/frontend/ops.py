@@ -58,6 +58,53 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return a.tracer.emit(graph.MatmulOp(a.value, b.value, _typed(a, (*a.shape[:-1], b.shape[-1]))))
 
 
+def expert_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """Return each expert's tokens times its weight: [E, m, k] x [E, k, n] -> [E, m, n]."""
+    x, w = _tensor(x, "expert_matmul"), _tensor(w, "expert_matmul")
+    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
+        raise fail("expert_matmul", f"cannot multiply {list(x.shape)} by {list(w.shape)} (needs [E, m, k] x [E, k, n])")
+    if x.dtype != w.dtype:
+        raise fail("expert_matmul", f"operands have dtypes {x.dtype} and {w.dtype}")
+    return x.tracer.emit(graph.ExpertMatmulOp(x.value, w.value, _typed(x, (*x.shape[:2], w.shape[2]))))
+
+
+def moe_route(probs: Tensor, top_k: int, capacity: int) -> Tensor:
+    """Return the dispatch mask [G, S, E, C] of router probabilities [G, S, E]: each token's
+    `top_k` experts, placed in each expert's `capacity` slots per group, the rest dropped
+    (see `graph.moe_route`). It has no gradient."""
+    probs = _tensor(probs, "moe_route")
+    _float(probs, "moe_route")
+    if probs.ndim != 3:
+        raise fail("moe_route", f"needs router probabilities [groups, tokens, experts], got {list(probs.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= probs.shape[2]:
+        raise fail("moe_route", f"top_k={top_k!r} must be an integer in 1..{probs.shape[2]} (the experts)")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise fail("moe_route", f"capacity={capacity!r} must be an integer >= 1")
+    return probs.tracer.emit(graph.MoeRouteOp(probs.value, top_k, _typed(probs, (*probs.shape, capacity))))
+
+
+def moe_dispatch(x: Tensor, mask: Tensor) -> Tensor:
+    """Return tokens x [G, S, D] placed in expert slots [E, G, C, D] by `mask` [G, S, E, C]."""
+    x, mask = _tensor(x, "moe_dispatch"), _tensor(mask, "moe_dispatch")
+    if x.ndim != 3 or mask.ndim != 4 or mask.shape[:2] != x.shape[:2] or x.dtype != mask.dtype:
+        raise fail("moe_dispatch", f"needs tokens [G, S, D] and a mask [G, S, E, C] of one dtype, "
+                                   f"got {list(x.shape)} {x.dtype} and {list(mask.shape)} {mask.dtype}")
+    g, s, e, c = mask.shape
+    return x.tracer.emit(graph.MoeDispatchOp(x.value, mask.value, _typed(x, (e, g, c, x.shape[2]))))
+
+
+def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
+    """Return expert slots y [E, G, C, D] summed back to tokens [G, S, D] with `weights` [G, S, E, C]."""
+    y, weights = _tensor(y, "moe_combine"), _tensor(weights, "moe_combine")
+    ok = y.ndim == 4 and weights.ndim == 4 and y.dtype == weights.dtype
+    ok = ok and (weights.shape[2], weights.shape[0], weights.shape[3]) == y.shape[:3]
+    if not ok:
+        raise fail("moe_combine", f"needs expert slots [E, G, C, D] and weights [G, S, E, C] of one dtype, "
+                                  f"got {list(y.shape)} {y.dtype} and {list(weights.shape)} {weights.dtype}")
+    g, s = weights.shape[:2]
+    return y.tracer.emit(graph.MoeCombineOp(y.value, weights.value, _typed(y, (g, s, y.shape[3]))))
+
+
 # ----------------------------------------------------------------------------- elementwise
 
 

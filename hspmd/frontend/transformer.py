@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from hspmd.frontend import ops
-from hspmd.frontend.nn import Embedding, LayerNorm, Linear, Module, Parameter, RMSNorm
+from hspmd.frontend.nn import Embedding, LayerNorm, Linear, MoE, Module, Parameter, RMSNorm
 from hspmd.frontend.tracing import Tensor
 
 
@@ -182,6 +182,64 @@ class LLaMA(Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class MoEBlock(Module):
+    """A pre-norm block whose MLP is a mixture of experts (`nn.MoE`); returns (x, aux loss)."""
+
+    function = True
+
+    def __init__(self, cfg: GPTConfig, experts: int, top_k: int, capacity_factor: float) -> None:
+        self.ln1 = LayerNorm(cfg.d_model, cfg.eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = LayerNorm(cfg.d_model, cfg.eps)
+        self.moe = MoE(cfg.d_model, cfg.d_ff or 4 * cfg.d_model, experts, top_k, capacity_factor, cfg.init_std,
+                       cfg.init_std / math.sqrt(2 * cfg.layers))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = x + self.attn(self.ln1(x))
+        y, aux = self.moe(self.ln2(x))
+        return x + y, aux
+
+
+class MoEGPT(GPT):
+    """GPT whose every other block (the 2nd, 4th, ...) has a mixture-of-experts MLP (GShard's
+    layout); ids [B, T] -> (logits, the sum of the MoE layers' load-balancing losses).
+
+    `cfg.extra` gives `experts` (default 4), `top_k` (1), `capacity_factor` (1.0) and `aux_loss`,
+    the weight of the load-balancing loss in `moe_lm_loss` (0.01)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        experts = int(cfg.extra.get("experts", 4))
+        top_k = int(cfg.extra.get("top_k", 1))
+        factor = float(cfg.extra.get("capacity_factor", 1.0))
+        self.aux_weight = float(cfg.extra.get("aux_loss", 0.01))
+        self.blocks = [MoEBlock(cfg, experts, top_k, factor) if i % 2 else Block(cfg) for i in range(cfg.layers)]
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        t = ids.shape[1]
+        pos = self.wpe.traced("wpe") if t == self.cfg.seq_len else ops.slice(self.wpe.traced("wpe"), 0, 0, t)
+        x = self.wte(ids) + pos
+        aux = None
+        for block in self.blocks:
+            if isinstance(block, MoEBlock):
+                x, a = block(x)
+                aux = a if aux is None else aux + a
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x)), aux
+
+
+def moe_lm_loss(model: MoEGPT, batch: dict) -> Tensor:
+    """Return the next-token cross-entropy of an `MoEGPT` plus `model.aux_weight` times its load-balancing loss."""
+    logits, aux = model(batch["ids"])
+    loss = ops.cross_entropy(logits, batch["targets"])
+    if aux is None or not model.aux_weight:
+        return loss
+    if aux.dtype != loss.dtype:  # mixed precision: the loss is float32, the layers compute in 16 bits
+        aux = ops.cast(aux, loss.dtype)
+    return loss + aux * model.aux_weight
 
 
 def lm_loss(model: Module, batch: dict) -> Tensor:

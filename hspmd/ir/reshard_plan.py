@@ -203,6 +203,87 @@ def _per_axis(devices: Sequence[int], sds: DistributedStates, dds: DistributedSt
     return steps
 
 
+def _common_radix(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
+    """Return the mesh degrees (major first) that refine both degree sequences, None if none does.
+
+    [4] and [2, 2] give [2, 2]: each axis of either becomes one or more consecutive axes of it.
+    """
+    cuts = set()
+    for seq in (a, b):
+        acc = 1
+        for d in seq:
+            acc *= d
+            cuts.add(acc)
+    radix, prev = [], 1
+    for c in sorted(cuts):
+        if c % prev:
+            return None
+        radix.append(c // prev)
+        prev = c
+    return radix
+
+
+def _refine(ds: DistributedStates, radix: Sequence[int]) -> list[Axis]:
+    """Return the role of each axis of `radix` that refines `ds`'s axes (an axis of degree 4 over
+    radix [2, 2] gives its role twice: the major one the outer chunks, as device order does)."""
+    roles: list[Axis] = []
+    k = 0
+    for axis, degree in ds.axes:
+        while degree > 1:
+            roles.append(axis)
+            degree //= radix[k]
+            k += 1
+    return roles
+
+
+def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedStates) -> list[CommStep] | None:
+    """Return steps between states of different degree sequences over one common refinement of
+    their meshes, axis by axis (split(1)=4 -> split(1)=2, split(0)=2 is one all_to_all in pairs,
+    where the fallback gathers everything), or None where that does not work out.
+
+    A split refined into several axes is moved innermost axis first, and a new split is cut
+    innermost; the plan is checked by `simulate` on a small tensor before it is returned.
+    """
+    if any(a == PARTIAL for a, _ in (*sds.axes, *dds.axes)):
+        return None
+    radix = _common_radix([d for _, d in sds.axes], [d for _, d in dds.axes])
+    if radix is None:
+        return None
+    roles, target = _refine(sds, radix), _refine(dds, radix)
+    strides = [int(np.prod(radix[j + 1:], dtype=np.int64)) for j in range(len(radix))]
+
+    def groups(j: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(devices[i + c * strides[j]] for c in range(radix[j]))
+                     for i in range(len(devices)) if (i // strides[j]) % radix[j] == 0)
+
+    def inner(j: int, axis: Axis) -> bool:  # no more minor axis holds `axis` now
+        return all(roles[k] != axis for k in range(j + 1, len(roles)))
+
+    steps: list[CommStep] = []
+    pending = [j for j in range(len(roles)) if roles[j] != target[j]]
+    while pending:
+        ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
+                 and (target[j].kind != "split" or inner(j, target[j]))]
+        if not ready:
+            return None
+        j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], j))
+        steps += _axis_steps(roles[j], target[j], groups(j))
+        roles[j] = target[j]
+        pending.remove(j)
+    dims = 1 + max([a.dim for a, _ in (*sds.axes, *dds.axes) if a.kind == "split"], default=0)
+    n = len(devices)
+    if n ** dims > 1 << 16:
+        return None
+    shape = tuple(n if any(a == split(d) for a, _ in (*sds.axes, *dds.axes)) else 1 for d in range(dims))
+    whole = np.arange(int(np.prod(shape))).reshape(shape)
+    try:
+        got = simulate(steps, {devices[i]: whole[sds.slices(i, shape)] for i in range(n)})
+    except ValueError:
+        return None
+    ok = all(np.array_equal(got[devices[i]], whole[dds.slices(i, shape)]) for i in range(n))
+    return steps if ok else None
+
+
 def _via_replicas(src: tuple[int, ...], sds: DistributedStates,
                   dst: tuple[int, ...], dds: DistributedStates) -> list[CommStep]:
     """Return steps that reduce and gather to full replicas on every device, then cut out `dds`."""
@@ -227,8 +308,9 @@ def plan_transition(src: Layout, dst: Layout, shape: Sequence[int] | None = None
     Single groups over the same device set: with the same devices in the
     same order and the same degree sequence the plan works mesh axis by mesh axis (partial->dup
     all_reduce, partial->split reduce_scatter, split->dup all_gather, dup->split local_split,
-    dup->partial local_zero, split(i)->split(j) all_to_all); otherwise it reduces and gathers
-    to full replicas and cuts out the destination. Equal layouts give (). Unions of several
+    dup->partial local_zero, split(i)->split(j) all_to_all); with other degree sequences that
+    one mesh refines (`_refined`: [4] and [2, 2]) the same over that mesh; otherwise it reduces
+    and gathers to full replicas and cuts out the destination. Equal layouts give (). Unions of several
     groups over the same devices: see `_hetero` for what is handled (partial or split across
     groups -> replicated everywhere); any other transition between unions of the same devices
     is one `exchange` over the finest common slices (see `_exchange`), which needs the global
@@ -251,6 +333,8 @@ def plan_transition(src: Layout, dst: Layout, shape: Sequence[int] | None = None
     sds, dds = sg.states, dg.states
     if sg.devices == dg.devices and [d for _, d in sds.axes] == [d for _, d in dds.axes]:
         return tuple(_per_axis(sg.devices, sds, dds))
+    if sg.devices == dg.devices and (refined := _refined(sg.devices, sds, dds)) is not None:
+        return tuple(refined)
     return tuple(_via_replicas(sg.devices, sds, dg.devices, dds))
 
 

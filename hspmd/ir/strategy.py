@@ -2,14 +2,17 @@
 
     [0-3]: dp=1 tp=2 pp=2 share=2 | [4,5]: dp=1 tp=2 pp=1 share=1
 
-One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`)
-degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
+One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`), pipeline (`pp`)
+and expert-parallel (`ep`: a mixture of experts' weights split along the expert dim over ep
+ranks, which also split the batch, as dp ranks do; see docs/moe.md) degrees, `experts=N` for
+how many of a mixture's experts the group holds when groups hold different numbers
+(`[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2`; every group then says it, and ep divides it), the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
 optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
 them; default: contiguous ranges balanced by cost). Keys come in any order, separated by spaces or commas,
-and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
-group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
+and each defaults to 1; dp*tp*pp*ep must equal the number of devices in the group, except that a
+group giving none of dp/tp/pp/ep is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
 strategies raise it with one sentence. Printing is canonical: dp always, the other keys
 when they are not their default (1; `zero` 0).
@@ -28,8 +31,8 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers")
-_DEFAULTS = {"zero": 0, "sp": 0, "layers": None}
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts")
+_DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None}
 ZERO_STAGES = (0, 1, 2)
 #: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -42,7 +45,8 @@ NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share, zero, sp or layers)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number",
+                                   "NAME": "a key (dp, tp, pp, share, zero, sp, layers, ep or experts)",
                                    "$END": "end of text"})
 
 
@@ -86,18 +90,23 @@ class StrategyGroup:
     zero: int = 0
     sp: int = 0
     layers: tuple[int, ...] | None = None
+    ep: int = 1
+    experts: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
         text = str(self)
-        for key in _KEYS[:4]:
+        for key in (*_KEYS[:4], "ep"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp and share must be integers >= 1")
+                raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp, ep and share must be integers >= 1")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
             raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1 or 2")
         if isinstance(self.sp, bool) or self.sp not in (0, 1):
             raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
+        if self.zero and self.ep > 1:
+            raise StrategyError(f"group '{text}' asks for ZeRO (zero={self.zero}) with expert parallelism "
+                                f"(ep={self.ep}), which is not supported yet; use zero=0 with ep")
         if self.sp and self.tp == 1:
             raise StrategyError(f"group '{text}' asks for sequence parallelism (sp=1) with tp=1; "
                                 "sequence parallelism splits the sequence over the tp ranks, so it needs tp > 1")
@@ -107,15 +116,29 @@ class StrategyGroup:
                                                    for n in self.layers):
                 raise StrategyError(f"group '{text}' gives layers={':'.join(map(str, self.layers))} for pp={self.pp}; "
                                     "layers needs one count >= 1 per pipeline stage")
+        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
+                                         or self.experts < 1 or self.experts % self.ep):
+            raise StrategyError(f"group '{text}' has experts={self.experts!r}; a group's experts must be an integer "
+                                f">= 1 that its ep={self.ep} divides (each ep rank holds experts/ep of them)")
         if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
             raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
-        n = self.dp * self.tp * self.pp
+        n = self.dp * self.tp * self.pp * self.ep
         if n != len(self.devices):
-            fit = len(self.devices) // (self.tp * self.pp)
-            hint = f" (dp={fit} would fit)" if fit * self.tp * self.pp == len(self.devices) else ""
+            rest = self.tp * self.pp * self.ep
+            fit = len(self.devices) // rest
+            hint = f" (dp={fit} would fit)" if fit * rest == len(self.devices) else ""
+            product = "dp*tp*pp" + ("*ep" if self.ep > 1 else "")
+            degrees = f"{self.dp}*{self.tp}*{self.pp}" + (f"*{self.ep}" if self.ep > 1 else "")
             raise StrategyError(
-                f"group '{text}' has dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {n} but {len(self.devices)} "
-                f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
+                f"group '{text}' has {product} = {degrees} = {n} but {len(self.devices)} "
+                f"devices; the product of {'dp, tp, pp and ep' if self.ep > 1 else 'dp, tp and pp'} must equal "
+                f"the number of devices{hint}")
+
+    @property
+    def batch_ranks(self) -> int:
+        """Return how many ways the group splits its batch rows: dp times ep (expert-parallel
+        ranks hold different rows too, and exchange tokens only inside the experts)."""
+        return self.dp * self.ep
 
     def __str__(self) -> str:
         keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _KEYS
@@ -147,6 +170,16 @@ class Strategy:
             if both:
                 raise StrategyError(f"strategy '{self}' puts device {min(both)} in more than one group")
             seen.update(g.devices)
+        given = [g.experts is not None for g in groups]
+        if any(given) and not all(given):
+            raise StrategyError(f"strategy '{self}' gives experts= for some groups only; give every group its "
+                                "number of experts (they add up to the model's experts) or none")
+
+    @property
+    def expert_shares(self) -> tuple[int, ...] | None:
+        """Return each group's number of experts where the strategy places them unevenly, else None."""
+        counts = tuple(g.experts for g in self.groups)
+        return None if None in counts else counts  # type: ignore[return-value]
 
     def __str__(self) -> str:
         return " | ".join(str(g) for g in self.groups)
@@ -198,7 +231,7 @@ def parse_strategy(text: str) -> Strategy:
         for kv in kvs:
             key, value, *more = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp or layers")
+                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp, layers, ep or experts")
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
             if more and key != "layers":
@@ -221,7 +254,7 @@ def parse_strategy(text: str) -> Strategy:
             values[str(key)] = int(value)
         if "layers" in values and "pp" not in values:
             values["pp"] = len(values["layers"])  # type: ignore[arg-type]
-        if not {"dp", "tp", "pp"} & values.keys():
+        if not {"dp", "tp", "pp", "ep"} & values.keys():
             values["dp"] = len(devices)
         groups.append(StrategyGroup(devices, **values))
     return Strategy(tuple(groups))
@@ -281,7 +314,7 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
     counts = apportion(rows, tuple(g.share for g in groups)) if len(groups) > 1 else (rows,)
     out: list[tuple[StrategyGroup, int]] = []
     for g, r in zip(groups, counts):
-        if g.pp > 1 or r < g.dp or r % g.dp == 0:
+        if g.pp > 1 or g.ep > 1 or g.experts is not None or r < g.dp or r % g.dp == 0:
             out.append((g, r))
             continue
         q, rem = divmod(r, g.dp)
@@ -291,5 +324,5 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
     if len(out) == len(groups):
         return strategy
     common = math.gcd(*(r for _, r in out))
-    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers)
+    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers, g.ep, g.experts)
                           for g, r in out))

@@ -192,6 +192,12 @@ def concat(xs: tuple[np.ndarray, ...], axis: int, out: np.ndarray | None = None)
     return out
 
 
+@takes_out
+def expert_matmul_rhs_grad(a: np.ndarray, g: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a[e]^T g[e]` for every expert e: the gradient of the expert weights of `a @ w`."""
+    return np.matmul(a.transpose(0, 2, 1), g, out=out)
+
+
 def _tanh_inner(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Fill `out` with `tanh(sqrt(2/pi) * (x + 0.044715 x^3))` (the tanh GELU's t), in place."""
     np.multiply(x, x, out=out)
@@ -640,6 +646,53 @@ def one_hot(op: graph.OneHotOp, rank: int) -> Kernel:
     return lambda labels: (labels[..., None] == classes).astype(dtype)
 
 
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+def moe_route(probs: np.ndarray, top_k: int, capacity: int) -> np.ndarray:
+    """The dispatch mask [G, S, E, C] of `graph.moe_route`: top-k choices per token, placed rank
+    by rank (all first choices, then all second ones) in token order, dropped past `capacity`."""
+    g, s, e = probs.shape
+    mask = np.zeros((g, s, e, capacity), dtype=probs.dtype)
+    choices = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]  # ties: the lower expert
+    used = np.zeros((g, 1, e), dtype=np.int64)  # slots taken per group and expert
+    experts = np.arange(e)
+    for rank in range(top_k):
+        chosen = choices[..., rank]  # [G, S]
+        onehot = chosen[..., None] == experts  # [G, S, E]
+        slot = np.cumsum(onehot, axis=1) - 1 + used  # the slot each token would take at each expert
+        used = used + onehot.sum(axis=1, keepdims=True)
+        mine = np.take_along_axis(slot, chosen[..., None], axis=-1)[..., 0]  # [G, S]
+        gi, si = np.nonzero(mine < capacity)
+        mask[gi, si, chosen[gi, si], mine[gi, si]] = 1
+    return mask
+
+
+def _slots_by_group(y: np.ndarray) -> np.ndarray:
+    """Return expert slots [E, G, C, D] as [G, E*C, D]."""
+    e, g, c, d = y.shape
+    return np.ascontiguousarray(y.transpose(1, 0, 2, 3)).reshape(g, e * c, d)
+
+
+def moe_dispatch(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """`out[e, g, c] = sum_s mask[g, s, e, c] x[g, s]`: [G, S, D], [G, S, E, C] -> [E, G, C, D]."""
+    g, s, e, c = mask.shape
+    slots = np.matmul(mask.reshape(g, s, e * c).transpose(0, 2, 1), x)  # [G, E*C, D]
+    return np.ascontiguousarray(slots.reshape(g, e, c, -1).transpose(1, 0, 2, 3))
+
+
+def moe_combine(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """`out[g, s] = sum_{e, c} weights[g, s, e, c] y[e, g, c]`: [E, G, C, D], [G, S, E, C] -> [G, S, D]."""
+    g, s, e, c = weights.shape
+    return np.matmul(weights.reshape(g, s, e * c), _slots_by_group(y))
+
+
+def moe_weights_grad(t: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """`out[g, s, e, c] = sum_d t[g, s, d] y[e, g, c, d]`: [G, S, D], [E, G, C, D] -> [G, S, E, C]."""
+    e, g, c, _ = y.shape
+    return np.matmul(t, _slots_by_group(y).transpose(0, 2, 1)).reshape(g, t.shape[1], e, c)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -681,10 +734,12 @@ def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
         case graph.ScaleOp():
             factor = _result_dtype(op).type(op.factor.value.data)
             return overwrites_first(rowwise(lambda x, out=None: np.multiply(x, factor, out=out)))
-        case graph.MatmulOp():
+        case graph.MatmulOp() | graph.ExpertMatmulOp():
             return matmul
         case graph.MatmulRhsGradOp():
             return matmul_rhs_grad
+        case graph.ExpertMatmulRhsGradOp():
+            return expert_matmul_rhs_grad
         case graph.TransposeOp():
             perm = tuple(op.perm.get_values())
             return lambda x: np.transpose(x, perm)  # a view
@@ -829,4 +884,13 @@ def _layer_kernel(op: Operation, rank: int) -> Kernel | None:
             return rope(op.base.value.data, -1.0)
         case graph.DropoutOp():
             return dropout(op, rank)
+        case graph.MoeRouteOp():
+            top_k, capacity = op.top_k.value.data, _result_shape(op)[-1]
+            return lambda probs: moe_route(probs, top_k, capacity)
+        case graph.MoeDispatchOp():
+            return moe_dispatch
+        case graph.MoeCombineOp():
+            return moe_combine
+        case graph.MoeWeightsGradOp():
+            return moe_weights_grad
     return None

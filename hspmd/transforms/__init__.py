@@ -22,6 +22,7 @@ _PASSES = {
     "shard-optimizer-state": "hspmd.transforms.shard_optimizer_state:ShardOptimizerState",
     "propagate-layouts": "hspmd.transforms.propagate_layouts:PropagateLayouts",
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",
+    "reuse-resharded-residuals": "hspmd.transforms.reuse_resharded_residuals:ReuseReshardedResiduals",
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
     "assign-pipeline-stages": "hspmd.transforms.pipeline.assign_stages:AssignPipelineStages",

@@ -38,9 +38,10 @@ def _group_states(group: StrategyGroup, axes: tuple[str, ...]) -> DistributedSta
         return split(axes.index(axis)) if axis in axes else DUP
 
     dp, tp = role("dp"), role("tp")
+    rows = group.batch_ranks  # "dp" is the batch's axis: with ep its ranks split the batch too
     if dp == DUP and tp == DUP:  # the layout algebra names each axis once
-        return DistributedStates.of((DUP, group.dp * group.tp))
-    return DistributedStates.of((dp, group.dp), (tp, group.tp))
+        return DistributedStates.of((DUP, rows * group.tp))
+    return DistributedStates.of((dp, rows), (tp, group.tp))
 
 
 def spec_layout(strategy: Strategy, axes: tuple[str, ...]) -> Layout:

@@ -85,11 +85,12 @@ from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
+from hspmd.transforms.expert_parallel import expert_layout, expert_parameters, uneven_experts_layout
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 
-COLUMN, ROW, COLUMN_BIAS = "column", "row", "column-bias"
+COLUMN, ROW, COLUMN_BIAS, EXPERT = "column", "row", "column-bias", "expert"
 VOCAB_TABLE, VOCAB_HEAD = "vocab-table", "vocab-head"
 
 
@@ -122,12 +123,12 @@ def strategy_layouts(strategy: Strategy) -> tuple[Layout, Layout]:
     if len(strategy.groups) == 1:
         group = strategy_group(strategy)
         params = Layout.replicated(group.devices)
-        batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (DUP, group.tp)))
+        batch = Layout.spmd(group.devices, DistributedStates.of((split(0), group.batch_ranks), (DUP, group.tp)))
         return params, batch
     _check_hetero(strategy)
     gs = strategy.groups
     params = hetero_role_layout(strategy, None)
-    batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), g.dp), (DUP, g.tp))) for g in gs),
+    batch = Layout(tuple(Group(g.devices, DistributedStates.of((split(0), g.batch_ranks), (DUP, g.tp))) for g in gs),
                    split(0), tuple(g.share for g in gs))
     return params, batch
 
@@ -146,20 +147,24 @@ def check_batch_rows(strategy: Strategy, name: str, shape) -> None:
     shares = tuple(g.share for g in strategy.groups)
     rows = apportion(shape[0], shares)
     for g, r in zip(strategy.groups, rows):
-        if r == 0 or r % g.dp:
+        if r == 0 or r % g.batch_ranks:
             raise PassError(
                 f"apply-strategy: input '{name}' of shape {_shape_text(shape)} cannot be split by shares "
                 f"{':'.join(map(str, shares))}: its {shape[0]} batch rows are apportioned "
                 f"{'+'.join(map(str, rows))} to the groups, and group '{g}' gets {r} rows, which must be "
-                f"at least one and divisible by its dp={g.dp} (each group splits its rows equally over its dp)")
+                f"at least one and divisible by its dp={g.dp}" + (f" times ep={g.ep}" if g.ep > 1 else "")
+                + " (each group splits its rows equally over its dp" + (" and ep ranks)" if g.ep > 1 else ")"))
 
 
 def role_layout(group: StrategyGroup, role: str | None) -> Layout:
-    """Return the layout of a parameter with tensor-parallel `role` (None: replicated)."""
+    """Return the layout of a parameter with tensor-parallel `role` (None: replicated), or an
+    expert weight's (`EXPERT`: split along the expert dim over ep)."""
+    if role == EXPERT:
+        return expert_layout(group)
     dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0, VOCAB_TABLE: 0, VOCAB_HEAD: 1}.get(role)  # type: ignore[arg-type]
     if dim is None:
         return Layout.replicated(group.devices)
-    return Layout.spmd(group.devices, DistributedStates.of((DUP, group.dp), (split(dim), group.tp)))
+    return Layout.spmd(group.devices, DistributedStates.of((DUP, group.batch_ranks), (split(dim), group.tp)))
 
 
 # ----------------------------------------------------------------------------- classification
@@ -300,7 +305,8 @@ _RULE = {COLUMN: "column-parallel weight [in, out] is split along its output dim
          ROW: "row-parallel weight [in, out] is split along its input dim 0",
          COLUMN_BIAS: "the bias of a column-parallel weight is split like its output dim",
          VOCAB_TABLE: "an embedding table [V, D] is split along its vocabulary dim 0",
-         VOCAB_HEAD: "an LM head [D, V] is split along its vocabulary dim 1"}
+         VOCAB_HEAD: "an LM head [D, V] is split along its vocabulary dim 1",
+         EXPERT: "expert weight [E, ...] is split along its expert dim 0"}
 
 
 def split_vocabulary_losses(module: ModuleOp, roles: dict[str, str], tp: int) -> int:
@@ -351,7 +357,7 @@ def residual_stream(module: ModuleOp, group: StrategyGroup) -> int:
         if isinstance(o, graph.InputOp) or any(v in batch for v in o.operands):
             batch.update(o.results)
     batch -= later
-    layout = Layout.spmd(group.devices, DistributedStates.of((split(0), group.dp), (split(1) if group.sp else DUP,
+    layout = Layout.spmd(group.devices, DistributedStates.of((split(0), group.batch_ranks), (split(1) if group.sp else DUP,
                                                                                      group.tp)))
     seeded: list[SSAValue] = []
     for o in block.ops:
@@ -448,6 +454,8 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
         split_vocabulary_losses(op, roles, group.tp)
     if not hetero and group.tp > 1:
         residual_stream(op, group)
+    if any(g.ep > 1 for g in strategy.groups) or (hetero and strategy.expert_shares is not None):
+        roles.update({name: EXPERT for name in expert_parameters(op)})
     names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
         name = leaf.tensor_name.data
@@ -464,10 +472,16 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
                 if names.get(owner) == shape:
                     role = roles.get(owner)
             layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
+            if role == EXPERT and hetero and strategy.expert_shares is not None:
+                layout = uneven_experts_layout(strategy, name, shape)
             if role is not None:
                 try:
                     layout.check_shape(shape, f"parameter '{name}'")
                 except LayoutError as err:
+                    if role == EXPERT:
+                        raise PassError(f"apply-strategy: ep cannot split parameter '{name}' of shape "
+                                        f"{_shape_text(shape)}: the {_RULE[role]} over ep into '{layout}', but "
+                                        f"{str(err).rsplit(': ', 1)[-1]}") from None
                     raise PassError(
                         f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
                         f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "

@@ -97,7 +97,7 @@ class Autodiff(ModulePass):
         # values that depend on a parameter: only these need gradients
         needs: set[SSAValue] = set()
         for fop in forward:
-            if isinstance(fop, graph.ParameterOp) or any(v in needs for v in fop.operands):
+            if isinstance(fop, graph.ParameterOp) or (any(v in needs for v in fop.operands) and not graph.stops_gradient(fop)):
                 needs.update(r for r in fop.results if is_float(r))
         calls = CallDifferentiator(op, reverse_sweep)
         seed = graph.ConstantOp(self.loss_scale, loss.type)  # a scaled loss keeps float16 gradients in range

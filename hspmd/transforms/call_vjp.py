@@ -70,7 +70,7 @@ class CallDifferentiator:
         dys = [block.insert_arg(y.type, len(block.args)) for y in ys]
         needs: set[SSAValue] = {a for a in params if is_float(a)}
         for o in forward_ops:
-            if any(v in needs for v in o.operands):
+            if any(v in needs for v in o.operands) and not graph.stops_gradient(o):
                 needs.update(r for r in o.results if is_float(r))
         seeds: dict[SSAValue, SSAValue] = {}
         marker = graph.ConstantOp(0.0, TensorType(ys[0].type.element_type, ()))  # insertion point

@@ -124,6 +124,17 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
             return [lambda: emit(graph.ScaleOp(g, op.factor.value.data))]
         case graph.ReluOp():
             return [lambda: emit(graph.ReluGradOp(op.input, g))]
+        case graph.ExpertMatmulOp():  # the same op on the gradients, so they stay where the experts are
+            return [lambda: emit(graph.ExpertMatmulOp(g, _transpose(emit, op.rhs), op.lhs.type)),
+                    lambda: emit(graph.ExpertMatmulRhsGradOp(op.lhs, g, op.rhs.type))]
+        case graph.MoeRouteOp():  # piecewise constant: no gradient
+            return [None]
+        case graph.MoeDispatchOp():
+            return [lambda: emit(graph.MoeCombineOp(g, op.mask, op.x.type)),
+                    lambda: emit(graph.MoeWeightsGradOp(op.x, g, op.mask.type))]
+        case graph.MoeCombineOp():
+            return [lambda: emit(graph.MoeDispatchOp(g, op.weights, op.y.type)),
+                    lambda: emit(graph.MoeWeightsGradOp(g, op.y, op.weights.type))]
         case graph.MatmulOp():
             a, b = _shape(op.lhs), _shape(op.rhs)
             if len(b) == 2 and len(a) > 2:  # a weight applied to batched activations

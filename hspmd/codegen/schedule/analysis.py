@@ -15,10 +15,10 @@ from hspmd.dialects.levels import physical_groups
 
 def op_matmul_flops(op: Operation | None) -> int:
     """Return the floating-point operations of one matmul op (2 m k n; 0 for any other op)."""
-    if isinstance(op, graph.MatmulOp):
+    if isinstance(op, (graph.MatmulOp, graph.ExpertMatmulOp)):
         out_shape = op.results[0].type.get_shape()  # type: ignore[attr-defined]
         return 2 * int(np.prod(out_shape, dtype=np.int64)) * op.operands[0].type.get_shape()[-1]  # type: ignore
-    if isinstance(op, graph.MatmulRhsGradOp):
+    if isinstance(op, (graph.MatmulRhsGradOp, graph.ExpertMatmulRhsGradOp)):
         a_shape = op.operands[0].type.get_shape()  # type: ignore[attr-defined]
         return 2 * int(np.prod(a_shape, dtype=np.int64)) * op.operands[1].type.get_shape()[-1]  # type: ignore
     return 0

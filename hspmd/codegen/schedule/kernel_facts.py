@@ -50,7 +50,7 @@ _BY_CLASS: dict[type, OutFacts] = {
     graph.ReluOp: FIRST, graph.ScaleOp: FIRST, graph.RsqrtOp: FIRST, graph.TanhGradOp: FIRST,
     graph.SoftmaxOp: FIRST, graph.LayerNormOp: FIRST, graph.CausalMaskOp: FIRST,
     # kernels that fill out= arrays distinct from their operands
-    graph.MatmulOp: OUT, graph.MatmulRhsGradOp: OUT, graph.GeluOp: OUT, graph.GeluGradOp: OUT,
+    graph.MatmulOp: OUT, graph.ExpertMatmulOp: OUT, graph.ExpertMatmulRhsGradOp: OUT, graph.MatmulRhsGradOp: OUT, graph.GeluOp: OUT, graph.GeluGradOp: OUT,
     graph.SoftmaxGradOp: OUT, graph.LayerNormGradOp: OUT, graph.ConcatOp: OUT,
     # optimizer updates (elementwise)
     optim.SGDOp: FIRST, optim.AdamOp: FIRST, optim.MulScalarOp: FIRST,

@@ -102,7 +102,7 @@ def op_cost(op: Operation, funcs: dict[str, func.FuncOp]) -> int:
             for d in r.type.get_shape():
                 elements *= d
             total += elements
-    if isinstance(op, graph.MatmulOp):
+    if isinstance(op, (graph.MatmulOp, graph.ExpertMatmulOp)):
         lhs = op.operands[0].type
         assert isinstance(lhs, TensorType)
         total *= 2 * lhs.get_shape()[-1]

@@ -48,11 +48,15 @@ class Pipeline:
     fresh: int | None = None
     #: ZeRO over each stage's dp ranks (`shard-stage-optimizer`)
     zero: int = 0
+    #: expert-parallel ranks inside each stage, between dp and tp (`[0-3]: ep=2 pp=2`)
+    ep: int = 1
+    #: the experts the group holds where groups hold different numbers (`experts=`)
+    experts: int | None = None
 
     @property
     def stages(self) -> tuple[tuple[int, ...], ...]:
         """Return each stage's devices."""
-        n = self.dp * self.tp
+        n = self.dp * self.ep * self.tp
         return tuple(self.devices[s * n:(s + 1) * n] for s in range(self.pp))
 
     def stage_strategy(self, microbatches: int) -> str:
@@ -60,24 +64,25 @@ class Pipeline:
 
         `[0..V-1]: dp=m*dp tp=tp` over V = m*dp*tp virtual devices (`[d0]: dp=1` for V = 1).
         """
-        v = microbatches * self.dp * self.tp
+        v = microbatches * self.dp * self.ep * self.tp
         if self.union is not None:  # the pipelined group on virtual devices, the others as written
             return " | ".join(str(self.stage_group(microbatches)) if g == "{}" else g for g in self.union)
         if v == 1:
             return f"[{self.devices[0]}]: dp=1"
         devices = f"0-{v - 1}" if v > 2 else "0,1"
-        return f"[{devices}]: dp={microbatches * self.dp} tp={self.tp}" + (" sp=1" if self.sp else "")
+        return (f"[{devices}]: dp={microbatches * self.dp} tp={self.tp}" + (" sp=1" if self.sp else "")
+                + (f" ep={self.ep}" if self.ep > 1 else ""))
 
     def stage_group(self, microbatches: int) -> StrategyGroup:
         """Return the pipelined group as one stage on its virtual devices (micro-batches x dp as dp)."""
         return StrategyGroup(self.virtual(microbatches), dp=microbatches * self.dp, tp=self.tp, share=self.share,
-                             sp=self.sp)
+                             sp=self.sp, ep=self.ep, experts=self.experts)
 
     def virtual(self, microbatches: int) -> tuple[int, ...]:
         """Return the virtual devices of a pipelined group beside other groups: one per micro-batch
         and stage position, the group's own devices first, then numbers from `fresh` on (above
         every real device, and above the other pipelined groups' virtual devices)."""
-        v = microbatches * self.dp * self.tp
+        v = microbatches * self.dp * self.ep * self.tp
         top = self.fresh if self.fresh is not None else max([*self.devices, *self.other_devices]) + 1
         return (*self.devices, *range(top, top + v))[:v]
 
@@ -104,8 +109,9 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
         if len(strategy.groups) > 1:
             union = tuple("{}" if h is g else str(h) for h in strategy.groups)
         others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
-        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero)
-        fresh += microbatches * g.dp * g.tp
+        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero,
+                        g.ep, g.experts)
+        fresh += microbatches * g.dp * g.ep * g.tp
         out.append(pipe)
     return out
 
