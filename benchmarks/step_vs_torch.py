@@ -10,10 +10,11 @@ torch.optim.AdamW and clip_grad_norm_. The two are timed alternately, step by st
 machine shared with other work slows both alike; the medians are compared. `--threads N`
 gives both N threads (PyTorch's intra-op threads, NumPy's BLAS through threadpoolctl, the
 plan's row threads); by default each uses what it finds (the CPUs of the machine). hspmd's
-plan runs with `blas_threads="auto"` unless `--blas-threads fixed`: each step's matmuls on
-BLAS's threads or on one, whichever its last steps measured faster (on a machine shared with
-other work, two BLAS threads measured several times slower than one); BLAS's thread count is
-restored after each step, so the NumPy reference products run on all threads.
+plan runs as `hspmd run` does by default (BLAS's threads); `--blas-threads auto` runs it with
+`blas_threads="auto"` (HSPMD_BLAS_THREADS=auto): each step's matmuls on BLAS's threads or on
+one, whichever its last steps measured faster (on a machine shared with other work, two BLAS
+threads measured several times slower than one); BLAS's thread count is restored after each
+step, so the NumPy reference products run on all threads.
 
 A third column runs the same loss through `torch.compile` (inductor: generated C++ with
 OpenMP on the CPU; the optimizer eager) unless `--no-torch-compile`; where it cannot compile
@@ -236,9 +237,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help="threads for both (default: each its own default)")
     parser.add_argument("--kernels", choices=["cpu", "numpy"], default="cpu",
                         help="hspmd's elementwise and row kernels: fused C++ (cpu, the default of hspmd run) or NumPy per op")
-    parser.add_argument("--blas-threads", choices=["auto", "fixed"], default="auto",
-                        help="hspmd's matmuls on BLAS's threads or on one, whichever measures faster (auto, the "
-                             "default here: HSPMD_BLAS_THREADS=auto for hspmd run), or always BLAS's (fixed)")
+    parser.add_argument("--blas-threads", choices=["auto", "fixed"], default="fixed",
+                        help="hspmd's matmuls always on BLAS's threads (fixed, hspmd run's default) or on BLAS's "
+                             "threads or one, whichever measures faster (auto: HSPMD_BLAS_THREADS=auto)")
     parser.add_argument("--no-torch-compile", action="store_true",
                         help="leave out the torch.compile column (its first step compiles for tens of seconds)")
     parser.add_argument("--memory-child", choices=["hspmd", "torch"], help=argparse.SUPPRESS)
