@@ -7,7 +7,10 @@ degrees, the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2
 optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
-them; default: contiguous ranges balanced by cost). Keys come in any order, separated by spaces or commas,
+them; default: contiguous ranges balanced by cost). How the data-parallel ranks communicate
+(docs/parameter-server.md): `comm=allreduce|ps|hybrid` (default allreduce), the consistency
+model `consistency=bsp|asp|ssp:S` (default bsp; asp and ssp need ps or hybrid) and the HET
+cache `cache=ROWS` (hot embedding rows each worker keeps; default 0, none). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
@@ -28,8 +31,14 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers")
-_DEFAULTS = {"zero": 0, "sp": 0, "layers": None}
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "comm", "consistency", "cache")
+_DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "comm": "allreduce", "consistency": "bsp", "cache": 0}
+#: how a group's data-parallel ranks exchange gradients: collectives, parameter servers, or both
+#: (embedding tables through the servers, dense parameters by all-reduce)
+COMM_MODES = ("allreduce", "ps", "hybrid")
+#: the consistency models of a parameter-server run (`ssp` takes its bound: `ssp:2`)
+CONSISTENCY_MODELS = ("bsp", "asp", "ssp")
+_WORD_KEYS = ("comm", "consistency")
 ZERO_STAGES = (0, 1, 2)
 #: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -37,12 +46,12 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
 sgroup: "[" devlist "]" ":" (kv (","? kv)*)?
-kv: NAME "=" INT (":" INT)*
+kv: NAME "=" (INT | NAME) (":" INT)*
 NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share, zero, sp or layers)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": "a key (dp, tp, pp, share, zero, sp, layers, comm, consistency or cache)",
                                    "$END": "end of text"})
 
 
@@ -86,10 +95,14 @@ class StrategyGroup:
     zero: int = 0
     sp: int = 0
     layers: tuple[int, ...] | None = None
+    comm: str = "allreduce"
+    consistency: str = "bsp"
+    cache: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
         text = str(self)
+        self._check_communication(text)
         for key in _KEYS[:4]:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -116,6 +129,38 @@ class StrategyGroup:
             raise StrategyError(
                 f"group '{text}' has dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {n} but {len(self.devices)} "
                 f"devices; the product of dp, tp and pp must equal the number of devices{hint}")
+
+    def _check_communication(self, text: str) -> None:
+        """Raise StrategyError unless comm, consistency and cache fit together (and the group)."""
+        if self.comm not in COMM_MODES:
+            raise StrategyError(f"group '{text}' has comm={self.comm!r}; comm must be one of {', '.join(COMM_MODES)}")
+        if self.consistency_model not in CONSISTENCY_MODELS or (
+                self.consistency_model == "ssp") != (":" in str(self.consistency)):
+            raise StrategyError(f"group '{text}' has consistency={self.consistency!r}; "
+                                "consistency must be bsp, asp or ssp:S (S >= 0 steps)")
+        if isinstance(self.cache, bool) or not isinstance(self.cache, int) or self.cache < 0:
+            raise StrategyError(f"group '{text}' has cache={self.cache!r}; cache must be a row count >= 0")
+        if self.comm == "allreduce" and (self.consistency != "bsp" or self.cache):
+            raise StrategyError(f"group '{text}' asks for consistency={self.consistency} / cache={self.cache} "
+                                "with comm=allreduce; they need parameter servers (comm=ps or comm=hybrid)")
+        if self.cache and self.consistency_model == "asp":
+            raise StrategyError(f"group '{text}' asks for cache={self.cache} under consistency=asp; the HET cache "
+                                "bounds a cached row's staleness by S of consistency=ssp:S (bsp: 0)")
+        if self.comm != "allreduce" and (self.tp > 1 or self.pp > 1 or self.zero or self.sp):
+            raise StrategyError(f"group '{text}' uses comm={self.comm}; parameter servers serve data "
+                                "parallelism only (tp, pp, zero and sp must keep their defaults)")
+
+    @property
+    def consistency_model(self) -> str:
+        """Return the consistency model without its bound: "bsp", "asp" or "ssp"."""
+        return str(self.consistency).split(":")[0]
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """Return how many steps a worker may run ahead of the slowest: 0 under bsp, S under ssp:S,
+        None (no bound) under asp."""
+        model = self.consistency_model
+        return 0 if model == "bsp" else None if model == "asp" else int(str(self.consistency).split(":")[1])
 
     def __str__(self) -> str:
         keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _KEYS
@@ -198,9 +243,13 @@ def parse_strategy(text: str) -> Strategy:
         for kv in kvs:
             key, value, *more = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp or layers")
+                raise _err(text, key, f"unknown key '{key}'",
+                           "dp, tp, pp, share, zero, sp, layers, comm, consistency or cache")
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
+            if key in _WORD_KEYS or value.type == "NAME":
+                values[str(key)] = _word_value(text, key, value, more)
+                continue
             if more and key != "layers":
                 raise _err(text, more[0], f"key '{key}' takes one number, not a list", "a number")
             if key == "layers":
@@ -225,6 +274,24 @@ def parse_strategy(text: str) -> Strategy:
             values["dp"] = len(devices)
         groups.append(StrategyGroup(devices, **values))
     return Strategy(tuple(groups))
+
+
+def _word_value(text: str, key: Token, value: Token, more: list[Token]) -> str:
+    """Return the value of a key that takes a word (`comm=ps`, `consistency=ssp:2`), checked."""
+    if key not in _WORD_KEYS:
+        raise _err(text, value, f"key '{key}' takes a number, not '{value}'", "a number")
+    if value.type != "NAME":
+        raise _err(text, value, f"key '{key}' takes a word, not {value}",
+                   ", ".join(COMM_MODES) if key == "comm" else "bsp, asp or ssp:S")
+    if key == "comm":
+        if value not in COMM_MODES or more:
+            raise _err(text, value, f"comm={value}{':' if more else ''} is not a communication mode", ", ".join(COMM_MODES))
+        return str(value)
+    if value not in CONSISTENCY_MODELS:
+        raise _err(text, value, f"consistency={value} is not a consistency model", "bsp, asp or ssp:S")
+    if (value == "ssp") != (len(more) == 1) or len(more) > 1:
+        raise _err(text, value, "ssp takes its staleness bound (ssp:S) and bsp/asp take none", "bsp, asp or ssp:S")
+    return f"ssp:{int(more[0])}" if more else str(value)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""A parameter server's loop: take pushes, apply updates, answer pulls the clocks admit.
+
+Server k holds its range of parameters (`PSPlan.on_server`) and their optimizer states, all
+made by its update step (`update.UpdateStep`) from names and the seed, as every compiled step
+makes them. It answers messages in arrival order on one thread and never blocks but in
+`recv`: replies go out with non-blocking sends, so a slow worker never stalls the others.
+
+- A push under BSP waits until every live worker has pushed that step; the gradients are then
+  summed in worker order (rows of a table: concatenated in worker order and summed per row)
+  and applied once, divided by the number of workers (each worker's gradient is its rows'
+  mean). Under ASP and SSP each push is applied as it comes, divided likewise.
+- A pull is answered once `Clocks.admits` its step; it carries the values (whole, or the rows
+  asked for), the staleness, and per table the asked rows' versions (update counts).
+- DONE retires a worker (it holds nobody back); the loop ends when every worker is done.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hspmd.ir.ps_plan import PSPlan
+from hspmd.runtime.ps import protocol
+from hspmd.runtime.ps.clocks import Clocks
+from hspmd.runtime.ps.update import UpdateStep
+
+
+def _sum_pushes(pushes: list[dict], names: list[str], workers: int) -> dict:
+    """Return one push: `pushes` (in worker order) summed per parameter (per row for tables)."""
+    out = {}
+    for name in names:
+        parts = [p[name] for p in pushes if name in p]
+        rows = [r for r, _ in parts]
+        if rows[0] is None:
+            total = parts[0][1].copy()
+            for _, g in parts[1:]:
+                total += g
+            out[name] = (None, total / np.float32(workers) if total.dtype == np.float32 else total / workers)
+            continue
+        out[name] = _sum_rows(np.concatenate(rows), np.concatenate([g for _, g in parts]), workers)
+    return out
+
+
+def _sum_rows(rows: np.ndarray, grads: np.ndarray, workers: int):
+    """Return (distinct rows, their gradients summed in the given order, divided by `workers`)."""
+    unique, where = np.unique(rows, return_inverse=True)
+    total = np.zeros((len(unique), *grads.shape[1:]), dtype=grads.dtype)
+    np.add.at(total, where, grads)
+    total /= total.dtype.type(workers)
+    return unique, total
+
+
+class Server:
+    """Server `index` (0-based among servers) of a run under `plan`."""
+
+    def __init__(self, index: int, plan: PSPlan, update: UpdateStep, seed: int, scalars) -> None:
+        self.index, self.plan, self.update = index, plan, update
+        self.state = update.initial_state(seed)
+        self.names = plan.on_server(index)
+        self.clocks = Clocks(plan.workers, plan.bound)
+        self.scalars = scalars  # step -> the update's step inputs ("lr")
+        self.pending: list[tuple[int, int, dict]] = []  # pulls not yet admitted: (worker, step, request)
+        self.waiting: dict[int, dict[int, dict]] = {}  # BSP: step -> {worker: push}
+        self.sends: list = []
+
+    def serve(self, comm) -> None:
+        """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all are done."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        done = set()
+        while len(done) < self.plan.workers:
+            payload = comm.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            worker, tag = status.Get_source(), status.Get_tag()
+            if tag == protocol.PULL:
+                step, request = payload
+                self.pending.append((worker, step, request))
+            elif tag == protocol.PUSH:
+                step, push = payload
+                self.push(worker, step, push)
+            elif tag == protocol.DONE:
+                if any(len(rows) for rows, _ in payload.values()):  # the HET cache's last gradients
+                    self._apply(0, _sum_pushes([payload], [n for n in self.names if n in payload], self.plan.workers))
+                done.add(worker)
+                self.clocks.retire(worker)
+                self._flush_waiting()
+            self.answer(comm)
+            self.sends = [r for r in self.sends if not r.Test()]
+        MPI.Request.Waitall(self.sends)
+
+    def push(self, worker: int, step: int, push: dict) -> None:
+        """Take `worker`'s gradients of `step`: apply them now (ASP, SSP) or once all are in (BSP)."""
+        self.clocks.tick(worker)
+        if self.plan.bound == 0:
+            self.waiting.setdefault(step, {})[worker] = push
+            self._flush_waiting()
+        else:
+            self._apply(step, _sum_pushes([push], self.names, self.plan.workers))
+
+    def _flush_waiting(self) -> None:
+        """Apply every BSP step whose pushes from all live workers are in, oldest first."""
+        for step in sorted(self.waiting):
+            pushes = self.waiting[step]
+            if not self.clocks.live.issubset(pushes) or not pushes:
+                return
+            del self.waiting[step]
+            self._apply(step, _sum_pushes([pushes[w] for w in sorted(pushes)], self.names, self.plan.workers))
+
+    def _apply(self, step: int, grads: dict) -> None:
+        self.update.apply(self.state, grads, self.scalars(max(step, 1)))
+
+    def answer(self, comm) -> None:
+        """Send every pending pull the clocks now admit."""
+        keep = []
+        for worker, step, request in self.pending:
+            if not self.clocks.admits(step):
+                keep.append((worker, step, request))
+                continue
+            values = {name: self.state[name] if rows is None else self.state[name][rows]
+                      for name, rows in request.items()}
+            reply = (step, values, self.clocks.staleness(step))
+            self.sends.append(comm.isend(reply, dest=worker, tag=protocol.REPLY))
+        self.pending = keep
