@@ -464,6 +464,13 @@ class TanhOp(_Elementwise):
 
 
 @irdl_op_definition
+class SigmoidOp(_Elementwise):
+    """Elementwise `1 / (1 + exp(-x))`."""
+
+    name = "graph.sigmoid"
+
+
+@irdl_op_definition
 class SiluOp(_Elementwise):
     """Elementwise `x * sigmoid(x)` (SiLU, swish)."""
 
@@ -532,6 +539,13 @@ class TanhGradOp(_UnaryGrad):
     """`dy * (1 - y^2)` at the result `y` of `graph.tanh`."""
 
     name = "graph.tanh_grad"
+
+
+@irdl_op_definition
+class SigmoidGradOp(_UnaryGrad):
+    """`dy * y * (1 - y)` at the result `y` of `graph.sigmoid`."""
+
+    name = "graph.sigmoid_grad"
 
 
 @irdl_op_definition
@@ -1078,6 +1092,8 @@ Graph = Dialect(
         RsqrtOp,
         TanhOp,
         TanhGradOp,
+        SigmoidOp,
+        SigmoidGradOp,
         SiluOp,
         SiluGradOp,
         GeluOp,

@@ -98,6 +98,29 @@ def tanh(x: Tensor) -> Tensor:
     return _unary(graph.TanhOp, x, "tanh")
 
 
+def sigmoid(x: Tensor) -> Tensor:
+    """Return `1 / (1 + exp(-x))` elementwise."""
+    return _unary(graph.SigmoidOp, x, "sigmoid")
+
+
+def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Return the mean over all elements of `-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))`.
+
+    Written as `relu(z) - z y + log(1 + exp(-|z|))` (as torch's `binary_cross_entropy_with_logits`),
+    which neither overflows nor loses the small losses of confident logits; `labels` are floats
+    in [0, 1] of the logits' shape.
+    """
+    logits, labels = _tensor(logits, "binary_cross_entropy_with_logits"), _tensor(labels, "binary_cross_entropy_with_logits")
+    if logits.shape != labels.shape:
+        raise fail("binary_cross_entropy_with_logits",
+                   f"logits {list(logits.shape)} and labels {list(labels.shape)} need the same shape")
+    _float(logits, "binary_cross_entropy_with_logits")
+    _float(labels, "binary_cross_entropy_with_logits")
+    magnitude = relu(logits) + relu(-logits)
+    per = relu(logits) - logits * labels + log(exp(-magnitude) + 1.0)
+    return per.mean()
+
+
 def silu(x: Tensor) -> Tensor:
     """Return `x * sigmoid(x)` elementwise (SiLU / swish)."""
     return _unary(graph.SiluOp, x, "silu")

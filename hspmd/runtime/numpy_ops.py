@@ -696,6 +696,10 @@ def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
                 return np.multiply(dy, out, out=out)
 
             return tanh_grad
+        case graph.SigmoidOp():
+            return _sigmoid
+        case graph.SigmoidGradOp():
+            return lambda y, dy: dy * (y * (1 - y))
         case graph.SiluOp():
             return lambda x: x * _sigmoid(x)
         case graph.SiluGradOp():
