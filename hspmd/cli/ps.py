@@ -46,6 +46,8 @@ def run_parameter_servers(args) -> int:
     for name in ("steps", "log"):
         if getattr(args, name, None) is not None:
             argv += ["--" + name, str(getattr(args, name))]
+    if getattr(args, "seconds", None):
+        argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):
         argv += ["--slow", args.slow_worker]
     return launch(args.n + args.servers, argv, hosts=args.hosts, hostfile=args.hostfile)

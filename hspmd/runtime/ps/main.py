@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log")
     parser.add_argument("--kernels", default="cpu")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
-    parser.add_argument("--progress")
+    parser.add_argument("--seconds", type=float, help="stop starting steps after this much wall time")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 who, seconds = args.slow.split(":")
                 slow = float(seconds) if int(who) == rank else 0.0
             train_worker(args.bundle, rank, plan, world, MPICommunicator(role), args.steps, args.log,
-                         args.kernels, slow=slow)
+                         args.kernels, slow=slow, seconds=args.seconds)
         else:
             from hspmd.runtime.ps.server import Server
             from hspmd.runtime.ps.update import UpdateStep

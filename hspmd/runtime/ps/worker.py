@@ -132,6 +132,17 @@ class PSWorker:
             self.dense.apply(state, mean, scalars)
         return float(total[-1])
 
+    def final_parameters(self, state: dict) -> dict:
+        """Return every parameter as the servers hold it now (whole tables too; not waiting for
+        any clock), with this worker's own (dense, under hybrid) beside them."""
+        out = dict(state)
+        for server in range(self.plan.servers):
+            request = {name: None for name, s in self.plan.homes.items() if s == server}
+            self.world.send((0, request), dest=self.plan.workers + server, tag=protocol.PULL)
+            _, values, _ = self.world.recv(source=self.plan.workers + server, tag=protocol.REPLY)
+            out.update(values)
+        return out
+
     def done(self) -> int:
         """Tell every server this worker has finished, with the cache's pending gradients; return
         the bytes sent."""
@@ -146,10 +157,23 @@ class PSWorker:
         return self.hits / self.lookups if self.lookups else None
 
 
+def _evaluate(script: str, params: dict, config: dict) -> dict:
+    """Return the script's `evaluate(params, config)` (held-out metrics such as AUC), {} without one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hspmd_eval_" + os.path.basename(script).split(".")[0], script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.evaluate(params, config)) if hasattr(module, "evaluate") else {}
+
+
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
-                 log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0) -> list[float]:
+                 log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
+                 seconds: float | None = None) -> list[float]:
     """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
-    slowed worker, for tests and benchmarks)."""
+    slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
+    that much wall time has passed. Rank 0 then evaluates the servers' parameters with the
+    script's `evaluate` (if it has one) and logs the result as one more line."""
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
     from hspmd.runtime.worker import RunError, _group_program, load_batches, step_inputs
     from hspmd.runtime.kernel_exec import select_program
@@ -180,9 +204,14 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     log_file = open(log, "w") if log and rank == 0 else None
     meet = plan.comm == "hybrid" or plan.bound == 0
     losses = []
+    began = time.perf_counter()
+    step = 0
     try:
         for step in range(1, steps + 1):
             start = time.perf_counter()
+            if seconds is not None and start - began > seconds:
+                step -= 1
+                break
             batch = next(batches, None)
             if batch is None:
                 raise RunError(f"the script's batches ran out after {step - 1} steps")
@@ -212,6 +241,15 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 if not quiet:
                     print(f"step {step}/{steps}  loss {loss:.6g}  staleness {staleness}  {elapsed * 1e3:.1f} ms",
                           flush=True)
+        if rank == 0:
+            metrics = _evaluate(manifest.script, me.final_parameters(state), config)
+            if metrics:
+                record = {"step": step, **metrics, "wall_s": time.perf_counter() - began,
+                          "samples": step * plan.batch_rows, "consistency": plan.consistency}
+                if log_file:
+                    log_file.write(json.dumps(record) + "\n")
+                if not quiet:
+                    print("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
     finally:
         if log_file:
             log_file.close()
