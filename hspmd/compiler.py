@@ -323,7 +323,8 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     homes = assign_by_bytes([(name, tensor_nbytes(typ)) for name, _, typ in served], servers)
     rows = len(next(iter(next(script.batches()).values())))
     plan = PSPlan(workers=workers, servers=servers, comm=group.comm, consistency=group.consistency,
-                  bound=group.staleness_bound, cache_rows=group.cache, homes=homes,
+                  bound=group.staleness_bound, cache_rows=group.cache_rows,
+                  cache_bound=group.cache_bound or 0, homes=homes,
                   tables={t: i for t, i in tables.items() if t in homes}, batch_rows=rows)
     server_updates = [update_program([p for p in served if homes[p[0]] == k], opt) for k in range(servers)]
     dense = [p for p in params if p[0] not in homes]

@@ -64,6 +64,7 @@ class PSPlan:
     consistency: str  # "bsp", "asp" or "ssp:S"
     bound: int | None  # steps a worker may run ahead of the slowest (None: no bound)
     cache_rows: int = 0
+    cache_bound: int = 0  # steps a cached row is used after its pull
     #: parameter -> the server that holds it (the parameters that go through servers)
     homes: dict[str, int] = field(default_factory=dict)
     #: embedding table -> the input of ids it is looked up by (rows pulled and pushed sparsely)

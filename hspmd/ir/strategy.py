@@ -10,7 +10,8 @@ sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0
 them; default: contiguous ranges balanced by cost). How the data-parallel ranks communicate
 (docs/parameter-server.md): `comm=allreduce|ps|hybrid` (default allreduce), the consistency
 model `consistency=bsp|asp|ssp:S` (default bsp; asp and ssp need ps or hybrid) and the HET
-cache `cache=ROWS` (hot embedding rows each worker keeps; default 0, none). Keys come in any order, separated by spaces or commas,
+cache `cache=ROWS` or `cache=ROWS:B` (hot embedding rows each worker keeps, each used for at most
+B steps after it was pulled; B defaults to S of ssp:S, and bsp means 0; default 0, no cache). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
@@ -97,7 +98,7 @@ class StrategyGroup:
     layers: tuple[int, ...] | None = None
     comm: str = "allreduce"
     consistency: str = "bsp"
-    cache: int = 0
+    cache: int | tuple[int, int] = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -138,17 +139,32 @@ class StrategyGroup:
                 self.consistency_model == "ssp") != (":" in str(self.consistency)):
             raise StrategyError(f"group '{text}' has consistency={self.consistency!r}; "
                                 "consistency must be bsp, asp or ssp:S (S >= 0 steps)")
-        if isinstance(self.cache, bool) or not isinstance(self.cache, int) or self.cache < 0:
-            raise StrategyError(f"group '{text}' has cache={self.cache!r}; cache must be a row count >= 0")
-        if self.comm == "allreduce" and (self.consistency != "bsp" or self.cache):
-            raise StrategyError(f"group '{text}' asks for consistency={self.consistency} / cache={self.cache} "
+        if isinstance(self.cache, tuple):
+            object.__setattr__(self, "cache", tuple(self.cache))
+        parts = self.cache if isinstance(self.cache, tuple) else (self.cache,)
+        if len(parts) > 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parts):
+            raise StrategyError(f"group '{text}' has cache={_value_text(self.cache)}; cache must be ROWS or "
+                                "ROWS:B (a row count and a staleness bound in steps, both >= 0)")
+        if self.comm == "allreduce" and (self.consistency != "bsp" or self.cache_rows):
+            raise StrategyError(f"group '{text}' asks for consistency={self.consistency} / cache={_value_text(self.cache)} "
                                 "with comm=allreduce; they need parameter servers (comm=ps or comm=hybrid)")
-        if self.cache and self.consistency_model == "asp":
-            raise StrategyError(f"group '{text}' asks for cache={self.cache} under consistency=asp; the HET cache "
-                                "bounds a cached row's staleness by S of consistency=ssp:S (bsp: 0)")
+        if self.cache_rows and self.cache_bound is None:
+            raise StrategyError(f"group '{text}' asks for cache={self.cache} under consistency=asp; give the HET "
+                                "cache its staleness bound, cache=ROWS:B (under ssp:S it defaults to S)")
         if self.comm != "allreduce" and (self.tp > 1 or self.pp > 1 or self.zero or self.sp):
             raise StrategyError(f"group '{text}' uses comm={self.comm}; parameter servers serve data "
                                 "parallelism only (tp, pp, zero and sp must keep their defaults)")
+
+    @property
+    def cache_rows(self) -> int:
+        """Return the HET cache's rows per worker and table (0: no cache)."""
+        return self.cache[0] if isinstance(self.cache, tuple) else self.cache
+
+    @property
+    def cache_bound(self) -> int | None:
+        """Return the steps a cached row is used after its pull: B of cache=ROWS:B, else the
+        consistency's bound (None under asp)."""
+        return self.cache[1] if isinstance(self.cache, tuple) else self.staleness_bound
 
     @property
     def consistency_model(self) -> str:
@@ -249,6 +265,11 @@ def parse_strategy(text: str) -> Strategy:
                 raise _err(text, key, f"key '{key}' is given twice")
             if key in _WORD_KEYS or value.type == "NAME":
                 values[str(key)] = _word_value(text, key, value, more)
+                continue
+            if key == "cache" and more:
+                if len(more) > 1:
+                    raise _err(text, more[1], "cache takes ROWS or ROWS:B", "end of the key")
+                values["cache"] = (int(value), int(more[0]))
                 continue
             if more and key != "layers":
                 raise _err(text, more[0], f"key '{key}' takes one number, not a list", "a number")

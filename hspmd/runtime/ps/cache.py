@@ -1,12 +1,12 @@
 """The HET cache (Miao et al., VLDB'22): hot embedding rows kept on a worker, staleness bounded.
 
-`cache=ROWS` under `consistency=ssp:S` lets each worker keep up to ROWS rows of each table it
-pulled. A cached row is used without asking a server for S steps after it was fetched (so a
-value a worker computes with is at most S of its own steps older than the server's, on top of
-the S steps SSP already allows); after that, or once evicted (least recently used first), it
+`cache=ROWS:B` (B defaults to S under `consistency=ssp:S`) lets each worker keep up to ROWS rows
+of each table it pulled. A cached row is used without asking a server for B steps after it was
+fetched (so a value a worker computes with misses at most the updates of B of its own steps,
+on top of what the consistency model already allows); after that, or once evicted (least recently used first), it
 is pulled again. Gradients of cached rows are summed on the worker and pushed when the row
 is about to be refreshed or is evicted (and at the end of the run), so a hot row costs one
-pull and one push every S + 1 steps instead of one each per step. The worker's table array
+pull and one push every B + 1 steps instead of one each per step. B = 0 caches nothing (BSP). The worker's table array
 holds the values; the cache keeps only which rows are valid, since when, and their pending
 gradients.
 """

@@ -71,7 +71,7 @@ class PSWorker:
             self._rows[name] = rows
             if self.plan.cache_rows:
                 if name not in self.caches:
-                    self.caches[name] = RowCache(self.plan.cache_rows, self.plan.bound, state[name].shape,
+                    self.caches[name] = RowCache(self.plan.cache_rows, self.plan.cache_bound, state[name].shape,
                                                  state[name].dtype)
                 missing = self.caches[name].missing(rows, step)
                 self.hits += len(rows) - len(missing)
