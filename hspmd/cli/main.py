@@ -153,7 +153,7 @@ def check_run_options(args) -> None:
     if args.cpu_bind:
         from hspmd.runtime.profiler import parse_cpu_bind
 
-        parse_cpu_bind(args.cpu_bind, args.n)
+        parse_cpu_bind(args.cpu_bind, args.n + (args.servers or 0))  # servers are ranks too
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise SystemExit(f"hspmd: error: --trace {args.trace}: its directory does not exist")
 

@@ -34,7 +34,7 @@ def run_parameter_servers(args) -> int:
                             "give their number with --servers K (K >= 1)")
     if os.path.isdir(args.script):
         raise SystemExit("hspmd: error: a parameter-server run compiles its script; give the .py, not a bundle")
-    for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace", "cpu_bind"):
+    for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
         if getattr(args, flag, None):
             raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
     script = load_script(args.script, parse_overrides(args.set))
@@ -46,6 +46,11 @@ def run_parameter_servers(args) -> int:
     for name in ("steps", "log"):
         if getattr(args, name, None) is not None:
             argv += ["--" + name, str(getattr(args, name))]
+    if args.cpu_bind:
+        from hspmd.runtime.profiler import parse_cpu_bind
+
+        parse_cpu_bind(args.cpu_bind, args.n + args.servers)
+        argv += ["--cpu-bind", args.cpu_bind]
     if getattr(args, "seconds", None):
         argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):

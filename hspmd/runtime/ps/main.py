@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log")
     parser.add_argument("--kernels", default="cpu")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
+    parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
     parser.add_argument("--seconds", type=float, help="stop starting steps after this much wall time")
     args = parser.parse_args(argv)
     from mpi4py import MPI
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hspmd run: error: the bundle is for {plan.workers} workers and {plan.servers} servers, "
                   f"the run has {world.Get_size()} ranks", file=sys.stderr, flush=True)
         return 1
+    if args.cpu_bind:  # checked by `hspmd run` before launching
+        from hspmd.runtime.profiler import bind_cpu, parse_cpu_bind
+
+        bind_cpu(parse_cpu_bind(args.cpu_bind, world.Get_size())[rank])
     is_worker = rank < plan.workers
     role = world.Split(0 if is_worker else 1, rank)
     try:

@@ -24,3 +24,22 @@ def message_bytes(payload) -> int:
     if isinstance(payload, (tuple, list)):
         return sum(message_bytes(v) for v in payload)
     return 0
+
+
+#: how long a rank that waits for a message sleeps between looks (MPICH's blocking receive
+#: spins on a core; a server or a waiting worker must leave its core to the ranks that compute)
+POLL_S = 0.0002
+
+
+def wait_for(comm, source: int, tag: int):
+    """Return (payload, source, tag) of the next message from `source` with `tag` (MPI.ANY_* allowed),
+    sleeping between looks instead of spinning."""
+    import time
+
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        time.sleep(POLL_S)
+    payload = comm.recv(source=status.Get_source(), tag=status.Get_tag())
+    return payload, status.Get_source(), status.Get_tag()

@@ -2,8 +2,8 @@
 
 Server k holds its range of parameters (`PSPlan.on_server`) and their optimizer states, all
 made by its update step (`update.UpdateStep`) from names and the seed, as every compiled step
-makes them. It answers messages in arrival order on one thread and never blocks but in
-`recv`: replies go out with non-blocking sends, so a slow worker never stalls the others.
+makes them. It answers messages in arrival order on one thread and never blocks but waiting
+for the next message (sleeping between looks, `protocol.wait_for`): replies go out with non-blocking sends, so a slow worker never stalls the others.
 
 - A push under BSP waits until every live worker has pushed that step; the gradients are then
   summed in worker order (rows of a table: concatenated in worker order and summed per row)
@@ -66,11 +66,9 @@ class Server:
         """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all are done."""
         from mpi4py import MPI
 
-        status = MPI.Status()
         done = set()
         while len(done) < self.plan.workers:
-            payload = comm.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
-            worker, tag = status.Get_source(), status.Get_tag()
+            payload, worker, tag = protocol.wait_for(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)
             if tag == protocol.PULL:
                 step, request = payload
                 self.pending.append((worker, step, request))

@@ -84,8 +84,8 @@ class PSWorker:
             moved += protocol.message_bytes(request)
         staleness = 0
         for server in requests:
-            got_step, values, server_staleness = self.world.recv(source=self.plan.workers + server,
-                                                                           tag=protocol.REPLY)
+            (_, values, server_staleness), _, _ = protocol.wait_for(self.world, self.plan.workers + server,
+                                                                    protocol.REPLY)
             staleness = max(staleness, server_staleness)
             moved += protocol.message_bytes(values)
             for name, value in values.items():
@@ -139,7 +139,7 @@ class PSWorker:
         for server in range(self.plan.servers):
             request = {name: None for name, s in self.plan.homes.items() if s == server}
             self.world.send((0, request), dest=self.plan.workers + server, tag=protocol.PULL)
-            _, values, _ = self.world.recv(source=self.plan.workers + server, tag=protocol.REPLY)
+            (_, values, _), _, _ = protocol.wait_for(self.world, self.plan.workers + server, protocol.REPLY)
             out.update(values)
         return out
 
@@ -241,11 +241,14 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 if not quiet:
                     print(f"step {step}/{steps}  loss {loss:.6g}  staleness {staleness}  {elapsed * 1e3:.1f} ms",
                           flush=True)
+        done_steps = workers.all_reduce(np.array([step], np.int64), tuple(range(workers.size)))
+        wall = time.perf_counter() - began
         if rank == 0:
             metrics = _evaluate(manifest.script, me.final_parameters(state), config)
             if metrics:
-                record = {"step": step, **metrics, "wall_s": time.perf_counter() - began,
-                          "samples": step * plan.batch_rows, "consistency": plan.consistency}
+                samples = int(done_steps[0]) * (plan.batch_rows // plan.workers)
+                record = {"step": step, **metrics, "wall_s": wall, "samples": samples,
+                          "samples_per_s": samples / wall, "consistency": plan.consistency}
                 if log_file:
                     log_file.write(json.dumps(record) + "\n")
                 if not quiet:
