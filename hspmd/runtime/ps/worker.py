@@ -117,12 +117,16 @@ class PSWorker:
             moved += protocol.message_bytes(push)
         return moved
 
-    def all_reduce_dense(self, step: int, state: dict, grads: dict, loss: float, scalars: dict) -> float:
-        """Sum the dense gradients and the loss over the workers, update the dense parameters;
-        return the workers' mean loss."""
+    def all_reduce_dense(self, step: int, state: dict, grads: dict, loss: float, scalars: dict,
+                         stop: bool) -> tuple[float, bool]:
+        """Sum the dense gradients, the loss and the wishes to stop over the workers, update the
+        dense parameters; return the workers' mean loss and whether any worker stops now."""
         names = [] if self.dense is None else self.dense.params
-        flat = np.concatenate([np.asarray(grads[n], np.float64).ravel() for n in names] + [np.array([loss])])
-        total = self.workers.all_reduce(flat, tuple(range(self.workers.size))) / self.plan.workers
+        flat = np.concatenate([np.asarray(grads[n], np.float64).ravel() for n in names]
+                              + [np.array([loss, float(stop)])])
+        total = self.workers.all_reduce(flat, tuple(range(self.workers.size)))
+        stop = bool(total[-1] > 0)
+        total = total[:-1] / self.plan.workers
         if self.dense is not None:
             mean, at = {}, 0
             for n in names:
@@ -130,7 +134,7 @@ class PSWorker:
                 mean[n] = (None, total[at:at + g.size].reshape(g.shape).astype(g.dtype))
                 at += g.size
             self.dense.apply(state, mean, scalars)
-        return float(total[-1])
+        return float(total[-1]), stop
 
     def final_parameters(self, state: dict) -> dict:
         """Return every parameter as the servers hold it now (whole tables too; not waiting for
@@ -209,9 +213,6 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     try:
         for step in range(1, steps + 1):
             start = time.perf_counter()
-            if seconds is not None and start - began > seconds:
-                step -= 1
-                break
             batch = next(batches, None)
             if batch is None:
                 raise RunError(f"the script's batches ran out after {step - 1} steps")
@@ -224,10 +225,14 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
             pushed = me.push(step, grads)
+            # where the workers meet each step they stop together: any one's wish is everyone's
+            stop = seconds is not None and time.perf_counter() - began > seconds
             if plan.comm == "hybrid":
-                loss = me.all_reduce_dense(step, state, grads, loss, step_inputs(step, config, update_inputs))
+                loss, stop = me.all_reduce_dense(step, state, grads, loss, step_inputs(step, config, update_inputs),
+                                                 stop)
             elif meet:
-                loss = float(workers.all_reduce(np.array([loss]), tuple(range(workers.size)))[0]) / plan.workers
+                total = workers.all_reduce(np.array([loss, float(stop)]), tuple(range(workers.size)))
+                loss, stop = float(total[0]) / plan.workers, bool(total[1] > 0)
             losses.append(loss)
             elapsed = time.perf_counter() - start
             if rank == 0:
@@ -241,10 +246,14 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 if not quiet:
                     print(f"step {step}/{steps}  loss {loss:.6g}  staleness {staleness}  {elapsed * 1e3:.1f} ms",
                           flush=True)
-        done_steps = workers.all_reduce(np.array([step], np.int64), tuple(range(workers.size)))
+            if stop:
+                break
         wall = time.perf_counter() - began
+        final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
+        me.done()
+        done_steps = workers.all_reduce(np.array([step], np.int64), tuple(range(workers.size)))
         if rank == 0:
-            metrics = _evaluate(manifest.script, me.final_parameters(state), config)
+            metrics = _evaluate(manifest.script, final, config)
             if metrics:
                 samples = int(done_steps[0]) * (plan.batch_rows // plan.workers)
                 record = {"step": step, **metrics, "wall_s": wall, "samples": samples,
@@ -256,5 +265,4 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     finally:
         if log_file:
             log_file.close()
-    me.done()
     return losses
