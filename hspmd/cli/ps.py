@@ -55,4 +55,6 @@ def run_parameter_servers(args) -> int:
         argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):
         argv += ["--slow", args.slow_worker]
+    if getattr(args, "silent_after", None):
+        argv += ["--silent", str(args.silent_after)]
     return launch(args.n + args.servers, argv, hosts=args.hosts, hostfile=args.hostfile)

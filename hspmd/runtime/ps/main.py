@@ -15,6 +15,7 @@ import sys
 
 from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.ir.ps_plan import PLAN_FILE, SERVER_UPDATE_FILE, PSPlan, PSPlanError
+from hspmd.runtime.ps.worker import PSRunError
 
 
 def _scalars(config: dict, names: set[str]):
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="cpu")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
     parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
+    parser.add_argument("--silent", type=float, default=60.0,
+                        help="seconds of silence after which a server counts a worker as gone (a worker "
+                             "waits twice as long for a server)")
     parser.add_argument("--seconds", type=float, help="stop starting steps after this much wall time")
     args = parser.parse_args(argv)
     from mpi4py import MPI
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 who, seconds = args.slow.split(":")
                 slow = float(seconds) if int(who) == rank else 0.0
             train_worker(args.bundle, rank, plan, world, MPICommunicator(role), args.steps, args.log,
-                         args.kernels, slow=slow, seconds=args.seconds)
+                         args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent)
         else:
             from hspmd.runtime.ps.server import Server
             from hspmd.runtime.ps.update import UpdateStep
@@ -76,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             path = os.path.join(args.bundle, SERVER_UPDATE_FILE.format(k=k))
             update = UpdateStep(open(path).read(), path, set(plan.tables))
             seed = int(manifest.config.get("seed", 0))
-            Server(k, plan, update, seed, _scalars(manifest.config, update.scalars)).serve(world)
+            Server(k, plan, update, seed, _scalars(manifest.config, update.scalars), args.silent, rank).serve(world)
+    except PSRunError as err:
+        print(f"hspmd run (worker rank {rank}): error: {err}", file=sys.stderr, flush=True)
+        world.Abort(1)
+        return 1
     except Exception as err:  # one message, then end the whole job: the other ranks wait on this one
         what = "worker" if is_worker else "server"
         print(f"hspmd run ({what} rank {rank}): error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

@@ -6,8 +6,9 @@ worker -> server
     DONE  {name: (rows, grad)}                 the worker has trained its last step (with the
                                                HET cache's gradients not pushed yet)
 server -> worker
-    REPLY (step, {name: values}, staleness)    values of the rows (or whole parameter) asked
-          for; staleness: how many steps the slowest live worker is behind the asking one
+    REPLY (step, {name: values}, staleness, clocks)  values of the rows (or whole parameter)
+          asked for; staleness: how many steps the slowest live worker is behind the asking one;
+          clocks: every worker's pushed steps
 """
 
 PULL, PUSH, DONE, REPLY = 11, 12, 13, 14
@@ -31,15 +32,27 @@ def message_bytes(payload) -> int:
 POLL_S = 0.0002
 
 
-def wait_for(comm, source: int, tag: int):
+class Silence(TimeoutError):
+    """No message came within the time a rank waits for one."""
+
+
+def wait_for(comm, source: int, tag: int, timeout: float | None = None, on_idle=None):
     """Return (payload, source, tag) of the next message from `source` with `tag` (MPI.ANY_* allowed),
-    sleeping between looks instead of spinning."""
+    sleeping between looks instead of spinning. Raises `Silence` after `timeout` seconds without
+    one; calls `on_idle()` about every 0.1 s of waiting."""
     import time
 
     from mpi4py import MPI
 
     status = MPI.Status()
+    start = last = time.monotonic()
     while not comm.Iprobe(source=source, tag=tag, status=status):
         time.sleep(POLL_S)
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            raise Silence(f"no message in {timeout:g} s")
+        if on_idle is not None and now - last > 0.1:
+            on_idle()
+            last = now
     payload = comm.recv(source=status.Get_source(), tag=status.Get_tag())
     return payload, status.Get_source(), status.Get_tag()

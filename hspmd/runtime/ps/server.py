@@ -12,13 +12,22 @@ for the next message (sleeping between looks, `protocol.wait_for`): replies go o
 - A pull is answered once `Clocks.admits` its step; it carries the values (whole, or the rows
   asked for), the staleness, and per table the asked rows' versions (update counts).
 - DONE retires a worker (it holds nobody back); the loop ends when every worker is done.
+- Under ASP and SSP a worker silent for `silent_s` seconds (hung, or on a host that is gone
+  while the job lives) is counted as gone (retired: the others go on without waiting for it;
+  said once on stderr); if it speaks again it is counted back in. Under BSP nobody is retired.
+  A worker *process* that dies ends the whole job: MPICH's mpiexec ends every rank when one
+  dies (its `-disable-auto-cleanup` left the others alive in only some of our tries).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+import sys
+import time
+
 from hspmd.ir.ps_plan import PSPlan
+from hspmd.runtime.fault import fault_point
 from hspmd.runtime.ps import protocol
 from hspmd.runtime.ps.clocks import Clocks
 from hspmd.runtime.ps.update import UpdateStep
@@ -52,7 +61,11 @@ def _sum_rows(rows: np.ndarray, grads: np.ndarray, workers: int):
 class Server:
     """Server `index` (0-based among servers) of a run under `plan`."""
 
-    def __init__(self, index: int, plan: PSPlan, update: UpdateStep, seed: int, scalars) -> None:
+    def __init__(self, index: int, plan: PSPlan, update: UpdateStep, seed: int, scalars,
+                 silent_s: float = 60.0, rank: int = 0) -> None:
+        self.silent_s, self.rank = silent_s, rank
+        self.heard = [time.monotonic()] * plan.workers
+        self.finished: set[int] = set()
         self.index, self.plan, self.update = index, plan, update
         self.state = update.initial_state(seed)
         self.names = plan.on_server(index)
@@ -66,14 +79,18 @@ class Server:
         """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all are done."""
         from mpi4py import MPI
 
-        done = set()
-        while len(done) < self.plan.workers:
-            payload, worker, tag = protocol.wait_for(comm, MPI.ANY_SOURCE, MPI.ANY_TAG)
+        done = self.finished
+        while self.clocks.live:
+            payload, worker, tag = protocol.wait_for(comm, MPI.ANY_SOURCE, MPI.ANY_TAG, on_idle=self._count_the_silent)
+            self.heard[worker] = time.monotonic()
+            if worker not in self.clocks.live and worker not in done:  # counted as gone, but it speaks
+                self.clocks.live.add(worker)
             if tag == protocol.PULL:
                 step, request = payload
                 self.pending.append((worker, step, request))
             elif tag == protocol.PUSH:
                 step, push = payload
+                fault_point(self.rank, step)
                 self.push(worker, step, push)
             elif tag == protocol.DONE:
                 if any(len(rows) for rows, _ in payload.values()):  # the HET cache's last gradients
@@ -83,7 +100,21 @@ class Server:
                 self._flush_waiting()
             self.answer(comm)
             self.sends = [r for r in self.sends if not r.Test()]
+        self.answer(comm)
         MPI.Request.Waitall(self.sends)
+
+    def _count_the_silent(self) -> None:
+        """Retire every live worker silent for `silent_s` (ASP and SSP only: BSP needs everyone)."""
+        if self.plan.bound == 0:
+            return
+        now = time.monotonic()
+        waiting = {w for w, _, _ in self.pending}  # a worker whose pull waits on us is not silent
+        for w in sorted(self.clocks.live - waiting):
+            if now - self.heard[w] > self.silent_s:
+                self.clocks.retire(w)
+                print(f"hspmd run (server rank {self.rank}): worker {w} has been silent for {self.silent_s:g} s; "
+                      f"counted as gone, the other workers go on", file=sys.stderr, flush=True)
+        self._flush_waiting()
 
     def push(self, worker: int, step: int, push: dict) -> None:
         """Take `worker`'s gradients of `step`: apply them now (ASP, SSP) or once all are in (BSP)."""
@@ -115,6 +146,6 @@ class Server:
                 continue
             values = {name: self.state[name] if rows is None else self.state[name][rows]
                       for name, rows in request.items()}
-            reply = (step, values, self.clocks.staleness(step))
+            reply = (step, values, self.clocks.staleness(step), list(self.clocks.clock))
             self.sends.append(comm.isend(reply, dest=worker, tag=protocol.REPLY))
         self.pending = keep

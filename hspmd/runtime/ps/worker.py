@@ -27,6 +27,7 @@ from hspmd.ir.ps_plan import PSPlan
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.ps import protocol
 from hspmd.runtime.ps.cache import RowCache
+from hspmd.runtime.fault import fault_point
 from hspmd.runtime.ps.update import GRAD_PREFIX, UpdateStep
 
 
@@ -53,8 +54,10 @@ class PSWorker:
     """Worker `rank` of a run under `plan`: `world` (mpi4py) reaches the servers, `workers` is
     the communicator of the workers only."""
 
-    def __init__(self, rank: int, plan: PSPlan, world, workers: Communicator, dense: UpdateStep | None) -> None:
+    def __init__(self, rank: int, plan: PSPlan, world, workers: Communicator, dense: UpdateStep | None,
+                 silent_s: float = 120.0) -> None:
         self.rank, self.plan, self.world, self.workers, self.dense = rank, plan, world, workers, dense
+        self.silent_s = silent_s
         self.caches: dict[str, RowCache] = {}
         self.hits = self.lookups = 0
 
@@ -84,8 +87,7 @@ class PSWorker:
             moved += protocol.message_bytes(request)
         staleness = 0
         for server in requests:
-            (_, values, server_staleness), _, _ = protocol.wait_for(self.world, self.plan.workers + server,
-                                                                    protocol.REPLY)
+            (_, values, server_staleness, _) = self._reply(server)
             staleness = max(staleness, server_staleness)
             moved += protocol.message_bytes(values)
             for name, value in values.items():
@@ -143,9 +145,20 @@ class PSWorker:
         for server in range(self.plan.servers):
             request = {name: None for name, s in self.plan.homes.items() if s == server}
             self.world.send((0, request), dest=self.plan.workers + server, tag=protocol.PULL)
-            (_, values, _), _, _ = protocol.wait_for(self.world, self.plan.workers + server, protocol.REPLY)
+            _, values, _, clocks = self._reply(server)
             out.update(values)
+            self.clocks = clocks
         return out
+
+    def _reply(self, server: int):
+        """Return server `server`'s reply; a server silent for `silent_s` is an error (it is gone)."""
+        try:
+            payload, _, _ = protocol.wait_for(self.world, self.plan.workers + server, protocol.REPLY, self.silent_s)
+        except protocol.Silence:
+            raise PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
+                             f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
+                             "parameters") from None
+        return payload
 
     def done(self) -> int:
         """Tell every server this worker has finished, with the cache's pending gradients; return
@@ -173,7 +186,7 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
-                 seconds: float | None = None) -> list[float]:
+                 seconds: float | None = None, silent_s: float = 120.0) -> list[float]:
     """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
     that much wall time has passed. Rank 0 then evaluates the servers' parameters with the
@@ -203,7 +216,7 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
         state.update({k: v for k, v in dense.initial_state(seed).items() if k not in state})
     names = {leaf.name: leaf.global_shape for leaf in program.inputs}
     update_inputs = dense.scalars if dense is not None else set()
-    me = PSWorker(rank, plan, world, workers, dense)
+    me = PSWorker(rank, plan, world, workers, dense, silent_s)
     batches = load_batches(manifest.script, config)
     log_file = open(log, "w") if log and rank == 0 else None
     meet = plan.comm == "hybrid" or plan.bound == 0
@@ -212,6 +225,7 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     step = 0
     try:
         for step in range(1, steps + 1):
+            fault_point(rank, step)
             start = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
@@ -251,11 +265,11 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
         wall = time.perf_counter() - began
         final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
         me.done()
-        done_steps = workers.all_reduce(np.array([step], np.int64), tuple(range(workers.size)))
         if rank == 0:
             metrics = _evaluate(manifest.script, final, config)
             if metrics:
-                samples = int(done_steps[0]) * (plan.batch_rows // plan.workers)
+                # every worker's pushed steps, as server 0 counted them (a worker gone is not waited for)
+                samples = int(sum(me.clocks)) * (plan.batch_rows // plan.workers)
                 record = {"step": step, **metrics, "wall_s": wall, "samples": samples,
                           "samples_per_s": samples / wall, "consistency": plan.consistency}
                 if log_file:
