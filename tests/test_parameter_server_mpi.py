@@ -38,12 +38,17 @@ def test_mlp_ps_bsp_equals_all_reduce(tmp_path, servers):
     assert all(r["staleness"] == 0 for r in rows if "loss" in r)
 
 
+@pytest.fixture(scope="module")
+def ctr_all_reduce(tmp_path_factory):
+    return _losses(_run(tmp_path_factory.mktemp("ar"), CTR, 2, 10))
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("comm", ["ps", "hybrid"])
-def test_ctr_bsp_equals_all_reduce(tmp_path, comm):
-    reference = _losses(_run(tmp_path, CTR, 2, 10))
-    rows = _run(tmp_path, CTR, 2, 10, f"[0,1]: dp=2 comm={comm} consistency=bsp", 1)
-    np.testing.assert_allclose(_losses(rows), reference, rtol=1e-4)
+@pytest.mark.parametrize("keys,servers", [("comm=ps", 1), ("comm=hybrid", 1), ("comm=ps", 2),
+                                          ("comm=hybrid cache=1000", 2)])  # bsp: a cache bound of 0
+def test_ctr_bsp_equals_all_reduce(tmp_path, ctr_all_reduce, keys, servers):
+    rows = _run(tmp_path, CTR, 2, 10, f"[0,1]: dp=2 {keys} consistency=bsp", servers)
+    np.testing.assert_allclose(_losses(rows), ctr_all_reduce, rtol=1e-4)
 
 
 @pytest.mark.mpi
