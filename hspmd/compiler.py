@@ -160,6 +160,10 @@ def compile_script(
     parsed = parse_strategy(strategy)
     if num_devices is not None:
         parsed.check_devices(num_devices)
+    served = [g for g in parsed.groups if g.comm != "allreduce"]
+    if served:
+        raise StrategyError(f"strategy '{parsed}': comm={served[0].comm} runs with parameter servers, which are "
+                            "ranks of their own: run it with 'hspmd run -n N --servers K' (compile_ps)")
     m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
     schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
     try:

@@ -162,3 +162,11 @@ def test_compile_ps_finds_the_tables_and_rejects_what_it_cannot_serve():
     assert compiled.dense_update is not None
     with pytest.raises(Exception, match="has none"):
         compile_ps(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0,1]: dp=2 comm=hybrid", 1)
+
+
+def test_compiling_a_served_strategy_alone_points_at_hspmd_run_servers():
+    from hspmd.compiler import compile_script
+    from hspmd.frontend.script import load_script
+
+    with pytest.raises(StrategyError, match="--servers K"):
+        compile_script(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0,1]: dp=2 comm=ps", 2)

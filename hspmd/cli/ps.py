@@ -37,9 +37,9 @@ def run_parameter_servers(args) -> int:
     for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
         if getattr(args, flag, None):
             raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
+    parse_strategy(args.strategy).check_devices(args.n)
     script = load_script(args.script, parse_overrides(args.set))
     compiled = compile_ps(script, args.strategy, args.servers)
-    parse_strategy(args.strategy).check_devices(args.n)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
     write_ps_bundle(compiled, bundle)
     argv = ["-m", "hspmd.runtime.ps.main", bundle, "--kernels", args.kernels]
