@@ -140,6 +140,10 @@ def _last_dim_rule(op: Operation, n_operands_full: Sequence[bool], results_full:
 def _rule_for_more(op: Operation) -> OpRule | None:
     """Rules of the transformer op set (elementwise, normalisation, indexing, losses)."""
     match op:
+        case graph.BinaryCrossEntropyOp():
+            return _elementwise(op)
+        case graph.BinaryCrossEntropyGradOp():  # linear in the incoming gradient
+            return _elementwise(op, frozenset({2}))
         case graph.DivOp():  # linear in the numerator only
             return _elementwise(op, frozenset({0}))
         case graph.ExpOp() | graph.LogOp() | graph.SqrtOp() | graph.RsqrtOp() | graph.TanhOp() | graph.SiluOp() | graph.SigmoidOp():

@@ -106,9 +106,9 @@ def sigmoid(x: Tensor) -> Tensor:
 def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
     """Return the mean over all elements of `-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))`.
 
-    Written as `relu(z) - z y + log(1 + exp(-|z|))` (as torch's `binary_cross_entropy_with_logits`),
-    which neither overflows nor loses the small losses of confident logits; `labels` are floats
-    in [0, 1] of the logits' shape.
+    One `graph.binary_cross_entropy` op per element, `max(z, 0) - z y + log(1 + exp(-|z|))` (as
+    torch's `binary_cross_entropy_with_logits`), which neither overflows nor loses the small
+    losses of confident logits, then the mean; `labels` are floats in [0, 1] of the logits' shape.
     """
     logits, labels = _tensor(logits, "binary_cross_entropy_with_logits"), _tensor(labels, "binary_cross_entropy_with_logits")
     if logits.shape != labels.shape:
@@ -116,8 +116,7 @@ def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
                    f"logits {list(logits.shape)} and labels {list(labels.shape)} need the same shape")
     _float(logits, "binary_cross_entropy_with_logits")
     _float(labels, "binary_cross_entropy_with_logits")
-    magnitude = relu(logits) + relu(-logits)
-    per = relu(logits) - logits * labels + log(exp(-magnitude) + 1.0)
+    per = logits.tracer.emit(graph.BinaryCrossEntropyOp(logits.value, labels.value))
     return per.mean()
 
 
