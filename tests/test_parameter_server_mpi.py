@@ -90,3 +90,16 @@ def test_parameter_server_mistakes_are_one_message(args, words):
     proc = run_cli("hspmd", "run", "-n", "2", MLP, "--steps", "1", *args)
     assert proc.returncode != 0
     assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_silent_worker_is_counted_as_gone_and_back_and_the_bound_holds(tmp_path):
+    log = tmp_path / "silent.jsonl"
+    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", CTR, "--steps", "8", "--log", str(log),
+                   "--strategy", "[0,1]: dp=2 comm=ps consistency=ssp:2", "--slow-worker", "1:1.5",
+                   "--silent-after", "0.5", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 1 has been silent for 0.5 s; counted as gone" in proc.stderr
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
+    assert max(r["staleness"] for r in rows if "loss" in r) <= 2

@@ -12,8 +12,8 @@ for the next message (sleeping between looks, `protocol.wait_for`): replies go o
 - A pull is answered once `Clocks.admits` its step; it carries the values (whole, or the rows
   asked for), the staleness, and per table the asked rows' versions (update counts).
 - DONE retires a worker (it holds nobody back); the loop ends when every worker is done.
-- Under ASP and SSP a worker silent for `silent_s` seconds (hung, or on a host that is gone
-  while the job lives) is counted as gone (retired: the others go on without waiting for it;
+- Under ASP and SSP a worker silent for `silent_s` seconds after its first message (hung, or on
+  a host that is gone while the job lives) is counted as gone (retired: the others go on without waiting for it;
   said once on stderr); if it speaks again it is counted back in. Under BSP nobody is retired.
   A worker *process* that dies ends the whole job: MPICH's mpiexec ends every rank when one
   dies (its `-disable-auto-cleanup` left the others alive in only some of our tries).
@@ -64,7 +64,7 @@ class Server:
     def __init__(self, index: int, plan: PSPlan, update: UpdateStep, seed: int, scalars,
                  silent_s: float = 60.0, rank: int = 0) -> None:
         self.silent_s, self.rank = silent_s, rank
-        self.heard = [time.monotonic()] * plan.workers
+        self.heard: list[float | None] = [None] * plan.workers  # None: not heard from yet (still starting)
         self.finished: set[int] = set()
         self.index, self.plan, self.update = index, plan, update
         self.state = update.initial_state(seed)
@@ -76,11 +76,11 @@ class Server:
         self.sends: list = []
 
     def serve(self, comm) -> None:
-        """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all are done."""
+        """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all said DONE."""
         from mpi4py import MPI
 
         done = self.finished
-        while self.clocks.live:
+        while len(done) < self.plan.workers:
             payload, worker, tag = protocol.wait_for(comm, MPI.ANY_SOURCE, MPI.ANY_TAG, on_idle=self._count_the_silent)
             self.heard[worker] = time.monotonic()
             if worker not in self.clocks.live and worker not in done:  # counted as gone, but it speaks
@@ -110,7 +110,7 @@ class Server:
         now = time.monotonic()
         waiting = {w for w, _, _ in self.pending}  # a worker whose pull waits on us is not silent
         for w in sorted(self.clocks.live - waiting):
-            if now - self.heard[w] > self.silent_s:
+            if self.heard[w] is not None and now - self.heard[w] > self.silent_s:
                 self.clocks.retire(w)
                 print(f"hspmd run (server rank {self.rank}): worker {w} has been silent for {self.silent_s:g} s; "
                       f"counted as gone, the other workers go on", file=sys.stderr, flush=True)
