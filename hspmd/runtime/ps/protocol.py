@@ -9,9 +9,11 @@ server -> worker
     REPLY (step, {name: values}, staleness, clocks)  values of the rows (or whole parameter)
           asked for; staleness: how many steps the slowest live worker is behind the asking one;
           clocks: every worker's pushed steps
+    HEARTBEAT None  the pull is still waiting on the clocks (the server is alive), sent every
+          half `--silent-after` seconds while it waits
 """
 
-PULL, PUSH, DONE, REPLY = 11, 12, 13, 14
+PULL, PUSH, DONE, REPLY, HEARTBEAT = 11, 12, 13, 14, 15
 
 
 def message_bytes(payload) -> int:

@@ -66,6 +66,7 @@ class Server:
         self.silent_s, self.rank = silent_s, rank
         self.heard: list[float | None] = [None] * plan.workers  # None: not heard from yet (still starting)
         self.finished: set[int] = set()
+        self.beats: dict[int, float] = {}  # worker -> when its waiting pull was last said to be alive
         self.index, self.plan, self.update = index, plan, update
         self.state = update.initial_state(seed)
         self.names = plan.on_server(index)
@@ -79,6 +80,7 @@ class Server:
         """Answer workers on MPI communicator `comm` (workers are ranks 0..N-1) until all said DONE."""
         from mpi4py import MPI
 
+        self._comm = comm
         done = self.finished
         while len(done) < self.plan.workers:
             payload, worker, tag = protocol.wait_for(comm, MPI.ANY_SOURCE, MPI.ANY_TAG, on_idle=self._count_the_silent)
@@ -88,6 +90,7 @@ class Server:
             if tag == protocol.PULL:
                 step, request = payload
                 self.pending.append((worker, step, request))
+                self.beats[worker] = time.monotonic()
             elif tag == protocol.PUSH:
                 step, push = payload
                 fault_point(self.rank, step)
@@ -104,13 +107,16 @@ class Server:
         MPI.Request.Waitall(self.sends)
 
     def _count_the_silent(self) -> None:
-        """Retire every live worker silent for `silent_s` (ASP and SSP only: BSP needs everyone)."""
-        if self.plan.bound == 0:
-            return
+        """Send a heartbeat to every worker whose pull has waited half `silent_s` since the last; retire
+        every live worker silent for `silent_s` (ASP and SSP only: BSP needs everyone)."""
         now = time.monotonic()
         waiting = {w for w, _, _ in self.pending}  # a worker whose pull waits on us is not silent
+        for w in waiting:  # ... and it must know we are alive: a heartbeat every half silence
+            if now - self.beats.setdefault(w, now) > self.silent_s / 2:
+                self.sends.append(self._comm.isend(None, dest=w, tag=protocol.HEARTBEAT))
+                self.beats[w] = now
         for w in sorted(self.clocks.live - waiting):
-            if self.heard[w] is not None and now - self.heard[w] > self.silent_s:
+            if self.plan.bound != 0 and self.heard[w] is not None and now - self.heard[w] > self.silent_s:
                 self.clocks.retire(w)
                 print(f"hspmd run (server rank {self.rank}): worker {w} has been silent for {self.silent_s:g} s; "
                       f"counted as gone, the other workers go on", file=sys.stderr, flush=True)

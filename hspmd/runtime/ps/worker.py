@@ -152,8 +152,13 @@ class PSWorker:
 
     def _reply(self, server: int):
         """Return server `server`'s reply; a server silent for `silent_s` is an error (it is gone)."""
+        from mpi4py import MPI
+
         try:
-            payload, _, _ = protocol.wait_for(self.world, self.plan.workers + server, protocol.REPLY, self.silent_s)
+            while True:  # heartbeats: the server is alive, our pull waits on the clocks
+                payload, _, tag = protocol.wait_for(self.world, self.plan.workers + server, MPI.ANY_TAG, self.silent_s)
+                if tag == protocol.REPLY:
+                    break
         except protocol.Silence:
             raise PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
                              f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
