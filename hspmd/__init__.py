@@ -37,6 +37,8 @@ from hspmd.frontend.ops import (
     split,
     sqrt,
     tanh,
+    sigmoid,
+    binary_cross_entropy_with_logits,
 )
 from hspmd.frontend.tracing import Tensor, TraceError
 
@@ -74,5 +76,7 @@ __all__ = [
     "split",
     "sqrt",
     "tanh",
+    "sigmoid",
+    "binary_cross_entropy_with_logits",
 ]
 __version__ = "0.1.0"

@@ -163,6 +163,10 @@ def compile_script(
     parsed = parse_strategy(strategy)
     if num_devices is not None:
         parsed.check_devices(num_devices)
+    served = [g for g in parsed.groups if g.comm != "allreduce"]
+    if served:
+        raise StrategyError(f"strategy '{parsed}': comm={served[0].comm} runs with parameter servers, which are "
+                            "ranks of their own: run it with 'hspmd run -n N --servers K' (compile_ps)")
     m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
     schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
     try:
@@ -208,3 +212,140 @@ def annotate_with_provenance(compiled: Compiled):
     module.verify()
     verify_annotated(module)
     return module, provenance
+
+
+# ----------------------------------------------------------------------------- parameter servers
+
+@dataclass
+class CompiledPS:
+    """A parameter-server run (docs/parameter-server.md): the workers' gradient step, compiled
+    for one device on a worker's rows, the servers' (and, under hybrid, the workers') update
+    steps, and the `PSPlan` that says who holds what."""
+
+    worker: Compiled
+    plan: "PSPlan"
+    server_updates: list[ModuleOp]
+    dense_update: ModuleOp | None
+    strategy: str
+
+
+class _WorkerRows(ModelScript):
+    """A model script whose batches are a worker's rows of the global batches (for tracing)."""
+
+    workers: int = 1
+
+    def batches(self):
+        for batch in super().batches():
+            rows = {len(v) for v in batch.values() if getattr(v, "ndim", 0)}
+            if len(rows) != 1 or next(iter(rows)) % self.workers:
+                raise PassError(f"{self.path}: a parameter-server run splits each batch's rows over "
+                                f"{self.workers} workers; its inputs have {sorted(rows)} rows")
+            take = next(iter(rows)) // self.workers
+            yield {k: (v[:take] if getattr(v, "ndim", 0) else v) for k, v in batch.items()}
+
+
+def update_program(params: list[tuple[str, str, "TensorType"]], optimizer: Optimizer) -> ModuleOp:
+    """Return the logical update step of `params` ((name, init, type) each) under `optimizer`.
+
+    Parameter NAME's gradient enters as `graph.input "grad:NAME"`; the optimizer's own passes
+    write the update (the same fused `optim` ops, states and `graph.assign`s as a compiled
+    training step), so a server applies exactly the update an all-reduce run applies.
+    """
+    from xdsl.dialects import func
+    from xdsl.ir import Block, Region
+
+    from hspmd.dialects import graph
+    from hspmd.transforms.autodiff import GRAD_PREFIX
+
+    block = Block()
+    for name, init, typ in params:
+        block.add_op(graph.ParameterOp(name, init, typ))
+        grad = graph.InputOp(GRAD_PREFIX + name, typ)
+        block.add_op(grad)
+        block.add_op(graph.OutputOp(GRAD_PREFIX + name, grad.result))
+    block.add_op(func.ReturnOp())
+    module = ModuleOp([func.FuncOp("train_step", ((), ()), Region(block))])
+    registry = get_all_passes()
+    run_passes(module, [registry[name]()(**options) for name, options in optimizer.passes()])
+    verify_logical(module)
+    return module
+
+
+def embedding_tables(logical: ModuleOp) -> dict[str, str]:
+    """Return {table: ids input} for every parameter used only as the table of `graph.embedding`
+    ops that look up ids given straight by one step input (rows a batch touches are known)."""
+    from hspmd.dialects import graph
+
+    out: dict[str, str] = {}
+    for op in logical.walk():
+        if not isinstance(op, graph.ParameterOp):
+            continue
+        ids = set()
+        for use in op.result.uses:
+            user = use.operation
+            if isinstance(user, graph.OutputOp):
+                continue
+            if not isinstance(user, graph.EmbeddingOp) or use.index != 0 or not isinstance(
+                    user.ids.owner, graph.InputOp):
+                ids = None
+                break
+            ids.add(user.ids.owner.tensor_name.data)
+        if ids and len(ids) == 1:
+            out[op.tensor_name.data] = ids.pop()
+    return out
+
+
+def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
+    """Return the programs of a parameter-server run of `script` under `strategy` (one group,
+    `comm=ps` or `comm=hybrid`) with `servers` server ranks beside its dp workers."""
+    from hspmd.ir.ps_plan import PSPlan, assign_by_bytes
+    from hspmd.transforms.autodiff import GRAD_PREFIX
+
+    parsed = parse_strategy(strategy)
+    if len(parsed.groups) != 1 or parsed.groups[0].comm == "allreduce":
+        raise StrategyError(f"strategy '{parsed}': a parameter-server run has one group with comm=ps or comm=hybrid")
+    group = parsed.groups[0]
+    parsed.check_devices(len(group.devices))
+    if servers < 1:
+        raise StrategyError(f"strategy '{parsed}' uses comm={group.comm}, which needs --servers K (K >= 1)")
+    opt = script_optimizer(script)
+    if opt is None or any(name == "clip-grad-norm" for name, _ in opt.passes()):
+        raise PassError(f"{script.path}: comm={group.comm} applies the optimizer on the servers, one parameter "
+                        "range each; gradient-norm clipping needs every gradient at once and is not supported there")
+    workers = group.dp
+    local = _WorkerRows(script.path, script.module, script.config)
+    local.workers = workers
+    worker = compile_script(local, "[0]: dp=1", 1, optimizer=False)
+    grads = {o.tensor_name.data[len(GRAD_PREFIX):] for o in worker.logical.walk()
+             if o.name == "graph.output" and o.tensor_name.data.startswith(GRAD_PREFIX)}
+    params = [(o.tensor_name.data, o.init.data, o.result.type) for o in worker.logical.walk()
+              if o.name == "graph.parameter" and o.tensor_name.data in grads]
+    tables = embedding_tables(worker.logical)
+    served = [p for p in params if group.comm == "ps" or p[0] in tables]
+    if not served:
+        raise PassError(f"{script.path}: comm=hybrid sends embedding tables through the servers, and the model "
+                        "has none (a parameter looked up by graph.embedding with ids from an input)")
+    from hspmd.codegen.report import tensor_nbytes
+
+    homes = assign_by_bytes([(name, tensor_nbytes(typ)) for name, _, typ in served], servers)
+    rows = len(next(iter(next(script.batches()).values())))
+    plan = PSPlan(workers=workers, servers=servers, comm=group.comm, consistency=group.consistency,
+                  bound=group.staleness_bound, cache_rows=group.cache_rows,
+                  cache_bound=group.cache_bound or 0, homes=homes,
+                  tables={t: i for t, i in tables.items() if t in homes}, batch_rows=rows)
+    server_updates = [update_program([p for p in served if homes[p[0]] == k], opt) for k in range(servers)]
+    dense = [p for p in params if p[0] not in homes]
+    return CompiledPS(worker, plan, server_updates, update_program(dense, opt) if dense else None, str(parsed))
+
+
+def write_ps_bundle(compiled: CompiledPS, directory: str) -> str:
+    """Write a parameter-server bundle: the worker's bundle, its update steps and `ps.json`."""
+    from hspmd.ir.ps_plan import DENSE_UPDATE_FILE, PLAN_FILE, SERVER_UPDATE_FILE
+
+    write_bundle(compiled.worker, directory)
+    bundle.atomic_write_text(f"{directory}/{PLAN_FILE}", compiled.plan.to_json())
+    for k, module in enumerate(compiled.server_updates):
+        bundle.atomic_write_text(f"{directory}/{SERVER_UPDATE_FILE.format(k=k)}", str(module))
+    if compiled.dense_update is not None:
+        bundle.atomic_write_text(f"{directory}/{DENSE_UPDATE_FILE}", str(compiled.dense_update))
+    return directory

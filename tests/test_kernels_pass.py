@@ -557,3 +557,38 @@ def test_random_programs_fuse_into_valid_ir_with_the_same_values(seed):
     got = _evaluate(after.body.block.ops.first, [x, y])
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
+def test_sigmoid_and_its_gradient_fuse_into_one_kernel_that_matches_numpy():
+    """graph.sigmoid and graph.sigmoid_grad are elementwise: one fused kernel, built for the CPU."""
+    if cpu_compile.find_compiler() is None:
+        pytest.skip("no C++ compiler: the fused kernel cannot be built here")
+    m = fused(f"""func.func @f(%x: {F}, %dy: {F}) -> {F} {{
+  %1 = graph.sigmoid %x : ({F}) -> {F}
+  %2 = graph.sigmoid_grad %1, %dy : ({F}, {F}) -> {F}
+  func.return %2 : {F}
+}}""")
+    (op,) = [o for o in m.walk() if isinstance(o, FusedOp)]
+    x = np.linspace(-6, 6, 32, dtype=np.float32).reshape(4, 8)
+    dy = np.linspace(1, 2, 32, dtype=np.float32).reshape(4, 8)
+    s = 1 / (1 + np.exp(-x))
+    np.testing.assert_allclose(kernel_exec.kernel_for(op)(x, dy), dy * s * (1 - s), rtol=1e-5, atol=1e-7)
+
+
+def test_binary_cross_entropy_and_its_gradient_fuse_and_match_numpy():
+    """Confident logits (|z| = 30) neither overflow nor lose their small losses in the fused kernels."""
+    if cpu_compile.find_compiler() is None:
+        pytest.skip("no C++ compiler: the fused kernel cannot be built here")
+    z = np.linspace(-30, 30, 32, dtype=np.float32).reshape(4, 8)
+    y = (np.arange(32) % 2).astype(np.float32).reshape(4, 8)
+    dy = np.full((4, 8), 0.5, np.float32)
+    z64 = z.astype(np.float64)
+    for body, args, expect in (
+        (f"%1 = graph.binary_cross_entropy %z, %y : ({F}, {F}) -> {F}", (z, y), np.logaddexp(0, z64) - z64 * y),
+        (f"%1 = graph.binary_cross_entropy_grad %z, %y, %dy : ({F}, {F}, {F}) -> {F}", (z, y, dy),
+         (1 / (1 + np.exp(-z64)) - y) * dy),
+    ):
+        params = ", ".join(f"%{n}: {F}" for n in ("z", "y", "dy")[:len(args)])
+        m = fused(f"func.func @f({params}) -> {F} {{\n  {body}\n  func.return %1 : {F}\n}}")
+        (op,) = [o for o in m.walk() if isinstance(o, FusedOp)]
+        np.testing.assert_allclose(kernel_exec.kernel_for(op)(*args), expect, rtol=1e-5, atol=1e-7)

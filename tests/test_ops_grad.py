@@ -157,6 +157,8 @@ log = _unary(hs.log, "uniform:0.5:2.0")
 sqrt = _unary(hs.sqrt, "uniform:0.5:2.0")
 rsqrt = _unary(hs.rsqrt, "uniform:0.5:2.0")
 tanh = _unary(hs.tanh)
+sigmoid = _unary(hs.sigmoid, "normal:2.0")
+bce = _unary(lambda z: hs.binary_cross_entropy_with_logits(z, z * 0.0 + 0.25), "normal:3.0")
 silu = _unary(hs.silu, "normal:2.0")
 gelu_tanh = _unary(lambda x: hs.gelu(x, approximate="tanh"), "normal:2.0")
 gelu_erf = _unary(lambda x: hs.gelu(x, approximate="none"), "normal:2.0")
@@ -281,7 +283,7 @@ def moe_dispatch_combine(b, draw):
 
 CASES = [
     expert_matmul, moe_dispatch_combine, matmul_2d, matmul_batched, matmul_weight, divide, divide_number, power, exp, log, sqrt, rsqrt, tanh,
-    silu, gelu_tanh, gelu_erf, negate, softmax, layer_norm, rms_norm, embedding, causal_attention, slice_,
+    sigmoid, bce, silu, gelu_tanh, gelu_erf, negate, softmax, layer_norm, rms_norm, embedding, causal_attention, slice_,
     split, concat, reduce_max, cross_entropy, rope, dropout, attention_block,
 ]
 

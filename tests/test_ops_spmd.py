@@ -60,7 +60,7 @@ def matmul_batched(L):
 def elementwise(L):
     x = L.param("x", (4, 8), "uniform:0.5:2.0")
     d = L.param("d", (8,), "uniform:0.5:2.0")
-    y = hs.exp(x * 0.3) + hs.log(x) + hs.sqrt(x) * hs.rsqrt(x + 1.0) + hs.tanh(x) + hs.silu(x)
+    y = hs.exp(x * 0.3) + hs.log(x) + hs.sqrt(x) * hs.rsqrt(x + 1.0) + hs.tanh(x) + hs.silu(x) + hs.sigmoid(x)
     y = y + hs.gelu(x, approximate="tanh") + hs.gelu(x) + x ** 3 + x / d + 1.0 / x - x
     return hs.cast(hs.cast(y, "float32"), "float64") * x
 

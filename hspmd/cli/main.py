@@ -153,7 +153,7 @@ def check_run_options(args) -> None:
     if args.cpu_bind:
         from hspmd.runtime.profiler import parse_cpu_bind
 
-        parse_cpu_bind(args.cpu_bind, args.n)
+        parse_cpu_bind(args.cpu_bind, args.n + (args.servers or 0))  # servers are ranks too
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise SystemExit(f"hspmd: error: --trace {args.trace}: its directory does not exist")
 
@@ -206,6 +206,11 @@ def cmd_run(args) -> int:
         parse_faults(os.environ["HSPMD_FAULT"])
     if args.init_from and not os.path.isfile(args.init_from):
         raise SystemExit(f"hspmd: error: --init-from {args.init_from}: no such file")
+    if args.servers is not None or (args.strategy and "comm=" in args.strategy):
+        from hspmd.cli.ps import run_parameter_servers, uses_servers
+
+        if args.servers is not None or uses_servers(args.strategy):
+            return run_parameter_servers(args)
     if args.elastic:
         from hspmd.cli.elastic import run_elastic
 
@@ -293,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
+    r.add_argument("--servers", type=int, metavar="K",
+                   help="start K parameter-server ranks beside the -n workers (strategy comm=ps|hybrid)")
+    r.add_argument("--slow-worker", metavar="R:SECONDS", help=argparse.SUPPRESS)
+    r.add_argument("--silent-after", type=float, metavar="S", help=argparse.SUPPRESS)
+    r.add_argument("--seconds", type=float, metavar="S", help="with --servers: stop starting steps after S seconds")
     r.add_argument("--cpu-bind", metavar="LIST",
                    help="pin rank r to core LIST[r], e.g. 0,0,1 (ranks of unequal speed on one machine)")
     r.add_argument("--profile", metavar="P", help="with --strategy auto: the device profile to plan with (hspmd profile)")

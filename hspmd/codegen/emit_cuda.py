@@ -83,7 +83,8 @@ def _prop(op: Operation, name: str) -> float:
 #: ops an elementwise kernel can compute (all operands of the group's shape, or 0-d scalars)
 ELEMENTWISE = (
     graph.AddOp, graph.SubOp, graph.MulOp, graph.DivOp, graph.ScaleOp, graph.ReluOp, graph.ReluGradOp,
-    graph.ExpOp, graph.LogOp, graph.SqrtOp, graph.RsqrtOp, graph.TanhOp, graph.TanhGradOp, graph.SiluOp,
+    graph.ExpOp, graph.LogOp, graph.SqrtOp, graph.RsqrtOp, graph.TanhOp, graph.TanhGradOp, graph.SigmoidOp, graph.SigmoidGradOp, graph.BinaryCrossEntropyOp,
+    graph.BinaryCrossEntropyGradOp, graph.SiluOp,
     graph.SiluGradOp, graph.GeluOp, graph.GeluGradOp, graph.PowOp, graph.PowGradOp, graph.CausalMaskOp,
     optim.MulScalarOp, optim.AdamOp, optim.SGDOp,
 )
@@ -142,6 +143,16 @@ def elementwise_expr(op: Operation, a: list[str], t: str, stmts: list[str], out:
             put(f"hs_tanh({a[0]})")
         case graph.TanhGradOp():
             put(f"{a[1]} * ({one} - {a[0]} * {a[0]})")
+        case graph.SigmoidOp():
+            put(f"hs_sigmoid({a[0]})")
+        case graph.BinaryCrossEntropyOp():
+            z, y = a
+            stmts.append(f"const {t} {r}_p = {z} > ({t})0 ? {z} : ({t})0;")  # max(z, 0); -|z| = z - 2 max(z, 0)
+            put(f"{r}_p - {z} * {y} + hs_log({one} + hs_exp({z} - {L(2.0)} * {r}_p))")
+        case graph.BinaryCrossEntropyGradOp():
+            put(f"(hs_sigmoid({a[0]}) - {a[1]}) * {a[2]}")
+        case graph.SigmoidGradOp():
+            put(f"{a[1]} * ({a[0]} * ({one} - {a[0]}))")
         case graph.SiluOp():
             put(f"{a[0]} * hs_sigmoid({a[0]})")
         case graph.SiluGradOp():

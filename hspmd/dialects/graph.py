@@ -474,6 +474,13 @@ class TanhOp(_Elementwise):
 
 
 @irdl_op_definition
+class SigmoidOp(_Elementwise):
+    """Elementwise `1 / (1 + exp(-x))`."""
+
+    name = "graph.sigmoid"
+
+
+@irdl_op_definition
 class SiluOp(_Elementwise):
     """Elementwise `x * sigmoid(x)` (SiLU, swish)."""
 
@@ -542,6 +549,41 @@ class TanhGradOp(_UnaryGrad):
     """`dy * (1 - y^2)` at the result `y` of `graph.tanh`."""
 
     name = "graph.tanh_grad"
+
+
+@irdl_op_definition
+class SigmoidGradOp(_UnaryGrad):
+    """`dy * y * (1 - y)` at the result `y` of `graph.sigmoid`."""
+
+    name = "graph.sigmoid_grad"
+
+
+@irdl_op_definition
+class BinaryCrossEntropyOp(_Binary):
+    """Elementwise binary cross-entropy of logits `z` (lhs) against labels `y` in [0, 1] (rhs):
+    `max(z, 0) - z y + log(1 + exp(-|z|))`, which is `-(y log s + (1 - y) log(1 - s))` for
+    `s = sigmoid(z)` without overflow or lost precision (torch's `binary_cross_entropy_with_logits`)."""
+
+    name = "graph.binary_cross_entropy"
+
+
+@irdl_op_definition
+class BinaryCrossEntropyGradOp(_TensorOp):
+    """`(sigmoid(z) - y) * dy`: the gradient of `graph.binary_cross_entropy` with respect to `z`."""
+
+    name = "graph.binary_cross_entropy_grad"
+    logits = operand_def(TensorType)
+    labels = operand_def(TensorType)
+    dy = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, logits: SSAValue, labels: SSAValue, dy: SSAValue):
+        super().__init__(operands=[logits, labels, dy], result_types=[logits.type])
+
+    def verify_(self) -> None:
+        _same_shape(self, self.logits, self.labels, self.result)
+        _same_shape(self, self.dy, self.result)
 
 
 @irdl_op_definition
@@ -1228,6 +1270,10 @@ Graph = Dialect(
         RsqrtOp,
         TanhOp,
         TanhGradOp,
+        SigmoidOp,
+        SigmoidGradOp,
+        BinaryCrossEntropyOp,
+        BinaryCrossEntropyGradOp,
         SiluOp,
         SiluGradOp,
         GeluOp,

@@ -158,15 +158,19 @@ def _last_dim_rule(op: Operation, n_operands_full: Sequence[bool], results_full:
 def _rule_for_more(op: Operation) -> OpRule | None:
     """Rules of the transformer op set (elementwise, normalisation, indexing, losses)."""
     match op:
+        case graph.BinaryCrossEntropyOp():
+            return _elementwise(op)
+        case graph.BinaryCrossEntropyGradOp():  # linear in the incoming gradient
+            return _elementwise(op, frozenset({2}))
         case graph.DivOp():  # linear in the numerator only
             return _elementwise(op, frozenset({0}))
-        case graph.ExpOp() | graph.LogOp() | graph.SqrtOp() | graph.RsqrtOp() | graph.TanhOp() | graph.SiluOp():
+        case graph.ExpOp() | graph.LogOp() | graph.SqrtOp() | graph.RsqrtOp() | graph.TanhOp() | graph.SiluOp() | graph.SigmoidOp():
             return _elementwise(op)
         case graph.GeluOp() | graph.PowOp():
             return _elementwise(op)
         case graph.CastOp():
             return _elementwise(op, frozenset({0}))
-        case graph.TanhGradOp() | graph.SiluGradOp() | graph.GeluGradOp() | graph.PowGradOp():
+        case graph.TanhGradOp() | graph.SiluGradOp() | graph.GeluGradOp() | graph.PowGradOp() | graph.SigmoidGradOp():
             return _elementwise(op, frozenset({1}))  # linear in the incoming gradient
         case graph.SoftmaxOp():
             d = _dims("d", len(_shape(op.result)))

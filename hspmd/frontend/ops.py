@@ -145,6 +145,28 @@ def tanh(x: Tensor) -> Tensor:
     return _unary(graph.TanhOp, x, "tanh")
 
 
+def sigmoid(x: Tensor) -> Tensor:
+    """Return `1 / (1 + exp(-x))` elementwise."""
+    return _unary(graph.SigmoidOp, x, "sigmoid")
+
+
+def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Return the mean over all elements of `-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))`.
+
+    One `graph.binary_cross_entropy` op per element, `max(z, 0) - z y + log(1 + exp(-|z|))` (as
+    torch's `binary_cross_entropy_with_logits`), which neither overflows nor loses the small
+    losses of confident logits, then the mean; `labels` are floats in [0, 1] of the logits' shape.
+    """
+    logits, labels = _tensor(logits, "binary_cross_entropy_with_logits"), _tensor(labels, "binary_cross_entropy_with_logits")
+    if logits.shape != labels.shape:
+        raise fail("binary_cross_entropy_with_logits",
+                   f"logits {list(logits.shape)} and labels {list(labels.shape)} need the same shape")
+    _float(logits, "binary_cross_entropy_with_logits")
+    _float(labels, "binary_cross_entropy_with_logits")
+    per = logits.tracer.emit(graph.BinaryCrossEntropyOp(logits.value, labels.value))
+    return per.mean()
+
+
 def silu(x: Tensor) -> Tensor:
     """Return `x * sigmoid(x)` elementwise (SiLU / swish)."""
     return _unary(graph.SiluOp, x, "silu")

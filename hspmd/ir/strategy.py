@@ -10,7 +10,11 @@ how many of a mixture's experts the group holds when groups hold different numbe
 optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
-them; default: contiguous ranges balanced by cost). Keys come in any order, separated by spaces or commas,
+them; default: contiguous ranges balanced by cost). How the data-parallel ranks communicate
+(docs/parameter-server.md): `comm=allreduce|ps|hybrid` (default allreduce), the consistency
+model `consistency=bsp|asp|ssp:S` (default bsp; asp and ssp need ps or hybrid) and the HET
+cache `cache=ROWS` or `cache=ROWS:B` (hot embedding rows each worker keeps, each used for at most
+B steps after it was pulled; B defaults to S of ssp:S, and bsp means 0; default 0, no cache). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp*ep must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp/ep is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
@@ -21,7 +25,7 @@ when they are not their default (1; `zero` 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lark import Lark, Token
 from lark.exceptions import UnexpectedInput
@@ -31,8 +35,17 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts")
-_DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None}
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts", "comm", "consistency", "cache")
+_DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None, "comm": "allreduce", "consistency": "bsp",
+             "cache": 0}
+#: the keys in words, as errors list them
+_KEYS_TEXT = ", ".join(_KEYS[:-1]) + " or " + _KEYS[-1]
+#: how a group's data-parallel ranks exchange gradients: collectives, parameter servers, or both
+#: (embedding tables through the servers, dense parameters by all-reduce)
+COMM_MODES = ("allreduce", "ps", "hybrid")
+#: the consistency models of a parameter-server run (`ssp` takes its bound: `ssp:2`)
+CONSISTENCY_MODELS = ("bsp", "asp", "ssp")
+_WORD_KEYS = ("comm", "consistency")
 ZERO_STAGES = (0, 1, 2)
 #: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -40,13 +53,12 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
 sgroup: "[" devlist "]" ":" (kv (","? kv)*)?
-kv: NAME "=" INT (":" INT)*
+kv: NAME "=" (INT | NAME) (":" INT)*
 NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
 _PARSER = Lark(_GRAMMAR, start="strategy", parser="lalr", maybe_placeholders=False)
-_WORDS = terminal_words(_PARSER, {"INT": "a number",
-                                   "NAME": "a key (dp, tp, pp, share, zero, sp, layers, ep or experts)",
+_WORDS = terminal_words(_PARSER, {"INT": "a number", "NAME": f"a key ({_KEYS_TEXT})",
                                    "$END": "end of text"})
 
 
@@ -92,10 +104,14 @@ class StrategyGroup:
     layers: tuple[int, ...] | None = None
     ep: int = 1
     experts: int | None = None
+    comm: str = "allreduce"
+    consistency: str = "bsp"
+    cache: int | tuple[int, int] = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
         text = str(self)
+        self._check_communication(text)
         for key in (*_KEYS[:4], "ep"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -139,6 +155,53 @@ class StrategyGroup:
         """Return how many ways the group splits its batch rows: dp times ep (expert-parallel
         ranks hold different rows too, and exchange tokens only inside the experts)."""
         return self.dp * self.ep
+
+    def _check_communication(self, text: str) -> None:
+        """Raise StrategyError unless comm, consistency and cache fit together (and the group)."""
+        if self.comm not in COMM_MODES:
+            raise StrategyError(f"group '{text}' has comm={self.comm!r}; comm must be one of {', '.join(COMM_MODES)}")
+        if self.consistency_model not in CONSISTENCY_MODELS or (
+                self.consistency_model == "ssp") != (":" in str(self.consistency)):
+            raise StrategyError(f"group '{text}' has consistency={self.consistency!r}; "
+                                "consistency must be bsp, asp or ssp:S (S >= 0 steps)")
+        if isinstance(self.cache, tuple):
+            object.__setattr__(self, "cache", tuple(self.cache))
+        parts = self.cache if isinstance(self.cache, tuple) else (self.cache,)
+        if len(parts) > 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parts):
+            raise StrategyError(f"group '{text}' has cache={_value_text(self.cache)}; cache must be ROWS or "
+                                "ROWS:B (a row count and a staleness bound in steps, both >= 0)")
+        if self.comm == "allreduce" and (self.consistency != "bsp" or self.cache_rows):
+            raise StrategyError(f"group '{text}' asks for consistency={self.consistency} / cache={_value_text(self.cache)} "
+                                "with comm=allreduce; they need parameter servers (comm=ps or comm=hybrid)")
+        if self.cache_rows and self.cache_bound is None:
+            raise StrategyError(f"group '{text}' asks for cache={self.cache} under consistency=asp; give the HET "
+                                "cache its staleness bound, cache=ROWS:B (under ssp:S it defaults to S)")
+        if self.comm != "allreduce" and (self.tp > 1 or self.pp > 1 or self.ep > 1 or self.zero or self.sp):
+            raise StrategyError(f"group '{text}' uses comm={self.comm}; parameter servers serve data "
+                                "parallelism only (tp, pp, ep, zero and sp must keep their defaults)")
+
+    @property
+    def cache_rows(self) -> int:
+        """Return the HET cache's rows per worker and table (0: no cache)."""
+        return self.cache[0] if isinstance(self.cache, tuple) else self.cache
+
+    @property
+    def cache_bound(self) -> int | None:
+        """Return the steps a cached row is used after its pull: B of cache=ROWS:B, else the
+        consistency's bound (None under asp)."""
+        return self.cache[1] if isinstance(self.cache, tuple) else self.staleness_bound
+
+    @property
+    def consistency_model(self) -> str:
+        """Return the consistency model without its bound: "bsp", "asp" or "ssp"."""
+        return str(self.consistency).split(":")[0]
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """Return how many steps a worker may run ahead of the slowest: 0 under bsp, S under ssp:S,
+        None (no bound) under asp."""
+        model = self.consistency_model
+        return 0 if model == "bsp" else None if model == "asp" else int(str(self.consistency).split(":")[1])
 
     def __str__(self) -> str:
         keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _KEYS
@@ -231,9 +294,17 @@ def parse_strategy(text: str) -> Strategy:
         for kv in kvs:
             key, value, *more = kv.children
             if key not in _KEYS:
-                raise _err(text, key, f"unknown key '{key}'", "dp, tp, pp, share, zero, sp, layers, ep or experts")
+                raise _err(text, key, f"unknown key '{key}'", _KEYS_TEXT)
             if key in values:
                 raise _err(text, key, f"key '{key}' is given twice")
+            if key in _WORD_KEYS or value.type == "NAME":
+                values[str(key)] = _word_value(text, key, value, more)
+                continue
+            if key == "cache" and more:
+                if len(more) > 1:
+                    raise _err(text, more[1], "cache takes ROWS or ROWS:B", "end of the key")
+                values["cache"] = (int(value), int(more[0]))
+                continue
             if more and key != "layers":
                 raise _err(text, more[0], f"key '{key}' takes one number, not a list", "a number")
             if key == "layers":
@@ -258,6 +329,24 @@ def parse_strategy(text: str) -> Strategy:
             values["dp"] = len(devices)
         groups.append(StrategyGroup(devices, **values))
     return Strategy(tuple(groups))
+
+
+def _word_value(text: str, key: Token, value: Token, more: list[Token]) -> str:
+    """Return the value of a key that takes a word (`comm=ps`, `consistency=ssp:2`), checked."""
+    if key not in _WORD_KEYS:
+        raise _err(text, value, f"key '{key}' takes a number, not '{value}'", "a number")
+    if value.type != "NAME":
+        raise _err(text, value, f"key '{key}' takes a word, not {value}",
+                   ", ".join(COMM_MODES) if key == "comm" else "bsp, asp or ssp:S")
+    if key == "comm":
+        if value not in COMM_MODES or more:
+            raise _err(text, value, f"comm={value}{':' if more else ''} is not a communication mode", ", ".join(COMM_MODES))
+        return str(value)
+    if value not in CONSISTENCY_MODELS:
+        raise _err(text, value, f"consistency={value} is not a consistency model", "bsp, asp or ssp:S")
+    if (value == "ssp") != (len(more) == 1) or len(more) > 1:
+        raise _err(text, value, "ssp takes its staleness bound (ssp:S) and bsp/asp take none", "bsp, asp or ssp:S")
+    return f"ssp:{int(more[0])}" if more else str(value)
 
 
 @dataclass(frozen=True)
@@ -320,9 +409,8 @@ def even_out_rows(strategy: Strategy, rows: int) -> Strategy:
         q, rem = divmod(r, g.dp)
         cut = rem * g.tp  # devices are dp-major, tp-minor: dp rank i holds devices[i*tp:(i+1)*tp]
         for devices, dp, per in ((g.devices[:cut], rem, q + 1), (g.devices[cut:], g.dp - rem, q)):
-            out.append((StrategyGroup(devices, dp=dp, tp=g.tp, zero=g.zero if dp > 1 else 0, sp=g.sp), dp * per))
+            out.append((replace(g, devices=devices, dp=dp, zero=g.zero if dp > 1 else 0), dp * per))
     if len(out) == len(groups):
         return strategy
     common = math.gcd(*(r for _, r in out))
-    return Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, r // common, g.zero, g.sp, g.layers, g.ep, g.experts)
-                          for g, r in out))
+    return Strategy(tuple(replace(g, share=r // common) for g, r in out))

@@ -795,6 +795,14 @@ def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
                 return np.multiply(dy, out, out=out)
 
             return tanh_grad
+        case graph.SigmoidOp():
+            return _sigmoid
+        case graph.BinaryCrossEntropyOp():
+            return lambda z, y: np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))
+        case graph.BinaryCrossEntropyGradOp():
+            return lambda z, y, dy: (_sigmoid(z) - y) * dy
+        case graph.SigmoidGradOp():
+            return lambda y, dy: dy * (y * (1 - y))
         case graph.SiluOp():
             return lambda x: x * _sigmoid(x)
         case graph.SiluGradOp():

@@ -166,6 +166,11 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
             return [lambda: emit(graph.ScaleOp(emit(graph.MulOp(g, emit(graph.PowOp(op.result, 3.0)))), -0.5))]
         case graph.TanhOp():
             return [lambda: emit(graph.TanhGradOp(op.result, g))]
+        case graph.BinaryCrossEntropyOp():  # d/dz = sigmoid(z) - y, d/dy = -z
+            return [lambda: emit(graph.BinaryCrossEntropyGradOp(op.lhs, op.rhs, g)),
+                    lambda: emit(graph.ScaleOp(emit(graph.MulOp(g, op.lhs)), -1.0))]
+        case graph.SigmoidOp():
+            return [lambda: emit(graph.SigmoidGradOp(op.result, g))]
         case graph.SiluOp():
             return [lambda: emit(graph.SiluGradOp(op.input, g))]
         case graph.GeluOp():

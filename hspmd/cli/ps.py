@@ -1,0 +1,60 @@
+"""`hspmd run -n N --servers K`: a parameter-server run (docs/parameter-server.md).
+
+The strategy names one group of N data-parallel workers with `comm=ps` or `comm=hybrid`; the
+run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def uses_servers(strategy: str | None) -> bool:
+    """Return whether `strategy` (text, or None) asks for parameter servers."""
+    if not strategy or strategy == "auto":
+        return False
+    from hspmd.ir.strategy import parse_strategy
+
+    return any(g.comm != "allreduce" for g in parse_strategy(strategy).groups)
+
+
+def run_parameter_servers(args) -> int:
+    """Compile `args.script` for a parameter-server run and launch it; return the exit code."""
+    from hspmd.compiler import compile_ps, write_ps_bundle
+    from hspmd.frontend.script import load_script, parse_overrides
+    from hspmd.ir.strategy import StrategyError, parse_strategy
+    from hspmd.runtime.launch import launch
+
+    if not args.strategy or not uses_servers(args.strategy):
+        raise SystemExit("hspmd: error: --servers needs a strategy with comm=ps or comm=hybrid, "
+                         "e.g. --strategy '[0,1]: dp=2 comm=ps consistency=bsp'")
+    if not args.servers or args.servers < 1:
+        raise StrategyError(f"strategy '{parse_strategy(args.strategy)}' uses parameter servers: "
+                            "give their number with --servers K (K >= 1)")
+    if os.path.isdir(args.script):
+        raise SystemExit("hspmd: error: a parameter-server run compiles its script; give the .py, not a bundle")
+    for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
+        if getattr(args, flag, None):
+            raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
+    parse_strategy(args.strategy).check_devices(args.n)
+    script = load_script(args.script, parse_overrides(args.set))
+    compiled = compile_ps(script, args.strategy, args.servers)
+    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
+    write_ps_bundle(compiled, bundle)
+    argv = ["-m", "hspmd.runtime.ps.main", bundle, "--kernels", args.kernels]
+    for name in ("steps", "log"):
+        if getattr(args, name, None) is not None:
+            argv += ["--" + name, str(getattr(args, name))]
+    if args.cpu_bind:
+        from hspmd.runtime.profiler import parse_cpu_bind
+
+        parse_cpu_bind(args.cpu_bind, args.n + args.servers)
+        argv += ["--cpu-bind", args.cpu_bind]
+    if getattr(args, "seconds", None):
+        argv += ["--seconds", str(args.seconds)]
+    if getattr(args, "slow_worker", None):
+        argv += ["--slow", args.slow_worker]
+    if getattr(args, "silent_after", None):
+        argv += ["--silent", str(args.silent_after)]
+    return launch(args.n + args.servers, argv, hosts=args.hosts, hostfile=args.hostfile)

@@ -1,0 +1,97 @@
+"""The entry point of every rank of a parameter-server run (what `hspmd run --servers K` starts).
+
+`python -m hspmd.runtime.ps.main BUNDLE [--steps K] [--log FILE] [--kernels B] [--slow R:SECONDS]`
+under `mpiexec -n N+K`: ranks 0..N-1 train as workers (`worker.train_worker`), ranks N..N+K-1
+serve (`server.Server`). The world is split into the workers' communicator (their all-reduces)
+and the servers'; `--slow R:SECONDS` sleeps worker R that long each step (a straggler, for tests
+and benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hspmd.codegen.bundle import BundleError, read_manifest
+from hspmd.ir.ps_plan import PLAN_FILE, SERVER_UPDATE_FILE, PSPlan, PSPlanError
+from hspmd.runtime.ps.worker import PSRunError
+
+
+def _scalars(config: dict, names: set[str]):
+    """Return step -> the update's step inputs ("lr" from the schedule)."""
+    from hspmd.runtime.worker import step_inputs
+
+    return lambda step: step_inputs(step, config, names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this MPI rank as a worker or a server; return the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m hspmd.runtime.ps.main")
+    parser.add_argument("bundle")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--log")
+    parser.add_argument("--kernels", default="cpu")
+    parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
+    parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
+    parser.add_argument("--silent", type=float, default=60.0,
+                        help="seconds of silence after which a server counts a worker as gone (a worker "
+                             "waits twice as long for a server)")
+    parser.add_argument("--seconds", type=float, help="stop starting steps after this much wall time")
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    try:
+        plan = PSPlan.from_json(open(os.path.join(args.bundle, PLAN_FILE)).read())
+        manifest = read_manifest(args.bundle)
+    except (OSError, PSPlanError, BundleError) as err:
+        print(f"hspmd run (rank {rank}): error: {err}", file=sys.stderr, flush=True)
+        world.Abort(1)
+        return 1
+    if world.Get_size() != plan.workers + plan.servers:
+        if rank == 0:
+            print(f"hspmd run: error: the bundle is for {plan.workers} workers and {plan.servers} servers, "
+                  f"the run has {world.Get_size()} ranks", file=sys.stderr, flush=True)
+        return 1
+    if args.cpu_bind:  # checked by `hspmd run` before launching
+        from hspmd.runtime.profiler import bind_cpu, parse_cpu_bind
+
+        bind_cpu(parse_cpu_bind(args.cpu_bind, world.Get_size())[rank])
+    is_worker = rank < plan.workers
+    role = world.Split(0 if is_worker else 1, rank)
+    try:
+        if is_worker:
+            from hspmd.runtime.comm.mpi import MPICommunicator
+            from hspmd.runtime.ps.worker import train_worker
+
+            slow = 0.0
+            if args.slow:
+                who, seconds = args.slow.split(":")
+                slow = float(seconds) if int(who) == rank else 0.0
+            train_worker(args.bundle, rank, plan, world, MPICommunicator(role), args.steps, args.log,
+                         args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent)
+        else:
+            from hspmd.runtime.ps.server import Server
+            from hspmd.runtime.ps.update import UpdateStep
+
+            k = rank - plan.workers
+            path = os.path.join(args.bundle, SERVER_UPDATE_FILE.format(k=k))
+            update = UpdateStep(open(path).read(), path, set(plan.tables))
+            seed = int(manifest.config.get("seed", 0))
+            Server(k, plan, update, seed, _scalars(manifest.config, update.scalars), args.silent, rank).serve(world)
+    except PSRunError as err:
+        print(f"hspmd run (worker rank {rank}): error: {err}", file=sys.stderr, flush=True)
+        world.Abort(1)
+        return 1
+    except Exception as err:  # one message, then end the whole job: the other ranks wait on this one
+        what = "worker" if is_worker else "server"
+        print(f"hspmd run ({what} rank {rank}): error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        world.Abort(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

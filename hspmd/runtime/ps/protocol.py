@@ -1,0 +1,60 @@
+"""The messages between workers and servers (mpi4py point-to-point, pickled; arrays as NumPy).
+
+worker -> server
+    PULL  (step, {name: rows or None})         rows: int64 ids of a table's rows; None: all of it
+    PUSH  (step, {name: (rows or None, grad)}) the worker's gradient of its rows of the batch
+    DONE  {name: (rows, grad)}                 the worker has trained its last step (with the
+                                               HET cache's gradients not pushed yet)
+server -> worker
+    REPLY (step, {name: values}, staleness, clocks)  values of the rows (or whole parameter)
+          asked for; staleness: how many steps the slowest live worker is behind the asking one;
+          clocks: every worker's pushed steps
+    HEARTBEAT None  the pull is still waiting on the clocks (the server is alive), sent every
+          half `--silent-after` seconds while it waits
+"""
+
+PULL, PUSH, DONE, REPLY, HEARTBEAT = 11, 12, 13, 14, 15
+
+
+def message_bytes(payload) -> int:
+    """Return the bytes of the arrays in a message payload (what a pull or a push moves)."""
+    import numpy as np
+
+    if isinstance(payload, np.ndarray):
+        return payload.nbytes
+    if isinstance(payload, dict):
+        return sum(message_bytes(v) for v in payload.values())
+    if isinstance(payload, (tuple, list)):
+        return sum(message_bytes(v) for v in payload)
+    return 0
+
+
+#: how long a rank that waits for a message sleeps between looks (MPICH's blocking receive
+#: spins on a core; a server or a waiting worker must leave its core to the ranks that compute)
+POLL_S = 0.0002
+
+
+class Silence(TimeoutError):
+    """No message came within the time a rank waits for one."""
+
+
+def wait_for(comm, source: int, tag: int, timeout: float | None = None, on_idle=None):
+    """Return (payload, source, tag) of the next message from `source` with `tag` (MPI.ANY_* allowed),
+    sleeping between looks instead of spinning. Raises `Silence` after `timeout` seconds without
+    one; calls `on_idle()` about every 0.1 s of waiting."""
+    import time
+
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    start = last = time.monotonic()
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        time.sleep(POLL_S)
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            raise Silence(f"no message in {timeout:g} s")
+        if on_idle is not None and now - last > 0.1:
+            on_idle()
+            last = now
+    payload = comm.recv(source=status.Get_source(), tag=status.Get_tag())
+    return payload, status.Get_source(), status.Get_tag()

@@ -1,0 +1,172 @@
+"""Parameter servers without MPI: strategy keys, range assignment, clocks, the update step, the cache."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import EXAMPLES
+from hspmd.ir.ps_plan import PSPlan, assign_by_bytes
+from hspmd.ir.strategy import StrategyError, parse_strategy
+from hspmd.runtime.ps.cache import RowCache
+from hspmd.runtime.ps.clocks import Clocks
+from hspmd.runtime.ps.server import _sum_rows
+
+
+def test_strategy_keys_parse_print_and_check():
+    g = parse_strategy("[0,1]: dp=2 comm=hybrid consistency=ssp:2 cache=5000").groups[0]
+    assert (g.comm, g.consistency, g.cache, g.staleness_bound) == ("hybrid", "ssp:2", 5000, 2)
+    assert str(g) == "[0,1]: dp=2 comm=hybrid consistency=ssp:2 cache=5000"
+    assert parse_strategy("[0,1]: dp=2 comm=ps").groups[0].staleness_bound == 0
+    assert parse_strategy("[0,1]: dp=2 comm=ps consistency=asp").groups[0].staleness_bound is None
+    assert str(parse_strategy("[0,1]: dp=2")) == "[0,1]: dp=2"  # defaults are not printed
+    g = parse_strategy("[0,1]: comm=ps consistency=asp cache=100:8").groups[0]
+    assert (g.cache_rows, g.cache_bound, str(g)) == (100, 8, "[0,1]: dp=2 comm=ps consistency=asp cache=100:8")
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[0,1]: comm=rdma", "not a communication mode"),
+    ("[0,1]: comm=ps consistency=ssp", "ssp takes its staleness bound"),
+    ("[0,1]: comm=ps consistency=bsp:1", "bsp/asp take none"),
+    ("[0,1]: consistency=asp", "need parameter servers"),
+    ("[0,1]: cache=10", "need parameter servers"),
+    ("[0,1]: comm=ps consistency=asp cache=10", "cache=ROWS:B"),
+    ("[0,1]: comm=ps cache=10:2:3", "ROWS or ROWS:B"),
+    ("[0,1]: comm=ps tp=2", "data parallelism only"),
+    ("[0,1]: dp=ps", "takes a number"),
+])
+def test_bad_communication_keys_say_why(text, words):
+    with pytest.raises(StrategyError, match=words):
+        parse_strategy(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=12), servers=st.integers(1, 5))
+def test_assign_by_bytes_gives_contiguous_ranges_to_every_server_it_can(sizes, servers):
+    names = [(f"p{i}", b) for i, b in enumerate(sizes)]
+    homes = assign_by_bytes(names, servers)
+    order = [homes[n] for n, _ in names]
+    assert order == sorted(order) and order[0] == 0  # contiguous ranges, in order
+    assert set(order) == set(range(min(servers, len(sizes))))  # no server idle while a parameter is left
+    assert all(b - a <= 1 for a, b in zip(order, order[1:]))
+
+
+def test_assign_by_bytes_balances():
+    homes = assign_by_bytes([(str(i), 100) for i in range(8)], 4)
+    assert [list(homes.values()).count(s) for s in range(4)] == [2, 2, 2, 2]
+
+
+def test_plan_round_trips_through_json():
+    plan = PSPlan(2, 1, "hybrid", "ssp:2", 2, cache_rows=100, cache_bound=4, homes={"emb": 0}, tables={"emb": "ids"},
+                  batch_rows=256)
+    assert PSPlan.from_json(plan.to_json()) == plan
+
+
+@settings(max_examples=80, deadline=None)
+@given(workers=st.integers(1, 4), bound=st.integers(0, 3), steps=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_ssp_never_admits_more_staleness_than_its_bound_and_never_deadlocks(workers, bound, steps, seed):
+    """Random schedules of workers that pull, then push, `steps` times under SSP:bound."""
+    rng = np.random.default_rng(seed)
+    clocks = Clocks(workers, bound)
+    next_step = [1] * workers
+    pulled = [False] * workers
+    while any(s <= steps for s in next_step):
+        ready = [w for w in range(workers) if next_step[w] <= steps and (pulled[w] or clocks.admits(next_step[w]))]
+        assert ready, "every unfinished worker waits: deadlock"
+        w = int(rng.choice(ready))
+        if not pulled[w]:
+            assert clocks.staleness(next_step[w]) <= bound
+            pulled[w] = True
+        else:
+            clocks.tick(w)
+            pulled[w] = False
+            next_step[w] += 1
+            if next_step[w] > steps:
+                clocks.retire(w)
+
+
+def test_bsp_admits_a_step_only_once_everyone_pushed_the_one_before():
+    c = Clocks(3, 0)
+    assert c.admits(1) and not c.admits(2)
+    c.tick(0), c.tick(1)
+    assert not c.admits(2)
+    c.retire(2)  # a worker gone no longer holds the others back
+    assert c.admits(2)
+
+
+def test_asp_admits_everything():
+    c = Clocks(2, None)
+    for _ in range(10):
+        c.tick(0)
+    assert c.admits(11) and c.staleness(11) == 10
+
+
+def test_rows_sum_in_order_and_divide():
+    rows, grads = _sum_rows(np.array([3, 1, 3]), np.array([[1.0], [2.0], [4.0]], np.float32), 2)
+    assert rows.tolist() == [1, 3] and grads.ravel().tolist() == [1.0, 2.5]
+
+
+def test_cache_bounds_staleness_and_owes_every_gradient():
+    cache = RowCache(capacity=2, bound=1, shape=(10, 1), dtype=np.float32)
+    rows = np.array([1, 2, 3])
+    assert cache.missing(rows, 1).tolist() == [1, 2, 3]
+    cache.store(rows, 1)  # 3 rows, capacity 2: one evicted
+    assert cache.cached.sum() == 2
+    pushed = {}
+    total = 0.0
+    for step in range(1, 6):
+        need = cache.missing(rows, step)
+        cache.store(need, step)
+        assert all(step - cache.fetched[r] <= 1 for r in rows if cache.cached[r])
+        r, g = cache.accumulate(rows, np.ones((3, 1), np.float32), step)
+        total += 3
+        for row, v in zip(r, g.ravel()):
+            pushed[row] = pushed.get(row, 0.0) + v
+    r, g = cache.flush()
+    for row, v in zip(r, g.ravel()):
+        pushed[row] = pushed.get(row, 0.0) + v
+    assert sum(pushed.values()) == total  # nothing lost, nothing twice
+
+
+def test_update_step_on_rows_equals_the_dense_update():
+    """SGD on a table: the update of the touched rows equals the dense update of a scattered gradient."""
+    from hspmd.compiler import update_program
+    from hspmd.frontend.optim import SGD
+    from hspmd.runtime.ps.update import UpdateStep
+    from xdsl.dialects.builtin import TensorType, f32
+
+    module = update_program([("emb", "normal:1.0", TensorType(f32, (6, 3)))], SGD(lr=0.1))
+    sparse = UpdateStep(str(module), "<test>", {"emb"})
+    dense = UpdateStep(str(module), "<test>")
+    a, b = sparse.initial_state(0), dense.initial_state(0)
+    rows = np.array([0, 4])
+    g = np.arange(6, dtype=np.float32).reshape(2, 3)
+    full = np.zeros((6, 3), np.float32)
+    full[rows] = g
+    sparse.apply(a, {"emb": (rows, g)}, {})
+    dense.apply(b, {"emb": (None, full)}, {})
+    np.testing.assert_array_equal(a["emb"], b["emb"])
+
+
+def test_compile_ps_finds_the_tables_and_rejects_what_it_cannot_serve():
+    from hspmd.compiler import compile_ps
+    from hspmd.frontend.script import load_script
+
+    compiled = compile_ps(load_script(os.path.join(EXAMPLES, "ctr.py")), "[0,1]: dp=2 comm=hybrid", 2)
+    assert compiled.plan.tables == {"embedding.weight": "ids", "wide.weight": "ids"}
+    assert set(compiled.plan.homes) == {"embedding.weight", "wide.weight"}
+    assert sorted(compiled.plan.homes.values()) == [0, 1]
+    assert compiled.dense_update is not None
+    with pytest.raises(Exception, match="has none"):
+        compile_ps(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0,1]: dp=2 comm=hybrid", 1)
+
+
+def test_compiling_a_served_strategy_alone_points_at_hspmd_run_servers():
+    from hspmd.compiler import compile_script
+    from hspmd.frontend.script import load_script
+
+    with pytest.raises(StrategyError, match="--servers K"):
+        compile_script(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0,1]: dp=2 comm=ps", 2)

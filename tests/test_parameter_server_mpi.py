@@ -1,0 +1,105 @@
+"""Parameter servers end to end over MPI: `hspmd run -n N --servers K` against all-reduce data parallelism."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, run_cli
+
+MLP = os.path.join(EXAMPLES, "mlp.py")
+CTR = os.path.join(EXAMPLES, "ctr.py")
+
+
+def _run(tmp_path, script, n, steps, strategy=None, servers=None, extra=()):
+    log = tmp_path / f"log-{len(list(tmp_path.iterdir()))}.jsonl"
+    args = ["hspmd", "run", "-n", str(n), script, "--steps", str(steps), "--log", str(log), *extra]
+    if strategy:
+        args += ["--strategy", strategy]
+    if servers:
+        args += ["--servers", str(servers)]
+    run_cli(*args, check=True, timeout=600)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _losses(rows):
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("servers", [1, 2])
+def test_mlp_ps_bsp_equals_all_reduce(tmp_path, servers):
+    reference = _losses(_run(tmp_path, MLP, 2, 10))
+    rows = _run(tmp_path, MLP, 2, 10, "[0,1]: dp=2 comm=ps consistency=bsp", servers)
+    np.testing.assert_allclose(_losses(rows), reference, rtol=1e-4)
+    assert all(r["staleness"] == 0 for r in rows if "loss" in r)
+
+
+@pytest.fixture(scope="module")
+def ctr_all_reduce(tmp_path_factory):
+    return _losses(_run(tmp_path_factory.mktemp("ar"), CTR, 2, 10))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("keys,servers", [("comm=ps", 1), ("comm=hybrid", 1), ("comm=ps", 2),
+                                          ("comm=hybrid cache=1000", 2)])  # bsp: a cache bound of 0
+def test_ctr_bsp_equals_all_reduce(tmp_path, ctr_all_reduce, keys, servers):
+    rows = _run(tmp_path, CTR, 2, 10, f"[0,1]: dp=2 {keys} consistency=bsp", servers)
+    np.testing.assert_allclose(_losses(rows), ctr_all_reduce, rtol=1e-4)
+
+
+@pytest.mark.mpi
+def test_ssp_bounds_staleness_with_a_slow_worker_and_asp_ssp_converge_like_bsp(tmp_path):
+    steps = 60
+    runs = {}
+    for c in ("bsp", "ssp:2", "asp"):
+        runs[c] = _run(tmp_path, CTR, 2, steps, f"[0,1]: dp=2 comm=ps consistency={c}", 1,
+                       ("--slow-worker", "1:0.02"))
+    ssp = [r["staleness"] for r in runs["ssp:2"] if "loss" in r]
+    assert max(ssp) <= 2 and max(ssp) >= 1  # the bound holds and the slow worker did fall behind
+    assert all(r["staleness"] == 0 for r in runs["bsp"] if "loss" in r)
+    auc = {c: next(r["auc"] for r in rows if "auc" in r) for c, rows in runs.items()}
+    late = {c: float(np.mean(_losses(rows)[-20:])) for c, rows in runs.items()}
+    assert auc["bsp"] > 0.7  # there is something learnt
+    for c in ("ssp:2", "asp"):
+        assert abs(auc[c] - auc["bsp"]) < 0.05, auc
+        assert abs(late[c] - late["bsp"]) < 0.05, late
+
+
+@pytest.mark.mpi
+def test_het_cache_moves_fewer_bytes_and_still_learns(tmp_path):
+    plain = _run(tmp_path, CTR, 2, 30, "[0,1]: dp=2 comm=hybrid consistency=ssp:2", 1)
+    cached = _run(tmp_path, CTR, 2, 30, "[0,1]: dp=2 comm=hybrid consistency=ssp:2 cache=200000:8", 1)
+    moved = lambda rows: sum(r["bytes"] for r in rows if "bytes" in r)  # noqa: E731
+    assert moved(cached) < 0.8 * moved(plain)
+    assert [r for r in cached if "loss" in r][-1]["cache_hit_rate"] > 0.3
+    auc = lambda rows: next(r["auc"] for r in rows if "auc" in r)  # noqa: E731
+    assert abs(auc(cached) - auc(plain)) < 0.05
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--servers", "1"], "needs a strategy with comm=ps or comm=hybrid"),
+    (["--strategy", "[0,1]: dp=2 comm=ps"], "give their number with --servers K"),
+    (["--strategy", "[0,1]: dp=2 comm=ps consistency=ssp"], "ssp takes its staleness bound"),
+    (["--strategy", "[0-2]: dp=3 comm=ps", "--servers", "1"], "but the run has -n 2"),
+])
+def test_parameter_server_mistakes_are_one_message(args, words):
+    proc = run_cli("hspmd", "run", "-n", "2", MLP, "--steps", "1", *args)
+    assert proc.returncode != 0
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_silent_worker_is_counted_as_gone_and_back_and_the_bound_holds(tmp_path):
+    log = tmp_path / "silent.jsonl"
+    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", CTR, "--steps", "8", "--log", str(log),
+                   "--strategy", "[0,1]: dp=2 comm=ps consistency=ssp:2", "--slow-worker", "1:1.5",
+                   "--silent-after", "0.5", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 1 has been silent for 0.5 s; counted as gone" in proc.stderr
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
+    assert max(r["staleness"] for r in rows if "loss" in r) <= 2
