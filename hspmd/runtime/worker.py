@@ -44,6 +44,8 @@ from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
+from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
+from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
@@ -82,6 +84,7 @@ class RunResult:
     lrs: list[float] = field(default_factory=list)  # the learning rate fed as input "lr", per step (if it has one)
     first_step: int = 1  # the first step this run trained (after a resume, the checkpoint's step + 1)
     checkpoint_stall_s: list[float] = field(default_factory=list)  # the training thread's time in each checkpoint
+    switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
 
 
 @dataclass(frozen=True)
@@ -95,14 +98,19 @@ class CheckpointOptions:
     init_from: str | None = None  # start from a file of global tensors
 
 
-def load_batches(script: str, config: dict):
-    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
+def load_script_module(script: str):
+    """Return the model script at `script` as a loaded module (it provides the data)."""
     spec = importlib.util.spec_from_file_location("hspmd_data_" + os.path.basename(script).split(".")[0], script)
     if spec is None or spec.loader is None or not os.path.isfile(script):
         raise RunError(f"{script}: the bundle's model script is missing (it provides the data)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return iter(module.batches(config))
+    return module
+
+
+def load_batches(script: str, config: dict):
+    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
+    return iter(load_script_module(script).batches(config))
 
 
 def _quiet_unless(speak: bool):
@@ -143,6 +151,7 @@ def train(
     log_append: bool = False,
     trace: str | None = None,
     progress_bar: bool = False,
+    switch_every: int | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -162,6 +171,11 @@ def train(
     `trace` (a path, the same on every rank) records every rank's events and writes them, on
     rank 0, as one Chrome / Perfetto trace (`hspmd.runtime.trace`). `progress_bar` shows rank
     0's steps as a live bar instead of one line each (`hspmd.runtime.progress`).
+
+    A bundle of several strategies (`Manifest.variants`, docs/switching.md) starts under the
+    first and switches at step boundaries: every `switch_every` steps to the next (cycling), or
+    where the script's `strategy_for(batch, config)` names another; the state moves in memory
+    (`hspmd.runtime.switch`).
     """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
@@ -169,29 +183,10 @@ def train(
             f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
             f"but the run has {comm.size} ranks"
         )
-    entry = manifest.group_for(comm.rank)
-    path = os.path.join(bundle, entry.program)
-    kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
-    with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
-        group_module = select_program(  # only the level that runs is parsed
-            lambda: _group_program(path, comm.rank, verify=True),
-            (lambda: _group_program(kernel_path, comm.rank)) if kernel_path is not None else None, kernels)
-    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
-               and op.sym_name.data == "train_step"), None)
-    if fn is None:
-        raise RunError(f"{path}: the group's module has no @train_step function")
-    with _quiet_unless(comm.rank == 0):
-        plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
-    if comm.rank == 0 and not quiet:
-        print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
-              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
-              f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
-    stage_params: list[Leaf] = []
-    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
-        stage_params = _stage_parameters(bundle, manifest)
-        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
-    else:
-        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet)
+    plan, gather = program.plan, program.gather
+    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
+    choose = strategy_chooser(manifest, len(programs), switch_every)
 
     tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
@@ -226,8 +221,10 @@ def train(
     batches = load_batches(manifest.script, config)
     for _ in range(done):  # the data position: the batches the checkpointed steps consumed
         next(batches, None)
-    names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
-    shapes = compiled_batch_shapes(names.items())
+    if len(programs) > 1 and (writer is not None or where or ck.init_from):
+        raise AgreedRunError("checkpoints (--checkpoint-dir, --resume, --init-from) and several strategies "
+                             "(graph switching) do not go together yet")
+    current = 0
     pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
@@ -246,6 +243,14 @@ def train(
             except StopIteration:
                 raise RunError(f"the script's batches ran out after {step - 1} steps") from None
             items = batch_items(batch) if progress is not None else None
+            chosen, switched = choose(step, batch), None
+            if chosen != current:
+                state, switched = switcher.switch(state, current, chosen)
+                result.switches.append((step, current, chosen, switched))
+                current = chosen
+                plan, gather = programs[current].plan, programs[current].gather
+            names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+            shapes = compiled_batch_shapes(names.items())
             scalars = step_inputs(step, config, names)
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
@@ -269,6 +274,10 @@ def train(
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
+                    if len(programs) > 1:
+                        record["strategy"] = current
+                    if switched is not None:
+                        record.update(switch_s=switched.seconds, switch_bytes=switched.bytes_moved)
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
@@ -298,6 +307,87 @@ def train(
             except OSError as err:
                 raise RunError(f"--trace {trace}: {err.strerror or err}") from None
     return result
+
+
+@dataclass
+class RankProgram:
+    """One strategy's step program as this rank runs it: its plan, how to gather its parameters on
+    rank 0, and the module it came from."""
+
+    plan: Plan
+    gather: object  # state -> global parameters on rank 0 (None elsewhere)
+    module: object
+
+
+def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool) -> RankProgram:
+    """Return the program of `bundle` that `comm.rank` runs, with its plan built."""
+    entry = manifest.group_for(comm.rank)
+    path = os.path.join(bundle, entry.program)
+    kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
+    with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
+        group_module = select_program(  # only the level that runs is parsed
+            lambda: _group_program(path, comm.rank, verify=True),
+            (lambda: _group_program(kernel_path, comm.rank)) if kernel_path is not None else None, kernels)
+    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
+               and op.sym_name.data == "train_step"), None)
+    if fn is None:
+        raise RunError(f"{path}: the group's module has no @train_step function")
+    with _quiet_unless(comm.rank == 0):
+        plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
+    if comm.rank == 0 and not quiet:
+        print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
+              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
+              f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
+    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
+        stage_params = _stage_parameters(bundle, manifest)
+        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
+    else:
+        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
+    return RankProgram(plan, gather, group_module)
+
+
+def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
+                       switch_every: int | None) -> tuple[list[RankProgram], Switcher | None]:
+    """Return the programs of every strategy of `bundle` (the first one given; a sub-bundle named
+    twice is loaded once) and the switcher between them (None for a bundle of one strategy)."""
+    if switch_every is not None and switch_every < 1:
+        raise RunError("--switch-every must be at least 1")
+    if not manifest.variants:
+        return [first], None
+    loaded = {".": first}
+    for sub in manifest.variants:
+        if sub not in loaded:
+            where = os.path.join(bundle, sub)
+            variant = read_manifest(where)
+            if variant.num_devices != manifest.num_devices:
+                raise RunError(f"{where}: compiled for {variant.num_devices} devices, the run's first strategy "
+                               f"for {manifest.num_devices}")
+            loaded[sub] = load_rank_program(where, variant, comm, kernels, quiet=True)
+    dirs = [".", *manifest.variants]
+    holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
+    return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm)
+
+
+def strategy_chooser(manifest, count: int, switch_every: int | None):
+    """Return `(step, batch) -> index` of the strategy a step runs under: with `switch_every` K,
+    strategy `((step - 1) // K) % count`; else the script's `strategy_for(batch, config)` when it
+    has one and the bundle holds several strategies; else always 0."""
+    if count == 1:
+        return lambda step, batch: 0
+    if switch_every is not None:
+        return lambda step, batch: ((step - 1) // switch_every) % count
+    pick = getattr(load_script_module(manifest.script), "strategy_for", None)
+    if pick is None:
+        return lambda step, batch: 0
+
+    def choose(step: int, batch) -> int:
+        index = pick(batch, manifest.config)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < count:
+            raise RunError(f"step {step}: the script's strategy_for returned {index!r}; the run has strategies "
+                           f"0..{count - 1}")
+        return int(index)
+
+    return choose
 
 
 def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
@@ -364,6 +454,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--init-from")
     parser.add_argument("--trace")
     parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
+    parser.add_argument("--switch-every", type=int)
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     args = parser.parse_args(argv)
     if comm is None:
@@ -378,13 +469,13 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
-              progress_bar=args.progress == "bar")
+              progress_bar=args.progress == "bar", switch_every=args.switch_every)
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:
         print(f"hspmd run: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (RunError, BundleError, PlanError, IRTextError, LevelError) as err:
+    except (RunError, BundleError, PlanError, IRTextError, LevelError, SwitchError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
             from mpi4py import MPI
