@@ -152,6 +152,7 @@ def train(
     trace: str | None = None,
     progress_bar: bool = False,
     switch_every: int | None = None,
+    strategy_order: list[int] | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -174,7 +175,8 @@ def train(
 
     A bundle of several strategies (`Manifest.variants`, docs/switching.md) starts under the
     first and switches at step boundaries: every `switch_every` steps to the next (cycling), or
-    where the script's `strategy_for(batch, config)` names another; the state moves in memory
+    where the script's `strategy_for(batch, config)` names another, or, given `strategy_order`,
+    step k under strategy `strategy_order[k - 1]`; the state moves in memory
     (`hspmd.runtime.switch`).
     """
     manifest = read_manifest(bundle)
@@ -186,7 +188,7 @@ def train(
     program = load_rank_program(bundle, manifest, comm, kernels, quiet)
     plan, gather = program.plan, program.gather
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
-    choose = strategy_chooser(manifest, len(programs), switch_every)
+    choose = strategy_chooser(manifest, len(programs), switch_every, strategy_order)
 
     tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
@@ -368,10 +370,14 @@ def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communic
     return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm)
 
 
-def strategy_chooser(manifest, count: int, switch_every: int | None):
-    """Return `(step, batch) -> index` of the strategy a step runs under: with `switch_every` K,
-    strategy `((step - 1) // K) % count`; else the script's `strategy_for(batch, config)` when it
-    has one and the bundle holds several strategies; else always 0."""
+def strategy_chooser(manifest, count: int, switch_every: int | None, order: list[int] | None = None):
+    """Return `(step, batch) -> index` of the strategy a step runs under: `order[step - 1]` when
+    given; with `switch_every` K, strategy `((step - 1) // K) % count`; else the script's
+    `strategy_for(batch, config)` when it has one and the bundle holds several strategies; else 0."""
+    if order is not None:
+        if any(not 0 <= i < count for i in order):
+            raise RunError(f"strategy order {order}: the run has strategies 0..{count - 1}")
+        return lambda step, batch: order[step - 1] if step <= len(order) else 0
     if count == 1:
         return lambda step, batch: 0
     if switch_every is not None:
