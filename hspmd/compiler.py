@@ -17,6 +17,7 @@ through here; the pass lists are plain Python lists, so a user can insert a pass
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from hspmd.frontend.optim import Optimizer
-from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
+from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, set_config, trace_script
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
@@ -163,23 +164,47 @@ def compile_script(
     return _lower(script, record, logical, opt)
 
 
-def compile_strategies(script: ModelScript, strategies: list[str], num_devices: int | None = None) -> list[Compiled]:
+def compile_strategies(script: ModelScript, strategies: list[str], num_devices: int | None = None,
+                       configs: list[dict] | None = None) -> list[Compiled]:
     """Return the script's training step compiled under each of `strategies` (ids 0, 1, ...) from one
     logical program: traced and differentiated once, annotated and lowered once per distinct
     strategy text (a repeated text shares the first one's `Compiled`). Graph switching
-    (`docs/switching.md`) runs them in turn in one run."""
+    (`docs/switching.md`) runs them in turn in one run.
+
+    `configs[i]` (dotted key -> value, as `--set` takes them) specialises variant i: the script is
+    traced again under that config (one logical program per distinct config), e.g. a sequence
+    length bucket's batch shape (`data.bucket=64`); every `Compiled` keeps the run's own
+    script and config, which the runtime reads for the data and the schedule.
+    """
     if num_devices is None and strategies:
         num_devices = parse_strategy(strategies[0]).num_devices
+    configs = configs if configs is not None else [{} for _ in strategies]
+    if len(configs) != len(strategies):
+        raise PassError(f"{len(strategies)} strategies but {len(configs)} configs; give one config per strategy")
     records = [_record(script, s, i, num_devices, None, None) for i, s in enumerate(strategies)]
-    logical, opt = _training_step(script, True)
-    first: dict[str, Compiled] = {}
+    traced: dict[str, tuple[ModuleOp, Optimizer | None]] = {}
+    first: dict[tuple[str, str], Compiled] = {}
     out = []
-    for record in records:
-        key = str(record.strategy)
+    for record, overrides in zip(records, configs):
+        ckey = repr(sorted(overrides.items()))
+        if ckey not in traced:
+            traced[ckey] = _training_step(_specialised(script, overrides), True)
+        key = (str(record.strategy), ckey)
         if key not in first:
+            logical, opt = traced[ckey]
             first[key] = _lower(script, record, logical, opt)
         out.append(first[key])
     return out
+
+
+def _specialised(script: ModelScript, overrides: dict) -> ModelScript:
+    """Return `script` with its config updated by `overrides` (itself when there are none)."""
+    if not overrides:
+        return script
+    config = copy.deepcopy(script.config)
+    for key, value in overrides.items():
+        set_config(config, key, value)
+    return ModelScript(script.path, script.module, config)
 
 
 def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | None, microbatches: int | None,

@@ -108,13 +108,15 @@ def switch_state(plan: SwitchPlan, state: dict[str, np.ndarray], before: dict[st
         parts = [np.ascontiguousarray(state[t.name][_local(t.region, held[t.name])]).view(np.uint8).ravel()
                  for t in transfers]
         requests.append(comm.isend(np.concatenate(parts), dst, SWITCH_TAG))
-    out = {name: np.empty(leaf.layout.local_shape(rank, leaf.global_shape), leaf.dtype)
-           for name, leaf in after.items()}
     wanted = {name: region(leaf) for name, leaf in after.items()}
+    # a piece held alike before and after is kept as it is (no copy); the others are built
+    out = {name: state[name] if held.get(name) == wanted[name] and state[name].dtype == np.dtype(leaf.dtype)
+           else np.empty(leaf.layout.local_shape(rank, leaf.global_shape), leaf.dtype) for name, leaf in after.items()}
     for src, transfers in sorted(plan.receives(rank).items(), key=lambda kv: kv[0] != rank):
         if src == rank:
             for t in transfers:
-                out[t.name][_local(t.region, wanted[t.name])] = state[t.name][_local(t.region, held[t.name])]
+                if out[t.name] is not state.get(t.name):
+                    out[t.name][_local(t.region, wanted[t.name])] = state[t.name][_local(t.region, held[t.name])]
             continue
         sizes = [t.elements() * out[t.name].itemsize for t in transfers]
         buf = comm.recv(np.empty(sum(sizes), np.uint8), src, SWITCH_TAG)

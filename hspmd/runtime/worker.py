@@ -85,6 +85,7 @@ class RunResult:
     first_step: int = 1  # the first step this run trained (after a resume, the checkpoint's step + 1)
     checkpoint_stall_s: list[float] = field(default_factory=list)  # the training thread's time in each checkpoint
     switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
+    step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,7 @@ def train(
             start = time.perf_counter()
             outputs = plan.run(state, plan.local_batch(batch), tracer)
             elapsed = time.perf_counter() - start
+            result.step_s.append(elapsed)
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
             if keep_outputs:
