@@ -1,7 +1,7 @@
 """Variable-length sequences: length buckets, each its own program, against padding every batch to
 the context; and per-bucket strategies against one strategy for every bucket.
 
-    python benchmarks/varlen.py [--documents 300] [--strategy-documents 120] [--reps 2] [--skip-strategies]
+    python benchmarks/varlen.py [--documents 200] [--strategy-documents 80] [--reps 2] [--skip-strategies]
 
 The data is `examples/gpt_varlen.py`'s: real documents of very unequal length (the standard
 library's docstrings and pydoc topics, a fixed sample, one sequence each, truncated to the
@@ -113,9 +113,9 @@ def compare(a: tuple[str, dict], b: tuple[str, dict], n: int, reps: int) -> tupl
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--documents", type=int, default=300, help="documents sampled (default 300)")
-    parser.add_argument("--strategy-documents", type=int, default=120,
-                        help="documents of the 2-rank per-bucket strategies part (default 120)")
+    parser.add_argument("--documents", type=int, default=200, help="documents sampled (default 200)")
+    parser.add_argument("--strategy-documents", type=int, default=80,
+                        help="documents of the 2-rank per-bucket strategies part (default 80)")
     parser.add_argument("--reps", type=int, default=2, help="runs of each epoch; a step counts its fastest (default 2)")
     parser.add_argument("--skip-strategies", action="store_true", help="only the bucketed vs padded part")
     args = parser.parse_args()

@@ -59,7 +59,7 @@ def batches(config):
     only = buckets.index(d["bucket"]) if d["bucket"] is not None else None
     docs = documents(config)
     epoch = 0
-    while True:  # epoch after epoch, each in its own shuffled order
+    while True:  # epoch after epoch, each in its own shuffled order (an epoch is never empty)
         for batch in token_budget_batches(docs, d["max_tokens"], buckets, config["seed"] + epoch, IGNORE, only):
             yield batch if d["pad_to"] is None else pad_sequences(batch, d["pad_to"])
         epoch += 1

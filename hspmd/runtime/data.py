@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -75,24 +76,32 @@ def stdlib_documents(min_bytes: int = 16) -> list[np.ndarray]:
     from pydoc_data.topics import topics
 
     texts = [topics[k] for k in sorted(topics)]
-    for name in DOC_MODULES:
-        module = importlib.import_module(name)
-        texts.append(inspect.getdoc(module) or "")
-        for attr in sorted(a for a in vars(module) if not a.startswith("_")):
-            obj = getattr(module, attr)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                continue
-            texts.append(inspect.getdoc(obj) or "")
-            if inspect.isclass(obj):
-                texts += [inspect.getdoc(m) or "" for k, m in sorted(vars(obj).items())
-                          if not k.startswith("_") and inspect.isfunction(m)]
+    with warnings.catch_warnings():  # reading some attributes warns of their deprecation (typing.io)
+        warnings.simplefilter("ignore")
+        for name in DOC_MODULES:
+            texts += _docstrings(importlib.import_module(name), inspect)
     seen: set[str] = set()
+
     out = []
     for t in texts:
         if len(t.encode("utf-8")) >= min_bytes and t not in seen:
             seen.add(t)
             out.append(np.frombuffer(t.encode("utf-8"), dtype=np.uint8))
     return out
+
+
+def _docstrings(module, inspect) -> list[str]:
+    """Return the docstrings of `module` and of its public functions, classes and their methods."""
+    texts = [inspect.getdoc(module) or ""]
+    for attr in sorted(a for a in vars(module) if not a.startswith("_")):
+        obj = getattr(module, attr)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            continue
+        texts.append(inspect.getdoc(obj) or "")
+        if inspect.isclass(obj):
+            texts += [inspect.getdoc(m) or "" for k, m in sorted(vars(obj).items())
+                      if not k.startswith("_") and inspect.isfunction(m)]
+    return texts
 
 
 def bucket_of(length: int, buckets: list[int]) -> int:
@@ -115,7 +124,8 @@ def token_budget_batches(documents: list[np.ndarray], max_tokens: int, buckets: 
     `max_tokens // L` rows of one bucket, so every batch carries about `max_tokens` token slots
     whatever its length; batches of different buckets are interleaved in a shuffled order fixed by
     `seed` (every rank sees the same). The last batch of a bucket is filled with padding rows.
-    `only`: yield only the batches of that bucket (to trace its program, `data.bucket`).
+    `only`: yield only the batches of that bucket (to trace its program, `data.bucket`; a bucket
+    no sequence falls in yields one batch of padding, of its shape).
     """
     longest = max(buckets)
     pieces: list[list[np.ndarray]] = [[] for _ in buckets]
@@ -130,6 +140,8 @@ def token_budget_batches(documents: list[np.ndarray], max_tokens: int, buckets: 
         order += [(b, first) for first in range(0, len(items), rows)]
     rng = np.random.default_rng(seed)
     rng.shuffle(order)
+    if only is not None and not pieces[only]:  # no sequence of that length: one padding batch of its shape
+        order = [(only, 0)]
     for b, first in order:
         if only is not None and b != only:
             continue
