@@ -68,7 +68,8 @@ def _one_strategy(args) -> None:
     args.strategy = strategies[0] if strategies else None
     if len(strategies) > 1 and "auto" in strategies:
         raise SystemExit("hspmd: error: --strategy auto plans one strategy; it cannot be one of several")
-    if getattr(args, "switch_every", None) is not None and len(strategies) < 2:
+    bundle = os.path.isdir(getattr(args, "script", "") or "")
+    if getattr(args, "switch_every", None) is not None and len(strategies) < 2 and not bundle:
         raise SystemExit("hspmd: error: --switch-every needs two or more --strategy")
 
 
