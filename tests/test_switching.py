@@ -132,3 +132,17 @@ def test_switch_every_needs_several_strategies(tmp_path):
     proc = run_cli("hspmd", "run", "-n", "2", GPT, "--strategy", "[0,1]: dp=2", "--switch-every", "2")
     assert proc.returncode == 1 and "--switch-every needs two or more --strategy" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_switching_refuses_checkpoints_in_one_message(tmp_path):
+    proc = run_cli("hspmd", "run", "-n", "2", GPT, "--strategy", "[0,1]: dp=2", "--strategy", "[0,1]: tp=2",
+                   "--checkpoint-dir", str(tmp_path / "ck"))
+    assert proc.returncode == 1 and "do not go together with checkpoints" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_compile_prints_each_strategys_level():
+    proc = run_cli("hspmd", "compile", GPT, "--set", "model.layers=1", "--strategy", "[0,1]: dp=2",
+                   "--strategy", "[0,1]: tp=2", "--level", "annotated", check=True)
+    assert "// strategy 0: [0,1]: dp=2" in proc.stdout and "// strategy 1: [0,1]: dp=1 tp=2" in proc.stdout
+    assert 'id = 1, "[0,1]: dp=1 tp=2"' in proc.stdout.replace("#dist.strategy<", "")
