@@ -72,7 +72,7 @@ class Side:
         manifest = read_manifest(where)
         first = load_rank_program(where, manifest, comm, "cpu", True)
         self.programs, self.switcher = switching_programs(where, manifest, first, comm, "cpu", None)
-        self.choose = strategy_chooser(manifest, len(self.programs), None)
+        self.choose = strategy_chooser(manifest, list(range(len(self.programs))), None)
         self.state = first.plan.initial_state(0)
         self.current, self.comm, self.config = 0, comm, manifest.config  # with its lr schedule
         self.batches = epoch(config)

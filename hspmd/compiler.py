@@ -169,7 +169,8 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
     """Return the script's training step compiled under each of `strategies` (ids 0, 1, ...) from one
     logical program: traced and differentiated once, annotated and lowered once per distinct
     strategy text (a repeated text shares the first one's `Compiled`). Graph switching
-    (`docs/switching.md`) runs them in turn in one run.
+    (`docs/switching.md`) runs them in turn in one run. The first strategy uses every device;
+    a later one may use fewer (where the run goes when a rank leaves).
 
     `configs[i]` (dotted key -> value, as `--set` takes them) specialises variant i: the script is
     traced again under that config (one logical program per distinct config), e.g. a sequence
@@ -181,7 +182,12 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
     configs = configs if configs is not None else [{} for _ in strategies]
     if len(configs) != len(strategies):
         raise PassError(f"{len(strategies)} strategies but {len(configs)} configs; give one config per strategy")
-    records = [_record(script, s, i, num_devices, None, None) for i, s in enumerate(strategies)]
+    records = [_record(script, s, i, num_devices if i == 0 else None, None, None) for i, s in enumerate(strategies)]
+    for record in records[1:]:  # a later strategy may leave ranks out (a rank leaving the run)
+        extra = sorted(set(record.strategy.devices) - set(records[0].strategy.devices))
+        if extra:
+            raise StrategyError(f"strategy '{record.strategy}' uses devices {extra}, which the run's first strategy "
+                                f"'{records[0].strategy}' does not have")
     traced: dict[str, tuple[ModuleOp, Optimizer | None]] = {}
     first: dict[tuple[str, str], Compiled] = {}
     out = []

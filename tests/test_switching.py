@@ -146,3 +146,47 @@ def test_compile_prints_each_strategys_level():
                    "--strategy", "[0,1]: tp=2", "--level", "annotated", check=True)
     assert "// strategy 0: [0,1]: dp=2" in proc.stdout and "// strategy 1: [0,1]: dp=1 tp=2" in proc.stdout
     assert 'id = 1, "[0,1]: dp=1 tp=2"' in proc.stdout.replace("#dist.strategy<", "")
+
+
+LEAVE = ["[0-2]: dp=3 zero=1", "[0,1]: tp=2"]  # three ranks (rank 2 alone holds a third of the optimizer
+# states), then the two that stay
+
+
+def test_graceful_leave_in_process_equals_one_device(bundles, tmp_path):
+    """Rank 2 is asked to leave before step 5: every rank switches to the strategy without it, rank 2
+    hands over its pieces and stops; no step is lost, and the result is the 1-device result."""
+    _, one = bundles
+    script = load_script(GPT, parse_overrides(SMALL + [f"steps={STEPS}"]))
+    bundle = write_bundle(compile_strategies(script, LEAVE, 3), str(tmp_path))
+    ranks = run_spmd(3, lambda c: train(bundle, c, steps=STEPS, quiet=True, leave_at=(2, 5)), timeout=300)
+    assert ranks[0].left == [(5, [2])] and len(ranks[2].losses) == 4 and ranks[2].params is None
+    assert [s[:3] for s in ranks[0].switches] == [(5, 0, 1)] and ranks[0].switches[0][3].bytes_moved > 0
+    for r in ranks[:2]:
+        np.testing.assert_allclose(r.losses, one.losses, rtol=1e-5)
+    for name, value in one.params.items():
+        np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-4, atol=5e-5, err_msg=name)
+
+
+def test_leave_without_a_strategy_to_go_to(bundles, tmp_path):
+    script = load_script(GPT, parse_overrides(SMALL + [f"steps={STEPS}"]))
+    bundle = write_bundle(compile_strategies(script, ["[0-2]: dp=3", "[0]: dp=1"], 3), str(tmp_path))
+    from hspmd.runtime.leave import LeaveError
+
+    with pytest.raises(LeaveError, match=r"rank 2 asked to leave, but no strategy of the run runs on ranks \[0, 1\]"):
+        run_spmd(3, lambda c: train(bundle, c, steps=STEPS, quiet=True, leave_at=(2, 3)), timeout=300)
+
+
+@pytest.mark.mpi
+def test_graceful_leave_over_mpi(tmp_path):
+    """`-n 3`, SIGTERM to rank 2 at step 8 (HSPMD_LEAVE sends it): the run finishes on 2 ranks, 10 steps."""
+    small = [a for s in SMALL[:-1] for a in ("--set", s)]
+    ref, log = tmp_path / "ref.jsonl", tmp_path / "leave.jsonl"
+    run_cli("hspmd", "run", "-n", "1", GPT, "--steps", "10", "--log", str(ref), *small, check=True, timeout=300)
+    run_cli("hspmd", "run", "-n", "3", GPT, "--steps", "10", "--log", str(log), *small,
+            "--strategy", LEAVE[0], "--strategy", LEAVE[1], env={"HSPMD_LEAVE": "2:8"}, check=True, timeout=600)
+    a = [json.loads(line) for line in ref.read_text().splitlines()]
+    b = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r.get("left") for r in b] == [None] * 7 + [[2]] + [None] * 2 and b[7]["switch_bytes"] > 0
+    assert [r["ranks"] for r in b] == [3] * 10  # the world's size
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)

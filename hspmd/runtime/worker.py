@@ -45,6 +45,7 @@ from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
+from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.dialects.pipeline import STAGE_ATTR
@@ -86,6 +87,7 @@ class RunResult:
     checkpoint_stall_s: list[float] = field(default_factory=list)  # the training thread's time in each checkpoint
     switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
     step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
+    left: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, ranks that left before it)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def train(
     progress_bar: bool = False,
     switch_every: int | None = None,
     strategy_order: list[int] | None = None,
+    leave_at: tuple[int, int] | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -178,7 +181,8 @@ def train(
     first and switches at step boundaries: every `switch_every` steps to the next (cycling), or
     where the script's `strategy_for(batch, config)` names another, or, given `strategy_order`,
     step k under strategy `strategy_order[k - 1]`; the state moves in memory
-    (`hspmd.runtime.switch`).
+    (`hspmd.runtime.switch`). A bundle with strategies on fewer ranks lets a rank leave
+    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
     """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
@@ -189,7 +193,10 @@ def train(
     program = load_rank_program(bundle, manifest, comm, kernels, quiet)
     plan, gather = program.plan, program.gather
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
-    choose = strategy_chooser(manifest, len(programs), switch_every, strategy_order)
+    full = [i for i, p in enumerate(programs) if len(p.devices) == comm.size]  # the others: for leaving ranks
+    choose = strategy_chooser(manifest, full, switch_every, strategy_order)
+    leave = (LeaveSignal(comm.rank, leave_at or parse_leave(os.environ.get("HSPMD_LEAVE")))
+             if len(full) < len(programs) else None)
 
     tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
@@ -227,7 +234,7 @@ def train(
     if len(programs) > 1 and (writer is not None or where or ck.init_from):
         raise AgreedRunError("checkpoints (--checkpoint-dir, --resume, --init-from) and several strategies "
                              "(graph switching) do not go together yet")
-    current = 0
+    current, pinned = 0, False  # pinned: after a rank left, the run stays on the strategy without it
     pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
@@ -239,6 +246,16 @@ def train(
     try:
         for step in range(done + 1, steps + 1):
             fault_point(comm.rank, step)
+            gone = leave.agree(step, programs[current].devices, comm) if leave is not None else set()
+            if gone:  # at this step boundary: to the strategy without them; they hand over and stop
+                target = leave_target([p.devices for p in programs], programs[current].devices, gone)
+                state, stats = switcher.switch(state, current, target)
+                result.switches.append((step, current, target, stats))
+                result.left.append((step, sorted(gone)))
+                current, pinned = target, True
+                if comm.rank in gone:
+                    break
+                plan, gather = programs[current].plan, programs[current].gather
             if tracer is not None:
                 tracer.step, step_start = step, tracer.clock()
             try:
@@ -246,7 +263,7 @@ def train(
             except StopIteration:
                 raise RunError(f"the script's batches ran out after {step - 1} steps") from None
             items = batch_items(batch) if progress is not None else None
-            chosen, switched = choose(step, batch), None
+            chosen, switched = current if pinned else choose(step, batch), None
             if chosen != current:
                 state, switched = switcher.switch(state, current, chosen)
                 result.switches.append((step, current, chosen, switched))
@@ -282,6 +299,9 @@ def train(
                         record["strategy"] = current
                     if switched is not None:
                         record.update(switch_s=switched.seconds, switch_bytes=switched.bytes_moved)
+                    if result.left and result.left[-1][0] == step:
+                        stats = result.switches[-1][3]
+                        record.update(left=result.left[-1][1], switch_s=stats.seconds, switch_bytes=stats.bytes_moved)
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
@@ -299,7 +319,8 @@ def train(
             progress.close()
         if log_file:
             log_file.close()
-    result.params = gather(state)
+    left = any(comm.rank in ranks for _, ranks in result.left)
+    result.params = None if left else gather(state)
     if checkpoint and comm.rank == 0 and result.params is not None:
         with traced(tracer, "checkpoint.save", "checkpoint", path=checkpoint):
             save_checkpoint(checkpoint, result.params, steps)
@@ -318,9 +339,10 @@ class RankProgram:
     """One strategy's step program as this rank runs it: its plan, how to gather its parameters on
     rank 0, and the module it came from."""
 
-    plan: Plan
+    plan: Plan | None  # None: this rank has no part in the strategy (it ran on fewer ranks)
     gather: object  # state -> global parameters on rank 0 (None elsewhere)
     module: object
+    devices: tuple[int, ...] = ()  # the ranks the strategy runs on
 
 
 def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool) -> RankProgram:
@@ -347,7 +369,7 @@ def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, q
         gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
     else:
         gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
-    return RankProgram(plan, gather, group_module)
+    return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
 
 
 def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
@@ -363,19 +385,22 @@ def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communic
         if sub not in loaded:
             where = os.path.join(bundle, sub)
             variant = read_manifest(where)
-            if variant.num_devices != manifest.num_devices:
-                raise RunError(f"{where}: compiled for {variant.num_devices} devices, the run's first strategy "
-                               f"for {manifest.num_devices}")
-            loaded[sub] = load_rank_program(where, variant, comm, kernels, quiet=True)
+            devices = tuple(sorted(d for g in variant.groups for d in g.devices))
+            if not set(devices) <= set(range(manifest.num_devices)):
+                raise RunError(f"{where}: runs on devices {list(devices)}, the run has {manifest.num_devices}")
+            loaded[sub] = (load_rank_program(where, variant, comm, kernels, quiet=True) if comm.rank in devices
+                           else RankProgram(None, None, None, devices))
     dirs = [".", *manifest.variants]
     holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
     return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm)
 
 
-def strategy_chooser(manifest, count: int, switch_every: int | None, order: list[int] | None = None):
+def strategy_chooser(manifest, full: list[int], switch_every: int | None, order: list[int] | None = None):
     """Return `(step, batch) -> index` of the strategy a step runs under: `order[step - 1]` when
-    given; with `switch_every` K, strategy `((step - 1) // K) % count`; else the script's
-    `strategy_for(batch, config)` when it has one and the bundle holds several strategies; else 0."""
+    given; with `switch_every` K, the next of `full` (the strategies on every rank) every K steps;
+    else the script's `strategy_for(batch, config)` when it has one and the bundle holds several
+    strategies; else 0."""
+    count = len(full)
     if order is not None:
         if any(not 0 <= i < count for i in order):
             raise RunError(f"strategy order {order}: the run has strategies 0..{count - 1}")
@@ -383,7 +408,7 @@ def strategy_chooser(manifest, count: int, switch_every: int | None, order: list
     if count == 1:
         return lambda step, batch: 0
     if switch_every is not None:
-        return lambda step, batch: ((step - 1) // switch_every) % count
+        return lambda step, batch: full[((step - 1) // switch_every) % count]
     pick = getattr(load_script_module(manifest.script), "strategy_for", None)
     if pick is None:
         return lambda step, batch: 0
@@ -483,7 +508,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     except AgreedRunError as err:
         print(f"hspmd run: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (RunError, BundleError, PlanError, IRTextError, LevelError, SwitchError) as err:
+    except (RunError, BundleError, PlanError, IRTextError, LevelError, SwitchError, LeaveError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
             from mpi4py import MPI
