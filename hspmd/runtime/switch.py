@@ -32,8 +32,9 @@ from hspmd.runtime.comm.base import Communicator
 
 __all__ = ["SWITCH_TAG", "Holdings", "SwitchStats", "Switcher", "bundle_holdings", "switch_state"]
 
-#: the message tag of switch transfers (one message per pair of ranks per switch)
-SWITCH_TAG = 0x5317C4
+#: the message tag of switch transfers (one message per pair of ranks per switch); within the 32767
+#: every MPI guarantees, apart from the trace's gather tags (32001, 32002)
+SWITCH_TAG = 32011
 
 #: rank -> tensor name -> the leaf that rank holds (its global shape, layout, dtype)
 Holdings = dict[int, dict[str, Leaf]]
