@@ -18,6 +18,8 @@ through here; the pass lists are plain Python lists, so a user can insert a pass
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass, field
 
 from xdsl.context import Context
@@ -25,7 +27,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from hspmd.frontend.optim import Optimizer
-from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, trace_script
+from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, set_config, trace_script
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
@@ -46,7 +48,7 @@ from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.util import PassError, module_strategy
 
-__all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script",
+__all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script", "compile_strategies",
            "default_strategy", "kernel_level", "physical_passes", "run_passes", "to_physical", "training_passes",
            "write_bundle"]
 
@@ -160,6 +162,63 @@ def compile_script(
     `pipeline_schedule` (default `config["pipeline_schedule"]`, else "gpipe") and their
     gradients are summed before the update.
     """
+    record = _record(script, strategy, 0, num_devices, microbatches, pipeline_schedule)
+    logical, opt = _training_step(script, optimizer)
+    return _lower(script, record, logical, opt)
+
+
+def compile_strategies(script: ModelScript, strategies: list[str], num_devices: int | None = None,
+                       configs: list[dict] | None = None) -> list[Compiled]:
+    """Return the script's training step compiled under each of `strategies` (ids 0, 1, ...) from one
+    logical program: traced and differentiated once, annotated and lowered once per distinct
+    strategy text (a repeated text shares the first one's `Compiled`). Graph switching
+    (`docs/switching.md`) runs them in turn in one run. The first strategy uses every device;
+    a later one may use fewer (where the run goes when a rank leaves).
+
+    `configs[i]` (dotted key -> value, as `--set` takes them) specialises variant i: the script is
+    traced again under that config (one logical program per distinct config), e.g. a sequence
+    length bucket's batch shape (`data.bucket=64`); every `Compiled` keeps the run's own
+    script and config, which the runtime reads for the data and the schedule.
+    """
+    if num_devices is None and strategies:
+        num_devices = parse_strategy(strategies[0]).num_devices
+    configs = configs if configs is not None else [{} for _ in strategies]
+    if len(configs) != len(strategies):
+        raise PassError(f"{len(strategies)} strategies but {len(configs)} configs; give one config per strategy")
+    records = [_record(script, s, i, num_devices if i == 0 else None, None, None) for i, s in enumerate(strategies)]
+    for record in records[1:]:  # a later strategy may leave ranks out (a rank leaving the run)
+        extra = sorted(set(record.strategy.devices) - set(records[0].strategy.devices))
+        if extra:
+            raise StrategyError(f"strategy '{record.strategy}' uses devices {extra}, which the run's first strategy "
+                                f"'{records[0].strategy}' does not have")
+    traced: dict[str, tuple[ModuleOp, Optimizer | None]] = {}
+    first: dict[tuple[str, str], Compiled] = {}
+    out = []
+    for record, overrides in zip(records, configs):
+        ckey = repr(sorted(overrides.items()))
+        if ckey not in traced:
+            traced[ckey] = _training_step(_specialised(script, overrides), True)
+        key = (str(record.strategy), ckey)
+        if key not in first:
+            logical, opt = traced[ckey]
+            first[key] = _lower(script, record, logical, opt)
+        out.append(first[key])
+    return out
+
+
+def _specialised(script: ModelScript, overrides: dict) -> ModelScript:
+    """Return `script` with its config updated by `overrides` (itself when there are none)."""
+    if not overrides:
+        return script
+    config = copy.deepcopy(script.config)
+    for key, value in overrides.items():
+        set_config(config, key, value)
+    return ModelScript(script.path, script.module, config)
+
+
+def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | None, microbatches: int | None,
+            pipeline_schedule: str | None) -> StrategyRecord:
+    """Return the strategy record `compile_script` annotates with (see its docstring)."""
     parsed = parse_strategy(strategy)
     if num_devices is not None:
         parsed.check_devices(num_devices)
@@ -170,29 +229,54 @@ def compile_script(
     m = int(microbatches if microbatches is not None else script.config.get("microbatches", 1))
     schedule = str(pipeline_schedule or script.config.get("pipeline_schedule", "gpipe"))
     try:
-        record = StrategyRecord(0, parsed, m, schedule)
+        return StrategyRecord(sid, parsed, m, schedule)
     except StrategyError as err:  # micro-batches or schedule: how the pipeline runs, not the strategy text
         raise PassError(str(err)) from None
+
+
+def _training_step(script: ModelScript, optimizer: Optimizer | bool) -> tuple[ModuleOp, Optimizer | None]:
+    """Return the script's logical training step (traced, differentiated, updated) and its optimizer."""
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
     run_passes(logical, training_passes(opt, loss_scale(script)))
     verify_logical(logical)
+    return logical, opt
+
+
+def _lower(script: ModelScript, record: StrategyRecord, logical: ModuleOp, opt: Optimizer | None) -> Compiled:
+    """Return `logical` annotated and lowered to physical IR under `record` (`logical` is left as it is)."""
     annotated = annotate(logical.clone(), record)
     physical = to_physical(annotated.clone())
     return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
 
 
-def write_bundle(compiled: Compiled, directory: str) -> str:
+def write_bundle(compiled: Compiled | list[Compiled], directory: str) -> str:
     """Write the levels (the kernel level too) and the manifest of `compiled` into `directory`;
-    return the directory."""
+    return the directory.
+
+    A list (from `compile_strategies`) makes a switching bundle: the first strategy's program in
+    `directory`, each other distinct one in `directory/strategy-<id>/`, and the manifest's
+    `variants` naming, for strategies 1, 2, ..., the sub-bundle each runs.
+    """
+    programs = compiled if isinstance(compiled, list) else [compiled]
+    where: dict[int, str] = {id(programs[0]): "."}
+    for c in programs[1:]:
+        if id(c) not in where:
+            where[id(c)] = f"strategy-{c.strategy.id}"
+            _write_one(c, os.path.join(directory, where[id(c)]))
+    _write_one(programs[0], directory, [where[id(c)] for c in programs[1:]])
+    return directory
+
+
+def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None) -> None:
     bundle.write_bundle(
         directory, script=compiled.script.path,
         config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
         strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
         groups=[(devices, module, fused) for (devices, module), (_, fused) in zip(physical_groups(compiled.physical),
                                                                                   compiled.kernel_groups())],
+        variants=variants or [],
     )
-    return directory
 
 
 def annotate_with_provenance(compiled: Compiled):

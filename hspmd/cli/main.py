@@ -2,7 +2,7 @@
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
     hspmd compile SCRIPT [--strategy TEXT] [-n N] --cost [--profile P]
-    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
+    hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT ...] [--switch-every K] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
     hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
     hspmd checkpoint info|export D [--to FILE]
@@ -45,24 +45,41 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.runtime.profiler import ProfileRunError
     from hspmd.codegen.cost_model import CostError
     from hspmd.cli.plot import PlotError
+    from hspmd.ir.switch_plan import SwitchError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError,
+        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError,
     )
 
 
 def _add_script_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", help="strategy text, e.g. '[0,1]: dp=2' (default: data parallel over -n); 'auto' plans one (hspmd run)")
+    p.add_argument("--strategy", action="append", dest="strategies", metavar="STRATEGY",
+                   help="strategy text, e.g. '[0,1]: dp=2' (default: data parallel over -n); 'auto' plans one "
+                        "(hspmd run); repeat it to compile several and switch between them (docs/switching.md)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
 
 
+def _one_strategy(args) -> None:
+    """Set `args.strategy` to the one `--strategy` given (None without one); several are for
+    graph switching, which `--switch-every` (or a script's `strategy_for`) drives."""
+    strategies = getattr(args, "strategies", None) or []
+    args.strategy = strategies[0] if strategies else None
+    if len(strategies) > 1 and "auto" in strategies:
+        raise SystemExit("hspmd: error: --strategy auto plans one strategy; it cannot be one of several")
+    bundle = os.path.isdir(getattr(args, "script", "") or "")
+    if getattr(args, "switch_every", None) is not None and len(strategies) < 2 and not bundle:
+        raise SystemExit("hspmd: error: --switch-every needs two or more --strategy")
+
+
 def _load_and_compile(args, n: int):
-    from hspmd.compiler import compile_script, default_strategy
+    from hspmd.compiler import compile_script, compile_strategies, default_strategy
     from hspmd.frontend.script import load_script, parse_overrides
 
     script = load_script(args.script, parse_overrides(args.set))
+    if len(args.strategies or []) > 1:
+        return compile_strategies(script, args.strategies, n)
     return compile_script(script, args.strategy or default_strategy(n), n)
 
 
@@ -73,8 +90,18 @@ def cmd_compile(args) -> int:
 
     if args.emit == "kernels" and not args.dump_dir:
         raise SystemExit("hspmd: error: --emit kernels needs --dump-dir")
+    _one_strategy(args)
     n = args.n or (parse_strategy(args.strategy).num_devices if args.strategy else 1)
     compiled = _load_and_compile(args, n)
+    if isinstance(compiled, list):  # several strategies: a switching bundle, or each one's level
+        if args.report or args.explain or args.cost or args.emit:
+            raise SystemExit("hspmd: error: --report, --explain, --cost and --emit take one --strategy")
+        if not args.dump_dir:
+            from hspmd.dialects.context import module_text
+
+            for i, c in enumerate(compiled):
+                sys.stdout.write(f"// strategy {i}: {c.strategy.strategy}\n{module_text(getattr(c, args.level))}")
+            return 0
     if args.dump_dir:
         write_bundle(compiled, args.dump_dir)
         files = sorted(os.listdir(args.dump_dir))
@@ -119,7 +146,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from", "cpu_bind", "trace", "progress")
+                  "init_from", "cpu_bind", "trace", "progress", "switch_every")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -142,6 +169,11 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --checkpoint-every and --keep need --checkpoint-dir")
     if args.resume and args.init_from:
         raise SystemExit("hspmd: error: --resume and --init-from exclude each other")
+    if args.switch_every is not None and args.switch_every < 1:
+        raise SystemExit("hspmd: error: --switch-every must be at least 1")
+    if len(getattr(args, "strategies", None) or []) > 1 and (args.elastic or args.checkpoint_dir or args.resume or args.init_from):
+        raise SystemExit("hspmd: error: several --strategy (graph switching) do not go together with checkpoints "
+                         "or --elastic yet")
     if args.elastic and not args.checkpoint_dir:
         raise SystemExit("hspmd: error: --elastic needs --checkpoint-dir (it resumes from there)")
     if (args.fallback_strategy or args.max_restarts != 3) and not args.elastic:
@@ -179,7 +211,11 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
             )
         return args.script
     script = load_script(args.script, parse_overrides(args.set))
-    if strategy == "auto":
+    if len(getattr(args, "strategies", None) or []) > 1:
+        from hspmd.compiler import compile_strategies
+
+        compiled = compile_strategies(script, args.strategies, n)
+    elif strategy == "auto":
         from hspmd.cli.plan import auto_strategy
 
         compiled = auto_strategy(args, script, n)
@@ -193,6 +229,7 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
 def cmd_run(args) -> int:
     from hspmd.runtime.launch import launch
 
+    _one_strategy(args)
     check_run_options(args)
     # the ranks' output goes through mpiexec: whether it ends on a terminal is known only here
     args.progress = "bar" if sys.stdout.isatty() else None
@@ -309,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="FILE",
                    help="write every rank's kernels, collectives, waits, checkpoint writes and steps to FILE, "
                         "a Chrome/Perfetto trace (open it in ui.perfetto.dev)")
+    r.add_argument("--switch-every", type=int, metavar="K",
+                   help="with several --strategy: switch to the next one every K steps, moving parameters and "
+                        "optimizer states in memory (docs/switching.md)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "

@@ -48,6 +48,9 @@ class Manifest:
     num_devices: int
     groups: list[GroupEntry] = field(default_factory=list)
     format: int = FORMAT
+    # graph switching: the sub-bundle (a directory relative to this one, "." for this one) of
+    # strategies 1, 2, ... of the run; empty for a bundle of one strategy
+    variants: list[str] = field(default_factory=list)
 
     def group_for(self, rank: int) -> GroupEntry:
         """Return the group entry whose devices include `rank`."""
@@ -90,11 +93,13 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def write_bundle(directory: str, *, script: str, config: dict, strategy: str, logical: ModuleOp,
-                 annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp]]) -> Manifest:
+                 annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp]],
+                 variants: Sequence[str] = ()) -> Manifest:
     """Write a bundle into `directory` and return its manifest.
 
     `groups` holds, per device group, its devices, its physical program and the same program
-    at the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one).
+    at the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one);
+    `variants`, the sub-bundles of a switching run's other strategies (`Manifest.variants`).
     """
     os.makedirs(directory, exist_ok=True)
     atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(logical))
@@ -106,6 +111,6 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
         atomic_write_text(os.path.join(directory, entry.kernels), module_text(kernels))
         entries.append(entry)
     manifest = Manifest(script=script, config=config, strategy=strategy,
-                        num_devices=sum(len(g.devices) for g in entries), groups=entries)
+                        num_devices=sum(len(g.devices) for g in entries), groups=entries, variants=list(variants))
     write_manifest(directory, manifest)
     return manifest

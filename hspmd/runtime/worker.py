@@ -44,6 +44,9 @@ from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
+from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
+from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
+from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
@@ -82,6 +85,9 @@ class RunResult:
     lrs: list[float] = field(default_factory=list)  # the learning rate fed as input "lr", per step (if it has one)
     first_step: int = 1  # the first step this run trained (after a resume, the checkpoint's step + 1)
     checkpoint_stall_s: list[float] = field(default_factory=list)  # the training thread's time in each checkpoint
+    switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
+    step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
+    left: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, ranks that left before it)
 
 
 @dataclass(frozen=True)
@@ -95,14 +101,19 @@ class CheckpointOptions:
     init_from: str | None = None  # start from a file of global tensors
 
 
-def load_batches(script: str, config: dict):
-    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
+def load_script_module(script: str):
+    """Return the model script at `script` as a loaded module (it provides the data)."""
     spec = importlib.util.spec_from_file_location("hspmd_data_" + os.path.basename(script).split(".")[0], script)
     if spec is None or spec.loader is None or not os.path.isfile(script):
         raise RunError(f"{script}: the bundle's model script is missing (it provides the data)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return iter(module.batches(config))
+    return module
+
+
+def load_batches(script: str, config: dict):
+    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
+    return iter(load_script_module(script).batches(config))
 
 
 def _quiet_unless(speak: bool):
@@ -143,6 +154,9 @@ def train(
     log_append: bool = False,
     trace: str | None = None,
     progress_bar: bool = False,
+    switch_every: int | None = None,
+    strategy_order: list[int] | None = None,
+    leave_at: tuple[int, int] | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -162,6 +176,13 @@ def train(
     `trace` (a path, the same on every rank) records every rank's events and writes them, on
     rank 0, as one Chrome / Perfetto trace (`hspmd.runtime.trace`). `progress_bar` shows rank
     0's steps as a live bar instead of one line each (`hspmd.runtime.progress`).
+
+    A bundle of several strategies (`Manifest.variants`, docs/switching.md) starts under the
+    first and switches at step boundaries: every `switch_every` steps to the next (cycling), or
+    where the script's `strategy_for(batch, config)` names another, or, given `strategy_order`,
+    step k under strategy `strategy_order[k - 1]`; the state moves in memory
+    (`hspmd.runtime.switch`). A bundle with strategies on fewer ranks lets a rank leave
+    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
     """
     manifest = read_manifest(bundle)
     if comm.size != manifest.num_devices:
@@ -169,29 +190,13 @@ def train(
             f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
             f"but the run has {comm.size} ranks"
         )
-    entry = manifest.group_for(comm.rank)
-    path = os.path.join(bundle, entry.program)
-    kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
-    with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
-        group_module = select_program(  # only the level that runs is parsed
-            lambda: _group_program(path, comm.rank, verify=True),
-            (lambda: _group_program(kernel_path, comm.rank)) if kernel_path is not None else None, kernels)
-    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
-               and op.sym_name.data == "train_step"), None)
-    if fn is None:
-        raise RunError(f"{path}: the group's module has no @train_step function")
-    with _quiet_unless(comm.rank == 0):
-        plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
-    if comm.rank == 0 and not quiet:
-        print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
-              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
-              f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
-    stage_params: list[Leaf] = []
-    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
-        stage_params = _stage_parameters(bundle, manifest)
-        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
-    else:
-        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet)
+    plan, gather = program.plan, program.gather
+    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
+    full = [i for i, p in enumerate(programs) if len(p.devices) == comm.size]  # the others: for leaving ranks
+    choose = strategy_chooser(manifest, full, switch_every, strategy_order)
+    leave = (LeaveSignal(comm.rank, leave_at or parse_leave(os.environ.get("HSPMD_LEAVE")))
+             if len(full) < len(programs) else None)
 
     tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
@@ -226,8 +231,10 @@ def train(
     batches = load_batches(manifest.script, config)
     for _ in range(done):  # the data position: the batches the checkpointed steps consumed
         next(batches, None)
-    names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
-    shapes = compiled_batch_shapes(names.items())
+    if len(programs) > 1 and (writer is not None or where or ck.init_from):
+        raise AgreedRunError("checkpoints (--checkpoint-dir, --resume, --init-from) and several strategies "
+                             "(graph switching) do not go together yet")
+    current, pinned = 0, False  # pinned: after a rank left, the run stays on the strategy without it
     pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
@@ -239,6 +246,16 @@ def train(
     try:
         for step in range(done + 1, steps + 1):
             fault_point(comm.rank, step)
+            gone = leave.agree(step, programs[current].devices, comm) if leave is not None else set()
+            if gone:  # at this step boundary: to the strategy without them; they hand over and stop
+                target = leave_target([p.devices for p in programs], programs[current].devices, gone)
+                state, stats = switcher.switch(state, current, target)
+                result.switches.append((step, current, target, stats))
+                result.left.append((step, sorted(gone)))
+                current, pinned = target, True
+                if comm.rank in gone:
+                    break
+                plan, gather = programs[current].plan, programs[current].gather
             if tracer is not None:
                 tracer.step, step_start = step, tracer.clock()
             try:
@@ -246,6 +263,14 @@ def train(
             except StopIteration:
                 raise RunError(f"the script's batches ran out after {step - 1} steps") from None
             items = batch_items(batch) if progress is not None else None
+            chosen, switched = current if pinned else choose(step, batch), None
+            if chosen != current:
+                state, switched = switcher.switch(state, current, chosen)
+                result.switches.append((step, current, chosen, switched))
+                current = chosen
+                plan, gather = programs[current].plan, programs[current].gather
+            names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+            shapes = compiled_batch_shapes(names.items())
             scalars = step_inputs(step, config, names)
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
@@ -258,6 +283,7 @@ def train(
             start = time.perf_counter()
             outputs = plan.run(state, plan.local_batch(batch), tracer)
             elapsed = time.perf_counter() - start
+            result.step_s.append(elapsed)
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
             if keep_outputs:
@@ -269,6 +295,13 @@ def train(
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
+                    if len(programs) > 1:
+                        record["strategy"] = current
+                    if switched is not None:
+                        record.update(switch_s=switched.seconds, switch_bytes=switched.bytes_moved)
+                    if result.left and result.left[-1][0] == step:
+                        stats = result.switches[-1][3]
+                        record.update(left=result.left[-1][1], switch_s=stats.seconds, switch_bytes=stats.bytes_moved)
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
@@ -286,7 +319,8 @@ def train(
             progress.close()
         if log_file:
             log_file.close()
-    result.params = gather(state)
+    left = any(comm.rank in ranks for _, ranks in result.left)
+    result.params = None if left else gather(state)
     if checkpoint and comm.rank == 0 and result.params is not None:
         with traced(tracer, "checkpoint.save", "checkpoint", path=checkpoint):
             save_checkpoint(checkpoint, result.params, steps)
@@ -298,6 +332,95 @@ def train(
             except OSError as err:
                 raise RunError(f"--trace {trace}: {err.strerror or err}") from None
     return result
+
+
+@dataclass
+class RankProgram:
+    """One strategy's step program as this rank runs it: its plan, how to gather its parameters on
+    rank 0, and the module it came from."""
+
+    plan: Plan | None  # None: this rank has no part in the strategy (it ran on fewer ranks)
+    gather: object  # state -> global parameters on rank 0 (None elsewhere)
+    module: object
+    devices: tuple[int, ...] = ()  # the ranks the strategy runs on
+
+
+def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool) -> RankProgram:
+    """Return the program of `bundle` that `comm.rank` runs, with its plan built."""
+    entry = manifest.group_for(comm.rank)
+    path = os.path.join(bundle, entry.program)
+    kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
+    with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
+        group_module = select_program(  # only the level that runs is parsed
+            lambda: _group_program(path, comm.rank, verify=True),
+            (lambda: _group_program(kernel_path, comm.rank)) if kernel_path is not None else None, kernels)
+    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
+               and op.sym_name.data == "train_step"), None)
+    if fn is None:
+        raise RunError(f"{path}: the group's module has no @train_step function")
+    with _quiet_unless(comm.rank == 0):
+        plan = build_plan(fn, comm.rank, comm)  # type: ignore[arg-type]
+    if comm.rank == 0 and not quiet:
+        print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
+              f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
+              f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
+    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
+        stage_params = _stage_parameters(bundle, manifest)
+        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
+    else:
+        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
+    return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
+
+
+def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
+                       switch_every: int | None) -> tuple[list[RankProgram], Switcher | None]:
+    """Return the programs of every strategy of `bundle` (the first one given; a sub-bundle named
+    twice is loaded once) and the switcher between them (None for a bundle of one strategy)."""
+    if switch_every is not None and switch_every < 1:
+        raise RunError("--switch-every must be at least 1")
+    if not manifest.variants:
+        return [first], None
+    loaded = {".": first}
+    for sub in manifest.variants:
+        if sub not in loaded:
+            where = os.path.join(bundle, sub)
+            variant = read_manifest(where)
+            devices = tuple(sorted(d for g in variant.groups for d in g.devices))
+            if not set(devices) <= set(range(manifest.num_devices)):
+                raise RunError(f"{where}: runs on devices {list(devices)}, the run has {manifest.num_devices}")
+            loaded[sub] = (load_rank_program(where, variant, comm, kernels, quiet=True) if comm.rank in devices
+                           else RankProgram(None, None, None, devices))
+    dirs = [".", *manifest.variants]
+    holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
+    return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm)
+
+
+def strategy_chooser(manifest, full: list[int], switch_every: int | None, order: list[int] | None = None):
+    """Return `(step, batch) -> index` of the strategy a step runs under: `order[step - 1]` when
+    given; with `switch_every` K, the next of `full` (the strategies on every rank) every K steps;
+    else the script's `strategy_for(batch, config)` when it has one and the bundle holds several
+    strategies; else 0."""
+    count = len(full)
+    if order is not None:
+        if any(not 0 <= i < count for i in order):
+            raise RunError(f"strategy order {order}: the run has strategies 0..{count - 1}")
+        return lambda step, batch: order[step - 1] if step <= len(order) else 0
+    if count == 1:
+        return lambda step, batch: 0
+    if switch_every is not None:
+        return lambda step, batch: full[((step - 1) // switch_every) % count]
+    pick = getattr(load_script_module(manifest.script), "strategy_for", None)
+    if pick is None:
+        return lambda step, batch: 0
+
+    def choose(step: int, batch) -> int:
+        index = pick(batch, manifest.config)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < count:
+            raise RunError(f"step {step}: the script's strategy_for returned {index!r}; the run has strategies "
+                           f"0..{count - 1}")
+        return int(index)
+
+    return choose
 
 
 def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
@@ -364,6 +487,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--init-from")
     parser.add_argument("--trace")
     parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
+    parser.add_argument("--switch-every", type=int)
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     args = parser.parse_args(argv)
     if comm is None:
@@ -378,13 +502,13 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
-              progress_bar=args.progress == "bar")
+              progress_bar=args.progress == "bar", switch_every=args.switch_every)
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:
         print(f"hspmd run: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (RunError, BundleError, PlanError, IRTextError, LevelError) as err:
+    except (RunError, BundleError, PlanError, IRTextError, LevelError, SwitchError, LeaveError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
             from mpi4py import MPI
