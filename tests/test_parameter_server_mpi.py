@@ -85,6 +85,7 @@ def test_het_cache_moves_fewer_bytes_and_still_learns(tmp_path):
     (["--strategy", "[0,1]: dp=2 comm=ps"], "give their number with --servers K"),
     (["--strategy", "[0,1]: dp=2 comm=ps consistency=ssp"], "ssp takes its staleness bound"),
     (["--strategy", "[0-2]: dp=3 comm=ps", "--servers", "1"], "but the run has -n 2"),
+    (["--strategy", "[0,1]: dp=2 comm=ps", "--strategy", "[0,1]: dp=2", "--servers", "1"], "takes one --strategy"),
 ])
 def test_parameter_server_mistakes_are_one_message(args, words):
     proc = run_cli("hspmd", "run", "-n", "2", MLP, "--steps", "1", *args)

@@ -34,6 +34,9 @@ def run_parameter_servers(args) -> int:
                             "give their number with --servers K (K >= 1)")
     if os.path.isdir(args.script):
         raise SystemExit("hspmd: error: a parameter-server run compiles its script; give the .py, not a bundle")
+    if len(getattr(args, "strategies", None) or []) > 1 or getattr(args, "switch_every", None):
+        raise SystemExit("hspmd: error: a parameter-server run takes one --strategy (graph switching "
+                         "is not supported with --servers yet)")
     for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
         if getattr(args, flag, None):
             raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
