@@ -249,6 +249,7 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
 
 @pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"),
                                         (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2"),
+                                        (8, "[0-7]: dp=2 ep=2 tp=2"),
                                         (5, "[0-3]: ep=2 pp=2 | [4]: dp=1")])
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
