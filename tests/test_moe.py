@@ -249,7 +249,8 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
 
 @pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"),
                                         (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2"),
-                                        (8, "[0-7]: dp=2 ep=2 tp=2"),
+                                        (8, "[0-7]: dp=2 ep=2 tp=2"), (2, "[0,1]: ep=2 zero=1"),
+                                        (4, "[0-3]: dp=2 ep=2 zero=1"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=2"),
                                         (5, "[0-3]: ep=2 pp=2 | [4]: dp=1")])
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
@@ -258,7 +259,8 @@ def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
 @pytest.mark.parametrize("strategy", ["[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2",
                                       "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
                                       "[0]: experts=2 | [1,2]: ep=2 experts=6",
-                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1"])
+                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1",
+                                      "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2"])
 def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
     """Unlike groups hold different numbers of experts (split across groups by experts=, as the
     batch is by share=): the tokens reach them by uneven exchanges."""
@@ -301,6 +303,23 @@ def test_expert_weights_are_split_and_tokens_move_by_all_to_all():
     assert not [o for o in comms if o.name == "comm.all_gather"]  # no gathered tokens or weights
 
 
+def test_ep_with_dp_and_tp_splits_experts_over_tp_and_zero_shards_their_states_over_dp():
+    """`[0-7]: dp=2 ep=2 tp=2 zero=1`: an expert weight is split over ep (dim 0) and tp (w1 column-
+    parallel along F, w2 row-parallel along F), replicated over dp; ZeRO splits its Adam states
+    over dp along a free dim, and the other parameters' states over all dp*ep batch ranks."""
+    compiled = compile_script(_script(), "[0-7]: dp=2 ep=2 tp=2 zero=1", 8)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["blocks.1.moe.w1"] == "[0-7]: dup=2, split(0)=2, split(2)=2"
+    assert lay["blocks.1.moe.w2"] == "[0-7]: dup=2, split(0)=2, split(1)=2"
+    assert lay["opt.m.blocks.1.moe.w1"] == "[0-7]: split(1)=2, split(0)=2, split(2)=2"
+    assert lay["opt.v.blocks.1.moe.w2"] == "[0-7]: split(2)=2, split(0)=2, split(1)=2"
+    assert lay["blocks.1.moe.router"] == "[0-7]: dup=8"
+    assert lay["opt.m.blocks.1.moe.router"] == "[0-7]: split(0)=4, dup=2"
+    a2a = [o for o in compiled.physical.walk() if o.name == "comm.all_to_all"]
+    assert a2a and all(len(g) == 2 for o in a2a for g in o.rank_groups)  # tokens move inside ep pairs
+
+
 def test_compile_report_lists_the_all_to_alls_with_bytes():
     proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0,1]: ep=2", "--report", timeout=300, check=True)
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("comm.all_to_all")]
@@ -317,7 +336,8 @@ def test_experts_that_ep_does_not_divide_get_one_message():
 
 @pytest.mark.parametrize("strategy,message", [
     ("[0-3]: ep=3", "dp*tp*pp*ep = 1*1*1*3 = 3 but 4 devices"),
-    ("[0-3]: dp=2 ep=2 zero=1", "ZeRO (zero=1) with expert parallelism (ep=2), which is not supported yet"),
+    ("[0-3]: ep=2 pp=2 zero=1", "ZeRO (zero=1) with expert parallelism (ep=2) in a pipeline (pp=2), which is not "
+                                "supported yet"),
     ("[0,1]: ep=2 experts=3 | [2,3]: experts=1", "experts=3; a group's experts must be an integer >= 1 that its ep=2"),
     ("[0,1]: ep=2 experts=2 | [2,3]: dp=2", "gives experts= for some groups only"),
 ])
@@ -341,6 +361,7 @@ def _mpi_losses(tmp_path, n: int, strategy: str, experts: str) -> list[float]:
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,strategy,experts", [
     (2, "[0,1]: ep=2", "4"), (4, "[0-3]: dp=2 ep=2", "4"), (4, "[0-3]: ep=2 tp=2", "4"), (4, "[0-3]: ep=2 pp=2", "4"),
+    (4, "[0-3]: dp=2 ep=2 zero=1", "4"),
     (3, "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", "8"),
 ])
 def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, experts):
