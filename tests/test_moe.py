@@ -186,17 +186,18 @@ def test_moe_layer_equals_pytorch(experts, top_k, factor):
 
 @settings(max_examples=12, deadline=None)
 @given(experts=st.sampled_from([2, 4]), data=st.data(), seed=st.integers(0, 2**16),
-       mesh=st.sampled_from([(1, 2), (2, 2), (1, 4)]))
+       mesh=st.sampled_from([(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2)]))
 def test_random_routing_under_expert_parallelism_equals_one_device(experts, data, seed, mesh):
     """The MoE layer (loss, y, aux, every gradient) with random router weights, top-k and
-    capacity, the batch split over dp*ep ranks and the experts over ep, equals one device."""
-    dp, ep = mesh
+    capacity, the batch split over dp*ep ranks and the experts over ep (and over tp, w1 along
+    its output dim, w2 along its input dim, as `ep` with `tp` lays them out), equals one device."""
+    dp, ep, tp = mesh
     if experts % ep:
         ep, dp = 2, mesh[0] * mesh[1] // 2
-    n = dp * ep
+    n = dp * ep * tp
     top_k = data.draw(st.integers(1, experts))
     factor = data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
-    moe = hs.nn.MoE(4, 3, experts=experts, top_k=top_k, capacity_factor=factor, init_std=1.0)
+    moe = hs.nn.MoE(4, 6, experts=experts, top_k=top_k, capacity_factor=factor, init_std=1.0)
     for p in moe.parameters():
         p.dtype = "float64"
     t = Tracer()
@@ -211,13 +212,19 @@ def test_random_routing_under_expert_parallelism_equals_one_device(experts, data
     logical = t.finish()
     run_passes(logical, "autodiff")
     devices = range(n)
-    tokens = Layout.spmd(devices, DistributedStates.of((split(0), n)))
-    experts_layout = Layout.spmd(devices, DistributedStates.of(*[(a, d) for a, d in ((DUP, dp), (split(0), ep)) if d > 1]))
-    layouts = {"x": tokens, "c": tokens, "router": Layout.replicated(devices), "w1": experts_layout, "w2": experts_layout}
+    tokens = Layout.spmd(devices, DistributedStates.of((split(0), dp * ep), (DUP, tp)))
+
+    def experts_layout(tp_dim):
+        return Layout.spmd(devices, DistributedStates.of(
+            *[(a, d) for a, d in ((DUP, dp), (split(0), ep), (split(tp_dim), tp)) if d > 1]))
+
+    layouts = {"x": tokens, "c": tokens, "router": Layout.replicated(devices), "w1": experts_layout(2),
+               "w2": experts_layout(1)}
     (ref,) = run_step(compile_step(logical, {k: Layout.replicated((0,)) for k in layouts}), 1, batch)
     physical = compile_step(logical, layouts)
     assert any(o.name == "comm.all_to_all" for o in physical.walk())
-    check_outputs(run_step(physical, n, batch), ref, f"MoE E={experts} top_k={top_k} c={factor} on dp={dp} ep={ep}")
+    check_outputs(run_step(physical, n, batch), ref,
+                  f"MoE E={experts} top_k={top_k} c={factor} on dp={dp} ep={ep} tp={tp}")
 
 
 _reference: dict[tuple, object] = {}
