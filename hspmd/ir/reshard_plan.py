@@ -249,7 +249,8 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     split(1)=4, partial=2`): no step touches it, and every step is linear, so the steps are
     planned and checked with it read as `dup` (each member's summand moves alike). A source
     partial axis that the destination replicates is all-reduced along it last
-    (`... partial=2 -> split(1)=4, dup=2`).
+    (`... partial=2 -> split(1)=4, dup=2`); one that it splits is reduce-scattered where the
+    plan read as dup cuts it.
     """
     radix = _common_radix([d for _, d in sds.axes], [d for _, d in dds.axes])
     if radix is None:
@@ -259,7 +260,7 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
         src_roles, dst_roles = _refine(sds, radix), _refine(dds, radix)
         partial = [{k for k, a in enumerate(rs) if a == PARTIAL} for rs in (src_roles, dst_roles)]
         reduce = sorted(partial[0] - partial[1])
-        if not partial[1] <= partial[0] or any(dst_roles[k] != DUP for k in reduce):
+        if not partial[1] <= partial[0]:
             return None
         if any(PARTIAL in axes and DUP in axes for axes in ([a for a, _ in ds.axes] for ds in (sds, dds))):
             return None  # read as dup, the partial axis would name dup twice
@@ -286,7 +287,11 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
         roles[j] = target[j]
         pending.remove(j)
     moves = list(steps)
-    steps += [CommStep("all_reduce", groups(k)) for k in reduce]
+    # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce last)
+    cut = {groups(k): k for k in reduce}
+    steps = [CommStep("reduce_scatter", st.groups, dim=st.dim) if st.kind == "local_split" and st.groups in cut else st
+             for st in steps]
+    steps += [CommStep("all_reduce", groups(k)) for k in reduce if target[k] == DUP]
     dims = 1 + max([a.dim for a, _ in (*sds.axes, *dds.axes) if a.kind == "split"], default=0)
     n = len(devices)
     if n ** dims > 1 << 16:
