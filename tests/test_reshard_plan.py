@@ -139,6 +139,11 @@ def test_a_refinement_keeps_a_partial_axis_that_both_sides_share():
                                                               "all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]"]
     a = np.arange(4.0 * 8 * 4).reshape(4, 8, 4)
     check(parse_layout(experts), parse_layout("[0-7]: split(1)=4, split(2)=2"), a, np.random.default_rng(5))
+    # the gradient of the experts' input: the all-to-all must go first (a cut of dim 0 first would
+    # leave the expert split with no way out), then the reduce-scatter
+    assert plan(experts, "[0-7]: split(1)=4, split(0)=2") == ["all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]",
+                                                              "reduce_scatter(dim=0) [0,1] [2,3] [4,5] [6,7]"]
+    check(parse_layout(experts), parse_layout("[0-7]: split(1)=4, split(0)=2"), a, np.random.default_rng(6))
 
 
 def test_heterogeneous_transitions_are_not_supported_yet():

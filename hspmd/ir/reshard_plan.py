@@ -275,17 +275,29 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     def inner(j: int, axis: Axis) -> bool:  # no more minor axis holds `axis` now
         return all(roles[k] != axis for k in range(j + 1, len(roles)))
 
-    steps: list[CommStep] = []
-    pending = [j for j in range(len(roles)) if roles[j] != target[j]]
-    while pending:
-        ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
-                 and (target[j].kind != "split" or inner(j, target[j]))]
-        if not ready:
-            return None
-        j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], j))
-        steps += _axis_steps(roles[j], target[j], groups(j))
-        roles[j] = target[j]
-        pending.remove(j)
+    def kind(j: int) -> str:
+        return _axis_steps(roles[j], target[j], ((0,),))[0].kind
+
+    start = list(roles)
+    # cheaper steps first; where that blocks (a cut that takes the dim a split still has to
+    # leave by all-to-all), the all-to-alls first
+    for moves_first in (False, True):
+        roles = list(start)
+        steps: list[CommStep] = []
+        pending = [j for j in range(len(roles)) if roles[j] != target[j]]
+        while pending:
+            ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
+                     and (target[j].kind != "split" or inner(j, target[j]))]
+            if not ready:
+                break
+            j = min(ready, key=lambda j: (moves_first and kind(j) != "all_to_all", _RANK[kind(j)], j))
+            steps += _axis_steps(roles[j], target[j], groups(j))
+            roles[j] = target[j]
+            pending.remove(j)
+        if not pending:
+            break
+    else:
+        return None
     moves = list(steps)
     # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce last)
     cut = {groups(k): k for k in reduce}
