@@ -380,12 +380,14 @@ def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, exper
 
 
 @pytest.mark.mpi
-def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path):
-    """Sharded checkpoints hold each rank's experts; one device reads them back whole and goes on
-    with the numbers of a run that never stopped."""
+@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2 zero=1")])
+def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path, n, strategy):
+    """Sharded checkpoints hold each rank's experts (and, with ZeRO, its slices of their Adam
+    states); one device reads them back whole and goes on with the numbers of a run that never
+    stopped."""
     sets = [a for kv in SMALL for a in ("--set", kv)]
     ck, log, ref = tmp_path / "ck", tmp_path / "resumed.jsonl", tmp_path / "ref.jsonl"
-    run_cli("hspmd", "run", "-n", "2", MOE, "--strategy", "[0,1]: ep=2", "--steps", "2", "--checkpoint-dir", str(ck),
+    run_cli("hspmd", "run", "-n", str(n), MOE, "--strategy", strategy, "--steps", "2", "--checkpoint-dir", str(ck),
             "--checkpoint-every", "2", *sets, check=True, timeout=600)
     run_cli("hspmd", "run", "-n", "1", MOE, "--steps", "3", "--resume", str(ck), "--log", str(log), *sets,
             check=True, timeout=600)
