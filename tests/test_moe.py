@@ -274,6 +274,13 @@ def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
     _check_equal(tmp_path, strategy, 3, ["model.experts=8"])
 
 
+@pytest.mark.parametrize("n,strategy", [(5, "[0-3]: dp=2 ep=2 experts=6 zero=1 | [4]: experts=2"),
+                                        (9, "[0-7]: dp=2 ep=2 tp=2 experts=4 zero=1 | [8]: experts=4")])
+def test_uneven_expert_placement_with_zero_and_tp_equals_one_device(tmp_path, n, strategy):
+    """A group with dp, ep (and tp) and ZeRO beside a one-device group, each holding its own experts."""
+    _check_equal(tmp_path, strategy, n, ["model.experts=8"])
+
+
 def test_uneven_expert_placement_layout_and_errors():
     compiled = compile_script(_script(["model.experts=8"]), "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", 3)
     lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
