@@ -248,8 +248,8 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     outputs of a row-parallel expert weight, `split(1)=2, split(0)=2, partial=2 ->
     split(1)=4, partial=2`): no step touches it, and every step is linear, so the steps are
     planned and checked with it read as `dup` (each member's summand moves alike). A source
-    partial axis that the destination replicates is all-reduced along it last
-    (`... partial=2 -> split(1)=4, dup=2`); one that it splits is reduce-scattered where the
+    partial axis that the destination replicates is all-reduced along it after the cuts and
+    before the gathers (`... partial=2 -> split(1)=4, dup=2`); one that it splits is reduce-scattered where the
     plan read as dup cuts it.
     """
     radix = _common_radix([d for _, d in sds.axes], [d for _, d in dds.axes])
@@ -299,11 +299,12 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     else:
         return None
     moves = list(steps)
-    # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce last)
+    # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce)
     cut = {groups(k): k for k in reduce}
     steps = [CommStep("reduce_scatter", st.groups, dim=st.dim) if st.kind == "local_split" and st.groups in cut else st
              for st in steps]
-    steps += [CommStep("all_reduce", groups(k)) for k in reduce if target[k] == DUP]
+    at = next((i for i, st in enumerate(steps) if st.kind == "all_gather"), len(steps))  # after cuts, before gathers
+    steps[at:at] = [CommStep("all_reduce", groups(k)) for k in reduce if target[k] == DUP]
     dims = 1 + max([a.dim for a, _ in (*sds.axes, *dds.axes) if a.kind == "split"], default=0)
     n = len(devices)
     if n ** dims > 1 << 16:
