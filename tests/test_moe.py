@@ -186,17 +186,18 @@ def test_moe_layer_equals_pytorch(experts, top_k, factor):
 
 @settings(max_examples=12, deadline=None)
 @given(experts=st.sampled_from([2, 4]), data=st.data(), seed=st.integers(0, 2**16),
-       mesh=st.sampled_from([(1, 2), (2, 2), (1, 4)]))
+       mesh=st.sampled_from([(1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2)]))
 def test_random_routing_under_expert_parallelism_equals_one_device(experts, data, seed, mesh):
     """The MoE layer (loss, y, aux, every gradient) with random router weights, top-k and
-    capacity, the batch split over dp*ep ranks and the experts over ep, equals one device."""
-    dp, ep = mesh
+    capacity, the batch split over dp*ep ranks and the experts over ep (and over tp, w1 along
+    its output dim, w2 along its input dim, as `ep` with `tp` lays them out), equals one device."""
+    dp, ep, tp = mesh
     if experts % ep:
         ep, dp = 2, mesh[0] * mesh[1] // 2
-    n = dp * ep
+    n = dp * ep * tp
     top_k = data.draw(st.integers(1, experts))
     factor = data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
-    moe = hs.nn.MoE(4, 3, experts=experts, top_k=top_k, capacity_factor=factor, init_std=1.0)
+    moe = hs.nn.MoE(4, 6, experts=experts, top_k=top_k, capacity_factor=factor, init_std=1.0)
     for p in moe.parameters():
         p.dtype = "float64"
     t = Tracer()
@@ -211,13 +212,19 @@ def test_random_routing_under_expert_parallelism_equals_one_device(experts, data
     logical = t.finish()
     run_passes(logical, "autodiff")
     devices = range(n)
-    tokens = Layout.spmd(devices, DistributedStates.of((split(0), n)))
-    experts_layout = Layout.spmd(devices, DistributedStates.of(*[(a, d) for a, d in ((DUP, dp), (split(0), ep)) if d > 1]))
-    layouts = {"x": tokens, "c": tokens, "router": Layout.replicated(devices), "w1": experts_layout, "w2": experts_layout}
+    tokens = Layout.spmd(devices, DistributedStates.of((split(0), dp * ep), (DUP, tp)))
+
+    def experts_layout(tp_dim):
+        return Layout.spmd(devices, DistributedStates.of(
+            *[(a, d) for a, d in ((DUP, dp), (split(0), ep), (split(tp_dim), tp)) if d > 1]))
+
+    layouts = {"x": tokens, "c": tokens, "router": Layout.replicated(devices), "w1": experts_layout(2),
+               "w2": experts_layout(1)}
     (ref,) = run_step(compile_step(logical, {k: Layout.replicated((0,)) for k in layouts}), 1, batch)
     physical = compile_step(logical, layouts)
     assert any(o.name == "comm.all_to_all" for o in physical.walk())
-    check_outputs(run_step(physical, n, batch), ref, f"MoE E={experts} top_k={top_k} c={factor} on dp={dp} ep={ep}")
+    check_outputs(run_step(physical, n, batch), ref,
+                  f"MoE E={experts} top_k={top_k} c={factor} on dp={dp} ep={ep} tp={tp}")
 
 
 _reference: dict[tuple, object] = {}
@@ -249,6 +256,8 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
 
 @pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"),
                                         (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2"),
+                                        (8, "[0-7]: dp=2 ep=2 tp=2"), (2, "[0,1]: ep=2 zero=1"),
+                                        (4, "[0-3]: dp=2 ep=2 zero=1"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=2"),
                                         (5, "[0-3]: ep=2 pp=2 | [4]: dp=1")])
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
@@ -257,11 +266,19 @@ def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
 @pytest.mark.parametrize("strategy", ["[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2",
                                       "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
                                       "[0]: experts=2 | [1,2]: ep=2 experts=6",
-                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1"])
+                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1",
+                                      "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2"])
 def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
     """Unlike groups hold different numbers of experts (split across groups by experts=, as the
     batch is by share=): the tokens reach them by uneven exchanges."""
     _check_equal(tmp_path, strategy, 3, ["model.experts=8"])
+
+
+@pytest.mark.parametrize("n,strategy", [(5, "[0-3]: dp=2 ep=2 experts=6 zero=1 | [4]: experts=2"),
+                                        (9, "[0-7]: dp=2 ep=2 tp=2 experts=4 zero=1 | [8]: experts=4")])
+def test_uneven_expert_placement_with_zero_and_tp_equals_one_device(tmp_path, n, strategy):
+    """A group with dp, ep (and tp) and ZeRO beside a one-device group, each holding its own experts."""
+    _check_equal(tmp_path, strategy, n, ["model.experts=8"])
 
 
 def test_uneven_expert_placement_layout_and_errors():
@@ -300,6 +317,23 @@ def test_expert_weights_are_split_and_tokens_move_by_all_to_all():
     assert not [o for o in comms if o.name == "comm.all_gather"]  # no gathered tokens or weights
 
 
+def test_ep_with_dp_and_tp_splits_experts_over_tp_and_zero_shards_their_states_over_dp():
+    """`[0-7]: dp=2 ep=2 tp=2 zero=1`: an expert weight is split over ep (dim 0) and tp (w1 column-
+    parallel along F, w2 row-parallel along F), replicated over dp; ZeRO splits its Adam states
+    over dp along a free dim, and the other parameters' states over all dp*ep batch ranks."""
+    compiled = compile_script(_script(), "[0-7]: dp=2 ep=2 tp=2 zero=1", 8)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["blocks.1.moe.w1"] == "[0-7]: dup=2, split(0)=2, split(2)=2"
+    assert lay["blocks.1.moe.w2"] == "[0-7]: dup=2, split(0)=2, split(1)=2"
+    assert lay["opt.m.blocks.1.moe.w1"] == "[0-7]: split(1)=2, split(0)=2, split(2)=2"
+    assert lay["opt.v.blocks.1.moe.w2"] == "[0-7]: split(2)=2, split(0)=2, split(1)=2"
+    assert lay["blocks.1.moe.router"] == "[0-7]: dup=8"
+    assert lay["opt.m.blocks.1.moe.router"] == "[0-7]: split(0)=4, dup=2"
+    a2a = [o for o in compiled.physical.walk() if o.name == "comm.all_to_all"]
+    assert a2a and all(len(g) == 2 for o in a2a for g in o.rank_groups)  # tokens move inside ep pairs
+
+
 def test_compile_report_lists_the_all_to_alls_with_bytes():
     proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0,1]: ep=2", "--report", timeout=300, check=True)
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("comm.all_to_all")]
@@ -316,7 +350,8 @@ def test_experts_that_ep_does_not_divide_get_one_message():
 
 @pytest.mark.parametrize("strategy,message", [
     ("[0-3]: ep=3", "dp*tp*pp*ep = 1*1*1*3 = 3 but 4 devices"),
-    ("[0-3]: dp=2 ep=2 zero=1", "ZeRO (zero=1) with expert parallelism (ep=2), which is not supported yet"),
+    ("[0-3]: ep=2 pp=2 zero=1", "ZeRO (zero=1) with expert parallelism (ep=2) in a pipeline (pp=2), which is not "
+                                "supported yet"),
     ("[0,1]: ep=2 experts=3 | [2,3]: experts=1", "experts=3; a group's experts must be an integer >= 1 that its ep=2"),
     ("[0,1]: ep=2 experts=2 | [2,3]: dp=2", "gives experts= for some groups only"),
 ])
@@ -340,6 +375,7 @@ def _mpi_losses(tmp_path, n: int, strategy: str, experts: str) -> list[float]:
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,strategy,experts", [
     (2, "[0,1]: ep=2", "4"), (4, "[0-3]: dp=2 ep=2", "4"), (4, "[0-3]: ep=2 tp=2", "4"), (4, "[0-3]: ep=2 pp=2", "4"),
+    (4, "[0-3]: dp=2 ep=2 zero=1", "4"),
     (3, "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", "8"),
 ])
 def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, experts):
@@ -351,12 +387,14 @@ def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, exper
 
 
 @pytest.mark.mpi
-def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path):
-    """Sharded checkpoints hold each rank's experts; one device reads them back whole and goes on
-    with the numbers of a run that never stopped."""
+@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2 zero=1")])
+def test_a_checkpoint_saved_under_ep_resumes_on_one_device(tmp_path, n, strategy):
+    """Sharded checkpoints hold each rank's experts (and, with ZeRO, its slices of their Adam
+    states); one device reads them back whole and goes on with the numbers of a run that never
+    stopped."""
     sets = [a for kv in SMALL for a in ("--set", kv)]
     ck, log, ref = tmp_path / "ck", tmp_path / "resumed.jsonl", tmp_path / "ref.jsonl"
-    run_cli("hspmd", "run", "-n", "2", MOE, "--strategy", "[0,1]: ep=2", "--steps", "2", "--checkpoint-dir", str(ck),
+    run_cli("hspmd", "run", "-n", str(n), MOE, "--strategy", strategy, "--steps", "2", "--checkpoint-dir", str(ck),
             "--checkpoint-every", "2", *sets, check=True, timeout=600)
     run_cli("hspmd", "run", "-n", "1", MOE, "--steps", "3", "--resume", str(ck), "--log", str(log), *sets,
             check=True, timeout=600)

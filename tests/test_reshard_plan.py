@@ -122,6 +122,30 @@ def test_a_refinement_of_the_mesh_keeps_per_axis_steps():
     assert plan(tokens, "[0-3]: split(0)=2, split(1)=2")[0] == "all_gather(dim=1) [0,1,2,3]"
 
 
+def test_a_refinement_keeps_a_partial_axis_that_both_sides_share():
+    """Row-parallel expert outputs (partial over tp) go back to the tokens' layout by one
+    all-to-all inside each ep pair, still partial over tp (the combine reduces them later)."""
+    experts, tokens = "[0-7]: split(1)=2, split(0)=2, partial=2", "[0-7]: split(1)=4, partial=2"
+    assert plan(experts, tokens) == ["all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]"]
+    a = np.arange(4.0 * 8 * 3).reshape(4, 8, 3)
+    check(parse_layout(experts), parse_layout(tokens), a, np.random.default_rng(2))
+    check(parse_layout(tokens), parse_layout(experts), a, np.random.default_rng(3))
+    # the destination replicates the partial axis: the same all-to-all, then an all-reduce along it
+    assert plan(experts, "[0-7]: split(1)=4, dup=2") == ["all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]",
+                                                         "all_reduce() [0,1] [2,3] [4,5] [6,7]"]
+    check(parse_layout(experts), parse_layout("[0-7]: split(1)=4, dup=2"), a, np.random.default_rng(4))
+    # ... or splits it: reduce-scatter where the plan cuts it
+    assert plan(experts, "[0-7]: split(1)=4, split(2)=2") == ["reduce_scatter(dim=2) [0,1] [2,3] [4,5] [6,7]",
+                                                              "all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]"]
+    a = np.arange(4.0 * 8 * 4).reshape(4, 8, 4)
+    check(parse_layout(experts), parse_layout("[0-7]: split(1)=4, split(2)=2"), a, np.random.default_rng(5))
+    # the gradient of the experts' input: the all-to-all must go first (a cut of dim 0 first would
+    # leave the expert split with no way out), then the reduce-scatter
+    assert plan(experts, "[0-7]: split(1)=4, split(0)=2") == ["all_to_all(dim=1, src_dim=0) [0,2] [1,3] [4,6] [5,7]",
+                                                              "reduce_scatter(dim=0) [0,1] [2,3] [4,5] [6,7]"]
+    check(parse_layout(experts), parse_layout("[0-7]: split(1)=4, split(0)=2"), a, np.random.default_rng(6))
+
+
 def test_heterogeneous_transitions_are_not_supported_yet():
     with pytest.raises(NotImplementedError, match="heterogeneous resharding is not supported yet"):
         plan("[0,1]: dup=2", "[0]: dup=1 | [1]: dup=1 ; hetero=dup")

@@ -243,12 +243,28 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
 
     A split refined into several axes is moved innermost axis first, and a new split is cut
     innermost; the plan is checked by `simulate` on a small tensor before it is returned.
+
+    A partial axis is allowed where both states have it on the same refined axes (the expert
+    outputs of a row-parallel expert weight, `split(1)=2, split(0)=2, partial=2 ->
+    split(1)=4, partial=2`): no step touches it, and every step is linear, so the steps are
+    planned and checked with it read as `dup` (each member's summand moves alike). A source
+    partial axis that the destination replicates is all-reduced along it after the cuts and
+    before the gathers (`... partial=2 -> split(1)=4, dup=2`); one that it splits is reduce-scattered where the
+    plan read as dup cuts it.
     """
-    if any(a == PARTIAL for a, _ in (*sds.axes, *dds.axes)):
-        return None
     radix = _common_radix([d for _, d in sds.axes], [d for _, d in dds.axes])
     if radix is None:
         return None
+    reduce: list[int] = []
+    if any(a == PARTIAL for a, _ in (*sds.axes, *dds.axes)):
+        src_roles, dst_roles = _refine(sds, radix), _refine(dds, radix)
+        partial = [{k for k, a in enumerate(rs) if a == PARTIAL} for rs in (src_roles, dst_roles)]
+        reduce = sorted(partial[0] - partial[1])
+        if not partial[1] <= partial[0]:
+            return None
+        if any(PARTIAL in axes and DUP in axes for axes in ([a for a, _ in ds.axes] for ds in (sds, dds))):
+            return None  # read as dup, the partial axis would name dup twice
+        sds, dds = (DistributedStates(tuple((DUP if a == PARTIAL else a, d) for a, d in ds.axes)) for ds in (sds, dds))
     roles, target = _refine(sds, radix), _refine(dds, radix)
     strides = [int(np.prod(radix[j + 1:], dtype=np.int64)) for j in range(len(radix))]
 
@@ -259,17 +275,36 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     def inner(j: int, axis: Axis) -> bool:  # no more minor axis holds `axis` now
         return all(roles[k] != axis for k in range(j + 1, len(roles)))
 
-    steps: list[CommStep] = []
-    pending = [j for j in range(len(roles)) if roles[j] != target[j]]
-    while pending:
-        ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
-                 and (target[j].kind != "split" or inner(j, target[j]))]
-        if not ready:
-            return None
-        j = min(ready, key=lambda j: (_RANK[_axis_steps(roles[j], target[j], ((0,),))[0].kind], j))
-        steps += _axis_steps(roles[j], target[j], groups(j))
-        roles[j] = target[j]
-        pending.remove(j)
+    def kind(j: int) -> str:
+        return _axis_steps(roles[j], target[j], ((0,),))[0].kind
+
+    start = list(roles)
+    # cheaper steps first; where that blocks (a cut that takes the dim a split still has to
+    # leave by all-to-all), the all-to-alls first
+    for moves_first in (False, True):
+        roles = list(start)
+        steps: list[CommStep] = []
+        pending = [j for j in range(len(roles)) if roles[j] != target[j]]
+        while pending:
+            ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
+                     and (target[j].kind != "split" or inner(j, target[j]))]
+            if not ready:
+                break
+            j = min(ready, key=lambda j: (moves_first and kind(j) != "all_to_all", _RANK[kind(j)], j))
+            steps += _axis_steps(roles[j], target[j], groups(j))
+            roles[j] = target[j]
+            pending.remove(j)
+        if not pending:
+            break
+    else:
+        return None
+    moves = list(steps)
+    # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce)
+    cut = {groups(k): k for k in reduce}
+    steps = [CommStep("reduce_scatter", st.groups, dim=st.dim) if st.kind == "local_split" and st.groups in cut else st
+             for st in steps]
+    at = next((i for i, st in enumerate(steps) if st.kind == "all_gather"), len(steps))  # after cuts, before gathers
+    steps[at:at] = [CommStep("all_reduce", groups(k)) for k in reduce if target[k] == DUP]
     dims = 1 + max([a.dim for a, _ in (*sds.axes, *dds.axes) if a.kind == "split"], default=0)
     n = len(devices)
     if n ** dims > 1 << 16:
@@ -277,7 +312,7 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     shape = tuple(n if any(a == split(d) for a, _ in (*sds.axes, *dds.axes)) else 1 for d in range(dims))
     whole = np.arange(int(np.prod(shape))).reshape(shape)
     try:
-        got = simulate(steps, {devices[i]: whole[sds.slices(i, shape)] for i in range(n)})
+        got = simulate(moves, {devices[i]: whole[sds.slices(i, shape)] for i in range(n)})
     except ValueError:
         return None
     ok = all(np.array_equal(got[devices[i]], whole[dds.slices(i, shape)]) for i in range(n))

@@ -120,9 +120,10 @@ class StrategyGroup:
             raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1 or 2")
         if isinstance(self.sp, bool) or self.sp not in (0, 1):
             raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
-        if self.zero and self.ep > 1:
+        if self.zero and self.ep > 1 and self.pp > 1:
             raise StrategyError(f"group '{text}' asks for ZeRO (zero={self.zero}) with expert parallelism "
-                                f"(ep={self.ep}), which is not supported yet; use zero=0 with ep")
+                                f"(ep={self.ep}) in a pipeline (pp={self.pp}), which is not supported yet; "
+                                "use zero with ep and pp=1, or zero=0 with ep and pp")
         if self.sp and self.tp == 1:
             raise StrategyError(f"group '{text}' asks for sequence parallelism (sp=1) with tp=1; "
                                 "sequence parallelism splits the sequence over the tp ranks, so it needs tp > 1")

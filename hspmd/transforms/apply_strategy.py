@@ -85,12 +85,15 @@ from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
-from hspmd.transforms.expert_parallel import expert_layout, expert_parameters, uneven_experts_layout
+from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
 
 COLUMN, ROW, COLUMN_BIAS, EXPERT = "column", "row", "column-bias", "expert"
+#: an expert weight that tp splits along its input dim 1 (the second expert matmul's); `EXPERT`'s along dim 2
+EXPERT_ROW = "expert-row"
+EXPERTS = (EXPERT, EXPERT_ROW)
 VOCAB_TABLE, VOCAB_HEAD = "vocab-table", "vocab-head"
 
 
@@ -159,8 +162,8 @@ def check_batch_rows(strategy: Strategy, name: str, shape) -> None:
 def role_layout(group: StrategyGroup, role: str | None) -> Layout:
     """Return the layout of a parameter with tensor-parallel `role` (None: replicated), or an
     expert weight's (`EXPERT`: split along the expert dim over ep)."""
-    if role == EXPERT:
-        return expert_layout(group)
+    if role in EXPERTS:
+        return expert_layout(group, 1 if role == EXPERT_ROW else 2)
     dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0, VOCAB_TABLE: 0, VOCAB_HEAD: 1}.get(role)  # type: ignore[arg-type]
     if dim is None:
         return Layout.replicated(group.devices)
@@ -306,7 +309,8 @@ _RULE = {COLUMN: "column-parallel weight [in, out] is split along its output dim
          COLUMN_BIAS: "the bias of a column-parallel weight is split like its output dim",
          VOCAB_TABLE: "an embedding table [V, D] is split along its vocabulary dim 0",
          VOCAB_HEAD: "an LM head [D, V] is split along its vocabulary dim 1",
-         EXPERT: "expert weight [E, ...] is split along its expert dim 0"}
+         EXPERT: "expert weight [E, ...] is split along its expert dim 0",
+         EXPERT_ROW: "expert weight [E, ...] is split along its expert dim 0"}
 
 
 def split_vocabulary_losses(module: ModuleOp, roles: dict[str, str], tp: int) -> int:
@@ -455,7 +459,7 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
     if not hetero and group.tp > 1:
         residual_stream(op, group)
     if any(g.ep > 1 for g in strategy.groups) or (hetero and strategy.expert_shares is not None):
-        roles.update({name: EXPERT for name in expert_parameters(op)})
+        roles.update({name: EXPERT_ROW if dim == 1 else EXPERT for name, dim in expert_tp_dims(op).items()})
     names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
         name = leaf.tensor_name.data
@@ -472,13 +476,13 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
                 if names.get(owner) == shape:
                     role = roles.get(owner)
             layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
-            if role == EXPERT and hetero and strategy.expert_shares is not None:
-                layout = uneven_experts_layout(strategy, name, shape)
+            if role in EXPERTS and hetero and strategy.expert_shares is not None:
+                layout = uneven_experts_layout(strategy, name, shape, 1 if role == EXPERT_ROW else 2)
             if role is not None:
                 try:
                     layout.check_shape(shape, f"parameter '{name}'")
                 except LayoutError as err:
-                    if role == EXPERT:
+                    if role in EXPERTS:
                         raise PassError(f"apply-strategy: ep cannot split parameter '{name}' of shape "
                                         f"{_shape_text(shape)}: the {_RULE[role]} over ep into '{layout}', but "
                                         f"{str(err).rsplit(': ', 1)[-1]}") from None

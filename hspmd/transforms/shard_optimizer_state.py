@@ -18,6 +18,12 @@ update on the state's shards. The partial gradient then needs `partial -> split`
 communication. In a strategy of several device groups, each group with `zero` splits its part of a state
 over its own dp (a union layout, hetero=dup); the other groups keep theirs.
 
+Under expert parallelism (`ep`) the batch is split over dp*ep ranks, so a state is split over
+all of them (`split(d)=dp*ep`, the group's `batch_ranks`) where its parameter is replicated
+over them; an expert weight is already split over ep (`dup=dp, split(0)=ep, split(t)=tp`,
+`transforms/expert_parallel.py`), so its states split its dup axis, dp, along another dim:
+`split(d)=dp, split(0)=ep, split(t)=tp`.
+
 `zero=1` and `zero=2` compile to the same program: the gradient is only ever
 consumed by the sharded update, so all-reducing it whole (stage 1) would do strictly more work
 than the reduce-scatter that propagation picks, and the IR has no separate gradient buffer
@@ -41,8 +47,9 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from hspmd.dialects import dist, graph, optim
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.ir.strategy import Strategy
+from hspmd.ir.strategy import Strategy, StrategyGroup
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
+from hspmd.transforms.expert_parallel import expert_layout
 from hspmd.transforms.optimizer import STATE_PREFIX
 from hspmd.transforms.pipeline.virtual import annotation_strategy
 from hspmd.transforms.util import PassError, module_strategy, step_function
@@ -85,6 +92,40 @@ def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: in
     return None
 
 
+def sharded_expert_state_layout(layout: Layout, shape: tuple[int, ...], dp: int) -> Layout | None:
+    """Return an expert weight's layout (`dup=dp` major, then its ep and tp splits) with the dup
+    axis split along the first dim that no other axis splits and dp divides, or None.
+
+    >>> ds = DistributedStates.of((DUP, 2), (split(0), 2), (split(2), 2))
+    >>> str(sharded_expert_state_layout(Layout.spmd(tuple(range(8)), ds), (4, 6, 8), 2))
+    '[0-7]: split(1)=2, split(0)=2, split(2)=2'
+    """
+    if dp <= 1 or len(layout.groups) != 1:
+        return None
+    axes = layout.groups[0].states.axes
+    if not axes or axes[0] != (DUP, dp):
+        return None
+    taken = {a.dim for a, _ in axes if a.kind == "split"}
+    for d, size in enumerate(shape):
+        if d in taken or size % dp:
+            continue
+        new = Layout.spmd(layout.groups[0].devices, DistributedStates.of((split(d), dp), *axes[1:]))
+        new.check_shape(shape, "optimizer state")
+        return new
+    return None
+
+
+def _is_expert(states: DistributedStates, g: StrategyGroup) -> bool:
+    return g.ep > 1 and any(states == expert_layout(g, d).groups[0].states for d in (1, 2))
+
+
+def group_state_layout(layout: Layout, shape: tuple[int, ...], g: StrategyGroup) -> Layout | None:
+    """Return a one-group parameter layout's ZeRO state layout in group `g` (see the module docstring), or None."""
+    if _is_expert(layout.groups[0].states, g):
+        return sharded_expert_state_layout(layout, shape, g.dp)
+    return sharded_state_layout(layout, shape, g.batch_ranks, g.tp)
+
+
 def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy) -> Layout | None:
     """Return a parameter's layout over several groups with each ZeRO group's part split over its dp
     (`sharded_state_layout` per group; the other groups keep theirs), or None when no part changes."""
@@ -92,7 +133,7 @@ def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy) -
         return None
     groups, changed = [], False
     for part, g in zip(layout.groups, strategy.groups):
-        new = sharded_state_layout(Layout.spmd(part.devices, part.states), shape, g.dp, g.tp) if g.zero else None
+        new = group_state_layout(Layout.spmd(part.devices, part.states), shape, g) if g.zero else None
         groups.append(new.groups[0] if new is not None else part)
         changed |= new is not None
     return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
@@ -119,8 +160,7 @@ def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         layout = layout_of(op.result)
         if layout is None:
             raise PassError(f"shard-optimizer-state: state '{name}' has no layout; run 'apply-strategy' first")
-        new = _sharded_union(layout, shape, strategy) if union else sharded_state_layout(layout, shape, group.dp,
-                                                                                         group.tp)
+        new = _sharded_union(layout, shape, strategy) if union else group_state_layout(layout, shape, group)
         if new is None:
             report[name] = f"kept {layout}: no dim of {list(shape)} that dp divides and tp does not split"
             continue
