@@ -20,32 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
+from ps_consistency import run_to_end  # beside this file: the same way to run a job to its end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HSPMD = os.path.join(os.path.dirname(sys.executable), "hspmd")
-
-
-def _run_to_end(cmd: list[str], timeout: float) -> None:
-    """Run `cmd` in a session of its own; on a timeout or failure end all its processes (the ranks too)."""
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
-    try:
-        if proc.wait(timeout):
-            raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
 
 
 def run(strategy: str, steps: int, log: str) -> list[dict]:
     """Return the log lines of one `hspmd run` of the CTR example under `strategy`."""
     cmd = [HSPMD, "run", "-n", "2", "--servers", "1", os.path.join(ROOT, "examples", "ctr.py"),
            "--strategy", strategy, "--steps", str(steps), "--log", log]
-    _run_to_end(cmd, 1800)
+    run_to_end(cmd, 1800)
     return [json.loads(line) for line in open(log)]
 
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def burn(core: int) -> None:
         x += 1
 
 
-def _run_to_end(cmd: list[str], timeout: float) -> None:
+def run_to_end(cmd: list[str], timeout: float) -> None:
     """Run `cmd` in a session of its own; on a timeout or failure end all its processes (the ranks too)."""
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
     try:
@@ -58,7 +59,7 @@ def run(consistency: str, seconds: float, cores: str, log: str) -> dict:
     cmd = [HSPMD, "run", "-n", "2", "--servers", "1", os.path.join(ROOT, "examples", "ctr.py"),
            "--strategy", f"[0,1]: dp=2 comm=ps consistency={consistency}", "--steps", "1000000",
            "--seconds", str(seconds), "--cpu-bind", cores, "--log", log]
-    _run_to_end(cmd, seconds * 5 + 300)
+    run_to_end(cmd, seconds * 5 + 300)
     rows = [json.loads(line) for line in open(log)]
     end = next(r for r in rows if "samples_per_s" in r)
     end["max_staleness"] = max(r["staleness"] for r in rows if "staleness" in r)

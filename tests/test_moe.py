@@ -20,18 +20,17 @@ from hypothesis import strategies as st
 
 import hspmd as hs
 from conftest import EXAMPLES, run_cli
+from test_ops_grad import compile_plan
 from test_spmd_property import check_outputs, compile_step, run_step
-from hspmd.compiler import annotate, compile_script, run_passes, to_physical, write_bundle
+from hspmd.compiler import compile_script, run_passes, write_bundle
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
-from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.nn import bind_parameters
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
-from hspmd.runtime.comm import InProcessCommunicator, run_spmd
+from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.numpy_ops import moe_route
-from hspmd.runtime.plan import build_plan
 from hspmd.runtime.worker import train
 from hspmd.transforms.util import PassError
 
@@ -134,14 +133,7 @@ def _moe_plan(moe: hs.nn.MoE, shape, seed: int):
         t.output("y", y)
         t.output("aux", aux)
         t.output("loss", (y * t.input("c", shape, "float64")).sum() + aux)
-    module = t.finish()
-    run_passes(module, "autodiff")
-    annotate(module, "[0]: dp=1")
-    to_physical(module)
-    (_, group), = physical_groups(module)
-    fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
-    (comm,) = InProcessCommunicator.create_world(1)
-    return build_plan(fn, 0, comm), batch
+    return compile_plan(t.finish()), batch
 
 
 def _torch_moe(state: dict[str, np.ndarray], c: np.ndarray, moe: hs.nn.MoE):
