@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
@@ -47,6 +48,11 @@ from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.util import PassError, module_strategy
+
+if TYPE_CHECKING:
+    from xdsl.dialects.builtin import TensorType
+
+    from hspmd.ir.ps_plan import PSPlan
 
 __all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script", "compile_strategies",
            "default_strategy", "kernel_level", "physical_passes", "run_passes", "to_physical", "training_passes",
@@ -307,7 +313,7 @@ class CompiledPS:
     steps, and the `PSPlan` that says who holds what."""
 
     worker: Compiled
-    plan: "PSPlan"
+    plan: PSPlan
     server_updates: list[ModuleOp]
     dense_update: ModuleOp | None
     strategy: str
@@ -328,7 +334,7 @@ class _WorkerRows(ModelScript):
             yield {k: (v[:take] if getattr(v, "ndim", 0) else v) for k, v in batch.items()}
 
 
-def update_program(params: list[tuple[str, str, "TensorType"]], optimizer: Optimizer) -> ModuleOp:
+def update_program(params: list[tuple[str, str, TensorType]], optimizer: Optimizer) -> ModuleOp:
     """Return the logical update step of `params` ((name, init, type) each) under `optimizer`.
 
     Parameter NAME's gradient enters as `graph.input "grad:NAME"`; the optimizer's own passes

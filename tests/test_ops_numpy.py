@@ -20,7 +20,7 @@ from hspmd.dialects.levels import physical_groups
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
-from hspmd.compiler import annotate, run_passes, to_physical
+from hspmd.compiler import annotate, to_physical
 
 TOL = dict(rtol=1e-12, atol=1e-13)
 small = st.integers(1, 4)

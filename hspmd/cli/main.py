@@ -97,8 +97,6 @@ def cmd_compile(args) -> int:
         if args.report or args.explain or args.cost or args.emit:
             raise SystemExit("hspmd: error: --report, --explain, --cost and --emit take one --strategy")
         if not args.dump_dir:
-            from hspmd.dialects.context import module_text
-
             for i, c in enumerate(compiled):
                 sys.stdout.write(f"// strategy {i}: {c.strategy.strategy}\n{module_text(getattr(c, args.level))}")
             return 0
