@@ -9,7 +9,16 @@ import os
 import numpy as np
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from conftest import EXAMPLES
+from hspmd.ir.layout import PARTIAL, DistributedStates, Group, Layout, gather, scatter, split
+from hspmd.ir.reshard_plan import plan_transition, simulate
+from hspmd.ir.strategy import parse_strategy
+from hspmd.transforms import uneven_tensor_parallel as uneven_tp
+from test_reshard_plan import check
+from test_spmd_property import _mlp, _mlp_numpy_grads, check_property, compile_step, make_batch, run_step, trace, TOL
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.runtime.comm import run_spmd
@@ -19,6 +28,99 @@ STEPS = 3
 GPT3 = ["model.d_model=24", "model.seq_len=8", "model.heads=3", "model.layers=2", "data.batch_size=4",
         "optim.warmup=1"]
 MLP = ["batch_size=8", "hidden=10"]
+
+
+# --------------------------------------------------------------------------------------
+# The layouts: pieces cover the tensor, reshard plans move the right elements
+
+
+@st.composite
+def uneven_groups(draw):
+    """Draw (strategy group, tensor-parallel size, heads or None): dp 1..3, tp 2..4, a size tp may not divide."""
+    dp, tp = draw(st.integers(1, 3)), draw(st.integers(2, 4))
+    group = parse_strategy(f"[0-{dp * tp - 1}]: dp={dp} tp={tp}").groups[0]
+    heads = draw(st.one_of(st.none(), st.integers(tp, 7)))
+    size = heads * draw(st.integers(1, 3)) if heads else draw(st.integers(tp, 13))
+    return group, size, heads
+
+
+@settings(max_examples=120, deadline=None)
+@given(uneven_groups(), st.sampled_from(["column", "row", "column-bias"]), st.integers(1, 3), st.integers(0, 2**32 - 1))
+def test_uneven_pieces_cover_the_tensor_once_per_replica(case, role, other, seed):
+    group, size, heads = case
+    dim = uneven_tp.SPLIT_DIM[role]
+    shape = (size,) if role == "column-bias" else ((other, size) if dim == 1 else (size, other))
+    shares = uneven_tp.head_shares(heads, group.tp) if heads else (1,) * group.tp
+    lay = uneven_tp.weight_layout(group, role, shares)
+    a = np.random.default_rng(seed).standard_normal(shape)
+    pieces = scatter(lay, a)
+    subs = uneven_tp.tp_subgroups(group)
+    cuts = []
+    for devices in subs:
+        (cut,) = {(lay.slices(d, shape)[dim].start, lay.slices(d, shape)[dim].stop) for d in devices}
+        cuts.append(cut)  # a sub-group's dp ranks hold the same slice
+        for d in devices:
+            np.testing.assert_array_equal(pieces[d], a[lay.slices(d, shape)])
+    assert cuts[0][0] == 0 and cuts[-1][1] == size and all(cuts[i][1] == cuts[i + 1][0] for i in range(len(cuts) - 1))
+    widths = [b - a_ for a_, b in cuts]
+    if heads:  # cut at head boundaries: each rank holds whole heads, at most one more than another
+        per = size // heads
+        assert all(w % per == 0 for w in widths) and max(widths) - min(widths) <= per
+    else:
+        assert max(widths) - min(widths) <= 1 and min(widths) >= 1
+    np.testing.assert_array_equal(gather(lay, pieces, shape), a)
+
+
+@settings(max_examples=80, deadline=None)
+@given(uneven_groups(), st.integers(0, 2**32 - 1))
+def test_reshard_plans_between_uneven_tp_layouts_move_the_right_elements(case, seed):
+    """The transitions a step under uneven tp makes: a row matmul's partial sums (across the tp
+    sub-groups) all-reduced; uneven column pieces gathered; replicated values cut into pieces."""
+    group, size, heads = case
+    rng = np.random.default_rng(seed)
+    shares = uneven_tp.head_shares(heads, group.tp) if heads else (1,) * group.tp
+    batch = group.batch_ranks * 2
+    # an activation [batch, size] split like a column weight's output: rows over dp, columns across sub-groups
+    act = Layout(tuple(Group(s, DistributedStates.of((split(0), group.batch_ranks))) for s in uneven_tp.tp_subgroups(group)),
+                 split(1), shares)
+    rows = uneven_tp.batch_layout(group)
+    partial = Layout(rows.groups, PARTIAL)
+    a = rng.standard_normal((batch, size))
+    check(partial, rows, a, rng)  # all-reduce across the sub-groups, shapes alike on every rank
+    check(act, rows, a, rng)  # gather uneven pieces
+    check(rows, act, a, rng)  # cut the replicated rows' columns unevenly
+    steps = plan_transition(partial, rows, a.shape)
+    assert [s.kind for s in steps] == ["all_reduce"], steps
+
+
+def _mlp_layouts(group, hidden):
+    """The MLP of test_spmd_property under uneven tp: w1 column, b1 its bias, w2 row, batch over dp."""
+    shares = (1,) * group.tp
+    batch = uneven_tp.batch_layout(group)
+    return {"x0": batch, "x4": batch, "w1": uneven_tp.weight_layout(group, "column", shares),
+            "w2": uneven_tp.weight_layout(group, "column-bias", shares),
+            "w3": uneven_tp.weight_layout(group, "row", shares)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 2), st.integers(2, 3), st.integers(0, 9), st.integers(0, 2**16))
+def test_uneven_tp_mlp_step_equals_one_device_and_numpy(dp, tp, extra, seed):
+    """Random hidden widths tp need not divide: the distributed step's loss and gradients equal the
+    1-device program's and hand-derived NumPy gradients."""
+    group = parse_strategy(f"[0-{dp * tp - 1}]: dp={dp} tp={tp}").groups[0]
+    hidden = tp + extra
+    prog = _mlp(batch=4 * dp, hidden=hidden)
+    batch = make_batch(prog, seed)
+    layouts = _mlp_layouts(group, hidden)
+    check_property(prog, layouts, dp * tp, batch)
+    physical = compile_step(trace(prog), layouts)
+    for outputs in run_step(physical, dp * tp, batch):
+        for name, value in _mlp_numpy_grads(prog, batch).items():
+            np.testing.assert_allclose(outputs[name], value, **TOL, err_msg=name)
+
+
+# --------------------------------------------------------------------------------------
+# End to end: the examples under uneven tp equal one device
 
 
 def _train(tmp_path, example: str, sets: list[str], strategy: str, n: int, **kw):
