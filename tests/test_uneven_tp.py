@@ -178,3 +178,26 @@ def test_checkpoint_under_uneven_tp_resumes_on_one_device(tmp_path):
     np.testing.assert_allclose(one.losses, ranks[0].losses[2:], rtol=1e-5)
     for name, value in ranks[0].params.items():
         np.testing.assert_allclose(one.params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.mpi
+def test_mpi_gpt_three_heads_over_tp2_logs_the_one_rank_losses(tmp_path):
+    import json
+
+    from conftest import run_cli
+    from hspmd.runtime.checkpoint import load_checkpoint
+
+    gpt = os.path.join(EXAMPLES, "gpt.py")
+    sets = [a for s in GPT3 for a in ("--set", s)]
+    for n, strategy in (("1", "[0]: dp=1"), ("2", "[0,1]: tp=2")):
+        run_cli("hspmd", "run", "-n", n, gpt, "--strategy", strategy, "--steps", "4", *sets,
+                "--log", str(tmp_path / f"log{n}.jsonl"), "--checkpoint", str(tmp_path / f"ck{n}.npz"),
+                check=True, timeout=300)
+    logs = {n: [json.loads(line)["loss"] for line in open(tmp_path / f"log{n}.jsonl")] for n in ("1", "2")}
+    print(f"\nMPI gpt 3 heads [0,1]: tp=2: losses {logs['2']} (1 rank {logs['1']})")
+    assert len(logs["2"]) == 4
+    np.testing.assert_allclose(logs["2"], logs["1"], rtol=1e-5)
+    p1, _ = load_checkpoint(str(tmp_path / "ck1.npz"))
+    p2, _ = load_checkpoint(str(tmp_path / "ck2.npz"))
+    for name in p1:
+        np.testing.assert_allclose(p2[name], p1[name], rtol=1e-5, atol=5e-5, err_msg=name)
