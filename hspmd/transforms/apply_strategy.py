@@ -96,6 +96,9 @@ COLUMN, ROW, COLUMN_BIAS, EXPERT = "column", "row", "column-bias", "expert"
 EXPERT_ROW = "expert-row"
 EXPERTS = (EXPERT, EXPERT_ROW)
 VOCAB_TABLE, VOCAB_HEAD = "vocab-table", "vocab-head"
+#: where tp over a count it does not divide is refused, why
+UNEVEN_ONLY = (" (uneven pieces are laid out for a strategy of one group of dp and tp only: not beside other "
+               "groups, nor with pp, sp or ep)")
 #: a tag beside a weight's role: `heads:H`, its output (a row weight: its input) is cut into H heads
 HEADS = "heads:"
 
@@ -291,7 +294,7 @@ class _Walk:
                 f"apply-strategy: tp={self.tp} does not divide the {extent} heads that the output of "
                 f"column-parallel weight {describe(next(s for s in sources if str(s) == k))} is reshaped into "
                 f"({_shape_text(src)} -> {_shape_text(dst)}); its output dim is split tp ways, which must "
-                f"divide the head count"
+                f"divide the head count{UNEVEN_ONLY}"
             )
         return extent
 
@@ -526,7 +529,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
                     raise PassError(
                         f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
                         f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
-                        f"{str(err).rsplit(': ', 1)[-1]}") from None
+                        f"{str(err).rsplit(': ', 1)[-1]}{UNEVEN_ONLY}") from None
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
@@ -555,11 +558,11 @@ def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: 
                 shares = uneven_tp.weight_shares(owner, heads, group.tp)
                 dim = uneven_tp.SPLIT_DIM[role]
                 if heads.get(owner, group.tp) < group.tp or shape[dim] < group.tp:
-                    what = (f"its {heads[owner]} heads" if heads.get(owner, group.tp) < group.tp
-                            else f"its dim {dim} of {shape[dim]}")
+                    what = (f"its {heads[owner]} heads leave" if heads.get(owner, group.tp) < group.tp
+                            else f"its dim {dim} of size {shape[dim]} leaves")
                     raise PassError(
                         f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape {_shape_text(shape)}: "
-                        f"the {_RULE[role]} over tp, and {what} leave a tp rank with nothing; use tp <= "
+                        f"the {_RULE[role]} over tp, and {what} a tp rank with nothing; use tp <= "
                         f"{heads.get(owner, shape[dim])}")
                 layout = uneven_tp.weight_layout(group, role, shares)
         try:
