@@ -203,3 +203,18 @@ def test_mpi_gpt_three_heads_over_tp2_logs_the_one_rank_losses(tmp_path):
     p2, _ = load_checkpoint(str(tmp_path / "ck2.npz"))
     for name in p1:
         np.testing.assert_allclose(p2[name], p1[name], rtol=1e-5, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy,n", [("[0,1]: tp=2", 2), ("[0-3]: dp=2 tp=2", 4)])
+def test_uneven_blocks_need_only_megatron_s_all_reduces(strategy, n):
+    """3 heads over tp=2: each tp rank runs its program (2 heads, 1 head), and a block's forward and
+    backward each need one all-reduce per row-parallel matmul, of the same shape on every rank."""
+    from hspmd.codegen.report import collective_report
+
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(GPT3))
+    compiled = compile_script(script, strategy, n)
+    rows = collective_report(compiled.physical)
+    assert len({r.devices for r in rows}) == 2  # one program per tp sub-group
+    blocks = [r for r in rows if "Block" in r.function]
+    assert blocks and {r.op for r in blocks} == {"comm.all_reduce"}, blocks
+    assert len({r.shape for r in blocks}) == 1

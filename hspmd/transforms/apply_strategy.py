@@ -493,6 +493,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
         shapes = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
         if uneven and uneven_tp.needs_uneven(shapes, roles, heads, tp):
             _lay_out_uneven(leaves, group, roles, heads)
+            _seed_uneven_row_outputs(op, group)
             return
     if not hetero and group.tp > 1:
         split_vocabulary_losses(op, roles, group.tp)
@@ -570,3 +571,20 @@ def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: 
         except LayoutError as err:
             raise PassError(str(err)) from None
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+
+
+def _seed_uneven_row_outputs(op: ModuleOp, group: StrategyGroup) -> None:
+    """Lay each row-parallel output (after its bias) whose dim 0 is the batch out as the batch is
+    under uneven tp: its partial sums across the tp sub-groups are then all-reduced into rows
+    split over dp, as the even case keeps them (left to propagation, the bias add would take the
+    replicated bias's layout and gather the rows over dp, to cut them again after)."""
+    rows = _batch_rows(op)
+    block = step_function(op).body.block
+    walk = _Walk(group.tp, uneven=True)
+    walk.block_roles(block, {o.result: o.tensor_name.data for o in block.ops if isinstance(o, graph.ParameterOp)}, str)
+    layout = uneven_tp.batch_layout(group)
+    for mm in walk.row_matmuls:
+        out = _row_output(mm)
+        shape = out.type.get_shape()
+        if len(shape) >= 2 and shape[0] == rows and rows % group.batch_ranks == 0:
+            Rewriter.replace_value_with_new_type(out, with_layout(out.type, layout))
