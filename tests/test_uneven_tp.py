@@ -218,3 +218,22 @@ def test_uneven_blocks_need_only_megatron_s_all_reduces(strategy, n):
     blocks = [r for r in rows if "Block" in r.function]
     assert blocks and {r.op for r in blocks} == {"comm.all_reduce"}, blocks
     assert len({r.shape for r in blocks}) == 1
+
+
+def test_switching_between_data_parallel_and_uneven_tp_equals_one_device(tmp_path):
+    """Graph switching moves parameters and Adam's states into the uneven pieces and back."""
+    from hspmd.compiler import compile_strategies
+
+    steps = 5
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(GPT3 + [f"steps={steps}"]))
+    ref = str(tmp_path / "ref")
+    write_bundle(compile_script(script, "[0]: dp=1", 1), ref)
+    one = run_spmd(1, lambda c: train(ref, c, steps=steps, quiet=True), timeout=300)[0]
+    switching = write_bundle(compile_strategies(script, ["[0,1]: dp=2", "[0,1]: tp=2"], 2), str(tmp_path / "sw"))
+    order = [0, 1, 1, 0, 1]
+    ranks = run_spmd(2, lambda c: train(switching, c, steps=steps, quiet=True, strategy_order=order), timeout=300)
+    assert [(a, b) for _, a, b, _ in ranks[0].switches] == [(0, 1), (1, 0), (0, 1)]
+    for r in ranks:
+        np.testing.assert_allclose(r.losses, one.losses, rtol=1e-5)
+    for name, value in one.params.items():
+        np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-4, atol=5e-5, err_msg=name)
