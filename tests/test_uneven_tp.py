@@ -169,17 +169,20 @@ def test_llama_three_heads_over_tp2_equals_one_device(tmp_path):
     _assert_same(ref, ranks, atol=5e-5)
 
 
-def test_checkpoint_under_uneven_tp_resumes_on_one_device(tmp_path):
-    """Each tp rank writes its uneven pieces; the 1-device reader reshards them and step 3 goes on alike."""
+@pytest.mark.parametrize("written,wn,read,rn", [("[0,1]: tp=2", 2, "[0]: dp=1", 1),
+                                                 ("[0,1]: dp=2", 2, "[0-3]: dp=2 tp=2", 4)])
+def test_checkpoint_under_uneven_tp_resumes_elsewhere(tmp_path, written, wn, read, rn):
+    """Each tp rank writes its uneven pieces and the reader under another strategy reshards them
+    (or reads uneven pieces out of another run's); step 3 goes on alike."""
     from hspmd.runtime.worker import CheckpointOptions
 
     ck = tmp_path / "ck"
-    _, ranks = _train(tmp_path, "gpt.py", GPT3, "[0,1]: tp=2", 2, checkpoints=CheckpointOptions(str(ck), every=2))
-    _, (one,) = _train(tmp_path, "gpt.py", GPT3, "[0]: dp=1", 1, checkpoints=CheckpointOptions(resume=str(ck / "step-2")))
-    assert one.first_step == 3
-    np.testing.assert_allclose(one.losses, ranks[0].losses[2:], rtol=1e-5)
+    _, ranks = _train(tmp_path, "gpt.py", GPT3, written, wn, checkpoints=CheckpointOptions(str(ck), every=2))
+    _, (other, *_) = _train(tmp_path, "gpt.py", GPT3, read, rn, checkpoints=CheckpointOptions(resume=str(ck / "step-2")))
+    assert other.first_step == 3
+    np.testing.assert_allclose(other.losses, ranks[0].losses[2:], rtol=1e-5)
     for name, value in ranks[0].params.items():
-        np.testing.assert_allclose(one.params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
+        np.testing.assert_allclose(other.params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
 
 
 @pytest.mark.mpi
