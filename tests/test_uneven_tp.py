@@ -240,3 +240,21 @@ def test_switching_between_data_parallel_and_uneven_tp_equals_one_device(tmp_pat
         np.testing.assert_allclose(r.losses, one.losses, rtol=1e-5)
     for name, value in one.params.items():
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-4, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("strategy,n,words", [
+    ("[0-7]: tp=8", 8, ["tp=8", "its 3 heads leave a tp rank with nothing", "use tp <= 3"]),
+    ("[0-3]: tp=2 pp=2", 4, ["3 heads", "not beside other groups, nor with pp, sp or ep"]),
+    ("[0,1]: tp=2 sp=1", 2, ["3 heads", "nor with pp, sp or ep"]),
+    ("[0,1]: tp=2 share=1 | [2]: dp=1", 3, ["3 heads", "not beside other groups"]),
+    ("[0-5]: dp=3 tp=2", 6, ["3 heads", "splits 4 rows unevenly over dp, so it runs as '[0,1]: dp=1 tp=2"]),
+])
+def test_what_stays_refused_is_one_clear_message(strategy, n, words):
+    from conftest import run_cli
+
+    sets = [a for s in GPT3 for a in ("--set", s)]
+    proc = run_cli("hspmd", "compile", os.path.join(EXAMPLES, "gpt.py"), "--strategy", strategy, "-n", str(n), *sets)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    for w in words:
+        assert w in line, line

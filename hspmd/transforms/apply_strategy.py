@@ -443,7 +443,7 @@ class ApplyStrategy(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         try:
-            parsed = parse_strategy(self.strategy)
+            written = parsed = parse_strategy(self.strategy)
             rows = _batch_rows(op)
             # uneven rows inside a group: two even groups (not beside pipelines: their micro-batch
             # and stage checks assume the groups as written)
@@ -458,6 +458,9 @@ class ApplyStrategy(ModulePass):
         try:
             lay_out(op, strategy, uneven=strategy == record.strategy)
         except PassError as err:
+            if parsed != written:
+                raise PassError(f"{err} (strategy '{written}' splits {rows} rows unevenly over dp, so it runs as "
+                                f"'{parsed}')") from None
             if strategy == record.strategy or len(strategy.groups) == 1:
                 raise
             raise PassError(f"{err} (strategy '{record.strategy}' is annotated as '{strategy}': a pipelined group "
