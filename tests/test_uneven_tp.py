@@ -140,10 +140,13 @@ def _assert_same(ref, ranks, atol):
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-5, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("strategy,n", [("[0,1]: tp=2", 2), ("[0-3]: dp=2 tp=2", 4), ("[0-3]: dp=2 tp=2 zero=1", 4)])
-def test_gpt_three_heads_over_tp2_equals_one_device(tmp_path, strategy, n):
-    _, (ref,) = _train(tmp_path, "gpt.py", GPT3, "[0]: dp=1", 1)
-    compiled, ranks = _train(tmp_path, "gpt.py", GPT3, strategy, n)
+@pytest.mark.parametrize("strategy,n,extra", [("[0,1]: tp=2", 2, []), ("[0-3]: dp=2 tp=2", 4, []),
+                                              ("[0-3]: dp=2 tp=2 zero=1", 4, []),
+                                              ("[0-3]: dp=2 tp=2", 4, ["model.dropout=0.1"])])
+def test_gpt_three_heads_over_tp2_equals_one_device(tmp_path, strategy, n, extra):
+    """Dropout too: its mask is keyed by global indices, which the uneven pieces' offsets give."""
+    _, (ref,) = _train(tmp_path, "gpt.py", GPT3 + extra, "[0]: dp=1", 1)
+    compiled, ranks = _train(tmp_path, "gpt.py", GPT3 + extra, strategy, n)
     text = str(compiled.annotated)
     assert "hetero=split(1), shares=2:1" in text  # the qkv weight: 2 heads on one tp rank, 1 on the other
     if "zero=1" in strategy:  # Adam's moments split over dp inside each tp sub-group
