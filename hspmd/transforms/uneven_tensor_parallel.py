@@ -26,8 +26,10 @@ those over the devices at the same position of each sub-group, whose pieces then
 shape on every rank. `specialize-groups` makes one program per sub-group (local shapes differ
 where the pieces do); the checkpoint writer and reader work from the layouts, so they handle
 the uneven pieces like any hetero split. A weight whose pieces do not line up with its
-consumer's (another head count, a GQA model's kv heads) is resharded by propagation: equal
-results always, head-parallel attention where the cuts agree.
+consumer's (say two head counts in one block; no example model has one) is resharded where they
+meet, as propagation does for any layouts: equal results, at the cost of communication.
+`apply-strategy` also lays each row-parallel output whose dim 0 is the batch out like the batch,
+so its partial sums are all-reduced straight into rows split over dp.
 
 The even case is untouched: a group whose tensor-parallel dims tp divides keeps its one-group
 layouts (`split(d)=tp`), bit for bit as before.
