@@ -48,9 +48,14 @@ each row-parallel output inside the blocks (after its bias) is `split(1)` too, s
 sums are reduce-scattered into the stream, and propagation all-gathers the column-parallel
 inputs (see `residual_stream`).
 
-Bad input: a column-parallel dim (or the head count that a column output is reshaped into)
-that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the
-rule; so does a sequence that sp=1 cannot split over tp, or sp=1 on a model without blocks.
+**Uneven pieces (one group of dp and tp).** Where tp does not divide a column-parallel dim or
+the head count a column output is reshaped into (`[0,1]: tp=2` over 3 heads), the group is laid
+out over its tp sub-groups in uneven pieces (`uneven_tensor_parallel`: 2 heads and 1), the
+vocabulary kept whole, and each row-parallel output laid out like the batch.
+
+Bad input: such a dim or head count beside other groups or with pp, sp or ep, or smaller than
+tp (a rank would hold nothing), raises one `PassError` naming the parameter, its shape, tp and
+the rule; so does a sequence that sp=1 cannot split over tp, or sp=1 on a model without blocks.
 
 **Heterogeneous data parallelism (several groups, HetSeq-style).** With
 `[0,1]: dp=2 share=3 | [2]: dp=1 share=1` every group replicates the parameters (a union of
