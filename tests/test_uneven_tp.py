@@ -8,26 +8,24 @@ import os
 
 import numpy as np
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_reshard_plan import check
+from test_spmd_property import TOL, _mlp, _mlp_numpy_grads, check_property, compile_step, make_batch, run_step, trace
 
 from conftest import EXAMPLES
-from hspmd.ir.layout import PARTIAL, DistributedStates, Group, Layout, gather, scatter, split
-from hspmd.ir.reshard_plan import plan_transition, simulate
-from hspmd.ir.strategy import parse_strategy
-from hspmd.transforms import uneven_tensor_parallel as uneven_tp
-from test_reshard_plan import check
-from test_spmd_property import _mlp, _mlp_numpy_grads, check_property, compile_step, make_batch, run_step, trace, TOL
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
+from hspmd.ir.layout import PARTIAL, DistributedStates, Group, Layout, gather, scatter, split
+from hspmd.ir.reshard_plan import plan_transition
+from hspmd.ir.strategy import parse_strategy
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
+from hspmd.transforms import uneven_tensor_parallel as uneven_tp
 
 STEPS = 3
 GPT3 = ["model.d_model=24", "model.seq_len=8", "model.heads=3", "model.layers=2", "data.batch_size=4",
         "optim.warmup=1"]
-MLP = ["batch_size=8", "hidden=10"]
 
 
 # --------------------------------------------------------------------------------------
@@ -93,7 +91,7 @@ def test_reshard_plans_between_uneven_tp_layouts_move_the_right_elements(case, s
     assert [s.kind for s in steps] == ["all_reduce"], steps
 
 
-def _mlp_layouts(group, hidden):
+def _mlp_layouts(group):
     """The MLP of test_spmd_property under uneven tp: w1 column, b1 its bias, w2 row, batch over dp."""
     shares = (1,) * group.tp
     batch = uneven_tp.batch_layout(group)
@@ -111,7 +109,7 @@ def test_uneven_tp_mlp_step_equals_one_device_and_numpy(dp, tp, extra, seed):
     hidden = tp + extra
     prog = _mlp(batch=4 * dp, hidden=hidden)
     batch = make_batch(prog, seed)
-    layouts = _mlp_layouts(group, hidden)
+    layouts = _mlp_layouts(group)
     check_property(prog, layouts, dp * tp, batch)
     physical = compile_step(trace(prog), layouts)
     for outputs in run_step(physical, dp * tp, batch):
