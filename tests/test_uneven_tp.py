@@ -162,6 +162,17 @@ def test_mlp_width_tp_does_not_divide_equals_one_device(tmp_path, strategy, n, h
     _assert_same(ref, ranks, atol=1e-6)
 
 
+@settings(max_examples=4, deadline=None)
+@given(st.integers(1, 2), st.integers(2, 3), st.integers(0, 7))
+def test_mlp_example_random_widths_under_apply_strategy_equal_one_device(tmp_path_factory, dp, tp, extra):
+    """apply-strategy on random widths (tp need not divide them): the example trains as on 1 device."""
+    tmp_path = tmp_path_factory.mktemp("w")
+    sets = ["batch_size=8", f"hidden={tp + extra}"]
+    _, (ref,) = _train(tmp_path, "mlp.py", sets, "[0]: dp=1", 1)
+    _, ranks = _train(tmp_path, "mlp.py", sets, f"[0-{dp * tp - 1}]: dp={dp} tp={tp}", dp * tp)
+    _assert_same(ref, ranks, atol=1e-6)
+
+
 def test_llama_three_heads_over_tp2_equals_one_device(tmp_path):
     sets = ["model.d_model=24", "model.seq_len=8", "model.heads=3", "model.layers=1", "data.batch_size=4",
             "optim.warmup=1"]
