@@ -6,7 +6,9 @@ of the batch, per rank (all of them wait for the slowest device of the group):
 * compute: the matmul FLOPs of its rows and its 1/(tp*pp) of the model at the group's slowest
   matmul rate for matmuls of that size, plus the bytes its other ops write at its elementwise
   rate (the optimizer's update over its parameter shard); the largest stage sets the pace
-  (ceil(layers/pp) layers against layers/pp); and a fixed cost per kernel launched (each
+  (ceil(layers/pp) layers against layers/pp), and under uneven tp pieces the rank holding
+  the most (`ModelFacts.tp_busiest`: 3 heads over tp=2 are 2 and 1, 4/3 of an even half);
+  and a fixed cost per kernel launched (each
   micro-batch runs its stage's kernels again);
 * pipeline bubble: (pp - 1) / m of the compute (GPipe and 1F1B alike);
 * tp: the collectives tp adds (bytes measured at tp=2, scaled to the rows, per micro-batch
@@ -87,6 +89,7 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     mm_rate = min(machine.matmul_rate(r, per_call) for r in config.devices)
     ew_rate = min(machine.elementwise[r] for r in config.devices)
     imbalance = math.ceil(facts.layers / pp) * pp / facts.layers if pp > 1 else 1.0
+    imbalance *= facts.tp_busiest(tp)  # uneven tp pieces: the rank with the most heads sets the pace
     compute = (facts.matmul_flops * frac / (dp * shard) / mm_rate
                + facts.activation_bytes_written * frac / (dp * shard) / ew_rate) * imbalance
     compute += facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
@@ -100,7 +103,7 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     pp_s = 0.0
     if pp > 1:
         pp_s = 2 * machine.collective("send", pp_group[:2], facts.pp_bytes * frac / dp / m, m)
-    grads = facts.param_bytes / shard
+    grads = facts.param_bytes / shard * facts.tp_busiest(tp)
     dp_s = 0.0
     if dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
         calls = max(1, facts.param_tensors)

@@ -11,7 +11,9 @@ under a handful of probe strategies and reads their physical IR:
   per step (activations: they scale with the rows a rank computes);
 * `[0,1]: pp=2`: the bytes a stage sends to the next per step;
 * `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
-  shapes allow (heads, hidden sizes, vocabulary).
+  shapes allow (heads, hidden sizes, vocabulary) and how unevenly each splits the weights (a
+  degree that does not divide a head count or width is allowed if every rank gets a piece:
+  `tp_imbalance`, the busiest rank's share over 1/tp).
 
 Everything is per step for the script's whole batch; `cost.group_cost` scales it to the rows,
 degrees and micro-batches of a candidate.
@@ -31,6 +33,7 @@ from hspmd.codegen.schedule.analysis import op_matmul_flops
 from hspmd.codegen.schedule.flatten import flatten
 from hspmd.compiler import annotate, loss_scale, run_passes, script_optimizer, to_physical, trace_script, training_passes
 from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of
 from hspmd.dialects.levels import physical_groups, verify_logical
 from hspmd.frontend.script import ModelScript
 from hspmd.ir.strategy import StrategyRecord, parse_strategy
@@ -64,6 +67,15 @@ class ModelFacts:
     max_pp: int  # the most pipeline stages the model can be cut into (1: none)
     ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
     param_tensors: int = 1  # trainable parameters (ZeRO syncs each one with its own collectives)
+    #: per degree of `tp_degrees`, how much more than 1/tp of the tp-split weights the busiest tp
+    #: rank holds (1.0 where tp divides every split dim; 3 heads over tp=2: 4/3); () means all even
+    tp_imbalance: tuple[float, ...] = ()
+
+    def tp_busiest(self, tp: int) -> float:
+        """Return the busiest tp rank's work over an even 1/tp share (1.0 when tp divides the model's dims)."""
+        if tp in self.tp_degrees and len(self.tp_imbalance) == len(self.tp_degrees):
+            return self.tp_imbalance[self.tp_degrees.index(tp)]
+        return 1.0
 
     def mean_matmul_flops(self) -> float:
         """Return the FLOPs of an average matmul of the whole batch."""
@@ -127,6 +139,23 @@ def _collectives(physical: ModuleOp, ops: tuple[str, ...]) -> tuple[float, int]:
     return total, calls
 
 
+def _tp_imbalance(annotated: ModuleOp, tp: int) -> float:
+    """Return the busiest tp rank's share of the tp-split weights times tp (weighted by size):
+    1.0 where tp divides every split dim; above 1 where weights lie in uneven pieces across tp
+    sub-groups (`hetero=split`, `transforms/uneven_tensor_parallel.py`)."""
+    total = busiest = 0.0
+    for op in annotated.walk():
+        if not isinstance(op, graph.ParameterOp) or (lay := layout_of(op.result)) is None:
+            continue
+        shape = tuple(op.result.type.get_shape())
+        if len(lay.groups) < 2 or lay.hetero.kind != "split" or not shape:
+            continue
+        dim, size = lay.hetero.dim, float(np.prod(shape))
+        total += size
+        busiest += size * tp * max(lay.group_shape(g, shape)[dim] for g in range(len(lay.groups))) / shape[dim]
+    return busiest / total if total else 1.0
+
+
 def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     """Return the facts of `script` the planner prices candidates with (the module docstring).
 
@@ -139,7 +168,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     run_passes(logical, training_passes(script_optimizer(script), loss_scale(script)))
     verify_logical(logical)
     one = _one_device(to_physical(_layout(logical, "[0]: dp=1")))
-    tp_degrees, tp_bytes, tp_calls = [1], 0.0, 0
+    tp_degrees, tp_bytes, tp_calls, tp_imbalance = [1], 0.0, 0, [1.0]
     for t in TP_DEGREES:
         if t > max_devices:
             break
@@ -148,6 +177,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
         except PassError:
             break
         tp_degrees.append(t)
+        tp_imbalance.append(_tp_imbalance(annotated, t))
         if t == 2:
             tp_bytes, tp_calls = _collectives(to_physical(annotated), ("comm.all_reduce", "comm.all_gather",
                                                                       "comm.reduce_scatter", "comm.all_to_all"))
@@ -160,4 +190,4 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             pass
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
-                      pp_bytes, max_pp, one["ops"], one["tensors"])
+                      pp_bytes, max_pp, one["ops"], one["tensors"], tuple(tp_imbalance))
