@@ -93,14 +93,42 @@ def test_parameter_server_mistakes_are_one_message(args, words):
     assert words in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _run_with_fault(tmp_path, script, fault, strategy, steps, extra=()):
+    log = tmp_path / "fault.jsonl"
+    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", script, "--steps", str(steps), "--log", str(log),
+                   "--strategy", strategy, *extra, env={"HSPMD_FAULT": fault}, timeout=300)
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, rows
+
+
 @pytest.mark.mpi
-def test_a_silent_worker_is_counted_as_gone_and_back_and_the_bound_holds(tmp_path):
-    log = tmp_path / "silent.jsonl"
-    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", CTR, "--steps", "8", "--log", str(log),
-                   "--strategy", "[0,1]: dp=2 comm=ps consistency=ssp:2", "--slow-worker", "1:1.5",
-                   "--silent-after", "0.5", timeout=600)
+@pytest.mark.parametrize("consistency", ["asp", "ssp:2"])
+def test_a_worker_lost_under_asp_or_ssp_leaves_the_others_finishing(tmp_path, consistency):
+    proc, rows = _run_with_fault(tmp_path, MLP, "1:4", f"[0,1]: dp=2 comm=ps consistency={consistency}", 12,
+                                 ("--silent-after", "2"))
     assert proc.returncode == 0, proc.stderr
-    assert "worker 1 has been silent for 0.5 s; counted as gone" in proc.stderr
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
-    assert max(r["staleness"] for r in rows if "loss" in r) <= 2
+    lines = [ln for ln in proc.stderr.splitlines() if "was lost" in ln]
+    assert len(lines) == 1 and "worker 1 (rank 1) was lost at step 4" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # worker 0 logged every step
+    assert rows[-1]["lost_workers"] == {"1": 4}
+    if consistency == "ssp:2":
+        assert max(r["staleness"] for r in rows if "loss" in r) <= 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script,keys", [(MLP, "comm=ps consistency=bsp"), (CTR, "comm=hybrid consistency=ssp:2")])
+def test_a_worker_lost_under_bsp_or_hybrid_is_one_clear_error(tmp_path, script, keys):
+    proc, rows = _run_with_fault(tmp_path, script, "1:3", f"[0,1]: dp=2 {keys}", 10)
+    assert proc.returncode == 1
+    assert "hspmd run: error: worker 1 (rank 1) was lost (it died: SIGKILL)" in proc.stderr, proc.stderr
+    assert "cannot go on" in proc.stderr and "Traceback" not in proc.stderr
+    assert max((r["step"] for r in rows if "loss" in r), default=0) < 3
+
+
+@pytest.mark.mpi
+def test_a_server_lost_is_one_clear_error(tmp_path):
+    proc, _ = _run_with_fault(tmp_path, MLP, "2:3", "[0,1]: dp=2 comm=ps consistency=ssp:2", 10)
+    assert proc.returncode == 1
+    assert proc.stderr.count("server 0 (rank 2) died (SIGKILL)") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr

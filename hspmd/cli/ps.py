@@ -1,12 +1,15 @@
 """`hspmd run -n N --servers K`: a parameter-server run (docs/parameter-server.md).
 
 The strategy names one group of N data-parallel workers with `comm=ps` or `comm=hybrid`; the
-run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1.
+run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1,
+each under a guard (`hspmd.runtime.watch.launch_watched`), so that a worker that dies under ASP or
+SSP leaves the others running; what a death means is `hspmd.runtime.ps.faults`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 
@@ -24,7 +27,9 @@ def run_parameter_servers(args) -> int:
     from hspmd.compiler import compile_ps, write_ps_bundle
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.strategy import StrategyError, parse_strategy
-    from hspmd.runtime.launch import launch
+    from hspmd.ir.ps_plan import PLAN_FILE, PSPlan
+    from hspmd.runtime.ps import faults
+    from hspmd.runtime.watch import launch_watched
 
     if not args.strategy or not uses_servers(args.strategy):
         raise SystemExit("hspmd: error: --servers needs a strategy with comm=ps or comm=hybrid, "
@@ -60,4 +65,10 @@ def run_parameter_servers(args) -> int:
         argv += ["--slow", args.slow_worker]
     if getattr(args, "silent_after", None):
         argv += ["--silent", str(args.silent_after)]
-    return launch(args.n + args.servers, argv, hosts=args.hosts, hostfile=args.hostfile)
+    plan = PSPlan.from_json(open(os.path.join(bundle, PLAN_FILE)).read())
+    run = launch_watched(args.n + args.servers, argv, os.path.join(bundle, "ranks"), hosts=args.hosts,
+                         hostfile=args.hostfile, stop_if=lambda end: faults.stops_the_run(plan, end))
+    code, message = faults.outcome(plan, run)
+    if message:
+        print(f"hspmd run: error: {message}", file=sys.stderr, flush=True)
+    return code

@@ -5,17 +5,33 @@ under `mpiexec -n N+K`: ranks 0..N-1 train as workers (`worker.train_worker`), r
 serve (`server.Server`). The world is split into the workers' communicator (their all-reduces)
 and the servers'; `--slow R:SECONDS` sleeps worker R that long each step (a straggler, for tests
 and benchmarks).
+
+Faults (docs/parameter-server.md): `hspmd run` starts every rank under a guard with
+`mpiexec -disable-auto-cleanup`, so a rank that dies leaves the others running. A worker beats
+to every server from a thread (`protocol.Heartbeat`, every `--silent` / 5 seconds), so a server
+tells a lost worker from a slow one. A rank that ends on an error said here ends with exit code
+1 (no MPI_Abort: `hspmd run` stops the other ranks). A rank of a run that lost a worker ends
+without MPI_Finalize, which would wait for the lost rank forever.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.ir.ps_plan import PLAN_FILE, SERVER_UPDATE_FILE, PSPlan, PSPlanError
+from hspmd.runtime.ps.server import WorkerLost
 from hspmd.runtime.ps.worker import PSRunError
+
+
+def _end_now(code: int) -> None:
+    """End this rank with `code` at once, without MPI_Finalize (which waits for every rank)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _scalars(config: dict, names: set[str]):
@@ -34,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="cpu")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
     parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
-    parser.add_argument("--silent", type=float, default=60.0,
+    parser.add_argument("--silent", type=float, default=10.0,
                         help="seconds of silence after which a server counts a worker as gone (a worker "
                              "waits twice as long for a server)")
     parser.add_argument("--seconds", type=float, help="stop starting steps after this much wall time")
@@ -43,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    # Hydra under -disable-auto-cleanup signals SIGUSR1 to the ranks when one ends; its default
+    # action would end a survivor too
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         plan = PSPlan.from_json(open(os.path.join(args.bundle, PLAN_FILE)).read())
         manifest = read_manifest(args.bundle)
@@ -61,17 +80,21 @@ def main(argv: list[str] | None = None) -> int:
         bind_cpu(parse_cpu_bind(args.cpu_bind, world.Get_size())[rank])
     is_worker = rank < plan.workers
     role = world.Split(0 if is_worker else 1, rank)
+    heartbeat = None
     try:
         if is_worker:
             from hspmd.runtime.comm.mpi import MPICommunicator
+            from hspmd.runtime.ps.protocol import Heartbeat
             from hspmd.runtime.ps.worker import train_worker
 
+            heartbeat = Heartbeat(world, list(range(plan.workers, plan.workers + plan.servers)), args.silent / 5).start()
             slow = 0.0
             if args.slow:
                 who, seconds = args.slow.split(":")
                 slow = float(seconds) if int(who) == rank else 0.0
-            train_worker(args.bundle, rank, plan, world, MPICommunicator(role), args.steps, args.log,
-                         args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent)
+            _, lost = train_worker(args.bundle, rank, plan, world, MPICommunicator(role), args.steps, args.log,
+                                   args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent,
+                                   heartbeat=heartbeat)
         else:
             from hspmd.runtime.ps.server import Server
             from hspmd.runtime.ps.update import UpdateStep
@@ -80,16 +103,22 @@ def main(argv: list[str] | None = None) -> int:
             path = os.path.join(args.bundle, SERVER_UPDATE_FILE.format(k=k))
             update = UpdateStep(open(path).read(), path, set(plan.tables))
             seed = int(manifest.config.get("seed", 0))
-            Server(k, plan, update, seed, _scalars(manifest.config, update.scalars), args.silent, rank).serve(world)
-    except PSRunError as err:
-        print(f"hspmd run (worker rank {rank}): error: {err}", file=sys.stderr, flush=True)
-        world.Abort(1)
-        return 1
+            lost = Server(k, plan, update, seed, _scalars(manifest.config, update.scalars), args.silent,
+                          rank).serve(world)
+    except (PSRunError, WorkerLost) as err:
+        what = "worker" if is_worker else "server"
+        print(f"hspmd run ({what} rank {rank}): error: {err}", file=sys.stderr, flush=True)
+        _end_now(1)
     except Exception as err:  # one message, then end the whole job: the other ranks wait on this one
         what = "worker" if is_worker else "server"
         print(f"hspmd run ({what} rank {rank}): error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         world.Abort(1)
         return 1
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+    if lost:
+        _end_now(0)
     return 0
 
 

@@ -83,7 +83,7 @@ class PSWorker:
             requests[server][name] = rows
         moved = 0
         for server, request in requests.items():
-            self.world.send((step, request), dest=self.plan.workers + server, tag=protocol.PULL)
+            self._send((step, request), server, protocol.PULL)
             moved += protocol.message_bytes(request)
         staleness = 0
         for server in requests:
@@ -115,7 +115,7 @@ class PSWorker:
                 pushes[server][name] = (None, grad)
         moved = 0
         for server, push in pushes.items():
-            self.world.send((step, push), dest=self.plan.workers + server, tag=protocol.PUSH)
+            self._send((step, push), server, protocol.PUSH)
             moved += protocol.message_bytes(push)
         return moved
 
@@ -144,36 +144,50 @@ class PSWorker:
         out = dict(state)
         for server in range(self.plan.servers):
             request = {name: None for name, s in self.plan.homes.items() if s == server}
-            self.world.send((0, request), dest=self.plan.workers + server, tag=protocol.PULL)
+            self._send((0, request), server, protocol.PULL)
             _, values, _, clocks = self._reply(server)
             out.update(values)
             self.clocks = clocks
         return out
 
-    def _reply(self, server: int):
-        """Return server `server`'s reply; a server silent for `silent_s` is an error (it is gone)."""
+    def _send(self, payload, server: int, tag: int) -> None:
+        """Send `payload` to server `server`; a server that does not take it in `silent_s` is gone."""
+        try:
+            protocol.send(self.world, payload, self.plan.workers + server, tag, self.silent_s)
+        except protocol.Silence:
+            raise self._gone(server) from None
+
+    def _gone(self, server: int) -> PSRunError:
+        return PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
+                          f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
+                          "parameters (resume it from its last checkpoint, --checkpoint-dir)")
+
+    def _reply(self, server: int, wanted: int = protocol.REPLY):
+        """Return server `server`'s next message tagged `wanted`; a server silent for `silent_s` is
+        an error (it is gone)."""
         from mpi4py import MPI
 
         try:
             while True:  # heartbeats: the server is alive, our pull waits on the clocks
                 payload, _, tag = protocol.wait_for(self.world, self.plan.workers + server, MPI.ANY_TAG, self.silent_s)
-                if tag == protocol.REPLY:
+                if tag == wanted:
                     break
         except protocol.Silence:
-            raise PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
-                             f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
-                             "parameters") from None
+            raise self._gone(server) from None
         return payload
 
-    def done(self) -> int:
-        """Tell every server this worker has finished, with the cache's pending gradients; return
-        the bytes sent."""
+    def done(self) -> dict[int, int]:
+        """Tell every server this worker has finished, with the cache's pending gradients, and wait
+        for the servers to end; return the workers they lost ({worker: step lost at})."""
         last: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
         for name, cache in self.caches.items():
             last[self.plan.homes[name]][name] = cache.flush()
         for server in range(self.plan.servers):
-            self.world.send(last[server], dest=self.plan.workers + server, tag=protocol.DONE)
-        return protocol.message_bytes(last)
+            self._send(last[server], server, protocol.DONE)
+        lost: dict[int, int] = {}
+        for server in range(self.plan.servers):
+            lost.update(self._reply(server, protocol.END))
+        return lost
 
     def hit_rate(self) -> float | None:
         return self.hits / self.lookups if self.lookups else None
@@ -191,11 +205,14 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
-                 seconds: float | None = None, silent_s: float = 120.0) -> list[float]:
+                 seconds: float | None = None, silent_s: float = 120.0, heartbeat=None) -> tuple[list[float], dict[int, int]]:
     """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
-    that much wall time has passed. Rank 0 then evaluates the servers' parameters with the
-    script's `evaluate` (if it has one) and logs the result as one more line."""
+    that much wall time has passed; `heartbeat` (a `protocol.Heartbeat`) is stopped before the
+    servers are told this worker is done. Rank 0 then evaluates the servers' parameters with the
+    script's `evaluate` (if it has one) and logs the result as one more line. Also returns the
+    workers the servers lost ({worker: step}); rank 0 logs them as one more line,
+    `{"lost_workers": {"1": 5}}`."""
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
     from hspmd.runtime.worker import RunError, _group_program, load_batches, step_inputs
     from hspmd.runtime.kernel_exec import select_program
@@ -269,7 +286,12 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 break
         wall = time.perf_counter() - began
         final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
-        me.done()
+        if heartbeat is not None:
+            heartbeat.stop()
+        lost = me.done()
+        if rank == 0 and lost and log_file:
+            log_file.write(json.dumps({"step": step, "lost_workers": {str(w): s for w, s in sorted(lost.items())}})
+                           + "\n")
         if rank == 0:
             metrics = _evaluate(manifest.script, final, config)
             if metrics:
@@ -284,4 +306,4 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     finally:
         if log_file:
             log_file.close()
-    return losses
+    return losses, lost
