@@ -86,6 +86,7 @@ def test_het_cache_moves_fewer_bytes_and_still_learns(tmp_path):
     (["--strategy", "[0,1]: dp=2 comm=ps consistency=ssp"], "ssp takes its staleness bound"),
     (["--strategy", "[0-2]: dp=3 comm=ps", "--servers", "1"], "but the run has -n 2"),
     (["--strategy", "[0,1]: dp=2 comm=ps", "--strategy", "[0,1]: dp=2", "--servers", "1"], "takes one --strategy"),
+    (["--strategy", "[0,1]: dp=2 comm=ps", "--servers", "1", "--resume", "no-such-dir"], "no such checkpoint directory"),
 ])
 def test_parameter_server_mistakes_are_one_message(args, words):
     proc = run_cli("hspmd", "run", "-n", "2", MLP, "--steps", "1", *args)
@@ -93,9 +94,9 @@ def test_parameter_server_mistakes_are_one_message(args, words):
     assert words in proc.stderr and "Traceback" not in proc.stderr
 
 
-def _run_with_fault(tmp_path, script, fault, strategy, steps, extra=()):
+def _run_with_fault(tmp_path, script, fault, strategy, steps, extra=(), servers=1):
     log = tmp_path / "fault.jsonl"
-    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", script, "--steps", str(steps), "--log", str(log),
+    proc = run_cli("hspmd", "run", "-n", "2", "--servers", str(servers), script, "--steps", str(steps), "--log", str(log),
                    "--strategy", strategy, *extra, env={"HSPMD_FAULT": fault}, timeout=300)
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, rows
@@ -132,3 +133,33 @@ def test_a_server_lost_is_one_clear_error(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.count("server 0 (rank 2) died (SIGKILL)") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_run_whose_server_died_resumes_from_its_checkpoint_with_the_losses_of_an_unbroken_run(tmp_path):
+    bsp = "[0,1]: dp=2 comm=ps consistency=bsp"
+    unbroken = _losses(_run(tmp_path, MLP, 2, 10, bsp, 2))
+    ck = tmp_path / "ck"
+    proc, _ = _run_with_fault(tmp_path, MLP, "3:8", bsp, 10,
+                              ("--checkpoint-dir", str(ck), "--checkpoint-every", "5"), servers=2)  # server 1 dies at step 8
+    assert proc.returncode == 1 and "server 1 (rank 3) died" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(ck)) == ["step-5"]
+    # two servers' checkpoint, resumed on one server, and as all-reduce data parallelism
+    resumed = _run(tmp_path, MLP, 2, 10, bsp, 1, ("--resume", str(ck)))
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    np.testing.assert_allclose(_losses(resumed), unbroken[5:], rtol=1e-6)
+    as_all_reduce = _run(tmp_path, MLP, 2, 10, None, None, ("--resume", str(ck / "step-5")))
+    np.testing.assert_allclose(_losses(as_all_reduce), unbroken[5:], rtol=1e-4)
+
+
+@pytest.mark.mpi
+def test_an_all_reduce_checkpoint_resumes_under_hybrid_and_a_hybrid_one_under_hybrid(tmp_path, ctr_all_reduce):
+    ck, hybrid = tmp_path / "ck", "[0,1]: dp=2 comm=hybrid consistency=bsp"
+    _run(tmp_path, CTR, 2, 4, None, None, ("--checkpoint-dir", str(ck)))
+    rows = _run(tmp_path, CTR, 2, 7, hybrid, 1, ("--resume", str(ck), "--checkpoint-dir", str(tmp_path / "ck2"),
+                                                 "--checkpoint-every", "2"))
+    np.testing.assert_allclose(_losses(rows), ctr_all_reduce[4:7], rtol=1e-4)
+    assert sorted(os.listdir(tmp_path / "ck2")) == ["step-6", "step-7"]
+    again = _run(tmp_path, CTR, 2, 10, hybrid, 2, ("--resume", str(tmp_path / "ck2" / "step-6")))
+    np.testing.assert_allclose(_losses(again), ctr_all_reduce[6:10], rtol=1e-4)
+    np.testing.assert_array_equal(_losses(again)[:1], _losses(rows)[2:3])  # step 7, as the run that wrote step-6

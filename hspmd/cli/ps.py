@@ -42,10 +42,17 @@ def run_parameter_servers(args) -> int:
     if len(getattr(args, "strategies", None) or []) > 1 or getattr(args, "switch_every", None):
         raise SystemExit("hspmd: error: a parameter-server run takes one --strategy (graph switching "
                          "is not supported with --servers yet)")
-    for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
+    for flag in ("checkpoint", "init_from", "elastic", "trace"):
         if getattr(args, flag, None):
             raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
     parse_strategy(args.strategy).check_devices(args.n)
+    if getattr(args, "resume", None):  # said once here, not by every rank
+        from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+
+        try:
+            read_manifest(resolve_checkpoint(args.resume))
+        except CheckpointError as err:
+            raise SystemExit(f"hspmd: error: {err}") from None
     script = load_script(args.script, parse_overrides(args.set))
     compiled = compile_ps(script, args.strategy, args.servers)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
@@ -59,6 +66,9 @@ def run_parameter_servers(args) -> int:
 
         parse_cpu_bind(args.cpu_bind, args.n + args.servers)
         argv += ["--cpu-bind", args.cpu_bind]
+    for name in ("checkpoint_dir", "checkpoint_every", "keep", "resume"):
+        if getattr(args, name, None) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "seconds", None):
         argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):

@@ -91,7 +91,11 @@ class Server:
     """Server `index` (0-based among servers) of a run under `plan`."""
 
     def __init__(self, index: int, plan: PSPlan, update: UpdateStep, seed: int, scalars,
-                 silent_s: float = 60.0, rank: int = 0) -> None:
+                 silent_s: float = 60.0, rank: int = 0, checkpoints=None,
+                 resumed: tuple[dict, int] | None = None) -> None:
+        """`checkpoints` (a `checkpoints.PSCheckpoints`) writes this server's tensors as the
+        slowest worker passes each checkpoint step; `resumed` is (tensors, step) of a checkpoint
+        to start from (every worker's clock starts at that step)."""
         self.silent_s, self.rank = silent_s, rank
         self.heard: list[float] = [time.monotonic()] * plan.workers  # the workers beat from their start
         self.finished: set[int] = set()
@@ -101,6 +105,11 @@ class Server:
         self.state = update.initial_state(seed)
         self.names = plan.on_server(index)
         self.clocks = Clocks(plan.workers, plan.bound)
+        self.checkpoints = checkpoints
+        if resumed is not None:
+            tensors, step = resumed
+            self.state.update(tensors)
+            self.clocks.clock = [step] * plan.workers
         self.scalars = scalars  # step -> the update's step inputs ("lr")
         self.pending: list[tuple[int, int, dict]] = []  # pulls not yet admitted: (worker, step, request)
         self.waiting: dict[int, dict[int, dict]] = {}  # BSP: step -> {worker: push}
@@ -145,6 +154,8 @@ class Server:
                 self._count_the_silent()
                 looked = time.monotonic()
         self.answer(comm)
+        if self.checkpoints is not None:  # (every due checkpoint was started as the clocks passed it)
+            self.checkpoints.close()
         for worker in sorted(done):
             self.sends.append((worker, comm.isend(dict(self.lost), dest=worker, tag=protocol.END)))
         MPI.Request.Waitall([r for w, r in self.sends if w not in self.lost])
@@ -189,6 +200,16 @@ class Server:
             self._flush_waiting()
         else:
             self._apply(step, _sum_pushes([push], self.names, self.plan.workers))
+        self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Write the checkpoint the slowest live worker's clock has reached, if one is due."""
+        if self.checkpoints is None:
+            return
+        step = self.checkpoints.due(self.clocks.slowest())
+        if step is not None:
+            lr = self.scalars(max(step, 1)).get("lr")
+            self.checkpoints.save(step, self.state, None if lr is None else float(lr))
 
     def _flush_waiting(self) -> None:
         """Apply every BSP step whose pushes from all live workers are in, oldest first."""

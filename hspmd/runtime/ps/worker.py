@@ -205,11 +205,14 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
-                 seconds: float | None = None, silent_s: float = 120.0, heartbeat=None) -> tuple[list[float], dict[int, int]]:
+                 seconds: float | None = None, silent_s: float = 120.0, heartbeat=None, checkpoints=None,
+                 resumed: tuple[dict, int] | None = None) -> tuple[list[float], dict[int, int]]:
     """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
     that much wall time has passed; `heartbeat` (a `protocol.Heartbeat`) is stopped before the
-    servers are told this worker is done. Rank 0 then evaluates the servers' parameters with the
+    servers are told this worker is done. Under hybrid, `checkpoints` (worker 0's
+    `checkpoints.PSCheckpoints`) writes the dense parameters and states after each checkpoint
+    step; `resumed` = (dense tensors, step) starts the run after that step. Rank 0 then evaluates the servers' parameters with the
     script's `evaluate` (if it has one) and logs the result as one more line. Also returns the
     workers the servers lost ({worker: step}); rank 0 logs them as one more line,
     `{"lost_workers": {"1": 5}}`."""
@@ -239,14 +242,20 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     names = {leaf.name: leaf.global_shape for leaf in program.inputs}
     update_inputs = dense.scalars if dense is not None else set()
     me = PSWorker(rank, plan, world, workers, dense, silent_s)
+    done = 0
+    if resumed is not None:
+        tensors, done = resumed
+        state.update(tensors)
     batches = load_batches(manifest.script, config)
+    for _ in range(done):  # the data position: the batches the checkpointed steps consumed
+        next(batches, None)
     log_file = open(log, "w") if log and rank == 0 else None
     meet = plan.comm == "hybrid" or plan.bound == 0
     losses = []
     began = time.perf_counter()
     step = 0
     try:
-        for step in range(1, steps + 1):
+        for step in range(done + 1, steps + 1):
             fault_point(rank, step)
             start = time.perf_counter()
             batch = next(batches, None)
@@ -270,6 +279,9 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 total = workers.all_reduce(np.array([loss, float(stop)]), tuple(range(workers.size)))
                 loss, stop = float(total[0]) / plan.workers, bool(total[1] > 0)
             losses.append(loss)
+            if checkpoints is not None and checkpoints.due(step) == step:
+                lr = step_inputs(step, config, update_inputs).get("lr")
+                checkpoints.save(step, state, None if lr is None else float(lr))
             elapsed = time.perf_counter() - start
             if rank == 0:
                 record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": plan.workers + plan.servers,
@@ -286,6 +298,8 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 break
         wall = time.perf_counter() - began
         final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
+        if checkpoints is not None:
+            checkpoints.close()
         if heartbeat is not None:
             heartbeat.stop()
         lost = me.done()
