@@ -60,18 +60,28 @@ class PSWorker:
         self.silent_s = silent_s
         self.caches: dict[str, RowCache] = {}
         self.hits = self.lookups = 0
+        self._rows: dict[int, dict[str, np.ndarray]] = {}  # step -> the table rows its batch touches
+        self._pushes: list = []  # (server, request) of pushes in flight
+        #: SSP and ASP under comm=ps without the HET cache: pull step t + 1 while computing step t,
+        #: and leave a push in flight until the next one (docs/parameter-server.md, "Overlap")
+        self.overlap = plan.comm == "ps" and plan.bound != 0 and not plan.cache_rows
 
     def pull(self, step: int, state: dict, batch: dict) -> tuple[int, int]:
         """Bring the served parameters this step reads into `state`; return (staleness, bytes)."""
+        return self.receive(step, state, self.request(step, state, batch))
+
+    def request(self, step: int, state: dict, batch: dict) -> tuple[dict, int]:
+        """Ask the servers for what step `step` reads (of `batch`, this worker's rows); return what
+        `receive` needs: (the requests, the bytes sent)."""
         requests: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
-        self._rows: dict[str, np.ndarray] = {}
+        rows_of = self._rows.setdefault(step, {})
         for name, server in self.plan.homes.items():
             ids_input = self.plan.tables.get(name)
             if ids_input is None:
                 requests[server][name] = None
                 continue
             rows = np.unique(np.asarray(batch[ids_input]).ravel()).astype(np.int64)
-            self._rows[name] = rows
+            rows_of[name] = rows
             if self.plan.cache_rows:
                 if name not in self.caches:
                     self.caches[name] = RowCache(self.plan.cache_rows, self.plan.cache_bound, state[name].shape,
@@ -85,6 +95,12 @@ class PSWorker:
         for server, request in requests.items():
             self._send((step, request), server, protocol.PULL)
             moved += protocol.message_bytes(request)
+        return requests, moved
+
+    def receive(self, step: int, state: dict, asked: tuple[dict, int]) -> tuple[int, int]:
+        """Write the servers' replies to the requests `asked` of step `step` into `state`; return
+        (staleness, bytes moved by request and replies)."""
+        requests, moved = asked
         staleness = 0
         for server in requests:
             (_, values, server_staleness, _) = self._reply(server)
@@ -103,10 +119,11 @@ class PSWorker:
     def push(self, step: int, grads: dict) -> int:
         """Send the served parameters' gradients of `step` to their servers; return the bytes sent."""
         pushes: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
+        rows_of = self._rows.pop(step, {})
         for name, server in self.plan.homes.items():
             grad = grads[name]
-            if name in self._rows:
-                rows = self._rows[name]
+            if name in rows_of:
+                rows = rows_of[name]
                 if name in self.caches:
                     pushes[server][name] = self.caches[name].accumulate(rows, grad[rows], step)
                 else:
@@ -114,10 +131,25 @@ class PSWorker:
             else:
                 pushes[server][name] = (None, grad)
         moved = 0
+        self.finish_pushes()
         for server, push in pushes.items():
-            self._send((step, push), server, protocol.PUSH)
+            self._pushes.append((server, self.world.isend((step, push), dest=self.plan.workers + server,
+                                                          tag=protocol.PUSH)))
             moved += protocol.message_bytes(push)
+        if not self.overlap:
+            self.finish_pushes()
         return moved
+
+    def finish_pushes(self) -> None:
+        """Return once the servers have taken the pushes in flight (a server that takes nothing for
+        `silent_s` is gone)."""
+        start = time.monotonic()
+        for server, request in self._pushes:
+            while not request.Test():
+                if time.monotonic() - start > self.silent_s:
+                    raise self._gone(server)
+                time.sleep(protocol.POLL_S)
+        self._pushes = []
 
     def all_reduce_dense(self, step: int, state: dict, grads: dict, loss: float, scalars: dict,
                          stop: bool) -> tuple[float, bool]:
@@ -254,21 +286,36 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     losses = []
     began = time.perf_counter()
     step = 0
+    ahead = None  # (rows, request) of a pull sent for the next step while computing this one
     try:
         for step in range(done + 1, steps + 1):
             fault_point(rank, step)
             start = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                raise RunError(f"the script's batches ran out after {step - 1} steps")
-            mine = local_rows(batch, rank, plan.workers)
-            staleness, pulled = me.pull(step, state, mine)
+            if ahead is not None:
+                mine, asked = ahead
+                ahead = None
+            else:
+                batch = next(batches, None)
+                if batch is None:
+                    raise RunError(f"the script's batches ran out after {step - 1} steps")
+                mine = local_rows(batch, rank, plan.workers)
+                asked = me.request(step, state, mine)
+            waiting = time.perf_counter()
+            staleness, pulled = me.receive(step, state, asked)
+            waited = time.perf_counter() - waiting
+            if me.overlap and step < steps:  # the servers answer it while this step computes
+                batch = next(batches, None)
+                if batch is not None:
+                    following = local_rows(batch, rank, plan.workers)
+                    ahead = (following, me.request(step + 1, state, following))
             if slow:
                 time.sleep(slow)
+            computing = time.perf_counter()
             inputs = {**mine, **step_inputs(step, config, names)}
             outputs = program.run(state, program.local_batch(inputs))
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
+            computed = time.perf_counter() - computing
             pushed = me.push(step, grads)
             # where the workers meet each step they stop together: any one's wish is everyone's
             stop = seconds is not None and time.perf_counter() - began > seconds
@@ -285,7 +332,7 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             elapsed = time.perf_counter() - start
             if rank == 0:
                 record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": plan.workers + plan.servers,
-                          "staleness": staleness, "bytes": pulled + pushed}
+                          "staleness": staleness, "bytes": pulled + pushed, "wait_s": waited, "compute_s": computed}
                 if me.hit_rate() is not None:
                     record["cache_hit_rate"] = me.hit_rate()
                 if log_file:
@@ -296,6 +343,9 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                           flush=True)
             if stop:
                 break
+        if ahead is not None:  # a pull sent ahead for a step not taken (--seconds): its reply is not used
+            me.receive(step + 1, dict(state), ahead[1])
+        me.finish_pushes()
         wall = time.perf_counter() - began
         final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
         if checkpoints is not None:
