@@ -10,6 +10,11 @@ with it (so it runs at about half speed: a straggler); worker 0 and the server s
 finished; the AUC is of held-out samples, from the servers' parameters at the end. The runs
 alternate C = bsp, ssp:S, asp, `--reps` times, and medians are compared.
 
+Under SSP and ASP a worker sends the pull of step t + 1 before it computes step t and leaves
+its push in flight (docs/parameter-server.md, "Overlap"), which BSP cannot: its pull of t + 1
+waits for every push of t. A line per model says where worker 0's step goes (waiting for its
+pull, computing, the rest).
+
 What to expect: under BSP both workers go at the straggler's pace. SSP:S lets the fast worker
 run up to S steps ahead, which absorbs the straggler's *jitter* (a time-shared core gives it
 uneven slices) but not a steady 2x slowdown: in the long run the fast worker still waits. ASP
@@ -62,7 +67,11 @@ def run(consistency: str, seconds: float, cores: str, log: str) -> dict:
     run_to_end(cmd, seconds * 5 + 300)
     rows = [json.loads(line) for line in open(log)]
     end = next(r for r in rows if "samples_per_s" in r)
-    end["max_staleness"] = max(r["staleness"] for r in rows if "staleness" in r)
+    steps = [r for r in rows if "staleness" in r]
+    end["max_staleness"] = max(r["staleness"] for r in steps)
+    # where worker 0's step goes: waiting for its pull, computing, the rest (push, bookkeeping)
+    for key in ("time_s", "wait_s", "compute_s"):
+        end["mean_" + key] = statistics.fmean(r[key] for r in steps) * 1e3
     return end
 
 
@@ -92,6 +101,10 @@ def main() -> int:
         neighbour.join()
     med = {m: statistics.median(r["samples_per_s"] for r in rs) for m, rs in results.items()}
     auc = {m: statistics.median(r["auc"] for r in rs) for m, rs in results.items()}
+    for m in models:
+        last = results[m][-1]
+        print(f"{m:6s}: worker 0's step {last['mean_time_s']:.1f} ms = waiting for its pull {last['mean_wait_s']:.1f} ms "
+              f"+ computing {last['mean_compute_s']:.1f} ms + the rest (last repetition)")
     for m in models:
         print(f"{m:6s}: median {med[m]:.0f} samples/s ({med[m] / med['bsp']:.2f}x BSP), median AUC {auc[m]:.4f} "
               f"after {args.seconds:.0f} s")

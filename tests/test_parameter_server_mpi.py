@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -109,10 +110,12 @@ def test_a_worker_lost_under_asp_or_ssp_leaves_the_others_finishing(tmp_path, co
                                  ("--silent-after", "2"))
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "was lost" in ln]
-    assert len(lines) == 1 and "worker 1 (rank 1) was lost at step 4" in lines[0], proc.stderr
+    # killed at the start of step 4, its push of step 3 may still have been in flight (overlap)
+    at = re.search(r"worker 1 \(rank 1\) was lost at step (\d+)", lines[0]) if len(lines) == 1 else None
+    assert at and int(at.group(1)) in (3, 4), proc.stderr
     assert "Traceback" not in proc.stderr
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # worker 0 logged every step
-    assert rows[-1]["lost_workers"] == {"1": 4}
+    assert rows[-1]["lost_workers"] == {"1": int(at.group(1))}
     if consistency == "ssp:2":
         assert max(r["staleness"] for r in rows if "loss" in r) <= 2
 

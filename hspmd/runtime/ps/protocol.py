@@ -43,6 +43,14 @@ class Silence(TimeoutError):
     """No message came within the time a rank waits for one."""
 
 
+class Unreadable(RuntimeError):
+    """A message came but could not be read: its sender died while sending it (`source`)."""
+
+    def __init__(self, source: int, why: str) -> None:
+        super().__init__(f"a message from rank {source} could not be read ({why})")
+        self.source = source
+
+
 def send(comm, payload, dest: int, tag: int, timeout: float) -> None:
     """Send `payload` to `dest` without blocking forever: raise `Silence` if the send has not
     completed within `timeout` seconds (a large message waits for its receiver, which may be gone)."""
@@ -91,7 +99,8 @@ class Heartbeat:
 def wait_for(comm, source: int, tag: int, timeout: float | None = None, on_idle=None):
     """Return (payload, source, tag) of the next message from `source` with `tag` (MPI.ANY_* allowed),
     sleeping between looks instead of spinning. Raises `Silence` after `timeout` seconds without
-    one; calls `on_idle()` about every 0.1 s of waiting."""
+    one, `Unreadable` if its sender died while sending it; calls `on_idle()` about every 0.1 s of
+    waiting."""
     import time
 
     from mpi4py import MPI
@@ -106,5 +115,8 @@ def wait_for(comm, source: int, tag: int, timeout: float | None = None, on_idle=
         if on_idle is not None and now - last > 0.1:
             on_idle()
             last = now
-    payload = comm.recv(source=status.Get_source(), tag=status.Get_tag())
+    try:
+        payload = comm.recv(source=status.Get_source(), tag=status.Get_tag())
+    except MPI.Exception as err:  # a large message is copied from its sender's memory as it is read
+        raise Unreadable(status.Get_source(), err.Get_error_string().splitlines()[0]) from None
     return payload, status.Get_source(), status.Get_tag()

@@ -130,6 +130,12 @@ class Server:
                 self._count_the_silent()
                 looked = time.monotonic()
                 continue
+            except protocol.Unreadable as err:  # a worker died while sending (a push in flight)
+                if err.source < self.plan.workers and err.source not in self.lost:
+                    self._lose(err.source, "it died while sending a message")
+                    self._flush_waiting()
+                    continue
+                raise
             self.heard[worker] = time.monotonic()
             if worker in self.lost:  # counted as lost, but it speaks: it was only slow to be heard
                 del self.lost[worker]
