@@ -64,7 +64,9 @@ class PSWorker:
         self._pushes: list = []  # (server, request) of pushes in flight
         #: SSP and ASP under comm=ps without the HET cache: pull step t + 1 while computing step t,
         #: and leave a push in flight until the next one (docs/parameter-server.md, "Overlap")
-        self.overlap = plan.comm == "ps" and plan.bound != 0 and not plan.cache_rows
+        #: (`HSPMD_PS_OVERLAP=0` turns it off, for benchmarks/ps_consistency.py's comparison)
+        self.overlap = (plan.comm == "ps" and plan.bound != 0 and not plan.cache_rows
+                        and os.environ.get("HSPMD_PS_OVERLAP", "1") != "0")
 
     def pull(self, step: int, state: dict, batch: dict) -> tuple[int, int]:
         """Bring the served parameters this step reads into `state`; return (staleness, bytes)."""
