@@ -13,7 +13,8 @@ alternate C = bsp, ssp:S, asp, `--reps` times, and medians are compared.
 Under SSP and ASP a worker sends the pull of step t + 1 before it computes step t and leaves
 its push in flight (docs/parameter-server.md, "Overlap"), which BSP cannot: its pull of t + 1
 waits for every push of t. A line per model says where worker 0's step goes (waiting for its
-pull, computing, the rest).
+pull, computing, pushing, meeting the other worker: BSP's all-reduce of the loss, where the fast
+worker waits for the straggler; the rest: drawing the batch, the pull's request and copies).
 
 What to expect: under BSP both workers go at the straggler's pace. SSP:S lets the fast worker
 run up to S steps ahead, which absorbs the straggler's *jitter* (a time-shared core gives it
@@ -72,8 +73,8 @@ def run(consistency: str, seconds: float, cores: str, log: str) -> dict:
     end = next(r for r in rows if "samples_per_s" in r)
     steps = [r for r in rows if "staleness" in r]
     end["max_staleness"] = max(r["staleness"] for r in steps)
-    # where worker 0's step goes: waiting for its pull, computing, the rest (push, bookkeeping)
-    for key in ("time_s", "wait_s", "compute_s"):
+    # where worker 0's step goes: pull wait, compute, push, meeting the other worker, the rest
+    for key in ("time_s", "wait_s", "compute_s", "push_s", "meet_s"):
         end["mean_" + key] = statistics.fmean(r[key] for r in steps) * 1e3
     return end
 
@@ -106,8 +107,10 @@ def main() -> int:
     auc = {m: statistics.median(r["auc"] for r in rs) for m, rs in results.items()}
     for m in models:
         last = results[m][-1]
-        print(f"{m:17s}: worker 0's step {last['mean_time_s']:.1f} ms = waiting for its pull {last['mean_wait_s']:.1f} ms "
-              f"+ computing {last['mean_compute_s']:.1f} ms + the rest (last repetition)")
+        rest = last["mean_time_s"] - sum(last["mean_" + k] for k in ("wait_s", "compute_s", "push_s", "meet_s"))
+        print(f"{m:17s}: worker 0's step {last['mean_time_s']:.1f} ms = pull wait {last['mean_wait_s']:.1f} + compute "
+              f"{last['mean_compute_s']:.1f} + push {last['mean_push_s']:.1f} + meeting the other worker "
+              f"{last['mean_meet_s']:.1f} + the rest {rest:.1f} ms (last repetition)")
     for m in models:
         print(f"{m:17s}: median {med[m]:.0f} samples/s ({med[m] / med['bsp']:.2f}x BSP), median AUC {auc[m]:.4f} "
               f"after {args.seconds:.0f} s")

@@ -318,7 +318,9 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
             computed = time.perf_counter() - computing
+            pushing = time.perf_counter()
             pushed = me.push(step, grads)
+            meeting = time.perf_counter()
             # where the workers meet each step they stop together: any one's wish is everyone's
             stop = seconds is not None and time.perf_counter() - began > seconds
             if plan.comm == "hybrid":
@@ -327,6 +329,7 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             elif meet:
                 total = workers.all_reduce(np.array([loss, float(stop)]), tuple(range(workers.size)))
                 loss, stop = float(total[0]) / plan.workers, bool(total[1] > 0)
+            met = time.perf_counter() - meeting
             losses.append(loss)
             if checkpoints is not None and checkpoints.due(step) == step:
                 lr = step_inputs(step, config, update_inputs).get("lr")
@@ -334,7 +337,8 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             elapsed = time.perf_counter() - start
             if rank == 0:
                 record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": plan.workers + plan.servers,
-                          "staleness": staleness, "bytes": pulled + pushed, "wait_s": waited, "compute_s": computed}
+                          "staleness": staleness, "bytes": pulled + pushed, "wait_s": waited, "compute_s": computed,
+                          "push_s": meeting - pushing, "meet_s": met}
                 if me.hit_rate() is not None:
                     record["cache_hit_rate"] = me.hit_rate()
                 if log_file:
