@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             from hspmd.runtime.ps.protocol import Heartbeat
             from hspmd.runtime.ps.worker import train_worker
 
-            heartbeat = Heartbeat(world, list(range(plan.workers, plan.workers + plan.servers)), args.silent / 5).start()
+            servers = list(range(plan.workers, plan.workers + plan.servers))
+            heartbeat = Heartbeat(world, servers, args.silent / 5).start()
             slow = 0.0
             if args.slow:
                 who, seconds = args.slow.split(":")

@@ -11,7 +11,13 @@ workers where the workers meet each step (BSP, or hybrid), else the worker's own
 
 Rank 0 writes the `--log` lines: `step`, `loss`, `time_s`, `ranks`, `staleness` (the largest
 over the servers, of how far the slowest worker was behind when the pull was answered),
-`bytes` (what this worker pulled and pushed) and, with the cache, `cache_hit_rate`.
+`bytes` (what this worker pulled and pushed), where the step went (`wait_s` for the pull's
+reply, `compute_s`, `push_s`, `meet_s` in the all-reduce that makes the workers meet) and, with
+the cache, `cache_hit_rate`.
+
+Under SSP and ASP with comm=ps (no cache) the pull of step t + 1 is sent before step t is
+computed and a push stays in flight until the next one (`PSWorker.overlap`): the servers answer
+while the worker computes, within the same staleness bound (docs/parameter-server.md).
 """
 
 from __future__ import annotations
@@ -241,14 +247,14 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
                  seconds: float | None = None, silent_s: float = 120.0, heartbeat=None, checkpoints=None,
                  resumed: tuple[dict, int] | None = None) -> tuple[list[float], dict[int, int]]:
-    """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
+    """Run this worker's steps; return (its logged losses, the workers the servers lost). `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
     that much wall time has passed; `heartbeat` (a `protocol.Heartbeat`) is stopped before the
     servers are told this worker is done. Under hybrid, `checkpoints` (worker 0's
     `checkpoints.PSCheckpoints`) writes the dense parameters and states after each checkpoint
-    step; `resumed` = (dense tensors, step) starts the run after that step. Rank 0 then evaluates the servers' parameters with the
-    script's `evaluate` (if it has one) and logs the result as one more line. Also returns the
-    workers the servers lost ({worker: step}); rank 0 logs them as one more line,
+    step; `resumed` = (dense tensors, step) starts the run after that step. Rank 0 then
+    evaluates the servers' parameters with the script's `evaluate` (if it has one) and logs the
+    result as one more line, and the lost workers ({worker: step}) as another,
     `{"lost_workers": {"1": 5}}`."""
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
     from hspmd.runtime.worker import RunError, _group_program, load_batches, step_inputs
