@@ -208,3 +208,23 @@ def test_the_outcome_of_a_run_that_lost_a_rank():
     assert code == 1 and message.startswith("server 0 (rank 2) died (SIGKILL)")
     assert outcome(_plan(), WatchedRun(1, (_end(0, 1), _end(1, -15, True), _end(2, -15, True)))) == (1, None)
     assert outcome(_plan(), WatchedRun(0, (_end(0, 0), _end(1, 0), _end(2, 0)))) == (0, None)
+
+
+@given(st.integers(1, 7), st.integers(1, 30), st.integers(0, 10), st.lists(st.integers(0, 40), max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_a_server_writes_each_checkpoint_step_once_as_the_clocks_pass_it(every, steps, start, clocks):
+    from hspmd.runtime.ps.checkpoints import PSCheckpoints
+
+    ck = PSCheckpoints.__new__(PSCheckpoints)  # the schedule alone, no writer
+    ck.every, ck.steps, ck.saved = every, steps, min(start, steps)
+    written = []
+    for clock in sorted(clocks):  # the slowest worker's clock only grows
+        step = ck.due(min(clock, steps))
+        if step is not None:
+            written.append(step)
+            ck.saved = step
+    assert written == sorted(set(written)) and all(s > min(start, steps) for s in written)
+    assert all(s % every == 0 or s == steps for s in written)
+    top = min(max(clocks, default=0), steps)
+    due = [s for s in range(min(start, steps) + 1, top + 1) if s % every == 0 or s == steps]
+    assert (written[-1:] == due[-1:]) if due else not written  # the newest passed is always written
