@@ -208,6 +208,8 @@ def test_the_outcome_of_a_run_that_lost_a_rank():
     assert code == 1 and message.startswith("server 0 (rank 2) died (SIGKILL)")
     assert outcome(_plan(), WatchedRun(1, (_end(0, 1), _end(1, -15, True), _end(2, -15, True)))) == (1, None)
     assert outcome(_plan(), WatchedRun(0, (_end(0, 0), _end(1, 0), _end(2, 0)))) == (0, None)
+    code, message = outcome(_plan(), WatchedRun(137, (_end(0, -9), _end(1, -9), _end(2, 0))))
+    assert code == 1 and message.startswith("every worker was lost")
 
 
 @given(st.integers(1, 7), st.integers(1, 30), st.integers(0, 10), st.lists(st.integers(0, 40), max_size=30))

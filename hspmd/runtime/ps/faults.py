@@ -11,7 +11,8 @@ rank's death does not end the others. Then:
   it has been silent for `--silent-after` seconds, say at which step it was lost.
 
 The exit status: 0 when every rank that was not lost ended well (a run under ASP/SSP that lost
-workers, but whose others finished, with the loss said on stderr and in the log); else 1.
+workers, but whose others finished, with the loss said on stderr and in the log); else 1 (also
+when every worker was lost).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def outcome(plan: PSPlan, run: WatchedRun) -> tuple[int, str | None]:
     for end in run.lost:
         if not tolerates_loss(plan):
             return 1, loss_message(plan, end.rank, None, f"it died: {end.how()}")
+    if len(run.lost) >= plan.workers:
+        return 1, f"every worker was lost ({', '.join(f'rank {e.rank}: {e.how()}' for e in run.lost)})"
     if run.lost and all(e.returncode == 0 for e in run.ends if not e.killed):
         return 0, None
     return (1 if run.returncode != 0 else 0), None  # MPI_Abort, or mpiexec's own failure: said by them
