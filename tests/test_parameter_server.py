@@ -170,3 +170,63 @@ def test_compiling_a_served_strategy_alone_points_at_hspmd_run_servers():
 
     with pytest.raises(StrategyError, match="--servers K"):
         compile_script(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0,1]: dp=2 comm=ps", 2)
+
+
+def _plan(comm="ps", consistency="ssp:2", bound=2):
+    from hspmd.ir.ps_plan import PSPlan
+
+    return PSPlan(workers=2, servers=1, comm=comm, consistency=consistency, bound=bound)
+
+
+def _end(rank, code, stopped=False):
+    from hspmd.runtime.watch import RankEnd
+
+    return RankEnd(rank, "host", 100 + rank, code, stopped)
+
+
+def test_a_lost_worker_stops_only_runs_that_need_every_worker():
+    from hspmd.runtime.ps.faults import stops_the_run
+
+    dead_worker, dead_server, failed = _end(1, -9), _end(2, -9), _end(0, 1)
+    assert not stops_the_run(_plan(), dead_worker)  # ssp: the others go on
+    assert not stops_the_run(_plan(consistency="asp", bound=None), dead_worker)
+    assert stops_the_run(_plan(consistency="bsp", bound=0), dead_worker)
+    assert stops_the_run(_plan(comm="hybrid"), dead_worker)
+    assert all(stops_the_run(p, e) for p in (_plan(), _plan(comm="hybrid")) for e in (dead_server, failed))
+
+
+def test_the_outcome_of_a_run_that_lost_a_rank():
+    from hspmd.runtime.ps.faults import outcome
+    from hspmd.runtime.watch import WatchedRun
+
+    survived = WatchedRun(137, (_end(0, 0), _end(1, -9), _end(2, 0)))
+    assert outcome(_plan(), survived) == (0, None)
+    code, message = outcome(_plan(consistency="bsp", bound=0), WatchedRun(143, (_end(0, -15, True), _end(1, -9),
+                                                                               _end(2, -15, True))))
+    assert code == 1 and message.startswith("worker 1 (rank 1) was lost (it died: SIGKILL)")
+    code, message = outcome(_plan(), WatchedRun(143, (_end(0, -15, True), _end(1, -15, True), _end(2, -9))))
+    assert code == 1 and message.startswith("server 0 (rank 2) died (SIGKILL)")
+    assert outcome(_plan(), WatchedRun(1, (_end(0, 1), _end(1, -15, True), _end(2, -15, True)))) == (1, None)
+    assert outcome(_plan(), WatchedRun(0, (_end(0, 0), _end(1, 0), _end(2, 0)))) == (0, None)
+    code, message = outcome(_plan(), WatchedRun(137, (_end(0, -9), _end(1, -9), _end(2, 0))))
+    assert code == 1 and message.startswith("every worker was lost")
+
+
+@given(st.integers(1, 7), st.integers(1, 30), st.integers(0, 10), st.lists(st.integers(0, 40), max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_a_server_writes_each_checkpoint_step_once_as_the_clocks_pass_it(every, steps, start, clocks):
+    from hspmd.runtime.ps.checkpoints import PSCheckpoints
+
+    ck = PSCheckpoints.__new__(PSCheckpoints)  # the schedule alone, no writer
+    ck.every, ck.steps, ck.saved = every, steps, min(start, steps)
+    written = []
+    for clock in sorted(clocks):  # the slowest worker's clock only grows
+        step = ck.due(min(clock, steps))
+        if step is not None:
+            written.append(step)
+            ck.saved = step
+    assert written == sorted(set(written)) and all(s > min(start, steps) for s in written)
+    assert all(s % every == 0 or s == steps for s in written)
+    top = min(max(clocks, default=0), steps)
+    due = [s for s in range(min(start, steps) + 1, top + 1) if s % every == 0 or s == steps]
+    assert (written[-1:] == due[-1:]) if due else not written  # the newest passed is always written

@@ -1,12 +1,15 @@
 """`hspmd run -n N --servers K`: a parameter-server run (docs/parameter-server.md).
 
 The strategy names one group of N data-parallel workers with `comm=ps` or `comm=hybrid`; the
-run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1.
+run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1,
+each under a guard (`hspmd.runtime.watch.launch_watched`), so that a worker that dies under ASP or
+SSP leaves the others running; what a death means is `hspmd.runtime.ps.faults`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 
@@ -24,7 +27,9 @@ def run_parameter_servers(args) -> int:
     from hspmd.compiler import compile_ps, write_ps_bundle
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.strategy import StrategyError, parse_strategy
-    from hspmd.runtime.launch import launch
+    from hspmd.ir.ps_plan import PLAN_FILE, PSPlan
+    from hspmd.runtime.ps import faults
+    from hspmd.runtime.watch import launch_watched
 
     if not args.strategy or not uses_servers(args.strategy):
         raise SystemExit("hspmd: error: --servers needs a strategy with comm=ps or comm=hybrid, "
@@ -37,10 +42,17 @@ def run_parameter_servers(args) -> int:
     if len(getattr(args, "strategies", None) or []) > 1 or getattr(args, "switch_every", None):
         raise SystemExit("hspmd: error: a parameter-server run takes one --strategy (graph switching "
                          "is not supported with --servers yet)")
-    for flag in ("checkpoint", "checkpoint_dir", "resume", "init_from", "elastic", "trace"):
+    for flag in ("checkpoint", "init_from", "elastic", "trace"):
         if getattr(args, flag, None):
             raise SystemExit(f"hspmd: error: --{flag.replace('_', '-')} is not supported with --servers yet")
     parse_strategy(args.strategy).check_devices(args.n)
+    if getattr(args, "resume", None):  # said once here, not by every rank
+        from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+
+        try:
+            read_manifest(resolve_checkpoint(args.resume))
+        except CheckpointError as err:
+            raise SystemExit(f"hspmd: error: {err}") from None
     script = load_script(args.script, parse_overrides(args.set))
     compiled = compile_ps(script, args.strategy, args.servers)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
@@ -54,10 +66,19 @@ def run_parameter_servers(args) -> int:
 
         parse_cpu_bind(args.cpu_bind, args.n + args.servers)
         argv += ["--cpu-bind", args.cpu_bind]
+    for name in ("checkpoint_dir", "checkpoint_every", "keep", "resume"):
+        if getattr(args, name, None) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "seconds", None):
         argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):
         argv += ["--slow", args.slow_worker]
     if getattr(args, "silent_after", None):
         argv += ["--silent", str(args.silent_after)]
-    return launch(args.n + args.servers, argv, hosts=args.hosts, hostfile=args.hostfile)
+    plan = PSPlan.from_json(open(os.path.join(bundle, PLAN_FILE)).read())
+    run = launch_watched(args.n + args.servers, argv, os.path.join(bundle, "ranks"), hosts=args.hosts,
+                         hostfile=args.hostfile, stop_if=lambda end: faults.stops_the_run(plan, end))
+    code, message = faults.outcome(plan, run)
+    if message:
+        print(f"hspmd run: error: {message}", file=sys.stderr, flush=True)
+    return code

@@ -164,12 +164,15 @@ def launch_watched(
     hosts: str | None = None,
     hostfile: str | None = None,
     before_stop: Callable[[tuple[RankEnd, ...]], None] | None = None,
+    stop_if: Callable[[RankEnd], bool] | None = None,
 ) -> WatchedRun:
     """Run ``python *python_args`` on ``n`` ranks, each under a guard, until all end or one fails.
 
     When a rank fails (a non-zero exit code or a signal it was not asked to stop by),
     ``before_stop`` gets the ends recorded so far, then the other ranks are stopped. On
-    KeyboardInterrupt all are stopped and it propagates. ``env``, ``hosts`` and ``hostfile`` are
+    KeyboardInterrupt all are stopped and it propagates. ``stop_if`` (given an end) narrows which
+    ends stop the run (a parameter-server run goes on without a lost worker); the others' are
+    reported all the same. ``env``, ``hosts`` and ``hostfile`` are
     as for :func:`hspmd.runtime.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
     """
     _clear(status_dir)
@@ -189,7 +192,8 @@ def launch_watched(
                 pass
             ends = read_rank_ends(status_dir)
             # before the launcher stops the run, a rank asked to stop was asked by someone else
-            failed = {e.rank: replace(e, stopped=False) for e in ends if e.returncode != 0}
+            failed = {e.rank: replace(e, stopped=False) for e in ends
+                      if e.returncode != 0 and (stop_if is None or stop_if(replace(e, stopped=False)))}
             if failed:
                 if before_stop is not None:
                     before_stop(tuple(failed.values()))

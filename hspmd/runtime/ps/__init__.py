@@ -13,5 +13,7 @@ consistency model admits them (`clocks.Clocks`). See docs/parameter-server.md.
     clocks.py   per-worker clocks and the admission rule of BSP / SSP:S / ASP
     update.py   the optimizer's update step, run on whole parameters or on rows of a table
     cache.py    the HET cache: hot embedding rows kept on a worker with bounded staleness
-    protocol.py the message tags and what each message carries
+    protocol.py the message tags and what each message carries, the workers' heartbeat
+    faults.py   what a rank that dies means for the run (`hspmd run` decides with it)
+    checkpoints.py  the servers' (and hybrid's worker 0's) sharded checkpoints, and resuming
 """

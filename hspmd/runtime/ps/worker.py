@@ -11,7 +11,13 @@ workers where the workers meet each step (BSP, or hybrid), else the worker's own
 
 Rank 0 writes the `--log` lines: `step`, `loss`, `time_s`, `ranks`, `staleness` (the largest
 over the servers, of how far the slowest worker was behind when the pull was answered),
-`bytes` (what this worker pulled and pushed) and, with the cache, `cache_hit_rate`.
+`bytes` (what this worker pulled and pushed), where the step went (`wait_s` for the pull's
+reply, `compute_s`, `push_s`, `meet_s` in the all-reduce that makes the workers meet) and, with
+the cache, `cache_hit_rate`.
+
+Under SSP and ASP with comm=ps (no cache) the pull of step t + 1 is sent before step t is
+computed and a push stays in flight until the next one (`PSWorker.overlap`): the servers answer
+while the worker computes, within the same staleness bound (docs/parameter-server.md).
 """
 
 from __future__ import annotations
@@ -60,18 +66,30 @@ class PSWorker:
         self.silent_s = silent_s
         self.caches: dict[str, RowCache] = {}
         self.hits = self.lookups = 0
+        self._rows: dict[int, dict[str, np.ndarray]] = {}  # step -> the table rows its batch touches
+        self._pushes: list = []  # (server, request) of pushes in flight
+        #: SSP and ASP under comm=ps without the HET cache: pull step t + 1 while computing step t,
+        #: and leave a push in flight until the next one (docs/parameter-server.md, "Overlap")
+        #: (`HSPMD_PS_OVERLAP=0` turns it off, for benchmarks/ps_consistency.py's comparison)
+        self.overlap = (plan.comm == "ps" and plan.bound != 0 and not plan.cache_rows
+                        and os.environ.get("HSPMD_PS_OVERLAP", "1") != "0")
 
     def pull(self, step: int, state: dict, batch: dict) -> tuple[int, int]:
         """Bring the served parameters this step reads into `state`; return (staleness, bytes)."""
+        return self.receive(step, state, self.request(step, state, batch))
+
+    def request(self, step: int, state: dict, batch: dict) -> tuple[dict, int]:
+        """Ask the servers for what step `step` reads (of `batch`, this worker's rows); return what
+        `receive` needs: (the requests, the bytes sent)."""
         requests: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
-        self._rows: dict[str, np.ndarray] = {}
+        rows_of = self._rows.setdefault(step, {})
         for name, server in self.plan.homes.items():
             ids_input = self.plan.tables.get(name)
             if ids_input is None:
                 requests[server][name] = None
                 continue
             rows = np.unique(np.asarray(batch[ids_input]).ravel()).astype(np.int64)
-            self._rows[name] = rows
+            rows_of[name] = rows
             if self.plan.cache_rows:
                 if name not in self.caches:
                     self.caches[name] = RowCache(self.plan.cache_rows, self.plan.cache_bound, state[name].shape,
@@ -83,8 +101,14 @@ class PSWorker:
             requests[server][name] = rows
         moved = 0
         for server, request in requests.items():
-            self.world.send((step, request), dest=self.plan.workers + server, tag=protocol.PULL)
+            self._send((step, request), server, protocol.PULL)
             moved += protocol.message_bytes(request)
+        return requests, moved
+
+    def receive(self, step: int, state: dict, asked: tuple[dict, int]) -> tuple[int, int]:
+        """Write the servers' replies to the requests `asked` of step `step` into `state`; return
+        (staleness, bytes moved by request and replies)."""
+        requests, moved = asked
         staleness = 0
         for server in requests:
             (_, values, server_staleness, _) = self._reply(server)
@@ -103,10 +127,11 @@ class PSWorker:
     def push(self, step: int, grads: dict) -> int:
         """Send the served parameters' gradients of `step` to their servers; return the bytes sent."""
         pushes: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
+        rows_of = self._rows.pop(step, {})
         for name, server in self.plan.homes.items():
             grad = grads[name]
-            if name in self._rows:
-                rows = self._rows[name]
+            if name in rows_of:
+                rows = rows_of[name]
                 if name in self.caches:
                     pushes[server][name] = self.caches[name].accumulate(rows, grad[rows], step)
                 else:
@@ -114,10 +139,25 @@ class PSWorker:
             else:
                 pushes[server][name] = (None, grad)
         moved = 0
+        self.finish_pushes()
         for server, push in pushes.items():
-            self.world.send((step, push), dest=self.plan.workers + server, tag=protocol.PUSH)
+            self._pushes.append((server, self.world.isend((step, push), dest=self.plan.workers + server,
+                                                          tag=protocol.PUSH)))
             moved += protocol.message_bytes(push)
+        if not self.overlap:
+            self.finish_pushes()
         return moved
+
+    def finish_pushes(self) -> None:
+        """Return once the servers have taken the pushes in flight (a server that takes nothing for
+        `silent_s` is gone)."""
+        start = time.monotonic()
+        for server, request in self._pushes:
+            while not request.Test():
+                if time.monotonic() - start > self.silent_s:
+                    raise self._gone(server)
+                time.sleep(protocol.POLL_S)
+        self._pushes = []
 
     def all_reduce_dense(self, step: int, state: dict, grads: dict, loss: float, scalars: dict,
                          stop: bool) -> tuple[float, bool]:
@@ -144,36 +184,50 @@ class PSWorker:
         out = dict(state)
         for server in range(self.plan.servers):
             request = {name: None for name, s in self.plan.homes.items() if s == server}
-            self.world.send((0, request), dest=self.plan.workers + server, tag=protocol.PULL)
+            self._send((0, request), server, protocol.PULL)
             _, values, _, clocks = self._reply(server)
             out.update(values)
             self.clocks = clocks
         return out
 
-    def _reply(self, server: int):
-        """Return server `server`'s reply; a server silent for `silent_s` is an error (it is gone)."""
+    def _send(self, payload, server: int, tag: int) -> None:
+        """Send `payload` to server `server`; a server that does not take it in `silent_s` is gone."""
+        try:
+            protocol.send(self.world, payload, self.plan.workers + server, tag, self.silent_s)
+        except protocol.Silence:
+            raise self._gone(server) from None
+
+    def _gone(self, server: int) -> PSRunError:
+        return PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
+                          f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
+                          "parameters (resume it from its last checkpoint, --checkpoint-dir)")
+
+    def _reply(self, server: int, wanted: int = protocol.REPLY):
+        """Return server `server`'s next message tagged `wanted`; a server silent for `silent_s` is
+        an error (it is gone)."""
         from mpi4py import MPI
 
         try:
             while True:  # heartbeats: the server is alive, our pull waits on the clocks
                 payload, _, tag = protocol.wait_for(self.world, self.plan.workers + server, MPI.ANY_TAG, self.silent_s)
-                if tag == protocol.REPLY:
+                if tag == wanted:
                     break
         except protocol.Silence:
-            raise PSRunError(f"server {server} (rank {self.plan.workers + server}) has not answered for "
-                             f"{self.silent_s:g} s: it is gone (or stuck); a run cannot go on without its "
-                             "parameters") from None
+            raise self._gone(server) from None
         return payload
 
-    def done(self) -> int:
-        """Tell every server this worker has finished, with the cache's pending gradients; return
-        the bytes sent."""
+    def done(self) -> dict[int, int]:
+        """Tell every server this worker has finished, with the cache's pending gradients, and wait
+        for the servers to end; return the workers they lost ({worker: step lost at})."""
         last: dict[int, dict] = {s: {} for s in range(self.plan.servers)}
         for name, cache in self.caches.items():
             last[self.plan.homes[name]][name] = cache.flush()
         for server in range(self.plan.servers):
-            self.world.send(last[server], dest=self.plan.workers + server, tag=protocol.DONE)
-        return protocol.message_bytes(last)
+            self._send(last[server], server, protocol.DONE)
+        lost: dict[int, int] = {}
+        for server in range(self.plan.servers):
+            lost.update(self._reply(server, protocol.END))
+        return lost
 
     def hit_rate(self) -> float | None:
         return self.hits / self.lookups if self.lookups else None
@@ -191,11 +245,17 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
-                 seconds: float | None = None, silent_s: float = 120.0) -> list[float]:
-    """Run this worker's steps; return its logged losses. `slow` (seconds) is slept each step (a
+                 seconds: float | None = None, silent_s: float = 120.0, heartbeat=None, checkpoints=None,
+                 resumed: tuple[dict, int] | None = None) -> tuple[list[float], dict[int, int]]:
+    """Run this worker's steps; return (its logged losses, the workers the servers lost). `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
-    that much wall time has passed. Rank 0 then evaluates the servers' parameters with the
-    script's `evaluate` (if it has one) and logs the result as one more line."""
+    that much wall time has passed; `heartbeat` (a `protocol.Heartbeat`) is stopped before the
+    servers are told this worker is done. Under hybrid, `checkpoints` (worker 0's
+    `checkpoints.PSCheckpoints`) writes the dense parameters and states after each checkpoint
+    step; `resumed` = (dense tensors, step) starts the run after that step. Rank 0 then
+    evaluates the servers' parameters with the script's `evaluate` (if it has one) and logs the
+    result as one more line, and the lost workers ({worker: step}) as another,
+    `{"lost_workers": {"1": 5}}`."""
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
     from hspmd.runtime.worker import RunError, _group_program, load_batches, step_inputs
     from hspmd.runtime.kernel_exec import select_program
@@ -222,28 +282,51 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     names = {leaf.name: leaf.global_shape for leaf in program.inputs}
     update_inputs = dense.scalars if dense is not None else set()
     me = PSWorker(rank, plan, world, workers, dense, silent_s)
+    done = 0
+    if resumed is not None:
+        tensors, done = resumed
+        state.update(tensors)
     batches = load_batches(manifest.script, config)
+    for _ in range(done):  # the data position: the batches the checkpointed steps consumed
+        next(batches, None)
     log_file = open(log, "w") if log and rank == 0 else None
     meet = plan.comm == "hybrid" or plan.bound == 0
     losses = []
     began = time.perf_counter()
     step = 0
+    ahead = None  # (rows, request) of a pull sent for the next step while computing this one
     try:
-        for step in range(1, steps + 1):
+        for step in range(done + 1, steps + 1):
             fault_point(rank, step)
             start = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                raise RunError(f"the script's batches ran out after {step - 1} steps")
-            mine = local_rows(batch, rank, plan.workers)
-            staleness, pulled = me.pull(step, state, mine)
+            if ahead is not None:
+                mine, asked = ahead
+                ahead = None
+            else:
+                batch = next(batches, None)
+                if batch is None:
+                    raise RunError(f"the script's batches ran out after {step - 1} steps")
+                mine = local_rows(batch, rank, plan.workers)
+                asked = me.request(step, state, mine)
+            waiting = time.perf_counter()
+            staleness, pulled = me.receive(step, state, asked)
+            waited = time.perf_counter() - waiting
+            if me.overlap and step < steps:  # the servers answer it while this step computes
+                batch = next(batches, None)
+                if batch is not None:
+                    following = local_rows(batch, rank, plan.workers)
+                    ahead = (following, me.request(step + 1, state, following))
             if slow:
                 time.sleep(slow)
+            computing = time.perf_counter()
             inputs = {**mine, **step_inputs(step, config, names)}
             outputs = program.run(state, program.local_batch(inputs))
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
+            computed = time.perf_counter() - computing
+            pushing = time.perf_counter()
             pushed = me.push(step, grads)
+            meeting = time.perf_counter()
             # where the workers meet each step they stop together: any one's wish is everyone's
             stop = seconds is not None and time.perf_counter() - began > seconds
             if plan.comm == "hybrid":
@@ -252,11 +335,16 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             elif meet:
                 total = workers.all_reduce(np.array([loss, float(stop)]), tuple(range(workers.size)))
                 loss, stop = float(total[0]) / plan.workers, bool(total[1] > 0)
+            met = time.perf_counter() - meeting
             losses.append(loss)
+            if checkpoints is not None and checkpoints.due(step) == step:
+                lr = step_inputs(step, config, update_inputs).get("lr")
+                checkpoints.save(step, state, None if lr is None else float(lr))
             elapsed = time.perf_counter() - start
             if rank == 0:
                 record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": plan.workers + plan.servers,
-                          "staleness": staleness, "bytes": pulled + pushed}
+                          "staleness": staleness, "bytes": pulled + pushed, "wait_s": waited, "compute_s": computed,
+                          "push_s": meeting - pushing, "meet_s": met}
                 if me.hit_rate() is not None:
                     record["cache_hit_rate"] = me.hit_rate()
                 if log_file:
@@ -267,9 +355,19 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                           flush=True)
             if stop:
                 break
+        if ahead is not None:  # a pull sent ahead for a step not taken (--seconds): its reply is not used
+            me.receive(step + 1, dict(state), ahead[1])
+        me.finish_pushes()
         wall = time.perf_counter() - began
         final = me.final_parameters(state) if rank == 0 else None  # before DONE: the servers still serve
-        me.done()
+        if checkpoints is not None:
+            checkpoints.close()
+        if heartbeat is not None:
+            heartbeat.stop()
+        lost = me.done()
+        if rank == 0 and lost and log_file:
+            log_file.write(json.dumps({"step": step, "lost_workers": {str(w): s for w, s in sorted(lost.items())}})
+                           + "\n")
         if rank == 0:
             metrics = _evaluate(manifest.script, final, config)
             if metrics:
@@ -284,4 +382,4 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     finally:
         if log_file:
             log_file.close()
-    return losses
+    return losses, lost
