@@ -40,6 +40,7 @@ from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
+from hspmd.runtime.triangular_matmul import triangular_matmul
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
 KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
@@ -219,8 +220,10 @@ class _Binder:
     """Binds a schedule's steps for one rank: kernels (one per op, and per micro-batch where the
     kernel depends on it), buckets and buffers."""
 
-    def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int) -> None:
+    def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
+                 triangular: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
+        self.triangular = triangular
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
         self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes)) for b in schedule.buckets]
@@ -243,6 +246,8 @@ class _Binder:
         match step.kind:
             case "op":
                 assert step.op is not None
+                if step.triangle and self.triangular:  # causal attention's products: non-zero blocks only
+                    return triangular_matmul(step.triangle)
                 k = self.kernel(step.op, step.microbatch)
                 if hasattr(k, "pending"):  # a send: the step's last call waits for its requests
                     self.sends.append(k.pending)
@@ -328,12 +333,12 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
-              threads: int | None = None, blas_threads: str | None = None) -> Plan:
+              threads: int | None = None, blas_threads: str | None = None, triangular: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    plan = _Binder(schedule, communicator, allocate, max(1, threads)).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads), triangular).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -345,6 +350,7 @@ def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
+    triangular: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
@@ -359,9 +365,12 @@ def build_plan(
     can make BLAS's threads several times slower than one); "fixed" leaves BLAS as it is.
     Under "auto" the bits of a product can depend on the choice where OpenBLAS picks another
     kernel for another thread count (seen on a 33x1000 @ 1000x65 product, not on GPT-tiny's).
+    `triangular` (default True): causal attention's products (`Step.triangle`) computed on
+    their non-zero blocks only (`triangular_matmul`); False: every matmul in full.
     """
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
     except ScheduleError as err:
         raise PlanError(str(err)) from None
-    return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads)
+    return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
+                     triangular=triangular)

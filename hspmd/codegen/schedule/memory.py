@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from hspmd.codegen.schedule.flatten import Flat
 from hspmd.codegen.schedule.placement import Placement, placements
+from hspmd.codegen.schedule.triangular import triangular_matmuls
 from hspmd.codegen.schedule.model import BucketSpec, Destination, Schedule, Step, nbytes, step_name
 
 # ops whose result is a view of their first operand (never written through)
@@ -282,10 +283,11 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     for slot in range(len(flat.types)):
         if slot not in keep and 0 <= last_use[slot] < n_nodes:
             dead_at[last_use[slot]].append(slot)
+    triangles = triangular_matmuls(flat)
     steps = tuple(
         Step(node.kind, node.op, node.ins, node.outs, node.microbatch,
              _destinations(flat, st, i, root, storage_buffer, inplace), node.facts, tuple(dead_at[i]), node.bucket,
-             node.polls, step_name(node.kind, node.op), node.scope)
+             node.polls, step_name(node.kind, node.op), node.scope, triangles.get(i, ""))
         for i, node in enumerate(flat.nodes)
     )
     updated = {flat.nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}
