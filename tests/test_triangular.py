@@ -99,10 +99,11 @@ def test_masked_scores_without_softmax_are_not_triangular():
 
 @pytest.mark.parametrize("t", [40, 100])
 def test_attention_step_has_the_full_products_bits(t):
-    """The step's loss and gradients with block products are those of full products, bit for bit."""
+    """The step's loss and gradients with block products (and batches by halves) are those of
+    full products, bit for bit."""
     fn = _attention_program(t)
     (comm,) = InProcessCommunicator.create_world(1)
-    plans = [build_plan(fn, 0, comm, triangular=on) for on in (True, False)]
+    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on) for on in (True, False)]
     state = plans[0].initial_state(3)
     batch = {"c": np.random.default_rng(4).standard_normal((2, 2, t, 8)).astype(np.float32)}
     outs = [p.run(dict(state), p.local_batch(batch)) for p in plans]
@@ -113,7 +114,7 @@ def test_attention_step_has_the_full_products_bits(t):
 
 def test_gpt_training_is_bit_identical_with_block_products():
     """examples/gpt.py (2 layers, 64 positions), fused kernels: 4 triangular products a layer, and
-    3 AdamW steps give the same parameters, bit for bit, as with full products."""
+    3 AdamW steps give the same parameters, bit for bit, as with full products in one call each."""
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script
     from hspmd.runtime.kernel_exec import select_program
@@ -128,7 +129,7 @@ def test_gpt_training_is_bit_identical_with_block_products():
     assert script.config["model"]["seq_len"] > TILE
     assert _triangles(fn) == ["lhs-lower"] * 4 + ["lhs-upper"] * 2 + ["rhs-lower"] * 2
     (comm,) = InProcessCommunicator.create_world(1)
-    plans = [build_plan(fn, 0, comm, triangular=on) for on in (True, False)]
+    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on) for on in (True, False)]
     states = [p.initial_state(0) for p in plans]
     config = {**script.config, "lr_schedule": compiled.lr_schedule}
     names = {leaf.name for leaf in plans[0].inputs}
