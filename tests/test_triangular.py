@@ -35,8 +35,9 @@ def _triangular(rng, shape, dtype, lower: bool) -> np.ndarray:
 def test_block_products_are_the_full_product(triangle, lead, n, m, dtype, transposed, seed):
     """Each triangle's block product equals `np.matmul` of the same operands to rounding (the
     dot product's error bound), for any size around and across the block size, batched or not,
-    with transposed (strided) operands. Not always bit for bit: for some shapes (33 x 33 @ 33 x 2)
-    OpenBLAS adds a block's terms with another kernel than the whole product's."""
+    with transposed (strided) operands, into a result laid out by rows or by columns. Not always
+    bit for bit: for some shapes (33 x 33 @ 33 x 2) OpenBLAS adds a block's terms with another
+    kernel than the whole product's."""
     rng = np.random.default_rng(seed)
     side, lower = triangle.split("-")
     tri = _triangular(rng, (*lead, n, n), dtype, lower == "lower")
@@ -53,6 +54,9 @@ def test_block_products_are_the_full_product(triangle, lead, n, m, dtype, transp
     out = np.full_like(expect, np.nan)  # into a given out=, every entry written
     assert triangular_matmul(triangle)(a, b, out=out) is out
     assert np.all(np.abs(out - expect) <= bound)
+    by_columns = np.full_like(np.swapaxes(expect, -1, -2), np.nan).swapaxes(-1, -2)  # as b^T a^T
+    assert triangular_matmul(triangle)(a, b, out=by_columns) is by_columns
+    assert np.all(np.abs(by_columns - expect) <= bound)
 
 
 def test_unknown_triangle_is_refused():

@@ -222,9 +222,8 @@ class _Binder:
     kernel depends on it), buckets and buffers."""
 
     def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
-                 triangular: bool = True, split_batches: bool = True) -> None:
+                 split_batches: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
-        self.triangular = triangular
         self.split = BatchSplit() if split_batches and allocate else None
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
@@ -274,7 +273,7 @@ class _Binder:
         operand (causal attention's products), and a batch of small products by halves on two
         threads (`batch_split`)."""
         assert step.op is not None
-        if step.triangle and self.triangular:
+        if step.triangle:
             k = triangular_matmul(step.triangle)
         else:
             k = self.kernel(step.op, step.microbatch)
@@ -350,13 +349,12 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
-              threads: int | None = None, blas_threads: str | None = None, triangular: bool = True,
-              split_batches: bool = True) -> Plan:
+              threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    plan = _Binder(schedule, communicator, allocate, max(1, threads), triangular, split_batches).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -372,7 +370,7 @@ def build_plan(
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
-    `bucket_bytes` and `reuse_buffers` are the schedule's (`build_schedule`). `allocate=False`
+    `bucket_bytes`, `reuse_buffers` and `triangular` are the schedule's (`build_schedule`). `allocate=False`
     only sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
     `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
     kernel; matmuls use BLAS's own threads. (On the 2-core machine these were measured on,
@@ -384,13 +382,14 @@ def build_plan(
     Under "auto" the bits of a product can depend on the choice where OpenBLAS picks another
     kernel for another thread count (seen on a 33x1000 @ 1000x65 product, not on GPT-tiny's).
     `triangular` (default True): causal attention's products (`Step.triangle`) computed on
-    their non-zero blocks only (`triangular_matmul`); False: every matmul in full.
+    their non-zero blocks only (`triangular_matmul`); False: every matmul in full, as written.
     `split_batches` (default True): a batch of small products (attention's) by halves of the
     batch on two threads with one BLAS thread each, where BLAS has two or more (`batch_split`).
     """
     try:
-        schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
+        schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
+                                  triangular=triangular)
     except ScheduleError as err:
         raise PlanError(str(err)) from None
     return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
-                     triangular=triangular, split_batches=split_batches)
+                     split_batches=split_batches)

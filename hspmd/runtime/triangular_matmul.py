@@ -58,16 +58,38 @@ _BY_TRIANGLE = {"lhs-lower": _lhs_lower, "lhs-upper": _lhs_upper, "rhs-lower": _
                 "rhs-upper": _rhs_upper}
 
 
+#: the triangle of the transposed product `b^T a^T`
+_TRANSPOSED = {"lhs-lower": "rhs-upper", "lhs-upper": "rhs-lower", "rhs-lower": "lhs-upper",
+               "rhs-upper": "lhs-lower"}
+
+
+def _by_columns(out: np.ndarray) -> bool:
+    """Return whether `out`'s matrices are laid out by columns (BLAS cannot write their rows)."""
+    step = out.itemsize
+    return out.ndim >= 2 and out.shape[-1] > 1 and out.strides[-1] != step and out.strides[-2] == step
+
+
 def triangular_matmul(triangle: str) -> Callable:
-    """Return the `out=` kernel of `a @ b` for a product shaped as `triangle` (`TRIANGLES`)."""
+    """Return the `out=` kernel of `a @ b` for a product shaped as `triangle` (`TRIANGLES`).
+
+    An `out=` laid out by columns (the schedule placed the result so: `schedule.placement`) gets
+    the transposed product `b^T a^T` written into its transpose, whose rows BLAS can write.
+    """
     if triangle not in TRIANGLES:
         raise ValueError(f"unknown triangle '{triangle}' (expected one of {', '.join(TRIANGLES)})")
-    blocks = _BY_TRIANGLE[triangle]
+    blocks, transposed = _BY_TRIANGLE[triangle], _BY_TRIANGLE[_TRANSPOSED[triangle]]
 
     def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
                            np.result_type(a, b))
+        if _by_columns(out):
+            t = out.swapaxes(-1, -2)
+            if max(a.shape[-2], b.shape[-1]) <= TILE:
+                np.matmul(b.swapaxes(-1, -2), a.swapaxes(-1, -2), out=t)
+            else:
+                transposed(b.swapaxes(-1, -2), a.swapaxes(-1, -2), t)
+            return out
         if max(a.shape[-2], b.shape[-1]) <= TILE:
             return np.matmul(a, b, out=out)
         blocks(a, b, out)

@@ -70,7 +70,7 @@ class _Storages:
         return len(self.kind) - 1
 
 
-def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
+def _storages(flat: Flat, reuse_buffers: bool, triangles: dict[int, str]) -> _Storages:
     """Return the storages of `flat` and each slot's aliases (step 1 of the module docstring)."""
     types = flat.types
     st = _Storages(alias=[frozenset()] * len(types))
@@ -83,7 +83,7 @@ def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
         st.alias[c.slot] = frozenset({st.new("fixed", c.slot)})
     st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
                       and all(types[o] is not None and types[o][0] != () for o in node.outs) for node in flat.nodes]
-    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into)
+    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into, triangles)
     for i, node in enumerate(flat.nodes):
         name = node.op.name if node.op is not None else ""
         poolable = st.out_capable[i]
@@ -270,9 +270,12 @@ def _peak_bytes(flat: Flat, st: _Storages, buffers: list[int], buckets: list[Buc
     return sum(buffers) + peak_fresh + persistent
 
 
-def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bool = True) -> Schedule:
-    """Return the finished schedule of a flat program (see the module docstring)."""
-    st = _storages(flat, reuse_buffers)
+def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bool = True,
+             triangular: bool = True) -> Schedule:
+    """Return the finished schedule of a flat program (see the module docstring); with
+    `triangular`, causal attention's products marked for block products (`triangular.py`)."""
+    triangles = triangular_matmuls(flat) if triangular else {}
+    st = _storages(flat, reuse_buffers, triangles)
     defined, last_use = _liveness(flat, st)
     inplace = _inplace_params(flat, st, defined)
     root = _share_dying_operands(flat, st, inplace)
@@ -283,7 +286,6 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     for slot in range(len(flat.types)):
         if slot not in keep and 0 <= last_use[slot] < n_nodes:
             dead_at[last_use[slot]].append(slot)
-    triangles = triangular_matmuls(flat)
     steps = tuple(
         Step(node.kind, node.op, node.ins, node.outs, node.microbatch,
              _destinations(flat, st, i, root, storage_buffer, inplace), node.facts, tuple(dead_at[i]), node.bucket,
