@@ -11,9 +11,10 @@ leading dims, as `np.matmul`) for a product the schedule found triangular
 
 Blocks of `TILE` rows or columns: at attention's 128 x 128 this does 5/8 of the full products'
 multiply-adds, in four BLAS calls per product instead of one (at 16 rows the calls got too
-small to pay, at 64 only 3/4 is saved). The terms left out are exact zeros, and BLAS adds a
-dot product's terms in order, so the results have the bits of the full product where the
-operands are finite (tested against `np.matmul`). The blocks are small enough that OpenBLAS
+small to pay, at 64 only 3/4 is saved). The terms left out are exact zeros, so the results are
+the full product's where the operands are finite: to rounding for any shape (tested against
+`np.matmul`), bit for bit on attention's shapes (OpenBLAS adds the terms of a dot product in
+order there; for some other shapes it picks another kernel for a block). The blocks are small enough that OpenBLAS
 runs each on one thread: on a machine shared with other work that also spares the products
 the wait for a descheduled second BLAS thread.
 """

@@ -129,9 +129,9 @@ class Step:
     `name` is what the step is called in traces (`step_name`: the IR op's name, `kernel.fused
     @NAME` for a fused kernel); `scope` the pipeline function (`pipeline_forward`,
     `pipeline_backward`) whose inlined body holds the step, "" outside a `pipeline.run`.
-    `triangle` says how a `graph.matmul`'s operands or result are triangular (a causal
+    `triangle` says which operand of a `graph.matmul` is triangular and how (causal
     attention's products, `triangular.TRIANGLES`; "" for any other step), so that a CPU
-    runtime may compute its non-zero blocks only.
+    runtime may compute over its non-zero blocks only.
     """
 
     kind: str

@@ -52,7 +52,8 @@ def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def placements(flat: Flat, pooled: Callable[[int], bool], triangles: Mapping[int, str] | None = None) -> dict[int, Placement]:
+def placements(flat: Flat, pooled: Callable[[int], bool],
+               triangles: Mapping[int, str] | None = None) -> dict[int, Placement]:
     """Return the placement of every matmul result slot written in its consumer's layout.
 
     `pooled(i)` says whether node i writes its results into schedule buffers (`out=`): both

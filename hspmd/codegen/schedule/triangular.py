@@ -13,14 +13,16 @@ ops inside `kernel.fused` bodies), and says for each which (`TRIANGLES`): "lhs-l
 "lhs-upper", "rhs-lower" or "rhs-upper". The runtime (`hspmd.runtime.triangular_matmul`)
 then multiplies by blocks over the operand's non-zero part only (5/8 of the work at 128 x 128).
 The terms left out are exact zeros added to a dot product, so the values are those of the
-full product wherever the operands are finite; in practice the bits too (OpenBLAS adds a dot
-product's terms in order; tested). A CPU schedule choice: the IR is unchanged, and the CUDA
-backend runs its own (full) products.
+full product wherever the operands are finite; on attention's shapes the bits too (tested;
+for some other shapes OpenBLAS picks another kernel for a block: other last bits). A CPU
+schedule choice: the IR is unchanged, and the CUDA backend runs its own (full) products.
 
 The other two products, the scores `q @ k^T` and the probabilities' gradient `dy @ v^T`, are
 read only below the diagonal, but computing them by blocks did not pay: the blocks go to
 OpenBLAS's small-matrix kernel, which for these transposed operands was slower on one thread
-(2.7 against 2.2 ms for a layer's 64 heads) and adds in another order (other last bits).
+(2.7 against 2.2 ms for a layer's 64 heads) and adds in another order (other last bits); with
+`k^T` copied contiguous first, the bits were the full product's but the gain small (2.13 against
+1.95 ms with the copy).
 """
 
 from __future__ import annotations
