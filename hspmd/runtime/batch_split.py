@@ -8,9 +8,12 @@ halves of the batch at once, on the calling thread and one worker, each product 
 thread (OpenBLAS's thread count is set to 1 for the call and restored after it). NumPy releases
 the GIL inside BLAS, so the two halves run on two cores.
 
-Values and bits are those of the whole call: each product is the same BLAS call, and OpenBLAS
-splits a product over threads by rows and columns of the result, never along the sum
-(`tests/test_batch_split.py` checks the bits on attention's shapes). Nothing is split where
+Values are those of the whole call: each product is the same BLAS call, and OpenBLAS splits a
+product over threads by rows and columns of the result, never along the sum. The bits are the
+whole call's on attention's shapes (`tests/test_batch_split.py`, `tests/test_triangular.py`);
+for other shapes OpenBLAS may pick another kernel when it runs on one thread (the 33 x 1000 @
+1000 x 65 product of `blas_threads`), so the last bits can differ there
+(`build_plan(split_batches=False)` keeps the calls as they were). Nothing is split where
 BLAS has one thread already (an MPI rank given one core, `blas_threads="auto"` choosing one),
 or where the batch's leading dim is 1.
 """
