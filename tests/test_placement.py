@@ -17,6 +17,7 @@ from conftest import EXAMPLES
 from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.flatten import flatten
 from hspmd.codegen.schedule.placement import placements
+from hspmd.codegen.schedule.triangular import triangular_matmuls
 from hspmd.compiler import compile_script
 from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.script import load_script, parse_overrides
@@ -57,7 +58,8 @@ def _run(plan, script, compiled, steps):
 
 def test_attention_outputs_and_qkv_gradients_are_placed(gpt):
     """Per layer: the attention output's matmul (laid out for its reshape) and the q and v
-    gradients' matmuls (written into the concat's buffer; k's, computed transposed, is not)."""
+    gradients' matmuls (written into the concat's buffer); k's, computed transposed, is written
+    there too where its matmul runs by triangular blocks (the kernel computes `b^T a^T`)."""
     _, _, physical, _ = gpt
     flat = flatten(_train_step(physical))
     found = placements(flat, lambda i: flat.nodes[i].facts.takes_out)
@@ -66,10 +68,16 @@ def test_attention_outputs_and_qkv_gradients_are_placed(gpt):
     assert len(own) == 2 and len(into_concat) == 4  # 2 layers
     assert {p.select[2] - p.select[1] for p in into_concat} == {32 // 4}
     assert all(p.perm[-1] == len(p.perm) - 1 for p in found.values())  # rows stay rows
+    with_k = placements(flat, lambda i: flat.nodes[i].facts.takes_out, triangular_matmuls(flat))
+    by_columns = [p for m, p in with_k.items() if p.perm[-1] != len(p.perm) - 1]
+    assert len(with_k) == 8 and len(by_columns) == 2 and all(p.host != m for m, p in with_k.items() if p in by_columns)
     schedule = build_schedule(_train_step(physical), 0)
     concats = [s for s in schedule.steps if s.op is not None and s.op.name == "graph.concat"]
     placed = [d for s in schedule.steps for d in (s.out or ()) if d.stored is not None]
-    assert len(placed) == 6
+    assert len(placed) == 8
+    assert len(build_schedule(_train_step(physical), 0, triangular=False).steps) == len(schedule.steps)
+    assert sum(d.stored is not None for s in build_schedule(_train_step(physical), 0, triangular=False).steps
+               for d in (s.out or ())) == 6
     for c in concats:  # the concat's buffer is the one its placed operands were written into
         assert {d.index for d in placed if d.stored == c.out[0].shape} >= {c.out[0].index}
 

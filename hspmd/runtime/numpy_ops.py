@@ -380,8 +380,9 @@ def rms_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float)
 # ----------------------------------------------------------------------------- indexing
 
 
-#: above this many repeats of one id, the scatter-add runs as `np.add.at` (one pass per repeat otherwise)
-_SCATTER_PASSES = 64
+#: groups of more repeats of one id than this are summed one group at a time (`np.add.reduce`);
+#: the others in one vectorized pass per repeat
+_SCATTER_PASSES = 16
 
 
 def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -390,8 +391,10 @@ def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> np
     The same bits as `np.add.at(out, index, rows)` (each row of `out` gets its rows added one
     by one in order), about 9x faster on a GPT's ids: the rows are grouped by index (a
     stable sort) and the k-th row of every group is added in one vectorized pass, so the
-    passes number the most repeats of one index. With more than `_SCATTER_PASSES` repeats,
-    `np.add.at` itself.
+    passes number the most repeats of one index among the groups of at most `_SCATTER_PASSES`
+    rows. A larger group (a byte-level GPT's space: hundreds of repeats) is added into its row
+    of `out` row after row on its own (`np.add.reduce`, `reduceat` and `accumulate` over the
+    leading axis sum pairwise or cast differently for some shapes and dtypes: other bits).
     """
     if index.size == 0:
         return out
@@ -399,13 +402,16 @@ def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> np
     sorted_index = index[order]
     starts = np.flatnonzero(np.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))
     counts = np.diff(np.append(starts, index.size))
-    if counts.max() > _SCATTER_PASSES:
-        np.add.at(out, index, rows)
-        return out
     grouped = rows[order]
     targets = sorted_index[starts]
-    for k in range(int(counts.max())):
-        more = counts > k
+    large = counts > _SCATTER_PASSES
+    for t, s, c in zip(targets[large], starts[large], counts[large]):
+        acc = out[t]
+        for row in grouped[s:s + c]:
+            np.add(acc, row, out=acc)
+    small = ~large
+    for k in range(int(counts[small].max(initial=0))):
+        more = small & (counts > k)
         out[targets[more]] += grouped[starts[more] + k]
     return out
 

@@ -33,6 +33,7 @@ from hspmd.codegen.schedule.kernel_facts import OutFacts
 from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime import kernel_exec, rows
+from hspmd.runtime.batch_split import BatchSplit, small_batched
 from hspmd.runtime.blas_threads import BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
@@ -40,6 +41,7 @@ from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
+from hspmd.runtime.triangular_matmul import triangular_matmul
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
 KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
@@ -219,8 +221,10 @@ class _Binder:
     """Binds a schedule's steps for one rank: kernels (one per op, and per micro-batch where the
     kernel depends on it), buckets and buffers."""
 
-    def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int) -> None:
+    def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
+                 split_batches: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
+        self.split = BatchSplit() if split_batches and allocate else None
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
         self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes)) for b in schedule.buckets]
@@ -243,6 +247,8 @@ class _Binder:
         match step.kind:
             case "op":
                 assert step.op is not None
+                if step.op.name == "graph.matmul":
+                    return self.matmul(step)
                 k = self.kernel(step.op, step.microbatch)
                 if hasattr(k, "pending"):  # a send: the step's last call waits for its requests
                     self.sends.append(k.pending)
@@ -261,6 +267,21 @@ class _Binder:
             case "wait-sends":
                 return _wait_sends(list(self.sends))
         raise PlanError(f"a schedule step of unknown kind '{step.kind}'")
+
+    def matmul(self, step: Step) -> Callable:
+        """Return the kernel of a `graph.matmul` step: over the non-zero blocks of a triangular
+        operand (causal attention's products), and a batch of small products by halves on two
+        threads (`batch_split`)."""
+        assert step.op is not None
+        if step.triangle:
+            k = triangular_matmul(step.triangle)
+        else:
+            k = self.kernel(step.op, step.microbatch)
+        types = self.schedule.slot_types
+        if (self.split is not None and accepts_out(k)
+                and small_batched(types[step.ins[0]][0], types[step.ins[1]][0])):  # type: ignore[index]
+            k = self.split.wrap(k)
+        return k
 
     def out(self, step: Step) -> tuple[list, list]:
         """Return the `out=` template of a step (arrays, None where a parameter goes) and its
@@ -328,12 +349,12 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
-              threads: int | None = None, blas_threads: str | None = None) -> Plan:
+              threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    plan = _Binder(schedule, communicator, allocate, max(1, threads)).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -345,10 +366,11 @@ def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
+    triangular: bool = True, split_batches: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
-    `bucket_bytes` and `reuse_buffers` are the schedule's (`build_schedule`). `allocate=False`
+    `bucket_bytes`, `reuse_buffers` and `triangular` are the schedule's (`build_schedule`). `allocate=False`
     only sizes the buffers (for reports: such a plan cannot run). `threads` (default: the
     `HSPMD_THREADS` environment variable, else 1) is how many threads run a large row-wise
     kernel; matmuls use BLAS's own threads. (On the 2-core machine these were measured on,
@@ -359,9 +381,15 @@ def build_plan(
     can make BLAS's threads several times slower than one); "fixed" leaves BLAS as it is.
     Under "auto" the bits of a product can depend on the choice where OpenBLAS picks another
     kernel for another thread count (seen on a 33x1000 @ 1000x65 product, not on GPT-tiny's).
+    `triangular` (default True): causal attention's products (`Step.triangle`) computed on
+    their non-zero blocks only (`triangular_matmul`); False: every matmul in full, as written.
+    `split_batches` (default True): a batch of small products (attention's) by halves of the
+    batch on two threads with one BLAS thread each, where BLAS has two or more (`batch_split`).
     """
     try:
-        schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
+        schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
+                                  triangular=triangular)
     except ScheduleError as err:
         raise PlanError(str(err)) from None
-    return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads)
+    return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
+                     split_batches=split_batches)

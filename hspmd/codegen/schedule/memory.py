@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from hspmd.codegen.schedule.flatten import Flat
 from hspmd.codegen.schedule.placement import Placement, placements
+from hspmd.codegen.schedule.triangular import triangular_matmuls
 from hspmd.codegen.schedule.model import BucketSpec, Destination, Schedule, Step, nbytes, step_name
 
 # ops whose result is a view of their first operand (never written through)
@@ -69,7 +70,7 @@ class _Storages:
         return len(self.kind) - 1
 
 
-def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
+def _storages(flat: Flat, reuse_buffers: bool, triangles: dict[int, str]) -> _Storages:
     """Return the storages of `flat` and each slot's aliases (step 1 of the module docstring)."""
     types = flat.types
     st = _Storages(alias=[frozenset()] * len(types))
@@ -82,7 +83,7 @@ def _storages(flat: Flat, reuse_buffers: bool) -> _Storages:
         st.alias[c.slot] = frozenset({st.new("fixed", c.slot)})
     st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
                       and all(types[o] is not None and types[o][0] != () for o in node.outs) for node in flat.nodes]
-    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into)
+    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into, triangles)
     for i, node in enumerate(flat.nodes):
         name = node.op.name if node.op is not None else ""
         poolable = st.out_capable[i]
@@ -269,9 +270,12 @@ def _peak_bytes(flat: Flat, st: _Storages, buffers: list[int], buckets: list[Buc
     return sum(buffers) + peak_fresh + persistent
 
 
-def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bool = True) -> Schedule:
-    """Return the finished schedule of a flat program (see the module docstring)."""
-    st = _storages(flat, reuse_buffers)
+def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bool = True,
+             triangular: bool = True) -> Schedule:
+    """Return the finished schedule of a flat program (see the module docstring); with
+    `triangular`, causal attention's products marked for block products (`triangular.py`)."""
+    triangles = triangular_matmuls(flat) if triangular else {}
+    st = _storages(flat, reuse_buffers, triangles)
     defined, last_use = _liveness(flat, st)
     inplace = _inplace_params(flat, st, defined)
     root = _share_dying_operands(flat, st, inplace)
@@ -285,7 +289,7 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     steps = tuple(
         Step(node.kind, node.op, node.ins, node.outs, node.microbatch,
              _destinations(flat, st, i, root, storage_buffer, inplace), node.facts, tuple(dead_at[i]), node.bucket,
-             node.polls, step_name(node.kind, node.op), node.scope)
+             node.polls, step_name(node.kind, node.op), node.scope, triangles.get(i, ""))
         for i, node in enumerate(flat.nodes)
     )
     updated = {flat.nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}

@@ -129,6 +129,9 @@ class Step:
     `name` is what the step is called in traces (`step_name`: the IR op's name, `kernel.fused
     @NAME` for a fused kernel); `scope` the pipeline function (`pipeline_forward`,
     `pipeline_backward`) whose inlined body holds the step, "" outside a `pipeline.run`.
+    `triangle` says which operand of a `graph.matmul` is triangular and how (causal
+    attention's products, `triangular.TRIANGLES`; "" for any other step), so that a CPU
+    runtime may compute over its non-zero blocks only.
     """
 
     kind: str
@@ -143,6 +146,7 @@ class Step:
     polls: tuple[int, ...] = ()
     name: str = ""
     scope: str = ""
+    triangle: str = ""
 
 
 #: the names of the steps that compute no IR op of their own (`step_name`)

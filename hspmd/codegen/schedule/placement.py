@@ -16,7 +16,9 @@ go away when the matmul writes its result straight into the memory the consumer 
 
 Only results whose rows stay rows qualify (BLAS writes a matrix's rows at any stride, but not
 its columns; computing the transposed product `b^T a^T` instead gave other bits on small
-shapes, so the k gradient of attention, computed transposed, is still copied by the concat),
+shapes), except the products the runtime computes by triangular blocks (`triangular.py`): there
+the kernel computes `b^T a^T` into such a result, with the same bits on attention's shapes
+(tests/test_triangular.py), so attention's k gradient is written into the concat as well;
 and only single-use chains: the matmul's result and every transposed view between it
 and the consumer are used once (by the next transpose or the consumer), and none is a
 program output or assign, so nothing else ever sees the different layout. Values and bits
@@ -25,7 +27,7 @@ are unchanged: the same products, written elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hspmd.codegen.schedule.flatten import Flat
@@ -50,12 +52,17 @@ def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def placements(flat: Flat, pooled: Callable[[int], bool]) -> dict[int, Placement]:
+def placements(flat: Flat, pooled: Callable[[int], bool],
+               triangles: Mapping[int, str] | None = None) -> dict[int, Placement]:
     """Return the placement of every matmul result slot written in its consumer's layout.
 
     `pooled(i)` says whether node i writes its results into schedule buffers (`out=`): both
-    the matmul and a concat consumer must.
+    the matmul and a concat consumer must. `triangles` (node index -> `triangular.TRIANGLES`)
+    are the matmuls whose runtime kernel computes a result laid out by columns as the
+    transposed product (`runtime.triangular_matmul`): those may be placed with their columns
+    strided (attention's k gradient, `q^T @ ds` seen transposed, into the concat).
     """
+    triangles = triangles or {}
     nodes, types = flat.nodes, flat.types
     uses = [0] * len(types)
     producer: dict[int, int] = {}
@@ -90,8 +97,11 @@ def placements(flat: Flat, pooled: Callable[[int], bool]) -> dict[int, Placement
         if steps == 0 or op_name(cur) != "graph.matmul" or len(nodes[i].outs) != 1 or not pooled(i):  # type: ignore[arg-type]
             return None
         back = _inverse(perm)  # the result is stored.transpose(back)
-        if len(back) < 2 or back[-1] != len(back) - 1:  # BLAS writes rows at a stride, not columns
+        if len(back) < 2:
             return None
+        if back[-1] != len(back) - 1:  # BLAS writes rows at a stride, not columns,
+            if back[-2] != len(back) - 1 or i not in triangles:  # unless the kernel computes b^T a^T
+                return None
         return cur, back
 
     found: dict[int, Placement] = {}

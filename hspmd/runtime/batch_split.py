@@ -1,0 +1,78 @@
+"""Small batched products split over the batch, one BLAS thread per half, on two threads.
+
+NumPy multiplies a batch of matrices one product at a time. Attention's products are small
+(64 of them per call, 128 x 64 by 64 x 128 in GPT-tiny): OpenBLAS splits each over its
+threads and waits for them at its end, a wait paid 64 times per call; the block products of
+`triangular_matmul` are smaller still and run on one thread. `BatchSplit` instead runs the two
+halves of the batch at once, on the calling thread and one worker, each product on one BLAS
+thread (OpenBLAS's thread count is set to 1 for the call and restored after it). NumPy releases
+the GIL inside BLAS, so the two halves run on two cores.
+
+Values are those of the whole call: each product is the same BLAS call, and OpenBLAS splits a
+product over threads by rows and columns of the result, never along the sum. The bits are the
+whole call's on attention's shapes (`tests/test_batch_split.py`, `tests/test_triangular.py`);
+for other shapes OpenBLAS may pick another kernel when it runs on one thread (the 33 x 1000 @
+1000 x 65 product of `blas_threads`), so the last bits can differ there
+(`build_plan(split_batches=False)` keeps the calls as they were). Nothing is split where
+BLAS has one thread already (an MPI rank given one core, `blas_threads="auto"` choosing one),
+or where the batch's leading dim is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+#: products of at most this many multiply-adds (m * n * k) count as small
+SMALL_PRODUCT = 1 << 21
+
+
+def small_batched(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+    """Return whether `a @ b` of these shapes is a batch (the same leading dims, the first at
+    least 2) of small products (`SMALL_PRODUCT`)."""
+    if len(a_shape) < 3 or len(a_shape) != len(b_shape) or a_shape[:-2] != b_shape[:-2] or a_shape[0] < 2:
+        return False
+    m, k = a_shape[-2:]
+    return m * k * b_shape[-1] <= SMALL_PRODUCT
+
+
+class BatchSplit:
+    """Runs a batched product kernel by halves of the batch on two threads (see the module docstring)."""
+
+    def __init__(self) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _threads(self) -> int:
+        return min((lib.num_threads for lib in self._blas), default=1)
+
+    def wrap(self, kernel: Callable) -> Callable:
+        """Return `kernel(a, b, out=None)` (an `out=` product over a batch) run by halves."""
+
+        def split(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+            threads = self._threads()
+            if threads < 2 or a.shape[0] < 2:
+                return kernel(a, b, out=out)
+            if out is None:
+                out = np.empty(a.shape[:-1] + b.shape[-1:], np.result_type(a, b))
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hspmd-batch")
+            h = a.shape[0] // 2
+            for lib in self._blas:
+                lib.set_num_threads(1)
+            try:
+                other = self._pool.submit(kernel, a[h:], b[h:], out=out[h:])
+                kernel(a[:h], b[:h], out=out[:h])
+                other.result()
+            finally:
+                for lib in self._blas:
+                    lib.set_num_threads(threads)
+            return out
+
+        split.accepts_out = True  # type: ignore[attr-defined]
+        split.__name__ = f"{getattr(kernel, '__name__', 'matmul')}_by_halves"
+        return split
