@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -78,6 +79,31 @@ def dispatch_seconds() -> float:
     return statistics.median(times[5:]) / len(plan.steps)
 
 
+def _dispatch_worker(_: int) -> float:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # one thread per rank, as `hspmd run` gives ranks that share the cores
+        return dispatch_seconds()
+
+
+def dispatch_seconds_among(k: int) -> float:
+    """Return the seconds per plan step of `dispatch_seconds` measured in `k` processes at once
+    (the median of theirs): the dispatch cost of a rank when k ranks share the machine's cores."""
+    if k == 1:
+        return dispatch_seconds()
+    with multiprocessing.get_context("spawn").Pool(k) as pool:
+        return statistics.median(pool.map(_dispatch_worker, range(k)))
+
+
+def measure_step(k: int, strategy: str, extra: list[str], steps: int, directory: str) -> float:
+    """Return the median step time (rank 0's, after 3 steps) of `hspmd run -n k` under `strategy`."""
+    log = os.path.join(directory, "run.jsonl")
+    hspmd("run", "-n", str(k), SCRIPT, "--strategy", strategy, "--steps", str(steps), "--log", log,
+          *[a for s in SETS + extra for a in ("--set", s)])
+    times = [json.loads(line)["time_s"] for line in open(log) if line.startswith("{")]
+    return statistics.median(times[3:])
+
+
 def main() -> int:
     from hspmd.codegen.cost_model import estimate_cost
     from hspmd.compiler import compile_script
@@ -89,26 +115,20 @@ def main() -> int:
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="hspmd-costbench-")
     try:
-        overhead = dispatch_seconds()
-        print(f"dispatch cost per kernel (a tiny GPT's step / its plan's steps): {overhead * 1e6:.1f} us")
-        profiles = {}
-        for k in sorted({k for k, _, _ in STRATEGIES}):
-            path = os.path.join(directory, f"profile-{k}.json")
-            hspmd("profile", "-n", str(k), "-o", path)
-            profiles[k] = DeviceProfile.load(path)
         rows = []
         for k, strategy, extra in STRATEGIES:
+            # the profile and the dispatch cost just before the run: the load they see is the run's
+            path = os.path.join(directory, f"profile-{k}.json")
+            hspmd("profile", "-n", str(k), "-o", path)
+            overhead = dispatch_seconds_among(k)
             script = load_script(SCRIPT, parse_overrides(SETS + extra))
             compiled = compile_script(script, strategy, k)
-            predicted = estimate_cost(compiled.kernel_groups(), profiles[k], overhead_s=overhead).step_s
-            log = os.path.join(directory, "run.jsonl")
-            hspmd("run", "-n", str(k), SCRIPT, "--strategy", strategy, "--steps", str(args.steps), "--log", log,
-                  *[a for s in SETS + extra for a in ("--set", s)])
-            times = [json.loads(line)["time_s"] for line in open(log) if line.startswith("{")]
-            measured = statistics.median(times[3:])
+            predicted = estimate_cost(compiled.kernel_groups(), DeviceProfile.load(path), overhead_s=overhead).step_s
+            measured = measure_step(k, strategy, extra, args.steps, directory)
             rows.append((k, strategy, extra, predicted, measured))
-            print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} predicted {predicted * 1e3:7.1f} ms  "
-                  f"measured {measured * 1e3:7.1f} ms  ratio {predicted / measured:.2f}", flush=True)
+            print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} dispatch {overhead * 1e6:5.1f} us  "
+                  f"predicted {predicted * 1e3:7.1f} ms  measured {measured * 1e3:7.1f} ms  "
+                  f"ratio {predicted / measured:.2f}  (load {os.getloadavg()[0]:.1f})", flush=True)
         for k in (2, 4):
             some = [r for r in rows if r[0] == k]
             by_model = min(some, key=lambda r: r[3])[1]

@@ -121,10 +121,33 @@ class CollectiveFit:
     group: tuple[int, ...]
     latency_s: float
     bandwidth_bps: float
+    #: measured (nbytes, seconds) at several sizes, by size; empty: the alpha-beta line alone
+    points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, nbytes: float) -> float:
-        """Return the fitted time for a local buffer of `nbytes` bytes."""
-        return self.latency_s + nbytes / self.bandwidth_bps
+        """Return the time for a local buffer of `nbytes` bytes: with `points`, linear between the
+        two measured sizes around it (a collective's algorithm changes with the size, so one line
+        through all sizes misses the middle), the smallest size's time below them and the last
+        segment's slope above; else the alpha-beta line."""
+        pts = self.points
+        if not pts:
+            return self.latency_s + nbytes / self.bandwidth_bps
+        if nbytes <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if nbytes <= x1:
+                return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (nbytes - x1)
+
+    @staticmethod
+    def from_points(kind: str, group: tuple[int, ...], points: Sequence[tuple[float, float]]) -> CollectiveFit:
+        """Return the fit of measured (nbytes, seconds) `points`: the alpha-beta line through the
+        smallest and the largest (for summaries and old readers), and the points themselves."""
+        pts = tuple(sorted((float(b), float(t)) for b, t in points))
+        (b0, t0), (b1, t1) = pts[0], pts[-1]
+        slope = max((t1 - t0) / (b1 - b0), 1e-15) if b1 > b0 else 1e-15
+        return CollectiveFit(kind, tuple(group), max(t0 - slope * b0, 0.0), 1.0 / slope, pts)
 
 
 def ring_seconds(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -189,6 +212,9 @@ class DeviceProfile:
                 raise ProfileError(f"{fit.kind} group {list(fit.group)} names a rank outside 0..{n - 1}")
             if fit.latency_s < 0 or fit.bandwidth_bps <= 0:
                 raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative latency or bandwidth not positive")
+            if any(b <= 0 or t < 0 for b, t in fit.points) or len({b for b, _ in fit.points}) != len(fit.points):
+                raise ProfileError(f"{fit.kind} over {list(fit.group)}: its points need distinct positive sizes "
+                                   "and times that are not negative")
         object.__setattr__(self, "links", dict(self.links))
         object.__setattr__(self, "meta", dict(self.meta))
 
@@ -356,7 +382,9 @@ class DeviceProfile:
             "links": [{"src": a, "dst": b, "latency_s": lk.latency_s, "bandwidth_bps": lk.bandwidth_bps}
                       for (a, b), lk in sorted(self.links.items())],
             "collectives": [{"kind": f.kind, "group": list(f.group), "latency_s": f.latency_s,
-                             "bandwidth_bps": f.bandwidth_bps} for f in self.collectives],
+                             "bandwidth_bps": f.bandwidth_bps,
+                             **({"points": [list(p) for p in f.points]} if f.points else {})}
+                            for f in self.collectives],
         }
 
     @staticmethod
@@ -381,7 +409,9 @@ class DeviceProfile:
             links = {(int(x["src"]), int(x["dst"])): Link(float(x["latency_s"]), float(x["bandwidth_bps"]))
                      for x in data.get("links", [])}
             fits = tuple(CollectiveFit(str(f["kind"]), tuple(int(r) for r in f["group"]), float(f["latency_s"]),
-                                       float(f["bandwidth_bps"])) for f in data.get("collectives", []))
+                                       float(f["bandwidth_bps"]),
+                                       tuple(sorted((float(b), float(t)) for b, t in f.get("points", ()))))
+                         for f in data.get("collectives", []))
             return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
                                  str(data.get("source", "")), dict(data.get("meta", {})))
         except ProfileError as err:

@@ -19,8 +19,14 @@ the share they really get:
 * **point to point**: for each rank pair in turn (the others wait at a barrier), a ping-pong
   of a small and a large message gives a one-way latency and a bandwidth (both directions);
 * **collectives**: every kind of `COLLECTIVES` over the whole world and over every pair,
-  with the project's `MPICommunicator`, at a small and a large buffer; an alpha-beta fit of
-  the two (`CollectiveFit`).
+  with the project's `MPICommunicator`, at the log-spaced sizes of `COLLECTIVE_BYTES` (1 KiB
+  to 4 MiB: the communicator switches algorithm at 256 KiB, so a line through two sizes
+  misses the middle); the fit keeps every size (`CollectiveFit.points`). They are measured as
+  a step meets them: the pairs in rounds of disjoint pairs at once (`measuring_rounds`), every
+  rank outside a measured group computing meanwhile, and a little compute before each timed
+  call; the mean of each window of calls (waits for a member the OS descheduled included,
+  which is what tensor parallelism's many small collectives pay where ranks outnumber cores),
+  the median window, the slowest member.
 
 Rank 0 gathers every rank's numbers and writes the JSON profile. `measure` is the whole
 measurement for one rank; `main` is the rank's entry point.
@@ -46,8 +52,16 @@ MATMUL_SHAPES = ((64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 512, 1024
 #: the elements of the elementwise test arrays, and the row length of the row-kernel test
 ELEMENTWISE_SIZE = 1 << 20
 ROW = 256
-#: buffer sizes (bytes) of the small and the large message / collective
+#: buffer sizes (bytes) of the small and the large message of a ping-pong
 SMALL_BYTES, LARGE_BYTES = 1024, 4 << 20
+#: local buffer sizes (bytes) each collective is measured at: log-spaced, 1 KiB to 4 MiB (the
+#: communicator changes algorithm at 256 KiB; a tensor-parallel activation is often near it)
+COLLECTIVE_BYTES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: timed windows per collective size (the median window's mean is kept)
+WINDOWS = 3
+#: calls of the compute kernel (a 128^3 matmul) before each timed collective, as a step's
+#: kernels come between its collectives
+WORK_BETWEEN = 4
 
 
 class ProfileRunError(RuntimeError):
@@ -169,26 +183,48 @@ def _collective_call(comm, kind: str, group: tuple[int, ...], nbytes: int) -> Ca
     raise ValueError(kind)
 
 
-def _collective(comm, kind: str, group: tuple[int, ...], reps: int) -> CollectiveFit | None:
-    """Return the fit of `kind` over `group` (members only; None elsewhere): the slowest member's best time."""
+def _busy_until(request, work: Callable[[], object]) -> None:
+    """Run `work` again and again until MPI request `request` completes (a rank outside the
+    measured group: it computes, as it would in a step, instead of idling at a barrier)."""
+    while not request.Test():
+        work()
+
+
+def _collective(comm, kind: str, group: tuple[int, ...], reps: int, work: Callable[[], object]) -> CollectiveFit | None:
+    """Return the fit of `kind` over this rank's `group` at every size of `COLLECTIVE_BYTES`
+    (members only; None on a rank in no group, `()`). Every rank calls it at once; the groups
+    of one round are disjoint and measure at the same time.
+
+    The ranks in no group compute (`work`) meanwhile, as the other ranks of a step do, so
+    where ranks outnumber cores a member that the OS deschedules makes its partners wait here as
+    it does in a step. Per size: `WINDOWS` windows of `reps` calls, each window's mean, the
+    median window (a mean keeps the waits for descheduled members; the median drops bursts of
+    unrelated load); the slowest member's.
+    """
     mine = comm.rank in group
+    if not mine:
+        _busy_until(comm.mpi_comm.Ibarrier(), work)
+        comm.mpi_comm.allgather(((), None))
+        return None
     times = []
-    for size in (SMALL_BYTES, LARGE_BYTES):
-        best = float("inf")
-        if mine:
-            call = _collective_call(comm, kind, group, size)
-            call()
+    for size in COLLECTIVE_BYTES:
+        call = _collective_call(comm, kind, group, size)
+        call()
+        means = []
+        for _ in range(WINDOWS):
+            spent = 0.0
             for _ in range(reps):
+                for _ in range(WORK_BETWEEN):  # a step's kernels between two collectives
+                    work()
                 start = time.perf_counter()
                 call()
-                best = min(best, time.perf_counter() - start)
-        times.append(best)
-    everyone = comm.mpi_comm.allgather(times if mine else None)
-    if not mine:
-        return None
-    worst = [max(t[i] for t in everyone if t is not None) for i in range(2)]
-    lat, bw = _fit(*worst)
-    return CollectiveFit(kind, group, lat, bw)
+                spent += time.perf_counter() - start
+            means.append(spent / reps)
+        times.append(sorted(means)[len(means) // 2])
+    comm.mpi_comm.Ibarrier().Wait()
+    everyone = comm.mpi_comm.allgather((group, times))
+    worst = [max(t[i] for g, t in everyone if g == group) for i in range(len(COLLECTIVE_BYTES))]
+    return CollectiveFit.from_points(kind, group, list(zip(COLLECTIVE_BYTES, worst)))
 
 
 def groups_measured(n: int) -> list[tuple[int, ...]]:
@@ -196,6 +232,24 @@ def groups_measured(n: int) -> list[tuple[int, ...]]:
     world = tuple(range(n))
     pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
     return [world] + [p for p in pairs if p != world] if n > 1 else []
+
+
+def measuring_rounds(n: int) -> list[list[tuple[int, ...]]]:
+    """Return `groups_measured(n)` in rounds of disjoint groups measured at once: the world alone,
+    then the pairs as a round-robin tournament (n = 4: (0,1)+(2,3), (0,2)+(1,3), (0,3)+(1,2)), so
+    every rank is busy in each round as in a step (a rank with no pair in a round computes)."""
+    if n < 2:
+        return []
+    rounds: list[list[tuple[int, ...]]] = [[tuple(range(n))]]
+    if n == 2:
+        return rounds
+    seats = list(range(n)) + ([None] if n % 2 else [])  # None: the bye
+    for _ in range(len(seats) - 1):
+        pairs = [tuple(sorted((seats[i], seats[-1 - i]))) for i in range(len(seats) // 2)
+                 if seats[i] is not None and seats[-1 - i] is not None]
+        rounds.append(sorted(pairs))  # type: ignore[arg-type]
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return rounds
 
 
 def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str = "") -> DeviceProfile | None:
@@ -217,9 +271,14 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
                     links[(a, b)] = links[(b, a)] = link
             comm.barrier()
     fits = []
-    for group in groups_measured(n):
+    rng = np.random.default_rng(rank)
+    a, b = (rng.standard_normal((128, 128), dtype=np.float32) for _ in range(2))
+    c = np.empty_like(a)
+    work = lambda: np.matmul(a, b, out=c)  # noqa: E731  (about 0.1 ms: a kernel of a small model's step)
+    for groups in measuring_rounds(n):
+        group = next((g for g in groups if rank in g), ())
         for kind in COLLECTIVES:
-            fit = _collective(comm, kind, group, reps)
+            fit = _collective(comm, kind, group, reps, work)
             if fit is not None and rank == group[0]:
                 fits.append(fit)
             comm.barrier()
