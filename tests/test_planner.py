@@ -3,6 +3,7 @@ that follow device speed, the memory limit, `hspmd plan` and `hspmd run --strate
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -10,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import EXAMPLES, run_cli
+from hspmd.codegen.cost_model import estimate_cost
 from hspmd.codegen.schedule.analysis import matmul_flops
 from hspmd.compiler import compile_script
 from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.script import load_script, parse_overrides
+from hspmd.ir.device_profile import DeviceProfile
 from hspmd.ir.strategy import parse_strategy
 from hspmd.planner import Machine, PlanError, model_facts, plan
 from hspmd.planner.cost import GroupConfig, group_cost
+from hspmd.planner.facts import DataParallelSync
 from hspmd.planner.search import clusters, preference
 
 GPT = os.path.join(EXAMPLES, "gpt.py")
@@ -133,3 +137,82 @@ def test_plan_errors_are_one_line(tmp_path, args, message):
     r = run_cli("hspmd", "plan", GPT, "-n", "2", *args, *SETS, timeout=300)
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+# --- overlap, sequence parallelism, and agreement with the IR cost model ---------------------------
+
+
+def _best(facts, profile, memory=None):
+    fits, _ = plan(facts, Machine(profile), memory)
+    return fits[0]
+
+
+def test_sp_twin_wins_where_replicated_elementwise_work_is_slow_and_loses_where_latency_is(facts):
+    assert facts.sp is not None and facts.tp is not None
+    # sp splits the residual stream's elementwise work over tp, at twice the collectives
+    assert facts.sp.activation_bytes_written < facts.tp.activation_bytes_written
+    assert sum(c for _, _, c in facts.sp.collectives) > sum(c for _, _, c in facts.tp.collectives)
+    for ew, latency, sp_faster in ((0.2, 1e-7, True), (10, 1e-4, False)):
+        fits, _ = plan(facts, Machine(DeviceProfile.uniform(2, elementwise_gbps=ew, latency_s=latency)))
+        by = {c.strategy(): c.step_s for c in fits}
+        assert (by["[0,1]: dp=1 tp=2 sp=1"] < by["[0,1]: dp=1 tp=2"]) == sp_faster
+
+
+def test_the_planner_picks_sp_when_only_its_activation_memory_fits(script, facts):
+    fits, _ = plan(facts, Machine.uniform(4))
+    plain = min(c.memory_bytes for c in fits if not any(g.sp for g in c.groups))
+    best = _best(facts, DeviceProfile.default_cpu(4), memory=plain * 0.99)
+    assert best.groups[0].sp == 1 and best.memory_bytes < plain
+    compile_script(script, best.strategy(), 4, microbatches=best.microbatches, pipeline_schedule=best.schedule)
+
+
+def test_overlap_of_gradient_buckets_makes_dp_the_choice_when_the_profile_hides_them(facts):
+    # a model whose schedule buckets its gradients (8 buckets of 4 MiB), on a slow link: without
+    # overlap the gradient sync costs dp its lead; hidden behind the backward, dp wins
+    big = dataclasses.replace(facts, dp_sync=DataParallelSync(0.0, 0, (4 << 20,) * 8), param_bytes=32 << 20,
+                              state_bytes=64 << 20, matmul_flops=facts.matmul_flops * 2000)
+    slow = dict(bandwidth_gbps=0.5, latency_s=1e-3)
+    hidden = _best(big, DeviceProfile.uniform(2, bucket_overlap=1.0, **slow))
+    exposed = _best(big, DeviceProfile.uniform(2, bucket_overlap=0.0, **slow))
+    assert hidden.strategy() == "[0,1]: dp=2" and exposed.groups[0].dp == 1
+    dp2 = GroupConfig((0, 1), dp=2)
+    with_overlap = group_cost(big, Machine(DeviceProfile.uniform(2, bucket_overlap=1.0, **slow)), dp2, 8)
+    without = group_cost(big, Machine(DeviceProfile.uniform(2, bucket_overlap=0.0, **slow)), dp2, 8)
+    assert with_overlap.dp_hidden_s > 0 and without.dp_hidden_s == 0
+    assert with_overlap.dp_s + with_overlap.dp_hidden_s == pytest.approx(without.dp_s)
+    assert with_overlap.dp_s >= without.dp_s / 8  # the last bucket is always waited for
+
+
+def test_gpt_gradient_sums_are_blocking_as_its_schedule_runs_them(facts):
+    # GPT's optimizer reads each gradient right after its sum: the schedule makes no bucket, so the
+    # planner prices one blocking all-reduce per parameter and overlap changes nothing
+    assert facts.dp_sync.bucket_bytes == () and facts.dp_sync.blocking_calls == facts.param_tensors + 1  # + the loss
+    dp2 = GroupConfig((0, 1), dp=2)
+    costs = [group_cost(facts, Machine(DeviceProfile.uniform(2, bucket_overlap=o)), dp2, 8) for o in (0.0, 1.0)]
+    assert costs[0].dp_s == costs[1].dp_s > 0 and costs[1].dp_hidden_s == 0
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+@pytest.mark.parametrize("strategy, config, m", [
+    ("[0]: dp=1", GroupConfig((0,)), 1),
+    ("[0,1]: dp=2", GroupConfig((0, 1), dp=2), 1),
+    ("[0,1]: tp=2", GroupConfig((0, 1), tp=2), 1),
+    ("[0,1]: tp=2 sp=1", GroupConfig((0, 1), tp=2, sp=1), 1),
+    ("[0,1]: pp=2", GroupConfig((0, 1), pp=2), 2),
+    ("[0-3]: dp=2 tp=2", GroupConfig((0, 1, 2, 3), dp=2, tp=2), 1),
+    ("[0-3]: dp=4", GroupConfig((0, 1, 2, 3), dp=4), 1),
+])
+def test_the_planner_agrees_with_the_ir_cost_model(script, facts, strategy, config, m, overlap):
+    """The planner's price of a candidate (from the facts, without compiling it) stays within 25 %
+    of the IR cost model's over the compiled program, on the same profile and per-kernel cost."""
+    n = len(config.devices)
+    profile = DeviceProfile.uniform(n, gflops=40, elementwise_gbps=10, latency_s=10e-6, bandwidth_gbps=5,
+                                    bucket_overlap=overlap)
+    machine = Machine(profile)
+    schedule = "1f1b" if m > 1 else "gpipe"
+    compiled = compile_script(script, strategy, n, microbatches=m, pipeline_schedule=schedule)
+    ir = estimate_cost(compiled.physical, profile, overhead_s=machine.op_overhead)
+    planned = group_cost(facts, machine, config, facts.rows, m, schedule)
+    assert planned.step_s == pytest.approx(ir.step_s, rel=0.25)
+    if config.tp > 1 and config.dp == 1 and overlap == 0:  # the same collectives, nothing hidden
+        assert planned.tp_s == pytest.approx(max(r.exposed_comm_s for r in ir.ranks), rel=0.25)

@@ -44,7 +44,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 
 
 #: the rates of `DeviceProfile.default_cpu` (the arguments of `DeviceProfile.uniform`)
-DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0}
+DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0, "bucket_overlap": 0.0}
 
 
 class ProfileError(ValueError):
@@ -185,6 +185,10 @@ class DeviceProfile:
     collectives: tuple[CollectiveFit, ...] = ()
     source: str = "synthetic"
     meta: Mapping[str, object] = field(default_factory=dict)
+    #: the part (0..1) of a gradient bucket's all-reduce that hides behind the backward's compute
+    #: (1: a transfer engine of its own, as NCCL on its stream; on CPU ranks the cores that move
+    #: the bytes are the ones computing, so less: `hspmd profile` measures it)
+    bucket_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -215,6 +219,8 @@ class DeviceProfile:
             if any(b <= 0 or t < 0 for b, t in fit.points) or len({b for b, _ in fit.points}) != len(fit.points):
                 raise ProfileError(f"{fit.kind} over {list(fit.group)}: its points need distinct positive sizes "
                                    "and times that are not negative")
+        if not 0.0 <= self.bucket_overlap <= 1.0:
+            raise ProfileError(f"bucket_overlap {self.bucket_overlap!r} is not between 0 and 1")
         object.__setattr__(self, "links", dict(self.links))
         object.__setattr__(self, "meta", dict(self.meta))
 
@@ -223,13 +229,14 @@ class DeviceProfile:
     @staticmethod
     def uniform(n: int, gflops: float = 50.0, elementwise_gbps: float = 5.0, fused_gbps: float | None = None,
                 latency_s: float = 20e-6, bandwidth_gbps: float = 5.0,
-                speed: Sequence[float] | None = None) -> DeviceProfile:
+                speed: Sequence[float] | None = None, bucket_overlap: float = 1.0) -> DeviceProfile:
         """Return a synthetic profile of `n` alike ranks, optionally of unequal speed.
 
         `gflops`: the matmul rate at every size; `elementwise_gbps` / `fused_gbps`: GB/s (1e9
         bytes) moved by elementwise / fused kernels; every link has `latency_s` and
         `bandwidth_gbps`; collectives follow the ring model. `speed[r]` multiplies rank r's
-        compute rates (default all 1.0: `speed=[0.5, 1]` makes rank 0 twice as slow).
+        compute rates (default all 1.0: `speed=[0.5, 1]` makes rank 0 twice as slow);
+        `bucket_overlap` the part of a gradient bucket's transfer that hides behind compute.
         """
         if n < 1:
             raise ProfileError(f"a device profile needs at least one rank, got {n}")
@@ -242,6 +249,7 @@ class DeviceProfile:
                          None if fused_gbps is None else fused_gbps * 1e9)
         return DeviceProfile(
             tuple(base.scaled(f) for f in factors), Link(latency_s, bandwidth_gbps * 1e9),
+            bucket_overlap=bucket_overlap,
             source=f"synthetic: {n} ranks, {gflops:g} GFLOP/s, {elementwise_gbps:g} GB/s elementwise, "
                    f"links {latency_s * 1e6:g} us + {bandwidth_gbps:g} GB/s",
         )
@@ -381,6 +389,7 @@ class DeviceProfile:
                              "bandwidth_bps": self.default_link.bandwidth_bps},
             "links": [{"src": a, "dst": b, "latency_s": lk.latency_s, "bandwidth_bps": lk.bandwidth_bps}
                       for (a, b), lk in sorted(self.links.items())],
+            "bucket_overlap": self.bucket_overlap,
             "collectives": [{"kind": f.kind, "group": list(f.group), "latency_s": f.latency_s,
                              "bandwidth_bps": f.bandwidth_bps,
                              **({"points": [list(p) for p in f.points]} if f.points else {})}
@@ -413,7 +422,8 @@ class DeviceProfile:
                                        tuple(sorted((float(b), float(t)) for b, t in f.get("points", ()))))
                          for f in data.get("collectives", []))
             return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
-                                 str(data.get("source", "")), dict(data.get("meta", {})))
+                                 str(data.get("source", "")), dict(data.get("meta", {})),
+                                 float(data.get("bucket_overlap", 1.0)))
         except ProfileError as err:
             raise ProfileError(f"{where}: {err}") from None
         except KeyError as err:
@@ -449,5 +459,9 @@ class DeviceProfile:
             lines.append(f"  link {a}->{b}: {lk.latency_s * 1e6:.1f} us, {lk.bandwidth_bps / 1e9:.2f} GB/s")
         for f in self.collectives:
             lines.append(f"  {f.kind} over {list(f.group)}: {f.latency_s * 1e6:.1f} us + "
-                         f"{f.bandwidth_bps / 1e9:.2f} GB/s")
+                         f"{f.bandwidth_bps / 1e9:.2f} GB/s"
+                         + (f" (at {len(f.points)} sizes: 1 KiB {f.seconds(1024) * 1e6:.0f} us, 64 KiB "
+                            f"{f.seconds(1 << 16) * 1e6:.0f} us, 1 MiB {f.seconds(1 << 20) * 1e6:.0f} us)"
+                            if f.points else ""))
+        lines.append(f"  gradient buckets: {self.bucket_overlap:.0%} of a transfer hides behind compute")
         return "\n".join(lines) + "\n"

@@ -9,6 +9,12 @@ under a handful of probe strategies and reads their physical IR:
   (peak minus parameters, states and inputs) is the activation memory of the whole batch;
 * `[0,1]: tp=2`: the operand bytes and the number of the collectives tensor parallelism adds
   per step (activations: they scale with the rows a rank computes);
+* `[0,1]: tp=2` and `[0,1]: tp=2 sp=1` again, for what one rank runs (`TensorParallelFacts`):
+  the non-matmul bytes, activation memory and kernels tensor parallelism does not split
+  (without sequence parallelism, the residual stream's), and its collectives by kind;
+* `[0,1]: dp=2`: the gradient all-reduces its schedule runs blocking and those it buckets
+  (`DataParallelSync`: a model whose optimizer reads each gradient as soon as it is summed
+  gets no buckets, so nothing overlaps);
 * `[0,1]: pp=2`: the bytes a stage sends to the next per step;
 * `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
   shapes allow (heads, hidden sizes, vocabulary).
@@ -36,7 +42,7 @@ from hspmd.frontend.script import ModelScript
 from hspmd.ir.strategy import StrategyRecord, parse_strategy
 from hspmd.transforms.util import PassError
 
-__all__ = ["ModelFacts", "model_facts"]
+__all__ = ["DataParallelSync", "ModelFacts", "TensorParallelFacts", "model_facts"]
 
 #: the tp degrees the planner considers (beyond 8, tensor parallelism rarely pays off)
 TP_DEGREES = (2, 4, 8)
@@ -64,10 +70,58 @@ class ModelFacts:
     max_pp: int  # the most pipeline stages the model can be cut into (1: none)
     ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
     param_tensors: int = 1  # trainable parameters (ZeRO syncs each one with its own collectives)
+    # what one rank of `[0,1]: tp=2` runs (its part of the whole batch), and of `[0,1]: tp=2 sp=1`
+    # (`sp` is None when the model cannot run sequence parallelism): see `TensorParallelFacts`
+    tp: TensorParallelFacts | None = None
+    sp: TensorParallelFacts | None = None
+    # the gradient sums of `[0,1]: dp=2` as its schedule runs them: blocking all-reduces
+    # (bytes per call, calls) and bucketed, overlapped ones (bytes of each bucket); None: not read
+    dp_sync: DataParallelSync | None = None
 
     def mean_matmul_flops(self) -> float:
         """Return the FLOPs of an average matmul of the whole batch."""
         return self.matmul_flops / max(1, self.matmul_calls)
+
+
+@dataclass(frozen=True)
+class TensorParallelFacts:
+    """One rank of a tp=2 probe (with or without sequence parallelism), for the whole batch.
+
+    A tp=t rank runs the part of the non-matmul work and activation memory that tensor
+    parallelism splits over t and all of the part it replicates (without sp: the layer norms,
+    residual adds and dropout of the residual stream); with one device's and one tp=2 rank's
+    amounts the two parts are known: split = 2 (one - tp2), replicated = one - split
+    (`per_rank`).
+    """
+
+    activation_bytes_written: float  # bytes its non-matmul, non-optimizer ops write
+    activation_bytes: int  # its planned peak less parameters, states and inputs
+    ops: int  # kernels it runs per step (collectives apart)
+    collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes per call, calls) of the collectives it runs
+
+    @staticmethod
+    def per_rank(one: float, two: float, t: int) -> float:
+        """Return a tp=`t` rank's amount from one device's (`one`) and a tp=2 rank's (`two`)."""
+        split = min(max(2.0 * (one - two), 0.0), one)
+        return (one - split) + split / t
+
+
+@dataclass(frozen=True)
+class DataParallelSync:
+    """The gradient sums one rank of `[0,1]: dp=2` runs per step, as its schedule has them
+    (`build_schedule`: an all-reduce read right after it is made stays blocking; others share
+    buckets that overlap the backward)."""
+
+    blocking_bytes: float  # bytes of the blocking all-reduces over the dp pair, together
+    blocking_calls: int
+    bucket_bytes: tuple[int, ...]  # bytes of each bucket
+
+
+def _dp_sync(physical: ModuleOp) -> DataParallelSync:
+    schedule = build_schedule(_step_fn(physical), 0)
+    blocking = [tensor_nbytes(s.op.operands[0].type) for s in schedule.steps
+                if s.kind == "op" and s.op is not None and s.op.name == "comm.all_reduce"]
+    return DataParallelSync(float(sum(blocking)), len(blocking), tuple(b.nbytes() for b in schedule.buckets))
 
 
 def _step_fn(module: ModuleOp) -> func.FuncOp:
@@ -127,6 +181,31 @@ def _collectives(physical: ModuleOp, ops: tuple[str, ...]) -> tuple[float, int]:
     return total, calls
 
 
+_KINDS = {"comm.all_reduce": "all_reduce", "comm.all_gather": "all_gather", "comm.reduce_scatter": "reduce_scatter",
+          "comm.all_to_all": "all_to_all"}
+
+
+def _collectives_by_kind(physical: ModuleOp) -> tuple[tuple[str, float, int], ...]:
+    """Return (kind, mean bytes per call, calls) per step of the collectives rank 0 runs; bytes
+    are the operand's (all_gather: the result's), as `DeviceProfile.time` takes them."""
+    total: dict[str, list[float]] = {}
+    for row in collective_report(physical):
+        kind = _KINDS.get(row.op)
+        if kind is None or 0 not in row.devices or not any(0 in g for g in row.groups):
+            continue
+        item = 2 if row.element_type in ("f16", "bf16") else 8 if row.element_type in ("f64", "i64") else 4
+        shape = row.result_shape if kind == "all_gather" else row.shape
+        acc = total.setdefault(kind, [0.0, 0])
+        acc[0] += float(np.prod(shape, dtype=np.int64)) * item * row.calls
+        acc[1] += row.calls
+    return tuple((k, b / c, int(c)) for k, (b, c) in sorted(total.items()) if c)
+
+
+def _tensor_parallel(physical: ModuleOp) -> TensorParallelFacts:
+    rank = _one_device(physical)
+    return TensorParallelFacts(rank["act"], rank["activations"], rank["ops"], _collectives_by_kind(physical))
+
+
 def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     """Return the facts of `script` the planner prices candidates with (the module docstring).
 
@@ -140,6 +219,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     verify_logical(logical)
     one = _one_device(to_physical(_layout(logical, "[0]: dp=1")))
     tp_degrees, tp_bytes, tp_calls = [1], 0.0, 0
+    tp_facts = sp_facts = None
     for t in TP_DEGREES:
         if t > max_devices:
             break
@@ -149,8 +229,15 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             break
         tp_degrees.append(t)
         if t == 2:
-            tp_bytes, tp_calls = _collectives(to_physical(annotated), ("comm.all_reduce", "comm.all_gather",
-                                                                      "comm.reduce_scatter", "comm.all_to_all"))
+            physical = to_physical(annotated)
+            tp_bytes, tp_calls = _collectives(physical, ("comm.all_reduce", "comm.all_gather",
+                                                         "comm.reduce_scatter", "comm.all_to_all"))
+            tp_facts = _tensor_parallel(physical)
+            try:
+                sp_facts = _tensor_parallel(to_physical(_layout(logical, "[0,1]: tp=2 sp=1")))
+            except PassError:
+                sp_facts = None  # no function blocks, or a sequence tp does not divide
+    dp_sync = _dp_sync(to_physical(_layout(logical, "[0,1]: dp=2"))) if max_devices >= 2 else None
     pp_bytes, max_pp = 0.0, 1
     if max_devices >= 2:
         try:
@@ -160,4 +247,4 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             pass
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
-                      pp_bytes, max_pp, one["ops"], one["tensors"])
+                      pp_bytes, max_pp, one["ops"], one["tensors"], tp_facts, sp_facts, dp_sync)

@@ -50,6 +50,11 @@ class Machine:
         """Return every rank's elementwise rate, bytes written per second."""
         return tuple(r.elementwise_bps for r in self.profile.ranks)
 
+    @property
+    def bucket_overlap(self) -> float:
+        """Return the part (0..1) of a gradient bucket's all-reduce that hides behind compute."""
+        return self.profile.bucket_overlap
+
     def matmul_rate(self, rank: int, flops_per_call: float) -> float:
         """Return rank's FLOP/s on matmuls of `flops_per_call` FLOPs each."""
         return self.profile.rates(rank).matmul_gflops(flops_per_call) * 1e9

@@ -6,7 +6,8 @@
    cluster (when there are several), and each cluster cut into groups of powers of two (when a
    size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
-   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; for a
+   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; sequence
+   parallelism (sp=1) beside every tp > 1 of a strategy of one group, when the model runs it; for a
    pipeline, 1, 2, 4 or 8 micro-batches (one count for the whole strategy, as the runtime has)
    under 1F1B. Combinations the runtime does not run are left out (several pipelined groups
    with tp and micro-batches; ZeRO in a pipeline beside other groups).
@@ -74,10 +75,10 @@ class Candidate:
         """Return the strategy text (`--strategy`), batch shares as the rows' smallest ratio."""
         if len(self.groups) == 1:
             g = self.groups[0]
-            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero),)))
+            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp),)))
         common = reduce(math.gcd, self.rows)
         pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
-        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero)
+        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp)
                                   for g, r in pairs)))
 
     def settings(self) -> list[str]:
@@ -129,8 +130,12 @@ def _configs(devices: tuple[int, ...], facts: ModelFacts, alone: bool) -> list[G
             if pp > facts.max_pp:
                 continue
             dp = n // (tp * pp)
+            # sequence parallelism where the model runs it, over one group's tp ranks (the runtime
+            # runs it in a strategy of one group)
+            sps = (0, 1) if tp > 1 and alone and facts.sp is not None else (0,)
             for zero in ((0, 1) if dp > 1 and (pp == 1 or alone) else (0,)):
-                out.append(GroupConfig(devices, dp, tp, pp, zero))
+                for sp in sps:
+                    out.append(GroupConfig(devices, dp, tp, pp, zero, sp))
     return out
 
 

@@ -28,6 +28,10 @@ the share they really get:
   which is what tensor parallelism's many small collectives pay where ranks outnumber cores),
   the median window, the slowest member.
 
+* **overlap**: how much of a gradient bucket's all-reduce over the world hides behind compute
+  when run as the runtime runs buckets (non-blocking, a poll after each kernel): on CPU ranks
+  the cores that move the bytes are the ones computing (`_bucket_overlap`).
+
 Rank 0 gathers every rank's numbers and writes the JSON profile. `measure` is the whole
 measurement for one rank; `main` is the rank's entry point.
 """
@@ -57,6 +61,8 @@ SMALL_BYTES, LARGE_BYTES = 1024, 4 << 20
 #: local buffer sizes (bytes) each collective is measured at: log-spaced, 1 KiB to 4 MiB (the
 #: communicator changes algorithm at 256 KiB; a tensor-parallel activation is often near it)
 COLLECTIVE_BYTES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: the all-reduce whose overlap with compute is measured: the runtime's gradient bucket
+OVERLAP_BYTES = 4 << 20
 #: timed windows per collective size (the median window's mean is kept)
 WINDOWS = 3
 #: calls of the compute kernel (a 128^3 matmul) before each timed collective, as a step's
@@ -227,6 +233,54 @@ def _collective(comm, kind: str, group: tuple[int, ...], reps: int, work: Callab
     return CollectiveFit.from_points(kind, group, list(zip(COLLECTIVE_BYTES, worst)))
 
 
+def _bucket_overlap(comm, reps: int, work: Callable[[], object]) -> float:
+    """Return the part (0..1) of a gradient bucket's all-reduce over the world that compute hides,
+    as the runtime runs a bucket: `iall_reduce`, a poll (`test`) after each kernel, `wait`.
+
+    Timed (the median of `reps` each, all ranks together): the blocking all-reduce alone (C),
+    the compute alone (W: `OVERLAP_KERNELS` kernels, about as long as C), and the two
+    overlapped (B); the part hidden is (C + W - B) / min(C, W).
+    """
+    group = tuple(range(comm.size))
+    buf = np.ones(OVERLAP_BYTES // 4, np.float32)
+
+    def timed(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(reps):
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def both() -> None:
+        request = comm.iall_reduce(buf, group, out=buf)
+        for _ in range(kernels):
+            work()
+            request.test()
+        request.wait()
+
+    alone = timed(lambda: comm.all_reduce(buf, group, out=buf))
+    one = timed(work)
+    kernels = max(1, min(1000, round(comm.mpi_comm.allreduce(alone / one, op=_max_op()))))
+    compute = timed(lambda: [work() for _ in range(kernels)])
+    overlapped = timed(both)
+    hidden = (alone + compute - overlapped) / min(alone, compute)
+    return min(1.0, max(0.0, comm.mpi_comm.allreduce(hidden, op=_min_op())))
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _min_op():
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
 def groups_measured(n: int) -> list[tuple[int, ...]]:
     """Return the groups whose collectives are measured: the world, then every pair (n > 2)."""
     world = tuple(range(n))
@@ -282,6 +336,7 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
             if fit is not None and rank == group[0]:
                 fits.append(fit)
             comm.barrier()
+    overlap = _bucket_overlap(comm, reps, work) if n > 1 else 1.0
     gathered = comm.mpi_comm.gather((rates, links, fits, platform.node()), root=0)
     if rank != 0:
         return None
@@ -296,7 +351,7 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
     hosts = sorted({g[3] for g in gathered})
     return DeviceProfile(
         tuple(g[0] for g in gathered), default, all_links, tuple(all_fits),
-        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})",
+        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})", bucket_overlap=overlap,
         meta={"hosts": [g[3] for g in gathered], "reps": reps, "seconds_per_point": seconds_per_point,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_bind": cpu_bind,
               "threads": os.environ.get("OMP_NUM_THREADS", "")},
