@@ -45,8 +45,8 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
 Not modelled: contention between ranks that share cores or links (the profile, measured
 with all ranks at once, holds some of it); MPI's algorithm switches by message size beyond
 the profile's alpha-beta fits; cache effects between kernels; the cost of copying operands
-into a bucket; Python's per-kernel overhead (a few microseconds per step of the schedule:
-`overhead_s`, default 0).
+into a bucket; Python's per-step overhead (a few microseconds per step of the schedule,
+kernels, sums, bucket starts and waits and the polls between: `overhead_s`, default 0).
 """
 
 from __future__ import annotations
@@ -219,20 +219,23 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
                 w.per_mb[_phase(op)] += spent
         elif step.kind == "sum":
             spent = profile.elementwise_seconds(rank, 3 * sum(
-                _slot_bytes(schedule, s) for s in step.outs))
+                _slot_bytes(schedule, s) for s in step.outs)) + overhead_s
             w.compute += spent
+        elif step.kind == "poll":  # a Python call of the plan like any kernel's (MPI's test inside)
+            spent = overhead_s
+            w.exposed += spent
         elif step.kind == "bucket-start" and step.bucket is not None:
             spec = schedule.buckets[step.bucket]
             t = profile.time("all_reduce", spec.group, spec.nbytes())
             # the part that cannot hide costs the rank's own time (its cores move the bytes);
             # the rest goes over the network while the clock runs on
-            spent = (1.0 - profile.bucket_overlap) * t
+            spent = (1.0 - profile.bucket_overlap) * t + overhead_s
             w.exposed += spent
             start = max(now + spent, net_free)
             net_free = done[step.bucket] = start + profile.bucket_overlap * t
             w.comm += t
         elif step.kind == "bucket-wait" and step.bucket is not None:
-            spent = max(0.0, done.get(step.bucket, now) - now)
+            spent = max(0.0, done.get(step.bucket, now) - now) + overhead_s
             w.exposed += spent
         now += spent
     return w
