@@ -145,14 +145,16 @@ def main() -> int:
             script = load_script(SCRIPT, parse_overrides(SETS + extra))
             compiled = compile_script(script, strategy, k)
             profile = DeviceProfile.load(path)
-            predicted = estimate_cost(compiled.kernel_groups(), profile, overhead_s=overhead).step_s
+            estimate = estimate_cost(compiled.kernel_groups(), profile, overhead_s=overhead)
+            predicted, slowest = estimate.step_s, estimate.ranks[estimate.slowest_rank]
             planned = planner_seconds(facts, profile, overhead, strategy, extra)
             measured = measure_step(k, strategy, extra, args.steps, directory)
             rows.append((k, strategy, extra, predicted, measured, planned))
             print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} dispatch {overhead * 1e6:5.1f} us  "
                   f"predicted {predicted * 1e3:7.1f} ms  planner {planned * 1e3:7.1f} ms  "
                   f"measured {measured * 1e3:7.1f} ms  ratio {predicted / measured:.2f}  "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                  f"(compute {slowest.compute_s * 1e3:.1f}, communication {slowest.exposed_comm_s * 1e3:.1f}, "
+                  f"bubble {slowest.bubble_s * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f})", flush=True)
         for k in (2, 4):
             some = [r for r in rows if r[0] == k]
             by_model = min(some, key=lambda r: r[3])[1]

@@ -7,8 +7,10 @@ of the group):
 * compute: the matmul FLOPs of its rows and its 1/(tp*pp) of the model at the group's slowest
   matmul rate for matmuls of that size, plus the bytes its other ops write at its elementwise
   rate (the optimizer's update over its parameter shard); the largest stage sets the pace
-  (ceil(layers/pp) layers against layers/pp); and a fixed cost per kernel launched (each
-  micro-batch runs its stage's kernels again). Under tp the non-matmul work and the
+  (ceil(layers/pp) layers against layers/pp); and a fixed cost per step of the plan (each
+  micro-batch runs its stage's kernels again; a tp rank's plan also starts, polls and waits
+  for buckets, and under dp and tp together the gradient buckets are polled after each
+  kernel of the backward). Under tp the non-matmul work and the
   activation memory are not all split: without sp the residual stream's layer norms, adds
   and dropout run whole on every tp rank; the split and the replicated parts come from the
   tp=2 and tp=2 sp=1 probes (`facts.TensorParallelFacts`);
@@ -29,8 +31,13 @@ of the group):
   computing: `hspmd profile` measured o near 0 on this project's 2-core machine). ZeRO: a
   reduce-scatter of each parameter's gradient and an all-gather of the parameter, per
   tensor, unbucketed and blocking;
+* ep (a mixture-of-experts model): the batch splits over dp * ep ranks and the experts over
+  ep, so a rank computes what a dp rank would; the all-to-alls of an ep=2 rank (tokens to the
+  experts and back, and their gradients), scaled to the rows, blocking (priced with tp's
+  collectives); the other parameters' gradients summed over dp * ep, the experts' over dp;
 * memory: parameters, gradients and optimizer states of its shard (states over dp with
-  ZeRO), and the activations of its rows (GPipe keeps every micro-batch's, 1F1B at most pp).
+  ZeRO; experts over ep), and the activations of its rows (GPipe keeps every micro-batch's,
+  1F1B at most pp).
 
 Rough, by design: it ranks candidates, the measured run is the truth (`hspmd run --log`).
 """
@@ -61,6 +68,7 @@ class GroupConfig:
     pp: int = 1
     zero: int = 0
     sp: int = 0  # sequence parallelism over the tp ranks (needs tp > 1)
+    ep: int = 1  # expert parallelism (a mixture-of-experts model): the batch splits over dp * ep
 
 
 @dataclass(frozen=True)
@@ -86,18 +94,26 @@ class GroupCost:
 
 def _ring_groups(config: GroupConfig) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Return one dp, one tp and one pp group of rank 0 of `config` (devices stage-major, then
-    dp, then tp, as the strategy lays them out)."""
+    dp, then ep, then tp, as the strategy lays them out); with ep, the "dp" group is every rank
+    that splits the batch (dp * ep of them)."""
     d = config.devices
     tp = d[: config.tp]
-    dp = d[: config.dp * config.tp: config.tp]
-    pp = d[:: config.dp * config.tp]
+    dp = d[: config.dp * config.ep * config.tp: config.tp]
+    pp = d[:: config.dp * config.ep * config.tp]
     return dp, tp, pp
+
+
+def _ep_groups(config: GroupConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Return rank 0's ep group (the ranks that swap tokens) and its dp group over the experts
+    (the ranks holding the same experts)."""
+    d, t, e = config.devices, config.tp, config.ep
+    return d[: e * t: t], d[: config.dp * e * t: e * t]
 
 
 def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: int, m: int = 1,
                schedule: str = "gpipe") -> GroupCost:
     """Return the cost of `config` computing `rows` of the batch in `m` micro-batches."""
-    dp, tp, pp = config.dp, config.tp, config.pp
+    dp, tp, pp, ep = config.dp * config.ep, config.tp, config.pp, config.ep  # the batch splits over dp * ep
     # of the batch's work, per dp rank: the busiest (rows need not divide: the first ranks take one more)
     frac = math.ceil(rows / dp) * dp / facts.rows
     part = frac / dp  # one rank's part of the batch
@@ -115,7 +131,10 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         written, activations, ops = facts.activation_bytes_written / tp, facts.activation_bytes / tp, facts.ops
     work = (facts.matmul_flops * part / shard / mm_rate + written * part / pp / ew_rate) * imbalance
     compute = work + facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
-    compute += ops * m / pp * machine.op_overhead  # every micro-batch runs its stage's kernels
+    steps = ops + (probe.steps if probe is not None else 0)
+    if tp > 1 and dp > 1 and not config.zero:  # the dp sums go into buckets, polled after each backward kernel
+        steps += BACKWARD_SHARE * ops
+    compute += steps * m / pp * machine.op_overhead  # every micro-batch runs its stage's plan steps
     bubble = compute * (pp - 1) / m
     dp_group, tp_group, pp_group = _ring_groups(config)
     tp_s = 0.0
@@ -131,7 +150,21 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         pp_s = 2 * machine.collective("send", pp_group[:2], facts.pp_bytes * frac / dp / m, m)
     grads = facts.param_bytes / shard
     dp_s = dp_hidden = 0.0
-    if dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
+    if ep > 1 and facts.ep is not None:
+        moe = facts.ep
+        ep_group, expert_dp = _ep_groups(config)
+        if moe.all_to_all[1]:  # the ep=2 rank's all-to-alls moved half the batch
+            nbytes, calls = moe.all_to_all
+            tp_s += machine.collective("all_to_all", ep_group, nbytes * 2 * part / m, max(1, round(calls * m / pp)))
+        grads = (facts.param_bytes - moe.expert_param_bytes * (1 - 1 / ep)) / shard
+        sync = moe.sync  # the other parameters' gradients: over every rank of the batch
+        if sync.blocking_calls:
+            dp_s = machine.collective("all_reduce", dp_group, sync.blocking_bytes / sync.blocking_calls / tp,
+                                      max(1, round(sync.blocking_calls / pp)))
+        if config.dp > 1:  # the experts' gradients: over the ranks holding the same experts
+            dp_s += machine.collective("all_reduce", expert_dp, moe.expert_param_bytes / moe.expert_tensors / ep
+                                       / shard, max(1, round(moe.expert_tensors / pp)))
+    elif dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
         calls = max(1, facts.param_tensors)
         dp_s = sum(machine.collective(k, dp_group, grads / calls, calls) for k in ("reduce_scatter", "all_gather"))
     elif dp > 1 and facts.dp_sync is not None:  # as the dp=2 probe's schedule runs them, on this shard
@@ -151,7 +184,8 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         dp_s = _exposed(total, buckets, BACKWARD_SHARE * work, machine.bucket_overlap)
         dp_hidden = total - dp_s
     in_flight = 1.0 if schedule == "gpipe" or pp == 1 else min(pp, m) / m
-    memory = 2 * grads + facts.state_bytes / (shard * (dp if config.zero else 1)) + activations * part / pp * in_flight
+    states = facts.state_bytes * (grads * shard / facts.param_bytes if ep > 1 and facts.param_bytes else 1.0)
+    memory = 2 * grads + states / (shard * (dp if config.zero else 1)) + activations * part / pp * in_flight
     return GroupCost(compute, bubble, tp_s, pp_s, dp_s, memory, dp_hidden)
 
 

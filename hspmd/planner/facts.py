@@ -15,6 +15,8 @@ under a handful of probe strategies and reads their physical IR:
 * `[0,1]: dp=2`: the gradient all-reduces its schedule runs blocking and those it buckets
   (`DataParallelSync`: a model whose optimizer reads each gradient as soon as it is summed
   gets no buckets, so nothing overlaps);
+* `[0,1]: ep=2`, for a model with expert layers: the expert weights' bytes and the all-to-alls
+  and gradient sums of one rank (`ExpertParallelFacts`);
 * `[0,1]: pp=2`: the bytes a stage sends to the next per step;
 * `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
   shapes allow (heads, hidden sizes, vocabulary).
@@ -42,7 +44,7 @@ from hspmd.frontend.script import ModelScript
 from hspmd.ir.strategy import StrategyRecord, parse_strategy
 from hspmd.transforms.util import PassError
 
-__all__ = ["DataParallelSync", "ModelFacts", "TensorParallelFacts", "model_facts"]
+__all__ = ["DataParallelSync", "ExpertParallelFacts", "ModelFacts", "TensorParallelFacts", "model_facts"]
 
 #: the tp degrees the planner considers (beyond 8, tensor parallelism rarely pays off)
 TP_DEGREES = (2, 4, 8)
@@ -77,6 +79,8 @@ class ModelFacts:
     # the gradient sums of `[0,1]: dp=2` as its schedule runs them: blocking all-reduces
     # (bytes per call, calls) and bucketed, overlapped ones (bytes of each bucket); None: not read
     dp_sync: DataParallelSync | None = None
+    # a mixture-of-experts model's expert parallelism (`[0,1]: ep=2`); None: no expert layers
+    ep: ExpertParallelFacts | None = None
 
     def mean_matmul_flops(self) -> float:
         """Return the FLOPs of an average matmul of the whole batch."""
@@ -98,6 +102,7 @@ class TensorParallelFacts:
     activation_bytes: int  # its planned peak less parameters, states and inputs
     ops: int  # kernels it runs per step (collectives apart)
     collectives: tuple[tuple[str, float, int], ...]  # (kind, bytes per call, calls) of the collectives it runs
+    steps: int = 0  # the other steps of its plan (bucket starts and waits, polls): each costs a dispatch
 
     @staticmethod
     def per_rank(one: float, two: float, t: int) -> float:
@@ -115,6 +120,51 @@ class DataParallelSync:
     blocking_bytes: float  # bytes of the blocking all-reduces over the dp pair, together
     blocking_calls: int
     bucket_bytes: tuple[int, ...]  # bytes of each bucket
+
+
+@dataclass(frozen=True)
+class ExpertParallelFacts:
+    """What expert parallelism changes, read from one device and one rank of `[0,1]: ep=2`.
+
+    ep ranks split the batch as dp ranks do and the expert weights along the expert dim, so
+    a rank computes what a dp rank would (its experts for every token of its ep group), holds
+    1/ep of the experts, moves tokens to the experts and back by all-to-alls, and sums the
+    other parameters' gradients over dp*ep ranks but the experts' over dp only.
+    """
+
+    experts: int  # experts per layer (an ep degree divides it)
+    expert_param_bytes: int  # the expert weights (gradients alike), whole
+    expert_tensors: int  # how many expert weights (each summed over dp with its own all-reduce)
+    all_to_all: tuple[float, int]  # (bytes per call, calls) of an ep=2 rank: half the batch
+    sync: DataParallelSync  # the gradient sums of an ep=2 rank (the non-expert parameters)
+
+
+def _expert_weights(fn: func.FuncOp) -> list[tuple[int, ...]]:
+    """Return the shapes of the expert weights of a one-device step: the right operands of
+    `graph.expert_matmul` that are parameters [E, k, n] (looked up through calls)."""
+    shapes = set()
+    for op in fn.parent_op().walk():
+        if isinstance(op, graph.ExpertMatmulOp):
+            t = op.operands[1].type
+            shapes.add(tuple(t.get_shape()))  # type: ignore[attr-defined]
+    params = [tuple(op.result.type.get_shape()) for op in fn.walk()  # type: ignore[attr-defined]
+              if isinstance(op, graph.ParameterOp) and not op.tensor_name.data.startswith(STATE_PREFIX)]
+    return [p for p in params if p in shapes and len(p) == 3]
+
+
+def _expert_parallel(logical: ModuleOp, one: dict, one_physical: ModuleOp) -> ExpertParallelFacts | None:
+    weights = _expert_weights(_step_fn(one_physical))
+    if not weights:
+        return None
+    experts = weights[0][0]
+    try:
+        physical = to_physical(_layout(logical, "[0,1]: ep=2"))
+    except PassError:
+        return None
+    rank = _one_device(physical)
+    by_kind = {k: (b, c) for k, b, c in _collectives_by_kind(physical)}
+    return ExpertParallelFacts(experts, 2 * (one["params"] - rank["params"]), len(weights),
+                               by_kind.get("all_to_all", (0.0, 0)), _dp_sync(physical))
 
 
 def _dp_sync(physical: ModuleOp) -> DataParallelSync:
@@ -203,7 +253,8 @@ def _collectives_by_kind(physical: ModuleOp) -> tuple[tuple[str, float, int], ..
 
 def _tensor_parallel(physical: ModuleOp) -> TensorParallelFacts:
     rank = _one_device(physical)
-    return TensorParallelFacts(rank["act"], rank["activations"], rank["ops"], _collectives_by_kind(physical))
+    steps = sum(1 for s in build_schedule(_step_fn(physical), 0).steps if s.kind in ("poll", "bucket-start", "bucket-wait"))
+    return TensorParallelFacts(rank["act"], rank["activations"], rank["ops"], _collectives_by_kind(physical), steps)
 
 
 def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
@@ -217,7 +268,8 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     logical = trace_script(script)
     run_passes(logical, training_passes(script_optimizer(script), loss_scale(script)))
     verify_logical(logical)
-    one = _one_device(to_physical(_layout(logical, "[0]: dp=1")))
+    one_physical = to_physical(_layout(logical, "[0]: dp=1"))
+    one = _one_device(one_physical)
     tp_degrees, tp_bytes, tp_calls = [1], 0.0, 0
     tp_facts = sp_facts = None
     for t in TP_DEGREES:
@@ -238,6 +290,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             except PassError:
                 sp_facts = None  # no function blocks, or a sequence tp does not divide
     dp_sync = _dp_sync(to_physical(_layout(logical, "[0,1]: dp=2"))) if max_devices >= 2 else None
+    ep_facts = _expert_parallel(logical, one, one_physical) if max_devices >= 2 else None
     pp_bytes, max_pp = 0.0, 1
     if max_devices >= 2:
         try:
@@ -247,4 +300,4 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             pass
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
-                      pp_bytes, max_pp, one["ops"], one["tensors"], tp_facts, sp_facts, dp_sync)
+                      pp_bytes, max_pp, one["ops"], one["tensors"], tp_facts, sp_facts, dp_sync, ep_facts)
