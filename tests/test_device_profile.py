@@ -140,3 +140,18 @@ def test_collective_points_survive_json_and_bad_points_are_refused(tmp_path):
     bad["collectives"][0]["points"] = [[0, 1e-5], [1024, 2e-5]]
     with pytest.raises(ProfileError, match="distinct positive sizes"):
         DeviceProfile.from_json(bad)
+
+
+def test_resync_cost_is_kept_looked_up_by_group_size_and_grows_with_the_compute_apart():
+    fit = CollectiveFit.from_points("all_reduce", (0, 1), [(1024, 1e-5), (1 << 20, 1e-3)])
+    fit = CollectiveFit(fit.kind, fit.group, fit.latency_s, fit.bandwidth_bps, fit.points, 2e-4, 1e-3)
+    base = DeviceProfile.uniform(3)
+    prof = DeviceProfile(base.ranks, base.default_link, {}, (fit,))
+    assert DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    assert prof.resync_seconds("all_reduce", [1, 0], 1e-3) == 2e-4  # measured after 1 ms of compute
+    assert prof.resync_seconds("all_reduce", [1, 0], 5e-3) == 2e-4  # at most that
+    assert prof.resync_seconds("all_reduce", [1, 0], 0.25e-3) == pytest.approx(0.5e-4)  # less compute, less drift
+    assert prof.resync_seconds("all_reduce", [0, 1], 0.0) == 0.0  # a burst: nothing computed between
+    assert prof.resync_seconds("all_reduce", [1, 2], 1e-3) == 2e-4  # a pair like the measured one
+    assert prof.resync_seconds("all_reduce", [0, 1, 2], 1e-3) == 0.0 == prof.resync_seconds("all_gather", [0, 1], 1)
+    assert prof.resync_seconds("all_reduce", [0], 1.0) == 0.0

@@ -11,7 +11,11 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
   micro-batch sums) by the bytes of its operands and results at the elementwise rate; views
   (reshape, transpose, broadcast, split, slice, a micro-batch's slice) cost nothing.
 * **blocking communication**: each collective by `DeviceProfile.time(kind, group, nbytes)`
-  with the rank's group and the local operand's bytes (all_gather: the result's);
+  with the rank's group and the local operand's bytes (all_gather: the result's), plus the
+  the profile's `resync_seconds` for the compute the rank did since its last blocking
+  collective (the wait for a member the compute left behind, likelier the longer they
+  computed apart: tp's collectives after whole kernels pay it, the gradient sums with only
+  an optimizer update between them little);
   `comm.local_split` / `local_zero` are local (free); a `comm.recv` costs the link's time
   for its message; a `comm.send` is non-blocking in the runtime, so it costs the receiver,
   not the sender; a `comm.exchange` the time of the bytes the rank sends over the slowest
@@ -204,16 +208,23 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
     w = _Walk()
     now, net_free = 0.0, 0.0
     done: dict[int, float] = {}
+    apart = 0.0  # seconds computed since the last blocking collective: the members may have drifted apart
     for step in schedule.steps:
         spent = 0.0
         if step.kind == "op" and step.op is not None:
             op = step.op
             if op.dialect_name() == "comm":
                 spent = comm_seconds(op, rank, profile)
+                kind = _COLLECTIVE_KIND.get(op.name)
+                if kind is not None:
+                    group = group_of(op.rank_groups, rank, op)  # type: ignore[attr-defined]
+                    spent += profile.resync_seconds(kind, group, apart)
+                    apart = 0.0
                 w.comm += spent
                 w.exposed += spent
             else:
                 spent = compute_seconds(op, rank, profile) + overhead_s
+                apart += spent
                 w.compute += spent
             if step.microbatch is not None:
                 w.per_mb[_phase(op)] += spent

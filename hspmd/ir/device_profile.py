@@ -44,7 +44,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 
 
 #: the rates of `DeviceProfile.default_cpu` (the arguments of `DeviceProfile.uniform`)
-DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0, "bucket_overlap": 0.0}
+DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0,
+               "bucket_overlap": 0.0}
 
 
 class ProfileError(ValueError):
@@ -123,6 +124,11 @@ class CollectiveFit:
     bandwidth_bps: float
     #: measured (nbytes, seconds) at several sizes, by size; empty: the alpha-beta line alone
     points: tuple[tuple[float, float], ...] = ()
+    #: seconds more a call costs when the members computed `resync_after_s` seconds since their
+    #: last collective together (the wait for a member the compute left behind: descheduled, or
+    #: slower); 0: not measured
+    resync_s: float = 0.0
+    resync_after_s: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
         """Return the time for a local buffer of `nbytes` bytes: with `points`, linear between the
@@ -216,6 +222,8 @@ class DeviceProfile:
                 raise ProfileError(f"{fit.kind} group {list(fit.group)} names a rank outside 0..{n - 1}")
             if fit.latency_s < 0 or fit.bandwidth_bps <= 0:
                 raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative latency or bandwidth not positive")
+            if fit.resync_s < 0 or fit.resync_after_s < 0:
+                raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative resync_s or resync_after_s")
             if any(b <= 0 or t < 0 for b, t in fit.points) or len({b for b, _ in fit.points}) != len(fit.points):
                 raise ProfileError(f"{fit.kind} over {list(fit.group)}: its points need distinct positive sizes "
                                    "and times that are not negative")
@@ -370,6 +378,19 @@ class DeviceProfile:
             return f.seconds(nbytes) * max(ratio, 1e-9)
         return ring_seconds(kind, n, nbytes, slow)
 
+    def resync_seconds(self, kind: str, group: Sequence[int], apart_s: float) -> float:
+        """Return what collective `kind` over `group` costs more after its members computed
+        `apart_s` seconds apart: `CollectiveFit.resync_s` in proportion to `apart_s` up to the
+        compute it was measured after (the longer they compute apart, the likelier one is left
+        behind), then all of it. The exact group's fit, else one of the same size's, else 0."""
+        if len(set(group)) <= 1 or apart_s <= 0:
+            return 0.0
+        fit = self.fit(kind, group) or next((f for f in self.collectives if f.kind == kind
+                                             and len(set(f.group)) == len(set(group))), None)
+        if fit is None or not fit.resync_s:
+            return 0.0
+        return fit.resync_s * (min(1.0, apart_s / fit.resync_after_s) if fit.resync_after_s > 0 else 1.0)
+
     # -- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -392,7 +413,9 @@ class DeviceProfile:
             "bucket_overlap": self.bucket_overlap,
             "collectives": [{"kind": f.kind, "group": list(f.group), "latency_s": f.latency_s,
                              "bandwidth_bps": f.bandwidth_bps,
-                             **({"points": [list(p) for p in f.points]} if f.points else {})}
+                             **({"points": [list(p) for p in f.points]} if f.points else {}),
+                             **({"resync_s": f.resync_s, "resync_after_s": f.resync_after_s}
+                                if f.resync_s else {})}
                             for f in self.collectives],
         }
 
@@ -419,7 +442,8 @@ class DeviceProfile:
                      for x in data.get("links", [])}
             fits = tuple(CollectiveFit(str(f["kind"]), tuple(int(r) for r in f["group"]), float(f["latency_s"]),
                                        float(f["bandwidth_bps"]),
-                                       tuple(sorted((float(b), float(t)) for b, t in f.get("points", ()))))
+                                       tuple(sorted((float(b), float(t)) for b, t in f.get("points", ()))),
+                                       float(f.get("resync_s", 0.0)), float(f.get("resync_after_s", 0.0)))
                          for f in data.get("collectives", []))
             return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
                                  str(data.get("source", "")), dict(data.get("meta", {})),
@@ -462,6 +486,7 @@ class DeviceProfile:
                          f"{f.bandwidth_bps / 1e9:.2f} GB/s"
                          + (f" (at {len(f.points)} sizes: 1 KiB {f.seconds(1024) * 1e6:.0f} us, 64 KiB "
                             f"{f.seconds(1 << 16) * 1e6:.0f} us, 1 MiB {f.seconds(1 << 20) * 1e6:.0f} us)"
-                            if f.points else ""))
+                            if f.points else "")
+                         + (f"; {f.resync_s * 1e6:.0f} us more after compute" if f.resync_s else ""))
         lines.append(f"  gradient buckets: {self.bucket_overlap:.0%} of a transfer hides behind compute")
         return "\n".join(lines) + "\n"

@@ -18,17 +18,20 @@ of the group):
   a stage still waits for its neighbours' micro-batches, and a send is non-blocking on this
   runtime, so nothing else overlaps);
 * tp: the collectives of a tp=2 (or tp=2 sp=1) rank by kind, scaled to the rows, per
-  micro-batch and stage, each blocking (the next kernel reads it: nothing overlaps them);
+  micro-batch and stage, each blocking (the next kernel reads it: nothing overlaps them) and
+  each after compute (so each pays the machine's resynchronisation cost for the compute
+  before it, `Machine.resync`; a gradient sum has one parameter's optimizer update before it);
   sp trades each all-reduce for a reduce-scatter and an all-gather (the same bytes, twice
   the latencies) for the split residual stream;
 * pp: the sends between stages, one per micro-batch each way;
 * dp: the gradient all-reduces over the dp ranks as the dp=2 probe's schedule runs them
   (`facts.DataParallelSync`): the blocking ones each whole (a model whose optimizer reads
   each gradient right after its sum, GPT here, gets only these: nothing overlaps), the
-  bucketed ones overlapped as the runtime overlaps them: the machine's `bucket_overlap` o of each bucket's time t goes on while the
-  backward computes (all buckets but the last hide behind what is left of the backward), the
-  rest, (1 - o) t, costs the rank (on CPU ranks the cores that move the bytes are the ones
-  computing: `hspmd profile` measured o near 0 on this project's 2-core machine). ZeRO: a
+  bucketed ones overlapped as the runtime overlaps them: the machine's `bucket_overlap` o of
+  each bucket's time t goes on while the backward computes (all buckets but the last hide
+  behind what is left of the backward), the rest, (1 - o) t, costs the rank (on CPU ranks
+  the cores that move the bytes are the ones computing: `hspmd profile` measured o near 0 on
+  this project's 2-core machine). ZeRO: a
   reduce-scatter of each parameter's gradient and an all-gather of the parameter, per
   tensor, unbucketed and blocking;
 * ep (a mixture-of-experts model): the batch splits over dp * ep ranks and the experts over
@@ -130,7 +133,8 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     else:
         written, activations, ops = facts.activation_bytes_written / tp, facts.activation_bytes / tp, facts.ops
     work = (facts.matmul_flops * part / shard / mm_rate + written * part / pp / ew_rate) * imbalance
-    compute = work + facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
+    update_s = facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
+    compute = work + update_s
     steps = ops + (probe.steps if probe is not None else 0)
     if tp > 1 and dp > 1 and not config.zero:  # the dp sums go into buckets, polled after each backward kernel
         steps += BACKWARD_SHARE * ops
@@ -140,11 +144,13 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     tp_s = 0.0
     if tp > 1 and probe is not None and probe.collectives:
         # each collective of a tp=2 rank, on this rank's rows per micro-batch, every micro-batch
-        tp_s = sum(machine.collective(kind, tp_group, nbytes * part / m, max(1, round(calls * m / pp)))
-                   for kind, nbytes, calls in probe.collectives)
+        between = compute / max(1, sum(c for _, _, c in probe.collectives) * m)  # compute before each
+        tp_s = sum(machine.collective(kind, tp_group, nbytes * part / m, n) + machine.resync(kind, tp_group, between, n)
+                   for kind, nbytes, calls in probe.collectives for n in [max(1, round(calls * m / pp))])
     elif tp > 1:
         calls = max(1, round(facts.tp_calls * m / pp))
         tp_s = machine.collective("all_reduce", tp_group, facts.tp_bytes * frac / dp / pp / m, calls)
+        tp_s += machine.resync("all_reduce", tp_group, compute / calls, calls)
     pp_s = 0.0
     if pp > 1:
         pp_s = 2 * machine.collective("send", pp_group[:2], facts.pp_bytes * frac / dp / m, m)
@@ -155,23 +161,29 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         ep_group, expert_dp = _ep_groups(config)
         if moe.all_to_all[1]:  # the ep=2 rank's all-to-alls moved half the batch
             nbytes, calls = moe.all_to_all
-            tp_s += machine.collective("all_to_all", ep_group, nbytes * 2 * part / m, max(1, round(calls * m / pp)))
+            n = max(1, round(calls * m / pp))
+            tp_s += machine.collective("all_to_all", ep_group, nbytes * 2 * part / m, n)
+            tp_s += machine.resync("all_to_all", ep_group, compute / n, n)
         grads = (facts.param_bytes - moe.expert_param_bytes * (1 - 1 / ep)) / shard
         sync = moe.sync  # the other parameters' gradients: over every rank of the batch
         if sync.blocking_calls:
             dp_s = machine.collective("all_reduce", dp_group, sync.blocking_bytes / sync.blocking_calls / tp,
                                       max(1, round(sync.blocking_calls / pp)))
+            dp_s += machine.resync("all_reduce", dp_group, update_s / sync.blocking_calls, calls=sync.blocking_calls)
         if config.dp > 1:  # the experts' gradients: over the ranks holding the same experts
             dp_s += machine.collective("all_reduce", expert_dp, moe.expert_param_bytes / moe.expert_tensors / ep
                                        / shard, max(1, round(moe.expert_tensors / pp)))
     elif dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
         calls = max(1, facts.param_tensors)
         dp_s = sum(machine.collective(k, dp_group, grads / calls, calls) for k in ("reduce_scatter", "all_gather"))
+        dp_s += machine.resync("reduce_scatter", dp_group, update_s / calls, calls)
     elif dp > 1 and facts.dp_sync is not None:  # as the dp=2 probe's schedule runs them, on this shard
         sync = facts.dp_sync
         if sync.blocking_calls:
             calls = max(1, round(sync.blocking_calls / pp))
             dp_s = machine.collective("all_reduce", dp_group, sync.blocking_bytes / sync.blocking_calls / tp, calls)
+            # between two sums runs one parameter's optimizer update (the schedule interleaves them)
+            dp_s += machine.resync("all_reduce", dp_group, update_s / sync.blocking_calls, calls)
         if sync.bucket_bytes:
             nbytes = sum(sync.bucket_bytes) / shard
             buckets = max(1, math.ceil(len(sync.bucket_bytes) / pp))

@@ -253,7 +253,8 @@ def _collectives_by_kind(physical: ModuleOp) -> tuple[tuple[str, float, int], ..
 
 def _tensor_parallel(physical: ModuleOp) -> TensorParallelFacts:
     rank = _one_device(physical)
-    steps = sum(1 for s in build_schedule(_step_fn(physical), 0).steps if s.kind in ("poll", "bucket-start", "bucket-wait"))
+    schedule = build_schedule(_step_fn(physical), 0)
+    steps = sum(1 for s in schedule.steps if s.kind in ("poll", "bucket-start", "bucket-wait"))
     return TensorParallelFacts(rank["act"], rank["activations"], rank["ops"], _collectives_by_kind(physical), steps)
 
 

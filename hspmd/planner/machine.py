@@ -63,6 +63,12 @@ class Machine:
         """Return every rank's matmul rate at `flops_per_call`."""
         return tuple(self.matmul_rate(r, flops_per_call) for r in range(self.n))
 
+    def resync(self, kind: str, group: tuple[int, ...], apart_s: float, calls: int = 1) -> float:
+        """Return what `calls` collectives `kind` over `group` cost more, each after `apart_s`
+        seconds of compute (the wait for a member the compute left behind;
+        `DeviceProfile.resync_seconds`)."""
+        return calls * self.profile.resync_seconds(kind, group, apart_s) if len(group) > 1 else 0.0
+
     def collective(self, kind: str, group: tuple[int, ...], nbytes: float, calls: int = 1) -> float:
         """Return the seconds of `calls` collectives `kind` over `group`, each on `nbytes` per rank
         (`send`: from the group's first rank to its second)."""

@@ -23,10 +23,11 @@ the share they really get:
   to 4 MiB: the communicator switches algorithm at 256 KiB, so a line through two sizes
   misses the middle); the fit keeps every size (`CollectiveFit.points`). They are measured as
   a step meets them: the pairs in rounds of disjoint pairs at once (`measuring_rounds`), every
-  rank outside a measured group computing meanwhile, and a little compute before each timed
-  call; the mean of each window of calls (waits for a member the OS descheduled included,
-  which is what tensor parallelism's many small collectives pay where ranks outnumber cores),
-  the median window, the slowest member.
+  rank outside a measured group computing meanwhile; the mean of each window of calls (waits
+  for a member the OS descheduled included), the median window, the slowest member; and the
+  *resynchronisation* cost, what a collective costs more when compute comes before it (the
+  wait for a member that the compute left behind, which tensor parallelism's many small
+  collectives pay where ranks outnumber cores; `CollectiveFit.resync_s`).
 
 * **overlap**: how much of a gradient bucket's all-reduce over the world hides behind compute
   when run as the runtime runs buckets (non-blocking, a poll after each kernel): on CPU ranks
@@ -44,6 +45,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -197,40 +199,53 @@ def _busy_until(request, work: Callable[[], object]) -> None:
 
 
 def _collective(comm, kind: str, group: tuple[int, ...], reps: int, work: Callable[[], object]) -> CollectiveFit | None:
-    """Return the fit of `kind` over this rank's `group` at every size of `COLLECTIVE_BYTES`
-    (members only; None on a rank in no group, `()`). Every rank calls it at once; the groups
-    of one round are disjoint and measure at the same time.
+    """Return the fit of `kind` over this rank's `group` at every size of `COLLECTIVE_BYTES`, and
+    its resynchronisation cost (members only; None on a rank in no group, `()`). Every rank
+    calls it at once; the groups of one round are disjoint and measure at the same time.
 
     The ranks in no group compute (`work`) meanwhile, as the other ranks of a step do, so
     where ranks outnumber cores a member that the OS deschedules makes its partners wait here as
-    it does in a step. Per size: `WINDOWS` windows of `reps` calls, each window's mean, the
-    median window (a mean keeps the waits for descheduled members; the median drops bursts of
-    unrelated load); the slowest member's.
+    it does in a step. Per size: `WINDOWS` windows of `reps` calls back to back, each window's
+    mean, the median window (a mean keeps the waits for descheduled members; the median drops
+    bursts of unrelated load); the slowest member's. Then, at the smallest size, the same with
+    `WORK_BETWEEN` kernels of compute before each call: what that costs more is the wait for a
+    member that the compute left behind (`CollectiveFit.resync_s`), paid by a collective that
+    follows compute (tp's) but not by the next of a burst (the gradient sums after the backward).
     """
     mine = comm.rank in group
     if not mine:
         _busy_until(comm.mpi_comm.Ibarrier(), work)
         comm.mpi_comm.allgather(((), None))
         return None
-    times = []
-    for size in COLLECTIVE_BYTES:
-        call = _collective_call(comm, kind, group, size)
-        call()
+
+    def mean_time(call: Callable[[], object], between: int) -> float:
         means = []
         for _ in range(WINDOWS):
             spent = 0.0
             for _ in range(reps):
-                for _ in range(WORK_BETWEEN):  # a step's kernels between two collectives
+                for _ in range(between):  # a step's kernels between two collectives
                     work()
                 start = time.perf_counter()
                 call()
                 spent += time.perf_counter() - start
             means.append(spent / reps)
-        times.append(sorted(means)[len(means) // 2])
+        return sorted(means)[len(means) // 2]
+
+    times = []
+    for size in COLLECTIVE_BYTES:
+        call = _collective_call(comm, kind, group, size)
+        call()
+        times.append(mean_time(call, 0))
+    times.append(mean_time(_collective_call(comm, kind, group, COLLECTIVE_BYTES[0]), WORK_BETWEEN))
+    start = time.perf_counter()
+    for _ in range(WORK_BETWEEN * reps):
+        work()
+    times.append((time.perf_counter() - start) / reps)  # the compute before each call
     comm.mpi_comm.Ibarrier().Wait()
     everyone = comm.mpi_comm.allgather((group, times))
-    worst = [max(t[i] for g, t in everyone if g == group) for i in range(len(COLLECTIVE_BYTES))]
-    return CollectiveFit.from_points(kind, group, list(zip(COLLECTIVE_BYTES, worst)))
+    worst = [max(t[i] for g, t in everyone if g == group) for i in range(len(times))]
+    fit = CollectiveFit.from_points(kind, group, list(zip(COLLECTIVE_BYTES, worst)))
+    return replace(fit, resync_s=max(0.0, worst[-2] - worst[0]), resync_after_s=worst[-1])
 
 
 def _bucket_overlap(comm, reps: int, work: Callable[[], object]) -> float:
