@@ -145,8 +145,9 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     if tp > 1 and probe is not None and probe.collectives:
         # each collective of a tp=2 rank, on this rank's rows per micro-batch, every micro-batch
         between = compute / max(1, sum(c for _, _, c in probe.collectives) * m)  # compute before each
-        tp_s = sum(machine.collective(kind, tp_group, nbytes * part / m, n) + machine.resync(kind, tp_group, between, n)
-                   for kind, nbytes, calls in probe.collectives for n in [max(1, round(calls * m / pp))])
+        for kind, nbytes, calls in probe.collectives:
+            n = max(1, round(calls * m / pp))
+            tp_s += machine.collective(kind, tp_group, nbytes * part / m, n) + machine.resync(kind, tp_group, between, n)
     elif tp > 1:
         calls = max(1, round(facts.tp_calls * m / pp))
         tp_s = machine.collective("all_reduce", tp_group, facts.tp_bytes * frac / dp / pp / m, calls)
