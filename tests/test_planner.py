@@ -139,6 +139,19 @@ def test_plan_errors_are_one_line(tmp_path, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_uneven_tp_degrees_are_planned_and_priced_by_the_busiest_rank(facts):
+    """3 heads: tp=2 is allowed (2 heads and 1), priced at the rank with 2; 4 heads split evenly."""
+    three = model_facts(load_script(GPT, parse_overrides([*SMALL[:2], "model.heads=3", "model.d_model=24",
+                                                          *SMALL[3:]])), 4)
+    assert three.tp_degrees == (1, 2)  # tp=4 would leave a rank without a head
+    assert facts.tp_busiest(2) == 1.0 and 1.0 < three.tp_busiest(2) < 4 / 3
+    machine, config = Machine.uniform(2), GroupConfig((0, 1), 1, 2, 1, 0)
+    even = dataclasses.replace(three, tp_imbalance=())
+    assert group_cost(three, machine, config, 8).compute_s > group_cost(even, machine, config, 8).compute_s
+    fits, _ = plan(three, machine)
+    assert any(g.tp == 2 for c in fits for g in c.groups)  # priced among the candidates
+
+
 # --- overlap, sequence parallelism, and agreement with the IR cost model ---------------------------
 
 

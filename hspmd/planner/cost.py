@@ -7,7 +7,9 @@ of the group):
 * compute: the matmul FLOPs of its rows and its 1/(tp*pp) of the model at the group's slowest
   matmul rate for matmuls of that size, plus the bytes its other ops write at its elementwise
   rate (the optimizer's update over its parameter shard); the largest stage sets the pace
-  (ceil(layers/pp) layers against layers/pp); and a fixed cost per step of the plan (each
+  (ceil(layers/pp) layers against layers/pp), and under uneven tp pieces the rank holding
+  the most (`ModelFacts.tp_busiest`: 3 heads over tp=2 are 2 and 1, 4/3 of an even half);
+  and a fixed cost per step of the plan (each
   micro-batch runs its stage's kernels again; a tp rank's plan also starts, polls and waits
   for buckets, and under dp and tp together the gradient buckets are polled after each
   kernel of the backward). Under tp the non-matmul work and the
@@ -125,6 +127,7 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     mm_rate = min(machine.matmul_rate(r, per_call) for r in config.devices)
     ew_rate = min(machine.elementwise[r] for r in config.devices)
     imbalance = math.ceil(facts.layers / pp) * pp / facts.layers if pp > 1 else 1.0
+    imbalance *= facts.tp_busiest(tp)  # uneven tp pieces: the rank with the most heads sets the pace
     probe = (facts.sp if config.sp else facts.tp) if tp > 1 else None
     if probe is not None:  # what tensor parallelism replicates stays whole on every tp rank
         written = TensorParallelFacts.per_rank(facts.activation_bytes_written, probe.activation_bytes_written, tp)
@@ -155,7 +158,7 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     pp_s = 0.0
     if pp > 1:
         pp_s = 2 * machine.collective("send", pp_group[:2], facts.pp_bytes * frac / dp / m, m)
-    grads = facts.param_bytes / shard
+    grads = facts.param_bytes / shard * facts.tp_busiest(tp)
     dp_s = dp_hidden = 0.0
     if ep > 1 and facts.ep is not None:
         moe = facts.ep

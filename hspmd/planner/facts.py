@@ -19,7 +19,9 @@ under a handful of probe strategies and reads their physical IR:
   and gradient sums of one rank (`ExpertParallelFacts`);
 * `[0,1]: pp=2`: the bytes a stage sends to the next per step;
 * `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
-  shapes allow (heads, hidden sizes, vocabulary).
+  shapes allow (heads, hidden sizes, vocabulary) and how unevenly each splits the weights (a
+  degree that does not divide a head count or width is allowed if every rank gets a piece:
+  `tp_imbalance`, the busiest rank's share over 1/tp).
 
 Everything is per step for the script's whole batch; `cost.group_cost` scales it to the rows,
 degrees and micro-batches of a candidate.
@@ -39,6 +41,7 @@ from hspmd.codegen.schedule.analysis import op_matmul_flops
 from hspmd.codegen.schedule.flatten import flatten
 from hspmd.compiler import annotate, loss_scale, run_passes, script_optimizer, to_physical, trace_script, training_passes
 from hspmd.dialects import graph
+from hspmd.dialects.dist import layout_of
 from hspmd.dialects.levels import physical_groups, verify_logical
 from hspmd.frontend.script import ModelScript
 from hspmd.ir.strategy import StrategyRecord, parse_strategy
@@ -72,6 +75,9 @@ class ModelFacts:
     max_pp: int  # the most pipeline stages the model can be cut into (1: none)
     ops: int = 0  # kernels one device runs per step (each costs a launch, whatever its size)
     param_tensors: int = 1  # trainable parameters (ZeRO syncs each one with its own collectives)
+    #: per degree of `tp_degrees`, how much more than 1/tp of the tp-split weights the busiest tp
+    #: rank holds (1.0 where tp divides every split dim; 3 heads over tp=2: 4/3); () means all even
+    tp_imbalance: tuple[float, ...] = ()
     # what one rank of `[0,1]: tp=2` runs (its part of the whole batch), and of `[0,1]: tp=2 sp=1`
     # (`sp` is None when the model cannot run sequence parallelism): see `TensorParallelFacts`
     tp: TensorParallelFacts | None = None
@@ -81,6 +87,12 @@ class ModelFacts:
     dp_sync: DataParallelSync | None = None
     # a mixture-of-experts model's expert parallelism (`[0,1]: ep=2`); None: no expert layers
     ep: ExpertParallelFacts | None = None
+
+    def tp_busiest(self, tp: int) -> float:
+        """Return the busiest tp rank's work over an even 1/tp share (1.0 when tp divides the model's dims)."""
+        if tp in self.tp_degrees and len(self.tp_imbalance) == len(self.tp_degrees):
+            return self.tp_imbalance[self.tp_degrees.index(tp)]
+        return 1.0
 
     def mean_matmul_flops(self) -> float:
         """Return the FLOPs of an average matmul of the whole batch."""
@@ -258,6 +270,23 @@ def _tensor_parallel(physical: ModuleOp) -> TensorParallelFacts:
     return TensorParallelFacts(rank["act"], rank["activations"], rank["ops"], _collectives_by_kind(physical), steps)
 
 
+def _tp_imbalance(annotated: ModuleOp, tp: int) -> float:
+    """Return the busiest tp rank's share of the tp-split weights times tp (weighted by size):
+    1.0 where tp divides every split dim; above 1 where weights lie in uneven pieces across tp
+    sub-groups (`hetero=split`, `transforms/uneven_tensor_parallel.py`)."""
+    total = busiest = 0.0
+    for op in annotated.walk():
+        if not isinstance(op, graph.ParameterOp) or (lay := layout_of(op.result)) is None:
+            continue
+        shape = tuple(op.result.type.get_shape())
+        if len(lay.groups) < 2 or lay.hetero.kind != "split" or not shape:
+            continue
+        dim, size = lay.hetero.dim, float(np.prod(shape))
+        total += size
+        busiest += size * tp * max(lay.group_shape(g, shape)[dim] for g in range(len(lay.groups))) / shape[dim]
+    return busiest / total if total else 1.0
+
+
 def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     """Return the facts of `script` the planner prices candidates with (the module docstring).
 
@@ -271,7 +300,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     verify_logical(logical)
     one_physical = to_physical(_layout(logical, "[0]: dp=1"))
     one = _one_device(one_physical)
-    tp_degrees, tp_bytes, tp_calls = [1], 0.0, 0
+    tp_degrees, tp_bytes, tp_calls, tp_imbalance = [1], 0.0, 0, [1.0]
     tp_facts = sp_facts = None
     for t in TP_DEGREES:
         if t > max_devices:
@@ -281,6 +310,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
         except PassError:
             break
         tp_degrees.append(t)
+        tp_imbalance.append(_tp_imbalance(annotated, t))
         if t == 2:
             physical = to_physical(annotated)
             tp_bytes, tp_calls = _collectives(physical, ("comm.all_reduce", "comm.all_gather",
@@ -301,4 +331,5 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
             pass
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
-                      pp_bytes, max_pp, one["ops"], one["tensors"], tp_facts, sp_facts, dp_sync, ep_facts)
+                      pp_bytes, max_pp, one["ops"], one["tensors"], tuple(tp_imbalance), tp_facts, sp_facts, dp_sync,
+                      ep_facts)

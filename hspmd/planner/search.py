@@ -131,11 +131,12 @@ def _configs(devices: tuple[int, ...], facts: ModelFacts, alone: bool) -> list[G
         for pp in _divisors(n // tp):
             if pp > facts.max_pp:
                 continue
-            for ep in _expert_degrees(facts, n // (tp * pp), alone):
+            even = facts.tp_busiest(tp) == 1.0  # sp and ep are refused beside uneven tp pieces
+            for ep in (_expert_degrees(facts, n // (tp * pp), alone) if even else [1]):
                 dp = n // (tp * pp * ep)
                 # sequence parallelism where the model runs it, over one group's tp ranks (the runtime
                 # runs it in a strategy of one group)
-                sps = (0, 1) if tp > 1 and alone and ep == 1 and facts.sp is not None else (0,)
+                sps = (0, 1) if tp > 1 and alone and ep == 1 and even and facts.sp is not None else (0,)
                 zeros = (0, 1) if dp * ep > 1 and (pp == 1 or alone) and not (ep > 1 and pp > 1) else (0,)
                 for zero in zeros:
                     for sp in sps:

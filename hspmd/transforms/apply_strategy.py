@@ -48,9 +48,14 @@ each row-parallel output inside the blocks (after its bias) is `split(1)` too, s
 sums are reduce-scattered into the stream, and propagation all-gathers the column-parallel
 inputs (see `residual_stream`).
 
-Bad input: a column-parallel dim (or the head count that a column output is reshaped into)
-that tp does not divide raises one `PassError` naming the parameter, its shape, tp and the
-rule; so does a sequence that sp=1 cannot split over tp, or sp=1 on a model without blocks.
+**Uneven pieces (one group of dp and tp).** Where tp does not divide a column-parallel dim or
+the head count a column output is reshaped into (`[0,1]: tp=2` over 3 heads), the group is laid
+out over its tp sub-groups in uneven pieces (`uneven_tensor_parallel`: 2 heads and 1), the
+vocabulary kept whole, and each row-parallel output laid out like the batch.
+
+Bad input: such a dim or head count beside other groups or with pp, sp or ep, or smaller than
+tp (a rank would hold nothing), raises one `PassError` naming the parameter, its shape, tp and
+the rule; so does a sequence that sp=1 cannot split over tp, or sp=1 on a model without blocks.
 
 **Heterogeneous data parallelism (several groups, HetSeq-style).** With
 `[0,1]: dp=2 share=3 | [2]: dp=1 share=1` every group replicates the parameters (a union of
@@ -86,6 +91,7 @@ from hspmd.ir.strategy import (
 )
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
+from hspmd.transforms import uneven_tensor_parallel as uneven_tp
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
@@ -95,6 +101,11 @@ COLUMN, ROW, COLUMN_BIAS, EXPERT = "column", "row", "column-bias", "expert"
 EXPERT_ROW = "expert-row"
 EXPERTS = (EXPERT, EXPERT_ROW)
 VOCAB_TABLE, VOCAB_HEAD = "vocab-table", "vocab-head"
+#: where tp over a count it does not divide is refused, why
+UNEVEN_ONLY = (" (uneven pieces are laid out for a strategy of one group of dp and tp only: not beside other "
+               "groups, nor with pp, sp or ep)")
+#: a tag beside a weight's role: `heads:H`, its output (a row weight: its input) is cut into H heads
+HEADS = "heads:"
 
 
 def strategy_group(strategy: Strategy) -> StrategyGroup:
@@ -176,9 +187,10 @@ def role_layout(group: StrategyGroup, role: str | None) -> Layout:
 class _Walk:
     """Classify parameters as column/row-parallel (see the module docstring)."""
 
-    def __init__(self, tp: int, vocab: bool = False) -> None:
+    def __init__(self, tp: int, vocab: bool = False, uneven: bool = False) -> None:
         self.tp = tp
         self.vocab = vocab  # also split embedding tables and the LM head over the vocabulary
+        self.uneven = uneven  # record head counts tp does not divide (as HEADS tags) instead of raising
         self.callees: dict[str, dict[int, set[str]]] = {}  # callee name -> arg index -> roles
         self.names: dict[Hashable, str] = {}  # key -> a parameter name for messages
         self.row_matmuls: list[graph.MatmulOp] = []  # the row-parallel matmuls met (callees once)
@@ -205,6 +217,7 @@ class _Walk:
                 sources = taint.get(op.lhs, frozenset())
                 if sources:
                     roles.setdefault(k, set()).add(ROW)
+                    roles[k].update(t for s in sources for t in roles.get(s, ()) if t.startswith(HEADS))
                     paired.update(sources)
                     self.row_matmuls.append(op)
                 else:
@@ -230,8 +243,9 @@ class _Walk:
                 continue
             for r in op.results:
                 taint[r] = sources
-            if isinstance(op, graph.ReshapeOp):
-                self._check_heads(op, sources, describe)
+            if isinstance(op, graph.ReshapeOp) and (h := self._check_heads(op, sources, describe)):
+                for s in sources:
+                    roles.setdefault(s, set()).add(f"{HEADS}{h}")
         if self.vocab:
             for head in self.loss_heads(block, candidates):
                 if head not in paired:
@@ -248,6 +262,7 @@ class _Walk:
                         b = key_of(other.owner.input)
                         if b is not None and len(other.owner.input.type.get_shape()) == 1:
                             roles.setdefault(b, set()).add(COLUMN_BIAS)
+                            roles[b].update(t for t in roles.get(k, ()) if t.startswith(HEADS))
         return roles
 
     def loss_heads(self, block: Block, candidates: dict[Hashable, list[graph.MatmulOp]]) -> set[Hashable]:
@@ -272,19 +287,21 @@ class _Walk:
                 callee.body.block, keys, lambda k: self.names.get(arg_keys.get(k), f"argument {k} of @{name}"))
         return self.callees[name]
 
-    def _check_heads(self, op: graph.ReshapeOp, sources, describe) -> None:
-        """Raise if a column output's last (split) dim is reshaped into heads that tp does not divide."""
+    def _check_heads(self, op: graph.ReshapeOp, sources, describe) -> int | None:
+        """Return the head count a column output's last (split) dim is reshaped into (None: not into heads);
+        raise if tp does not divide it, unless uneven pieces are allowed."""
         src, dst = op.input.type.get_shape(), op.result.type.get_shape()
         a, _, extents = _reshape_factors(src, dst)
         extent = dict(extents).get(a[-1])
-        if extent is not None and extent % self.tp:
+        if extent is not None and extent % self.tp and not self.uneven:
             k = sorted(map(str, sources))[0]
             raise PassError(
                 f"apply-strategy: tp={self.tp} does not divide the {extent} heads that the output of "
                 f"column-parallel weight {describe(next(s for s in sources if str(s) == k))} is reshaped into "
                 f"({_shape_text(src)} -> {_shape_text(dst)}); its output dim is split tp ways, which must "
-                f"divide the head count"
+                f"divide the head count{UNEVEN_ONLY}"
             )
+        return extent
 
 
 def _shape_text(shape) -> str:
@@ -294,14 +311,33 @@ def _shape_text(shape) -> str:
 def tensor_parallel_roles(module: ModuleOp, tp: int, vocab: bool = False) -> dict[str, str]:
     """Return {parameter name: role} for tensor parallelism of `tp`: "column", "row",
     "column-bias", and with `vocab` "vocab-table" (an embedding table) and "vocab-head" (an LM head)."""
+    return tensor_parallel_plan(module, tp, vocab)[0]
+
+
+def tensor_parallel_plan(module: ModuleOp, tp: int, vocab: bool = False,
+                         uneven: bool = False) -> tuple[dict[str, str], dict[str, int]]:
+    """Return ({parameter name: role}, {parameter name: heads}) for tensor parallelism of `tp`.
+
+    The roles are `tensor_parallel_roles`'; the heads say, for a column weight whose output is
+    reshaped into H heads (and its bias, and the row weight its heads feed), H. A head count
+    that tp does not divide raises PassError unless `uneven` (uneven pieces are allowed).
+    """
     step = step_function(module)
-    walk = _Walk(tp, vocab)
+    walk = _Walk(tp, vocab, uneven)
     params = {o.result: o.tensor_name.data for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
     shapes = {o.tensor_name.data: o.result.type.get_shape() for o in step.body.block.ops
               if isinstance(o, graph.ParameterOp)}
     walk.names = {n: f"'{n}' {_shape_text(shapes[n])}" for n in params.values()}
-    roles = walk.block_roles(step.body.block, params, lambda k: walk.names[k])
-    return {name: next(iter(rs)) for name, rs in roles.items() if len(rs) == 1}
+    tagged = walk.block_roles(step.body.block, params, lambda k: walk.names[k])
+    roles, heads = {}, {}
+    for name, rs in tagged.items():
+        plain = {r for r in rs if not r.startswith(HEADS)}
+        if len(plain) == 1:
+            roles[name] = next(iter(plain))
+        counts = sorted(int(r[len(HEADS):]) for r in rs if r.startswith(HEADS))
+        if counts:
+            heads[name] = counts[0]
+    return roles, heads
 
 
 _RULE = {COLUMN: "column-parallel weight [in, out] is split along its output dim 1",
@@ -412,7 +448,7 @@ class ApplyStrategy(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         try:
-            parsed = parse_strategy(self.strategy)
+            written = parsed = parse_strategy(self.strategy)
             rows = _batch_rows(op)
             # uneven rows inside a group: two even groups (not beside pipelines: their micro-batch
             # and stage checks assume the groups as written)
@@ -425,8 +461,11 @@ class ApplyStrategy(ModulePass):
         record_strategy(op, record)
         strategy = annotation_strategy(record)
         try:
-            lay_out(op, strategy)
+            lay_out(op, strategy, uneven=strategy == record.strategy)
         except PassError as err:
+            if parsed != written:
+                raise PassError(f"{err} (strategy '{written}' splits {rows} rows unevenly over dp, so it runs as "
+                                f"'{parsed}')") from None
             if strategy == record.strategy or len(strategy.groups) == 1:
                 raise
             raise PassError(f"{err} (strategy '{record.strategy}' is annotated as '{strategy}': a pipelined group "
@@ -441,8 +480,12 @@ def _batch_rows(op: ModuleOp) -> int | None:
     return None
 
 
-def lay_out(op: ModuleOp, strategy: Strategy) -> None:
-    """Lay out the parameters and inputs of `op`'s step as `strategy` says (a pipeline's stage-shaped one)."""
+def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
+    """Lay out the parameters and inputs of `op`'s step as `strategy` says (a pipeline's stage-shaped one).
+
+    With `uneven`, a group whose tensor-parallel dims tp does not divide is laid out in uneven
+    pieces (`uneven_tensor_parallel`); else such a group raises PassError.
+    """
     hetero = len(strategy.groups) > 1
     if hetero and any(g.sp for g in strategy.groups):
         raise PassError(f"apply-strategy: strategy '{strategy}': sequence parallelism (sp=1) across several "
@@ -451,9 +494,15 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
     group = strategy.groups[0] if hetero else strategy_group(strategy)
     leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
     roles: dict[str, str] = {}
+    uneven = uneven and not hetero and group.sp == 0 and group.ep == 1  # uneven tp pieces: one plain dp/tp group
     for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
-        roles = tensor_parallel_roles(op, tp, vocab=not hetero)
+        roles, heads = tensor_parallel_plan(op, tp, vocab=not hetero, uneven=uneven)
         group = next(g for g in strategy.groups if g.tp == tp)
+        shapes = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+        if uneven and uneven_tp.needs_uneven(shapes, roles, heads, tp):
+            _lay_out_uneven(leaves, group, roles, heads)
+            _seed_uneven_row_outputs(op, group)
+            return
     if not hetero and group.tp > 1:
         split_vocabulary_losses(op, roles, group.tp)
     if not hetero and group.tp > 1:
@@ -489,9 +538,61 @@ def lay_out(op: ModuleOp, strategy: Strategy) -> None:
                     raise PassError(
                         f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
                         f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
-                        f"{str(err).rsplit(': ', 1)[-1]}") from None
+                        f"{str(err).rsplit(': ', 1)[-1]}{UNEVEN_ONLY}") from None
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
             raise PassError(str(err)) from None
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+
+
+def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: dict[str, int]) -> None:
+    """Lay out `leaves` over the tp sub-groups of `group` in uneven pieces (`uneven_tensor_parallel`);
+    the vocabulary stays whole, as beside other groups."""
+    params = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+    for leaf in leaves:
+        name = leaf.tensor_name.data
+        shape = leaf.result.type.get_shape()
+        if isinstance(leaf, graph.InputOp):
+            kind = "input"
+            layout = uneven_tp.batch_layout(group) if shape else uneven_tp.replicated_layout(group)
+        else:
+            kind, owner = "parameter", name
+            if name not in roles and name.startswith("opt.") and params.get(name.split(".", 2)[-1]) == shape:
+                owner = name.split(".", 2)[-1]  # optimizer state follows its parameter
+            role = roles.get(owner)
+            if role not in uneven_tp.SPLIT_DIM:
+                layout = uneven_tp.replicated_layout(group)
+            else:
+                shares = uneven_tp.weight_shares(owner, heads, group.tp)
+                dim = uneven_tp.SPLIT_DIM[role]
+                if heads.get(owner, group.tp) < group.tp or shape[dim] < group.tp:
+                    what = (f"its {heads[owner]} heads leave" if heads.get(owner, group.tp) < group.tp
+                            else f"its dim {dim} of size {shape[dim]} leaves")
+                    raise PassError(
+                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape {_shape_text(shape)}: "
+                        f"the {_RULE[role]} over tp, and {what} a tp rank with nothing; use tp <= "
+                        f"{heads.get(owner, shape[dim])}")
+                layout = uneven_tp.weight_layout(group, role, shares)
+        try:
+            layout.check_shape(shape, f"{kind} '{name}'")
+        except LayoutError as err:
+            raise PassError(str(err)) from None
+        Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+
+
+def _seed_uneven_row_outputs(op: ModuleOp, group: StrategyGroup) -> None:
+    """Lay each row-parallel output (after its bias) whose dim 0 is the batch out as the batch is
+    under uneven tp: its partial sums across the tp sub-groups are then all-reduced into rows
+    split over dp, as the even case keeps them (left to propagation, the bias add would take the
+    replicated bias's layout and gather the rows over dp, to cut them again after)."""
+    rows = _batch_rows(op)
+    block = step_function(op).body.block
+    walk = _Walk(group.tp, uneven=True)
+    walk.block_roles(block, {o.result: o.tensor_name.data for o in block.ops if isinstance(o, graph.ParameterOp)}, str)
+    layout = uneven_tp.batch_layout(group)
+    for mm in walk.row_matmuls:
+        out = _row_output(mm)
+        shape = out.type.get_shape()
+        if len(shape) >= 2 and shape[0] == rows and rows % group.batch_ranks == 0:
+            Rewriter.replace_value_with_new_type(out, with_layout(out.type, layout))

@@ -16,7 +16,9 @@ update on the state's shards. The partial gradient then needs `partial -> split`
 (reduce-scatter), the replicated parameter `dup -> split` (a local slice), and the
 `graph.assign` of the updated shard needs the parameter's layout (all-gather): ZeRO stage 2's
 communication. In a strategy of several device groups, each group with `zero` splits its part of a state
-over its own dp (a union layout, hetero=dup); the other groups keep theirs.
+over its own dp (a union layout, hetero=dup); the other groups keep theirs. Under uneven tp (one
+group laid out over its tp sub-groups, `uneven_tensor_parallel`) each sub-group's part is split
+over the dp ranks it holds, along a dim of that part dp divides.
 
 Under expert parallelism (`ep`) the batch is split over dp*ep ranks, so a state is split over
 all of them (`split(d)=dp*ep`, the group's `batch_ranks`) where its parameter is replicated
@@ -139,6 +141,17 @@ def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy) -
     return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
 
 
+def _sharded_subgroups(layout: Layout, shape: tuple[int, ...], dp: int) -> Layout | None:
+    """Return a one-group strategy's parameter layout laid out over tp sub-groups (uneven tp,
+    `uneven_tensor_parallel`) with each sub-group's part split over its dp, or None when none changes."""
+    groups, changed = [], False
+    for gi, part in enumerate(layout.groups):
+        new = sharded_state_layout(Layout.spmd(part.devices, part.states), layout.group_shape(gi, shape), dp, 1)
+        groups.append(new.groups[0] if new is not None else part)
+        changed |= new is not None
+    return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
+
+
 def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
     """Shard the optimizer states of `module` as `strategy` says; return {state: its layout or why not}."""
     if not any(g.zero for g in strategy.groups):
@@ -160,7 +173,12 @@ def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         layout = layout_of(op.result)
         if layout is None:
             raise PassError(f"shard-optimizer-state: state '{name}' has no layout; run 'apply-strategy' first")
-        new = _sharded_union(layout, shape, strategy) if union else group_state_layout(layout, shape, group)
+        if union:
+            new = _sharded_union(layout, shape, strategy)
+        elif len(layout.groups) > 1:  # uneven tp: the group's tp sub-groups, each split over dp
+            new = _sharded_subgroups(layout, shape, group.batch_ranks)
+        else:
+            new = group_state_layout(layout, shape, group)
         if new is None:
             report[name] = f"kept {layout}: no dim of {list(shape)} that dp divides and tp does not split"
             continue
