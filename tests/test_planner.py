@@ -150,6 +150,7 @@ def test_uneven_tp_degrees_are_planned_and_priced_by_the_busiest_rank(facts):
     assert group_cost(three, machine, config, 8).compute_s > group_cost(even, machine, config, 8).compute_s
     fits, _ = plan(three, machine)
     assert any(g.tp == 2 for c in fits for g in c.groups)  # priced among the candidates
+    assert not any(g.sp for c in fits for g in c.groups)  # the compiler refuses sp beside uneven tp
 
 
 # --- overlap, sequence parallelism, and agreement with the IR cost model ---------------------------
