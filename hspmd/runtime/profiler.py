@@ -253,8 +253,8 @@ def _bucket_overlap(comm, reps: int, work: Callable[[], object]) -> float:
     as the runtime runs a bucket: `iall_reduce`, a poll (`test`) after each kernel, `wait`.
 
     Timed (the median of `reps` each, all ranks together): the blocking all-reduce alone (C),
-    the compute alone (W: `OVERLAP_KERNELS` kernels, about as long as C), and the two
-    overlapped (B); the part hidden is (C + W - B) / min(C, W).
+    the compute alone (W: as many kernels of `work` as take about as long as C), and the two
+    overlapped (B); the part hidden is (C + W - B) / min(C, W), the smallest over the ranks.
     """
     group = tuple(range(comm.size))
     buf = np.ones(OVERLAP_BYTES // 4, np.float32)
