@@ -2,22 +2,26 @@
 
     python benchmarks/cost_model.py [--steps 12]
 
-For each rank count a device profile is measured (`hspmd profile -n k`, the ranks with the
-threads `hspmd run` gives them). The runtime's fixed cost per kernel (Python's dispatch of one
-step of a plan) is measured once, on a GPT so small that its kernels do no work: its step
-time over its plan's length. Then each strategy is compiled, priced by the cost model over its
-kernel-level program (`estimate_cost`, the profile of its rank count, that dispatch cost per
-kernel), and run (`hspmd run -n k --log`, the median of rank 0's step times after 3 steps).
+For each strategy, just before its run (so that both see the load the run will see: the
+machine may be shared): a device profile of its rank count (`hspmd profile -n k`, the ranks
+with the threads `hspmd run` gives them) and the runtime's fixed cost per kernel (Python's
+dispatch of one step of a plan), measured on a GPT so small that its kernels do no work, in
+k processes at once (k ranks share the cores). Then the strategy is compiled, priced by the
+cost model over its kernel-level program (`estimate_cost`, that profile, that dispatch cost
+per kernel) and by the planner (`planner.cost.group_cost` from the model's facts), and run
+(`hspmd run -n k --log`, the median of rank 0's step times after 3 steps).
 
-Printed: per strategy the predicted and measured step time and their ratio; whether the cost
-model's fastest strategy among those of 2 ranks, and among those of 4, is the measured fastest;
-and last the largest error |predicted / measured - 1| (the issue's target: at most 0.25).
+Printed: per strategy the cost model's and the planner's predictions, the measured step time
+and the cost model's ratio; whether the fastest strategy of 2 ranks, and of 4, by the cost
+model and by the planner is the measured fastest; and last the largest error
+|predicted / measured - 1| of the cost model (the issue's target: at most 0.25).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -78,43 +82,86 @@ def dispatch_seconds() -> float:
     return statistics.median(times[5:]) / len(plan.steps)
 
 
+def _dispatch_worker(_: int) -> float:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # one thread per rank, as `hspmd run` gives ranks that share the cores
+        return dispatch_seconds()
+
+
+def dispatch_seconds_among(k: int) -> float:
+    """Return the seconds per plan step of `dispatch_seconds` measured in `k` processes at once
+    (the median of theirs): the dispatch cost of a rank when k ranks share the machine's cores."""
+    if k == 1:
+        return dispatch_seconds()
+    with multiprocessing.get_context("spawn").Pool(k) as pool:
+        return statistics.median(pool.map(_dispatch_worker, range(k)))
+
+
+def measure_step(k: int, strategy: str, extra: list[str], steps: int, directory: str) -> float:
+    """Return the median step time (rank 0's, after 3 steps) of `hspmd run -n k` under `strategy`."""
+    log = os.path.join(directory, "run.jsonl")
+    hspmd("run", "-n", str(k), SCRIPT, "--strategy", strategy, "--steps", str(steps), "--log", log,
+          *[a for s in SETS + extra for a in ("--set", s)])
+    times = [json.loads(line)["time_s"] for line in open(log) if line.startswith("{")]
+    return statistics.median(times[3:])
+
+
+def planner_seconds(facts, profile, overhead: float, strategy: str, extra: list[str]) -> float:
+    """Return the planner's price of `strategy` (`planner.cost`, from the model's facts, without
+    compiling it) on `profile` with `overhead` seconds per kernel; its groups run side by side."""
+    from hspmd.ir.strategy import parse_strategy
+    from hspmd.planner import Machine
+    from hspmd.planner.cost import GroupConfig, group_cost
+
+    machine = Machine(profile, op_overhead=overhead)
+    groups = parse_strategy(strategy).groups
+    m = next((int(e.split("=")[1]) for e in extra if e.startswith("microbatches=")), 1)
+    total = sum(g.share for g in groups)
+    schedule = "1f1b" if any(g.pp > 1 for g in groups) else "gpipe"
+    return max(group_cost(facts, machine, GroupConfig(g.devices, g.dp, g.tp, g.pp, g.zero, g.sp),
+                          facts.rows * g.share // total, m, schedule).step_s for g in groups)
+
+
 def main() -> int:
     from hspmd.codegen.cost_model import estimate_cost
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script, parse_overrides
     from hspmd.ir.device_profile import DeviceProfile
+    from hspmd.planner import model_facts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="steps per run (default 12; the first 3 dropped)")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="hspmd-costbench-")
     try:
-        overhead = dispatch_seconds()
-        print(f"dispatch cost per kernel (a tiny GPT's step / its plan's steps): {overhead * 1e6:.1f} us")
-        profiles = {}
-        for k in sorted({k for k, _, _ in STRATEGIES}):
-            path = os.path.join(directory, f"profile-{k}.json")
-            hspmd("profile", "-n", str(k), "-o", path)
-            profiles[k] = DeviceProfile.load(path)
+        facts = model_facts(load_script(SCRIPT, parse_overrides(SETS)), 4)
         rows = []
         for k, strategy, extra in STRATEGIES:
+            # the profile and the dispatch cost just before the run: the load they see is the run's
+            path = os.path.join(directory, f"profile-{k}.json")
+            hspmd("profile", "-n", str(k), "-o", path)
+            overhead = dispatch_seconds_among(k)
             script = load_script(SCRIPT, parse_overrides(SETS + extra))
             compiled = compile_script(script, strategy, k)
-            predicted = estimate_cost(compiled.kernel_groups(), profiles[k], overhead_s=overhead).step_s
-            log = os.path.join(directory, "run.jsonl")
-            hspmd("run", "-n", str(k), SCRIPT, "--strategy", strategy, "--steps", str(args.steps), "--log", log,
-                  *[a for s in SETS + extra for a in ("--set", s)])
-            times = [json.loads(line)["time_s"] for line in open(log) if line.startswith("{")]
-            measured = statistics.median(times[3:])
-            rows.append((k, strategy, extra, predicted, measured))
-            print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} predicted {predicted * 1e3:7.1f} ms  "
-                  f"measured {measured * 1e3:7.1f} ms  ratio {predicted / measured:.2f}", flush=True)
+            profile = DeviceProfile.load(path)
+            estimate = estimate_cost(compiled.kernel_groups(), profile, overhead_s=overhead)
+            predicted, slowest = estimate.step_s, estimate.ranks[estimate.slowest_rank]
+            planned = planner_seconds(facts, profile, overhead, strategy, extra)
+            measured = measure_step(k, strategy, extra, args.steps, directory)
+            rows.append((k, strategy, extra, predicted, measured, planned))
+            print(f"  {k} ranks  {strategy:42s} {' '.join(extra):16s} dispatch {overhead * 1e6:5.1f} us  "
+                  f"predicted {predicted * 1e3:7.1f} ms  planner {planned * 1e3:7.1f} ms  "
+                  f"measured {measured * 1e3:7.1f} ms  ratio {predicted / measured:.2f}  "
+                  f"(compute {slowest.compute_s * 1e3:.1f}, communication {slowest.exposed_comm_s * 1e3:.1f}, "
+                  f"bubble {slowest.bubble_s * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f})", flush=True)
         for k in (2, 4):
             some = [r for r in rows if r[0] == k]
             by_model = min(some, key=lambda r: r[3])[1]
+            by_planner = min(some, key=lambda r: r[5])[1]
             by_run = min(some, key=lambda r: r[4])[1]
-            print(f"{k} ranks: fastest predicted '{by_model}', fastest measured '{by_run}': "
-                  f"{'agree' if by_model == by_run else 'DISAGREE'}")
+            print(f"{k} ranks: fastest by the cost model '{by_model}', by the planner '{by_planner}', "
+                  f"measured '{by_run}': {'agree' if by_model == by_planner == by_run else 'DISAGREE'}")
         worst = max(abs(r[3] / r[4] - 1) for r in rows)
         print(f"largest prediction error over {len(rows)} strategies: {worst:.3f}")
     finally:

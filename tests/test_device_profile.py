@@ -109,3 +109,49 @@ def test_synthetic_profiles():
                 lambda: DeviceProfile.uniform(2, speed=[1, 0]), lambda: prof.restricted(4)):
         with pytest.raises(ProfileError):
             bad()
+
+
+def test_collective_points_are_interpolated_between_measured_sizes():
+    # measured at 1 KiB, 64 KiB and 4 MiB: an algorithm switch between the last two makes one
+    # alpha-beta line through the ends wrong in the middle; the points are followed instead
+    fit = CollectiveFit.from_points("all_reduce", (0, 1), [(4 << 20, 4e-3), (1 << 10, 20e-6), (1 << 16, 30e-6)])
+    assert [b for b, _ in fit.points] == [1 << 10, 1 << 16, 4 << 20]  # sorted by size
+    assert fit.seconds(1 << 16) == pytest.approx(30e-6)
+    assert fit.seconds(100) == pytest.approx(20e-6)  # below the smallest: its time (latency)
+    mid = (1 << 10) + ((1 << 16) - (1 << 10)) / 2
+    assert fit.seconds(mid) == pytest.approx(25e-6)  # linear between neighbours
+    slope = (4e-3 - 30e-6) / ((4 << 20) - (1 << 16))
+    assert fit.seconds(8 << 20) == pytest.approx(4e-3 + slope * (4 << 20))  # the last segment goes on
+    line = CollectiveFit("all_reduce", (0, 1), fit.latency_s, fit.bandwidth_bps)  # through the two ends
+    assert line.seconds(1 << 16) > 2 * fit.seconds(1 << 16)
+    assert line.seconds(1 << 10) == pytest.approx(20e-6) and line.seconds(4 << 20) == pytest.approx(4e-3)
+
+
+def test_collective_points_survive_json_and_bad_points_are_refused(tmp_path):
+    fit = CollectiveFit.from_points("all_gather", (0, 1), [(1024, 1e-5), (1 << 20, 1e-3)])
+    prof = DeviceProfile.uniform(2)
+    prof = DeviceProfile(prof.ranks, prof.default_link, {}, (fit,))
+    back = DeviceProfile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert back == prof and back.time("all_gather", [1, 0], 1 << 19) == pytest.approx(fit.seconds(1 << 19))
+    old = prof.to_json()
+    del old["collectives"][0]["points"]  # a profile written before points: the line
+    assert DeviceProfile.from_json(old).collectives[0].points == ()
+    bad = prof.to_json()
+    bad["collectives"][0]["points"] = [[0, 1e-5], [1024, 2e-5]]
+    with pytest.raises(ProfileError, match="distinct positive sizes"):
+        DeviceProfile.from_json(bad)
+
+
+def test_resync_cost_is_kept_looked_up_by_group_size_and_grows_with_the_compute_apart():
+    fit = CollectiveFit.from_points("all_reduce", (0, 1), [(1024, 1e-5), (1 << 20, 1e-3)])
+    fit = CollectiveFit(fit.kind, fit.group, fit.latency_s, fit.bandwidth_bps, fit.points, 2e-4, 1e-3)
+    base = DeviceProfile.uniform(3)
+    prof = DeviceProfile(base.ranks, base.default_link, {}, (fit,))
+    assert DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    assert prof.resync_seconds("all_reduce", [1, 0], 1e-3) == 2e-4  # measured after 1 ms of compute
+    assert prof.resync_seconds("all_reduce", [1, 0], 5e-3) == 2e-4  # at most that
+    assert prof.resync_seconds("all_reduce", [1, 0], 0.25e-3) == pytest.approx(0.5e-4)  # less compute, less drift
+    assert prof.resync_seconds("all_reduce", [0, 1], 0.0) == 0.0  # a burst: nothing computed between
+    assert prof.resync_seconds("all_reduce", [1, 2], 1e-3) == 2e-4  # a pair like the measured one
+    assert prof.resync_seconds("all_reduce", [0, 1, 2], 1e-3) == 0.0 == prof.resync_seconds("all_gather", [0, 1], 1)
+    assert prof.resync_seconds("all_reduce", [0], 1.0) == 0.0

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli
 from hspmd.ir.device_profile import COLLECTIVES, DeviceProfile
-from hspmd.runtime.profiler import ProfileRunError, groups_measured, parse_cpu_bind
+from hspmd.runtime.profiler import COLLECTIVE_BYTES, ProfileRunError, groups_measured, measuring_rounds, parse_cpu_bind
 
 
 @pytest.mark.mpi
@@ -25,6 +25,7 @@ def test_profile_two_ranks_writes_a_loadable_profile(tmp_path):
     assert all(len(r.matmul) >= 3 and r.elementwise_bps > 0 for r in prof.ranks)
     assert {(0, 1), (1, 0)} <= set(prof.links)
     assert {f.kind for f in prof.collectives} == set(COLLECTIVES)
+    assert all([b for b, _ in f.points] == list(COLLECTIVE_BYTES) for f in prof.collectives)
     assert prof.time("all_reduce", [0, 1], 1 << 20) > 0
 
 
@@ -50,3 +51,14 @@ def test_bad_cpu_bind_is_one_message(tmp_path):
         parse_cpu_bind("-1,0", 2)
     assert groups_measured(1) == [] and groups_measured(2) == [(0, 1)]
     assert groups_measured(3) == [(0, 1, 2), (0, 1), (0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_measuring_rounds_cover_every_group_once_with_disjoint_groups(n):
+    rounds = measuring_rounds(n)
+    assert sorted(g for r in rounds for g in r) == sorted(groups_measured(n))
+    for r in rounds:
+        members = [m for g in r for m in g]
+        assert len(members) == len(set(members))  # a rank is in one group of a round at most
+    if n >= 4:
+        assert all(len(r) == n // 2 for r in rounds[1:])  # every rank (but a bye) busy in a pair

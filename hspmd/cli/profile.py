@@ -57,7 +57,7 @@ def add_profile_parser(sub) -> None:
     p.add_argument("-n", type=int, default=1, help="number of ranks (MPI processes)")
     p.add_argument("-o", "--output", default=DEFAULT_PROFILE, help=f"the profile to write ({DEFAULT_PROFILE})")
     p.add_argument("--cpu-bind", metavar="LIST", help="pin rank r to core LIST[r], e.g. 0,0,1")
-    p.add_argument("--reps", type=int, default=5, help="repetitions of each message and collective (best kept; 5)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each message (best kept) and calls of each collective per timed window (5)")
     p.add_argument("--seconds-per-point", type=float, default=0.15,
                    help="seconds each compute rate is measured for (0.15)")
     p.add_argument("--timeout", type=float, default=300.0, help="kill the ranks after this many seconds (300)")

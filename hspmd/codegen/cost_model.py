@@ -11,7 +11,11 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
   micro-batch sums) by the bytes of its operands and results at the elementwise rate; views
   (reshape, transpose, broadcast, split, slice, a micro-batch's slice) cost nothing.
 * **blocking communication**: each collective by `DeviceProfile.time(kind, group, nbytes)`
-  with the rank's group and the local operand's bytes (all_gather: the result's);
+  with the rank's group and the local operand's bytes (all_gather: the result's), plus the
+  the profile's `resync_seconds` for the compute the rank did since its last blocking
+  collective (the wait for a member the compute left behind, likelier the longer they
+  computed apart: tp's collectives after whole kernels pay it, the gradient sums with only
+  an optimizer update between them little);
   `comm.local_split` / `local_zero` are local (free); a `comm.recv` costs the link's time
   for its message; a `comm.send` is non-blocking in the runtime, so it costs the receiver,
   not the sender; a `comm.exchange` the time of the bytes the rank sends over the slowest
@@ -19,12 +23,14 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
   schedule has inlined the calls.
 * **overlap**: a gradient all-reduce bucket (`bucket-start` ... `bucket-wait`, see
   `codegen/schedule/buckets.py`) starts when the schedule starts it and takes the
-  profile's all_reduce time for its bytes; buckets go over the network one after another;
-  the rank computes on meanwhile and waits at `bucket-wait` only for what is left. So
-  `comm_s` counts every transfer and `exposed_comm_s` only what the clock waited for. This
-  assumes MPI moves a bucket while the rank computes (the runtime's polls let it); where MPI
-  shares the cores with the computation (a CPU-only machine) real overlap is lower, so
-  the estimate errs on the fast side there.
+  profile's all_reduce time t for its bytes. The profile's `bucket_overlap` o says how much
+  of it can hide: (1 - o) t is the rank's own time at the start (on CPU ranks the cores
+  that move the bytes are the ones computing), o t goes over the network, buckets one after
+  another, while the rank computes on, and the rank waits at `bucket-wait` only for what is
+  left. So `comm_s` counts every transfer and `exposed_comm_s` what the clock spent on them.
+  `hspmd profile` measures o as the runtime runs a bucket (on the 2-core machine this was
+  written on: 0 to 0.2, nothing hides); synthetic profiles default to 1 (a GPU's NCCL
+  stream), `DeviceProfile.default_cpu` to 0.
 * **pipeline bubbles**: in a stage's program the steps of micro-batch i are known, and which
   of the stage's `@pipeline_forward` / `@pipeline_backward` they belong to. Per stage s,
   F_s and B_s are the slowest of its ranks' forward and backward time per micro-batch; the
@@ -43,8 +49,8 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
 Not modelled: contention between ranks that share cores or links (the profile, measured
 with all ranks at once, holds some of it); MPI's algorithm switches by message size beyond
 the profile's alpha-beta fits; cache effects between kernels; the cost of copying operands
-into a bucket; Python's per-kernel overhead (a few microseconds per step of the schedule:
-`overhead_s`, default 0).
+into a bucket; Python's per-step overhead (a few microseconds per step of the schedule,
+kernels, sums, bucket starts and waits and the polls between: `overhead_s`, default 0).
 """
 
 from __future__ import annotations
@@ -202,31 +208,45 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
     w = _Walk()
     now, net_free = 0.0, 0.0
     done: dict[int, float] = {}
+    apart = 0.0  # seconds computed since the last blocking collective: the members may have drifted apart
     for step in schedule.steps:
         spent = 0.0
         if step.kind == "op" and step.op is not None:
             op = step.op
             if op.dialect_name() == "comm":
                 spent = comm_seconds(op, rank, profile)
+                kind = _COLLECTIVE_KIND.get(op.name)
+                if kind is not None:
+                    group = group_of(op.rank_groups, rank, op)  # type: ignore[attr-defined]
+                    spent += profile.resync_seconds(kind, group, apart)
+                    apart = 0.0
                 w.comm += spent
                 w.exposed += spent
             else:
                 spent = compute_seconds(op, rank, profile) + overhead_s
+                apart += spent
                 w.compute += spent
             if step.microbatch is not None:
                 w.per_mb[_phase(op)] += spent
         elif step.kind == "sum":
             spent = profile.elementwise_seconds(rank, 3 * sum(
-                _slot_bytes(schedule, s) for s in step.outs))
+                _slot_bytes(schedule, s) for s in step.outs)) + overhead_s
             w.compute += spent
+        elif step.kind == "poll":  # a Python call of the plan like any kernel's (MPI's test inside)
+            spent = overhead_s
+            w.exposed += spent
         elif step.kind == "bucket-start" and step.bucket is not None:
             spec = schedule.buckets[step.bucket]
             t = profile.time("all_reduce", spec.group, spec.nbytes())
-            start = max(now, net_free)
-            net_free = done[step.bucket] = start + t
+            # the part that cannot hide costs the rank's own time (its cores move the bytes);
+            # the rest goes over the network while the clock runs on
+            spent = (1.0 - profile.bucket_overlap) * t + overhead_s
+            w.exposed += spent
+            start = max(now + spent, net_free)
+            net_free = done[step.bucket] = start + profile.bucket_overlap * t
             w.comm += t
         elif step.kind == "bucket-wait" and step.bucket is not None:
-            spent = max(0.0, done.get(step.bucket, now) - now)
+            spent = max(0.0, done.get(step.bucket, now) - now) + overhead_s
             w.exposed += spent
         now += spent
     return w

@@ -44,7 +44,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 
 
 #: the rates of `DeviceProfile.default_cpu` (the arguments of `DeviceProfile.uniform`)
-DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0}
+DEFAULT_CPU = {"gflops": 40.0, "elementwise_gbps": 10.0, "latency_s": 10e-6, "bandwidth_gbps": 5.0,
+               "bucket_overlap": 0.0}
 
 
 class ProfileError(ValueError):
@@ -121,10 +122,38 @@ class CollectiveFit:
     group: tuple[int, ...]
     latency_s: float
     bandwidth_bps: float
+    #: measured (nbytes, seconds) at several sizes, by size; empty: the alpha-beta line alone
+    points: tuple[tuple[float, float], ...] = ()
+    #: seconds more a call costs when the members computed `resync_after_s` seconds since their
+    #: last collective together (the wait for a member the compute left behind: descheduled, or
+    #: slower); 0: not measured
+    resync_s: float = 0.0
+    resync_after_s: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
-        """Return the fitted time for a local buffer of `nbytes` bytes."""
-        return self.latency_s + nbytes / self.bandwidth_bps
+        """Return the time for a local buffer of `nbytes` bytes: with `points`, linear between the
+        two measured sizes around it (a collective's algorithm changes with the size, so one line
+        through all sizes misses the middle), the smallest size's time below them and the last
+        segment's slope above; else the alpha-beta line."""
+        pts = self.points
+        if not pts:
+            return self.latency_s + nbytes / self.bandwidth_bps
+        if nbytes <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if nbytes <= x1:
+                return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (nbytes - x1)
+
+    @staticmethod
+    def from_points(kind: str, group: tuple[int, ...], points: Sequence[tuple[float, float]]) -> CollectiveFit:
+        """Return the fit of measured (nbytes, seconds) `points`: the alpha-beta line through the
+        smallest and the largest (for summaries and old readers), and the points themselves."""
+        pts = tuple(sorted((float(b), float(t)) for b, t in points))
+        (b0, t0), (b1, t1) = pts[0], pts[-1]
+        slope = max((t1 - t0) / (b1 - b0), 1e-15) if b1 > b0 else 1e-15
+        return CollectiveFit(kind, tuple(group), max(t0 - slope * b0, 0.0), 1.0 / slope, pts)
 
 
 def ring_seconds(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -162,6 +191,10 @@ class DeviceProfile:
     collectives: tuple[CollectiveFit, ...] = ()
     source: str = "synthetic"
     meta: Mapping[str, object] = field(default_factory=dict)
+    #: the part (0..1) of a gradient bucket's all-reduce that hides behind the backward's compute
+    #: (1: a transfer engine of its own, as NCCL on its stream; on CPU ranks the cores that move
+    #: the bytes are the ones computing, so less: `hspmd profile` measures it)
+    bucket_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -189,6 +222,13 @@ class DeviceProfile:
                 raise ProfileError(f"{fit.kind} group {list(fit.group)} names a rank outside 0..{n - 1}")
             if fit.latency_s < 0 or fit.bandwidth_bps <= 0:
                 raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative latency or bandwidth not positive")
+            if fit.resync_s < 0 or fit.resync_after_s < 0:
+                raise ProfileError(f"{fit.kind} over {list(fit.group)}: negative resync_s or resync_after_s")
+            if any(b <= 0 or t < 0 for b, t in fit.points) or len({b for b, _ in fit.points}) != len(fit.points):
+                raise ProfileError(f"{fit.kind} over {list(fit.group)}: its points need distinct positive sizes "
+                                   "and times that are not negative")
+        if not 0.0 <= self.bucket_overlap <= 1.0:
+            raise ProfileError(f"bucket_overlap {self.bucket_overlap!r} is not between 0 and 1")
         object.__setattr__(self, "links", dict(self.links))
         object.__setattr__(self, "meta", dict(self.meta))
 
@@ -197,13 +237,14 @@ class DeviceProfile:
     @staticmethod
     def uniform(n: int, gflops: float = 50.0, elementwise_gbps: float = 5.0, fused_gbps: float | None = None,
                 latency_s: float = 20e-6, bandwidth_gbps: float = 5.0,
-                speed: Sequence[float] | None = None) -> DeviceProfile:
+                speed: Sequence[float] | None = None, bucket_overlap: float = 1.0) -> DeviceProfile:
         """Return a synthetic profile of `n` alike ranks, optionally of unequal speed.
 
         `gflops`: the matmul rate at every size; `elementwise_gbps` / `fused_gbps`: GB/s (1e9
         bytes) moved by elementwise / fused kernels; every link has `latency_s` and
         `bandwidth_gbps`; collectives follow the ring model. `speed[r]` multiplies rank r's
-        compute rates (default all 1.0: `speed=[0.5, 1]` makes rank 0 twice as slow).
+        compute rates (default all 1.0: `speed=[0.5, 1]` makes rank 0 twice as slow);
+        `bucket_overlap` the part of a gradient bucket's transfer that hides behind compute.
         """
         if n < 1:
             raise ProfileError(f"a device profile needs at least one rank, got {n}")
@@ -216,6 +257,7 @@ class DeviceProfile:
                          None if fused_gbps is None else fused_gbps * 1e9)
         return DeviceProfile(
             tuple(base.scaled(f) for f in factors), Link(latency_s, bandwidth_gbps * 1e9),
+            bucket_overlap=bucket_overlap,
             source=f"synthetic: {n} ranks, {gflops:g} GFLOP/s, {elementwise_gbps:g} GB/s elementwise, "
                    f"links {latency_s * 1e6:g} us + {bandwidth_gbps:g} GB/s",
         )
@@ -336,6 +378,19 @@ class DeviceProfile:
             return f.seconds(nbytes) * max(ratio, 1e-9)
         return ring_seconds(kind, n, nbytes, slow)
 
+    def resync_seconds(self, kind: str, group: Sequence[int], apart_s: float) -> float:
+        """Return what collective `kind` over `group` costs more after its members computed
+        `apart_s` seconds apart: `CollectiveFit.resync_s` in proportion to `apart_s` up to the
+        compute it was measured after (the longer they compute apart, the likelier one is left
+        behind), then all of it. The exact group's fit, else one of the same size's, else 0."""
+        if len(set(group)) <= 1 or apart_s <= 0:
+            return 0.0
+        fit = self.fit(kind, group) or next((f for f in self.collectives if f.kind == kind
+                                             and len(set(f.group)) == len(set(group))), None)
+        if fit is None or not fit.resync_s:
+            return 0.0
+        return fit.resync_s * (min(1.0, apart_s / fit.resync_after_s) if fit.resync_after_s > 0 else 1.0)
+
     # -- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -355,8 +410,13 @@ class DeviceProfile:
                              "bandwidth_bps": self.default_link.bandwidth_bps},
             "links": [{"src": a, "dst": b, "latency_s": lk.latency_s, "bandwidth_bps": lk.bandwidth_bps}
                       for (a, b), lk in sorted(self.links.items())],
+            "bucket_overlap": self.bucket_overlap,
             "collectives": [{"kind": f.kind, "group": list(f.group), "latency_s": f.latency_s,
-                             "bandwidth_bps": f.bandwidth_bps} for f in self.collectives],
+                             "bandwidth_bps": f.bandwidth_bps,
+                             **({"points": [list(p) for p in f.points]} if f.points else {}),
+                             **({"resync_s": f.resync_s, "resync_after_s": f.resync_after_s}
+                                if f.resync_s else {})}
+                            for f in self.collectives],
         }
 
     @staticmethod
@@ -381,9 +441,13 @@ class DeviceProfile:
             links = {(int(x["src"]), int(x["dst"])): Link(float(x["latency_s"]), float(x["bandwidth_bps"]))
                      for x in data.get("links", [])}
             fits = tuple(CollectiveFit(str(f["kind"]), tuple(int(r) for r in f["group"]), float(f["latency_s"]),
-                                       float(f["bandwidth_bps"])) for f in data.get("collectives", []))
+                                       float(f["bandwidth_bps"]),
+                                       tuple(sorted((float(b), float(t)) for b, t in f.get("points", ()))),
+                                       float(f.get("resync_s", 0.0)), float(f.get("resync_after_s", 0.0)))
+                         for f in data.get("collectives", []))
             return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
-                                 str(data.get("source", "")), dict(data.get("meta", {})))
+                                 str(data.get("source", "")), dict(data.get("meta", {})),
+                                 float(data.get("bucket_overlap", 1.0)))
         except ProfileError as err:
             raise ProfileError(f"{where}: {err}") from None
         except KeyError as err:
@@ -419,5 +483,10 @@ class DeviceProfile:
             lines.append(f"  link {a}->{b}: {lk.latency_s * 1e6:.1f} us, {lk.bandwidth_bps / 1e9:.2f} GB/s")
         for f in self.collectives:
             lines.append(f"  {f.kind} over {list(f.group)}: {f.latency_s * 1e6:.1f} us + "
-                         f"{f.bandwidth_bps / 1e9:.2f} GB/s")
+                         f"{f.bandwidth_bps / 1e9:.2f} GB/s"
+                         + (f" (at {len(f.points)} sizes: 1 KiB {f.seconds(1024) * 1e6:.0f} us, 64 KiB "
+                            f"{f.seconds(1 << 16) * 1e6:.0f} us, 1 MiB {f.seconds(1 << 20) * 1e6:.0f} us)"
+                            if f.points else "")
+                         + (f"; {f.resync_s * 1e6:.0f} us more after compute" if f.resync_s else ""))
+        lines.append(f"  gradient buckets: {self.bucket_overlap:.0%} of a transfer hides behind compute")
         return "\n".join(lines) + "\n"

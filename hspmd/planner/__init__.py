@@ -12,10 +12,10 @@ Three steps, one module each:
    latency-bandwidth model of the slowest link). It comes from a measured `DeviceProfile`
    (`hspmd profile`) or, without one, assumes every rank alike.
 3. `search.plan(facts, machine, ...)` groups devices of like speed, enumerates dp/tp/pp/zero
-   and micro-batch counts per group, splits the batch between groups in proportion to their
-   speed (then moves rows one by one while the slowest group gains), prices every candidate
-   with `cost.group_cost` and returns them ranked, each with its predicted step time, memory per
-   rank and what dominated its time.
+   (sp beside tp, ep for mixture-of-experts models) and micro-batch counts per group, splits
+   the batch between groups in proportion to their speed (then moves rows one by one while the
+   slowest group gains), prices every candidate with `cost.group_cost` and returns them
+   ranked, each with its predicted step time, memory per rank and what dominated its time.
 
 The planner's output is strategy text that `--strategy` accepts, so a person can read and edit it.
 """

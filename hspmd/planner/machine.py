@@ -50,6 +50,11 @@ class Machine:
         """Return every rank's elementwise rate, bytes written per second."""
         return tuple(r.elementwise_bps for r in self.profile.ranks)
 
+    @property
+    def bucket_overlap(self) -> float:
+        """Return the part (0..1) of a gradient bucket's all-reduce that hides behind compute."""
+        return self.profile.bucket_overlap
+
     def matmul_rate(self, rank: int, flops_per_call: float) -> float:
         """Return rank's FLOP/s on matmuls of `flops_per_call` FLOPs each."""
         return self.profile.rates(rank).matmul_gflops(flops_per_call) * 1e9
@@ -57,6 +62,12 @@ class Machine:
     def speeds(self, flops_per_call: float) -> tuple[float, ...]:
         """Return every rank's matmul rate at `flops_per_call`."""
         return tuple(self.matmul_rate(r, flops_per_call) for r in range(self.n))
+
+    def resync(self, kind: str, group: tuple[int, ...], apart_s: float, calls: int = 1) -> float:
+        """Return what `calls` collectives `kind` over `group` cost more, each after `apart_s`
+        seconds of compute (the wait for a member the compute left behind;
+        `DeviceProfile.resync_seconds`)."""
+        return calls * self.profile.resync_seconds(kind, group, apart_s) if len(group) > 1 else 0.0
 
     def collective(self, kind: str, group: tuple[int, ...], nbytes: float, calls: int = 1) -> float:
         """Return the seconds of `calls` collectives `kind` over `group`, each on `nbytes` per rank

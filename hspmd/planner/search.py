@@ -6,7 +6,10 @@
    cluster (when there are several), and each cluster cut into groups of powers of two (when a
    size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
-   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; for a
+   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; sequence
+   parallelism (sp=1) beside every tp > 1 of a strategy of one group, when the model runs it;
+   for a mixture-of-experts model in a strategy of one group, expert parallelism: every ep
+   dividing the experts and the ranks that split the batch (dp * ep); for a
    pipeline, 1, 2, 4 or 8 micro-batches (one count for the whole strategy, as the runtime has)
    under 1F1B. Combinations the runtime does not run are left out (several pipelined groups
    with tp and micro-batches; ZeRO in a pipeline beside other groups).
@@ -74,10 +77,10 @@ class Candidate:
         """Return the strategy text (`--strategy`), batch shares as the rows' smallest ratio."""
         if len(self.groups) == 1:
             g = self.groups[0]
-            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero),)))
+            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp, ep=g.ep),)))
         common = reduce(math.gcd, self.rows)
         pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
-        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero)
+        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp)
                                   for g, r in pairs)))
 
     def settings(self) -> list[str]:
@@ -128,10 +131,26 @@ def _configs(devices: tuple[int, ...], facts: ModelFacts, alone: bool) -> list[G
         for pp in _divisors(n // tp):
             if pp > facts.max_pp:
                 continue
-            dp = n // (tp * pp)
-            for zero in ((0, 1) if dp > 1 and (pp == 1 or alone) else (0,)):
-                out.append(GroupConfig(devices, dp, tp, pp, zero))
+            even = facts.tp_busiest(tp) == 1.0  # sp and ep are refused beside uneven tp pieces
+            for ep in (_expert_degrees(facts, n // (tp * pp), alone) if even else [1]):
+                dp = n // (tp * pp * ep)
+                # sequence parallelism where the model runs it, over one group's tp ranks (the runtime
+                # runs it in a strategy of one group)
+                sps = (0, 1) if tp > 1 and alone and ep == 1 and even and facts.sp is not None else (0,)
+                zeros = (0, 1) if dp * ep > 1 and (pp == 1 or alone) and not (ep > 1 and pp > 1) else (0,)
+                for zero in zeros:
+                    for sp in sps:
+                        out.append(GroupConfig(devices, dp, tp, pp, zero, sp, ep))
     return out
+
+
+def _expert_degrees(facts: ModelFacts, batch_ranks: int, alone: bool) -> list[int]:
+    """Return the ep degrees for `batch_ranks` ranks that split the batch: 1, and for a
+    mixture-of-experts model in a strategy of one group every degree dividing both them and
+    the experts."""
+    if facts.ep is None or not alone:
+        return [1]
+    return [e for e in _divisors(batch_ranks) if facts.ep.experts % e == 0]
 
 
 def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
@@ -147,8 +166,9 @@ def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
 def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> tuple[int, ...] | None:
     """Return rows per group (a pipelined group's a multiple of dp * m, any other at least dp;
     summing to the batch) by min-max greedy."""
-    units = [g.dp * m if g.pp > 1 else 1 for g in groups]  # rows need not divide dp (even_out_rows)
-    rows = [g.dp * (m if g.pp > 1 else 1) for g in groups]  # the least each group may hold
+    # rows need not divide dp (even_out_rows), but must divide the ranks of an ep split
+    units = [g.dp * g.ep * m if g.pp > 1 else g.ep * g.dp if g.ep > 1 else 1 for g in groups]
+    rows = [g.dp * g.ep * (m if g.pp > 1 else 1) for g in groups]  # the least each group may hold
     left = facts.rows - sum(rows)
     if left < 0:
         return None

@@ -19,8 +19,22 @@ the share they really get:
 * **point to point**: for each rank pair in turn (the others wait at a barrier), a ping-pong
   of a small and a large message gives a one-way latency and a bandwidth (both directions);
 * **collectives**: every kind of `COLLECTIVES` over the whole world and over every pair,
-  with the project's `MPICommunicator`, at a small and a large buffer; an alpha-beta fit of
-  the two (`CollectiveFit`).
+  with the project's `MPICommunicator`, at the log-spaced sizes of `COLLECTIVE_BYTES` (1 KiB
+  to 4 MiB: the communicator switches algorithm at 256 KiB, so a line through two sizes
+  misses the middle); the fit keeps every size (`CollectiveFit.points`). They are measured as
+  a step meets them: the pairs in rounds of disjoint pairs at once (`measuring_rounds`), every
+  rank outside a measured group computing meanwhile; the mean of each window of calls (waits
+  for a member the OS descheduled included), the median window, the slowest member; and the
+  *resynchronisation* cost, what a collective costs more when compute comes before it (the
+  wait for a member that the compute left behind, which tensor parallelism's many small
+  collectives pay where ranks outnumber cores; `CollectiveFit.resync_s`). All rounds are
+  measured twice (`PASSES`) and per size the lesser time is kept: a window of bad
+  scheduling that kept a member off its core throughout one pass is the load of that
+  moment, not the group's.
+
+* **overlap**: how much of a gradient bucket's all-reduce over the world hides behind compute
+  when run as the runtime runs buckets (non-blocking, a poll after each kernel): on CPU ranks
+  the cores that move the bytes are the ones computing (`_bucket_overlap`).
 
 Rank 0 gathers every rank's numbers and writes the JSON profile. `measure` is the whole
 measurement for one rank; `main` is the rank's entry point.
@@ -34,6 +48,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -46,8 +61,20 @@ MATMUL_SHAPES = ((64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 512, 1024
 #: the elements of the elementwise test arrays, and the row length of the row-kernel test
 ELEMENTWISE_SIZE = 1 << 20
 ROW = 256
-#: buffer sizes (bytes) of the small and the large message / collective
+#: buffer sizes (bytes) of the small and the large message of a ping-pong
 SMALL_BYTES, LARGE_BYTES = 1024, 4 << 20
+#: local buffer sizes (bytes) each collective is measured at: log-spaced, 1 KiB to 4 MiB (the
+#: communicator changes algorithm at 256 KiB; a tensor-parallel activation is often near it)
+COLLECTIVE_BYTES = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: the all-reduce whose overlap with compute is measured: the runtime's gradient bucket
+OVERLAP_BYTES = 4 << 20
+#: passes over all the rounds of collectives (per size the least of the passes' times is kept)
+PASSES = 2
+#: timed windows per collective size (the median window's mean is kept)
+WINDOWS = 3
+#: calls of the compute kernel (a 128^3 matmul) before each timed collective, as a step's
+#: kernels come between its collectives
+WORK_BETWEEN = 4
 
 
 class ProfileRunError(RuntimeError):
@@ -169,26 +196,120 @@ def _collective_call(comm, kind: str, group: tuple[int, ...], nbytes: int) -> Ca
     raise ValueError(kind)
 
 
-def _collective(comm, kind: str, group: tuple[int, ...], reps: int) -> CollectiveFit | None:
-    """Return the fit of `kind` over `group` (members only; None elsewhere): the slowest member's best time."""
+def _busy_until(request, work: Callable[[], object]) -> None:
+    """Run `work` again and again until MPI request `request` completes (a rank outside the
+    measured group: it computes, as it would in a step, instead of idling at a barrier)."""
+    while not request.Test():
+        work()
+
+
+def _collective(comm, kind: str, group: tuple[int, ...], reps: int, work: Callable[[], object]) -> CollectiveFit | None:
+    """Return the fit of `kind` over this rank's `group` at every size of `COLLECTIVE_BYTES`, and
+    its resynchronisation cost (members only; None on a rank in no group, `()`). Every rank
+    calls it at once; the groups of one round are disjoint and measure at the same time.
+
+    The ranks in no group compute (`work`) meanwhile, as the other ranks of a step do, so
+    where ranks outnumber cores a member that the OS deschedules makes its partners wait here as
+    it does in a step. Per size: `WINDOWS` windows of `reps` calls back to back, each window's
+    mean, the median window (a mean keeps the waits for descheduled members; the median drops
+    bursts of unrelated load); the slowest member's. Then, at the smallest size, the same with
+    `WORK_BETWEEN` kernels of compute before each call: what that costs more is the wait for a
+    member that the compute left behind (`CollectiveFit.resync_s`), paid by a collective that
+    follows compute (tp's) but not by the next of a burst (the gradient sums after the backward).
+    """
     mine = comm.rank in group
-    times = []
-    for size in (SMALL_BYTES, LARGE_BYTES):
-        best = float("inf")
-        if mine:
-            call = _collective_call(comm, kind, group, size)
-            call()
+    if not mine:
+        _busy_until(comm.mpi_comm.Ibarrier(), work)
+        comm.mpi_comm.allgather(((), None))
+        return None
+
+    def mean_time(call: Callable[[], object], between: int) -> float:
+        means = []
+        for _ in range(WINDOWS):
+            spent = 0.0
             for _ in range(reps):
+                for _ in range(between):  # a step's kernels between two collectives
+                    work()
                 start = time.perf_counter()
                 call()
-                best = min(best, time.perf_counter() - start)
-        times.append(best)
-    everyone = comm.mpi_comm.allgather(times if mine else None)
-    if not mine:
-        return None
-    worst = [max(t[i] for t in everyone if t is not None) for i in range(2)]
-    lat, bw = _fit(*worst)
-    return CollectiveFit(kind, group, lat, bw)
+                spent += time.perf_counter() - start
+            means.append(spent / reps)
+        return sorted(means)[len(means) // 2]
+
+    times = []
+    for size in COLLECTIVE_BYTES:
+        call = _collective_call(comm, kind, group, size)
+        call()
+        times.append(mean_time(call, 0))
+    times.append(mean_time(_collective_call(comm, kind, group, COLLECTIVE_BYTES[0]), WORK_BETWEEN))
+    start = time.perf_counter()
+    for _ in range(WORK_BETWEEN * reps):
+        work()
+    times.append((time.perf_counter() - start) / reps)  # the compute before each call
+    comm.mpi_comm.Ibarrier().Wait()
+    everyone = comm.mpi_comm.allgather((group, times))
+    worst = [max(t[i] for g, t in everyone if g == group) for i in range(len(times))]
+    fit = CollectiveFit.from_points(kind, group, list(zip(COLLECTIVE_BYTES, worst)))
+    return replace(fit, resync_s=max(0.0, worst[-2] - worst[0]), resync_after_s=worst[-1])
+
+
+def _least(tries: list[CollectiveFit]) -> CollectiveFit:
+    """Return one fit of several passes over the same group: per size the least time, and the
+    least resynchronisation cost (a pass during which the OS kept a member off its core for
+    long is an outlier of the machine's load, not of the group)."""
+    first = tries[0]
+    points = [(b, min(t.points[i][1] for t in tries)) for i, (b, _) in enumerate(first.points)]
+    best = min(tries, key=lambda t: t.resync_s)
+    fit = CollectiveFit.from_points(first.kind, first.group, points)
+    return replace(fit, resync_s=best.resync_s, resync_after_s=best.resync_after_s)
+
+
+def _bucket_overlap(comm, reps: int, work: Callable[[], object]) -> float:
+    """Return the part (0..1) of a gradient bucket's all-reduce over the world that compute hides,
+    as the runtime runs a bucket: `iall_reduce`, a poll (`test`) after each kernel, `wait`.
+
+    Timed (the median of `reps` each, all ranks together): the blocking all-reduce alone (C),
+    the compute alone (W: as many kernels of `work` as take about as long as C), and the two
+    overlapped (B); the part hidden is (C + W - B) / min(C, W), the smallest over the ranks.
+    """
+    group = tuple(range(comm.size))
+    buf = np.ones(OVERLAP_BYTES // 4, np.float32)
+
+    def timed(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(reps):
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def both() -> None:
+        request = comm.iall_reduce(buf, group, out=buf)
+        for _ in range(kernels):
+            work()
+            request.test()
+        request.wait()
+
+    alone = timed(lambda: comm.all_reduce(buf, group, out=buf))
+    one = timed(work)
+    kernels = max(1, min(1000, round(comm.mpi_comm.allreduce(alone / one, op=_max_op()))))
+    compute = timed(lambda: [work() for _ in range(kernels)])
+    overlapped = timed(both)
+    hidden = (alone + compute - overlapped) / min(alone, compute)
+    return min(1.0, max(0.0, comm.mpi_comm.allreduce(hidden, op=_min_op())))
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _min_op():
+    from mpi4py import MPI
+
+    return MPI.MIN
 
 
 def groups_measured(n: int) -> list[tuple[int, ...]]:
@@ -196,6 +317,24 @@ def groups_measured(n: int) -> list[tuple[int, ...]]:
     world = tuple(range(n))
     pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
     return [world] + [p for p in pairs if p != world] if n > 1 else []
+
+
+def measuring_rounds(n: int) -> list[list[tuple[int, ...]]]:
+    """Return `groups_measured(n)` in rounds of disjoint groups measured at once: the world alone,
+    then the pairs as a round-robin tournament (n = 4: (0,1)+(2,3), (0,2)+(1,3), (0,3)+(1,2)), so
+    every rank is busy in each round as in a step (a rank with no pair in a round computes)."""
+    if n < 2:
+        return []
+    rounds: list[list[tuple[int, ...]]] = [[tuple(range(n))]]
+    if n == 2:
+        return rounds
+    seats = list(range(n)) + ([None] if n % 2 else [])  # None: the bye
+    for _ in range(len(seats) - 1):
+        pairs = [tuple(sorted((seats[i], seats[-1 - i]))) for i in range(len(seats) // 2)
+                 if seats[i] is not None and seats[-1 - i] is not None]
+        rounds.append(sorted(pairs))  # type: ignore[arg-type]
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return rounds
 
 
 def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str = "") -> DeviceProfile | None:
@@ -216,13 +355,21 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
                 if rank == a:
                     links[(a, b)] = links[(b, a)] = link
             comm.barrier()
-    fits = []
-    for group in groups_measured(n):
-        for kind in COLLECTIVES:
-            fit = _collective(comm, kind, group, reps)
-            if fit is not None and rank == group[0]:
-                fits.append(fit)
-            comm.barrier()
+    rng = np.random.default_rng(rank)
+    a, b = (rng.standard_normal((128, 128), dtype=np.float32) for _ in range(2))
+    c = np.empty_like(a)
+    work = lambda: np.matmul(a, b, out=c)  # noqa: E731  (about 0.1 ms: a kernel of a small model's step)
+    measured: dict[tuple[str, tuple[int, ...]], list[CollectiveFit]] = {}
+    for _ in range(PASSES):  # all rounds, then all again: a phase of bad scheduling hits one pass
+        for groups in measuring_rounds(n):
+            group = next((g for g in groups if rank in g), ())
+            for kind in COLLECTIVES:
+                fit = _collective(comm, kind, group, reps, work)
+                if fit is not None and rank == group[0]:
+                    measured.setdefault((kind, group), []).append(fit)
+                comm.barrier()
+    fits = [_least(tries) for tries in measured.values()]
+    overlap = _bucket_overlap(comm, reps, work) if n > 1 else 1.0
     gathered = comm.mpi_comm.gather((rates, links, fits, platform.node()), root=0)
     if rank != 0:
         return None
@@ -237,7 +384,7 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
     hosts = sorted({g[3] for g in gathered})
     return DeviceProfile(
         tuple(g[0] for g in gathered), default, all_links, tuple(all_fits),
-        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})",
+        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})", bucket_overlap=overlap,
         meta={"hosts": [g[3] for g in gathered], "reps": reps, "seconds_per_point": seconds_per_point,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_bind": cpu_bind,
               "threads": os.environ.get("OMP_NUM_THREADS", "")},
