@@ -258,6 +258,8 @@ class _Binder:
                 return lambda x: x[i]
             case "sum":
                 return np.add
+            case "stack":
+                return _stack
             case "bucket-start":
                 return self.buckets[step.bucket].start  # type: ignore[index]
             case "bucket-wait":
@@ -335,6 +337,14 @@ def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     if op.dialect_name() in KERNELS:
         return KERNELS[op.dialect_name()](op, rank)
     raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
+
+
+def _stack(*parts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Return `parts` stacked along a new leading dim (into `out` when given): a scan's stacked result."""
+    return np.stack(parts, out=out)
+
+
+_stack.accepts_out = True  # type: ignore[attr-defined]
 
 
 def _wait_sends(pending: list[list]) -> Callable[[], None]:

@@ -45,7 +45,7 @@ _FRESH_OPS = frozenset({
     "comm.all_to_all", "comm.recv", "comm.exchange", "comm.local_split",
 })
 #: node kinds that compute (may take out=)
-_COMPUTES = ("op", "sum")
+_COMPUTES = ("op", "sum", "stack")
 
 
 @dataclass

@@ -121,7 +121,9 @@ class Step:
 
     kind "op": computes IR op `op` (inside a pipeline's forward or backward on micro-batch
     `microbatch`, else `microbatch` is None); "take": slice `microbatch` of its operand along
-    the leading dim (a view); "sum": `ins[0] + ins[1]` (a pipeline's micro-batch sums);
+    the leading dim (a view: a micro-batch, or a layer of a `graph.scan`); "sum": `ins[0] + ins[1]`
+    (a pipeline's micro-batch sums); "stack": the `ins` stacked along a new leading dim (a scan's
+    stacked result: one slice per iteration);
     "bucket-start" / "bucket-wait": start / wait for bucket `bucket`; "poll": let the buckets
     `polls` progress; "wait-sends": wait for every send the step started.
     `out` places each result (None: the kernel allocates); `facts` is what the schedule
@@ -151,7 +153,7 @@ class Step:
 
 #: the names of the steps that compute no IR op of their own (`step_name`)
 KIND_NAMES = {
-    "take": "pipeline.take", "sum": "pipeline.sum", "bucket-start": "comm.all_reduce.start",
+    "take": "pipeline.take", "sum": "pipeline.sum", "stack": "graph.scan.stack", "bucket-start": "comm.all_reduce.start",
     "bucket-wait": "comm.all_reduce.wait", "poll": "comm.all_reduce.poll", "wait-sends": "comm.send.wait",
 }
 
