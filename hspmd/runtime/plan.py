@@ -340,8 +340,16 @@ def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
 
 
 def _stack(*parts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Return `parts` stacked along a new leading dim (into `out` when given): a scan's stacked result."""
-    return np.stack(parts, out=out)
+    """Return `parts` stacked along a new leading dim (into `out` when given): a scan's stacked
+    result. A part that its op already wrote into its slice of `out` (`placement.py`) is not copied."""
+    if out is None:
+        return np.stack(parts)
+    for i, part in enumerate(parts):
+        slot = out[i]
+        if not (part.__array_interface__["data"][0] == slot.__array_interface__["data"][0]
+                and part.strides == slot.strides and part.shape == slot.shape and part.dtype == slot.dtype):
+            np.copyto(slot, part)
+    return out
 
 
 _stack.accepts_out = True  # type: ignore[attr-defined]

@@ -5,7 +5,9 @@ list of kernel calls over numbered slots (one slot per SSA value). A `graph.scan
 layers) is laid out as its iterations in order, each the callee inlined on its slices: a
 stacked operand's slice i is a view ("take"), and a stacked result is the iterations' results
 stacked into one array ("stack") only where something other than a later scan reads it (a
-forward scan's residuals go to the backward scan's iterations directly, never stacked). A pipeline stage's
+forward scan's residuals go to the backward scan's iterations directly, never stacked); the
+all-reduce of a stacked value (a layer's gradients under data parallelism) runs per
+iteration's value, so that it overlaps the rest of the backward as the calls' did. A pipeline stage's
 `pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
 or the backward inlined on one micro-batch's slices, then the sums over the micro-batches
 in their order (`hspmd.dialects.pipeline`). A program with `comm.send`s ends with one node
@@ -172,6 +174,15 @@ class _Inliner:
                     results = self.scan(op, [slot(v) for v in op.operands], stack, microbatch, scope)
                     for r, s in zip(op.results, results):
                         slots[r] = s
+                case comm.AllReduceOp() if slot(op.operands[0]) in self.virtual:
+                    # a stacked gradient's all-reduce: one per iteration's value, so that the
+                    # all-reduce buckets start as the backward scan makes each layer's (the sum of
+                    # a slice is the slice of the sum: the same bits)
+                    parts = self.virtual.pop(slot(op.operands[0]))
+                    reduced = [flat.like(p) for p in parts]
+                    for p, r in zip(parts, reduced):
+                        flat.nodes.append(Node(op, (p,), (r,), facts=out_facts(op), microbatch=microbatch, scope=scope))
+                    self.virtual[slot(op.results[0])] = reduced
                 case _:
                     ins = tuple(self.real(slot(v)) for v in op.operands)
                     flat.nodes.append(Node(op, ins, tuple(slot(r) for r in op.results), facts=out_facts(op),

@@ -90,7 +90,8 @@ class Destination:
 
     A buffer destination with `stored` (`placement.Placement`) is laid out for its consumer:
     the buffer holds a C-contiguous array of shape `stored`, and the result is its slice
-    `select` (dim, start, stop; None: all of it) transposed by `perm` (see `view`).
+    `select` (dim, start, stop; None: all of it) transposed by `perm` (see `view`), or its
+    slice `at` along the leading dim (an iteration's value in a scan's stacked result).
     """
 
     kind: str
@@ -102,11 +103,14 @@ class Destination:
     stored: tuple[int, ...] | None = None
     select: tuple[int, int, int] | None = None
     perm: tuple[int, ...] | None = None
+    at: int | None = None
 
     def view(self, raw: np.ndarray) -> np.ndarray:
         """Return this buffer destination's array in buffer `raw` (bytes)."""
         shape = self.shape if self.stored is None else self.stored
         array = raw[: nbytes((shape, self.dtype))].view(self.dtype).reshape(shape)
+        if self.at is not None:
+            array = array[self.at]
         if self.select is not None:
             d, start, stop = self.select
             array = array[(slice(None),) * d + (slice(start, stop),)]
