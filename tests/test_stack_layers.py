@@ -2,7 +2,8 @@
 
 * stacked names and `Layout.shift_dims` (hypothesis);
 * training with the layers stacked gives bit-identical parameters to the calls, for random
-  models and strategies (1 device, dp, tp, sp, ZeRO) on the in-process communicator;
+  models under each kind of strategy (1 device, dp, tp, sp, ZeRO, unlike groups, dp over rows
+  it does not divide) on the in-process communicator;
 * the physical IR does not grow with the layer count;
 * what stays calls: pipelines, and chains that differ in more than their parameters.
 """
@@ -99,7 +100,7 @@ def _train(tmp_path, script, strategy: str, n: int, stack: bool, tag: str, kerne
 
 
 STRATEGIES = [(1, "[0]: dp=1"), (2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2 sp=1"),
-              (2, "[0,1]: dp=2 zero=1")]
+              (2, "[0,1]: dp=2 zero=1"), (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"), (3, "[0-2]: dp=3")]
 
 
 @pytest.mark.parametrize("n, strategy", STRATEGIES)

@@ -288,8 +288,8 @@ def train(
             result.step_s.append(elapsed)
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
-            if keep_outputs:
-                result.outputs.append(outputs)
+            if keep_outputs:  # per layer, as the parameters are named (a stacked gradient: each layer's)
+                result.outputs.append(per_layer(outputs))
             if comm.rank == 0:
                 if progress is not None:
                     progress.step(step, loss, elapsed, items)

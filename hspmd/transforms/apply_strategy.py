@@ -89,7 +89,7 @@ from hspmd.dialects.sharding import _reshape_factors
 from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
-from hspmd.ir.stacked_names import is_stacked
+from hspmd.ir.stacked_names import is_stacked, layer_range
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms import uneven_tensor_parallel as uneven_tp
@@ -326,9 +326,8 @@ def tensor_parallel_plan(module: ModuleOp, tp: int, vocab: bool = False,
     step = step_function(module)
     walk = _Walk(tp, vocab, uneven)
     params = {o.result: o.tensor_name.data for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
-    shapes = {o.tensor_name.data: o.result.type.get_shape() for o in step.body.block.ops
-              if isinstance(o, graph.ParameterOp)}
-    walk.names = {n: f"'{n}' {_shape_text(shapes[n])}" for n in params.values()}
+    shapes = {o.tensor_name.data: layer_shape(o) for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
+    walk.names = {n: param_text(n, shapes[n]).replace(" of shape", "") for n in params.values()}
     tagged = walk.block_roles(step.body.block, params, lambda k: walk.names[k])
     roles, heads = {}, {}
     for name, rs in tagged.items():
@@ -511,10 +510,10 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
         residual_stream(op, group)
     if any(g.ep > 1 for g in strategy.groups) or (hetero and strategy.expert_shares is not None):
         roles.update({name: EXPERT_ROW if dim == 1 else EXPERT for name, dim in expert_tp_dims(op).items()})
-    names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+    names = {o.tensor_name.data: layer_shape(o) for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
         name = leaf.tensor_name.data
-        shape = leaf.result.type.get_shape()
+        shape = layer_shape(leaf) if isinstance(leaf, graph.ParameterOp) else leaf.result.type.get_shape()
         if isinstance(leaf, graph.InputOp):
             layout, kind = (batch if shape else params), "input"
             if hetero and shape:
@@ -529,25 +528,33 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
             layout = hetero_role_layout(strategy, role) if hetero else role_layout(group, role)
             if role in EXPERTS and hetero and strategy.expert_shares is not None:
                 layout = uneven_experts_layout(strategy, name, shape, 1 if role == EXPERT_ROW else 2)
-            if is_stacked(name):  # each layer laid out as one, the stacking dim whole
-                layout = layout.shift_dims(1)
             if role is not None:
                 try:
                     layout.check_shape(shape, f"parameter '{name}'")
                 except LayoutError as err:
                     if role in EXPERTS:
-                        raise PassError(f"apply-strategy: ep cannot split parameter '{name}' of shape "
-                                        f"{_shape_text(shape)}: the {_RULE[role]} over ep into '{layout}', but "
+                        raise PassError(f"apply-strategy: ep cannot split parameter {param_text(name, shape)}: the "
+                                        f"{_RULE[role]} over ep into '{layout}', but "
                                         f"{str(err).rsplit(': ', 1)[-1]}") from None
                     raise PassError(
-                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
-                        f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
+                        f"apply-strategy: tp={group.tp} cannot split parameter {param_text(name, shape)}: the "
+                        f"{_RULE[role]} over tp into '{layout}', but "
                         f"{str(err).rsplit(': ', 1)[-1]}{UNEVEN_ONLY}") from None
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
             raise PassError(str(err)) from None
+        if kind == "parameter" and is_stacked(name):  # each layer laid out as one, the stacking dim whole
+            layout = layout.shift_dims(1)
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+
+
+def param_text(name: str, shape) -> str:
+    """Return how messages name parameter `name` of (per-layer) shape `shape`: `'w' of shape [4, 8]`,
+    for a stacked parameter `'blocks.[0:2].w' of shape [4, 8] (each of layers 0 to 1)`."""
+    text = f"'{name}' of shape {_shape_text(shape)}"
+    layers = layer_range(name)
+    return text if layers is None else f"{text} (each of layers {layers[0]} to {layers[1] - 1})"
 
 
 def layer_shape(param: graph.ParameterOp) -> tuple[int, ...]:
@@ -582,7 +589,7 @@ def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: 
                     what = (f"its {heads[owner]} heads leave" if heads.get(owner, group.tp) < group.tp
                             else f"its dim {dim} of size {shape[dim]} leaves")
                     raise PassError(
-                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape {_shape_text(shape)}: "
+                        f"apply-strategy: tp={group.tp} cannot split parameter {param_text(name, shape)}: "
                         f"the {_RULE[role]} over tp, and {what} a tp rank with nothing; use tp <= "
                         f"{heads.get(owner, shape[dim])}")
                 layout = uneven_tp.weight_layout(group, role, shares)

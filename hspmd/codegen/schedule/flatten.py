@@ -101,6 +101,17 @@ class _Inliner:
         #: a scan's stacked result not stacked yet -> its iterations' slots (see `real`)
         self.virtual: dict[int, list[int]] = {}
 
+    def own_group(self, op: comm.AllReduceOp) -> bool:
+        """Return whether every group of `op` lies inside this program's devices (its members all
+        run this program, so they all cut it the same way)."""
+        from hspmd.dialects.levels import DEVICES_ATTR
+
+        attr = self.module.attributes.get(DEVICES_ATTR) if self.module is not None else None
+        if attr is None:
+            return False
+        devices = set(attr.get_values())  # type: ignore[attr-defined]
+        return all(set(g) <= devices for g in op.rank_groups)
+
     def real(self, slot: int) -> int:
         """Return `slot`, first stacking its iterations' values where it is a scan's stacked result
         that no node has stacked yet."""
@@ -174,7 +185,7 @@ class _Inliner:
                     results = self.scan(op, [slot(v) for v in op.operands], stack, microbatch, scope)
                     for r, s in zip(op.results, results):
                         slots[r] = s
-                case comm.AllReduceOp() if slot(op.operands[0]) in self.virtual:
+                case comm.AllReduceOp() if slot(op.operands[0]) in self.virtual and self.own_group(op):
                     # a stacked gradient's all-reduce: one per iteration's value, so that the
                     # all-reduce buckets start as the backward scan makes each layer's (the sum of
                     # a slice is the slice of the sum: the same bits)
