@@ -7,8 +7,8 @@ stacked operand's slice i is a view ("take"), and a stacked result is the iterat
 stacked into one array ("stack") only where something other than a later scan reads it (a
 forward scan's residuals go to the backward scan's iterations directly, never stacked); the
 all-reduce of a stacked value (a layer's gradients under data parallelism) runs per
-iteration's value, so that it overlaps the rest of the backward as the calls' did. A pipeline stage's
-`pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
+iteration's value, so that it overlaps the rest of the backward as the calls' did. A pipeline
+stage's `pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
 or the backward inlined on one micro-batch's slices, then the sums over the micro-batches
 in their order (`hspmd.dialects.pipeline`). A program with `comm.send`s ends with one node
 that waits for them all.
