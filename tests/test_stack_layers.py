@@ -5,7 +5,9 @@
   models under each kind of strategy (1 device, dp, tp, sp, ZeRO, unlike groups, dp over rows
   it does not divide) on the in-process communicator;
 * the physical IR does not grow with the layer count;
-* what stays calls: pipelines, and chains that differ in more than their parameters.
+* a pipeline cuts the stacks at its stage boundaries;
+* what stays calls: pipelines beside other groups, mixtures of experts, and chains that differ
+  in more than their parameters.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def _train(tmp_path, script, strategy: str, n: int, stack: bool, tag: str, kerne
 
 
 STRATEGIES = [(1, "[0]: dp=1"), (2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2 sp=1"),
-              (2, "[0,1]: dp=2 zero=1"), (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"), (3, "[0-2]: dp=3")]
+              (2, "[0,1]: dp=2 zero=1"), (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"), (3, "[0-2]: dp=3"),
+              (2, "[0,1]: pp=2"), (4, "[0-3]: tp=2 pp=2")]
 
 
 @pytest.mark.parametrize("n, strategy", STRATEGIES)
@@ -119,7 +122,8 @@ def test_stacked_layers_train_the_bits_of_calls(tmp_path_factory, n, strategy, e
 
 
 def test_a_stacked_run_resumes_as_a_pipeline(tmp_path):
-    """A checkpoint of a stacked run names each layer: a pipeline (calls) resumes it, same losses."""
+    """A checkpoint of a stacked run names each layer: a pipeline, whose stages hold other pieces of
+    the stacks, resumes it with the same losses."""
     script = _script("gpt.py", 4, ["steps=4"])
     whole = tmp_path / "whole"
     write_bundle(compile_script(script, "[0,1]: dp=2", 2), str(whole))
@@ -128,8 +132,9 @@ def test_a_stacked_run_resumes_as_a_pipeline(tmp_path):
     run_spmd(2, lambda comm: train(str(whole), comm, steps=2, quiet=True,
                                    checkpoints=CheckpointOptions(directory=str(ck))), timeout=300)
     piped = tmp_path / "piped"
-    compiled = compile_script(script, "[0,1]: pp=2", 2)
-    assert not any(is_stacked(o.tensor_name.data) for o in compiled.logical.walk() if isinstance(o, graph.ParameterOp))
+    compiled = compile_script(script, "[0,1]: pp=2 layers=3:1", 2)
+    names = {o.tensor_name.data for o in compiled.physical.walk() if isinstance(o, graph.ParameterOp)}
+    assert {"blocks.[0:3].attn.qkv.weight", "blocks.[3:4].attn.qkv.weight"} <= names
     write_bundle(compiled, str(piped))
     resumed = run_spmd(2, lambda comm: train(str(piped), comm, steps=4, quiet=True,
                                              checkpoints=CheckpointOptions(resume=str(ck))), timeout=300)[0]
@@ -164,8 +169,21 @@ def test_stacked_parameters_and_one_scan_each_way():
     assert layouts["blocks.[0:3].attn.proj.weight"] == "[0,1]: split(1)=2"  # row-parallel, per layer
 
 
-def test_pipelines_and_moe_keep_their_calls():
-    piped = compile_script(_script("gpt.py", 4), "[0,1]: pp=2", 2)
+@pytest.mark.parametrize("strategy, n, pieces", [("[0,1]: pp=2", 2, [(0, 4), (4, 8)]),
+                                                  ("[0-2]: pp=3 layers=2:5:1", 3, [(0, 2), (2, 7), (7, 8)])])
+def test_a_pipeline_cuts_the_stacks_at_its_stages(strategy, n, pieces):
+    """Each stage holds its piece of every stack and one scan each way, whatever its layer count."""
+    compiled = compile_script(_script("gpt.py", 8), strategy, n)
+    for s, ((_, module), (a, b)) in enumerate(zip(physical_groups(compiled.physical), pieces)):
+        names = {o.tensor_name.data for o in module.walk() if isinstance(o, graph.ParameterOp)}
+        assert f"blocks.[{a}:{b}].mlp.fc.weight" in names and f"opt.m.blocks.[{a}:{b}].mlp.fc.weight" in names, s
+        scans = [o for o in module.walk() if isinstance(o, graph.ScanOp)]
+        assert sorted(o.is_reverse for o in scans) == [False, True] and {o.num_iterations for o in scans} == {b - a}
+    assert not any(o.attributes.get("pipeline.layer_stage") for o in compiled.physical.walk())
+
+
+def test_hetero_pipelines_and_moe_keep_their_calls():
+    piped = compile_script(_script("gpt.py", 4, ["data.batch_size=6"]), "[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2", 6)
     assert not any(isinstance(o, graph.ScanOp) for o in piped.logical.walk())
     moe = load_script(os.path.join(EXAMPLES, "moe.py"), parse_overrides([*SMALL, "model.layers=4"]))
     compiled = compile_script(moe, "[0]: dp=1", 1)  # blocks alternate with MoE blocks: no chain
