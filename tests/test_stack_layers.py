@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import EXAMPLES
@@ -101,17 +101,20 @@ def _train(tmp_path, script, strategy: str, n: int, stack: bool, tag: str, kerne
     return run_spmd(n, lambda comm: train(str(bundle), comm, steps=3, quiet=True, kernels=kernels), timeout=300)[0]
 
 
-STRATEGIES = [(1, "[0]: dp=1"), (2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2 sp=1"),
-              (2, "[0,1]: dp=2 zero=1"), (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"), (3, "[0-2]: dp=3"),
-              (2, "[0,1]: pp=2"), (4, "[0-3]: tp=2 pp=2")]
+# each kind of strategy once, with models, depths and kernels varied across them
+CASES = [(1, "[0]: dp=1", "gpt.py", 3, 4, "numpy"),
+         (2, "[0,1]: dp=2", "llama.py", 2, 2, "cpu"),
+         (2, "[0,1]: tp=2", "gpt.py", 4, 2, "cpu"),
+         (4, "[0-3]: dp=2 tp=2 sp=1", "llama.py", 3, 4, "cpu"),
+         (2, "[0,1]: dp=2 zero=1", "gpt.py", 2, 4, "numpy"),
+         (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", "gpt.py", 3, 2, "cpu"),
+         (3, "[0-2]: dp=3", "llama.py", 2, 4, "numpy"),
+         (2, "[0,1]: pp=2", "gpt.py", 3, 4, "cpu"),
+         (4, "[0-3]: tp=2 pp=2", "llama.py", 4, 2, "cpu")]
 
 
-@pytest.mark.parametrize("n, strategy", STRATEGIES)
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(example=st.sampled_from(["gpt.py", "llama.py"]), layers=st.integers(2, 4), heads=st.sampled_from([2, 4]),
-       kernels=st.sampled_from(["cpu", "numpy"]))
-def test_stacked_layers_train_the_bits_of_calls(tmp_path_factory, n, strategy, example, layers, heads, kernels):
-    tmp_path = tmp_path_factory.mktemp("stack")
+@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels", CASES)
+def test_stacked_layers_train_the_bits_of_calls(tmp_path, n, strategy, example, layers, heads, kernels):
     script = _script(example, layers, [f"model.heads={heads}"])
     calls = _train(tmp_path, script, strategy, n, False, "a", kernels)
     stacked = _train(tmp_path, script, strategy, n, True, "b", kernels)
