@@ -7,7 +7,7 @@
 * the physical IR does not grow with the layer count;
 * a pipeline cuts the stacks at its stage boundaries;
 * what stays calls: pipelines beside other groups, mixtures of experts, and chains that differ
-  in more than their parameters.
+  in more than their parameters and counters.
 """
 
 from __future__ import annotations
@@ -102,20 +102,21 @@ def _train(tmp_path, script, strategy: str, n: int, stack: bool, tag: str, kerne
 
 
 # each kind of strategy once, with models, depths and kernels varied across them
-CASES = [(1, "[0]: dp=1", "gpt.py", 3, 4, "numpy"),
-         (2, "[0,1]: dp=2", "llama.py", 2, 2, "cpu"),
-         (2, "[0,1]: tp=2", "gpt.py", 4, 2, "cpu"),
-         (4, "[0-3]: dp=2 tp=2 sp=1", "llama.py", 3, 4, "cpu"),
-         (2, "[0,1]: dp=2 zero=1", "gpt.py", 2, 4, "numpy"),
-         (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", "gpt.py", 3, 2, "cpu"),
-         (3, "[0-2]: dp=3", "llama.py", 2, 4, "numpy"),
-         (2, "[0,1]: pp=2", "gpt.py", 3, 4, "cpu"),
-         (4, "[0-3]: tp=2 pp=2", "llama.py", 4, 2, "cpu")]
+CASES = [(1, "[0]: dp=1", "gpt.py", 3, 4, "numpy", []),
+         (1, "[0]: dp=1", "gpt.py", 2, 4, "cpu", ["model.dropout=0.1"]),  # a per-layer counter, stacked
+         (2, "[0,1]: dp=2", "llama.py", 2, 2, "cpu", ["precision=bfloat16"]),  # casts of stacked weights
+         (2, "[0,1]: tp=2", "gpt.py", 4, 2, "cpu", []),
+         (4, "[0-3]: dp=2 tp=2 sp=1", "llama.py", 3, 4, "cpu", []),
+         (2, "[0,1]: dp=2 zero=1", "gpt.py", 2, 4, "numpy", []),
+         (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", "gpt.py", 3, 2, "cpu", []),
+         (3, "[0-2]: dp=3", "llama.py", 2, 4, "numpy", []),
+         (2, "[0,1]: pp=2", "gpt.py", 3, 4, "cpu", ["microbatches=2", "model.dropout=0.1"]),
+         (4, "[0-3]: tp=2 pp=2", "llama.py", 4, 2, "cpu", ["pipeline_schedule=1f1b"])]
 
 
-@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels", CASES)
-def test_stacked_layers_train_the_bits_of_calls(tmp_path, n, strategy, example, layers, heads, kernels):
-    script = _script(example, layers, [f"model.heads={heads}"])
+@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels, extra", CASES)
+def test_stacked_layers_train_the_bits_of_calls(tmp_path, n, strategy, example, layers, heads, kernels, extra):
+    script = _script(example, layers, [f"model.heads={heads}", *extra])
     calls = _train(tmp_path, script, strategy, n, False, "a", kernels)
     stacked = _train(tmp_path, script, strategy, n, True, "b", kernels)
     assert stacked.losses == calls.losses
@@ -190,10 +191,4 @@ def test_hetero_pipelines_and_moe_keep_their_calls():
     assert not any(isinstance(o, graph.ScanOp) for o in piped.logical.walk())
     moe = load_script(os.path.join(EXAMPLES, "moe.py"), parse_overrides([*SMALL, "model.layers=4"]))
     compiled = compile_script(moe, "[0]: dp=1", 1)  # blocks alternate with MoE blocks: no chain
-    assert not any(isinstance(o, graph.ScanOp) for o in compiled.logical.walk())
-
-
-def test_dropout_keeps_calls_and_trains():
-    """A dropout counter differs per call: the chain stays calls (the same program as without the pass)."""
-    compiled = compile_script(_script("gpt.py", 3, ["model.dropout=0.1"]), "[0]: dp=1", 1)
     assert not any(isinstance(o, graph.ScanOp) for o in compiled.logical.walk())

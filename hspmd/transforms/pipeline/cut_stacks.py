@@ -12,6 +12,7 @@ counts, else ranges balanced by forward cost) and cuts every stacked value at th
     %g = graph.scan @Block_0_bwd(...) {length = 8, reverse}         ->  the 3 layers' backward, then the 5's
     optim.adam / mul_scalar / comm.all_reduce / graph.cast of a stack ->  one per piece
     optim.sum_squares of a stack                                    ->  one per piece, added in order
+    graph.iota (a per-layer counter)                                ->  one per piece, from its first layer's
     graph.assign "blocks.[0:8].w"                                   ->  "blocks.[0:5].w", "blocks.[5:8].w"
 
 Each piece of a forward scan is marked with its stage (`pipeline.layer_stage`), which
@@ -44,8 +45,11 @@ __all__ = ["LAYER_STAGE_ATTR", "CutStackedLayers", "cut_stacks"]
 #: a forward layer unit (a scan's piece, or a block call) of a stage-shaped step: its stage
 LAYER_STAGE_ATTR = "pipeline.layer_stage"
 
-#: ops that work slice by slice along a stack's leading dim (one op per piece after the cut)
-_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, graph.CastOp, comm.AllReduceOp)
+#: ops that work slice by slice along a stack's leading dim (one op per piece after the cut): the
+#: updates, casts and all-reduces of stacked values, and the sum making a per-layer counter
+#: (`broadcast(step) + graph.iota`, a broadcast of a value that is not a stack)
+_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, graph.CastOp, comm.AllReduceOp, graph.AddOp,
+              graph.BroadcastOp)
 
 Pieces = list[tuple[int, int]]  # (start, stop) of each piece, in the stack's slice numbers
 
@@ -187,6 +191,19 @@ class _Cutter:
             self.parts[r] = pieces
         self.done.append(o)
 
+    def iota(self, o: graph.IotaOp) -> None:
+        start, step = o.start.value.data, o.step.value.data
+        gtype = o.properties.get("global_type")
+        pieces = []
+        for a, b in self.pieces:
+            new = graph.IotaOp(start + a * step, step, _piece_type(o.result.type, a, b))
+            if gtype is not None:
+                new.properties["global_type"] = _piece_type(gtype, a, b)
+            o.parent_block().insert_op_before(new, o)  # type: ignore[union-attr]
+            pieces.append(new.result)
+        self.parts[o.result] = pieces
+        self.done.append(o)
+
     def sum_squares(self, o: optim.SumSquaresOp) -> None:
         total = None
         for piece in self.of(o.operands[0], o):
@@ -274,6 +291,11 @@ def _cut_family(g: PipelinedGroup, forward: graph.ScanOp, pieces: Pieces, owners
             cutter.parameter(o)
         elif isinstance(o, graph.ScanOp):
             cutter.scan(o, owners if o is forward else None)
+        elif isinstance(o, graph.IotaOp):
+            cutter.iota(o)
+        elif isinstance(o, graph.BroadcastOp) and o.input in family:
+            raise PassError(f"cut-stacked-layers: '{o.name}' broadcasts a stack of {forward.num_iterations} layers; "
+                            "a pipeline cannot cut it into its stages' layers")
         elif isinstance(o, _SLICEWISE):
             cutter.slicewise(o)
         elif isinstance(o, optim.SumSquaresOp):
