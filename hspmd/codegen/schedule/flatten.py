@@ -194,6 +194,7 @@ class _Inliner:
                     for p, r in zip(parts, reduced):
                         flat.nodes.append(Node(op, (p,), (r,), facts=out_facts(op), microbatch=microbatch, scope=scope))
                     self.virtual[slot(op.results[0])] = reduced
+                    self.stack_unless_scanned(op.results[0], slot(op.results[0]))
                 case _:
                     ins = tuple(self.real(slot(v)) for v in op.operands)
                     flat.nodes.append(Node(op, ins, tuple(slot(r) for r in op.results), facts=out_facts(op),
@@ -236,8 +237,22 @@ class _Inliner:
                 continue
             stacked = flat.new_slot(r)
             self.virtual[stacked] = per_iteration[k]
+            self.stack_unless_scanned(r, stacked)
             results.append(stacked)
         return results
+
+    def stack_unless_scanned(self, value: SSAValue, slot: int) -> None:
+        """Stack `value`'s iterations right away (`slot`) unless only scans (which read each
+        iteration's value) and per-iteration all-reduces read it: the stacked value is then
+        computed where the program makes it, not later where it is first read."""
+        for use in value.uses:
+            user = use.operation
+            if isinstance(user, graph.ScanOp) and use.index in user.stacked_args():
+                continue
+            if isinstance(user, comm.AllReduceOp) and self.own_group(user):
+                continue
+            self.real(slot)
+            return
 
     def call(self, name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
         """Inline @name (a `pipeline.run`'s forward or backward) on micro-batch `microbatch`'s
