@@ -175,10 +175,24 @@ def build_library(sources: list[str], launches: list[LaunchSpec], cxx: str | Non
     `team` also builds the team emulation (blockDim > 1; for tests: it doubles the compile
     time). CompileError if there is no compiler or it rejects the text.
     """
+    return _build_cached(library_text(sources, launches, team), cxx)
+
+
+def build_native(source: Path, cxx: str | None = None) -> Path:
+    """Compile (or find in the cache) a plain C++ library of the runtime's own (such as
+    `hspmd/runtime/native/small_matmul.cpp`); return the .so path.
+
+    The same flags and cache as the kernels' libraries (`compile_flags`, `cache_dir`).
+    CompileError if there is no compiler or it rejects the file.
+    """
+    return _build_cached(Path(source).read_text(), cxx)
+
+
+def _build_cached(text: str, cxx: str | None) -> Path:
+    """Return the cached .so of C++ translation unit `text`, compiling it first if needed."""
     cxx = cxx or find_compiler()
     if cxx is None:
         raise CompileError("no C++ compiler found ($CXX, g++, c++ or clang++)")
-    text = library_text(sources, launches, team)
     key = library_key(text, cxx)
     folder = cache_dir()
     target = folder / f"hs_{key}.so"

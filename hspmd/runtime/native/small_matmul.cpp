@@ -1,0 +1,317 @@
+// hspmd: batches of small float32 matrix products, C[b] = A[b] @ B[b], on the CPU.
+//
+// Built by the host C++ compiler (hspmd/codegen/cpu_compile.py, `build_native`), loaded through
+// ctypes by hspmd/runtime/small_matmul.py. Attention's products (64 products of 128 x 64 by
+// 64 x 128 and the like per call in GPT-tiny) are too small for OpenBLAS to reach the machine's
+// rate: it is called once per product, packs both operands, and splits each product over its
+// threads. Here one call runs the whole batch; each product runs on one thread, and the products
+// are shared out to the threads one at a time.
+//
+// Values: every element of C is one chain of fused multiply-adds over k in increasing order,
+// starting from +0: c = fma(a[i,k], b[k,j], c). That is what OpenBLAS's AVX-512 and AVX2 kernels
+// compute for these shapes (its K blocks are longer than attention's K), so the bits are
+// OpenBLAS's there; and they do not depend on the blocking, the batch, the thread or the vector
+// width, so every build of this file (AVX-512, AVX2+FMA, or scalar std::fma) gives the same bits.
+// Products with a triangular operand (causal attention's) skip the terms whose factor is an exact
+// zero: fma(0, b, c) = c for finite b, so skipping them changes no bit.
+//
+// Triangles (`tri`):
+//   0 none; 1 A lower (A[i,k] = 0 for k > i); 2 A upper (k < i); 3 B lower (B[k,j] = 0 for
+//   j > k); 4 B upper (j < k); 5 only C's lower triangle is wanted (C[i,j], j <= i: the rest is
+//   written as 0); 6 only C's upper triangle (the rest 0).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---- vectors of W floats and their fused multiply-add
+#if defined(__AVX512F__)
+constexpr int W = 16;
+typedef __m512 vec;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_load_ps(p); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+typedef __m256 vec;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_load_ps(p); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+#else
+constexpr int W = 8;
+struct vec {
+  float x[W];
+};
+inline vec vzero() { return vec{}; }
+inline vec vload(const float* p) {
+  vec v;
+  std::memcpy(v.x, p, sizeof v.x);
+  return v;
+}
+inline vec vset1(float x) {
+  vec v;
+  for (int l = 0; l < W; ++l) v.x[l] = x;
+  return v;
+}
+inline vec vfma(vec a, vec b, vec c) {
+  for (int l = 0; l < W; ++l) c.x[l] = std::fma(a.x[l], b.x[l], c.x[l]);
+  return c;
+}
+inline void vstore(float* p, vec v) { std::memcpy(p, v.x, sizeof v.x); }
+#endif
+
+constexpr int MR = W == 16 ? 8 : 4;  // rows of C per micro-tile (2 MR accumulators: 16 of the vector registers)
+constexpr int NV = 2;       // vectors per row of a micro-tile
+constexpr int NR = NV * W;  // columns of C per micro-tile (and of a packed panel of B)
+
+// C[0:R, 0:NV*W] = A[0:R, k0:k1] @ P[k0:k1, :], P a packed panel of B (NR floats a row).
+// Full tiles store straight into C (row stride ldc); a partial tile (cols < NR) goes through
+// `tile` and only its first `cols` columns are copied.
+template <int R, int V>
+inline void micro(long k0, long k1, const float* a, long am, long ak, const float* p, float* c, long ldc,
+                  long cols, float* tile) {
+  vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  const float* b = p + k0 * NR;
+  const float* ar = a + k0 * ak;
+  for (long k = k0; k < k1; ++k, b += NR, ar += ak) {
+    vec bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = vload(b + v * W);
+    for (int r = 0; r < R; ++r) {
+      const vec x = vset1(ar[r * am]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(x, bv[v], acc[r][v]);
+    }
+  }
+  if (cols == V * W) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) vstore(c + r * ldc + v * W, acc[r][v]);
+    return;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) vstore(tile + v * W, acc[r][v]);
+    std::memcpy(c + r * ldc, tile, cols * sizeof(float));
+  }
+}
+
+template <int V>
+inline void micro_rows(int rows, long k0, long k1, const float* a, long am, long ak, const float* p, float* c,
+                       long ldc, long cols, float* tile) {
+  switch (rows) {
+    case 8: micro<8, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 7: micro<7, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 6: micro<6, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 5: micro<5, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 4: micro<4, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 3: micro<3, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 2: micro<2, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    default: micro<1, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+  }
+}
+
+// P[0:K, 0:NR] = B[0:K, j0:j0+w], zero beyond w columns (B by element strides bk, bn).
+inline void pack(long K, long j0, long w, const float* b, long bk, long bn, float* p) {
+  if (bn == 1) {
+    for (long k = 0; k < K; ++k) {
+      std::memcpy(p + k * NR, b + k * bk + j0, w * sizeof(float));
+      std::memset(p + k * NR + w, 0, (NR - w) * sizeof(float));
+    }
+    return;
+  }
+  // B transposed (k^T in attention's scores): read its columns along k, which are contiguous
+  for (long j = 0; j < NR; ++j) {
+    float* dst = p + j;
+    if (j >= w) {
+      for (long k = 0; k < K; ++k) dst[k * NR] = 0.0f;
+      continue;
+    }
+    const float* src = b + (j0 + j) * bn;
+    for (long k = 0; k < K; ++k) dst[k * NR] = src[k * bk];
+  }
+}
+
+inline void zero_rows(float* c, long ldc, int rows, long cols) {
+  if (cols > 0)
+    for (int r = 0; r < rows; ++r) std::memset(c + r * ldc, 0, cols * sizeof(float));
+}
+
+// One product C = A @ B (M x K by K x N), C with unit column stride. `p`: K * NR floats, 64-byte
+// aligned; `tile`: NR floats.
+void product(long M, long N, long K, const float* a, long am, long ak, const float* b, long bk, long bn, float* c,
+             long ldc, int tri, float* p, float* tile) {
+  for (long j0 = 0; j0 < N; j0 += NR) {
+    const long w = std::min<long>(NR, N - j0);
+    pack(K, j0, w, b, bk, bn, p);
+    for (long i0 = 0; i0 < M; i0 += MR) {
+      const int rows = (int)std::min<long>(MR, M - i0);
+      long k0 = 0, k1 = K, c0 = 0, c1 = w;  // the terms k0..k1 and columns j0+c0..j0+c1 computed
+      switch (tri) {
+        case 1: k1 = std::min(K, i0 + rows); break;
+        case 2: k0 = std::min(K, i0); break;
+        case 3: k0 = std::min(K, j0); break;
+        case 4: k1 = std::min(K, j0 + w); break;
+        case 5: c1 = std::clamp(i0 + rows - j0, 0L, w); break;  // columns j <= the tile's last row
+        case 6: c0 = std::clamp(i0 - j0, 0L, w); c0 -= c0 % W; break;  // columns j >= its first row
+        default: break;
+      }
+      float* cc = c + i0 * ldc + j0;
+      zero_rows(cc, ldc, rows, c0);
+      if (c1 > c0) {
+        const float* pp = p + c0;
+        float* ct = cc + c0;
+        if (c1 - c0 > W)
+          micro_rows<2>(rows, k0, k1, a + i0 * am, am, ak, pp, ct, ldc, c1 - c0, tile);
+        else
+          micro_rows<1>(rows, k0, k1, a + i0 * am, am, ak, pp, ct, ldc, c1 - c0, tile);
+      }
+      zero_rows(cc + c1, ldc, rows, w - std::max(c0, c1));
+    }
+  }
+}
+
+// ---- the work of one call, shared out product by product
+struct Job {
+  long nb2, M, N, K;
+  const float* A;
+  long a_b1, a_b2, a_m, a_k;
+  const float* B;
+  long b_b1, b_b2, b_k, b_n;
+  float* C;
+  long c_b1, c_b2, c_m;
+  int tri;
+};
+
+struct Scratch {
+  float* p = nullptr;
+  long size = 0;
+  alignas(64) float tile[NR];
+  ~Scratch() { std::free(p); }
+  float* panel(long K) {
+    if (K * NR > size) {
+      std::free(p);
+      size = K * NR;
+      p = static_cast<float*>(std::aligned_alloc(64, ((size * sizeof(float) + 63) / 64) * 64));
+    }
+    return p;
+  }
+};
+
+void run_product(const Job& j, long t, Scratch& s) {
+  const long i = t / j.nb2, k = t % j.nb2;
+  product(j.M, j.N, j.K, j.A + i * j.a_b1 + k * j.a_b2, j.a_m, j.a_k, j.B + i * j.b_b1 + k * j.b_b2, j.b_k, j.b_n,
+          j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, s.panel(j.K), s.tile);
+}
+
+// Helper threads that take products from a shared counter. The calling thread takes products
+// too and, once none is left, waits only for products a helper has started: a helper that has
+// not woken up yet (the machine busy with other work) holds nobody up, unlike a team barrier.
+// The counter holds the call's generation in its high 32 bits, so a helper waking late cannot
+// take a product of a later call for one of its own.
+class Pool {
+ public:
+  void run(const Job& job, long total, int threads) {
+    static thread_local Scratch scratch;
+    if (threads <= 1 || total <= 1) {
+      for (long t = 0; t < total; ++t) run_product(job, t, scratch);
+      return;
+    }
+    const uint32_t gen = publish(job, total, threads - 1);
+    long mine = 0;
+    for (long t; (t = claim(gen, total)) >= 0; ++mine) run_product(job, t, scratch);
+    // products the helpers took: wait for them to finish (they are under way, so this is short)
+    while (done_.load(std::memory_order_acquire) != total - mine) std::this_thread::yield();
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = nullptr;
+  }
+
+ private:
+  long claim(uint32_t gen, long total) {
+    uint64_t v = next_.load(std::memory_order_relaxed);
+    for (;;) {
+      if ((uint32_t)(v >> 32) != gen || (long)(v & 0xffffffffu) >= total) return -1;
+      if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return (long)(v & 0xffffffffu);
+    }
+  }
+
+  uint32_t publish(const Job& job, long total, int helpers) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (; started_ < helpers; ++started_) std::thread([this] { helper(); }).detach();
+    if (++generation_ == 0) generation_ = 1;  // 0 is the state before any call
+    job_ = &job;
+    total_ = total;
+    done_.store(0, std::memory_order_relaxed);
+    next_.store((uint64_t)generation_ << 32, std::memory_order_release);
+    wake_.notify_all();
+    return generation_;
+  }
+
+  void helper() {
+    Scratch scratch;
+    uint32_t seen = 0;
+    for (;;) {
+      Job job;
+      long total;
+      uint32_t gen;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen; });
+        seen = gen = generation_;
+        job = *job_;  // a copy: the caller's Job may end before this helper claims anything
+        total = total_;
+      }
+      for (long t; (t = claim(gen, total)) >= 0;) {
+        run_product(job, t, scratch);
+        done_.fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  int started_ = 0;  // helper threads started (detached: they sleep until the next call)
+  const Job* job_ = nullptr;
+  long total_ = 0;
+  uint32_t generation_ = 0;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<long> done_{0};
+};
+
+Pool& pool() {
+  // one pool per process, made on first use; its threads live as long as the process
+  static Pool* p = new Pool();
+  return *p;
+}
+
+std::mutex calls;  // one call at a time shares the helpers
+
+}  // namespace
+
+extern "C" {
+
+// Vector width of this build (16: AVX-512, 8: AVX2 or scalar); the bits do not depend on it.
+int hs_small_matmul_width() { return W; }
+
+// C[i, j] = A[i, j] @ B[i, j] for i < nb1, j < nb2 (two batch dims), all by element strides;
+// C's columns are unit-stride. `threads`: how many threads may share the products.
+void hs_small_matmul_f32(long nb1, long nb2, long M, long N, long K, const float* A, long a_b1, long a_b2,
+                         long a_m, long a_k, const float* B, long b_b1, long b_b2, long b_k, long b_n, float* C,
+                         long c_b1, long c_b2, long c_m, int tri, int threads) {
+  const Job job{nb2, M, N, K, A, a_b1, a_b2, a_m, a_k, B, b_b1, b_b2, b_k, b_n, C, c_b1, c_b2, c_m, tri};
+  std::lock_guard<std::mutex> lock(calls);
+  pool().run(job, nb1 * nb2, threads);
+}
+}
