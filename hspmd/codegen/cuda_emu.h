@@ -40,6 +40,9 @@
             c1 = (long)(n) * (omp_get_thread_num() + 1) / omp_get_num_threads(), hs_once_ = 1; \
        hs_once_; hs_once_ = 0)
 #define HS_SIMD HS_PRAGMA(omp simd)
+// the columns of a row that a loop must visit: the first n rounded up to 16 (whole vectors, so
+// that the loop needs no scalar remainder), at most cols
+#define HS_LIVE_COLS(n, cols) ((((n) + 15L) & ~15L) < (long)(cols) ? (((n) + 15L) & ~15L) : (long)(cols))
 #define HS_EXPF(x) hs_cpu_expf(x)
 #define HS_TANHF(x) hs_cpu_tanhf(x)
 

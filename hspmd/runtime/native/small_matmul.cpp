@@ -28,6 +28,9 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <vector>
+#include <pthread.h>
+#include <sched.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -40,6 +43,7 @@ constexpr int W = 16;
 typedef __m512 vec;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_load_ps(p); }
+inline vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
@@ -48,6 +52,7 @@ constexpr int W = 8;
 typedef __m256 vec;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_load_ps(p); }
+inline vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
@@ -62,6 +67,7 @@ inline vec vload(const float* p) {
   std::memcpy(v.x, p, sizeof v.x);
   return v;
 }
+inline vec vloadu(const float* p) { return vload(p); }
 inline vec vset1(float x) {
   vec v;
   for (int l = 0; l < W; ++l) v.x[l] = x;
@@ -78,57 +84,73 @@ constexpr int MR = W == 16 ? 8 : 4;  // rows of C per micro-tile (2 MR accumulat
 constexpr int NV = 2;       // vectors per row of a micro-tile
 constexpr int NR = NV * W;  // columns of C per micro-tile (and of a packed panel of B)
 
-// C[0:R, 0:NV*W] = A[0:R, k0:k1] @ P[k0:k1, :], P a packed panel of B (NR floats a row).
-// Full tiles store straight into C (row stride ldc); a partial tile (cols < NR) goes through
-// `tile` and only its first `cols` columns are copied.
+// C[0:R, 0:V*W] = Q[k0:k1, 0:R]^T @ P[k0:k1, :]: Q a packed row block of A (MR floats a k),
+// P a packed panel of B (NR floats a k). Full tiles store straight into C (row stride ldc); a
+// partial tile (cols < V*W) goes through `tile` and only its first `cols` columns are copied.
+// (The loops over r and v are unrolled fully, so that the accumulators stay in registers.)
 template <int R, int V>
-inline void micro(long k0, long k1, const float* a, long am, long ak, const float* p, float* c, long ldc,
-                  long cols, float* tile) {
+__attribute__((always_inline)) inline void micro(long n, const float* q, const float* p, float* c, long ldc,
+                                                 long cols, float* tile) {
   vec acc[R][V];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
-  const float* b = p + k0 * NR;
-  const float* ar = a + k0 * ak;
-  for (long k = k0; k < k1; ++k, b += NR, ar += ak) {
+  for (long k = 0; k < n; ++k, p += NR, q += MR) {
     vec bv[V];
-    for (int v = 0; v < V; ++v) bv[v] = vload(b + v * W);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) bv[v] = vload(p + v * W);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vec x = vset1(ar[r * am]);
+      const vec x = vset1(q[r]);
+#pragma GCC unroll 2
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(x, bv[v], acc[r][v]);
     }
   }
   if (cols == V * W) {
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
       for (int v = 0; v < V; ++v) vstore(c + r * ldc + v * W, acc[r][v]);
     return;
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
     for (int v = 0; v < V; ++v) vstore(tile + v * W, acc[r][v]);
     std::memcpy(c + r * ldc, tile, cols * sizeof(float));
   }
 }
 
 template <int V>
-inline void micro_rows(int rows, long k0, long k1, const float* a, long am, long ak, const float* p, float* c,
-                       long ldc, long cols, float* tile) {
+inline void micro_rows(int rows, long n, const float* q, const float* p, float* c, long ldc, long cols,
+                       float* tile) {
   switch (rows) {
-    case 8: micro<8, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 7: micro<7, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 6: micro<6, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 5: micro<5, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 4: micro<4, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 3: micro<3, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    case 2: micro<2, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
-    default: micro<1, V>(k0, k1, a, am, ak, p, c, ldc, cols, tile); break;
+    case 8: micro<8, V>(n, q, p, c, ldc, cols, tile); break;
+    case 7: micro<7, V>(n, q, p, c, ldc, cols, tile); break;
+    case 6: micro<6, V>(n, q, p, c, ldc, cols, tile); break;
+    case 5: micro<5, V>(n, q, p, c, ldc, cols, tile); break;
+    case 4: micro<4, V>(n, q, p, c, ldc, cols, tile); break;
+    case 3: micro<3, V>(n, q, p, c, ldc, cols, tile); break;
+    case 2: micro<2, V>(n, q, p, c, ldc, cols, tile); break;
+    default: micro<1, V>(n, q, p, c, ldc, cols, tile); break;
   }
 }
 
 // P[0:K, 0:NR] = B[0:K, j0:j0+w], zero beyond w columns (B by element strides bk, bn).
-inline void pack(long K, long j0, long w, const float* b, long bk, long bn, float* p) {
+// (Plain loops, not memcpy: for these short rows the compiler's `rep movs` was 70 % of the time.)
+inline void pack_b(long K, long j0, long w, const float* b, long bk, long bn, float* p) {
   if (bn == 1) {
     for (long k = 0; k < K; ++k) {
-      std::memcpy(p + k * NR, b + k * bk + j0, w * sizeof(float));
-      std::memset(p + k * NR + w, 0, (NR - w) * sizeof(float));
+      const float* src = b + k * bk + j0;
+      float* dst = p + k * NR;
+      if (w == NR) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) vstore(dst + v * W, vloadu(src + v * W));
+        continue;
+      }
+      for (long j = 0; j < w; ++j) dst[j] = src[j];
+      for (long j = w; j < NR; ++j) dst[j] = 0.0f;
     }
     return;
   }
@@ -144,24 +166,52 @@ inline void pack(long K, long j0, long w, const float* b, long bk, long bn, floa
   }
 }
 
+// Q[k - k0, r] = A[r, k] for r < rows, k0 <= k < k1 (A by element strides am, ak): the row
+// block read once, from wherever it lies, into the order the micro-kernel reads it.
+inline void pack_a(int rows, long k0, long k1, const float* a, long am, long ak, float* q) {
+  if (am == 1) {  // A transposed (att^T, ds^T): a k's rows are contiguous
+    for (long k = k0; k < k1; ++k)
+      for (int r = 0; r < rows; ++r) q[(k - k0) * MR + r] = a[k * ak + r];
+    return;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float* src = a + r * am;
+    for (long k = k0; k < k1; ++k) q[(k - k0) * MR + r] = src[k * ak];
+  }
+}
+
+// Ask for the rows of A's next row block while this one is computed (it lies in L3 or memory
+// after the step's large products; the packing would otherwise wait for each line).
+inline void prefetch_a(int rows, long K, const float* a, long am, long ak) {
+  const long line = 64 / sizeof(float);
+  if (am == 1) {
+    for (long k = 0; k < K; ++k) __builtin_prefetch(a + k * ak);
+    return;
+  }
+  for (int r = 0; r < rows; ++r)
+    for (long k = 0; k < K; k += (ak == 1 ? line : 1)) __builtin_prefetch(a + r * am + k * ak);
+}
+
 inline void zero_rows(float* c, long ldc, int rows, long cols) {
   if (cols > 0)
     for (int r = 0; r < rows; ++r) std::memset(c + r * ldc, 0, cols * sizeof(float));
 }
 
-// One product C = A @ B (M x K by K x N), C with unit column stride. `p`: K * NR floats, 64-byte
-// aligned; `tile`: NR floats.
+// One product C = A @ B (M x K by K x N), C with unit column stride. `p`: ceil(N / NR) * K * NR
+// floats and `q`: K * MR floats, 64-byte aligned; `tile`: NR floats.
 void product(long M, long N, long K, const float* a, long am, long ak, const float* b, long bk, long bn, float* c,
-             long ldc, int tri, float* p, float* tile) {
-  for (long j0 = 0; j0 < N; j0 += NR) {
-    const long w = std::min<long>(NR, N - j0);
-    pack(K, j0, w, b, bk, bn, p);
-    for (long i0 = 0; i0 < M; i0 += MR) {
-      const int rows = (int)std::min<long>(MR, M - i0);
-      long k0 = 0, k1 = K, c0 = 0, c1 = w;  // the terms k0..k1 and columns j0+c0..j0+c1 computed
+             long ldc, int tri, float* p, float* q, float* tile) {
+  for (long j0 = 0; j0 < N; j0 += NR) pack_b(K, j0, std::min<long>(NR, N - j0), b, bk, bn, p + (j0 / NR) * K * NR);
+  for (long i0 = 0; i0 < M; i0 += MR) {
+    const int rows = (int)std::min<long>(MR, M - i0);
+    // the terms of A this row block needs (a triangular A: one side of its diagonal only)
+    const long ka = tri == 2 ? std::min(K, i0) : 0, kb = tri == 1 ? std::min(K, i0 + rows) : K;
+    pack_a(rows, ka, kb, a + i0 * am, am, ak, q);
+    if (i0 + MR < M) prefetch_a((int)std::min<long>(MR, M - i0 - MR), K, a + (i0 + MR) * am, am, ak);
+    for (long j0 = 0; j0 < N; j0 += NR) {
+      const long w = std::min<long>(NR, N - j0);
+      long k0 = ka, k1 = kb, c0 = 0, c1 = w;  // the terms k0..k1 and columns j0+c0..j0+c1 computed
       switch (tri) {
-        case 1: k1 = std::min(K, i0 + rows); break;
-        case 2: k0 = std::min(K, i0); break;
         case 3: k0 = std::min(K, j0); break;
         case 4: k1 = std::min(K, j0 + w); break;
         case 5: c1 = std::clamp(i0 + rows - j0, 0L, w); break;  // columns j <= the tile's last row
@@ -171,12 +221,13 @@ void product(long M, long N, long K, const float* a, long am, long ak, const flo
       float* cc = c + i0 * ldc + j0;
       zero_rows(cc, ldc, rows, c0);
       if (c1 > c0) {
-        const float* pp = p + c0;
-        float* ct = cc + c0;
+        const float* pp = p + (j0 / NR) * K * NR + k0 * NR + c0;
+        const float* qq = q + (k0 - ka) * MR;
+        const long n = std::max(0L, k1 - k0);
         if (c1 - c0 > W)
-          micro_rows<2>(rows, k0, k1, a + i0 * am, am, ak, pp, ct, ldc, c1 - c0, tile);
+          micro_rows<2>(rows, n, qq, pp, cc + c0, ldc, c1 - c0, tile);
         else
-          micro_rows<1>(rows, k0, k1, a + i0 * am, am, ak, pp, ct, ldc, c1 - c0, tile);
+          micro_rows<1>(rows, n, qq, pp, cc + c0, ldc, c1 - c0, tile);
       }
       zero_rows(cc + c1, ldc, rows, w - std::max(c0, c1));
     }
@@ -196,24 +247,29 @@ struct Job {
 };
 
 struct Scratch {
-  float* p = nullptr;
-  long size = 0;
+  float *p = nullptr, *q = nullptr;
+  long p_size = 0, q_size = 0;
   alignas(64) float tile[NR];
-  ~Scratch() { std::free(p); }
-  float* panel(long K) {
-    if (K * NR > size) {
-      std::free(p);
-      size = K * NR;
-      p = static_cast<float*>(std::aligned_alloc(64, ((size * sizeof(float) + 63) / 64) * 64));
+  ~Scratch() {
+    std::free(p);
+    std::free(q);
+  }
+  static float* grow(float*& buf, long& size, long need) {
+    if (need > size) {
+      std::free(buf);
+      size = need;
+      buf = static_cast<float*>(std::aligned_alloc(64, ((size * sizeof(float) + 63) / 64) * 64));
     }
-    return p;
+    return buf;
   }
 };
 
 void run_product(const Job& j, long t, Scratch& s) {
   const long i = t / j.nb2, k = t % j.nb2;
+  float* p = Scratch::grow(s.p, s.p_size, ((j.N + NR - 1) / NR) * std::max(j.K, 1L) * NR);
+  float* q = Scratch::grow(s.q, s.q_size, std::max(j.K, 1L) * MR);
   product(j.M, j.N, j.K, j.A + i * j.a_b1 + k * j.a_b2, j.a_m, j.a_k, j.B + i * j.b_b1 + k * j.b_b2, j.b_k, j.b_n,
-          j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, s.panel(j.K), s.tile);
+          j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, p, q, s.tile);
 }
 
 // Helper threads that take products from a shared counter. The calling thread takes products
@@ -221,6 +277,11 @@ void run_product(const Job& j, long t, Scratch& s) {
 // not woken up yet (the machine busy with other work) holds nobody up, unlike a team barrier.
 // The counter holds the call's generation in its high 32 bits, so a helper waking late cannot
 // take a product of a later call for one of its own.
+//
+// Linux wakes a sleeping thread on the CPU of the thread that wakes it when it can; a woken
+// helper then took the caller's CPU and did every product while the caller waited for that CPU
+// (measured: all 64 products by one thread in half the calls). So the helpers are kept off the
+// caller's CPU (`avoid`), re-pinned when the caller has moved.
 class Pool {
  public:
   void run(const Job& job, long total, int threads) {
@@ -249,17 +310,48 @@ class Pool {
 
   uint32_t publish(const Job& job, long total, int helpers) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (; started_ < helpers; ++started_) std::thread([this] { helper(); }).detach();
+    while ((int)threads_.size() < helpers) {
+      const int index = (int)threads_.size();
+      std::thread t([this, index] { helper(index); });
+      threads_.push_back(t.native_handle());
+      t.detach();  // it sleeps between calls and lives as long as the process
+      avoid_ = -1;
+    }
+    keep_off(sched_cpu());
     if (++generation_ == 0) generation_ = 1;  // 0 is the state before any call
     job_ = &job;
     total_ = total;
+    helpers_ = helpers;
     done_.store(0, std::memory_order_relaxed);
     next_.store((uint64_t)generation_ << 32, std::memory_order_release);
     wake_.notify_all();
     return generation_;
   }
 
-  void helper() {
+  static int sched_cpu() {
+#ifdef __linux__
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+  }
+
+  // Pin the helpers to every CPU this process may use but `cpu` (nothing where that leaves none).
+  void keep_off(int cpu) {
+#ifdef __linux__
+    if (cpu < 0 || cpu == avoid_) return;
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2)
+      return;
+    CPU_CLR(cpu, &allowed);
+    for (pthread_t t : threads_) pthread_setaffinity_np(t, sizeof allowed, &allowed);
+    avoid_ = cpu;
+#else
+    (void)cpu;
+#endif
+  }
+
+  void helper(int index) {
     Scratch scratch;
     uint32_t seen = 0;
     for (;;) {
@@ -268,7 +360,7 @@ class Pool {
       uint32_t gen;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen; });
+        wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen && index < helpers_; });
         seen = gen = generation_;
         job = *job_;  // a copy: the caller's Job may end before this helper claims anything
         total = total_;
@@ -282,7 +374,9 @@ class Pool {
 
   std::mutex mu_;
   std::condition_variable wake_;
-  int started_ = 0;  // helper threads started (detached: they sleep until the next call)
+  std::vector<pthread_t> threads_;  // the helpers (detached)
+  int avoid_ = -1;                  // the CPU the helpers are kept off
+  int helpers_ = 0;                 // how many helpers the current call may use
   const Job* job_ = nullptr;
   long total_ = 0;
   uint32_t generation_ = 0;
