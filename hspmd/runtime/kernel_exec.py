@@ -30,6 +30,7 @@ from hspmd.codegen import cpu_compile
 from hspmd.codegen.emit_cuda import C_FLOAT, c_type
 from hspmd.dialects import kernel
 from hspmd.ir.types import dtype_name
+from hspmd.runtime import native
 
 BACKENDS = ("numpy", "cpu", "cuda")
 _SAID: set[str] = set()
@@ -104,6 +105,7 @@ def program_library(module: Operation) -> cpu_compile.Library | None:
     else:
         try:
             lib = cpu_compile.load_library(build_program(module))
+            native.bind_parallel(lib)  # its launches in chunks on the runtime's threads
         except (cpu_compile.CompileError, OSError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             say_once(f"hspmd: building the CPU kernels failed ({first}); fused kernels run as NumPy per op")

@@ -3,8 +3,8 @@
 NumPy multiplies a batch of matrices one OpenBLAS call per product; for attention's products
 (64 of them per call in GPT-tiny, 128 x 64 by 64 x 128 and the like) each call packs both
 operands and splits the small product over BLAS's threads, and the batch ran at about a third
-of the machine's rate. `native/small_matmul.cpp` (built by the host C++ compiler, cached like the
-fused kernels: `cpu_compile.build_native`) runs the whole batch in one call: each product on one
+of the machine's rate. `native/small_matmul.cpp` (in the runtime's C++ library, `native.py`)
+runs the whole batch in one call: each product on one
 thread with an AVX-512 (or AVX2) register-blocked micro-kernel, the products shared out to
 BLAS's thread count one at a time (a helper thread that is late holds nobody up), and the
 triangles of causal attention (`hspmd.codegen.schedule.triangular`) skipped by 8-row tiles.
@@ -25,16 +25,11 @@ products (`triangular_matmul`, `batch_split`).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-from hspmd.codegen import cpu_compile
-
-SOURCE = Path(__file__).resolve().parent / "native" / "small_matmul.cpp"
+from hspmd.runtime.native import library
 
 #: the kernel's code for each triangle (`triangular.TRIANGLES`, and "" for a full product)
 TRIANGLE_CODES = {"": 0, "lhs-lower": 1, "lhs-upper": 2, "rhs-lower": 3, "rhs-upper": 4, "out-lower": 5,
@@ -45,28 +40,6 @@ TRANSPOSED = {"": "", "lhs-lower": "rhs-upper", "lhs-upper": "rhs-lower", "rhs-l
               "rhs-upper": "lhs-lower", "out-lower": "out-upper", "out-upper": "out-lower"}
 
 _F32 = np.dtype(np.float32)
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """Return the loaded small-product library (built once per machine, cached on disk), or None
-    where it cannot be built (said once)."""
-    from hspmd.runtime.kernel_exec import say_once
-
-    if cpu_compile.find_compiler() is None:
-        say_once("hspmd: no C++ compiler found ($CXX, g++, c++); small batched products run as NumPy's")
-        return None
-    try:
-        lib = ctypes.CDLL(str(cpu_compile.build_native(SOURCE)))
-    except (cpu_compile.CompileError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        say_once(f"hspmd: building the small-product kernel failed ({first}); small batched products run as NumPy's")
-        return None
-    fn = lib.hs_small_matmul_f32
-    fn.restype = None
-    fn.argtypes = ([ctypes.c_long] * 5 + [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p]
-                   + [ctypes.c_long] * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2)
-    return lib
 
 
 def _elements(a: np.ndarray) -> list[int] | None:

@@ -1,7 +1,8 @@
 // hspmd: batches of small float32 matrix products, C[b] = A[b] @ B[b], on the CPU.
 //
-// Built by the host C++ compiler (hspmd/codegen/cpu_compile.py, `build_native`), loaded through
-// ctypes by hspmd/runtime/small_matmul.py. Attention's products (64 products of 128 x 64 by
+// Built by the host C++ compiler (hspmd/codegen/cpu_compile.py, `build_native`) after
+// parallel.cpp, in one translation unit (it uses its `hs_parallel_for`), loaded through ctypes by
+// hspmd/runtime/small_matmul.py. Attention's products (64 products of 128 x 64 by
 // 64 x 128 and the like per call in GPT-tiny) are too small for OpenBLAS to reach the machine's
 // rate: it is called once per product, packs both operands, and splits each product over its
 // threads. Here one call runs the whole batch; each product runs on one thread, and the products
@@ -272,125 +273,10 @@ void run_product(const Job& j, long t, Scratch& s) {
           j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, p, q, s.tile);
 }
 
-// Helper threads that take products from a shared counter. The calling thread takes products
-// too and, once none is left, waits only for products a helper has started: a helper that has
-// not woken up yet (the machine busy with other work) holds nobody up, unlike a team barrier.
-// The counter holds the call's generation in its high 32 bits, so a helper waking late cannot
-// take a product of a later call for one of its own.
-//
-// Linux wakes a sleeping thread on the CPU of the thread that wakes it when it can; a woken
-// helper then took the caller's CPU and did every product while the caller waited for that CPU
-// (measured: all 64 products by one thread in half the calls). So the helpers are kept off the
-// caller's CPU (`avoid`), re-pinned when the caller has moved.
-class Pool {
- public:
-  void run(const Job& job, long total, int threads) {
-    static thread_local Scratch scratch;
-    if (threads <= 1 || total <= 1) {
-      for (long t = 0; t < total; ++t) run_product(job, t, scratch);
-      return;
-    }
-    const uint32_t gen = publish(job, total, threads - 1);
-    long mine = 0;
-    for (long t; (t = claim(gen, total)) >= 0; ++mine) run_product(job, t, scratch);
-    // products the helpers took: wait for them to finish (they are under way, so this is short)
-    while (done_.load(std::memory_order_acquire) != total - mine) std::this_thread::yield();
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = nullptr;
-  }
-
- private:
-  long claim(uint32_t gen, long total) {
-    uint64_t v = next_.load(std::memory_order_relaxed);
-    for (;;) {
-      if ((uint32_t)(v >> 32) != gen || (long)(v & 0xffffffffu) >= total) return -1;
-      if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return (long)(v & 0xffffffffu);
-    }
-  }
-
-  uint32_t publish(const Job& job, long total, int helpers) {
-    std::lock_guard<std::mutex> lock(mu_);
-    while ((int)threads_.size() < helpers) {
-      const int index = (int)threads_.size();
-      std::thread t([this, index] { helper(index); });
-      threads_.push_back(t.native_handle());
-      t.detach();  // it sleeps between calls and lives as long as the process
-      avoid_ = -1;
-    }
-    keep_off(sched_cpu());
-    if (++generation_ == 0) generation_ = 1;  // 0 is the state before any call
-    job_ = &job;
-    total_ = total;
-    helpers_ = helpers;
-    done_.store(0, std::memory_order_relaxed);
-    next_.store((uint64_t)generation_ << 32, std::memory_order_release);
-    wake_.notify_all();
-    return generation_;
-  }
-
-  static int sched_cpu() {
-#ifdef __linux__
-    return sched_getcpu();
-#else
-    return -1;
-#endif
-  }
-
-  // Pin the helpers to every CPU this process may use but `cpu` (nothing where that leaves none).
-  void keep_off(int cpu) {
-#ifdef __linux__
-    if (cpu < 0 || cpu == avoid_) return;
-    cpu_set_t allowed;
-    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2)
-      return;
-    CPU_CLR(cpu, &allowed);
-    for (pthread_t t : threads_) pthread_setaffinity_np(t, sizeof allowed, &allowed);
-    avoid_ = cpu;
-#else
-    (void)cpu;
-#endif
-  }
-
-  void helper(int index) {
-    Scratch scratch;
-    uint32_t seen = 0;
-    for (;;) {
-      Job job;
-      long total;
-      uint32_t gen;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen && index < helpers_; });
-        seen = gen = generation_;
-        job = *job_;  // a copy: the caller's Job may end before this helper claims anything
-        total = total_;
-      }
-      for (long t; (t = claim(gen, total)) >= 0;) {
-        run_product(job, t, scratch);
-        done_.fetch_add(1, std::memory_order_release);
-      }
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::vector<pthread_t> threads_;  // the helpers (detached)
-  int avoid_ = -1;                  // the CPU the helpers are kept off
-  int helpers_ = 0;                 // how many helpers the current call may use
-  const Job* job_ = nullptr;
-  long total_ = 0;
-  uint32_t generation_ = 0;
-  std::atomic<uint64_t> next_{0};
-  std::atomic<long> done_{0};
-};
-
-Pool& pool() {
-  // one pool per process, made on first use; its threads live as long as the process
-  static Pool* p = new Pool();
-  return *p;
+void product_of(void* job, long t) {
+  static thread_local Scratch scratch;
+  run_product(*static_cast<const Job*>(job), t, scratch);
 }
-
-std::mutex calls;  // one call at a time shares the helpers
 
 }  // namespace
 
@@ -404,8 +290,7 @@ int hs_small_matmul_width() { return W; }
 void hs_small_matmul_f32(long nb1, long nb2, long M, long N, long K, const float* A, long a_b1, long a_b2,
                          long a_m, long a_k, const float* B, long b_b1, long b_b2, long b_k, long b_n, float* C,
                          long c_b1, long c_b2, long c_m, int tri, int threads) {
-  const Job job{nb2, M, N, K, A, a_b1, a_b2, a_m, a_k, B, b_b1, b_b2, b_k, b_n, C, c_b1, c_b2, c_m, tri};
-  std::lock_guard<std::mutex> lock(calls);
-  pool().run(job, nb1 * nb2, threads);
+  Job job{nb2, M, N, K, A, a_b1, a_b2, a_m, a_k, B, b_b1, b_b2, b_k, b_n, C, c_b1, c_b2, c_m, tri};
+  hs_parallel_for(nb1 * nb2, product_of, &job, threads);
 }
 }

@@ -1,0 +1,60 @@
+"""The runtime's own C++ library (`runtime/native/`): its build, its loading, its parallel loop.
+
+`parallel.cpp` (a parallel loop that never waits for a thread that has not started) and
+`small_matmul.cpp` (batches of small float32 products) are built by the host C++ compiler as
+one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
+once per process (`library()`). Where there is no compiler, or the build fails, `library()`
+is None (said once): the plan keeps NumPy's products and the fused kernels run their chunks on
+the calling thread.
+
+`bind_parallel(kernels)` hands the parallel loop to a program's kernel library (`hs_set_parallel`),
+whose launches then run in chunks on up to `omp_get_max_threads()` threads (`cuda_emu.h`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from hspmd.codegen import cpu_compile
+
+HERE = Path(__file__).resolve().parent / "native"
+#: the library's sources, one translation unit in this order
+SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """Return the loaded native library (built once per machine, cached on disk), or None where
+    it cannot be built (said once)."""
+    from hspmd.runtime.kernel_exec import say_once
+
+    if cpu_compile.find_compiler() is None:
+        say_once("hspmd: no C++ compiler found ($CXX, g++, c++); small batched products run as NumPy's")
+        return None
+    try:
+        lib = ctypes.CDLL(str(cpu_compile.build_native(list(SOURCES))))
+    except (cpu_compile.CompileError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        say_once(f"hspmd: building the runtime's C++ library failed ({first}); small batched products run "
+                 "as NumPy's, fused kernels on one thread")
+        return None
+    fn = lib.hs_small_matmul_f32
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_long] * 5 + [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p]
+                   + [ctypes.c_long] * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2)
+    return lib
+
+
+def bind_parallel(kernels: cpu_compile.Library) -> bool:
+    """Hand the native parallel loop to a loaded kernel library; return whether it took it (False:
+    no native library, or a library built before kernels ran in chunks)."""
+    lib = library()
+    setter = getattr(kernels.dll, "hs_set_parallel", None)
+    if lib is None or setter is None:
+        return False
+    setter.restype = None
+    setter.argtypes = [ctypes.c_void_p]
+    setter(ctypes.cast(lib.hs_parallel_for, ctypes.c_void_p))
+    return True
