@@ -3,8 +3,8 @@
 `parallel.cpp` (a parallel loop that never waits for a thread that has not started) and
 `small_matmul.cpp` (batches of small float32 products) are built by the host C++ compiler as
 one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
-once per process (`library()`). Where there is no compiler, or the build fails, `library()`
-is None (said once): the plan keeps NumPy's products and the fused kernels run their chunks on
+once per process (`load()`). Where there is no compiler, or the build fails, there is none (its
+users say so once): the plan keeps NumPy's products and the fused kernels run their chunks on
 the calling thread.
 
 `bind_parallel(kernels)` hands the parallel loop to a program's kernel library (`hs_set_parallel`),
@@ -25,26 +25,26 @@ SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp")
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """Return the loaded native library (built once per machine, cached on disk), or None where
-    it cannot be built (said once)."""
-    from hspmd.runtime.kernel_exec import say_once
-
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """Return (the loaded native library, "") — built once per machine, cached on disk — or
+    (None, why) where it cannot be built (no C++ compiler, a compile error)."""
     if cpu_compile.find_compiler() is None:
-        say_once("hspmd: no C++ compiler found ($CXX, g++, c++); small batched products run as NumPy's")
-        return None
+        return None, "no C++ compiler found ($CXX, g++, c++)"
     try:
         lib = ctypes.CDLL(str(cpu_compile.build_native(list(SOURCES))))
     except (cpu_compile.CompileError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        say_once(f"hspmd: building the runtime's C++ library failed ({first}); small batched products run "
-                 "as NumPy's, fused kernels on one thread")
-        return None
+        return None, f"building the runtime's C++ library failed ({first})"
     fn = lib.hs_small_matmul_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_long] * 5 + [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p]
                    + [ctypes.c_long] * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2)
-    return lib
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """Return the loaded native library, or None where it cannot be built (`load` says why)."""
+    return load()[0]
 
 
 def bind_parallel(kernels: cpu_compile.Library) -> bool:

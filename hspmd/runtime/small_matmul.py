@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hspmd.runtime import native
+from hspmd.runtime.kernel_exec import say_once
 from hspmd.runtime.native import library
 
 #: the kernel's code for each triangle (`triangular.TRIANGLES`, and "" for a full product)
@@ -90,8 +92,9 @@ class SmallMatmul:
     def create(cls) -> "SmallMatmul | None":
         """Return the kernel maker, its threads following BLAS's thread count, or None where the
         library cannot be built."""
-        lib = library()
+        lib, why = native.load()
         if lib is None:
+            say_once(f"hspmd: {why}; small batched products run as NumPy's")
             return None
         from threadpoolctl import ThreadpoolController
 
