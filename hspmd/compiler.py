@@ -2,7 +2,8 @@
 
 `compile_script` traces the script (`hspmd.frontend`), then runs pass objects level by level:
 
-    logical     autodiff, [clip-grad-norm], the optimizer's update          (training_passes)
+    logical     [stack-layers], autodiff, [clip-grad-norm], the optimizer's
+                update                                                       (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
                 [shard-optimizer-state], propagate-layouts, insert-reshard,
                 reuse-resharded-residuals                                     (annotate_passes)
@@ -47,6 +48,7 @@ from hspmd.transforms.pipeline.split import pipeline_split_passes
 from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.specialize_groups import SpecializeGroups
+from hspmd.transforms.stack_layers import StackLayers
 from hspmd.transforms.util import PassError, module_strategy
 
 if TYPE_CHECKING:
@@ -69,12 +71,24 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
     return module
 
 
-def training_passes(optimizer: Optimizer | None, scale: float = 1.0) -> list[ModulePass]:
-    """Return the passes that turn a traced forward step into a training step: autodiff (with
+def training_passes(optimizer: Optimizer | None, scale: float = 1.0, stack: bool = False) -> list[ModulePass]:
+    """Return the passes that turn a traced forward step into a training step: with `stack`,
+    stack-layers (repeated layers as one `graph.scan` over stacked parameters), autodiff (with
     loss scale `scale`), then the optimizer's clipping and update (none without an optimizer)."""
     registry = get_all_passes()
     update = [registry[name]()(**options) for name, options in optimizer.passes()] if optimizer else []
-    return [Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(), *update]
+    return [*([StackLayers()] if stack else []), Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(), *update]
+
+
+def stacks_layers(records: list[StrategyRecord]) -> bool:
+    """Return whether a step compiled for all of `records` stacks its repeated layers (`stack-layers`).
+
+    A stack of layers is one `graph.scan` at every level, so IR size and compile time do not grow
+    with the layer count. The passes of pipeline parallelism (which cut the layers into stages)
+    and of expert parallelism do not read scans yet: under such strategies the layers stay
+    calls, one per layer (the same numbers either way).
+    """
+    return all(g.pp == 1 and g.ep == 1 and g.experts is None for r in records for g in r.strategy.groups)
 
 
 def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
@@ -155,7 +169,7 @@ def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
 
 def compile_script(
     script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True,
-    microbatches: int | None = None, pipeline_schedule: str | None = None,
+    microbatches: int | None = None, pipeline_schedule: str | None = None, stack_layers: bool | None = None,
 ) -> Compiled:
     """Return the logical, annotated and physical IR of the script's training step.
 
@@ -167,9 +181,12 @@ def compile_script(
     `config["microbatches"]`, else 1) micro-batches run through the stages in the order of
     `pipeline_schedule` (default `config["pipeline_schedule"]`, else "gpipe") and their
     gradients are summed before the update.
+
+    `stack_layers` (default: where the strategy allows, `stacks_layers`) runs `stack-layers`:
+    repeated layers become one scan over stacked parameters.
     """
     record = _record(script, strategy, 0, num_devices, microbatches, pipeline_schedule)
-    logical, opt = _training_step(script, optimizer)
+    logical, opt = _training_step(script, optimizer, stacks_layers([record]) if stack_layers is None else stack_layers)
     return _lower(script, record, logical, opt)
 
 
@@ -198,12 +215,13 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
             raise StrategyError(f"strategy '{record.strategy}' uses devices {extra}, which the run's first strategy "
                                 f"'{records[0].strategy}' does not have")
     traced: dict[str, tuple[ModuleOp, Optimizer | None]] = {}
+    stack = stacks_layers(records)  # one program's variants share their parameters' names
     first: dict[tuple[str, str], Compiled] = {}
     out = []
     for record, overrides in zip(records, configs):
         ckey = repr(sorted(overrides.items()))
         if ckey not in traced:
-            traced[ckey] = _training_step(_specialised(script, overrides), True)
+            traced[ckey] = _training_step(_specialised(script, overrides), True, stack)
         key = (str(record.strategy), ckey)
         if key not in first:
             logical, opt = traced[ckey]
@@ -240,11 +258,13 @@ def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | Non
         raise PassError(str(err)) from None
 
 
-def _training_step(script: ModelScript, optimizer: Optimizer | bool) -> tuple[ModuleOp, Optimizer | None]:
-    """Return the script's logical training step (traced, differentiated, updated) and its optimizer."""
+def _training_step(script: ModelScript, optimizer: Optimizer | bool,
+                   stack: bool = False) -> tuple[ModuleOp, Optimizer | None]:
+    """Return the script's logical training step (traced, [layers stacked,] differentiated, updated)
+    and its optimizer."""
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
-    run_passes(logical, training_passes(opt, loss_scale(script)))
+    run_passes(logical, training_passes(opt, loss_scale(script), stack))
     verify_logical(logical)
     return logical, opt
 
@@ -405,7 +425,7 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     workers = group.dp
     local = _WorkerRows(script.path, script.module, script.config)
     local.workers = workers
-    worker = compile_script(local, "[0]: dp=1", 1, optimizer=False)
+    worker = compile_script(local, "[0]: dp=1", 1, optimizer=False, stack_layers=False)  # servers hold layers by name
     grads = {o.tensor_name.data[len(GRAD_PREFIX):] for o in worker.logical.walk()
              if o.name == "graph.output" and o.tensor_name.data.startswith(GRAD_PREFIX)}
     params = [(o.tensor_name.data, o.init.data, o.result.type) for o in worker.logical.walk()

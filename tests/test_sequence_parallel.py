@@ -55,12 +55,11 @@ def test_blocks_reduce_scatter_and_all_gather_instead_of_all_reduce(example):
 def test_residual_stream_is_split_along_the_sequence():
     compiled = compile_script(_script("gpt.py"), "[0-3]: dp=2 tp=2 sp=1", 4)
     step = next(f for f in compiled.annotated.body.block.ops if f.sym_name.data == "train_step")
-    calls = [o for o in step.body.block.ops if o.name == "func.call" and o.callee.string_value() == "Block_0_fwd"]
-    assert len(calls) == 2
-    for call in calls:  # the residual stream in and out of each block: batch over dp, sequence over tp
-        ins = [str(layout_of(v)) for v in call.operands if len(v.type.get_shape()) == 3]
-        assert ins == ["[0-3]: split(0)=2, split(1)=2"], ins
-        assert str(layout_of(call.results[0])) == "[0-3]: split(0)=2, split(1)=2"
+    (scan,) = [o for o in step.body.block.ops if o.name == "graph.scan" and o.callee.string_value() == "Block_0_fwd"]
+    ((arg, res),) = scan.carries()  # the residual stream in and out of the blocks: batch over dp, sequence over tp
+    assert str(layout_of(scan.operands[arg])) == "[0-3]: split(0)=2, split(1)=2"
+    assert str(layout_of(scan.results[res])) == "[0-3]: split(0)=2, split(1)=2"
+    assert scan.num_iterations == 2
 
 
 def _train(tmp_path, example: str, strategy: str, n: int):

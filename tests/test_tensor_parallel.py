@@ -78,21 +78,21 @@ def _parameter_layouts(module) -> dict[str, str]:
 def test_block_weights_are_column_then_row_parallel(example, column, row):
     compiled = compile_script(_script(example), "[0-3]: dp=2 tp=2", 4)
     lay = _parameter_layouts(compiled.annotated)
-    for layer in (0, 1):
-        for w in column:
-            assert lay[f"blocks.{layer}.{w}"] == "[0-3]: dup=2, split(1)=2", w
-            assert lay[f"opt.m.blocks.{layer}.{w}"] == "[0-3]: dup=2, split(1)=2", w  # the state follows
-        for w in row:
-            assert lay[f"blocks.{layer}.{w}"] == "[0-3]: dup=2, split(0)=2", w
+    # the layers stacked (`stack-layers`): each layer's weight laid out as one, the stacking dim 0 whole
+    for w in column:
+        assert lay[f"blocks.[0:2].{w}"] == "[0-3]: dup=2, split(2)=2", w
+        assert lay[f"opt.m.blocks.[0:2].{w}"] == "[0-3]: dup=2, split(2)=2", w  # the state follows
+    for w in row:
+        assert lay[f"blocks.[0:2].{w}"] == "[0-3]: dup=2, split(1)=2", w
     replicated = [k for k, v in lay.items() if v == "[0-3]: dup=4"]
     assert any("ln" in k or "norm" in k for k in replicated)
     # vocabulary-parallel: the LM head is split along its vocabulary (output) dim, the table along its rows
     assert lay["head.weight"] == "[0-3]: dup=2, split(1)=2"
     assert lay["wte.weight" if example == "gpt.py" else "tok.weight"] == "[0-3]: dup=2, split(0)=2"
     if example == "gpt.py":
-        assert lay["blocks.0.attn.qkv.bias"] == "[0-3]: dup=2, split(0)=2"  # a column-parallel bias
-        assert lay["blocks.0.mlp.fc.bias"] == "[0-3]: dup=2, split(0)=2"
-        assert lay["blocks.0.mlp.proj.bias"] == "[0-3]: dup=4"  # a row-parallel bias
+        assert lay["blocks.[0:2].attn.qkv.bias"] == "[0-3]: dup=2, split(1)=2"  # a column-parallel bias
+        assert lay["blocks.[0:2].mlp.fc.bias"] == "[0-3]: dup=2, split(1)=2"
+        assert lay["blocks.[0:2].mlp.proj.bias"] == "[0-3]: dup=4"  # a row-parallel bias
         assert lay["wpe"] == "[0-3]: dup=4"
 
 

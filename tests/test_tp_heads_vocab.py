@@ -84,7 +84,8 @@ def test_tp_larger_than_the_head_count_names_weight_numbers_and_rule():
     with pytest.raises(PassError) as err:
         compile_script(_script("gpt.py"), "[0-7]: tp=8", 8)
     text = str(err.value)
-    assert "tp=8" in text and "4 heads" in text and "'blocks.0.attn.qkv.weight' of shape [32, 96]" in text, text
+    # the layers are stacked: one name for all of them, the shape of each
+    assert "tp=8" in text and "4 heads" in text and "'blocks.[0:2].attn.qkv.weight' of shape [32, 96] (each of layers 0 to 1)" in text, text
     assert "leave a tp rank with nothing" in text, text  # fewer heads than tp; 3 heads over tp=2 are uneven pieces
 
 
@@ -179,6 +180,6 @@ def test_a_vocabulary_tp_does_not_divide_stays_whole():
     lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
            if isinstance(o, graph.ParameterOp)}
     assert lay["head.weight"] == lay["wte.weight"] == "[0-3]: dup=4"
-    assert lay["blocks.0.attn.qkv.weight"] == "[0-3]: split(1)=4"
+    assert lay["blocks.[0:2].attn.qkv.weight"] == "[0-3]: split(2)=4"  # each layer split along its dim 1
     ops = {o.name for o in compiled.annotated.walk()}
     assert "graph.softmax_cross_entropy" in ops and "graph.one_hot" not in ops  # the fused loss is kept

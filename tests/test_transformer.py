@@ -42,12 +42,27 @@ def _function_ops(module):
 
 
 @pytest.mark.parametrize("example", ["gpt.py", "llama.py"])
+def test_stacked_layers_keep_the_ir_the_same_size_at_any_depth(example):
+    modules = {}
+    for layers in (2, 3, 48):
+        script = load_script(os.path.join(EXAMPLES, example), parse_overrides([f"model.layers={layers}"]))
+        start = time.perf_counter()
+        modules[layers] = compile_script(script, "[0]: dp=1", 1)
+        print(f"\n{example}: {layers} layers stacked, compiled in {time.perf_counter() - start:.2f} s")
+    for level in ("logical", "annotated", "physical"):  # the same ops at every depth: only the stacking dims differ
+        counts = {layers: _ops(getattr(c, level)) for layers, c in modules.items()}
+        assert len(set(counts.values())) == 1, (level, counts)
+    assert _function_ops(modules[2].logical) == _function_ops(modules[48].logical)
+
+
+@pytest.mark.parametrize("example", ["gpt.py", "llama.py"])
 def test_repeated_layers_stay_small_in_the_ir(example):
+    """Without stacking (a pipeline's program, `stack_layers=False`): one call per layer, one traced block."""
     sizes = {}
     for layers in (2, 3, 48):
         script = load_script(os.path.join(EXAMPLES, example), parse_overrides([f"model.layers={layers}"]))
         start = time.perf_counter()
-        compiled = compile_script(script, "[0]: dp=1", 1)
+        compiled = compile_script(script, "[0]: dp=1", 1, stack_layers=False)
         sizes[layers] = (compiled.logical, time.perf_counter() - start)
     two, three, many = (sizes[k][0] for k in (2, 3, 48))
     print(f"\n{example}: logical ops 2 layers {_ops(two)}, 48 layers {_ops(many)}; "
@@ -104,7 +119,9 @@ def test_cli_compiles_a_48_layer_gpt_quickly(tmp_path):
             check=True, timeout=300)
     elapsed = time.perf_counter() - start
     logical = (d / "logical.mlir").read_text()
-    assert logical.count("func.call @Block_0_fwd") == 48 and logical.count("func.func private @Block_0_fwd") == 1
+    # the 48 layers stacked: one scan of the block's forward, one of its backward
+    assert logical.count("graph.scan @Block_0_fwd") == 1 and logical.count("func.func private @Block_0_fwd") == 1
+    assert logical.count("length = 48 : i64") == 2 and "blocks.[0:48].attn.qkv.weight" in logical
     print(f"\nhspmd compile gpt.py --set model.layers=48: {elapsed:.1f} s, logical.mlir {len(logical)} bytes")
 
 

@@ -39,7 +39,7 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.printer import Printer
 
-from hspmd.dialects import comm, pipeline
+from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.comm import groups_of
 from hspmd.dialects.levels import physical_groups
 
@@ -67,12 +67,15 @@ def _functions(module: ModuleOp) -> dict[str, func.FuncOp]:
 
 
 def _callees(fn: func.FuncOp) -> Counter:
-    """Return how many times one run of `fn` runs each function it calls: a `func.call` once, the
-    forward and the backward of a `pipeline.run` once per micro-batch."""
+    """Return how many times one run of `fn` runs each function it calls: a `func.call` once, a
+    `graph.scan` once per iteration (layer), the forward and the backward of a `pipeline.run`
+    once per micro-batch."""
     out: Counter = Counter()
     for op in fn.walk():
         if isinstance(op, func.CallOp):
             out[op.callee.root_reference.data] += 1
+        elif isinstance(op, graph.ScanOp):
+            out[op.callee.root_reference.data] += op.num_iterations
         elif isinstance(op, pipeline.RunOp):
             for ref in (op.forward, op.backward):
                 out[ref.root_reference.data] += op.microbatches.value.data
@@ -273,8 +276,8 @@ def _slot(v: SSAValue) -> tuple[Operation | Block, int]:
 
 def _what(op: Operation) -> str:
     name = op.properties.get("tensor_name") or op.attributes.get("tensor_name")
-    if isinstance(op, func.CallOp):
-        return f"func.call @{op.callee.root_reference.data}"
+    if isinstance(op, (func.CallOp, graph.ScanOp)):
+        return f"{op.name} @{op.callee.root_reference.data}"
     return f'{op.name} "{name.data}"' if name is not None else op.name  # type: ignore[attr-defined]
 
 

@@ -436,6 +436,28 @@ class Layout:
         inner = self.groups[g].states.slices(i, gshape)
         return tuple(slice(e.start + s.start, e.start + s.stop) for e, s in zip(ext, inner))
 
+    def shift_dims(self, by: int) -> Layout:
+        """Return this layout for the tensor with `by` more leading dims (fewer if negative): every
+        `split(d)` becomes `split(d + by)`. A stack of per-layer tensors (`graph.scan`) is laid out
+        as one layer is, shifted by 1, its stacking dim whole on every device.
+
+        >>> str(Layout.spmd((0, 1), DistributedStates.of((split(1), 2))).shift_dims(1))
+        '[0,1]: split(2)=2'
+
+        Raises LayoutError when a dim that would go (d + by < 0) is split.
+        """
+
+        def moved(axis: Axis) -> Axis:
+            if axis.kind != "split":
+                return axis
+            if axis.dim + by < 0:
+                raise LayoutError(f"layout '{self}' splits dim {axis.dim}, which a shift by {by} drops")
+            return split(axis.dim + by)
+
+        groups = tuple(Group(g.devices, DistributedStates(tuple((moved(a), k) for a, k in g.states.axes)))
+                       for g in self.groups)
+        return Layout(groups, moved(self.hetero), self.shares)
+
     def holds_partial(self, device: int) -> bool:
         """Return whether `device`'s piece is a partial sum (partial states, or hetero partial)."""
         g, _ = self._locate(device)

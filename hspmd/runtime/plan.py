@@ -260,6 +260,8 @@ class _Binder:
                 return lambda x: x[i]
             case "sum":
                 return np.add
+            case "stack":
+                return _stack
             case "bucket-start":
                 return self.buckets[step.bucket].start  # type: ignore[index]
             case "bucket-wait":
@@ -353,6 +355,22 @@ def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     if op.dialect_name() in KERNELS:
         return KERNELS[op.dialect_name()](op, rank)
     raise PlanError(f"'{op.name}' cannot run: lower it to {', '.join(KERNELS)} or comm ops first")
+
+
+def _stack(*parts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Return `parts` stacked along a new leading dim (into `out` when given): a scan's stacked
+    result. A part that its op already wrote into its slice of `out` (`placement.py`) is not copied."""
+    if out is None:
+        return np.stack(parts)
+    for i, part in enumerate(parts):
+        slot = out[i]
+        if not (part.__array_interface__["data"][0] == slot.__array_interface__["data"][0]
+                and part.strides == slot.strides and part.shape == slot.shape and part.dtype == slot.dtype):
+            np.copyto(slot, part)
+    return out
+
+
+_stack.accepts_out = True  # type: ignore[attr-defined]
 
 
 def _wait_sends(pending: list[list]) -> Callable[[], None]:

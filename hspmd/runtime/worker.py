@@ -33,6 +33,7 @@ from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
+from hspmd.runtime.stacked import layer_leaves, per_layer, stacked
 from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest as read_checkpoint_manifest, resolve_checkpoint
 from hspmd.runtime.checkpoint.reader import CheckpointElsewhere, load_global_file, load_state
 from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
@@ -211,19 +212,20 @@ def train(
         writer = None
         if ck.directory:
             _write_pid(ck.directory, comm.rank)
-            writer = CheckpointWriter(ck.directory, comm.rank, comm.size, plan.params,
+            writer = CheckpointWriter(ck.directory, comm.rank, comm.size, layer_leaves(plan.params),
                                       RunInfo(manifest.strategy, manifest.num_devices, manifest.script, config, seed),
                                       ck.keep, comm, tracer)
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
         if where and saved:
-            state = load_state(where, saved, plan.params, comm.rank, comm)
+            state = stacked(load_state(where, saved, layer_leaves(plan.params), comm.rank, comm), plan.params)
             done = saved.step
             if comm.rank == 0 and not quiet:
                 print(f"resumed from {where} (step {saved.step}, saved under '{saved.strategy}')", flush=True)
         elif ck.init_from:
-            state = load_global_file(ck.init_from, plan.params, comm.rank, comm, state)
+            state = stacked(load_global_file(ck.init_from, layer_leaves(plan.params), comm.rank, comm,
+                                             per_layer(state)), plan.params)
     except CheckpointElsewhere as err:
         raise QuietRunError(str(err)) from None
     except CheckpointError as err:
@@ -286,8 +288,8 @@ def train(
             result.step_s.append(elapsed)
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")
             result.losses.append(loss)
-            if keep_outputs:
-                result.outputs.append(outputs)
+            if keep_outputs:  # per layer, as the parameters are named (a stacked gradient: each layer's)
+                result.outputs.append(per_layer(outputs))
             if comm.rank == 0:
                 if progress is not None:
                     progress.step(step, loss, elapsed, items)
@@ -305,7 +307,7 @@ def train(
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
-                writer.save(step, state, step, result.lrs[-1] if "lr" in scalars else None)
+                writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None)
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if writer is not None:

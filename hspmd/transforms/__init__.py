@@ -13,6 +13,7 @@ from xdsl.passes import ModulePass, PassPipeline
 
 # name -> "module:Class"
 _PASSES = {
+    "stack-layers": "hspmd.transforms.stack_layers:StackLayers",
     "autodiff": "hspmd.transforms.autodiff:Autodiff",
     "sgd": "hspmd.transforms.sgd:SGD",
     "adam": "hspmd.transforms.adam:Adam",

@@ -89,6 +89,7 @@ from hspmd.dialects.sharding import _reshape_factors
 from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
+from hspmd.ir.stacked_names import is_stacked, layer_range
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms import uneven_tensor_parallel as uneven_tp
@@ -230,7 +231,7 @@ class _Walk:
                     and op.table.type.get_shape()[0] % self.tp == 0:
                 roles.setdefault(k, set()).add(VOCAB_TABLE)
                 continue
-            if isinstance(op, func.CallOp):
+            if isinstance(op, (func.CallOp, graph.ScanOp)):  # a scan's stacked operand: its layers' roles
                 callee = callee_of(op)
                 inner = self.callee_roles(callee, {i: k for i, v in enumerate(op.operands)
                                                    if (k := key_of(v)) is not None})
@@ -325,9 +326,8 @@ def tensor_parallel_plan(module: ModuleOp, tp: int, vocab: bool = False,
     step = step_function(module)
     walk = _Walk(tp, vocab, uneven)
     params = {o.result: o.tensor_name.data for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
-    shapes = {o.tensor_name.data: o.result.type.get_shape() for o in step.body.block.ops
-              if isinstance(o, graph.ParameterOp)}
-    walk.names = {n: f"'{n}' {_shape_text(shapes[n])}" for n in params.values()}
+    shapes = {o.tensor_name.data: layer_shape(o) for o in step.body.block.ops if isinstance(o, graph.ParameterOp)}
+    walk.names = {n: param_text(n, shapes[n]).replace(" of shape", "") for n in params.values()}
     tagged = walk.block_roles(step.body.block, params, lambda k: walk.names[k])
     roles, heads = {}, {}
     for name, rs in tagged.items():
@@ -392,7 +392,7 @@ def residual_stream(module: ModuleOp, group: StrategyGroup) -> int:
     batch: set[SSAValue] = set()
     later: set[SSAValue] = set()  # values computed from a block's result
     for o in block.ops:
-        if isinstance(o, func.CallOp) or any(v in later for v in o.operands):
+        if isinstance(o, (func.CallOp, graph.ScanOp)) or any(v in later for v in o.operands):
             later.update(o.results)
         if isinstance(o, graph.InputOp) or any(v in batch for v in o.operands):
             batch.update(o.results)
@@ -401,11 +401,12 @@ def residual_stream(module: ModuleOp, group: StrategyGroup) -> int:
                                                                                      group.tp)))
     seeded: list[SSAValue] = []
     for o in block.ops:
-        if not isinstance(o, func.CallOp):
+        if not isinstance(o, (func.CallOp, graph.ScanOp)):
             continue
         for v in o.operands:
             shape = v.type.get_shape() if hasattr(v.type, "get_shape") else ()
-            if v in batch and len(shape) >= 3 and not isinstance(v.owner, func.CallOp) and v not in seeded:
+            if v in batch and len(shape) >= 3 and not isinstance(v.owner, (func.CallOp, graph.ScanOp)) \
+                    and v not in seeded:
                 if group.sp and shape[1] % group.tp:
                     raise PassError(
                         f"apply-strategy: sp=1 cannot split the residual stream {_shape_text(shape)} (the "
@@ -498,7 +499,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
     for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
         roles, heads = tensor_parallel_plan(op, tp, vocab=not hetero, uneven=uneven)
         group = next(g for g in strategy.groups if g.tp == tp)
-        shapes = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+        shapes = {o.tensor_name.data: layer_shape(o) for o in leaves if isinstance(o, graph.ParameterOp)}
         if uneven and uneven_tp.needs_uneven(shapes, roles, heads, tp):
             _lay_out_uneven(leaves, group, roles, heads)
             _seed_uneven_row_outputs(op, group)
@@ -509,10 +510,10 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
         residual_stream(op, group)
     if any(g.ep > 1 for g in strategy.groups) or (hetero and strategy.expert_shares is not None):
         roles.update({name: EXPERT_ROW if dim == 1 else EXPERT for name, dim in expert_tp_dims(op).items()})
-    names = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+    names = {o.tensor_name.data: layer_shape(o) for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
         name = leaf.tensor_name.data
-        shape = leaf.result.type.get_shape()
+        shape = layer_shape(leaf) if isinstance(leaf, graph.ParameterOp) else leaf.result.type.get_shape()
         if isinstance(leaf, graph.InputOp):
             layout, kind = (batch if shape else params), "input"
             if hetero and shape:
@@ -532,27 +533,45 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
                     layout.check_shape(shape, f"parameter '{name}'")
                 except LayoutError as err:
                     if role in EXPERTS:
-                        raise PassError(f"apply-strategy: ep cannot split parameter '{name}' of shape "
-                                        f"{_shape_text(shape)}: the {_RULE[role]} over ep into '{layout}', but "
+                        raise PassError(f"apply-strategy: ep cannot split parameter {param_text(name, shape)}: the "
+                                        f"{_RULE[role]} over ep into '{layout}', but "
                                         f"{str(err).rsplit(': ', 1)[-1]}") from None
                     raise PassError(
-                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape "
-                        f"{_shape_text(shape)}: the {_RULE[role]} over tp into '{layout}', but "
+                        f"apply-strategy: tp={group.tp} cannot split parameter {param_text(name, shape)}: the "
+                        f"{_RULE[role]} over tp into '{layout}', but "
                         f"{str(err).rsplit(': ', 1)[-1]}{UNEVEN_ONLY}") from None
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
             raise PassError(str(err)) from None
+        if kind == "parameter" and is_stacked(name):  # each layer laid out as one, the stacking dim whole
+            layout = layout.shift_dims(1)
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
+
+
+def param_text(name: str, shape) -> str:
+    """Return how messages name parameter `name` of (per-layer) shape `shape`: `'w' of shape [4, 8]`,
+    for a stacked parameter `'blocks.[0:2].w' of shape [4, 8] (each of layers 0 to 1)`."""
+    text = f"'{name}' of shape {_shape_text(shape)}"
+    layers = layer_range(name)
+    return text if layers is None else f"{text} (each of layers {layers[0]} to {layers[1] - 1})"
+
+
+def layer_shape(param: graph.ParameterOp) -> tuple[int, ...]:
+    """Return the shape of one layer of `param`: its shape, or without the stacking dim where it
+    is a stacked parameter (or its optimizer state; `stacked_names`)."""
+    shape = param.result.type.get_shape()
+    return shape[1:] if is_stacked(param.tensor_name.data) else shape
 
 
 def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: dict[str, int]) -> None:
     """Lay out `leaves` over the tp sub-groups of `group` in uneven pieces (`uneven_tensor_parallel`);
-    the vocabulary stays whole, as beside other groups."""
-    params = {o.tensor_name.data: o.result.type.get_shape() for o in leaves if isinstance(o, graph.ParameterOp)}
+    the vocabulary stays whole, as beside other groups. A stacked parameter's layers are laid out
+    each as one (its stacking dim whole)."""
+    params = {o.tensor_name.data: layer_shape(o) for o in leaves if isinstance(o, graph.ParameterOp)}
     for leaf in leaves:
         name = leaf.tensor_name.data
-        shape = leaf.result.type.get_shape()
+        shape = layer_shape(leaf) if isinstance(leaf, graph.ParameterOp) else leaf.result.type.get_shape()
         if isinstance(leaf, graph.InputOp):
             kind = "input"
             layout = uneven_tp.batch_layout(group) if shape else uneven_tp.replicated_layout(group)
@@ -570,10 +589,12 @@ def _lay_out_uneven(leaves, group: StrategyGroup, roles: dict[str, str], heads: 
                     what = (f"its {heads[owner]} heads leave" if heads.get(owner, group.tp) < group.tp
                             else f"its dim {dim} of size {shape[dim]} leaves")
                     raise PassError(
-                        f"apply-strategy: tp={group.tp} cannot split parameter '{name}' of shape {_shape_text(shape)}: "
+                        f"apply-strategy: tp={group.tp} cannot split parameter {param_text(name, shape)}: "
                         f"the {_RULE[role]} over tp, and {what} a tp rank with nothing; use tp <= "
                         f"{heads.get(owner, shape[dim])}")
                 layout = uneven_tp.weight_layout(group, role, shares)
+        if kind == "parameter" and is_stacked(name):
+            layout, shape = layout.shift_dims(1), leaf.result.type.get_shape()
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:

@@ -21,6 +21,7 @@ from xdsl.passes import ModulePass
 from hspmd.dialects import graph
 from hspmd.transforms.util import PassError, step_function, terminator
 from hspmd.transforms.call_vjp import CallDifferentiator, is_float
+from hspmd.transforms.scan_vjp import ScanDifferentiator
 from hspmd.transforms.vjp_rules import Emitter, vjp
 
 GRAD_PREFIX = "grad:"
@@ -40,11 +41,13 @@ def reverse_sweep(
     needs: set[SSAValue],
     before: Operation,
     calls: CallDifferentiator | None = None,
+    scans: ScanDifferentiator | None = None,
 ) -> dict[SSAValue, SSAValue]:
     """Return the gradient of every value in `needs` reached from `seeds`, emitted before `before`.
 
     `forward` are the ops to differentiate, in program order; `seeds` maps values to their
-    incoming gradients. Calls are differentiated through their callee's forward/backward pair.
+    incoming gradients. Calls are differentiated through their callee's forward/backward pair,
+    scans (`graph.scan`, stacked layers) through a reverse scan of it (`scan_vjp`).
     """
     emit = Emitter(before)
     grads = dict(seeds)
@@ -57,6 +60,14 @@ def reverse_sweep(
             continue
         gs = [grads.get(r) for r in fop.results]
         if all(g is None for g in gs):
+            continue
+        if isinstance(fop, graph.ScanOp):
+            if scans is None:
+                raise PassError("autodiff: a graph.scan inside a layer function cannot be differentiated")
+            fwd = scans.forward_scan(fop)
+            for j, g in scans.backward_scan(fwd, gs, emit).items():
+                if fwd.args[j] in needs:
+                    accumulate(fwd.args[j], g)
             continue
         if isinstance(fop, func.CallOp):
             if calls is None:
@@ -100,9 +111,10 @@ class Autodiff(ModulePass):
             if isinstance(fop, graph.ParameterOp) or (any(v in needs for v in fop.operands) and not graph.stops_gradient(fop)):
                 needs.update(r for r in fop.results if is_float(r))
         calls = CallDifferentiator(op, reverse_sweep)
+        scans = ScanDifferentiator(calls)
         seed = graph.ConstantOp(self.loss_scale, loss.type)  # a scaled loss keeps float16 gradients in range
         block.insert_op_before(seed, terminator(fn))
-        grads = reverse_sweep(forward, {loss: seed.result}, needs, terminator(fn), calls)
+        grads = reverse_sweep(forward, {loss: seed.result}, needs, terminator(fn), calls, scans)
         emit = Emitter(terminator(fn))
         for param in [o for o in block.ops if isinstance(o, graph.ParameterOp)]:
             g = grads.get(param.result)
@@ -112,3 +124,4 @@ class Autodiff(ModulePass):
                 g = emit(graph.ScaleOp(g, 1.0 / self.loss_scale))
             block.insert_op_before(graph.OutputOp(grad_name(param.tensor_name.data), g), terminator(fn))
         calls.drop_unused()
+        scans.finish(op)

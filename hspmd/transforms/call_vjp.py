@@ -183,7 +183,7 @@ class CallDifferentiator:
 
     def drop_unused(self) -> None:
         """Erase the callees that were split and are no longer called."""
-        called = {o.callee.root_reference.data for o in self.module.walk() if isinstance(o, func.CallOp)}
+        called = {o.callee.root_reference.data for o in self.module.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
         for f in list(self.module.body.block.ops):
             if isinstance(f, func.FuncOp) and f.sym_name.data in self.splits and f.sym_name.data not in called:
                 f.detach()

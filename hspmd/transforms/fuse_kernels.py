@@ -19,7 +19,7 @@ one kernel, and the masked scores are never stored).
 A group grows only while that keeps the program valid with the fused op at the position of
 the group's last member: an op joins a group only if no op outside the group, placed
 before it, uses a member's value. Groups never span a collective (`comm.*`) or a
-`func.call`, so the order of communication and compute stays as it was. Matmuls, reshapes,
+`func.call` or `graph.scan`, so the order of communication and compute stays as it was. Matmuls, reshapes,
 transposes, reductions over other dims, embeddings, dropout, casts, integer and f16/bf16 ops
 stay as they are (NumPy's BLAS / cuBLAS or the per-op kernels run them). The fused op keeps
 the replaced ops in its body: the semantics, and the per-op fallback. Kernels with the same
@@ -79,7 +79,7 @@ def _elementwise_key(op: Operation) -> tuple[tuple[int, ...], str] | None:
 
 
 def _is_barrier(op: Operation) -> bool:
-    return op.dialect_name() == "comm" or isinstance(op, func.CallOp)
+    return op.dialect_name() == "comm" or isinstance(op, (func.CallOp, graph.ScanOp))
 
 
 def _absorbable(value: SSAValue, group: _Group) -> graph.BroadcastOp | None:

@@ -25,7 +25,7 @@ from hspmd.dialects.dist import ReshardOp, layout_of, with_layout
 from hspmd.dialects.sharding import ShardingError, infer, rule_for
 from hspmd.ir.layout import Layout
 from hspmd.transforms.propagate_layouts import required_operand_layouts
-from hspmd.transforms.util import PassError, step_function
+from hspmd.transforms.util import PassError, scan_carries, step_function
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,15 @@ class InsertReshard(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         step_function(op)  # the module must have a step function
+        carries = scan_carries(op)
         for fn in [f for f in op.body.block.ops if isinstance(f, func.FuncOp)]:
-            self._insert(fn.body.block)
+            self._insert(fn.body.block, carries.get(fn.sym_name.data, set()))
 
     @staticmethod
-    def _insert(block: Block) -> None:
-        """Insert the reshards one function body needs (callees included: they are functions too)."""
+    def _insert(block: Block, carries: set[tuple[int, int]] = frozenset()) -> None:  # type: ignore[assignment]
+        """Insert the reshards one function body needs (callees included: they are functions too).
+        `carries` are the (argument, result) pairs a scan feeds back: the returned value must have
+        its argument's layout."""
         layouts: dict[SSAValue, Layout] = {}
         for v in (*block.args, *(r for o in block.ops for r in o.results)):
             if (lay := layout_of(v)) is not None:
@@ -49,11 +52,16 @@ class InsertReshard(ModulePass):
         params = {o.tensor_name.data: layouts[o.result] for o in block.ops if isinstance(o, graph.ParameterOp)}
         made: dict[tuple[SSAValue, Layout], SSAValue] = {}
         for o in list(block.ops):
-            if rule_for(o) is None and not isinstance(o, (graph.OutputOp, graph.AssignOp, func.CallOp)):
+            if isinstance(o, func.ReturnOp) and carries:
+                needs_of_return: list[Layout | None] = [None] * len(o.operands)
+                for j, k in carries:
+                    needs_of_return[k] = layouts.get(block.args[j])
+            elif rule_for(o) is None and not isinstance(o, (graph.OutputOp, graph.AssignOp, func.CallOp, graph.ScanOp)):
                 continue
             got: tuple[Layout, ...] = ()
             try:
-                needs = required_operand_layouts(o, layouts, params)
+                needs = (needs_of_return if isinstance(o, func.ReturnOp)
+                         else required_operand_layouts(o, layouts, params))
                 if rule_for(o) is not None:
                     hint = layouts.get(o.results[0]) if len(o.results) == 1 else None
                     got = infer(o, [layouts.get(v) for v in o.operands], hint).results

@@ -44,7 +44,7 @@ from xdsl.rewriter import Rewriter
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.sharding import ShardingError, infer, rule_for
-from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout
+from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout, LayoutError
 from hspmd.transforms.util import PassError, callee_of, step_function
 
 
@@ -65,6 +65,8 @@ def required_operand_layouts(
         return [params.get(op.tensor_name.data)]
     if isinstance(op, func.CallOp):
         return [layout_of(arg) for arg in callee_of(op).body.block.args]
+    if isinstance(op, graph.ScanOp):
+        return scan_operand_layouts(op, [layout_of(arg) for arg in callee_of(op).body.block.args])
     if rule_for(op) is None:
         return [None] * len(op.operands)
     ins = [layouts.get(v) for v in op.operands]
@@ -72,6 +74,33 @@ def required_operand_layouts(
     if all(x is None for x in (*ins, hint)):
         return [None] * len(op.operands)
     return list(infer(op, ins, hint).operands)
+
+
+def scan_operand_layouts(op: graph.ScanOp, args: list[Layout | None]) -> list[Layout | None]:
+    """Return the layouts a scan's operands need for its callee's argument layouts `args`: a
+    stacked operand is laid out as one layer is, its stacking dim whole (`Layout.shift_dims`)."""
+    return [lay.shift_dims(1) if lay is not None and op.arg_kind(j) == "stacked" else lay
+            for j, lay in enumerate(args)]
+
+
+def scan_argument_layouts(op: graph.ScanOp, operands: list[Layout]) -> list[Layout]:
+    """Return the layouts a scan's callee arguments get from its operands' `operands`; raise
+    PassError where a stacked operand is split along its stacking dim."""
+    out = []
+    for j, lay in enumerate(operands):
+        if op.arg_kind(j) != "stacked":
+            out.append(lay)
+            continue
+        try:
+            out.append(lay.shift_dims(-1))
+        except LayoutError:
+            raise PassError(f"propagate-layouts: graph.scan @{op.callee.root_reference.data}: its stacked operand {j} "
+                            f"is laid out '{lay}', split along the stacking dim 0; each layer must see all of "
+                            "its own slice") from None
+    for j, _ in op.carries():
+        if out[j].hetero == PARTIAL or any(g.states.is_partial for g in out[j].groups):
+            out[j] = replicated_like(out[j])  # a carried value enters every layer whole
+    return out
 
 
 Provenance = dict[SSAValue, str]
@@ -157,7 +186,7 @@ class PropagateLayouts(ModulePass):
         """Specialise the callee of each call whose operand layouts are known; True if any was."""
         changed = False
         for o in ops:
-            if not isinstance(o, func.CallOp) or all(r in layouts for r in o.results):
+            if not isinstance(o, (func.CallOp, graph.ScanOp)) or all(r in layouts for r in o.results):
                 continue
             if force:
                 unknown = [v for v in o.operands if v not in layouts]
@@ -168,19 +197,27 @@ class PropagateLayouts(ModulePass):
                     why[v] = "default: replicated"
             if any(v not in layouts for v in o.operands):
                 continue
-            callee = self._specialize(o, [layouts[v] for v in o.operands], reference, specialized, why)
+            args = [layouts[v] for v in o.operands]
+            if isinstance(o, graph.ScanOp):
+                args = scan_argument_layouts(o, args)
+            callee = self._specialize(o, args, reference, specialized, why)
             ret = callee.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
-            for r, v in zip(o.results, ret.operands):
-                layouts[r] = layout_of(v)  # type: ignore[assignment]
-                why[r] = f"forward: func.call @{callee.sym_name.data} returns"
+            returned = [layout_of(v) for v in ret.operands]
+            if isinstance(o, graph.ScanOp):  # a carried result keeps its argument's layout; others stack
+                carried = {k: j for j, k in o.carries()}
+                returned = [layout_of(callee.body.block.args[carried[k]]) if k in carried else lay.shift_dims(1)
+                            for k, lay in enumerate(returned)]
+            for r, lay in zip(o.results, returned):
+                layouts[r] = lay  # type: ignore[assignment]
+                why[r] = f"forward: {o.name} @{callee.sym_name.data} returns"
             changed = True
             if force:
                 break
         return changed
 
     def _specialize(
-        self, call: func.CallOp, args: list[Layout], reference: Layout, specialized: dict, why: Provenance
+        self, call: func.CallOp | graph.ScanOp, args: list[Layout], reference: Layout, specialized: dict, why: Provenance
     ) -> func.FuncOp:
         """Return the callee laid out for `args` (made once per argument layouts) and point `call` at it."""
         original = callee_of(call)

@@ -52,11 +52,21 @@ def terminator(fn: func.FuncOp) -> Operation:
     return last
 
 
-def callee_of(call: func.CallOp) -> func.FuncOp:
-    """Return the `func.func` that `call` calls."""
+def callee_of(call: Operation) -> func.FuncOp:
+    """Return the `func.func` that `call` (a `func.call` or a `graph.scan`) calls."""
     from xdsl.traits import SymbolTable
 
-    callee = SymbolTable.lookup_symbol(call, call.callee)
+    callee = SymbolTable.lookup_symbol(call, call.callee)  # type: ignore[attr-defined]
     if not isinstance(callee, func.FuncOp):
-        raise PassError(f"func.call of @{call.callee.root_reference.data}: no such function")
+        raise PassError(f"{call.name} of @{call.callee.root_reference.data}: no such function")  # type: ignore
     return callee
+
+
+def scan_carries(module: ModuleOp) -> dict[str, set[tuple[int, int]]]:
+    """Return {function name: its (argument, result) carries} for every function a `graph.scan`
+    of `module` calls: its result k is fed back as argument j, so the two must agree in type and layout."""
+    out: dict[str, set[tuple[int, int]]] = {}
+    for op in module.walk():
+        if op.name == "graph.scan":
+            out.setdefault(op.callee.root_reference.data, set()).update(op.carries())  # type: ignore[attr-defined]
+    return out

@@ -1,8 +1,14 @@
 """A step function as one flat list of nodes over numbered slots: calls inlined, pipelines laid out.
 
 The bodies of `func.call`ed functions (repeated layers) are inlined, so a step is one flat
-list of kernel calls over numbered slots (one slot per SSA value). A pipeline stage's
-`pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
+list of kernel calls over numbered slots (one slot per SSA value). A `graph.scan` (a stack of
+layers) is laid out as its iterations in order, each the callee inlined on its slices: a
+stacked operand's slice i is a view ("take"), and a stacked result is the iterations' results
+stacked into one array ("stack") only where something other than a later scan reads it (a
+forward scan's residuals go to the backward scan's iterations directly, never stacked); the
+all-reduce of a stacked value (a layer's gradients under data parallelism) runs per
+iteration's value, so that it overlaps the rest of the backward as the calls' did. A pipeline
+stage's `pipeline.run` is laid out the same way: its schedule's actions in order, each the forward
 or the backward inlined on one micro-batch's slices, then the sums over the micro-batches
 in their order (`hspmd.dialects.pipeline`). A program with `comm.send`s ends with one node
 that waits for them all.
@@ -18,7 +24,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Operation, SSAValue
 
-from hspmd.codegen.schedule.kernel_facts import FRESH, SUM, OutFacts, out_facts
+from hspmd.codegen.schedule.kernel_facts import FRESH, OUT, SUM, OutFacts, out_facts
 from hspmd.codegen.schedule.model import Constant, Leaf, ScheduleError, SlotType
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.dialects.dist import layout_of
@@ -92,6 +98,27 @@ class _Inliner:
 
     def __init__(self, fn: func.FuncOp) -> None:
         self.fn, self.module, self.flat = fn, fn.parent_op(), Flat()
+        #: a scan's stacked result not stacked yet -> its iterations' slots (see `real`)
+        self.virtual: dict[int, list[int]] = {}
+
+    def own_group(self, op: comm.AllReduceOp) -> bool:
+        """Return whether every group of `op` lies inside this program's devices (its members all
+        run this program, so they all cut it the same way)."""
+        from hspmd.dialects.levels import DEVICES_ATTR
+
+        attr = self.module.attributes.get(DEVICES_ATTR) if self.module is not None else None
+        if attr is None:
+            return False
+        devices = set(attr.get_values())  # type: ignore[attr-defined]
+        return all(set(g) <= devices for g in op.rank_groups)
+
+    def real(self, slot: int) -> int:
+        """Return `slot`, first stacking its iterations' values where it is a scan's stacked result
+        that no node has stacked yet."""
+        parts = self.virtual.pop(slot, None)
+        if parts is not None:
+            self.flat.nodes.append(Node(None, tuple(parts), (slot,), "stack", facts=OUT))
+        return slot
 
     def leaf(self, op: Operation, slot: int, top: bool, stack: tuple[str, ...]) -> None:
         """Record a parameter, input, constant, output or assign of the step function."""
@@ -130,7 +157,7 @@ class _Inliner:
                 case graph.ParameterOp() | graph.InputOp():
                     self.leaf(op, slot(op.result), top, stack)
                 case graph.OutputOp() | graph.AssignOp():
-                    self.leaf(op, slot(op.value), top, stack)
+                    self.leaf(op, self.real(slot(op.value)), top, stack)
                 case graph.ConstantOp():
                     typ = op.result.type
                     flat.constants.append(Constant(slot(op.result), tuple(typ.get_shape()), dtype_name(typ),
@@ -138,7 +165,7 @@ class _Inliner:
                 case pipeline.RunOp() if not top:
                     raise ScheduleError(f"@{stack[-1]}: '{op.name}' belongs in the step function, not a callee")
                 case pipeline.RunOp():
-                    results = _expand_pipeline(flat, op, tuple(slot(v) for v in op.operands),
+                    results = _expand_pipeline(flat, op, tuple(self.real(slot(v)) for v in op.operands),
                                                lambda callee, args, i, at=op: self.call(callee, args, at, i))
                     for r, s in zip(op.results, results):
                         slots[r] = s
@@ -147,15 +174,70 @@ class _Inliner:
                     if name in stack:
                         raise ScheduleError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
                     callee = _lookup(self.module, name, op)
-                    inner = {arg: slot(v) for arg, v in zip(callee.body.block.args, op.operands)}
+                    inner = {arg: self.real(slot(v)) for arg, v in zip(callee.body.block.args, op.operands)}
                     results = self.body(callee.body.block, inner, False, stack + (name,), microbatch, scope)
                     for r, s in zip(op.results, results):
                         slots[r] = s  # the call's results are the callee's returned values
+                case graph.ScanOp():
+                    name = op.callee.root_reference.data
+                    if name in stack:
+                        raise ScheduleError(f"@{name} calls itself (through {' -> '.join(stack)}): recursion cannot run")
+                    results = self.scan(op, [slot(v) for v in op.operands], stack, microbatch, scope)
+                    for r, s in zip(op.results, results):
+                        slots[r] = s
+                case comm.AllReduceOp() if slot(op.operands[0]) in self.virtual and self.own_group(op):
+                    # a stacked gradient's all-reduce: one per iteration's value, so that the
+                    # all-reduce buckets start as the backward scan makes each layer's (the sum of
+                    # a slice is the slice of the sum: the same bits)
+                    parts = self.virtual.pop(slot(op.operands[0]))
+                    reduced = [flat.like(p) for p in parts]
+                    for p, r in zip(parts, reduced):
+                        flat.nodes.append(Node(op, (p,), (r,), facts=out_facts(op), microbatch=microbatch, scope=scope))
+                    self.virtual[slot(op.results[0])] = reduced
                 case _:
-                    ins = tuple(slot(v) for v in op.operands)
+                    ins = tuple(self.real(slot(v)) for v in op.operands)
                     flat.nodes.append(Node(op, ins, tuple(slot(r) for r in op.results), facts=out_facts(op),
                                            microbatch=microbatch, scope=scope))
         return returns
+
+    def scan(self, op: graph.ScanOp, operands: list[int], stack: tuple[str, ...], microbatch: int | None,
+             scope: str) -> list[int]:
+        """Lay out `op`'s iterations (the module docstring); return its result slots."""
+        flat, name = self.flat, op.callee.root_reference.data
+        callee = _lookup(self.module, name, op)
+        n, carries = op.num_iterations, op.carries()
+        kinds = [op.arg_kind(j) for j in range(len(operands))]
+        args = [s if kinds[j] != "stacked" else None for j, s in enumerate(operands)]
+        for j, s in enumerate(operands):
+            if kinds[j] != "stacked":
+                args[j] = self.real(s)
+        per_iteration: list[list[int]] = [[0] * n for _ in op.results]
+        returned: tuple[int, ...] = ()
+        for i in (reversed(range(n)) if op.is_reverse else range(n)):
+            for j, s in enumerate(operands):
+                if kinds[j] != "stacked":
+                    continue
+                if s in self.virtual:
+                    args[j] = self.virtual[s][i]
+                else:
+                    out = flat.like(s, drop_leading=True)
+                    flat.nodes.append(Node(None, (s,), (out,), "take", microbatch=i))
+                    args[j] = out
+            inner = {arg: a for arg, a in zip(callee.body.block.args, args)}
+            returned = self.body(callee.body.block, inner, False, stack + (name,), microbatch, scope)  # type: ignore
+            for k, r in enumerate(returned):
+                per_iteration[k][i] = r
+            for j, k in carries:
+                args[j] = returned[k]
+        results = []
+        for k, r in enumerate(op.results):
+            if not op.result_stacked(k):
+                results.append(returned[k])
+                continue
+            stacked = flat.new_slot(r)
+            self.virtual[stacked] = per_iteration[k]
+            results.append(stacked)
+        return results
 
     def call(self, name: str, args: Sequence[int], at: Operation, microbatch: int) -> tuple[int, ...]:
         """Inline @name (a `pipeline.run`'s forward or backward) on micro-batch `microbatch`'s
@@ -170,6 +252,7 @@ def flatten(fn: func.FuncOp) -> Flat:
     inliner = _Inliner(fn)
     inliner.body(fn.body.block, {}, True, (fn.sym_name.data,))
     flat = inliner.flat
+    inliner.virtual.clear()  # stacked results nothing read: their iterations' values die unstacked
     if any(isinstance(n.op, comm.SendOp) for n in flat.nodes):  # every send has left before the step ends
         flat.nodes.append(Node(None, (), (), "wait-sends"))
     return flat

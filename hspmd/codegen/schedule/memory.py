@@ -45,7 +45,7 @@ _FRESH_OPS = frozenset({
     "comm.all_to_all", "comm.recv", "comm.exchange", "comm.local_split",
 })
 #: node kinds that compute (may take out=)
-_COMPUTES = ("op", "sum")
+_COMPUTES = ("op", "sum", "stack")
 
 
 @dataclass
@@ -179,7 +179,7 @@ def _share_dying_operands(flat: Flat, st: _Storages, inplace: dict[tuple[int, in
             continue
         o = node.outs[0]
         (so,) = st.alias[o]
-        if st.kind[so] != "pooled":
+        if st.kind[so] != "pooled" or st.owner[so] != o:  # not its own buffer (placed in a stack's)
             continue
         for a in node.ins if node.facts.overwrites == "any" else node.ins[:1]:
             if types[a] != types[o] or len(st.alias[a]) != 1:
@@ -245,7 +245,7 @@ def _destinations(flat: Flat, st: _Storages, i: int, root: list[int], storage_bu
                 out.append(Destination("buffer", storage_buffer[root[s]], shape=shape, dtype=dtype))
             else:
                 out.append(Destination("buffer", storage_buffer[root[s]], shape=shape, dtype=dtype,
-                                       stored=place.stored, select=place.select, perm=place.perm))
+                                       stored=place.stored, select=place.select, perm=place.perm, at=place.at))
         else:
             out.append(Destination("param", name=name, shape=shape, dtype=dtype))
     return tuple(out)

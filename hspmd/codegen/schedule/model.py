@@ -90,7 +90,8 @@ class Destination:
 
     A buffer destination with `stored` (`placement.Placement`) is laid out for its consumer:
     the buffer holds a C-contiguous array of shape `stored`, and the result is its slice
-    `select` (dim, start, stop; None: all of it) transposed by `perm` (see `view`).
+    `select` (dim, start, stop; None: all of it) transposed by `perm` (see `view`), or its
+    slice `at` along the leading dim (an iteration's value in a scan's stacked result).
     """
 
     kind: str
@@ -102,11 +103,14 @@ class Destination:
     stored: tuple[int, ...] | None = None
     select: tuple[int, int, int] | None = None
     perm: tuple[int, ...] | None = None
+    at: int | None = None
 
     def view(self, raw: np.ndarray) -> np.ndarray:
         """Return this buffer destination's array in buffer `raw` (bytes)."""
         shape = self.shape if self.stored is None else self.stored
         array = raw[: nbytes((shape, self.dtype))].view(self.dtype).reshape(shape)
+        if self.at is not None:
+            array = array[self.at]
         if self.select is not None:
             d, start, stop = self.select
             array = array[(slice(None),) * d + (slice(start, stop),)]
@@ -121,7 +125,9 @@ class Step:
 
     kind "op": computes IR op `op` (inside a pipeline's forward or backward on micro-batch
     `microbatch`, else `microbatch` is None); "take": slice `microbatch` of its operand along
-    the leading dim (a view); "sum": `ins[0] + ins[1]` (a pipeline's micro-batch sums);
+    the leading dim (a view: a micro-batch, or a layer of a `graph.scan`); "sum": `ins[0] + ins[1]`
+    (a pipeline's micro-batch sums); "stack": the `ins` stacked along a new leading dim (a scan's
+    stacked result: one slice per iteration);
     "bucket-start" / "bucket-wait": start / wait for bucket `bucket`; "poll": let the buckets
     `polls` progress; "wait-sends": wait for every send the step started.
     `out` places each result (None: the kernel allocates); `facts` is what the schedule
@@ -151,7 +157,7 @@ class Step:
 
 #: the names of the steps that compute no IR op of their own (`step_name`)
 KIND_NAMES = {
-    "take": "pipeline.take", "sum": "pipeline.sum", "bucket-start": "comm.all_reduce.start",
+    "take": "pipeline.take", "sum": "pipeline.sum", "stack": "graph.scan.stack", "bucket-start": "comm.all_reduce.start",
     "bucket-wait": "comm.all_reduce.wait", "poll": "comm.all_reduce.poll", "wait-sends": "comm.send.wait",
 }
 

@@ -14,7 +14,11 @@ go away when the matmul writes its result straight into the memory the consumer 
   transposed back); the concat kernel then finds each operand already in place and copies
   nothing (`numpy_ops` checks that it is the very same view).
 
-Only results whose rows stay rows qualify (BLAS writes a matrix's rows at any stride, but not
+* **stack**: a scan's stacked result (`graph.scan`, the iterations' values one slice each):
+  each iteration's value that only the stack reads is written by its op straight into its
+  slice of the stack's buffer (`at`); the stack then copies nothing.
+
+Only (reshape and concat) results whose rows stay rows qualify (BLAS writes a matrix's rows at any stride, but not
 its columns; computing the transposed product `b^T a^T` instead gave other bits on small
 shapes), except the products the runtime computes by triangular blocks (`triangular.py`): there
 the kernel computes `b^T a^T` into such a result, with the same bits on attention's shapes
@@ -43,6 +47,8 @@ class Placement:
     stored: tuple[int, ...]
     select: tuple[int, int, int] | None
     perm: tuple[int, ...]
+    #: the result is slice `at` of `stored` along its leading dim (a stack's iteration), else None
+    at: int | None = None
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -106,6 +112,14 @@ def placements(flat: Flat, pooled: Callable[[int], bool],
 
     found: dict[int, Placement] = {}
     for i, node in enumerate(nodes):
+        if node.kind == "stack" and pooled(i) and node.outs[0] not in exported:
+            host = node.outs[0]
+            for k, x in enumerate(node.ins):
+                p = producer.get(x)
+                if (p is not None and uses[x] == 1 and x not in exported and nodes[p].kind == "op" and pooled(p)
+                        and x not in found and node.ins.count(x) == 1):
+                    found[x] = Placement(host, types[host][0], None, tuple(range(len(types[x][0]))), k)  # type: ignore
+            continue
         name = node.op.name if node.op is not None and node.kind == "op" else ""
         if name == "graph.reshape":
             x = node.ins[0]

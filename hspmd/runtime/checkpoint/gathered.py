@@ -13,10 +13,12 @@ import numpy as np
 
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.plan import Plan
+from hspmd.runtime.stacked import per_layer
 
 
 def gather_parameters(plan: Plan, state: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray] | None:
-    """Return the global parameters on rank 0 (None on other ranks)."""
+    """Return the global parameters on rank 0 (None on other ranks), per layer where the program
+    stacks layers (`hspmd.runtime.stacked`)."""
     out: dict[str, np.ndarray] = {}
     for tag, p in enumerate(plan.params):
         owners: dict[tuple, int] = {}
@@ -32,7 +34,7 @@ def gather_parameters(plan: Plan, state: dict[str, np.ndarray], comm: Communicat
             out[p.name] = full
         elif comm.rank in owners.values():
             comm.send(state[p.name].copy(), 0, tag)
-    return out if comm.rank == 0 else None
+    return per_layer(out) if comm.rank == 0 else None
 
 
 def save_checkpoint(path: str, params: dict[str, np.ndarray], step: int) -> None:

@@ -1,0 +1,71 @@
+// RUN: hspmd-opt %s -p stack-layers --split-input-file | filecheck %s
+
+// Three calls of one layer function, each with its own weight and the previous call's result,
+// become one graph.scan over the stacked weight "l.[0:3].w" (slice i: layer i); the per-layer
+// parameters and the calls are gone.
+
+builtin.module {
+  func.func @train_step() {
+    %w0 = graph.parameter "l.0.w" {init = "normal:0.02"} : tensor<4x4xf32>
+    %w1 = graph.parameter "l.1.w" {init = "normal:0.02"} : tensor<4x4xf32>
+    %w2 = graph.parameter "l.2.w" {init = "normal:0.02"} : tensor<4x4xf32>
+    %x = graph.input "x" : tensor<2x4xf32>
+    %h1 = func.call @Layer_0(%w0, %x) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h2 = func.call @Layer_0(%w1, %h1) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h3 = func.call @Layer_0(%w2, %h2) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %l = graph.reduce_sum %h3 {dims = array<i64: 0, 1>} : (tensor<2x4xf32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+  func.func private @Layer_0(%w: tensor<4x4xf32>, %x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+    %y = graph.matmul %x, %w : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    %r = graph.relu %y : (tensor<2x4xf32>) -> tensor<2x4xf32>
+    func.return %r : tensor<2x4xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @train_step
+// CHECK-NEXT:    [[W:%.*]] = graph.parameter "l.[0:3].w" {init = "normal:0.02"} : tensor<3x4x4xf32>
+// CHECK-NOT:     graph.parameter "l.
+// CHECK:         [[X:%.*]] = graph.input "x"
+// CHECK-NEXT:    [[H:%.*]] = graph.scan @Layer_0([[W]], [[X]]) {length = 3 : i64, stacked = array<i64: 0>, carry_args = array<i64: 1>, carry_results = array<i64: 0>} : (tensor<3x4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+// CHECK-NEXT:    graph.reduce_sum [[H]]
+// CHECK-NOT:     func.call
+
+// -----
+
+// A weight shared by every layer (tied) is an invariant operand; the names need not start at 0.
+// Names that do not count up by one ("a.1.w", "a.3.w") leave the calls as they are.
+
+builtin.module {
+  func.func @train_step() {
+    %s = graph.parameter "shared" {init = "ones"} : tensor<4xf32>
+    %w0 = graph.parameter "b.5.w" {init = "zeros"} : tensor<4x4xf32>
+    %w1 = graph.parameter "b.6.w" {init = "zeros"} : tensor<4x4xf32>
+    %v0 = graph.parameter "a.1.w" {init = "zeros"} : tensor<4x4xf32>
+    %v1 = graph.parameter "a.3.w" {init = "zeros"} : tensor<4x4xf32>
+    %x = graph.input "x" : tensor<2x4xf32>
+    %h1 = func.call @L(%s, %w0, %x) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h2 = func.call @L(%s, %w1, %h1) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %g1 = func.call @L(%s, %v0, %x) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %g2 = func.call @L(%s, %v1, %g1) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %sum = graph.add %h2, %g2 : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %l = graph.reduce_sum %sum {dims = array<i64: 0, 1>} : (tensor<2x4xf32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+  func.func private @L(%s: tensor<4xf32>, %w: tensor<4x4xf32>, %x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+    %y = graph.matmul %x, %w : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    %b = graph.broadcast %s {dims = array<i64: 1>} : (tensor<4xf32>) -> tensor<2x4xf32>
+    %z = graph.mul %y, %b : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    func.return %z : tensor<2x4xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @train_step
+// CHECK:         [[W:%.*]] = graph.parameter "b.[5:7].w" {init = "zeros"} : tensor<2x4x4xf32>
+// CHECK:         graph.parameter "a.1.w"
+// CHECK:         graph.parameter "a.3.w"
+// CHECK:         graph.scan @L(%s, [[W]], %x) {length = 2 : i64, stacked = array<i64: 1>, carry_args = array<i64: 2>, carry_results = array<i64: 0>}
+// CHECK:         func.call @L
+// CHECK:         func.call @L
