@@ -138,6 +138,36 @@ inline void micro_rows(int rows, long n, const float* q, const float* p, float* 
   }
 }
 
+#if defined(__AVX2__)
+// dst[c * ld + r] = src[r * ls + c] for r, c < 8: an 8 x 8 transpose in registers (24 shuffles
+// for 64 values, where a scalar copy takes a load and a store each)
+inline void transpose8(const float* src, long ls, float* dst, long ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ls);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+constexpr bool kTranspose8 = true;
+#else
+inline void transpose8(const float* src, long ls, float* dst, long ld) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) dst[c * ld + r] = src[r * ls + c];
+}
+constexpr bool kTranspose8 = false;
+#endif
+
 // P[0:K, 0:NR] = B[0:K, j0:j0+w], zero beyond w columns (B by element strides bk, bn).
 // (Plain loops, not memcpy: for these short rows the compiler's `rep movs` was 70 % of the time.)
 inline void pack_b(long K, long j0, long w, const float* b, long bk, long bn, float* p) {
@@ -155,15 +185,20 @@ inline void pack_b(long K, long j0, long w, const float* b, long bk, long bn, fl
     }
     return;
   }
-  // B transposed (k^T in attention's scores): read its columns along k, which are contiguous
-  for (long j = 0; j < NR; ++j) {
-    float* dst = p + j;
-    if (j >= w) {
+  // B transposed (k^T in attention's scores): its columns are contiguous along k; 8 x 8 blocks
+  // are transposed in registers, the rest copied one by one
+  long j = 0, k8 = kTranspose8 && bk == 1 ? K - K % 8 : 0;
+  for (; k8 > 0 && j + 8 <= w; j += 8)
+    for (long k = 0; k < k8; k += 8) transpose8(b + (j0 + j) * bn + k, bn, p + k * NR + j, NR);
+  for (long jj = 0; jj < NR; ++jj) {
+    float* dst = p + jj;
+    const long from = jj < j ? k8 : 0;  // columns before j have their first k8 rows already
+    if (jj >= w) {
       for (long k = 0; k < K; ++k) dst[k * NR] = 0.0f;
       continue;
     }
-    const float* src = b + (j0 + j) * bn;
-    for (long k = 0; k < K; ++k) dst[k * NR] = src[k * bk];
+    const float* src = b + (j0 + jj) * bn;
+    for (long k = from; k < K; ++k) dst[k * NR] = src[k * bk];
   }
 }
 
@@ -171,13 +206,22 @@ inline void pack_b(long K, long j0, long w, const float* b, long bk, long bn, fl
 // block read once, from wherever it lies, into the order the micro-kernel reads it.
 inline void pack_a(int rows, long k0, long k1, const float* a, long am, long ak, float* q) {
   if (am == 1) {  // A transposed (att^T, ds^T): a k's rows are contiguous
+#if defined(__AVX2__)
+    if (MR == 8 && rows == 8) {
+      for (long k = k0; k < k1; ++k) _mm256_storeu_ps(q + (k - k0) * MR, _mm256_loadu_ps(a + k * ak));
+      return;
+    }
+#endif
     for (long k = k0; k < k1; ++k)
       for (int r = 0; r < rows; ++r) q[(k - k0) * MR + r] = a[k * ak + r];
     return;
   }
+  long k = k0;
+  if (kTranspose8 && MR == 8 && rows == 8 && ak == 1)  // 8 rows: 8 x 8 blocks in registers
+    for (; k + 8 <= k1; k += 8) transpose8(a + k, am, q + (k - k0) * MR, MR);
   for (int r = 0; r < rows; ++r) {
     const float* src = a + r * am;
-    for (long k = k0; k < k1; ++k) q[(k - k0) * MR + r] = src[k * ak];
+    for (long kk = k; kk < k1; ++kk) q[(kk - k0) * MR + r] = src[kk * ak];
   }
 }
 
