@@ -1,8 +1,9 @@
 """The runtime's own C++ library (`runtime/native/`): its build, its loading, its parallel loop.
 
 `parallel.cpp` (a parallel loop that never waits for a thread that has not started),
-`small_matmul.cpp` (batches of small float32 products) and `scatter.cpp` (rows added into a table
-at indices, in order: the embedding's gradient) are built by the host C++ compiler as one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
+`small_matmul.cpp` (batches of small float32 products), `scatter.cpp` (rows added into a table
+at indices, in order: the embedding's gradient) and `reduce.cpp` (a gradient's sum of squares in
+float64, for clipping) are built by the host C++ compiler as one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
 once per process (`load()`). Where there is no compiler, or the build fails, there is none (its
 users say so once): the plan keeps NumPy's products and the fused kernels run their chunks on
 the calling thread.
@@ -23,7 +24,7 @@ from hspmd.codegen import cpu_compile
 
 HERE = Path(__file__).resolve().parent / "native"
 #: the library's sources, one translation unit in this order
-SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp", HERE / "scatter.cpp")
+SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp", HERE / "scatter.cpp", HERE / "reduce.cpp")
 
 
 @functools.cache
@@ -45,6 +46,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     scatter.restype = ctypes.c_long
     scatter.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                         ctypes.c_int, ctypes.c_int]
+    sumsq = lib.hs_sum_squares
+    sumsq.restype = ctypes.c_double
+    sumsq.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
     return lib, ""
 
 
@@ -85,3 +89,13 @@ def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> bo
     if bad >= 0:
         raise IndexError(f"index {int(index[bad])} is out of bounds for axis 0 with size {out.shape[0]}")
     return True
+
+
+def sum_squares(x: np.ndarray) -> float | None:
+    """Return the sum of the squares of `x` (float32 or float64, C-contiguous) in float64, its
+    additions in a fixed order (`reduce.cpp`), on the fused kernels' threads; None where it does
+    not apply (no library, another dtype, not contiguous)."""
+    lib = library()
+    if lib is None or x.dtype not in _FLOATS or not x.flags.c_contiguous:
+        return None
+    return float(lib.hs_sum_squares(x.ctypes.data, x.size, _FLOATS[x.dtype], 0))
