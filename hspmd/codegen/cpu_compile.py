@@ -99,8 +99,10 @@ def _launcher(spec: LaunchSpec, team: bool) -> str:
     args = ", ".join(f"({t}*)a[{i}]" for i, t in enumerate(spec.arg_types))
     args = f"{args}, n0, n1" if args else "n0, n1"
     head = f'extern "C" void hs_launch_{spec.function}(void **a, long n0, long n1, int team) {{\n'
-    # the serial emulation: the launch in chunks (hs_emu::run_chunks: rows, or items by vectors)
-    units = "n0 / 16" if spec.kind == "elementwise" else "n0"
+    # the serial emulation: the launch in chunks (hs_emu::run_chunks: rows, items by vectors, or
+    # a column launch's columns (n1 > 0: a norm's weight gradients) by 128, so that a chunk reads
+    # long runs of each row)
+    units = "(n1 > 0 ? n0 / 128 : n0 / 16)" if spec.kind == "elementwise" else "n0"
     chunked = (
         f"hs_emu::run_chunks({{+[](void **a, long n0, long n1) {{ (void)a; (void)n1; "
         f"hs_serial::{spec.function}({args}); }}, a, n0, n1, 1}}, {units}, n0 * (n1 > 1 ? n1 : 1));\n"

@@ -225,16 +225,25 @@ inline void pack_a(int rows, long k0, long k1, const float* a, long am, long ak,
   }
 }
 
+// Ask for the cache line of `p` to come into L2 (`write`: to be written). The empty asm keeps the
+// loops around it: GCC deletes a loop whose only effect is a prefetch (C++ loops may be assumed
+// to end, and a prefetch has no side effect it must keep), which it did to every prefetch here.
+inline void prefetch_line(const float* p, bool write) {
+  if (write) __builtin_prefetch(p, 1, 2);
+  else __builtin_prefetch(p, 0, 2);
+  asm volatile("");
+}
+
 // Ask for the rows of A's next row block while this one is computed (it lies in L3 or memory
 // after the step's large products; the packing would otherwise wait for each line).
 inline void prefetch_a(int rows, long K, const float* a, long am, long ak) {
   const long line = 64 / sizeof(float);
   if (am == 1) {
-    for (long k = 0; k < K; ++k) __builtin_prefetch(a + k * ak);
+    for (long k = 0; k < K; ++k) prefetch_line(a + k * ak, false);
     return;
   }
   for (int r = 0; r < rows; ++r)
-    for (long k = 0; k < K; k += (ak == 1 ? line : 1)) __builtin_prefetch(a + r * am + k * ak);
+    for (long k = 0; k < K; k += (ak == 1 ? line : 1)) prefetch_line(a + r * am + k * ak, false);
 }
 
 inline void zero_rows(float* c, long ldc, int rows, long cols) {
@@ -244,8 +253,11 @@ inline void zero_rows(float* c, long ldc, int rows, long cols) {
 
 // One product C = A @ B (M x K by K x N), C with unit column stride. `p`: ceil(N / NR) * K * NR
 // floats and `q`: K * MR floats, 64-byte aligned; `tile`: NR floats.
+struct Job;
+void prefetch_product(const Job& j, long t, long part, long parts);
+
 void product(long M, long N, long K, const float* a, long am, long ak, const float* b, long bk, long bn, float* c,
-             long ldc, int tri, float* p, float* q, float* tile) {
+             long ldc, int tri, float* p, float* q, float* tile, const Job* job, long next) {
   for (long j0 = 0; j0 < N; j0 += NR) pack_b(K, j0, std::min<long>(NR, N - j0), b, bk, bn, p + (j0 / NR) * K * NR);
   for (long i0 = 0; i0 < M; i0 += MR) {
     const int rows = (int)std::min<long>(MR, M - i0);
@@ -253,6 +265,7 @@ void product(long M, long N, long K, const float* a, long am, long ak, const flo
     const long ka = tri == 2 ? std::min(K, i0) : 0, kb = tri == 1 ? std::min(K, i0 + rows) : K;
     pack_a(rows, ka, kb, a + i0 * am, am, ak, q);
     if (i0 + MR < M) prefetch_a((int)std::min<long>(MR, M - i0 - MR), K, a + (i0 + MR) * am, am, ak);
+    if (job != nullptr && next >= 0) prefetch_product(*job, next, i0 / MR, (M + MR - 1) / MR);
     for (long j0 = 0; j0 < N; j0 += NR) {
       const long w = std::min<long>(NR, N - j0);
       long k0 = ka, k1 = kb, c0 = 0, c1 = w;  // the terms k0..k1 and columns j0+c0..j0+c1 computed
@@ -281,7 +294,7 @@ void product(long M, long N, long K, const float* a, long am, long ak, const flo
 
 // ---- the work of one call, shared out product by product
 struct Job {
-  long nb2, M, N, K;
+  long nb1, nb2, M, N, K;
   const float* A;
   long a_b1, a_b2, a_m, a_k;
   const float* B;
@@ -309,12 +322,48 @@ struct Scratch {
   }
 };
 
+// Ask for part `part` of `parts` of the rows of a rows x cols matrix (element strides sr, sc) to
+// come into L2, line by line (`write`: lines about to be written); of row r only the columns
+// [lo(r), hi(r)) (a triangle: its zeros are never read).
+template <class Lo, class Hi>
+inline void prefetch_matrix(const float* x, long rows, long sr, long sc, bool write, long part, long parts, Lo lo,
+                            Hi hi) {
+  const long line = 64 / sizeof(float);
+  for (long r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
+    if (sc == 1) {
+      for (long c = lo(r) - lo(r) % line; c < hi(r); c += line) prefetch_line(x + r * sr + c, write);
+    } else if (sr == 1) {  // columns contiguous: a row's values lie in different lines
+      for (long c = lo(r); c < hi(r); ++c)
+        if ((r % line) == 0 || r == rows * part / parts) prefetch_line(x + r + c * sc, write);
+    } else {
+      for (long c = lo(r); c < hi(r); ++c) prefetch_line(x + r * sr + c * sc, write);
+    }
+  }
+}
+
+// Ask for part `part` of `parts` of product t's operands and result. A product's data lies in
+// L3 or memory when it starts (other work ran in between), and its packing then waited for
+// each line: one product on one thread took 0.77 ms for att @ v's 64 back to back, 1.2-1.5 ms
+// after anything else, the packing three times as long. So each product, row block by row
+// block, asks for the next product's data, a part at a time, the non-zero side of a triangle only.
+void prefetch_product(const Job& j, long t, long part, long parts) {
+  const long i = t / j.nb2, k = t % j.nb2, K = j.K, N = j.N;
+  auto zero = [](long) { return 0L; };
+  auto a_lo = [&](long r) { return j.tri == 2 ? std::min(r, K) : 0L; };
+  auto a_hi = [&](long r) { return j.tri == 1 ? std::min(r + 1, K) : K; };
+  auto b_lo = [&](long r) { return j.tri == 4 ? std::min(r, N) : 0L; };  // B upper: B[k, j] = 0 for j < k
+  auto b_hi = [&](long r) { return j.tri == 3 ? std::min(r + 1, N) : N; };  // B lower: 0 for j > k
+  prefetch_matrix(j.A + i * j.a_b1 + k * j.a_b2, j.M, j.a_m, j.a_k, false, part, parts, a_lo, a_hi);
+  prefetch_matrix(j.B + i * j.b_b1 + k * j.b_b2, K, j.b_k, j.b_n, false, part, parts, b_lo, b_hi);
+  prefetch_matrix(j.C + i * j.c_b1 + k * j.c_b2, j.M, j.c_m, 1, true, part, parts, zero, [&](long) { return N; });
+}
+
 void run_product(const Job& j, long t, Scratch& s) {
   const long i = t / j.nb2, k = t % j.nb2;
   float* p = Scratch::grow(s.p, s.p_size, ((j.N + NR - 1) / NR) * std::max(j.K, 1L) * NR);
   float* q = Scratch::grow(s.q, s.q_size, std::max(j.K, 1L) * MR);
   product(j.M, j.N, j.K, j.A + i * j.a_b1 + k * j.a_b2, j.a_m, j.a_k, j.B + i * j.b_b1 + k * j.b_b2, j.b_k, j.b_n,
-          j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, p, q, s.tile);
+          j.C + i * j.c_b1 + k * j.c_b2, j.c_m, j.tri, p, q, s.tile, &j, t + 1 < j.nb1 * j.nb2 ? t + 1 : -1);
 }
 
 void product_of(void* job, long t) {
@@ -334,7 +383,7 @@ int hs_small_matmul_width() { return W; }
 void hs_small_matmul_f32(long nb1, long nb2, long M, long N, long K, const float* A, long a_b1, long a_b2,
                          long a_m, long a_k, const float* B, long b_b1, long b_b2, long b_k, long b_n, float* C,
                          long c_b1, long c_b2, long c_m, int tri, int threads) {
-  Job job{nb2, M, N, K, A, a_b1, a_b2, a_m, a_k, B, b_b1, b_b2, b_k, b_n, C, c_b1, c_b2, c_m, tri};
+  Job job{nb1, nb2, M, N, K, A, a_b1, a_b2, a_m, a_k, B, b_b1, b_b2, b_k, b_n, C, c_b1, c_b2, c_m, tri};
   hs_parallel_for(nb1 * nb2, product_of, &job, threads);
 }
 }
