@@ -2,8 +2,8 @@
 
 `parallel.cpp` (a parallel loop that never waits for a thread that has not started),
 `small_matmul.cpp` (batches of small float32 products), `scatter.cpp` (rows added into a table
-at indices, in order: the embedding's gradient) and `reduce.cpp` (a gradient's sum of squares, a
-matrix's sums over its rows: in float64, in a fixed order) are built by the host C++ compiler as one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
+at indices, in order: the embedding's gradient) and `reduce.cpp` (a gradient's sum of squares in
+float64, for clipping) are built by the host C++ compiler as one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
 once per process (`load()`). Where there is no compiler, or the build fails, there is none (its
 users say so once): the plan keeps NumPy's products and the fused kernels run their chunks on
 the calling thread.
@@ -46,9 +46,6 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     scatter.restype = ctypes.c_long
     scatter.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                         ctypes.c_int, ctypes.c_int]
-    rowsums = lib.hs_row_sums
-    rowsums.restype = None
-    rowsums.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     sumsq = lib.hs_sum_squares
     sumsq.restype = ctypes.c_double
     sumsq.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
@@ -102,20 +99,3 @@ def sum_squares(x: np.ndarray) -> float | None:
     if lib is None or x.dtype not in _FLOATS or not x.flags.c_contiguous:
         return None
     return float(lib.hs_sum_squares(x.ctypes.data, x.size, _FLOATS[x.dtype], 0))
-
-
-def row_sums(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-    """Return the sums of `x` over all its dims but the last (float32 or float64, C-contiguous),
-    added in float64 in row order and rounded once (`reduce.cpp`: the bits do not depend on the
-    threads or on how the columns are split), into `out` if given; None where it does not apply
-    (no library, another dtype, not contiguous, `out` not a C-contiguous array of the result)."""
-    lib = library()
-    if lib is None or x.ndim < 2 or x.dtype not in _FLOATS or not x.flags.c_contiguous:
-        return None
-    cols = x.shape[-1]
-    if out is None:
-        out = np.empty(cols, x.dtype)
-    elif out.shape != (cols,) or out.dtype != x.dtype or not out.flags.c_contiguous or not out.flags.writeable:
-        return None
-    lib.hs_row_sums(x.ctypes.data, x.size // max(cols, 1), cols, out.ctypes.data, _FLOATS[x.dtype], 0)
-    return out

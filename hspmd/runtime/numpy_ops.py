@@ -419,17 +419,6 @@ def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray, nativ
     return out
 
 
-def leading_sum(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Sum `x` over all its dims but the last (a bias's gradient): in C++ where the runtime's
-    library is built (`native.row_sums`: in float64, row by row, rounded once; 0.2 ms for GPT-tiny's
-    2048 x 1024 on two threads, and the same bits however tensor parallelism splits the
-    columns), else `np.sum` (another order of additions: other last bits)."""
-    got = _native.row_sums(x, out)
-    if got is not None:
-        return got
-    return np.sum(x, axis=tuple(range(x.ndim - 1)), out=out)
-
-
 def embedding_grad(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
     """Scatter-add the rows of `dy` into a zero [vocab, D] table at `ids` (in the order of the ids)."""
     out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
@@ -780,9 +769,6 @@ def _pointwise_or_shape_kernel(op: Operation) -> Kernel | None:
         case graph.ReduceSumOp():
             dims = tuple(op.dims.get_values())
             dtype = _result_dtype(op)
-            rank = len(op.operands[0].type.get_shape())
-            if np.dtype(dtype_name(op.operands[0].type)) == dtype and rank >= 2 and dims == tuple(range(rank - 1)):
-                return takes_out(leading_sum)
             if np.dtype(dtype_name(op.operands[0].type)) == dtype:
                 return takes_out(lambda x, out=None: np.sum(x, axis=dims, out=out))
             return lambda x: np.asarray(x.sum(axis=dims), dtype=dtype)

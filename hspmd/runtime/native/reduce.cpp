@@ -1,5 +1,4 @@
-// hspmd: sums over many values in float64, in an order fixed whatever the threads: the sum of
-// squares of a gradient (clipping's norm) and the sums over rows of a matrix (a bias's gradient).
+// hspmd: the sum of squares of a gradient in float64 (gradient clipping's norm), in one pass.
 //
 // NumPy's kernel converted the float32 gradient to a float64 copy and took BLAS's dot product of
 // it with itself: for GPT-tiny's stacked weights (1M values) 1.1 - 2 ms a call, the copy
@@ -56,52 +55,9 @@ double sum_squares(const T* x, long n, int threads) {
   return total;
 }
 
-// out[c] = x[0, c] + x[1, c] + ... + x[rows - 1, c] for the columns of one item, added in float64
-// in row order, then rounded once to T.
-template <class T>
-struct RowSums {
-  const T* x;
-  long rows, cols, cols_per_item;
-  T* out;
-};
-
-template <class T>
-void row_sums_item(void* ctx, long item) {
-  auto* s = static_cast<RowSums<T>*>(ctx);
-  const long c0 = item * s->cols_per_item, c1 = c0 + s->cols_per_item < s->cols ? c0 + s->cols_per_item : s->cols;
-  constexpr long kCols = 64;  // columns at a time: their sums stay in registers along the rows
-  for (long a = c0; a < c1; a += kCols) {
-    const long n = c1 - a < kCols ? c1 - a : kCols;
-    double acc[kCols] = {};
-    for (long r = 0; r < s->rows; ++r) {
-      const T* row = s->x + r * s->cols + a;
-#pragma omp simd
-      for (long c = 0; c < n; ++c) acc[c] += (double)row[c];
-    }
-    for (long c = 0; c < n; ++c) s->out[a + c] = (T)acc[c];
-  }
-}
-
-template <class T>
-void row_sums(const T* x, long rows, long cols, T* out, int threads) {
-  const long items = (cols + 127) / 128 < 4L * threads ? (cols + 127) / 128 : 4L * threads;
-  RowSums<T> s{x, rows, cols, items > 0 ? (((cols + items - 1) / items + 15) / 16) * 16 : cols, out};
-  hs_parallel_for(items, row_sums_item<T>, &s, threads);
-}
-
 }  // namespace
 
 extern "C" {
-
-// out[c] = the sum over the rows of x[:, c] (rows x cols, C order, `dtype` 0 float32 or 1 float64),
-// added in float64 in row order and rounded once: the same bits however the columns are split
-// (over threads, or over tensor-parallel ranks). On up to `threads` threads (0: the kernels').
-void hs_row_sums(const void* x, long rows, long cols, void* out, int dtype, int threads) {
-  if (threads <= 0) threads = omp_get_max_threads();
-  if (dtype == 0) row_sums((const float*)x, rows, cols, (float*)out, threads);
-  else row_sums((const double*)x, rows, cols, (double*)out, threads);
-}
-
 
 // The sum of x[i]^2 over n values of `dtype` (0 float32, 1 float64), in float64, the order of
 // its additions fixed (see above); on up to `threads` threads (0: as many as the fused kernels,
