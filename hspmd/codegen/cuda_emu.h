@@ -94,9 +94,12 @@ inline void run_chunk(void *p, long c) {
 
 // Run launch `l` of `units` rows (or vectors of items, or columns) and `work` elements: one
 // chunk for small work (or without the runtime's loop), else up to 4 per thread.
+#ifndef HS_PARALLEL_MIN_WORK
+#define HS_PARALLEL_MIN_WORK 16384
+#endif
 inline void run_chunks(launch l, long units, long work) {
   const int threads = parallel != nullptr ? omp_get_max_threads() : 1;
-  long n = threads > 1 && work > 16384 ? (units < 4L * threads ? units : 4L * threads) : 1;
+  long n = threads > 1 && work > HS_PARALLEL_MIN_WORK ? (units < 4L * threads ? units : 4L * threads) : 1;
   l.chunks = n < 1 ? 1 : n;
   if (l.chunks == 1) {
     run_chunk(&l, 0);
