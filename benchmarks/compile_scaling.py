@@ -1,6 +1,6 @@
 """Compile time and IR size of GPT against its layer count.
 
-    python benchmarks/compile_scaling.py [--layers 2 24 96] [--repeat 1]
+    python benchmarks/compile_scaling.py [--layers 2 24 96] [--repeat 1] [--strategy "[0-3]: pp=4"]
 
 Runs `hspmd compile examples/gpt.py --set model.layers=L --dump-dir D` (the whole CLI, as a
 user runs it: Python's start, tracing, every pass, the dumps) for each L, and reads the size of
@@ -22,10 +22,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_once(layers: int, folder: str) -> float:
-    """Return the seconds of one `hspmd compile` of GPT with `layers` layers, dumping into `folder`."""
+def compile_once(layers: int, folder: str, strategy: str | None = None) -> float:
+    """Return the seconds of one `hspmd compile` of GPT with `layers` layers (under `strategy`, else
+    the default one device), dumping into `folder`."""
     cmd = [sys.executable, "-m", "hspmd.cli.main", "compile", os.path.join(ROOT, "examples", "gpt.py"),
-           "--set", f"model.layers={layers}", "--dump-dir", folder]
+           "--set", f"model.layers={layers}", "--dump-dir", folder, *(["--strategy", strategy] if strategy else [])]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     seconds = time.perf_counter() - start
@@ -43,16 +44,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 24, 96], help="layer counts (default 2 24 96)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per layer count; the best counts (default 1)")
+    parser.add_argument("--strategy", default=None, help="compile under this strategy (default: one device); "
+                        "a pipeline's dumps are one per stage, their sizes summed")
     args = parser.parse_args()
     rows = {}
-    print(f"GPT (examples/gpt.py defaults), `hspmd compile --dump-dir`, load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs")
+    print(f"GPT (examples/gpt.py defaults), `hspmd compile --dump-dir`"
+          f"{' --strategy ' + repr(args.strategy) if args.strategy else ''}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'layers':>6} {'seconds':>8} {'logical':>10} {'physical':>10} {'kernel':>10}")
     for layers in args.layers:
         best = None
         for _ in range(args.repeat):
             with tempfile.TemporaryDirectory(prefix="hspmd-scaling-") as folder:
-                seconds = compile_once(layers, folder)
+                seconds = compile_once(layers, folder, args.strategy)
                 sizes = tuple(dump_bytes(folder, p) for p in ("logical", "physical", "kernel"))
             best = seconds if best is None else min(best, seconds)
         rows[layers] = (best, *sizes)

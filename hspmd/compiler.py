@@ -84,11 +84,12 @@ def stacks_layers(records: list[StrategyRecord]) -> bool:
     """Return whether a step compiled for all of `records` stacks its repeated layers (`stack-layers`).
 
     A stack of layers is one `graph.scan` at every level, so IR size and compile time do not grow
-    with the layer count. The passes of pipeline parallelism (which cut the layers into stages)
-    and of expert parallelism do not read scans yet: under such strategies the layers stay
-    calls, one per layer (the same numbers either way).
+    with the layer count; a pipeline cuts the stacks at its stage boundaries (`cut-stacked-layers`).
+    A pipeline beside other device groups (whose cross-group sums would meet stacks cut otherwise)
+    and expert parallelism keep the layers as calls, one per layer (the same numbers either way).
     """
-    return all(g.pp == 1 and g.ep == 1 and g.experts is None for r in records for g in r.strategy.groups)
+    return all(g.ep == 1 and g.experts is None and (g.pp == 1 or len(r.strategy.groups) == 1)
+               for r in records for g in r.strategy.groups)
 
 
 def annotate_passes(record: StrategyRecord) -> list[ModulePass]:

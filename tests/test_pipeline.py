@@ -18,6 +18,7 @@ import pytest
 from conftest import EXAMPLES
 from xdsl.dialects import func
 
+from hspmd.ir.stacked_names import layer_names
 from hspmd.dialects import comm, graph, pipeline
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
@@ -165,8 +166,9 @@ def test_bad_micro_batches_are_refused():
 def test_stages_hold_their_layers_and_pass_activations():
     compiled = compile_script(_script("gpt.py"), "[0,1]: pp=2", 2)
     first, last = _stage_params(compiled)
-    assert "wte.weight" in first and "blocks.0.attn.qkv.weight" in first and "opt.m.blocks.0.mlp.fc.weight" in first
-    assert "head.weight" in last and "blocks.1.attn.qkv.weight" in last and "ln_f.weight" in last
+    # the stacked layers cut at the stage boundary: each stage's piece of every stack
+    assert "wte.weight" in first and "blocks.[0:1].attn.qkv.weight" in first and "opt.m.blocks.[0:1].mlp.fc.weight" in first
+    assert "head.weight" in last and "blocks.[1:2].attn.qkv.weight" in last and "ln_f.weight" in last
     assert not (first & last) - {"opt.step", "opt.beta1_pow", "opt.beta2_pow"}
     (_, g0), (_, g1) = physical_groups(compiled.physical)
     sends0 = [o.input.type.get_shape() for o in g0.walk() if isinstance(o, comm.SendOp)]
@@ -276,6 +278,6 @@ def test_stages_are_balanced_by_cost():
     assert _balanced_counts([10] * 3, 0, 5, 2) == (2, 1)
     assert _balanced_counts([40, 10, 10, 10], 0, 0, 2) == (1, 3)
     compiled = compile_script(_script("gpt.py", ["model.layers=6"]), "[0-3]: pp=4", 4)
-    blocks = [len({name.split(".")[1] for name in names if name.startswith("blocks.")})
-              for names in _stage_params(compiled)]
+    blocks = [len(layer_names(next(n for n in names if n.startswith("blocks.") and n.endswith("ln1.weight"))))
+              for names in _stage_params(compiled)]  # each stage's piece of the stacks: its layers
     assert blocks == [1, 2, 2, 1]  # the first and last stages also run the embedding and the head

@@ -63,12 +63,12 @@ def test_tensor_parallel_stages_keep_tp_collectives_on_their_devices():
                 assert sorted(map(tuple, comm.groups_of(o.pairs))) in ([(0, 2), (1, 3)], [(2, 0), (3, 1)])
         leaves = {o.tensor_name.data: o.properties["global_type"] for o in group.walk()
                   if isinstance(o, (graph.ParameterOp, graph.InputOp))}
-        block = "blocks.0" if devices == (0, 1) else "blocks.1"
+        block = "blocks.[0:1]" if devices == (0, 1) else "blocks.[1:2]"  # the stage's piece of the stacks
         qkv = leaves[f"{block}.attn.qkv.weight"]
-        assert str(layout_of(qkv)) == f"[{devices[0]},{devices[1]}]: split(1)=2"  # column parallel in the stage
+        assert str(layout_of(qkv)) == f"[{devices[0]},{devices[1]}]: split(2)=2"  # column parallel in the stage
         batch = leaves["ids@mb" if devices == (0, 1) else "targets@mb"]  # the batch as 2 micro-batches
         assert batch.get_shape() == (2, 2, 8) and str(layout_of(batch)) == f"[{devices[0]},{devices[1]}]: dup=2"
-    assert _stage_params(compiled)[0] & {"blocks.0.mlp.fc.weight", "wte.weight"}
+    assert _stage_params(compiled)[0] & {"blocks.[0:1].mlp.fc.weight", "wte.weight"}
 
 
 def test_data_parallel_stages_sum_micro_batches_then_all_reduce():
@@ -101,10 +101,10 @@ def test_stage_program_does_not_grow_with_its_ranks():
 def test_given_layer_counts_place_the_layers():
     compiled = compile_script(_script("gpt.py", ["model.layers=4"]), "[0-3]: tp=2 layers=3:1", 4)
     first, last = _stage_params(compiled)
-    assert {f"blocks.{k}.attn.qkv.weight" for k in range(3)} <= first
-    assert "blocks.3.attn.qkv.weight" in last and not any(n.startswith("blocks.3") for n in first)
+    assert "blocks.[0:3].attn.qkv.weight" in first  # the stacked layers cut 3:1
+    assert "blocks.[3:4].attn.qkv.weight" in last and not any(n.startswith("blocks.[3") for n in first)
     balanced_first, _ = _stage_params(compile_script(_script("gpt.py", ["model.layers=4"]), "[0,1]: pp=2", 2))
-    assert "blocks.1.attn.qkv.weight" in balanced_first and "blocks.2.attn.qkv.weight" not in balanced_first
+    assert "blocks.[0:2].attn.qkv.weight" in balanced_first
 
 
 def test_given_layers_train_like_one_device(tmp_path):
@@ -132,8 +132,8 @@ def test_explain_shows_the_stage_shaped_annotated_step():
     assert str(annotation_strategy(compiled.strategy)) == "[0-3]: dp=2 tp=2"
     module, provenance = annotate_with_provenance(compiled)
     qkv = next(o for o in module.walk() if isinstance(o, graph.ParameterOp)
-               and o.tensor_name.data == "blocks.0.attn.qkv.weight")
-    assert str(layout_of(qkv.result)) == "[0-3]: dup=2, split(1)=2" and provenance
+               and o.tensor_name.data == "blocks.[0:2].attn.qkv.weight")  # stacked, cut into stages later
+    assert str(layout_of(qkv.result)) == "[0-3]: dup=2, split(2)=2" and provenance
 
 
 def test_pipeline_shape_is_stage_major_then_dp_then_tp():

@@ -64,20 +64,23 @@ def test_attention_outputs_and_qkv_gradients_are_placed(gpt):
     flat = flatten(_train_step(physical))
     found = placements(flat, lambda i: flat.nodes[i].facts.takes_out)
     own = [p for m, p in found.items() if p.host == m]
-    into_concat = [p for m, p in found.items() if p.host != m]
+    into_concat = [p for m, p in found.items() if p.host != m and p.at is None]
+    into_stack = [p for m, p in found.items() if p.at is not None]  # each layer's weight gradients, in place
     assert len(own) == 2 and len(into_concat) == 4  # 2 layers
+    assert len(into_stack) == 2 * 12 and {p.at for p in into_stack} == {0, 1}  # GPT's 12 weights per layer
     assert {p.select[2] - p.select[1] for p in into_concat} == {32 // 4}
     assert all(p.perm[-1] == len(p.perm) - 1 for p in found.values())  # rows stay rows
-    with_k = placements(flat, lambda i: flat.nodes[i].facts.takes_out, triangular_matmuls(flat))
+    with_k = {m: p for m, p in placements(flat, lambda i: flat.nodes[i].facts.takes_out,
+                                          triangular_matmuls(flat)).items() if p.at is None}
     by_columns = [p for m, p in with_k.items() if p.perm[-1] != len(p.perm) - 1]
     assert len(with_k) == 8 and len(by_columns) == 2 and all(p.host != m for m, p in with_k.items() if p in by_columns)
     schedule = build_schedule(_train_step(physical), 0)
     concats = [s for s in schedule.steps if s.op is not None and s.op.name == "graph.concat"]
-    placed = [d for s in schedule.steps for d in (s.out or ()) if d.stored is not None]
+    placed = [d for s in schedule.steps for d in (s.out or ()) if d.stored is not None and d.at is None]
     assert len(placed) == 8
     assert len(build_schedule(_train_step(physical), 0, triangular=False).steps) == len(schedule.steps)
-    assert sum(d.stored is not None for s in build_schedule(_train_step(physical), 0, triangular=False).steps
-               for d in (s.out or ())) == 6
+    assert sum(d.stored is not None and d.at is None for s in build_schedule(
+        _train_step(physical), 0, triangular=False).steps for d in (s.out or ())) == 6
     for c in concats:  # the concat's buffer is the one its placed operands were written into
         assert {d.index for d in placed if d.stored == c.out[0].shape} >= {c.out[0].index}
 

@@ -5,7 +5,9 @@
   models under each kind of strategy (1 device, dp, tp, sp, ZeRO, unlike groups, dp over rows
   it does not divide) on the in-process communicator;
 * the physical IR does not grow with the layer count;
-* what stays calls: pipelines, and chains that differ in more than their parameters.
+* a pipeline cuts the stacks at its stage boundaries;
+* what stays calls: pipelines beside other groups, mixtures of experts, and chains that differ
+  in more than their parameters and counters.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import EXAMPLES
@@ -99,17 +101,22 @@ def _train(tmp_path, script, strategy: str, n: int, stack: bool, tag: str, kerne
     return run_spmd(n, lambda comm: train(str(bundle), comm, steps=3, quiet=True, kernels=kernels), timeout=300)[0]
 
 
-STRATEGIES = [(1, "[0]: dp=1"), (2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (4, "[0-3]: dp=2 tp=2 sp=1"),
-              (2, "[0,1]: dp=2 zero=1"), (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1"), (3, "[0-2]: dp=3")]
+# each kind of strategy once, with models, depths and kernels varied across them
+CASES = [(1, "[0]: dp=1", "gpt.py", 3, 4, "numpy", []),
+         (1, "[0]: dp=1", "gpt.py", 2, 4, "cpu", ["model.dropout=0.1"]),  # a per-layer counter, stacked
+         (2, "[0,1]: dp=2", "llama.py", 2, 2, "cpu", ["precision=bfloat16"]),  # casts of stacked weights
+         (2, "[0,1]: tp=2", "gpt.py", 4, 2, "cpu", []),
+         (4, "[0-3]: dp=2 tp=2 sp=1", "llama.py", 3, 4, "cpu", []),
+         (2, "[0,1]: dp=2 zero=1", "gpt.py", 2, 4, "numpy", []),
+         (3, "[0,1]: tp=2 share=2 | [2]: tp=1 share=1", "gpt.py", 3, 2, "cpu", []),
+         (3, "[0-2]: dp=3", "llama.py", 2, 4, "numpy", []),
+         (2, "[0,1]: pp=2", "gpt.py", 3, 4, "cpu", ["microbatches=2", "model.dropout=0.1"]),
+         (4, "[0-3]: tp=2 pp=2", "llama.py", 4, 2, "cpu", ["pipeline_schedule=1f1b"])]
 
 
-@pytest.mark.parametrize("n, strategy", STRATEGIES)
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(example=st.sampled_from(["gpt.py", "llama.py"]), layers=st.integers(2, 4), heads=st.sampled_from([2, 4]),
-       kernels=st.sampled_from(["cpu", "numpy"]))
-def test_stacked_layers_train_the_bits_of_calls(tmp_path_factory, n, strategy, example, layers, heads, kernels):
-    tmp_path = tmp_path_factory.mktemp("stack")
-    script = _script(example, layers, [f"model.heads={heads}"])
+@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels, extra", CASES)
+def test_stacked_layers_train_the_bits_of_calls(tmp_path, n, strategy, example, layers, heads, kernels, extra):
+    script = _script(example, layers, [f"model.heads={heads}", *extra])
     calls = _train(tmp_path, script, strategy, n, False, "a", kernels)
     stacked = _train(tmp_path, script, strategy, n, True, "b", kernels)
     assert stacked.losses == calls.losses
@@ -119,7 +126,8 @@ def test_stacked_layers_train_the_bits_of_calls(tmp_path_factory, n, strategy, e
 
 
 def test_a_stacked_run_resumes_as_a_pipeline(tmp_path):
-    """A checkpoint of a stacked run names each layer: a pipeline (calls) resumes it, same losses."""
+    """A checkpoint of a stacked run names each layer: a pipeline, whose stages hold other pieces of
+    the stacks, resumes it with the same losses."""
     script = _script("gpt.py", 4, ["steps=4"])
     whole = tmp_path / "whole"
     write_bundle(compile_script(script, "[0,1]: dp=2", 2), str(whole))
@@ -128,8 +136,9 @@ def test_a_stacked_run_resumes_as_a_pipeline(tmp_path):
     run_spmd(2, lambda comm: train(str(whole), comm, steps=2, quiet=True,
                                    checkpoints=CheckpointOptions(directory=str(ck))), timeout=300)
     piped = tmp_path / "piped"
-    compiled = compile_script(script, "[0,1]: pp=2", 2)
-    assert not any(is_stacked(o.tensor_name.data) for o in compiled.logical.walk() if isinstance(o, graph.ParameterOp))
+    compiled = compile_script(script, "[0,1]: pp=2 layers=3:1", 2)
+    names = {o.tensor_name.data for o in compiled.physical.walk() if isinstance(o, graph.ParameterOp)}
+    assert {"blocks.[0:3].attn.qkv.weight", "blocks.[3:4].attn.qkv.weight"} <= names
     write_bundle(compiled, str(piped))
     resumed = run_spmd(2, lambda comm: train(str(piped), comm, steps=4, quiet=True,
                                              checkpoints=CheckpointOptions(resume=str(ck))), timeout=300)[0]
@@ -164,15 +173,22 @@ def test_stacked_parameters_and_one_scan_each_way():
     assert layouts["blocks.[0:3].attn.proj.weight"] == "[0,1]: split(1)=2"  # row-parallel, per layer
 
 
-def test_pipelines_and_moe_keep_their_calls():
-    piped = compile_script(_script("gpt.py", 4), "[0,1]: pp=2", 2)
+@pytest.mark.parametrize("strategy, n, pieces", [("[0,1]: pp=2", 2, [(0, 4), (4, 8)]),
+                                                  ("[0-2]: pp=3 layers=2:5:1", 3, [(0, 2), (2, 7), (7, 8)])])
+def test_a_pipeline_cuts_the_stacks_at_its_stages(strategy, n, pieces):
+    """Each stage holds its piece of every stack and one scan each way, whatever its layer count."""
+    compiled = compile_script(_script("gpt.py", 8), strategy, n)
+    for s, ((_, module), (a, b)) in enumerate(zip(physical_groups(compiled.physical), pieces)):
+        names = {o.tensor_name.data for o in module.walk() if isinstance(o, graph.ParameterOp)}
+        assert f"blocks.[{a}:{b}].mlp.fc.weight" in names and f"opt.m.blocks.[{a}:{b}].mlp.fc.weight" in names, s
+        scans = [o for o in module.walk() if isinstance(o, graph.ScanOp)]
+        assert sorted(o.is_reverse for o in scans) == [False, True] and {o.num_iterations for o in scans} == {b - a}
+    assert not any(o.attributes.get("pipeline.layer_stage") for o in compiled.physical.walk())
+
+
+def test_hetero_pipelines_and_moe_keep_their_calls():
+    piped = compile_script(_script("gpt.py", 4, ["data.batch_size=6"]), "[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2", 6)
     assert not any(isinstance(o, graph.ScanOp) for o in piped.logical.walk())
     moe = load_script(os.path.join(EXAMPLES, "moe.py"), parse_overrides([*SMALL, "model.layers=4"]))
     compiled = compile_script(moe, "[0]: dp=1", 1)  # blocks alternate with MoE blocks: no chain
-    assert not any(isinstance(o, graph.ScanOp) for o in compiled.logical.walk())
-
-
-def test_dropout_keeps_calls_and_trains():
-    """A dropout counter differs per call: the chain stays calls (the same program as without the pass)."""
-    compiled = compile_script(_script("gpt.py", 3, ["model.dropout=0.1"]), "[0]: dp=1", 1)
     assert not any(isinstance(o, graph.ScanOp) for o in compiled.logical.walk())

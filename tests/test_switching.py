@@ -17,6 +17,7 @@ from hspmd.compiler import compile_script, compile_strategies, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.codegen.bundle import read_manifest
 from hspmd.runtime.comm.inprocess import run_spmd
+from hspmd.runtime.stacked import layer_leaves
 from hspmd.runtime.switch import bundle_holdings
 from hspmd.runtime.worker import load_rank_program, train
 
@@ -104,8 +105,8 @@ def test_holdings_agree_with_each_ranks_plan(bundles):
     for sub in [".", *manifest.variants]:
         where = os.path.join(switching, sub)
         held = bundle_holdings(where)
-        mine = run_spmd(2, lambda c: {p.name: p.layout.slices(c.rank, p.global_shape) for p in
-                                      load_rank_program(where, read_manifest(where), c, "numpy", True).plan.params})
+        mine = run_spmd(2, lambda c: {p.name: p.layout.slices(c.rank, p.global_shape) for p in layer_leaves(
+            load_rank_program(where, read_manifest(where), c, "numpy", True).plan.params)})  # per layer, as held
         for r in range(2):
             assert set(mine[r]) == set(held[r]), sub
             for name, leaf in held[r].items():

@@ -148,8 +148,8 @@ def test_gpt_three_heads_over_tp2_equals_one_device(tmp_path, strategy, n, extra
     text = str(compiled.annotated)
     assert "hetero=split(1), shares=2:1" in text  # the qkv weight: 2 heads on one tp rank, 1 on the other
     if "zero=1" in strategy:  # Adam's moments split over dp inside each tp sub-group
-        # (the layers stacked: the state's dim 0 is the layers', which ZeRO splits; the heads' dim is 2)
-        assert '"opt.m.blocks.[0:2].attn.qkv.weight"' in text and "[0,2]: split(0)=2 | [1,3]: split(0)=2 ; hetero=split(2)" in text
+        # (the layers stacked: each layer's state split along its dim 0 as unstacked, the stack's dim 1)
+        assert '"opt.m.blocks.[0:2].attn.qkv.weight"' in text and "[0,2]: split(1)=2 | [1,3]: split(1)=2 ; hetero=split(2)" in text
     print(f"\ngpt 3 heads {strategy}: losses {ranks[0].losses} (1 device {ref.losses})")
     _assert_same(ref, ranks, atol=5e-5)
 

@@ -164,6 +164,35 @@ class ConstantOp(IRDLOperation):
 
 
 @irdl_op_definition
+class IotaOp(IRDLOperation):
+    """A 1-d integer tensor counting up: element i is `start + i * step` (`jax.lax.iota`).
+
+    `stack-layers` makes the per-layer counters of stacked layers with it (a dropout's random
+    stream differs per layer: layer i draws from `step + (i << 32)`). It is replicated: every
+    device makes the whole (small) tensor.
+    """
+
+    name = "graph.iota"
+    irdl_options = (ParsePropInAttrDict(),)
+    start = prop_def(IntegerAttr[I64])
+    step = prop_def(IntegerAttr[I64])
+    global_type = opt_prop_def(TypeAttribute)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "attr-dict `:` type($result)"
+    #: specialize-groups records the annotated result type in `global_type` (a rank makes its piece)
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
+
+    def __init__(self, start: int, step: int, result_type: TensorType):
+        super().__init__(properties={"start": int_attr(start), "step": int_attr(step)}, result_types=[result_type])
+
+    def verify_(self) -> None:
+        if len(tensor_shape(self.result)) != 1:
+            raise VerifyException(f"'{self.name}' makes a 1-d tensor, not {self.result.type}")
+        _integer(self, self.result, "result")
+
+
+@irdl_op_definition
 class OutputOp(IRDLOperation):
     """Marks a value the step returns under a name (the loss, a gradient)."""
 
@@ -1407,6 +1436,7 @@ Graph = Dialect(
         ParameterOp,
         InputOp,
         ConstantOp,
+        IotaOp,
         OutputOp,
         AssignOp,
         AddOp,

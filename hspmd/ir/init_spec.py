@@ -46,12 +46,12 @@ def initial_value(spec: InitSpec | str, shape: tuple[int, ...], dtype, name: str
     A stacked parameter (`blocks.[0:4].ln1.weight`, `hspmd.ir.stacked_names`) is its layers'
     values stacked, each made under its own name: the same numbers as the layers unstacked.
     """
-    from hspmd.ir.stacked_names import layer_names
+    from hspmd.ir.stacked_names import is_stacked, layer_names
 
     if isinstance(spec, str):
         spec = parse_init_spec(spec)
-    names = layer_names(name)
-    if len(names) > 1 and spec.kind not in ("zeros", "ones"):
+    if is_stacked(name) and spec.kind not in ("zeros", "ones"):
+        names = layer_names(name)
         if not shape or shape[0] != len(names):
             raise ValueError(f"stacked parameter '{name}' holds {len(names)} layers but has shape {list(shape)}")
         return np.stack([initial_value(spec, tuple(shape[1:]), dtype, n, seed) for n in names])

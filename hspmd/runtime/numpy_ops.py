@@ -711,13 +711,27 @@ def _along(axis: int, ndim: int) -> Callable[[Kernel], Kernel]:
     return rowwise if axis == ndim - 1 else by_rows if axis != 0 else takes_out
 
 
+def _iota(op: graph.IotaOp, rank: int = 0) -> Kernel:
+    """Return the kernel of `graph.iota`: this rank's piece of `start + i * step` (the whole where
+    the op records no global type, at the logical level)."""
+    from hspmd.dialects.dist import layout_of
+
+    typ = op.global_type if op.global_type is not None else op.result.type
+    (n,) = typ.get_shape()  # type: ignore[attr-defined]
+    values = (np.arange(n, dtype=np.int64) * op.step.value.data + op.start.value.data).astype(_result_dtype(op))
+    layout = layout_of(typ) if op.global_type is not None else None
+    if layout is not None:
+        values = np.ascontiguousarray(values[layout.slices(rank, (n,))])
+    return lambda: values.copy()
+
+
 def kernel_for(op: Operation, rank: int = 0) -> Kernel:
     """Return the NumPy function that computes `op` from its operand arrays on `rank`.
 
     Most kernels ignore the rank; ops whose values depend on where a piece lies in the global
     tensor (counter-based dropout) use it with the op's `global_type` layout.
     """
-    fn = _pointwise_or_shape_kernel(op)
+    fn = _iota(op, rank) if isinstance(op, graph.IotaOp) else _pointwise_or_shape_kernel(op)
     if fn is None:
         fn = _layer_kernel(op, rank)
     if fn is None:

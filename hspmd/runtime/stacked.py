@@ -18,18 +18,17 @@ from collections.abc import Iterable
 import numpy as np
 
 from hspmd.codegen.schedule.model import Leaf
-from hspmd.ir.stacked_names import layer_names
+from hspmd.ir.stacked_names import is_stacked, layer_names
 
 
 def per_layer(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Return `values` with each stacked entry replaced by one entry per layer (views of its slices)."""
     out: dict[str, np.ndarray] = {}
     for name, value in values.items():
-        names = layer_names(name)
-        if len(names) == 1:
-            out[name] = value
+        if is_stacked(name):
+            out.update(zip(layer_names(name), value))
         else:
-            out.update(zip(names, value))
+            out[name] = value
     return out
 
 
@@ -38,12 +37,11 @@ def layer_leaves(leaves: Iterable[Leaf]) -> list[Leaf]:
     stacking dim; a stacked leaf's layout never splits that dim)."""
     out: list[Leaf] = []
     for leaf in leaves:
-        names = layer_names(leaf.name)
-        if len(names) == 1:
+        if not is_stacked(leaf.name):
             out.append(leaf)
             continue
-        layout = leaf.layout.shift_dims(-1)
-        out.extend(Leaf(n, leaf.slot, leaf.global_shape[1:], layout, leaf.dtype, leaf.init) for n in names)
+        layout, shape = leaf.layout.shift_dims(-1), leaf.global_shape[1:]
+        out.extend(Leaf(n, leaf.slot, shape, layout, leaf.dtype, leaf.init) for n in layer_names(leaf.name))
     return out
 
 
@@ -52,7 +50,6 @@ def stacked(values: dict[str, np.ndarray], leaves: Iterable[Leaf]) -> dict[str, 
     each stacked leaf stacked into one array again; other entries as they are."""
     out = dict(values)
     for leaf in leaves:
-        names = layer_names(leaf.name)
-        if len(names) > 1:
-            out[leaf.name] = np.stack([out.pop(n) for n in names])
+        if is_stacked(leaf.name):
+            out[leaf.name] = np.stack([out.pop(n) for n in layer_names(leaf.name)])
     return out

@@ -29,6 +29,7 @@ from hspmd.ir.layout import PARTIAL
 from hspmd.ir.switch_plan import Region, SwitchError, SwitchPlan, plan_switch
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.stacked import layer_leaves, per_layer, stacked
 
 __all__ = ["SWITCH_TAG", "Holdings", "SwitchStats", "Switcher", "bundle_holdings", "switch_state"]
 
@@ -42,7 +43,9 @@ Holdings = dict[int, dict[str, Leaf]]
 
 def bundle_holdings(bundle: str) -> Holdings:
     """Return what every rank holds of every parameter under the bundle's strategy, read from the
-    parameters of each group's physical program (a pipeline stage holds only its own layers)."""
+    parameters of each group's physical program (a pipeline stage holds only its own layers), per
+    layer: a stacked parameter (`hspmd.runtime.stacked`) as each of its layers, so that strategies
+    whose programs stack the layers otherwise (a pipeline's stages each hold a piece) meet."""
     manifest = read_manifest(bundle)
     out: Holdings = {}
     for entry in manifest.groups:
@@ -59,7 +62,8 @@ def bundle_holdings(bundle: str) -> Holdings:
                     raise SwitchError(f"{path}: parameter '{leaf.name}' is laid out as partial sums ('{layout}'); "
                                       f"a switch moves whole pieces only")
                 for d in layout.devices:
-                    out.setdefault(d, {})[leaf.name] = leaf
+                    for layer in layer_leaves([leaf]):
+                        out.setdefault(d, {})[layer.name] = layer
     return out
 
 
@@ -134,11 +138,14 @@ def switch_state(plan: SwitchPlan, state: dict[str, np.ndarray], before: dict[st
 class Switcher:
     """Switches one rank's state between the strategies of a run; plans once per pair (cached).
 
-    `holdings[i]`: what every rank holds under strategy i (`bundle_holdings`).
+    `holdings[i]`: what every rank holds under strategy i (`bundle_holdings`, per layer);
+    `params[i]`: this rank's parameters under strategy i as its program names them (stacked
+    layers stacked; empty where the rank has no part in strategy i).
     """
 
-    def __init__(self, holdings: list[Holdings], comm: Communicator) -> None:
+    def __init__(self, holdings: list[Holdings], comm: Communicator, params: list[list[Leaf]] | None = None) -> None:
         self.holdings, self.comm = holdings, comm
+        self.params = params if params is not None else [[] for _ in holdings]
         self._plans: dict[tuple[int, int], SwitchPlan] = {}
 
     def plan(self, a: int, b: int) -> SwitchPlan:
@@ -153,5 +160,7 @@ class Switcher:
         start = time.perf_counter()
         plan = self.plan(a, b)
         rank = self.comm.rank
-        new = switch_state(plan, state, self.holdings[a].get(rank, {}), self.holdings[b].get(rank, {}), rank, self.comm)
-        return new, SwitchStats(time.perf_counter() - start, plan.bytes_moved(), plan.messages())
+        new = switch_state(plan, per_layer(state), self.holdings[a].get(rank, {}), self.holdings[b].get(rank, {}),
+                           rank, self.comm)
+        return stacked(new, self.params[b]), SwitchStats(time.perf_counter() - start, plan.bytes_moved(),
+                                                         plan.messages())

@@ -394,7 +394,8 @@ def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communic
                            else RankProgram(None, None, None, devices))
     dirs = [".", *manifest.variants]
     holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
-    return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm)
+    params = [loaded[d].plan.params if loaded[d].plan is not None else [] for d in dirs]
+    return [loaded[d] for d in dirs], Switcher([holdings[d] for d in dirs], comm, params)
 
 
 def strategy_chooser(manifest, full: list[int], switch_every: int | None, order: list[int] | None = None):

@@ -26,6 +26,7 @@ _PASSES = {
     "reuse-resharded-residuals": "hspmd.transforms.reuse_resharded_residuals:ReuseReshardedResiduals",
     "lower-reshard": "hspmd.transforms.lower_reshard:LowerReshard",
     "specialize-groups": "hspmd.transforms.specialize_groups:SpecializeGroups",
+    "cut-stacked-layers": "hspmd.transforms.pipeline.cut_stacks:CutStackedLayers",
     "assign-pipeline-stages": "hspmd.transforms.pipeline.assign_stages:AssignPipelineStages",
     "outline-pipeline-stages": "hspmd.transforms.pipeline.outline_stages:OutlinePipelineStages",
     "join-pipeline-groups": "hspmd.transforms.pipeline.join_groups:JoinPipelineGroups",

@@ -54,6 +54,7 @@ from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.transforms.expert_parallel import expert_layout
 from hspmd.transforms.optimizer import STATE_PREFIX
 from hspmd.transforms.pipeline.virtual import annotation_strategy
+from hspmd.ir.stacked_names import is_stacked
 from hspmd.transforms.util import PassError, module_strategy, step_function
 
 
@@ -65,8 +66,11 @@ def _owner(name: str) -> str | None:
     return parts[2] if len(parts) == 3 and parts[2] else None
 
 
-def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: int) -> Layout | None:
+def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: int, first: int = 0) -> Layout | None:
     """Return `layout` (a parameter's, on a dp-major/tp-minor mesh) split over dp, or None if it cannot be.
+
+    Dims before `first` are never split (a stacked parameter's layers, `first=1`: each layer's
+    state is split as it would be unstacked, so checkpoints and switches see per-layer pieces).
 
     >>> from hspmd.ir.layout import Layout
     >>> str(sharded_state_layout(Layout.replicated((0, 1, 2, 3)), (6, 8), 4, 1))
@@ -86,7 +90,7 @@ def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: in
         return None
     tp_axis = split(tp_dims[0]) if tp_dims else DUP
     for d, size in enumerate(shape):
-        if d in tp_dims or size % dp:
+        if d < first or d in tp_dims or size % dp:
             continue
         new = Layout.spmd(layout.groups[0].devices, DistributedStates.of((split(d), dp), (tp_axis, tp)))
         new.check_shape(shape, "optimizer state")
@@ -94,7 +98,7 @@ def sharded_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, tp: in
     return None
 
 
-def sharded_expert_state_layout(layout: Layout, shape: tuple[int, ...], dp: int) -> Layout | None:
+def sharded_expert_state_layout(layout: Layout, shape: tuple[int, ...], dp: int, first: int = 0) -> Layout | None:
     """Return an expert weight's layout (`dup=dp` major, then its ep and tp splits) with the dup
     axis split along the first dim that no other axis splits and dp divides, or None.
 
@@ -109,7 +113,7 @@ def sharded_expert_state_layout(layout: Layout, shape: tuple[int, ...], dp: int)
         return None
     taken = {a.dim for a, _ in axes if a.kind == "split"}
     for d, size in enumerate(shape):
-        if d in taken or size % dp:
+        if d < first or d in taken or size % dp:
             continue
         new = Layout.spmd(layout.groups[0].devices, DistributedStates.of((split(d), dp), *axes[1:]))
         new.check_shape(shape, "optimizer state")
@@ -121,32 +125,32 @@ def _is_expert(states: DistributedStates, g: StrategyGroup) -> bool:
     return g.ep > 1 and any(states == expert_layout(g, d).groups[0].states for d in (1, 2))
 
 
-def group_state_layout(layout: Layout, shape: tuple[int, ...], g: StrategyGroup) -> Layout | None:
+def group_state_layout(layout: Layout, shape: tuple[int, ...], g: StrategyGroup, first: int = 0) -> Layout | None:
     """Return a one-group parameter layout's ZeRO state layout in group `g` (see the module docstring), or None."""
     if _is_expert(layout.groups[0].states, g):
-        return sharded_expert_state_layout(layout, shape, g.dp)
-    return sharded_state_layout(layout, shape, g.batch_ranks, g.tp)
+        return sharded_expert_state_layout(layout, shape, g.dp, first)
+    return sharded_state_layout(layout, shape, g.batch_ranks, g.tp, first)
 
 
-def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy) -> Layout | None:
+def _sharded_union(layout: Layout, shape: tuple[int, ...], strategy: Strategy, first: int = 0) -> Layout | None:
     """Return a parameter's layout over several groups with each ZeRO group's part split over its dp
     (`sharded_state_layout` per group; the other groups keep theirs), or None when no part changes."""
     if len(layout.groups) != len(strategy.groups):
         return None
     groups, changed = [], False
     for part, g in zip(layout.groups, strategy.groups):
-        new = group_state_layout(Layout.spmd(part.devices, part.states), shape, g) if g.zero else None
+        new = group_state_layout(Layout.spmd(part.devices, part.states), shape, g, first) if g.zero else None
         groups.append(new.groups[0] if new is not None else part)
         changed |= new is not None
     return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
 
 
-def _sharded_subgroups(layout: Layout, shape: tuple[int, ...], dp: int) -> Layout | None:
+def _sharded_subgroups(layout: Layout, shape: tuple[int, ...], dp: int, first: int = 0) -> Layout | None:
     """Return a one-group strategy's parameter layout laid out over tp sub-groups (uneven tp,
     `uneven_tensor_parallel`) with each sub-group's part split over its dp, or None when none changes."""
     groups, changed = [], False
     for gi, part in enumerate(layout.groups):
-        new = sharded_state_layout(Layout.spmd(part.devices, part.states), layout.group_shape(gi, shape), dp, 1)
+        new = sharded_state_layout(Layout.spmd(part.devices, part.states), layout.group_shape(gi, shape), dp, 1, first)
         groups.append(new.groups[0] if new is not None else part)
         changed |= new is not None
     return Layout(tuple(groups), layout.hetero, layout.shares) if changed else None
@@ -173,12 +177,13 @@ def shard_states(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         layout = layout_of(op.result)
         if layout is None:
             raise PassError(f"shard-optimizer-state: state '{name}' has no layout; run 'apply-strategy' first")
+        first = 1 if is_stacked(name) else 0  # a stacked state: each layer's split as unstacked
         if union:
-            new = _sharded_union(layout, shape, strategy)
+            new = _sharded_union(layout, shape, strategy, first)
         elif len(layout.groups) > 1:  # uneven tp: the group's tp sub-groups, each split over dp
-            new = _sharded_subgroups(layout, shape, group.batch_ranks)
+            new = _sharded_subgroups(layout, shape, group.batch_ranks, first)
         else:
-            new = group_state_layout(layout, shape, group)
+            new = group_state_layout(layout, shape, group, first)
         if new is None:
             report[name] = f"kept {layout}: no dim of {list(shape)} that dp divides and tp does not split"
             continue

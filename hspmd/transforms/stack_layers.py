@@ -23,8 +23,10 @@ becomes one cast of the stacked parameter.
 A chain is left as calls (and the program is the same as without the pass) when any of this
 does not hold: the per-layer parameter names differ in one dotted component that counts up
 by one (`hspmd.ir.stacked_names`), with one `init`; a call result other than the carry is
-unused; an operand that differs per call is a parameter (a dropout counter, which differs
-per call, keeps the chain as calls). Chains of fewer than `min_length` calls are left too.
+unused; an operand that differs per call is a parameter, or a per-call counter `base + c_k`
+with constants c_k counting up by one step (a dropout's random stream: `step + (k << 32)`),
+which becomes one stacked operand `broadcast(base) + graph.iota`. Chains of fewer than
+`min_length` calls are left too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import IntegerType, ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
@@ -79,6 +81,27 @@ def _chains(block) -> list[_Chain]:
     return [c for c in chains if len(c.calls) > 1]
 
 
+def _counter(values: list[SSAValue]) -> tuple[SSAValue, int, int] | None:
+    """Return (base, start, step) when `values[k]` is `base + constant(start + k * step)`, integer
+    scalars each used once (the per-call counter of a layer that draws random numbers)."""
+    found = []
+    for v in values:
+        add = v.owner
+        if not isinstance(add, graph.AddOp) or v.uses.get_length() != 1 or graph.tensor_shape(v) != ():
+            return None
+        base, const = add.lhs, add.rhs
+        if not isinstance(const.owner, graph.ConstantOp) or not isinstance(v.type.element_type, IntegerType):
+            return None
+        found.append((base, int(const.owner.value.value.data)))
+    if len({id(b) for b, _ in found}) != 1:
+        return None
+    offsets = [c for _, c in found]
+    step = offsets[1] - offsets[0]
+    if offsets != [offsets[0] + k * step for k in range(len(offsets))]:
+        return None
+    return found[0][0], offsets[0], step
+
+
 def _source(value: SSAValue) -> tuple[graph.ParameterOp, graph.CastOp | None] | None:
     """Return (parameter, cast or None) when `value` is a parameter (or its cast) used once."""
     op = value.owner
@@ -117,12 +140,16 @@ class StackLayers(ModulePass):
         if any(r.uses for c in calls for k, r in enumerate(c.results) if k not in carry_results):
             return False  # a per-layer result used outside the chain: it would have to be stacked
         stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]] = {}
+        counters: dict[int, tuple[SSAValue, int, int]] = {}
         for j in range(len(first.operands)):
             if j in carry_args:
                 continue
             values = [c.operands[j] for c in calls]
             if all(v is values[0] for v in values):
                 continue  # an invariant
+            if (counter := _counter(values)) is not None:
+                counters[j] = counter
+                continue
             sources = [_source(v) for v in values]
             if any(s is None for s in sources):
                 return False
@@ -148,16 +175,25 @@ class StackLayers(ModulePass):
                 made.append(stacked_cast)
                 value = stacked_cast.result
             operands[j] = value
+        for j, (base, start, step) in counters.items():  # [base + start, base + start + step, ...]
+            typ = graph.stacked_type(base.type, length)
+            spread = graph.BroadcastOp(base, [], typ)
+            iota = graph.IotaOp(start, step, typ)
+            total = graph.AddOp(spread.result, iota.result)
+            made += [spread, iota, total]
+            operands[j] = total.result
         results = [graph.stacked_type(r.type, length) if k not in carry_results else r.type
                    for k, r in enumerate(first.results)]
         scan = graph.ScanOp(first.callee.root_reference.data, operands, results, length=length,
-                            stacked=sorted(stacked), carry_args=carry_args, carry_results=[r for _, r in chain.carries])
+                            stacked=sorted([*stacked, *counters]), carry_args=carry_args,
+                            carry_results=[r for _, r in chain.carries])
         block = first.parent_block()
         for o in made:
             block.insert_op_before(o, first)  # type: ignore[union-attr]
         block.insert_op_before(scan, first)  # type: ignore[union-attr]
         for k in carry_results:
             last.results[k].replace_all_uses_with(scan.results[k])
+        dead = [c.operands[j].owner for c in calls for j in counters]  # the per-call counters
         for c in reversed(calls):
             c.detach()
             c.erase()
@@ -167,4 +203,11 @@ class StackLayers(ModulePass):
                     if o is not None:
                         o.detach()
                         o.erase()
+        for add in dead:  # then their constants, if nothing else reads them
+            const = add.rhs.owner  # type: ignore[union-attr]
+            add.detach()  # type: ignore[union-attr]
+            add.erase()  # type: ignore[union-attr]
+            if isinstance(const, graph.ConstantOp) and not const.result.uses:
+                const.detach()
+                const.erase()
         return True

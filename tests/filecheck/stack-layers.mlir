@@ -69,3 +69,40 @@ builtin.module {
 // CHECK:         graph.scan @L(%s, [[W]], %x) {length = 2 : i64, stacked = array<i64: 1>, carry_args = array<i64: 2>, carry_results = array<i64: 0>}
 // CHECK:         func.call @L
 // CHECK:         func.call @L
+
+// -----
+
+// A layer that draws random numbers takes a per-call counter, `step + (k << 32)`: the counters
+// become one stacked operand, the step broadcast plus a graph.iota counting up by 2^32.
+
+builtin.module {
+  func.func @train_step() {
+    %w0 = graph.parameter "l.0.w" {init = "zeros"} : tensor<4x4xf32>
+    %w1 = graph.parameter "l.1.w" {init = "zeros"} : tensor<4x4xf32>
+    %x = graph.input "x" : tensor<2x4xf32>
+    %step = graph.input "step" : tensor<i64>
+    %c0 = graph.constant {value = 0.000000e+00 : f64} : tensor<i64>
+    %k0 = graph.add %step, %c0 : (tensor<i64>, tensor<i64>) -> tensor<i64>
+    %h1 = func.call @L(%w0, %x, %k0) : (tensor<4x4xf32>, tensor<2x4xf32>, tensor<i64>) -> tensor<2x4xf32>
+    %c1 = graph.constant {value = 4294967296.0 : f64} : tensor<i64>
+    %k1 = graph.add %step, %c1 : (tensor<i64>, tensor<i64>) -> tensor<i64>
+    %h2 = func.call @L(%w1, %h1, %k1) : (tensor<4x4xf32>, tensor<2x4xf32>, tensor<i64>) -> tensor<2x4xf32>
+    %l = graph.reduce_sum %h2 {dims = array<i64: 0, 1>} : (tensor<2x4xf32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+  func.func private @L(%w: tensor<4x4xf32>, %x: tensor<2x4xf32>, %k: tensor<i64>) -> tensor<2x4xf32> {
+    %y = graph.matmul %x, %w : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    %d = graph.dropout %y, %k {rate = 1.000000e-01 : f64, seed = 0 : i64, salt = 0 : i64} : (tensor<2x4xf32>, tensor<i64>) -> tensor<2x4xf32>
+    func.return %d : tensor<2x4xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @train_step
+// CHECK:         [[W:%.*]] = graph.parameter "l.[0:2].w"
+// CHECK:         [[B:%.*]] = graph.broadcast %step {dims = array<i64>} : (tensor<i64>) -> tensor<2xi64>
+// CHECK-NEXT:    [[I:%.*]] = graph.iota {start = 0 : i64, step = 4294967296 : i64} : tensor<2xi64>
+// CHECK-NEXT:    [[K:%.*]] = graph.add [[B]], [[I]] : (tensor<2xi64>, tensor<2xi64>) -> tensor<2xi64>
+// CHECK-NEXT:    graph.scan @L([[W]], %x, [[K]]) {length = 2 : i64, stacked = array<i64: 0, 2>, carry_args = array<i64: 1>, carry_results = array<i64: 0>}
+// CHECK-NOT:     func.call
+// CHECK-NOT:     graph.constant

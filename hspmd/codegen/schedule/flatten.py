@@ -153,7 +153,7 @@ class _Inliner:
         for op in block.ops:
             match op:
                 case func.ReturnOp():
-                    returns = tuple(slot(v) for v in op.operands)
+                    returns = tuple(self.real(slot(v)) for v in op.operands)
                 case graph.ParameterOp() | graph.InputOp():
                     self.leaf(op, slot(op.result), top, stack)
                 case graph.OutputOp() | graph.AssignOp():

@@ -10,6 +10,8 @@ needs it computes itself. `outline-pipeline-stages` reads them; a user may read 
 * **layers** (`balance.py`): the forward `func.call`s of `*_fwd` block functions (else the
   parameter name prefixes); `layers="3,1"` in the strategy fixes the counts, else contiguous
   ranges balanced by forward cost. Fewer layers than stages is refused naming both numbers.
+  Stacked layers come cut by stage (`cut-stacked-layers`): each piece's forward scan is one
+  unit whose stage its `pipeline.layer_stage` gives (read and dropped here).
 * **forward** ops (up to `graph.output "loss"`): the last stage among their operands and the
   parameters they read (a parameter no layer claims goes to its first forward user's stage:
   the embedding to stage 0, the head to the last);
@@ -37,6 +39,7 @@ from hspmd.dialects import graph
 from hspmd.dialects.pipeline import OP_STAGE_ATTR
 from hspmd.ir.pipeline_schedule import SCHEDULES, PipelineScheduleError, check_schedule
 from hspmd.transforms.pipeline.balance import layer_costs, layers_of, stage_of_layers
+from hspmd.transforms.pipeline.cut_stacks import LAYER_STAGE_ATTR
 from hspmd.transforms.pipeline.group import find_group, forward_end, op_kinds
 from hspmd.transforms.pipeline.virtual import selected_pipelines
 from hspmd.transforms.util import PassError
@@ -164,8 +167,14 @@ def assign_stages(ops: list[Operation], pp: int, counts: tuple[int, ...] | None 
     module = ops[0].parent_op().parent_op() if ops and ops[0].parent_op() is not None else None
     funcs = {f.sym_name.data: f for f in module.body.block.ops if isinstance(f, func.FuncOp)} \
         if isinstance(module, ModuleOp) else {}
-    costs = layer_costs(ops, end, layers, layer_of_param, funcs) if len(layers) >= pp else None
-    stage_of_layer = stage_of_layers(len(layers), pp, counts, what, costs)
+    marks = [group[0].attributes.get(LAYER_STAGE_ATTR) if group else None for group in layers]
+    if layers and all(isinstance(m, IntegerAttr) for m in marks):  # stacked layers cut by stage: as cut
+        stage_of_layer = [m.value.data for m in marks]  # type: ignore[union-attr]
+        for group in layers:
+            del group[0].attributes[LAYER_STAGE_ATTR]
+    else:
+        costs = layer_costs(ops, end, layers, layer_of_param, funcs) if len(layers) >= pp else None
+        stage_of_layer = stage_of_layers(len(layers), pp, counts, what, costs)
     param_stage = {name: stage_of_layer[k] for name, k in layer_of_param.items()}
     layer_ops = {o: stage_of_layer[k] for k, group in enumerate(layers) for o in group}
     assignment = _Assignment(ops, pp, param_stage, layer_ops, end, post or set())

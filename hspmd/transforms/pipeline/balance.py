@@ -23,8 +23,12 @@ __all__ = ["balanced_counts", "layer_costs", "layers_of", "op_cost", "stage_of_l
 
 
 def layers_of(ops: list[Operation], forward_end: int) -> tuple[list[list[Operation]], dict[str, int], str]:
-    """Return (layer -> forward ops that are the layer, parameter name -> layer, what a layer is)."""
-    calls = [op for op in ops[:forward_end] if isinstance(op, func.CallOp)
+    """Return (layer -> forward ops that are the layer, parameter name -> layer, what a layer is).
+
+    A forward `graph.scan` of a `*_fwd` function (stacked layers, cut at the stage boundaries by
+    `cut-stacked-layers`) is one unit, as a call is."""
+    calls = [op for op in ops[:forward_end] if (isinstance(op, func.CallOp) or isinstance(op, graph.ScanOp)
+                                                and not op.is_reverse)
              and op.callee.root_reference.data.endswith("_fwd")]
     params: dict[str, int] = {}
     if calls:
@@ -92,9 +96,10 @@ def balanced_counts(layer_costs: list[int], first: int, last: int, pp: int) -> t
 def op_cost(op: Operation, funcs: dict[str, func.FuncOp]) -> int:
     """Return a rough cost of running `op` once: 2mnk for a matmul, one per result element
     otherwise, a callee's ops summed for a call."""
-    if isinstance(op, func.CallOp):
+    if isinstance(op, (func.CallOp, graph.ScanOp)):
         callee = funcs.get(op.callee.root_reference.data)
-        return sum(op_cost(o, funcs) for o in callee.body.block.ops) if callee is not None else 0
+        times = op.num_iterations if isinstance(op, graph.ScanOp) else 1
+        return times * sum(op_cost(o, funcs) for o in callee.body.block.ops) if callee is not None else 0
     total = 0
     for r in op.results:
         if isinstance(r.type, TensorType):

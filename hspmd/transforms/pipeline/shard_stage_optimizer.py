@@ -41,6 +41,7 @@ from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.levels import physical_groups
 from hspmd.transforms.optimizer import STATE_PREFIX
 from hspmd.transforms.shard_optimizer_state import sharded_state_layout
+from hspmd.ir.stacked_names import is_stacked
 from hspmd.transforms.util import PassError, module_strategy
 
 _UPDATES = (optim.AdamOp, optim.SGDOp)
@@ -127,7 +128,8 @@ def _shard_update(stage: _Stage, update: Operation, tp: int) -> set[Operation]:
         return set()
     typ = param.owner.properties["global_type"]
     layout = layout_of(typ) if isinstance(typ, TensorType) else None
-    sharded = sharded_state_layout(layout, tuple(typ.get_shape()), stage.dp, tp) if layout else None  # type: ignore
+    first = 1 if is_stacked(param.owner.tensor_name.data) else 0  # type: ignore[union-attr]  # not the layers' dim
+    sharded = sharded_state_layout(layout, tuple(typ.get_shape()), stage.dp, tp, first) if layout else None  # type: ignore
     if sharded is None:
         return set()
     dim = sharded.groups[0].states.axes[0][0].dim

@@ -1,6 +1,7 @@
 """`pipeline-split`: the pipeline passes in order, for each pipelined group of the strategy.
 
     for each pipelined group K (of the module's strategy, in order):
+        cut-stacked-layers{group=K}         stacked layers cut into each stage's pieces
         assign-pipeline-stages{group=K}     each op of the stage-shaped step: `pipeline.stage = S`
         outline-pipeline-stages{group=K}    the stage modules (`pipeline.run`, send/recv)
         join-pipeline-groups{group=K}       beside other groups: remap and re-order them
@@ -19,6 +20,7 @@ from xdsl.passes import ModulePass
 
 from hspmd.ir.strategy import StrategyRecord
 from hspmd.transforms.pipeline.assign_stages import AssignPipelineStages
+from hspmd.transforms.pipeline.cut_stacks import CutStackedLayers
 from hspmd.transforms.pipeline.join_groups import JoinPipelineGroups
 from hspmd.transforms.pipeline.outline_stages import OutlinePipelineStages
 from hspmd.transforms.pipeline.virtual import pipelines
@@ -31,7 +33,8 @@ def pipeline_split_passes(record: StrategyRecord) -> list[ModulePass]:
     """Return the passes that cut every pipelined group of `record`'s strategy into stages."""
     out: list[ModulePass] = []
     for k, pipe in enumerate(pipelines(record.strategy, record.microbatches)):
-        out += [AssignPipelineStages(strategy_id=record.id, group=k), OutlinePipelineStages(strategy_id=record.id, group=k)]
+        out += [CutStackedLayers(strategy_id=record.id, group=k), AssignPipelineStages(strategy_id=record.id, group=k),
+                OutlinePipelineStages(strategy_id=record.id, group=k)]
         if pipe.union is not None:
             out.append(JoinPipelineGroups(strategy_id=record.id, group=k))
     return out
