@@ -131,6 +131,10 @@ class Torch:
     def __init__(self, script, params: dict[str, np.ndarray], compiled: bool = False) -> None:
         import torch
 
+        from hspmd.runtime.stacked import per_layer
+
+        params = per_layer(params)  # hspmd's stacked layers (`blocks.[0:4].ln1.weight`) one by one
+
         self.torch = torch
         self.loss_fn = torch.compile(torch_loss, dynamic=False) if compiled else torch_loss
         cfg, o = script.config, script.config["optim"]

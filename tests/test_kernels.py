@@ -316,6 +316,28 @@ def test_out_arrays_are_filled_and_may_alias_an_elementwise_operand():
     np.testing.assert_array_equal(x2, want[0])
 
 
+def test_pointers_are_reused_only_for_the_same_arrays():
+    """A call reuses the pointers of the arrays it was given last time only for the very same
+    objects: new arrays in their place (or the old ones freed and their memory reused), other
+    values in the same arrays and other scalars all give the results of a fresh call."""
+    module, ops = fuse(chain_text((9,), "f64"))
+    (op,) = ops
+    call = cpu_call(op, program_library(module))
+    fresh = cpu_call(op, program_library(module))
+    x, y = np.linspace(-2, 2, 9), np.linspace(1, 3, 9)
+    outs = tuple(np.empty(9) for _ in fresh(x, y))
+    for step in range(4):
+        if step == 1:
+            x[:] = x[::-1]  # the same array, other values
+        elif step == 2:
+            x = np.linspace(0, 1, 9)  # another array; the old one is freed
+        elif step == 3:
+            outs = tuple(np.empty(9) for _ in outs)
+        got = call(x, y, out=outs)
+        for g, w in zip(got, fresh(x, y)):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_a_wrong_operand_shape_is_a_clear_error():
     module, (op,) = fuse(chain_text((9,), "f64"))
     call = cpu_call(op, program_library(module))

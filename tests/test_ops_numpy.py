@@ -185,18 +185,25 @@ def test_embedding_and_its_gradient(ids_shape, vocab, dim, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(0, 300), vocab=st.integers(1, 40), dim=small, seed=st.integers(0, 2**16),
-       dtype=st.sampled_from([np.float32, np.float64]))
-def test_scatter_add_rows_is_add_at_bit_for_bit(n, vocab, dim, seed, dtype):
-    """The grouped scatter-add adds each row's contributions in the same order as np.add.at
-    (same bits), below and above the repeat count where it hands over to np.add.at."""
+       dtype=st.sampled_from([np.float32, np.float64]), index_dtype=st.sampled_from([np.int32, np.int64]),
+       native=st.booleans())
+def test_scatter_add_rows_is_add_at_bit_for_bit(n, vocab, dim, seed, dtype, index_dtype, native):
+    """The scatter-add adds each row's contributions in the same order as np.add.at (same
+    bits): in C++ (`native`), and grouped in NumPy below and above the repeat count where it
+    hands over to np.add.at."""
     rng = np.random.default_rng(seed)
-    index = rng.integers(0, vocab, size=n)
+    index = rng.integers(0, vocab, size=n).astype(index_dtype)
     rows = rng.standard_normal((n, dim)).astype(dtype) * 10.0 ** rng.integers(-3, 4, size=(n, 1))
     start = rng.standard_normal((vocab, dim)).astype(dtype)
     expect = start.copy()
     np.add.at(expect, index, rows)
-    got = numpy_ops.scatter_add_rows(start.copy(), index, rows)
-    np.testing.assert_array_equal(got, expect)
+    got = numpy_ops.scatter_add_rows(start.copy(), index, rows, native=native)
+    np.testing.assert_array_equal(got.view(np.uint8), expect.view(np.uint8))
+
+
+def test_scatter_add_rows_refuses_an_index_out_of_range():
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        numpy_ops.scatter_add_rows(np.zeros((5, 3), np.float32), np.array([0, 5]), np.ones((2, 3), np.float32))
 
 
 @settings(max_examples=10, deadline=None)

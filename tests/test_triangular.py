@@ -87,8 +87,10 @@ def _triangles(fn) -> list[str]:
 
 
 def test_attention_products_with_a_triangular_operand_are_found():
-    """Forward att @ v, and the backward's products with att^T, ds and ds's transpose."""
-    assert _triangles(_attention_program(40)) == ["lhs-lower", "lhs-lower", "lhs-upper", "rhs-lower"]
+    """Forward att @ v, and the backward's products with att^T, ds and ds's transpose; the
+    scores and the probabilities' gradient dy @ v^T read only on and below the diagonal."""
+    assert _triangles(_attention_program(40)) == ["lhs-lower", "lhs-lower", "lhs-upper", "out-lower", "out-lower",
+                                                  "rhs-lower"]
 
 
 def test_masked_scores_without_softmax_are_not_triangular():
@@ -101,13 +103,35 @@ def test_masked_scores_without_softmax_are_not_triangular():
     assert fwd[1].triangle == ""  # the forward's masked @ v
 
 
+def test_scores_read_above_the_diagonal_are_computed_in_full():
+    """Scores that a consumer also reads unmasked are not "out-lower"; masked only, they are."""
+    def scores_program(unmasked_use: bool):
+        tr = Tracer()
+        q, k = (tr.parameter(name, (2, 16, 8), "normal:1.0", "float32") for name in ("q", "k"))
+        s = q @ k.transpose((0, 2, 1))
+        c = tr.input("c", (2, 16, 16), "float32")
+        loss = (hs.softmax(hs.causal_mask(s * 0.5), -1) * c).sum()
+        tr.output("loss", loss + (s * c).sum() if unmasked_use else loss)
+        module = tr.finish()
+        annotate(module, "[0]: dp=1")
+        to_physical(module)
+        (_, group), = physical_groups(module)
+        fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
+        return [s.triangle for s in build_schedule(fn, 0).steps if s.op is not None and s.op.name == "graph.matmul"]
+
+    assert scores_program(False) == ["out-lower"]
+    assert scores_program(True) == [""]
+
+
 @pytest.mark.parametrize("t", [40, 100])
-def test_attention_step_has_the_full_products_bits(t):
+@pytest.mark.parametrize("small", [True, False])
+def test_attention_step_has_the_full_products_bits(t, small):
     """The step's loss and gradients with block products (and batches by halves) are those of
-    full products, bit for bit."""
+    full products, bit for bit: with NumPy's products (OpenBLAS's), and with the C++ kernel of
+    `small_matmul` (whose triangles skip exact zeros of one chain of additions, for any shape)."""
     fn = _attention_program(t)
     (comm,) = InProcessCommunicator.create_world(1)
-    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on) for on in (True, False)]
+    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on, small_matmul=small) for on in (True, False)]
     state = plans[0].initial_state(3)
     batch = {"c": np.random.default_rng(4).standard_normal((2, 2, t, 8)).astype(np.float32)}
     outs = [p.run(dict(state), p.local_batch(batch)) for p in plans]
@@ -116,9 +140,11 @@ def test_attention_step_has_the_full_products_bits(t):
         np.testing.assert_array_equal(outs[0][name], outs[1][name], err_msg=name)
 
 
-def test_gpt_training_is_bit_identical_with_block_products():
-    """examples/gpt.py (2 layers, 64 positions), fused kernels: 4 triangular products a layer, and
-    3 AdamW steps give the same parameters, bit for bit, as with full products in one call each."""
+@pytest.mark.parametrize("small", [True, False])
+def test_gpt_training_is_bit_identical_with_block_products(small):
+    """examples/gpt.py (2 layers, 64 positions), fused kernels: 4 triangular products a layer (and
+    2 read only below the diagonal), and 3 AdamW steps give the same parameters, bit for bit, as
+    with full products in one call each; with NumPy's products and with `small_matmul`'s."""
     from hspmd.compiler import compile_script
     from hspmd.frontend.script import load_script
     from hspmd.runtime.kernel_exec import select_program
@@ -131,9 +157,9 @@ def test_gpt_training_is_bit_identical_with_block_products():
     module = select_program(physical, fused, "cpu")
     fn = next(o for o in module.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
     assert script.config["model"]["seq_len"] > TILE
-    assert _triangles(fn) == ["lhs-lower"] * 4 + ["lhs-upper"] * 2 + ["rhs-lower"] * 2
+    assert _triangles(fn) == ["lhs-lower"] * 4 + ["lhs-upper"] * 2 + ["out-lower"] * 4 + ["rhs-lower"] * 2
     (comm,) = InProcessCommunicator.create_world(1)
-    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on) for on in (True, False)]
+    plans = [build_plan(fn, 0, comm, triangular=on, split_batches=on, small_matmul=small) for on in (True, False)]
     states = [p.initial_state(0) for p in plans]
     config = {**script.config, "lr_schedule": compiled.lr_schedule}
     names = {leaf.name for leaf in plans[0].inputs}
@@ -147,7 +173,8 @@ def test_gpt_training_is_bit_identical_with_block_products():
         np.testing.assert_array_equal(states[0][name], states[1][name], err_msg=name)
 
 
-def test_tensor_parallel_ranks_use_block_products_with_the_same_bits():
+@pytest.mark.parametrize("small", [True, False])
+def test_tensor_parallel_ranks_use_block_products_with_the_same_bits(small):
     """tp=2 on two in-process ranks (each holds half the heads): every rank's causal products are
     found on its local shapes, and 2 steps give the bits of full products on both ranks."""
     from hspmd.compiler import compile_script
@@ -167,7 +194,7 @@ def test_tensor_parallel_ranks_use_block_products_with_the_same_bits():
         def body(comm):
             fn = fn_of(comm.rank)
             found = _triangles(fn) if on else []
-            plan = build_plan(fn, comm.rank, comm, triangular=on, split_batches=on)
+            plan = build_plan(fn, comm.rank, comm, triangular=on, split_batches=on, small_matmul=small)
             state = plan.initial_state(0)
             config = {**script.config, "lr_schedule": compiled.lr_schedule}
             names = {leaf.name for leaf in plan.inputs}
@@ -180,7 +207,7 @@ def test_tensor_parallel_ranks_use_block_products_with_the_same_bits():
 
     blocks, full = train(True), train(False)
     for (found, l1, s1), (_, l2, s2) in zip(blocks, full):
-        assert found == ["lhs-lower", "lhs-lower", "lhs-upper", "rhs-lower"]
+        assert found == ["lhs-lower", "lhs-lower", "lhs-upper", "out-lower", "out-lower", "rhs-lower"]
         assert l1 == l2
         for name in s1:
             np.testing.assert_array_equal(s1[name], s2[name], err_msg=name)

@@ -67,11 +67,15 @@ def compiler_identity(cxx: str) -> str:
 
 @functools.cache
 def compile_flags() -> tuple[str, ...]:
-    """Return the flags of every build: -O3, OpenMP, no errno from libm (so sqrt inlines),
-    AVX2+FMA and AVX-512 when this CPU has them, then `$HSPMD_CXXFLAGS`. No -ffast-math and no contraction of a*b+c into one FMA:
+    """Return the flags of every build: -O3, OpenMP, no errno from libm (so sqrt inlines), no loop
+    splitting, AVX2+FMA and AVX-512 when this CPU has them, then `$HSPMD_CXXFLAGS`. No -ffast-math and no contraction of a*b+c into one FMA:
     NaN, infinities and the rounding of each operation stay IEEE, as in NumPy."""
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-             "-ffp-contract=off"]
+             "-ffp-contract=off",
+             # no splitting of a loop at a condition on its index (a causal mask's j > i): split, the
+             # vector loop before the split point left a scalar remainder of up to 15 columns a row,
+             # each a scalar exp (a causal softmax took 1.6 ms for GPT-tiny's 8192 rows, 0.95 unsplit)
+             "-fno-split-loops"]
     try:
         cpu = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -95,23 +99,18 @@ def _launcher(spec: LaunchSpec, team: bool) -> str:
     args = ", ".join(f"({t}*)a[{i}]" for i, t in enumerate(spec.arg_types))
     args = f"{args}, n0, n1" if args else "n0, n1"
     head = f'extern "C" void hs_launch_{spec.function}(void **a, long n0, long n1, int team) {{\n'
+    # the serial emulation: the launch in chunks (hs_emu::run_chunks: rows, items by vectors, or
+    # a column launch's columns (n1 > 0: a norm's weight gradients) by 128, so that a chunk reads
+    # long runs of each row)
+    units = "(n1 > 0 ? n0 / 128 : n0 / 16)" if spec.kind == "elementwise" else "n0"
+    chunked = (
+        f"hs_emu::run_chunks({{+[](void **a, long n0, long n1) {{ (void)a; (void)n1; "
+        f"hs_serial::{spec.function}({args}); }}, a, n0, n1, 1}}, {units}, n0 * (n1 > 1 ? n1 : 1));\n"
+    )
     if spec.kind == "elementwise":
-        body = (
-            "  (void)team;\n"
-            "#pragma omp parallel if (n0 > 16384)\n"
-            "  {\n"
-            "    hs_emu::blockIdx = {0, 0, 0}; hs_emu::gridDim = {1, 1, 1};\n"
-            f"    hs_serial::{spec.function}({args});\n"
-            "  }\n"
-        )
+        body = "  (void)team;\n  " + chunked
     else:
-        body = (
-            "  if (team <= 1) {  // rows shared out by the kernel's HS_ROWS (an omp for)\n"
-            "#pragma omp parallel if (n0 * n1 > 16384)\n"
-            f"    hs_serial::{spec.function}({args});\n"
-            "    return;\n"
-            "  }\n"
-        )
+        body = "  if (team <= 1) {\n    " + chunked + "    return;\n  }\n"
         if not team:
             return head + body + "  abort();  // built without the team emulation\n}\n"
         body += (
@@ -139,11 +138,16 @@ def library_text(sources: list[str], launches: list[LaunchSpec], team: bool = Fa
         "static constexpr hs_dim3 threadIdx{0, 0, 0}, blockDim{1, 1, 1};\n"
         "template <class T> static inline T __shfl_down_sync(unsigned, T v, int) { return v; }\n"
         "#define __syncthreads()\n#define HS_SERIAL_BLOCK 1\n"
-        "#undef HS_ROWS\n#define HS_ROWS(r, n) HS_PRAGMA(omp for schedule(static)) for (long r = 0; r < (long)(n); ++r)\n"
+        "#undef HS_ROWS\n#define HS_ROWS(r, n) HS_ROWS_CHUNK(r, n)\n"
+        "#undef HS_FOR\n#define HS_FOR(i, n) HS_FOR_CHUNK(i, n)\n"
+        "#undef HS_COLUMN_RANGE\n#define HS_COLUMN_RANGE(c0, c1, n) HS_COLUMN_RANGE_CHUNK(c0, c1, n)\n"
         '#include "hs_common.cuh"\n'
         f"{src}\n"
         "#undef HS_SERIAL_BLOCK\n#undef __syncthreads\n"
+        "#undef HS_FOR\n#define HS_FOR(i, n) HS_FOR_OMP(i, n)\n"
+        "#undef HS_COLUMN_RANGE\n#define HS_COLUMN_RANGE(c0, c1, n) HS_COLUMN_RANGE_OMP(c0, c1, n)\n"
         "}  // namespace hs_serial\n"
+        'extern "C" void hs_set_parallel(hs_emu::parallel_fn f) { hs_emu::parallel = f; }\n'
     )
     team_part = (
         "namespace hs_team {\n"
@@ -175,10 +179,25 @@ def build_library(sources: list[str], launches: list[LaunchSpec], cxx: str | Non
     `team` also builds the team emulation (blockDim > 1; for tests: it doubles the compile
     time). CompileError if there is no compiler or it rejects the text.
     """
+    return _build_cached(library_text(sources, launches, team), cxx)
+
+
+def build_native(sources: list[Path], cxx: str | None = None) -> Path:
+    """Compile (or find in the cache) a plain C++ library of the runtime's own, its `sources`
+    (such as `hspmd/runtime/native/parallel.cpp` and `small_matmul.cpp`) one translation unit in
+    that order; return the .so path.
+
+    The same flags and cache as the kernels' libraries (`compile_flags`, `cache_dir`).
+    CompileError if there is no compiler or it rejects the files.
+    """
+    return _build_cached("\n".join(Path(s).read_text() for s in sources), cxx)
+
+
+def _build_cached(text: str, cxx: str | None) -> Path:
+    """Return the cached .so of C++ translation unit `text`, compiling it first if needed."""
     cxx = cxx or find_compiler()
     if cxx is None:
         raise CompileError("no C++ compiler found ($CXX, g++, c++ or clang++)")
-    text = library_text(sources, launches, team)
     key = library_key(text, cxx)
     folder = cache_dir()
     target = folder / f"hs_{key}.so"
@@ -205,16 +224,17 @@ class Library:
 
     def __init__(self, path: Path):
         self.path = path
-        self._dll = ctypes.CDLL(str(path))
+        #: the loaded library (ctypes)
+        self.dll = ctypes.CDLL(str(path))
         self._fns: dict[str, ctypes._CFuncPtr] = {}
         #: whether the library holds the team emulation (blockDim > 1)
-        self.has_team = hasattr(self._dll, "hs_has_team")
+        self.has_team = hasattr(self.dll, "hs_has_team")
 
     def function(self, name: str):
         """Return the ctypes launcher of `__global__` function `name`."""
         fn = self._fns.get(name)
         if fn is None:
-            fn = getattr(self._dll, f"hs_launch_{name}")
+            fn = getattr(self.dll, f"hs_launch_{name}")
             fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_long, ctypes.c_long, ctypes.c_int]
             fn.restype = None
             self._fns[name] = fn

@@ -28,18 +28,29 @@
 #define HS_INF (__builtin_huge_valf())
 #define HS_NAN (__builtin_nanf(""))
 #define HS_PRAGMA(x) _Pragma(#x)
-#define HS_FOR(i, n) HS_PRAGMA(omp for simd schedule(static)) for (long i = 0; i < (long)(n); ++i)
+// (the OpenMP forms are the team emulation's; the serial one's launches run chunks, see below)
+#define HS_FOR_OMP(i, n) HS_PRAGMA(omp for simd schedule(static)) for (long i = 0; i < (long)(n); ++i)
+#define HS_FOR(i, n) HS_FOR_OMP(i, n)
 #define HS_ROWS(r, n) for (long r = blockIdx.x; r < (long)(n); r += gridDim.x)
 #define HS_COLS(j, n) for (long j = threadIdx.x; j < (long)(n); j += blockDim.x)
 #define HS_COLS_SIMD(j, n) HS_PRAGMA(omp simd) HS_COLS(j, n)
 #define HS_COLS_SUM(j, n, v) HS_PRAGMA(omp simd reduction(+ : v)) HS_COLS(j, n)
 #define HS_COLS_MAX(j, n, v) HS_PRAGMA(omp simd reduction(max : v)) HS_COLS(j, n)
 // column sums: each OpenMP thread of the enclosing parallel region owns a contiguous range
-#define HS_COLUMN_RANGE(c0, c1, n)                                                              \
+#define HS_COLUMN_RANGE_OMP(c0, c1, n)                                                          \
   for (long c0 = (long)(n) * omp_get_thread_num() / omp_get_num_threads(),                     \
             c1 = (long)(n) * (omp_get_thread_num() + 1) / omp_get_num_threads(), hs_once_ = 1; \
        hs_once_; hs_once_ = 0)
+#define HS_COLUMN_RANGE(c0, c1, n) HS_COLUMN_RANGE_OMP(c0, c1, n)
+// the serial emulation's forms: the launch's chunk (hs_emu::chunk_lo/hi) of the items, rows or columns
+#define HS_FOR_CHUNK(i, n) HS_PRAGMA(omp simd) for (long i = hs_emu::chunk_lo(n); i < hs_emu::chunk_hi(n); ++i)
+#define HS_ROWS_CHUNK(r, n) for (long r = hs_emu::chunk_lo(n); r < hs_emu::chunk_hi(n); ++r)
+#define HS_COLUMN_RANGE_CHUNK(c0, c1, n) \
+  for (long c0 = hs_emu::chunk_lo(n), c1 = hs_emu::chunk_hi(n), hs_once_ = 1; hs_once_; hs_once_ = 0)
 #define HS_SIMD HS_PRAGMA(omp simd)
+// the columns of a row that a loop must visit: the first n rounded up to 16 (whole vectors, so
+// that the loop needs no scalar remainder), at most cols
+#define HS_LIVE_COLS(n, cols) ((((n) + 15L) & ~15L) < (long)(cols) ? (((n) + 15L) & ~15L) : (long)(cols))
 #define HS_EXPF(x) hs_cpu_expf(x)
 #define HS_TANHF(x) hs_cpu_tanhf(x)
 
@@ -51,6 +62,51 @@ static const int warpSize = 32;
 namespace hs_emu {
 // the block being run by this OS thread (both emulations) and, in a team, the thread's place
 inline thread_local hs_dim3 blockIdx{0, 0, 0}, gridDim{1, 1, 1}, threadIdx{0, 0, 0}, blockDim{1, 1, 1};
+
+// The serial emulation cuts a large launch into `chunks` chunks of its items (HS_FOR), rows
+// (HS_ROWS) or columns (HS_COLUMN_RANGE), chunk c being [chunk_lo(n), chunk_hi(n)) (bounds on
+// multiples of 16, whole vectors), and runs them through the runtime's parallel loop (`parallel`,
+// set by hs_set_parallel: hspmd/runtime/native/parallel.cpp). Every item, row or column is
+// computed as in one call, by one thread: the bits do not depend on the chunks or threads.
+inline thread_local long chunk = 0, chunks = 1;
+inline long chunk_lo(long n) { return chunk == 0 ? 0 : (n * chunk / chunks) & ~15L; }
+inline long chunk_hi(long n) { return chunk == chunks - 1 ? n : (n * (chunk + 1) / chunks) & ~15L; }
+typedef void (*item_fn)(void* ctx, long item);
+typedef void (*parallel_fn)(long n, item_fn fn, void* ctx, int threads);
+// the runtime's parallel loop, handed over once when the library is loaded (none: chunks run in turn)
+inline parallel_fn parallel = nullptr;
+
+// One launch of a kernel in the serial emulation: `kernel` calls it on (a, n0, n1).
+struct launch {
+  void (*kernel)(void **a, long n0, long n1);
+  void **a;
+  long n0, n1, chunks;
+};
+
+inline void run_chunk(void *p, long c) {
+  const launch *l = static_cast<const launch *>(p);
+  blockIdx = {0, 0, 0};
+  gridDim = {1, 1, 1};
+  chunk = c;
+  chunks = l->chunks;
+  l->kernel(l->a, l->n0, l->n1);
+}
+
+// Run launch `l` of `units` rows (or vectors of items, or columns) and `work` elements: one
+// chunk for small work (or without the runtime's loop), else up to 4 per thread.
+#ifndef HS_PARALLEL_MIN_WORK
+#define HS_PARALLEL_MIN_WORK 16384
+#endif
+inline void run_chunks(launch l, long units, long work) {
+  const int threads = parallel != nullptr ? omp_get_max_threads() : 1;
+  long n = threads > 1 && work > HS_PARALLEL_MIN_WORK ? (units < 4L * threads ? units : 4L * threads) : 1;
+  l.chunks = n < 1 ? 1 : n;
+  if (l.chunks == 1) {
+    run_chunk(&l, 0);
+    return;
+  }
+  parallel(l.chunks, run_chunk, &l, threads);
+}
 }  // namespace hs_emu
 
 // a * b + c: one fused multiply-add where the CPU has it (used inside hs_cpu_expf/tanhf

@@ -18,6 +18,8 @@
   for (long c0 = (long)blockIdx.x * blockDim.x + threadIdx.x, c1 = c0 + 1; c0 < (long)(n); \
        c0 += (long)gridDim.x * blockDim.x, c1 = c0 + 1)
 #define HS_SIMD
+// the columns of a row that a loop must visit: the first n (a causal softmax's unmasked ones)
+#define HS_LIVE_COLS(n, cols) ((n) < (cols) ? (n) : (cols))
 typedef int int32_t;
 typedef long long int64_t;
 typedef short int16_t;

@@ -30,6 +30,7 @@ from hspmd.codegen import cpu_compile
 from hspmd.codegen.emit_cuda import C_FLOAT, c_type
 from hspmd.dialects import kernel
 from hspmd.ir.types import dtype_name
+from hspmd.runtime import native
 
 BACKENDS = ("numpy", "cpu", "cuda")
 _SAID: set[str] = set()
@@ -104,6 +105,7 @@ def program_library(module: Operation) -> cpu_compile.Library | None:
     else:
         try:
             lib = cpu_compile.load_library(build_program(module))
+            native.bind_parallel(lib)  # its launches in chunks on the runtime's threads
         except (cpu_compile.CompileError, OSError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             say_once(f"hspmd: building the CPU kernels failed ({first}); fused kernels run as NumPy per op")
@@ -166,26 +168,57 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
     single = len(out_types) == 1
     name = op.kernel.data
 
+    # The pointers of the last call, reused: a plan calls a kernel on the same arrays every step
+    # (its buffers, the parameters), and making a pointer (`np.require`, `a.ctypes.data`: 3.5 us
+    # an array) cost more than a small kernel (an Adam update of 256 values: 28 us a call). An
+    # array's data never moves, and a weak reference of a freed array is None, so a pointer is
+    # reused only for the very array it was taken from. Scalars (0-d operands: a learning rate)
+    # are copied into a 0-d array of this call's own, whose pointer never changes.
+    ptrs = ptr_array()
+    held: list = [None] * nptr  # weak references of the arrays whose pointers `ptrs` holds
+    scalars = {k: np.empty((), dt) for k, (shape, dt) in enumerate(in_types) if shape == ()}
+    for k, box in scalars.items():
+        ptrs[k] = box.ctypes.data
+
+    def point(k: int, a: np.ndarray, given) -> None:
+        """Set pointer k to array `a` (made from `given`, the caller's object)."""
+        ptrs[k] = a.ctypes.data
+        held[k] = weakref.ref(given) if a is given and type(given) is np.ndarray else None
+
     def call(*args, out=None):
         if len(args) != len(in_types):
             raise TypeError(f"kernel {name} takes {len(in_types)} arrays, got {len(args)}")
-        arrays = []
-        for a, (shape, dt) in zip(args, in_types):
-            a = np.require(a, dt, "C")
-            if a.shape != shape:
-                raise ValueError(f"kernel {name}: operand of shape {a.shape}, compiled for {shape}")
-            arrays.append(a)
+        alive = []  # arrays made here (conversions, results, scratch): alive until the launches end
+        for k, (a, (shape, dt)) in enumerate(zip(args, in_types)):
+            if k in scalars:
+                scalars[k][()] = a
+                continue
+            h = held[k]
+            if h is not None and h() is a:
+                continue
+            c = np.require(a, dt, "C")
+            if c.shape != shape:
+                raise ValueError(f"kernel {name}: operand of shape {c.shape}, compiled for {shape}")
+            point(k, c, a)
+            alive.append(c)
         if out is None:
             outs = [np.empty(shape, dt) for shape, dt in out_types]
         else:
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            for o, (shape, dt) in zip(outs, out_types):
-                if o.shape != shape or o.dtype != dt or not o.flags.c_contiguous:
-                    raise ValueError(f"kernel {name}: out= must be C-contiguous {dt} arrays of the results' shapes")
-        scr = [np.empty(n, t) for n in scratch]
-        ptrs = ptr_array(*[a.ctypes.data for a in (*arrays, *outs, *scr)])
+        for k, (o, (shape, dt)) in enumerate(zip(outs, out_types), len(in_types)):
+            h = held[k]
+            if h is not None and h() is o:
+                continue
+            if type(o) is not np.ndarray and not isinstance(o, np.ndarray) or o.shape != shape or o.dtype != dt \
+                    or not o.flags.c_contiguous:
+                raise ValueError(f"kernel {name}: out= must be C-contiguous {dt} arrays of the results' shapes")
+            point(k, o, o)
+        for k, n in enumerate(scratch, len(in_types) + len(out_types)):
+            alive.append(np.empty(n, t))
+            point(k, alive[-1], None)
         for fn, n0, n1 in launches:
             fn(ptrs, n0, n1, team)
+        del alive
         return outs[0] if single else tuple(outs)
 
     # the plan may preallocate results (out=); an elementwise kernel reads operand i before it

@@ -23,6 +23,7 @@ from xdsl.ir import Operation
 
 from hspmd.dialects import graph
 from hspmd.ir.types import dtype_name
+from hspmd.runtime import native as _native
 
 Kernel = Callable[..., np.ndarray]
 
@@ -385,18 +386,20 @@ def rms_norm_grad(x: np.ndarray, weight: np.ndarray, dy: np.ndarray, eps: float)
 _SCATTER_PASSES = 16
 
 
-def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray, native: bool = True) -> np.ndarray:
     """Add row i of `rows` into row `index[i]` of `out`, in place, in the order of i; return `out`.
 
     The same bits as `np.add.at(out, index, rows)` (each row of `out` gets its rows added one
-    by one in order), about 9x faster on a GPT's ids: the rows are grouped by index (a
+    by one in order). With `native` (default) in one C++ pass where the runtime's library is
+    built (`native.scatter_add_rows`: 0.1 ms against 1.1-1.4 ms for GPT-tiny's 2048 ids). Else
+    about 9x faster than `np.add.at` on a GPT's ids: the rows are grouped by index (a
     stable sort) and the k-th row of every group is added in one vectorized pass, so the
     passes number the most repeats of one index among the groups of at most `_SCATTER_PASSES`
     rows. A larger group (a byte-level GPT's space: hundreds of repeats) is added into its row
     of `out` row after row on its own (`np.add.reduce`, `reduceat` and `accumulate` over the
     leading axis sum pairwise or cast differently for some shapes and dtypes: other bits).
     """
-    if index.size == 0:
+    if index.size == 0 or native and _native.scatter_add_rows(out, index, rows):
         return out
     order = np.argsort(index, kind="stable")
     sorted_index = index[order]

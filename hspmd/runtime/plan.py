@@ -40,6 +40,7 @@ from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
 from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
+from hspmd.runtime.small_matmul import SmallMatmul
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
 from hspmd.runtime.triangular_matmul import triangular_matmul
 
@@ -222,9 +223,10 @@ class _Binder:
     kernel depends on it), buckets and buffers."""
 
     def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
-                 split_batches: bool = True) -> None:
+                 split_batches: bool = True, small_matmul: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
         self.split = BatchSplit() if split_batches and allocate else None
+        self.small = SmallMatmul.create() if small_matmul and allocate and _has_small_batches(schedule) else None
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
         self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes)) for b in schedule.buckets]
@@ -271,17 +273,20 @@ class _Binder:
         raise PlanError(f"a schedule step of unknown kind '{step.kind}'")
 
     def matmul(self, step: Step) -> Callable:
-        """Return the kernel of a `graph.matmul` step: over the non-zero blocks of a triangular
-        operand (causal attention's products), and a batch of small products by halves on two
-        threads (`batch_split`)."""
+        """Return the kernel of a `graph.matmul` step: a batch of small float32 products in one C++
+        call (`small_matmul`: triangles skipped by tiles), else NumPy's: over the non-zero blocks of
+        a triangular operand (causal attention's products), and a batch of small products by
+        halves on two threads (`batch_split`)."""
         assert step.op is not None
         if step.triangle:
             k = triangular_matmul(step.triangle)
         else:
             k = self.kernel(step.op, step.microbatch)
         types = self.schedule.slot_types
-        if (self.split is not None and accepts_out(k)
-                and small_batched(types[step.ins[0]][0], types[step.ins[1]][0])):  # type: ignore[index]
+        small = small_batched(types[step.ins[0]][0], types[step.ins[1]][0])  # type: ignore[index]
+        if self.small is not None and accepts_out(k) and (small or step.triangle):
+            return self.small.kernel(step.triangle, k)
+        if self.split is not None and accepts_out(k) and small:
             k = self.split.wrap(k)
         return k
 
@@ -327,6 +332,19 @@ class _Binder:
         return plan
 
 
+def _has_small_batches(schedule: Schedule) -> bool:
+    """Return whether a matmul step of `schedule` is a batch of small float32 products or has a
+    triangular operand (what `SmallMatmul` computes)."""
+    types = schedule.slot_types
+    for step in schedule.steps:
+        if step.op is None or step.op.name != "graph.matmul" or len(step.ins) != 2:
+            continue
+        a, b = types[step.ins[0]], types[step.ins[1]]
+        if a is not None and b is not None and a[1] == np.float32 and (step.triangle or small_batched(a[0], b[0])):
+            return True
+    return False
+
+
 def _kernel(op: Operation, rank: int, communicator: Communicator) -> Callable:
     """Return the call that computes `op` on `rank`."""
     if op.dialect_name() == "comm":
@@ -367,12 +385,13 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
-              threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True) -> Plan:
+              threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True,
+              small_matmul: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches, small_matmul).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -384,7 +403,7 @@ def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
-    triangular: bool = True, split_batches: bool = True,
+    triangular: bool = True, split_batches: bool = True, small_matmul: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
@@ -403,6 +422,10 @@ def build_plan(
     their non-zero blocks only (`triangular_matmul`); False: every matmul in full, as written.
     `split_batches` (default True): a batch of small products (attention's) by halves of the
     batch on two threads with one BLAS thread each, where BLAS has two or more (`batch_split`).
+    `small_matmul` (default True): batches of small float32 products, and products with a
+    triangular operand, in one C++ call each (`small_matmul`: the bits of `np.matmul` on
+    attention's shapes; where there is no C++ compiler, NumPy's as above); it takes the place of
+    `split_batches` for those products.
     """
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
@@ -410,4 +433,4 @@ def build_plan(
     except ScheduleError as err:
         raise PlanError(str(err)) from None
     return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
-                     split_batches=split_batches)
+                     split_batches=split_batches, small_matmul=small_matmul)

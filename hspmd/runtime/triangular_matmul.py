@@ -7,7 +7,9 @@ leading dims, as `np.matmul`) for a product the schedule found triangular
 * "lhs-lower": rows [r0, r1) of the result are `a[r0:r1, :r1] @ b[:r1]`;
 * "lhs-upper": `a[r0:r1, r0:] @ b[r0:]`;
 * "rhs-lower": columns [c0, c1) are `a[:, c0:] @ b[c0:, c0:c1]`;
-* "rhs-upper": `a[:, :c1] @ b[:c1, c0:c1]`.
+* "rhs-upper": `a[:, :c1] @ b[:c1, c0:c1]`;
+* "out-lower", "out-upper" (a result read only on one side of its diagonal): the full product
+  (by blocks these went to OpenBLAS's small-matrix kernel: slower, other last bits).
 
 Blocks of `TILE` rows or columns: at attention's 128 x 128 this does 5/8 of the full products'
 multiply-adds, in four BLAS calls per product instead of one (at 16 rows the calls got too
@@ -55,13 +57,17 @@ def _rhs_upper(a, b, out):
         np.matmul(a[..., :, :c1], b[..., :c1, c0:c1], out=out[..., :, c0:c1])
 
 
+def _full(a, b, out):
+    np.matmul(a, b, out=out)
+
+
 _BY_TRIANGLE = {"lhs-lower": _lhs_lower, "lhs-upper": _lhs_upper, "rhs-lower": _rhs_lower,
-                "rhs-upper": _rhs_upper}
+                "rhs-upper": _rhs_upper, "out-lower": _full, "out-upper": _full}
 
 
 #: the triangle of the transposed product `b^T a^T`
 _TRANSPOSED = {"lhs-lower": "rhs-upper", "lhs-upper": "rhs-lower", "rhs-lower": "lhs-upper",
-               "rhs-upper": "lhs-lower"}
+               "rhs-upper": "lhs-lower", "out-lower": "out-upper", "out-upper": "out-lower"}
 
 
 def _by_columns(out: np.ndarray) -> bool:

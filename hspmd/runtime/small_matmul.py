@@ -1,0 +1,123 @@
+"""Batches of small float32 products in one C++ call: attention's matmuls at the machine's rate.
+
+NumPy multiplies a batch of matrices one OpenBLAS call per product; for attention's products
+(64 of them per call in GPT-tiny, 128 x 64 by 64 x 128 and the like) each call packs both
+operands and splits the small product over BLAS's threads, and the batch ran at about a third
+of the machine's rate. `native/small_matmul.cpp` (in the runtime's C++ library, `native.py`)
+runs the whole batch in one call: each product on one
+thread with an AVX-512 (or AVX2) register-blocked micro-kernel, the products shared out to
+BLAS's thread count one at a time (a helper thread that is late holds nobody up), and the
+triangles of causal attention (`hspmd.codegen.schedule.triangular`) skipped by 8-row tiles.
+
+Values: each element is one chain of fused multiply-adds in the order of the sum, from +0 —
+what OpenBLAS's kernels compute on attention's shapes, so the bits are those of `np.matmul`
+there (tested); for other shapes OpenBLAS may add in another order (its small-matrix kernels,
+its K blocks beyond a few hundred), and then the last bits differ, within a dot product's
+rounding bound (a property test). The bits do not depend on the batch, the threads or the
+blocking, so ranks holding different pieces of a batch compute their products alike.
+A product whose result is read only on or below its diagonal ("out-lower": the scores, read
+through a causal mask) gets its other elements as 0 or as their values.
+
+`SmallMatmul.kernel(triangle)` returns the `out=` kernel; `SmallMatmul.create()` returns None
+where the library cannot be built (no C++ compiler, said once), and the plan keeps NumPy's
+products (`triangular_matmul`, `batch_split`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from hspmd.runtime import native
+from hspmd.runtime.kernel_exec import say_once
+from hspmd.runtime.native import library
+
+#: the kernel's code for each triangle (`triangular.TRIANGLES`, and "" for a full product)
+TRIANGLE_CODES = {"": 0, "lhs-lower": 1, "lhs-upper": 2, "rhs-lower": 3, "rhs-upper": 4, "out-lower": 5,
+                  "out-upper": 6}
+
+#: the triangle of the transposed product `b^T a^T`
+TRANSPOSED = {"": "", "lhs-lower": "rhs-upper", "lhs-upper": "rhs-lower", "rhs-lower": "lhs-upper",
+              "rhs-upper": "lhs-lower", "out-lower": "out-upper", "out-upper": "out-lower"}
+
+_F32 = np.dtype(np.float32)
+
+
+def _elements(a: np.ndarray) -> list[int] | None:
+    """Return `a`'s strides in elements, or None if one is not a whole number of them."""
+    s = [x // a.itemsize for x in a.strides]
+    return s if all(x * a.itemsize == y for x, y in zip(s, a.strides)) else None
+
+
+def _batch_dims(shape: tuple[int, ...], strides: list[int]) -> tuple[int, int, int, int] | None:
+    """Return (n1, n2, stride1, stride2): the leading dims as at most two batch dims, or None."""
+    lead, st = shape[:-2], strides[:-2]
+    if len(lead) == 1:
+        return 1, lead[0], 0, st[0]
+    if len(lead) == 2:
+        return lead[0], lead[1], st[0], st[1]
+    return None
+
+
+def multiply(fn, a: np.ndarray, b: np.ndarray, out: np.ndarray, triangle: str, threads: int) -> bool:
+    """Compute `out = a @ b` (float32, the same leading dims, at most two of them) with the C++
+    kernel `fn`; return False, computing nothing, where it does not apply."""
+    if out.size == 0:
+        return True
+    if out.strides[-1] != out.itemsize and out.strides[-2] == out.itemsize and out.shape[-1] > 1:
+        # laid out by columns (placement.py): write the transposed product b^T a^T into out^T
+        a, b, out, triangle = b.swapaxes(-1, -2), a.swapaxes(-1, -2), out.swapaxes(-1, -2), TRANSPOSED[triangle]
+    sa, sb, sc = _elements(a), _elements(b), _elements(out)
+    if sa is None or sb is None or sc is None or (sc[-1] != 1 and out.shape[-1] > 1):
+        return False
+    ba, bb, bc = _batch_dims(a.shape, sa), _batch_dims(b.shape, sb), _batch_dims(out.shape, sc)
+    if ba is None or bb is None or bc is None:
+        return False
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    fn(ba[0], ba[1], m, n, k, a.ctypes.data, ba[2], ba[3], sa[-2], sa[-1], b.ctypes.data, bb[2], bb[3], sb[-2],
+       sb[-1], out.ctypes.data, bc[2], bc[3], sc[-2], TRIANGLE_CODES[triangle], threads)
+    return True
+
+
+class SmallMatmul:
+    """The C++ kernel for batches of small float32 products, on BLAS's thread count (see the
+    module docstring)."""
+
+    def __init__(self, fn, threads: Callable[[], int]) -> None:
+        self._fn, self._threads = fn, threads
+
+    @classmethod
+    def create(cls) -> "SmallMatmul | None":
+        """Return the kernel maker, its threads following BLAS's thread count, or None where the
+        library cannot be built."""
+        lib, why = native.load()
+        if lib is None:
+            say_once(f"hspmd: {why}; small batched products run as NumPy's")
+            return None
+        from threadpoolctl import ThreadpoolController
+
+        blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        return cls(lib.hs_small_matmul_f32, lambda: min((c.num_threads for c in blas), default=1))
+
+    def kernel(self, triangle: str, fallback: Callable) -> Callable:
+        """Return the `out=` kernel of `a @ b` for a product shaped as `triangle` ("" for a full
+        product); operands it does not take (another dtype, other batch dims) go to `fallback`."""
+        if triangle not in TRIANGLE_CODES:
+            raise ValueError(f"unknown triangle '{triangle}' (expected one of {', '.join(TRIANGLE_CODES)})")
+        fn, threads = self._fn, self._threads
+
+        def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+            if (a.dtype != _F32 or b.dtype != _F32 or a.ndim != b.ndim or a.ndim < 3
+                    or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]):
+                return fallback(a, b, out=out)
+            if out is None:
+                out = np.empty(a.shape[:-1] + b.shape[-1:], _F32)
+            if out.dtype != _F32 or not multiply(fn, a, b, out, triangle, threads()):
+                return fallback(a, b, out=out)
+            return out
+
+        matmul.accepts_out = True  # type: ignore[attr-defined]
+        matmul.__name__ = f"small_matmul_{triangle.replace('-', '_') or 'full'}"
+        return matmul
