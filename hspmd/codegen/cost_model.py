@@ -30,7 +30,9 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
   left. So `comm_s` counts every transfer and `exposed_comm_s` what the clock spent on them.
   `hspmd profile` measures o as the runtime runs a bucket (on the 2-core machine this was
   written on: 0 to 0.2, nothing hides); synthetic profiles default to 1 (a GPU's NCCL
-  stream), `DeviceProfile.default_cpu` to 0.
+  stream), `DeviceProfile.default_cpu` to 0. A *blocking* bucket (a coalesced all-reduce:
+  nothing runs between its start and its wait) is one blocking collective of its bytes,
+  priced as one (with its resynchronisation).
 * **pipeline bubbles**: in a stage's program the steps of micro-batch i are known, and which
   of the stage's `@pipeline_forward` / `@pipeline_backward` they belong to. Per stage s,
   F_s and B_s are the slowest of its ranks' forward and backward time per micro-batch; the
@@ -235,6 +237,15 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
         elif step.kind == "poll":  # a Python call of the plan like any kernel's (MPI's test inside)
             spent = overhead_s
             w.exposed += spent
+        elif step.kind == "bucket-start" and step.bucket is not None and schedule.buckets[step.bucket].blocking:
+            # a coalesced all-reduce: one blocking collective of all its tensors' bytes
+            spec = schedule.buckets[step.bucket]
+            t = profile.time("all_reduce", spec.group, spec.nbytes())
+            spent = t + profile.resync_seconds("all_reduce", spec.group, apart) + overhead_s
+            apart = 0.0
+            w.comm += t
+            w.exposed += spent
+            done[step.bucket] = now + spent
         elif step.kind == "bucket-start" and step.bucket is not None:
             spec = schedule.buckets[step.bucket]
             t = profile.time("all_reduce", spec.group, spec.nbytes())
