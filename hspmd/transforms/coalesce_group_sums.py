@@ -15,7 +15,8 @@ A run is a sequence of all-reduces with the same rank groups (spanning more than
 module) and element type such that, in the `@train_step` of *every* group module taking part,
 
 * they are consecutive among the ops that communicate with ranks outside that module
-  (another such collective, a transfer, an exchange, a call or a pipeline whose body has one):
+  (another such collective, a transfer, an exchange, a pipeline, or an op whose body or
+  whose function (a call, any op naming a function) has one):
   only communication inside the module may lie between them, which its own ranks, all
   running the same program, meet in the same order whatever the bucket does;
 * every operand of the run is computed before any result of the run is read (the bucket
@@ -40,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import IntegerAttr, ModuleOp, TensorType, i64
-from xdsl.ir import Operation
+from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, IntegerAttr, ModuleOp, SymbolRefAttr, TensorType, i64
+from xdsl.ir import Attribute, Operation
 from xdsl.passes import ModulePass
 
 from hspmd.codegen.schedule import DEFAULT_BUCKET_BYTES
@@ -66,19 +67,32 @@ class _Sum:
     dtype: str
 
 
+def _symbols(value: Attribute) -> list[str]:
+    """Return the function names an attribute refers to (in arrays and dictionaries too)."""
+    if isinstance(value, SymbolRefAttr):
+        return [value.root_reference.data]
+    if isinstance(value, ArrayAttr):
+        return [name for v in value.data for name in _symbols(v)]
+    if isinstance(value, DictionaryAttr):
+        return [name for v in value.data.values() for name in _symbols(v)]
+    return []
+
+
 def _outside(op: Operation, devices: frozenset[int], funcs: dict[str, func.FuncOp], memo: dict[str, bool]) -> bool:
-    """Return whether `op` (or a body it calls or holds) communicates with a rank outside `devices`."""
+    """Return whether `op`, a body it holds or a function it refers to (a call, a pipeline's
+    forward and backward, any op naming a function) communicates with a rank outside `devices`."""
     if op.dialect_name() == "comm":
         return not comm.talks_with(op) <= devices
-    if isinstance(op, func.CallOp):
-        name = op.callee.root_reference.data
-        if name not in memo:
-            memo[name] = False  # a recursive call adds nothing
-            callee = funcs.get(name)
-            memo[name] = callee is not None and any(_outside(o, devices, funcs, memo) for o in callee.body.walk())
-        return memo[name]
     if op.name == "pipeline.run":
         return True  # its forward and backward send to and receive from other stages
+    for name in (n for v in (*op.properties.values(), *op.attributes.values()) for n in _symbols(v)):
+        if name not in memo:
+            memo[name] = False  # a recursive reference adds nothing
+            callee = funcs.get(name)
+            # a function this module does not hold: assume the worst
+            memo[name] = callee is None or any(_outside(o, devices, funcs, memo) for o in callee.body.walk())
+        if memo[name]:
+            return True
     return any(_outside(o, devices, funcs, memo) for region in op.regions for o in region.walk())
 
 

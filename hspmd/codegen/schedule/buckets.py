@@ -31,10 +31,11 @@ buckets start is a function of the program alone, so every member of a group sta
 the same order. All-reduces whose group lies inside the program's own devices are bucketed
 as above (their members run this same program). One whose group reaches ranks of other
 programs is bucketed only as the IR says, since every program must make the same buckets:
-`coalesce-group-sums` marks runs of them (`comm.COALESCE_ATTR`), each run one bucket, started
-no earlier than just after the last other communicating step before it and waited on no later
-than the first one after it, so every rank meets the others' collectives in the order the
-program has them.
+`coalesce-group-sums` marks runs of them (`comm.COALESCE_ATTR`), each run one blocking bucket
+(MPI matches a blocking collective only with a blocking one, and whether other work could
+overlap it differs between the programs), summed no earlier than just after the last other
+communicating step before it and no later than the first one after it, so every rank meets
+the others' collectives in the order the program has them.
 The rewrite happens when the schedule is built, so the IR, and the passes after
 `PHYSICAL_PIPELINE` (pipeline-split) see plain `comm.all_reduce` ops.
 """
@@ -172,14 +173,17 @@ def plan_buckets(flat: Flat, rank: int, devices: frozenset[int] | None, bucket_b
         idle = all(j in grouped for j in range(start, min(wait, n)))  # nothing would run while it is in flight
         if len(members) == 1 and idle:
             continue  # the blocking all-reduce is faster
+        # a run across programs is always blocking: MPI matches a blocking collective only with a
+        # blocking one, and whether something runs before the wait differs from program to program
+        blocking = idle or members[0].run is not None
         b = len(buckets)
         buckets.append(BucketSpec(members[0].group, types[members[0].node.ins[0]][1],
-                                  tuple(types[m.node.ins[0]][0] for m in members), blocking=idle))
+                                  tuple(types[m.node.ins[0]][0] for m in members), blocking=blocking))
         starts.setdefault(start, []).append(Node(None, tuple(m.node.ins[0] for m in members), (), "bucket-start",
                                                  bucket=b))
         waits.setdefault(wait, []).append(Node(None, (), tuple(m.node.outs[0] for m in members), "bucket-wait",
                                                bucket=b))
-        if not idle:
+        if not blocking:
             spans.append((start, wait, b))
         removed.update(m.position for m in members)
         for k, m in enumerate(members):
