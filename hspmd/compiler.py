@@ -38,6 +38,7 @@ from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
 from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
+from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
 from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
@@ -107,12 +108,16 @@ def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
 
 def physical_passes(record: StrategyRecord) -> list[ModulePass]:
     """Return the passes that take annotated IR to physical IR: one module per device group; with
-    pp > 1 one per pipeline stage (and ZeRO over each stage's dp ranks when the strategy asks)."""
+    pp > 1 one per pipeline stage (and ZeRO over each stage's dp ranks when the strategy asks);
+    last, the sums across device groups that every program may make in one bucket are marked
+    (`coalesce-group-sums`)."""
     passes: list[ModulePass] = [SpecializeGroups(), LowerReshard()]
     if record.pipelined:
         passes += pipeline_split_passes(record)  # assign, outline [, join] per pipelined group
         if any(g.pp > 1 and g.zero and g.dp > 1 for g in record.strategy.groups):
             passes.append(ShardStageOptimizer(strategy_id=record.id))
+    if len(record.strategy.groups) > 1 or record.pipelined:  # more than one program
+        passes.append(CoalesceGroupSums())
     return passes
 
 

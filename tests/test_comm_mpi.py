@@ -120,6 +120,19 @@ def test_ranks_share_the_cores_for_their_math_libraries(monkeypatch):
     assert launch_mod.rank_environment(16, {})["OMP_NUM_THREADS"] == "1"  # more ranks than cores: one each
 
 
+def test_ranks_that_share_cores_wait_yielding_them(monkeypatch):
+    monkeypatch.setattr(launch_mod, "usable_cores", lambda: 2)
+    names = launch_mod.YIELDING_WAITS
+    assert not names.keys() & launch_mod.rank_environment(2, {}).keys()  # a core each: MPICH's own waits
+    assert not names.keys() & launch_mod.rank_environment(2, {}, cpu_bind=[0, 1]).keys()
+    for shared in (launch_mod.rank_environment(3, {}), launch_mod.rank_environment(2, {}, cpu_bind=[1, 1]),
+                   launch_mod.rank_environment(3, {}, cpu_bind=[0, 0, 1])):
+        assert all(shared[k] == v for k, v in names.items())
+    assert not names.keys() & launch_mod.rank_environment(3, {}, one_host=False).keys()  # other machines: unknown
+    mine = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1000"}
+    assert launch_mod.rank_environment(3, mine)["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"  # what the caller set stays
+
+
 @pytest.mark.mpi
 def test_launch_gives_each_rank_its_share_of_the_cores(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -5,6 +5,7 @@ Nothing here asserts a time against a clock: only predictions against prediction
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 
@@ -144,3 +145,50 @@ def test_resync_is_paid_by_collectives_after_compute_in_proportion_to_it():
     assert extra_tp > 2e-3  # tp's collectives follow whole layers of compute
     assert 0 < extra_dp < extra_tp  # between two gradient sums, only one parameter's update
     assert calls_tp > 0
+
+
+def _step(compiled, rank: int = 0):
+    for devices, module in compiled.kernel_groups():
+        if rank in devices:
+            return next(op for op in module.body.block.ops if isinstance(op, func.FuncOp)
+                        and op.sym_name.data == "train_step")
+    raise AssertionError(rank)
+
+
+def test_gpt_gradient_sums_are_one_blocking_bucket_priced_as_one_all_reduce():
+    c = _compiled(GPT, "[0,1]: dp=2", 2)
+    schedule = build_schedule(_step(c), 0)
+    assert [b.blocking for b in schedule.buckets] == [True]  # the loss and every gradient, after the backward
+    assert not any(s.kind == "op" and s.op is not None and s.op.name == "comm.all_reduce" for s in schedule.steps)
+    prof = DeviceProfile.uniform(2)
+    est = estimate_cost(c.kernel_groups(), prof)
+    one = prof.time("all_reduce", (0, 1), schedule.buckets[0].nbytes())
+    assert est.ranks[0].comm_s == pytest.approx(one) and est.ranks[0].exposed_comm_s >= one
+
+
+def test_a_stack_of_products_runs_at_the_rate_of_one_of_them():
+    from hspmd.codegen.cost_model import compute_seconds
+    from hspmd.codegen.schedule.analysis import op_matmul_flops
+    from hspmd.dialects import graph
+    from hspmd.ir.device_profile import MatmulPoint, RankRates
+
+    # small products slow, big ones fast: attention's per-head products (both operands batched)
+    # are priced at one product's rate, a batch of rows times a weight at the rate of all its FLOPs
+    rates = RankRates((MatmulPoint(1e5, 10.0), MatmulPoint(1e9, 100.0)), 5e9)
+    prof = DeviceProfile((rates,), Link(1e-5, 1e9))
+    stacked = weights = 0
+    for node in build_schedule(_step(_compiled(GPT, "[0]: dp=1", 1)), 0).steps:
+        op = node.op
+        if not isinstance(op, graph.MatmulOp):
+            continue
+        a, b = (v.type.get_shape() for v in op.operands)
+        flops = op_matmul_flops(op)
+        if len(a) > 2 and len(b) > 2:
+            product = flops / math.prod(op.results[0].type.get_shape()[:-2])
+            assert compute_seconds(op, 0, prof) == pytest.approx(flops / (rates.matmul_gflops(product) * 1e9))
+            assert compute_seconds(op, 0, prof) > prof.matmul_seconds(0, flops)
+            stacked += 1
+        elif len(b) == 2:
+            assert compute_seconds(op, 0, prof) == pytest.approx(prof.matmul_seconds(0, flops))
+            weights += 1
+    assert stacked and weights

@@ -198,9 +198,11 @@ def test_overlap_of_gradient_buckets_makes_dp_the_choice_when_the_profile_hides_
 
 
 def test_gpt_gradient_sums_are_blocking_as_its_schedule_runs_them(facts):
-    # GPT's optimizer reads each gradient right after its sum: the schedule makes no bucket, so the
-    # planner prices one blocking all-reduce per parameter and overlap changes nothing
-    assert facts.dp_sync.bucket_bytes == () and facts.dp_sync.blocking_calls == facts.param_tensors + 1  # + the loss
+    # GPT's optimizer reads each gradient right after its sum: nothing can overlap them, so the
+    # schedule sums them all, and the loss, in one blocking (coalesced) bucket; the planner prices
+    # that one all-reduce, and overlap changes nothing
+    assert facts.dp_sync.bucket_bytes == () and facts.dp_sync.blocking_calls == 1
+    assert facts.dp_sync.blocking_bytes == facts.param_bytes + 4  # + the loss
     dp2 = GroupConfig((0, 1), dp=2)
     costs = [group_cost(facts, Machine(DeviceProfile.uniform(2, bucket_overlap=o)), dp2, 8) for o in (0.0, 1.0)]
     assert costs[0].dp_s == costs[1].dp_s > 0 and costs[1].dp_hidden_s == 0

@@ -62,3 +62,20 @@ def test_measuring_rounds_cover_every_group_once_with_disjoint_groups(n):
         assert len(members) == len(set(members))  # a rank is in one group of a round at most
     if n >= 4:
         assert all(len(r) == n // 2 for r in rounds[1:])  # every rank (but a bye) busy in a pair
+
+
+def test_the_profile_times_the_projects_own_fused_softmax():
+    import numpy as np
+
+    from hspmd.codegen.cpu_compile import find_compiler
+    from hspmd.runtime.profiler import _fused_softmax
+
+    if find_compiler() is None:
+        pytest.skip("no C++ compiler: the profile times NumPy's softmax instead")
+    x = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32)
+    out = np.empty_like(x)
+    kernel = _fused_softmax(x.shape)
+    assert kernel is not None
+    kernel(x, out)
+    ref = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(out, ref / ref.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)

@@ -256,7 +256,12 @@ def cmd_run(args) -> int:
         from hspmd.runtime.worker import main as worker_main
 
         return worker_main(worker_arguments(args, bundle)[2:], InProcessCommunicator.create_world(1)[0])
-    return launch(args.n, worker_arguments(args, bundle), hosts=args.hosts, hostfile=args.hostfile)
+    cores = None
+    if args.cpu_bind:
+        from hspmd.runtime.profiler import parse_cpu_bind
+
+        cores = parse_cpu_bind(args.cpu_bind, args.n)
+    return launch(args.n, worker_arguments(args, bundle), hosts=args.hosts, hostfile=args.hostfile, cpu_bind=cores)
 
 
 def cmd_checkpoint(args) -> int:

@@ -41,7 +41,7 @@ def cmd_profile(args) -> int:
             env.setdefault(name, "1")
     if os.path.exists(args.output):
         os.remove(args.output)  # never mistake an earlier run's file for this one's
-    code = launch(args.n, worker, env=env, timeout=args.timeout)
+    code = launch(args.n, worker, env=env, timeout=args.timeout, cpu_bind=cores if args.cpu_bind else None)
     if code != 0:
         raise LaunchError(f"the profile run failed (exit code {code}); {args.output} not written")
     profile = DeviceProfile.load(args.output)

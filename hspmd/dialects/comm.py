@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from xdsl.dialects.builtin import ArrayAttr, DenseArrayBase, IntegerAttr, TensorType, i64
-from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.ir import Attribute, Dialect, Operation, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
     ParsePropInAttrDict,
@@ -30,9 +30,14 @@ from hspmd.dialects.dist import LayoutAttr
 from hspmd.dialects.graph import i64_array, tensor_shape
 from hspmd.ir.layout import Layout
 
-__all__ = ["Comm", "groups_attr", "groups_of"]
+__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "talks_with"]
 
 Groups = tuple[tuple[int, ...], ...]
+
+#: on a `comm.all_reduce` whose group spans several device groups: the run of such sums it is
+#: summed with, in one collective (`coalesce-group-sums`); every program of the run's ranks
+#: marks the same run with the same number, so they all make the same bucket
+COALESCE_ATTR = "coalesce"
 
 
 def groups_attr(groups: Sequence[Sequence[int]]) -> ArrayAttr:
@@ -314,6 +319,21 @@ class ExchangeOp(IRDLOperation):
                 layout.check_shape(shape)
             except LayoutError as err:
                 raise VerifyException(f"'{self.name}' {role} layout '{layout}' does not fit shape {list(shape)}: {err}")
+
+
+def talks_with(op: Operation) -> frozenset[int]:
+    """Return the ranks communication op `op` involves: a collective's groups, a transfer's
+    pairs, an exchange's members; none for local ops (`local_split`, `local_zero`) and for ops
+    outside this dialect."""
+    if isinstance(op, (LocalSplitOp, LocalZeroOp)):
+        return frozenset()
+    if isinstance(op, _Collective):
+        return frozenset(r for g in op.rank_groups for r in g)
+    if isinstance(op, (SendOp, RecvOp)):
+        return frozenset(r for pair in groups_of(op.pairs) for r in pair)
+    if isinstance(op, ExchangeOp):
+        return frozenset(op.members())
+    return frozenset()
 
 
 Comm = Dialect(

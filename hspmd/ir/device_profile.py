@@ -54,11 +54,12 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class MatmulPoint:
-    """One measured matmul: `flops` (2 m k n) at `gflops` GFLOP/s; `shape` is (m, k, n), informative."""
+    """One measured matmul: `flops` (2 m k n) at `gflops` GFLOP/s; `shape` is (m, k, n), or
+    (p, m, k, n) for a stack of p such products (`flops` is then one product's), informative."""
 
     flops: float
     gflops: float
-    shape: tuple[int, int, int] = (0, 0, 0)
+    shape: tuple[int, ...] = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -320,11 +321,12 @@ class DeviceProfile:
             raise ProfileError(f"the profile describes ranks 0..{self.num_ranks - 1}, not rank {rank}")
         return self.ranks[rank]
 
-    def matmul_seconds(self, rank: int, flops: float) -> float:
-        """Return the time of a float32 matmul of `flops` FLOPs on `rank`."""
+    def matmul_seconds(self, rank: int, flops: float, product_flops: float | None = None) -> float:
+        """Return the time of float32 matmuls of `flops` FLOPs in all on `rank`: one product, or
+        a stack of products of `product_flops` FLOPs each, run at the rate of one of them."""
         if flops <= 0:
             return 0.0
-        return flops / (self.rates(rank).matmul_gflops(flops) * 1e9)
+        return flops / (self.rates(rank).matmul_gflops(product_flops or flops) * 1e9)
 
     def elementwise_seconds(self, rank: int, nbytes: float) -> float:
         """Return the time of NumPy elementwise work moving `nbytes` bytes (read + written) on `rank`."""

@@ -139,7 +139,11 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     update_s = facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
     compute = work + update_s
     steps = ops + (probe.steps if probe is not None else 0)
-    if tp > 1 and dp > 1 and not config.zero:  # the dp sums go into buckets, polled after each backward kernel
+    sync = facts.ep.sync if ep > 1 and facts.ep is not None else facts.dp_sync
+    # the dp sums go into buckets that overlap the backward, polled after each of its kernels: under
+    # tp, where the probe's schedule has such buckets, and for the experts' sums over dp beside ep
+    if dp > 1 and not config.zero and (tp > 1 or (sync is not None and sync.bucket_bytes)
+                                        or (ep > 1 and config.dp > 1)):
         steps += BACKWARD_SHARE * ops
     compute += steps * m / pp * machine.op_overhead  # every micro-batch runs its stage's plan steps
     bubble = compute * (pp - 1) / m

@@ -126,12 +126,13 @@ class TensorParallelFacts:
 @dataclass(frozen=True)
 class DataParallelSync:
     """The gradient sums one rank of `[0,1]: dp=2` runs per step, as its schedule has them
-    (`build_schedule`: an all-reduce read right after it is made stays blocking; others share
-    buckets that overlap the backward)."""
+    (`build_schedule`: an all-reduce read right after it is made stays blocking, several such
+    in a row are summed in one blocking (coalesced) bucket; others share buckets that overlap
+    the backward)."""
 
     blocking_bytes: float  # bytes of the blocking all-reduces over the dp pair, together
-    blocking_calls: int
-    bucket_bytes: tuple[int, ...]  # bytes of each bucket
+    blocking_calls: int  # blocking collectives: a coalesced bucket counts as one
+    bucket_bytes: tuple[int, ...]  # bytes of each bucket that overlaps
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,9 @@ def _dp_sync(physical: ModuleOp) -> DataParallelSync:
     schedule = build_schedule(_step_fn(physical), 0)
     blocking = [tensor_nbytes(s.op.operands[0].type) for s in schedule.steps
                 if s.kind == "op" and s.op is not None and s.op.name == "comm.all_reduce"]
-    return DataParallelSync(float(sum(blocking)), len(blocking), tuple(b.nbytes() for b in schedule.buckets))
+    blocking += [b.nbytes() for b in schedule.buckets if b.blocking]
+    return DataParallelSync(float(sum(blocking)), len(blocking),
+                            tuple(b.nbytes() for b in schedule.buckets if not b.blocking))
 
 
 def _step_fn(module: ModuleOp) -> func.FuncOp:

@@ -17,7 +17,9 @@ class Bucket:
     """One flat buffer of all-reduce operands: `start(*operands)`, `poll()`, `wait()` -> results."""
 
     def __init__(self, communicator: Communicator, group: tuple[int, ...], dtype: np.dtype,
-                 shapes: list[tuple[int, ...]]) -> None:
+                 shapes: list[tuple[int, ...]], blocking: bool = False) -> None:
+        #: sum at `start` with one blocking all-reduce (nothing runs before the wait: `BucketSpec.blocking`)
+        self.blocking = blocking
         self.communicator, self.group, self.dtype = communicator, group, dtype
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         self.buffer = np.empty(max(sum(sizes), 1), dtype=dtype)
@@ -29,10 +31,14 @@ class Bucket:
         self.request: Request | None = None
 
     def start(self, *operands: np.ndarray) -> None:
-        """Copy the operands into the buffer and start the in-place all-reduce."""
+        """Copy the operands into the buffer and start the in-place all-reduce (a blocking
+        bucket's ends here: the same bits, `all_reduce` and `iall_reduce` agree)."""
         for view, x in zip(self.views, operands):
             if x is not view:  # a producer that wrote into the bucket needs no copy
                 np.copyto(view, x)
+        if self.blocking:
+            self.communicator.all_reduce(self.buffer, self.group, out=self.buffer)
+            return
         self.request = self.communicator.iall_reduce(self.buffer, self.group, out=self.buffer)
 
     def poll(self) -> None:

@@ -20,7 +20,8 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["LaunchError", "LaunchTimeout", "find_mpiexec", "launch", "mpiexec_command", "rank_environment"]
+__all__ = ["LaunchError", "LaunchTimeout", "YIELDING_WAITS", "find_mpiexec", "launch", "mpiexec_command",
+           "rank_environment", "ranks_share_cores"]
 
 _NAMES = ("mpiexec", "mpiexec.hydra")
 
@@ -121,13 +122,39 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def rank_environment(n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+#: MPICH's busy waits, made to give the core away at every poll (its defaults: every 1,000 polls)
+#: where ranks share cores; each is set only where the environment does not set it already
+YIELDING_WAITS = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_POSIX_POLL_FREQUENCY": "1"}
+
+
+def ranks_share_cores(n: int, cpu_bind: Sequence[int] | None = None) -> bool:
+    """Return whether `n` ranks on this machine must share cores: `cpu_bind` (a core per rank)
+    names a core twice, or, without it, there are more ranks than usable cores."""
+    if cpu_bind:
+        return len(set(cpu_bind)) < len(cpu_bind)
+    return int(n) > usable_cores()
+
+
+def rank_environment(n: int, env: Mapping[str, str] | None = None,
+                     cpu_bind: Sequence[int] | None = None, one_host: bool = True) -> dict[str, str]:
     """Return ``env`` (default: this process's) with each math-library thread count that it does
-    not set already set to the ranks' share of the cores, ``max(1, cores // n)``."""
+    not set already set to the ranks' share of the cores, ``max(1, cores // n)``.
+
+    Where the ranks share cores (`ranks_share_cores`; only known for ranks on this machine,
+    `one_host`), MPI's waits also yield the core at every poll (`YIELDING_WAITS`). A rank that
+    waits in a collective otherwise spins through 1,000 polls before it lets the rank beside it
+    run, and every message between two ranks on one core waits for such a hand-over: GPT's
+    29 gradient sums over 3 ranks, two of them on one core, took 8.1 ms one by one and 3.1 ms
+    in one all-reduce, against 5.0 and 2.1 ms yielding at every poll. Where each rank has its
+    own core nobody waits for a core, and the waits keep MPICH's defaults.
+    """
     out = dict(os.environ if env is None else env)
     share = str(max(1, usable_cores() // max(1, int(n))))
     for name in THREAD_VARIABLES:
         out.setdefault(name, share)
+    if one_host and ranks_share_cores(n, cpu_bind):
+        for name, value in YIELDING_WAITS.items():
+            out.setdefault(name, value)
     return out
 
 
@@ -153,18 +180,21 @@ def launch(
     timeout: float | None = None,
     hosts: str | None = None,
     hostfile: str | None = None,
+    cpu_bind: Sequence[int] | None = None,
 ) -> int:
     """Return the exit code of ``mpiexec -n n python *python_args``, run to completion.
 
     Output streams straight to this process's stdout/stderr.  ``env`` replaces the
     environment as in :mod:`subprocess` (``None`` inherits it); either way the ranks get
-    their share of the cores for their math libraries (``rank_environment``) unless it
-    says otherwise.  If the run takes longer than ``timeout`` seconds, all its processes
+    their share of the cores for their math libraries, and MPI waits that yield where they
+    share cores (``rank_environment``; ``cpu_bind``: the core of each rank, if pinned) unless
+    it says otherwise.  If the run takes longer than ``timeout`` seconds, all its processes
     are killed and :class:`LaunchTimeout` is raised; on KeyboardInterrupt they are killed too.
     """
     cmd = mpiexec_command(n, python_args, hosts, hostfile)
     try:
-        proc = subprocess.Popen(cmd, env=rank_environment(n, env), start_new_session=True)
+        proc = subprocess.Popen(cmd, env=rank_environment(n, env, cpu_bind, one_host=not (hosts or hostfile)),
+                                start_new_session=True)
     except OSError as exc:
         raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
     try:

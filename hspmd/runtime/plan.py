@@ -229,7 +229,7 @@ class _Binder:
         self.small = SmallMatmul.create() if small_matmul and allocate and _has_small_batches(schedule) else None
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
-        self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes)) for b in schedule.buckets]
+        self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes), b.blocking) for b in schedule.buckets]
         self.raw = [np.empty(size if allocate else 0, dtype=np.uint8) for size in schedule.buffers]
 
     def kernel(self, op: Operation, microbatch: int | None) -> Callable:

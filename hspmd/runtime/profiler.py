@@ -5,17 +5,22 @@ under ``mpiexec`` (the CLI does that): each rank pins itself to its core if aske
 (`bind_cpu`), then all ranks measure *at the same time*, so ranks that share a core show
 the share they really get:
 
-* **matmul**: float32 NumPy matmuls at `MATMUL_SHAPES`, each repeated for about
+* **matmul**: float32 NumPy matmuls at `MATMUL_SHAPES` (the smallest a stack of 64 small
+  products from strided views, as attention's per-head products run: 60 GFLOP/s where one
+  64x64x64 product runs at 90), each repeated for about
   `seconds_per_point`, in 5 windows timed as a whole; the median window's mean is kept
   (a mean, not a minimum: a rank that loses its core half of the time measures half the
   rate; the median: a burst of someone else's load does not count);
 * **elementwise**: ``np.exp(a, out=c)`` over 1 Mi float32 (8 bytes moved per element: a kernel
   with math in it, as the model's are; a bare ``np.add`` runs about 4x faster and made the
   cost model predict half the measured step);
-* **fused**: a softmax over rows of 256 (max, subtract, exp, sum, divide) over 1 Mi float32,
-  its operand and result counted (8 bytes per element): the rate of a row kernel such as
-  layer norm or softmax. Building a real fused C++ kernel would cost seconds; this NumPy chain
-  measured within 2x of the fused kernels of GPT-tiny's step;
+* **fused**: the project's own fused softmax row kernel (the CUDA C that `fuse-kernels` emits
+  for `graph.softmax`, built for the CPU by `codegen.cpu_compile`, cached after the first
+  build) over rows of 256 of 1 Mi float32, its operand and result counted (8 bytes per
+  element): the rate of a row kernel such as layer norm or softmax. Without a C++ compiler
+  (the runtime then runs fused ops as NumPy per op) the same softmax as NumPy runs it, in five
+  passes. The NumPy chain, which this used to be, ran 2.3x slower than the fused kernels of a
+  GPT step and made the cost model price them at 16.7 ms where they took 7.2;
 * **point to point**: for each rank pair in turn (the others wait at a barrier), a ping-pong
   of a small and a large message gives a one-way latency and a bandwidth (both directions);
 * **collectives**: every kind of `COLLECTIVES` over the whole world and over every pair,
@@ -56,8 +61,10 @@ from hspmd.ir.device_profile import COLLECTIVES, CollectiveFit, DeviceProfile, L
 
 __all__ = ["MATMUL_SHAPES", "bind_cpu", "main", "measure", "parse_cpu_bind"]
 
-#: (m, k, n) of the measured matmuls
-MATMUL_SHAPES = ((64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 512, 1024))
+#: (m, k, n) of the matmuls measured; a 4-tuple (p, m, k, n) is a stack of p products m x k by
+#: k x n whose operands are strided views, as attention's per-head products are (its point is
+#: one product's FLOPs: the cost model prices a stack at the rate of one of its products)
+MATMUL_SHAPES = ((64, 64, 32, 64), (64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 512, 1024))
 #: the elements of the elementwise test arrays, and the row length of the row-kernel test
 ELEMENTWISE_SIZE = 1 << 20
 ROW = 256
@@ -127,19 +134,63 @@ def _compute(seconds_per_point: float) -> RankRates:
     """Return this rank's matmul and elementwise rates."""
     rng = np.random.default_rng(0)
     points = []
-    for m, k, n in MATMUL_SHAPES:
-        a = rng.standard_normal((m, k), dtype=np.float32)
-        b = rng.standard_normal((k, n), dtype=np.float32)
-        out = np.empty((m, n), np.float32)
+    for shape in MATMUL_SHAPES:
+        *stack, m, k, n = shape
+        if stack:  # heads of a fused projection: [batch, rows, 2, heads, k], 4 heads, k = n
+            heads = 4
+            x = rng.standard_normal((stack[0] // heads, m, 2, heads, k), dtype=np.float32)
+            a, b = x[:, :, 0].transpose(0, 2, 1, 3), x[:, :, 1].transpose(0, 2, 3, 1)
+            out = np.empty((stack[0] // heads, heads, m, n), np.float32)
+        else:
+            a = rng.standard_normal((m, k), dtype=np.float32)
+            b = rng.standard_normal((k, n), dtype=np.float32)
+            out = np.empty((m, n), np.float32)
         t = _timed(lambda: np.matmul(a, b, out=out), seconds_per_point)
         flops = 2.0 * m * k * n
-        points.append(MatmulPoint(flops, flops / t / 1e9, (m, k, n)))
+        points.append(MatmulPoint(flops, flops * (stack[0] if stack else 1) / t / 1e9, tuple(shape)))
     x = rng.standard_normal(ELEMENTWISE_SIZE, dtype=np.float32)
     z = np.empty_like(x)
     t = _timed(lambda: np.exp(x, out=z), seconds_per_point)  # a kernel with math, not a bare copy
     rows = x.reshape(-1, ROW)
-    t_rows = _timed(lambda: _row_chain(rows, z.reshape(-1, ROW)), seconds_per_point)
+    kernel = _fused_softmax(rows.shape)
+    if kernel is None:
+        t_rows = _timed(lambda: _row_chain(rows, z.reshape(-1, ROW)), seconds_per_point)
+    else:
+        t_rows = _timed(lambda: kernel(rows, z.reshape(-1, ROW)), seconds_per_point)
     return RankRates(tuple(points), 2 * x.nbytes / t, 2 * x.nbytes / t_rows)
+
+
+def _fused_softmax(shape: tuple[int, int]) -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """Return `kernel(x, out)`: the fused softmax over the rows of a float32 array of `shape`, as
+    `fuse-kernels` emits it and the runtime builds it (None where it cannot be built: no C++
+    compiler, or a build that fails; the runtime then runs fused ops as NumPy per op too)."""
+    import ctypes
+
+    from xdsl.dialects.builtin import TensorType, f32
+    from xdsl.ir import Block
+
+    from hspmd.codegen import cpu_compile
+    from hspmd.codegen.emit_cuda import EmitError, emit_row
+    from hspmd.dialects import graph
+
+    if cpu_compile.find_compiler() is None:
+        return None
+    block = Block(arg_types=[TensorType(f32, list(shape))])
+    name = "hs_profile_softmax"
+    try:
+        code = emit_row(name, graph.SoftmaxOp(block.args[0], len(shape) - 1))
+        (kind, function, n0, n1), = [tuple(int(x) if x.isdigit() else x for x in launch.split())
+                                     for launch in code.launches]
+        spec = cpu_compile.LaunchSpec(str(kind), str(function), ("float", "float"))
+        launch = cpu_compile.load_library(cpu_compile.build_library([code.source], [spec])).function(function)
+    except (EmitError, cpu_compile.CompileError, OSError, ValueError):
+        return None
+    pointers = ctypes.c_void_p * 2
+
+    def kernel(x: np.ndarray, out: np.ndarray) -> None:
+        launch(pointers(x.ctypes.data, out.ctypes.data), n0, n1, 1)
+
+    return kernel
 
 
 def _row_chain(x: np.ndarray, out: np.ndarray) -> None:

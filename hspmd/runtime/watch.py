@@ -179,7 +179,8 @@ def launch_watched(
     guarded = [GUARD, status_dir, "--", sys.executable, *map(str, python_args)]
     cmd = mpiexec_command(n, guarded, hosts, hostfile, options=("-disable-auto-cleanup",))
     try:
-        proc = subprocess.Popen(cmd, env=rank_environment(n, env), start_new_session=True)
+        proc = subprocess.Popen(cmd, env=rank_environment(n, env, one_host=not (hosts or hostfile)),
+                                start_new_session=True)
     except OSError as exc:
         raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
     failed: dict[int, RankEnd] = {}  # the ends that made the launcher stop the run

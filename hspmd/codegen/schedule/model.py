@@ -65,11 +65,20 @@ class Constant:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One bucket of all-reduces: one flat buffer over `group` holding tensors of `shapes`."""
+    """One bucket of all-reduces: one flat buffer over `group` holding tensors of `shapes`.
+
+    `blocking`: nothing runs between its start and its wait (a *coalesced* all-reduce, several
+    tensors in one collective), or its group reaches other programs (which must all call the
+    same kind of collective), so its start sums it with one blocking `all_reduce` and its wait
+    only hands out the views: MPI's non-blocking collectives need the rank's polls to
+    progress, and with none to make, a blocking one is faster (3 ranks, 2 of them on one
+    core, 1.9 MB: 3.1 ms blocking against 9.0 ms started and waited on).
+    """
 
     group: tuple[int, ...]
     dtype: np.dtype
     shapes: tuple[tuple[int, ...], ...]
+    blocking: bool = False
 
     def nbytes(self) -> int:
         """Return the bytes of the bucket's buffer (at least one element)."""
