@@ -38,7 +38,11 @@ import sys
 import threading
 import time
 
-import numpy as np
+# as `import hspmd` sets it (hspmd/__init__.py), before NumPy's OpenBLAS loads: BLAS's threads
+# sleep after each product instead of spinning for 0.1 s on a core that the next step needs
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")
+
+import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two OpenMP runtimes share this process (PyTorch's own and the one hspmd's fused kernels link):

@@ -34,6 +34,7 @@ from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nb
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime import kernel_exec, rows
 from hspmd.runtime.batch_split import BatchSplit, small_batched
+from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
 from hspmd.runtime.blas_threads import BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
@@ -223,9 +224,10 @@ class _Binder:
     kernel depends on it), buckets and buffers."""
 
     def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
-                 split_batches: bool = True, small_matmul: bool = True) -> None:
+                 split_batches: bool = True, small_matmul: bool = True, pair_products: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
         self.split = BatchSplit() if split_batches and allocate else None
+        self.pairs = ProductPairs() if pair_products and allocate else None
         self.small = SmallMatmul.create() if small_matmul and allocate and _has_small_batches(schedule) else None
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
@@ -329,7 +331,36 @@ class _Binder:
                     kernel = rows.by_rows_or_blocks(kernel, [types[a] for a in step.ins], [types[o] for o in step.outs],
                                                     self.threads)
             plan.steps.append((kernel, step.ins, step.outs, kw, step.frees))
+        if self.pairs is not None:
+            self.pair_products(plan)
         return plan
+
+    def pair_products(self, plan: Plan) -> None:
+        """Run adjacent large independent 2-D products (a layer's input and weight gradients)
+        at once on two threads, one BLAS thread each (`paired_matmul`)."""
+        assert self.pairs is not None
+        types, steps = self.schedule.slot_types, self.schedule.steps
+
+        def size(i: int) -> int:
+            step = steps[i]
+            if step.kind != "op" or step.op is None or step.triangle or len(step.ins) != 2 or len(step.outs) != 1:
+                return 0
+            a, b, r = (types[s] for s in (*step.ins, step.outs[0]))
+            if a is None or b is None or r is None or r[1] not in (np.float32, np.float64) \
+                    or not isinstance(plan.steps[i][3].get("out"), np.ndarray):
+                return 0
+            return product_size(step.op.name, a[0], b[0])
+
+        i = 0
+        while i + 1 < len(steps):
+            if size(i) >= PAIR_PRODUCT and size(i + 1) >= PAIR_PRODUCT \
+                    and not set(steps[i].outs) & set(steps[i + 1].ins):
+                (fa, ia, oa, kwa, da), (fb, ib, ob, kwb, db) = plan.steps[i], plan.steps[i + 1]
+                launch, join = self.pairs.pair(fa, kwa, fb, kwb)
+                plan.steps[i], plan.steps[i + 1] = (launch, ia, oa, kwa, da), (join, ib, ob, kwb, db)
+                i += 2
+            else:
+                i += 1
 
 
 def _has_small_batches(schedule: Schedule) -> bool:
@@ -386,12 +417,13 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
               threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True,
-              small_matmul: bool = True) -> Plan:
+              small_matmul: bool = True, pair_products: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
-    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches, small_matmul).bind()
+    plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches, small_matmul,
+                  pair_products).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -403,7 +435,7 @@ def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool 
 def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
-    triangular: bool = True, split_batches: bool = True, small_matmul: bool = True,
+    triangular: bool = True, split_batches: bool = True, small_matmul: bool = True, pair_products: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
@@ -426,6 +458,9 @@ def build_plan(
     triangular operand, in one C++ call each (`small_matmul`: the bits of `np.matmul` on
     attention's shapes; where there is no C++ compiler, NumPy's as above); it takes the place of
     `split_batches` for those products.
+    `pair_products` (default True): two adjacent large products that do not read each other (a
+    layer's input and weight gradients) at once on two threads, one BLAS thread each, where BLAS
+    has two or more (`paired_matmul`; the bits of the two calls on GPT's shapes).
     """
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
@@ -433,4 +468,4 @@ def build_plan(
     except ScheduleError as err:
         raise PlanError(str(err)) from None
     return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
-                     split_batches=split_batches, small_matmul=small_matmul)
+                     split_batches=split_batches, small_matmul=small_matmul, pair_products=pair_products)

@@ -1,0 +1,129 @@
+"""Two large independent products at once, one BLAS thread each (`runtime/paired_matmul.py`):
+the bits of the two calls one after the other, BLAS's thread count restored, a pair run one
+after the other where the second result shares memory with the first's operands, and a GPT
+step's parameters bit-identical with and without pairs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from threadpoolctl import ThreadpoolController, threadpool_limits
+
+from hspmd.runtime.numpy_ops import matmul, matmul_rhs_grad
+from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
+
+from conftest import EXAMPLES
+
+
+def _blas_threads() -> int:
+    return min(lib.num_threads for lib in ThreadpoolController().select(user_api="blas").lib_controllers)
+
+
+def _backward_operands(rng, m=2048, k=256, n=1024):
+    """x, w, dy of a layer `x @ w` and the (preallocated) input and weight gradients."""
+    x = rng.standard_normal((16, m // 16, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    dy = rng.standard_normal((16, m // 16, n), dtype=np.float32)
+    return x, w, dy, np.empty_like(x), np.empty_like(w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_pair_gives_the_bits_of_the_two_calls(threads):
+    """GPT-tiny's MLP shapes (256 x 1024): dx = dy @ w^T and dw = x^T dy, paired or not."""
+    rng = np.random.default_rng(0)
+    x, w, dy, dx, dw = _backward_operands(rng)
+    assert product_size("graph.matmul", dy.shape, w.T.shape) >= PAIR_PRODUCT
+    pairs = ProductPairs()
+    first_kw, second_kw = {"out": dx}, {"out": dw}
+    launch, join = pairs.pair(matmul, first_kw, matmul_rhs_grad, second_kw)
+    with threadpool_limits(threads, user_api="blas"):
+        for _ in range(2):  # the second time, the helper is already off this CPU
+            assert launch(dy, w.T, **first_kw) is dx
+            assert join(x, dy, **second_kw) is dw
+            assert _blas_threads() == threads
+    np.testing.assert_array_equal(dx, matmul(dy, w.T))
+    np.testing.assert_array_equal(dw, matmul_rhs_grad(x, dy))
+
+
+def test_a_second_result_over_the_first_operands_runs_after_it():
+    """Where the schedule reuses a buffer of the first product's operand for the second's
+    result, the pair runs one after the other (else the first would read what the second writes)."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((64, 32), dtype=np.float32), rng.standard_normal((32, 48), dtype=np.float32)
+    expect_first = a @ b
+    first_out = np.empty((64, 48), np.float32)
+    second_out = a[:32]  # the second product writes into the first's operand
+    c, d = rng.standard_normal((32, 16), dtype=np.float32), rng.standard_normal((16, 32), dtype=np.float32)
+    pairs = ProductPairs()
+    launch, join = pairs.pair(matmul, {"out": first_out}, matmul, {"out": second_out})
+    with threadpool_limits(2, user_api="blas"):
+        launch(a, b, out=first_out)
+        join(c, d, out=second_out)
+    np.testing.assert_array_equal(first_out, expect_first)
+    np.testing.assert_array_equal(second_out, c @ d)
+
+
+def test_an_error_in_either_product_restores_blas_threads():
+    pairs = ProductPairs()
+
+    def broken(a, b, out=None):
+        raise RuntimeError("kernel failed")
+
+    rng = np.random.default_rng(2)
+    x, w, dy, dx, dw = _backward_operands(rng, m=64, k=8, n=16)
+    for first, second in ((broken, matmul_rhs_grad), (matmul, broken)):
+        launch, join = pairs.pair(first, {"out": dx}, second, {"out": dw})
+        with threadpool_limits(2, user_api="blas"):
+            with pytest.raises(RuntimeError, match="kernel failed"):
+                launch(dy, w.T, out=dx)
+                join(x, dy, out=dw)
+            assert _blas_threads() == 2
+
+
+@pytest.mark.parametrize("name, a, b, size", [
+    ("graph.matmul", (16, 128, 256), (256, 1024), 2048 * 256 * 1024),     # rows times a weight
+    ("graph.matmul_rhs_grad", (16, 128, 256), (16, 128, 1024), 2048 * 256 * 1024),
+    ("graph.matmul", (16, 4, 128, 64), (16, 4, 64, 128), 0),              # a batch: not paired
+    ("graph.add", (4, 4), (4, 4), 0),
+])
+def test_product_size(name, a, b, size):
+    assert product_size(name, a, b) == size
+
+
+def test_a_gpt_step_is_bit_identical_with_pairs(monkeypatch):
+    """A small GPT (every linear layer's gradients paired: the size floor lowered), 3 steps with
+    BLAS on two threads: the same losses and parameters, bit for bit, as without pairs."""
+    import hspmd.runtime.plan as plan_module
+    from hspmd.compiler import compile_script
+    from hspmd.dialects.levels import physical_groups
+    from hspmd.frontend.script import load_script
+    from hspmd.runtime.comm import InProcessCommunicator
+    from hspmd.runtime.kernel_exec import select_program
+    from hspmd.runtime.worker import step_inputs
+
+    monkeypatch.setattr(plan_module, "PAIR_PRODUCT", 1)
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {
+        "model.layers": 2, "model.d_model": 64, "model.heads": 2, "model.seq_len": 32,
+        "data.batch_size": 8, "model.vocab_size": 128, "model.dropout": 0.0})
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    ((_, physical),) = physical_groups(compiled.physical)
+    ((_, fused),) = compiled.kernel_groups()
+    module = select_program(physical, fused, "cpu")
+    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+              and op.sym_name.data == "train_step")
+    config = {**script.config, "lr_schedule": compiled.lr_schedule}
+    results = {}
+    with threadpool_limits(2, user_api="blas"):
+        for pair in (False, True):
+            plan = plan_module.build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], pair_products=pair)
+            paired = sum(getattr(f, "__qualname__", "").endswith("pair.<locals>.launch") for f, *_ in plan.steps)
+            assert (paired > 0) == pair
+            state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
+            losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
+                      for n in range(1, 4)]
+            results[pair] = losses, {k: np.array(v) for k, v in state.items()}
+    assert results[True][0] == results[False][0]
+    for name, value in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][name], value, err_msg=name)
