@@ -485,9 +485,9 @@ def test_cupy_kernels_equal_numpy_on_a_gpu(tmp_path):
 def test_the_cuda_launch_configuration():
     from hspmd.codegen.cupy_backend import launch_config, row_block
 
-    assert [row_block(c) for c in (1, 32, 33, 128, 5000)] == [32, 32, 64, 128, 1024]
+    assert [row_block(c) for c in (1, 32, 128, 129, 256, 1024, 5000)] == [32, 32, 32, 64, 64, 256, 1024]
     assert launch_config("elementwise", 1000, 0) == (4, 256)
-    assert launch_config("row", 10**6, 128) == (65535, 128)
+    assert launch_config("row", 10**6, 128) == (65535, 32)
 
 
 def test_the_benchmark_prints_its_ratio_last(tmp_path):
