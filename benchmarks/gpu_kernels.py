@@ -96,14 +96,7 @@ def gpt_kernels_match(rng) -> tuple[int, float]:
         if op.kernel.data in seen:
             continue
         seen.add(op.kernel.data)
-        args = []
-        for v in op.inputs:
-            shape, dt = tuple(v.type.get_shape()), str(v.type.element_type)
-            if dt.startswith("i"):
-                args.append(rng.integers(0, shape[-1] if shape else 1, shape).astype("int" + dt[1:]))
-            else:
-                a = np.abs(rng.standard_normal(shape)) + 0.1 if shape else np.array(0.5)
-                args.append(a.astype({"f32": np.float32, "f64": np.float64}[dt]))
+        args = kernel_exec.sample_operands(op, rng)
         ref = _tuple(kernel_exec.numpy_call(op)(*args))
         got = _tuple(cupy_backend.kernel_for(op)(*[cupy.asarray(a) for a in args]))
         for r, g in zip(ref, got):

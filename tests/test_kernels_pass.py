@@ -465,14 +465,7 @@ def test_cupy_kernels_equal_numpy_on_a_gpu(tmp_path):
     fuse_module(fused_group)
     rng = np.random.default_rng(0)
     for op in [o for o in fused_group.walk() if isinstance(o, FusedOp)]:
-        args = []
-        for v in op.inputs:
-            shape, dt = tuple(v.type.get_shape()), str(v.type.element_type)
-            if dt.startswith("i"):
-                args.append(rng.integers(0, shape[-1] if shape else 1, shape).astype("int" + dt[1:]))
-            else:
-                a = np.abs(rng.standard_normal(shape)) + 0.1 if shape else np.array(0.5)
-                args.append(a.astype({"f32": np.float32, "f64": np.float64}[dt]))
+        args = kernel_exec.sample_operands(op, rng)
         ref = kernel_exec.numpy_call(op)(*args)
         got = cupy_backend.kernel_for(op)(*[cupy.asarray(a) for a in args])
         ref, got = (ref if isinstance(ref, tuple) else (ref,)), (got if isinstance(got, tuple) else (got,))

@@ -113,6 +113,21 @@ def program_library(module: Operation) -> cpu_compile.Library | None:
     return lib
 
 
+def sample_operands(op: kernel.FusedOp, rng: np.random.Generator) -> list[np.ndarray]:
+    """Return random operands for fused op `op` (to check a backend against `numpy_call`):
+    integers in [0, the last dim) (indices, labels), floats positive and away from 0 (logs,
+    divisions and square roots stay finite), a scalar 0.5."""
+    args = []
+    for v in op.inputs:
+        shape, dt = tuple(v.type.get_shape()), str(v.type.element_type)
+        if dt.startswith("i"):
+            args.append(rng.integers(0, shape[-1] if shape else 1, shape).astype("int" + dt[1:]))
+        else:
+            a = np.abs(rng.standard_normal(shape)) + 0.1 if shape else np.array(0.5)
+            args.append(a.astype({"f32": np.float32, "f64": np.float64}[dt]))
+    return args
+
+
 def numpy_call(op: kernel.FusedOp, rank: int = 0) -> Callable:
     """Return a function running `op`'s body with the per-op NumPy kernels (the reference)."""
     from hspmd.runtime.numpy_ops import kernel_for as graph_kernel_for
