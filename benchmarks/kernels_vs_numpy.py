@@ -66,6 +66,16 @@ def _arguments(op, rng: np.random.Generator) -> list[np.ndarray]:
     return args
 
 
+def fused_case(text: str):
+    """Return the module of case `text` (one function), fused by `fuse-kernels`."""
+    from hspmd.dialects.context import parse_module
+    from hspmd.transforms.fuse_kernels import fuse_module
+
+    module = parse_module("builtin.module {" + text + "\n}")
+    fuse_module(module)
+    return module
+
+
 def _best_pair(f, g, args, repeat: int) -> tuple[float, float]:
     """Return the best times of `f` and `g`, run alternately (so both see the same machine)."""
     f(*args), g(*args)  # warm up (page faults, thread start)
@@ -88,18 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_DYNAMIC"] = "false"
 
     from hspmd.codegen.cpu_compile import find_compiler
-    from hspmd.dialects.context import parse_module
     from hspmd.runtime.kernel_exec import cpu_call, fused_ops, numpy_call, program_library
-    from hspmd.transforms.fuse_kernels import fuse_module
 
     if find_compiler() is None:
         print("no C++ compiler: nothing to compare", file=sys.stderr)
         return 1
-    modules = {}
-    for name, text in CASES.items():
-        module = parse_module("builtin.module {" + text + "\n}")
-        fuse_module(module)
-        modules[name] = module
+    modules = {name: fused_case(text) for name, text in CASES.items()}
     # one library per case, as per program at run time (compiled once, then cached)
     t = time.perf_counter()
     libs = {name: program_library(m) for name, m in modules.items()}

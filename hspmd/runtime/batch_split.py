@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from hspmd.runtime.blas_threads import BlasCount
+
 #: products of at most this many multiply-adds (m * n * k) count as small
 SMALL_PRODUCT = 1 << 21
 
@@ -42,19 +44,14 @@ class BatchSplit:
     """Runs a batched product kernel by halves of the batch on two threads (see the module docstring)."""
 
     def __init__(self) -> None:
-        from threadpoolctl import ThreadpoolController
-
-        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._blas = BlasCount()
         self._pool: ThreadPoolExecutor | None = None
-
-    def _threads(self) -> int:
-        return min((lib.num_threads for lib in self._blas), default=1)
 
     def wrap(self, kernel: Callable) -> Callable:
         """Return `kernel(a, b, out=None)` (an `out=` product over a batch) run by halves."""
 
         def split(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-            threads = self._threads()
+            threads = self._blas.get()
             if threads < 2 or a.shape[0] < 2:
                 return kernel(a, b, out=out)
             if out is None:
@@ -62,15 +59,13 @@ class BatchSplit:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hspmd-batch")
             h = a.shape[0] // 2
-            for lib in self._blas:
-                lib.set_num_threads(1)
+            self._blas.set(1)
             try:
                 other = self._pool.submit(kernel, a[h:], b[h:], out=out[h:])
                 kernel(a[:h], b[:h], out=out[:h])
                 other.result()
             finally:
-                for lib in self._blas:
-                    lib.set_num_threads(threads)
+                self._blas.set(threads)
             return out
 
         split.accepts_out = True  # type: ignore[attr-defined]

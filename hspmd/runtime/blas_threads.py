@@ -26,6 +26,27 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+class BlasCount:
+    """BLAS's thread count in this process, read and set per call (the libraries found once).
+
+    For the runtime's paths that run products on one BLAS thread each, on threads of their own,
+    and restore the count after (`batch_split`, `paired_matmul`, `small_matmul`)."""
+
+    def __init__(self) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self._libs = ThreadpoolController().select(user_api="blas").lib_controllers
+
+    def get(self) -> int:
+        """Return the thread count (the least over the BLAS libraries loaded; 1 without one)."""
+        return min((lib.num_threads for lib in self._libs), default=1)
+
+    def set(self, n: int) -> None:
+        """Set every loaded BLAS library's thread count to `n`."""
+        for lib in self._libs:
+            lib.set_num_threads(n)
+
+
 #: the running choice is re-measured against the other when a step takes this much longer than its best
 SLOWER = 1.3
 

@@ -30,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from hspmd.runtime.blas_threads import BlasCount
+
 #: products of at least this many multiply-adds (m * n * k) each are paired: smaller ones
 #: (GPT-tiny's 2048 x 256 x 256) ran slower on one thread each than one after the other
 PAIR_PRODUCT = 1 << 28
@@ -50,9 +52,7 @@ class ProductPairs:
     """Runs pairs of adjacent large products on two threads (see the module docstring)."""
 
     def __init__(self) -> None:
-        from threadpoolctl import ThreadpoolController
-
-        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._blas = BlasCount()
         self._pool: ThreadPoolExecutor | None = None
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self._avoid = -1  # the CPU the helper keeps off (it alone reads and writes this)
@@ -71,13 +71,6 @@ class ProductPairs:
             self._avoid = cpu
         return fn(*args, **kw)
 
-    def _threads(self) -> int:
-        return min((lib.num_threads for lib in self._blas), default=1)
-
-    def _set(self, n: int) -> None:
-        for lib in self._blas:
-            lib.set_num_threads(n)
-
     def pair(self, first: Callable, first_kw: dict, second: Callable, second_kw: dict) -> tuple[Callable, Callable]:
         """Return the kernels of two adjacent steps (`first(*args, **first_kw)`, then `second`'s)
         that run both products at once. Both steps write into preallocated results (`out=`), and
@@ -85,18 +78,18 @@ class ProductPairs:
         pending: list[tuple[Future, int]] = []
 
         def launch(*args: np.ndarray, **kw) -> np.ndarray:
-            threads = self._threads()
+            threads = self._blas.get()
             out = kw["out"]
             later = second_kw.get("out")
             if threads < 2 or later is None or any(np.may_share_memory(later, a) for a in (*args, out)):
                 return first(*args, **kw)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hspmd-pair")
-            self._set(1)
+            self._blas.set(1)
             try:
                 pending.append((self._pool.submit(self._off, self._caller_cpu(), first, args, kw), threads))
             except BaseException:
-                self._set(threads)
+                self._blas.set(threads)
                 raise
             return out
 
@@ -110,7 +103,7 @@ class ProductPairs:
                 try:
                     other.result()
                 finally:
-                    self._set(threads)
+                    self._blas.set(threads)
 
         launch.accepts_out = join.accepts_out = True  # type: ignore[attr-defined]
         launch.__name__ = getattr(first, "__name__", "matmul")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hspmd.runtime import native
+from hspmd.runtime.blas_threads import BlasCount
 from hspmd.runtime.kernel_exec import say_once
 from hspmd.runtime.native import library
 
@@ -96,10 +97,7 @@ class SmallMatmul:
         if lib is None:
             say_once(f"hspmd: {why}; small batched products run as NumPy's")
             return None
-        from threadpoolctl import ThreadpoolController
-
-        blas = ThreadpoolController().select(user_api="blas").lib_controllers
-        return cls(lib.hs_small_matmul_f32, lambda: min((c.num_threads for c in blas), default=1))
+        return cls(lib.hs_small_matmul_f32, BlasCount().get)
 
     def kernel(self, triangle: str, fallback: Callable) -> Callable:
         """Return the `out=` kernel of `a @ b` for a product shaped as `triangle` ("" for a full
