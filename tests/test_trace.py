@@ -28,7 +28,7 @@ MLP = os.path.join(EXAMPLES, "mlp.py")
 SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=8"]
 #: what an event may be called: an IR op (dialect.op, a fused kernel with its name), a pipeline
 #: function's span, a step, a checkpoint phase
-NAME = re.compile(r"^((graph|comm|optim|pipeline)\.[a-z_.]+|kernel\.fused @\w+|pipeline\.run @\w+|train_step"
+NAME = re.compile(r"^((graph|comm|optim|pipeline)\.[a-z_.]+|kernel\.fused @\w+|kernel\.batch_chain|pipeline\.run @\w+|train_step"
                   r"|checkpoint\.(snapshot|write|manifest|wait|save))$")
 LINE = re.compile(r"^step (\d+)/(\d+)  loss -?\d+\.\d{6}  \d+\.\d ms$")
 

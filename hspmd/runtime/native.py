@@ -2,8 +2,10 @@
 
 `parallel.cpp` (a parallel loop that never waits for a thread that has not started),
 `small_matmul.cpp` (batches of small float32 products), `scatter.cpp` (rows added into a table
-at indices, in order: the embedding's gradient) and `reduce.cpp` (a gradient's sum of squares in
-float64, for clipping) are built by the host C++ compiler as one library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
+at indices, in order: the embedding's gradient), `reduce.cpp` (a gradient's sum of squares in
+float64, for clipping) and `chain.cpp` (a chain of batched steps run by slices of its batch:
+attention's products and softmax, `batch_chain.py`) are built by the host C++ compiler as one
+library, cached on disk like the fused kernels' (`cpu_compile.build_native`), and loaded
 once per process (`load()`). Where there is no compiler, or the build fails, there is none (its
 users say so once): the plan keeps NumPy's products and the fused kernels run their chunks on
 the calling thread.
@@ -24,7 +26,8 @@ from hspmd.codegen import cpu_compile
 
 HERE = Path(__file__).resolve().parent / "native"
 #: the library's sources, one translation unit in this order
-SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp", HERE / "scatter.cpp", HERE / "reduce.cpp")
+SOURCES = (HERE / "parallel.cpp", HERE / "small_matmul.cpp", HERE / "scatter.cpp", HERE / "reduce.cpp",
+           HERE / "chain.cpp")
 
 
 @functools.cache
@@ -49,6 +52,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     sumsq = lib.hs_sum_squares
     sumsq.restype = ctypes.c_double
     sumsq.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    chain = lib.hs_chain_run
+    chain.restype = ctypes.c_int
+    chain.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     return lib, ""
 
 

@@ -32,10 +32,11 @@ from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.kernel_facts import OutFacts
 from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.ir.init_spec import initial_value
-from hspmd.runtime import kernel_exec, rows
+from hspmd.runtime import kernel_exec, native, rows
+from hspmd.runtime.batch_chain import Chain, tile_chains
 from hspmd.runtime.batch_split import BatchSplit, small_batched
 from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
-from hspmd.runtime.blas_threads import BlasThreads
+from hspmd.runtime.blas_threads import BlasCount, BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
@@ -224,8 +225,10 @@ class _Binder:
     kernel depends on it), buckets and buffers."""
 
     def __init__(self, schedule: Schedule, communicator: Communicator, allocate: bool, threads: int,
-                 split_batches: bool = True, small_matmul: bool = True, pair_products: bool = True) -> None:
+                 split_batches: bool = True, small_matmul: bool = True, pair_products: bool = True,
+                 batch_chains: bool = True) -> None:
         self.schedule, self.communicator, self.allocate, self.threads = schedule, communicator, allocate, threads
+        self.chains = batch_chains and allocate
         self.split = BatchSplit() if split_batches and allocate else None
         self.pairs = ProductPairs() if pair_products and allocate else None
         self.small = SmallMatmul.create() if small_matmul and allocate and _has_small_batches(schedule) else None
@@ -333,7 +336,29 @@ class _Binder:
             plan.steps.append((kernel, step.ins, step.outs, kw, step.frees))
         if self.pairs is not None:
             self.pair_products(plan)
+        if self.chains:
+            self.batch_chains(plan)
         return plan
+
+    def batch_chains(self, plan: Plan) -> None:
+        """Run the schedule's batch chains (attention's products and softmax) by slices of their
+        batch, each as one step (`batch_chain`)."""
+        steps = self.schedule.steps
+        lib = native.library()
+
+        def fused_kernel(i: int) -> Callable | None:
+            step = steps[i]
+            return self.kernel(step.op, step.microbatch) if step.op is not None else None
+
+        def label(chain: Chain, first: int, last: int) -> StepLabel:
+            names = [lab.name for lab in plan.labels[first:last + 1]
+                     if lab is not None and lab.name not in ("graph.transpose", "graph.reshape", "graph.split")]
+            head = plan.labels[first]
+            return StepLabel("kernel.batch_chain", "kernel", {"steps": names, "per_slice": chain.per_slice},
+                             scope=head.scope if head is not None else "")
+
+        tile_chains(plan.steps, plan.labels, self.schedule, fused_kernel,
+                    lib.hs_chain_run if lib is not None else None, BlasCount().get, label)
 
     def pair_products(self, plan: Plan) -> None:
         """Run adjacent large independent 2-D products (a layer's input and weight gradients)
@@ -417,13 +442,13 @@ def _wait_sends(pending: list[list]) -> Callable[[], None]:
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,
               threads: int | None = None, blas_threads: str | None = None, split_batches: bool = True,
-              small_matmul: bool = True, pair_products: bool = True) -> Plan:
+              small_matmul: bool = True, pair_products: bool = True, batch_chains: bool = True) -> Plan:
     """Return the plan running `schedule` over `communicator` (see `build_plan`)."""
     if threads is None:
         env = os.environ.get("HSPMD_THREADS")
         threads = int(env) if env else 1
     plan = _Binder(schedule, communicator, allocate, max(1, threads), split_batches, small_matmul,
-                  pair_products).bind()
+                  pair_products, batch_chains).bind()
     choice = blas_threads or os.environ.get("HSPMD_BLAS_THREADS") or "fixed"
     if choice not in ("auto", "fixed"):
         raise PlanError(f"BLAS threads '{choice}': expected auto or fixed (HSPMD_BLAS_THREADS)")
@@ -436,6 +461,7 @@ def build_plan(
     fn: func.FuncOp, rank: int, communicator: Communicator, *, bucket_bytes: int | None = -1,
     reuse_buffers: bool = True, allocate: bool = True, threads: int | None = None, blas_threads: str | None = None,
     triangular: bool = True, split_batches: bool = True, small_matmul: bool = True, pair_products: bool = True,
+    batch_chains: bool = True,
 ) -> Plan:
     """Return the plan that runs physical step function `fn` as `rank`.
 
@@ -461,6 +487,10 @@ def build_plan(
     `pair_products` (default True): two adjacent large products that do not read each other (a
     layer's input and weight gradients) at once on two threads, one BLAS thread each, where BLAS
     has two or more (`paired_matmul`; the bits of the two calls on GPT's shapes).
+    `batch_chains` (default True): a chain of batched steps over one leading dim (causal
+    attention's products and softmax) as one step running all of them on a slice of the batch,
+    then the next slice, so that a slice's intermediates stay in the caches (`batch_chain`; the
+    same bits).
     """
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
@@ -468,4 +498,5 @@ def build_plan(
     except ScheduleError as err:
         raise PlanError(str(err)) from None
     return bind_plan(schedule, communicator, allocate=allocate, threads=threads, blas_threads=blas_threads,
-                     split_batches=split_batches, small_matmul=small_matmul, pair_products=pair_products)
+                     split_batches=split_batches, small_matmul=small_matmul, pair_products=pair_products,
+                     batch_chains=batch_chains)

@@ -61,25 +61,42 @@ def _batch_dims(shape: tuple[int, ...], strides: list[int]) -> tuple[int, int, i
     return None
 
 
-def multiply(fn, a: np.ndarray, b: np.ndarray, out: np.ndarray, triangle: str, threads: int) -> bool:
-    """Compute `out = a @ b` (float32, the same leading dims, at most two of them) with the C++
-    kernel `fn`; return False, computing nothing, where it does not apply."""
-    if out.size == 0:
-        return True
+def product_args(a: np.ndarray, b: np.ndarray, out: np.ndarray, triangle: str) -> tuple[int, ...] | None:
+    """Return the arguments of the C++ kernel (`hs_small_matmul_f32`, all but the thread count)
+    that compute `out = a @ b` (float32, the same leading dims, at most two of them), or None
+    where it does not apply."""
     if out.strides[-1] != out.itemsize and out.strides[-2] == out.itemsize and out.shape[-1] > 1:
         # laid out by columns (placement.py): write the transposed product b^T a^T into out^T
         a, b, out, triangle = b.swapaxes(-1, -2), a.swapaxes(-1, -2), out.swapaxes(-1, -2), TRANSPOSED[triangle]
     sa, sb, sc = _elements(a), _elements(b), _elements(out)
     if sa is None or sb is None or sc is None or (sc[-1] != 1 and out.shape[-1] > 1):
-        return False
+        return None
     ba, bb, bc = _batch_dims(a.shape, sa), _batch_dims(b.shape, sb), _batch_dims(out.shape, sc)
     if ba is None or bb is None or bc is None:
-        return False
+        return None
     m, k = a.shape[-2:]
     n = b.shape[-1]
-    fn(ba[0], ba[1], m, n, k, a.ctypes.data, ba[2], ba[3], sa[-2], sa[-1], b.ctypes.data, bb[2], bb[3], sb[-2],
-       sb[-1], out.ctypes.data, bc[2], bc[3], sc[-2], TRIANGLE_CODES[triangle], threads)
+    return (ba[0], ba[1], m, n, k, a.ctypes.data, ba[2], ba[3], sa[-2], sa[-1], b.ctypes.data, bb[2], bb[3], sb[-2],
+            sb[-1], out.ctypes.data, bc[2], bc[3], sc[-2], TRIANGLE_CODES[triangle])
+
+
+def multiply(fn, a: np.ndarray, b: np.ndarray, out: np.ndarray, triangle: str, threads: int) -> bool:
+    """Compute `out = a @ b` (float32, the same leading dims, at most two of them) with the C++
+    kernel `fn`; return False, computing nothing, where it does not apply."""
+    if out.size == 0:
+        return True
+    args = product_args(a, b, out, triangle)
+    if args is None:
+        return False
+    fn(*args, threads)
     return True
+
+
+def _takes(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> bool:
+    """Return whether the C++ kernel takes these operands (else the fallback computes them)."""
+    return (a.dtype == _F32 and b.dtype == _F32 and a.ndim == b.ndim and a.ndim >= 3
+            and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
+            and (out is None or out.dtype == _F32))
 
 
 class SmallMatmul:
@@ -107,15 +124,29 @@ class SmallMatmul:
         fn, threads = self._fn, self._threads
 
         def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-            if (a.dtype != _F32 or b.dtype != _F32 or a.ndim != b.ndim or a.ndim < 3
-                    or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]):
+            if not _takes(a, b, out):
                 return fallback(a, b, out=out)
             if out is None:
                 out = np.empty(a.shape[:-1] + b.shape[-1:], _F32)
-            if out.dtype != _F32 or not multiply(fn, a, b, out, triangle, threads()):
+            if not multiply(fn, a, b, out, triangle, threads()):
                 return fallback(a, b, out=out)
             return out
 
+        def chain_desc(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list[int] | None:
+            """Return this product as a step of a C++ chain (`native/chain.cpp`), or None."""
+            if not _takes(a, b, out) or out.size == 0 or a.shape[:-2] != out.shape[:-2]:
+                return None
+            args = product_args(a, b, out, triangle)
+            if args is None:
+                return None
+            d = list(args)
+            if d[0] == 1 and d[1] == out.shape[0] != 1:  # one batch dim: make it the first (sliced)
+                d[0], d[1] = d[1], 1
+                for i in (6, 11, 16):  # each operand's two batch strides
+                    d[i], d[i + 1] = d[i + 1], 0
+            return [0, *d[1:]] if d[0] == out.shape[0] else None
+
         matmul.accepts_out = True  # type: ignore[attr-defined]
+        matmul.chain_desc = chain_desc  # type: ignore[attr-defined]
         matmul.__name__ = f"small_matmul_{triangle.replace('-', '_') or 'full'}"
         return matmul

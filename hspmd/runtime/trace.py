@@ -4,7 +4,8 @@
 it to `Plan.run`, to the checkpoint writer and to whatever else records). A tracer keeps
 complete ("ph": "X") events: every step of the plan under its IR name (`graph.matmul`,
 `comm.all_reduce`, `kernel.fused @NAME`, a bucket's `comm.all_reduce.start` and `.wait`,
-`comm.send.wait`), the inlined forward and backward of each micro-batch of a pipeline
+`comm.send.wait`; `kernel.batch_chain` for a batch chain run by slices, its steps' names in
+args `steps`), the inlined forward and backward of each micro-batch of a pipeline
 (`pipeline.run @pipeline_forward`, args microbatch), one `train_step` per training step, and
 the checkpoint writes. Communication carries its bytes; every event the step number.
 

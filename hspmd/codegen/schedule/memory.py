@@ -22,12 +22,16 @@
    step.
 4. **Frees.** Each step lists the slots that die after it, so kernel-allocated arrays are
    released as early as possible.
+5. **Batch chains** (`chains`): the buffers of the values a chain of batched steps holds (causal
+   attention's scores and probabilities) live to the chain's end, so that a runtime may run it
+   by slices of its batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hspmd.codegen.schedule.chains import find_chains, member_lead
 from hspmd.codegen.schedule.flatten import Flat
 from hspmd.codegen.schedule.placement import Placement, placements
 from hspmd.codegen.schedule.triangular import triangular_matmuls
@@ -196,6 +200,26 @@ def _share_dying_operands(flat: Flat, st: _Storages, inplace: dict[tuple[int, in
     return root
 
 
+def _chains(flat: Flat, st: _Storages, root: list[int]) -> list[tuple[int, int]]:
+    """Return the batch chains of the program (`chains.find_chains`, members writing into
+    buffers) and keep the buffer of every value they read or write until each one's end."""
+    nodes, types = flat.nodes, flat.types
+
+    def lead_of(i: int) -> int | None:
+        if not st.out_capable[i] or nodes[i].into:
+            return None
+        return member_lead(nodes[i], types)
+
+    chains = find_chains(nodes, lead_of)
+    for first, last in chains:
+        for node in nodes[first:last + 1]:
+            for slot in (*node.ins, *node.outs):
+                for s in st.alias[slot]:
+                    r = root[s]
+                    st.end[r] = max(st.end[r], last)
+    return chains
+
+
 def _pack_buffers(flat: Flat, st: _Storages, defined: list[int], root: list[int],
                   inplace: dict[tuple[int, int], str]) -> tuple[list[int], dict[int, int]]:
     """Return the buffers' bytes and the buffer of every root pooled storage (best fit by liveness)."""
@@ -279,6 +303,7 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     defined, last_use = _liveness(flat, st)
     inplace = _inplace_params(flat, st, defined)
     root = _share_dying_operands(flat, st, inplace)
+    chains = _chains(flat, st, root)
     buffers, storage_buffer = _pack_buffers(flat, st, defined, root, inplace)
     n_nodes = len(flat.nodes)
     keep = {slot for _, slot in flat.outputs + flat.assigns} | {p.slot for p in flat.params}
@@ -299,4 +324,4 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     )
     return Schedule(rank, steps, tuple(flat.types), tuple(flat.params), tuple(flat.inputs), tuple(flat.constants),
                     tuple(flat.outputs), tuple(flat.assigns), copy_out, tuple(buffers), tuple(buckets),
-                    _peak_bytes(flat, st, buffers, buckets))
+                    _peak_bytes(flat, st, buffers, buckets), tuple(chains))

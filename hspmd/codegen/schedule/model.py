@@ -202,6 +202,9 @@ class Schedule:
     #: peak bytes during a step: buffers, live kernel-allocated arrays, parameters (with optimizer
     #: state), inputs, constants and all-reduce buckets
     peak_bytes: int
+    #: batch chains (`chains.py`), (first, last) step indices: a runtime may run each by slices
+    #: of its batch (their values' buffers live to the chain's end)
+    chains: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_slots(self) -> int:

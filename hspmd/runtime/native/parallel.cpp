@@ -9,7 +9,8 @@
 // team was often slower than one thread). The counter holds the call's generation in its high
 // 32 bits, so a helper waking late cannot take an item of a later call for one of its own.
 //
-// Used by the small batched products (small_matmul.cpp, in the same library) and, through a
+// Used by the small batched products (small_matmul.cpp, in the same library), the batch chains
+// (chain.cpp) and, through a
 // function pointer handed to each program's kernel library (`hs_set_parallel`, see
 // hspmd/codegen/cpu_compile.py), by the fused kernels: rows and elements in chunks.
 //
@@ -30,6 +31,16 @@ namespace {
 
 typedef void (*hs_item_fn)(void* ctx, long item);
 
+// set while this thread runs a call's items: a parallel loop inside an item (a fused kernel
+// launched by a chain's slice, chain.cpp) runs on this thread alone
+thread_local bool t_in_items = false;
+
+struct InItems {
+  bool was = t_in_items;
+  InItems() { t_in_items = true; }
+  ~InItems() { t_in_items = was; }
+};
+
 class Pool {
  public:
   // Run the items; false (nothing run) if another thread's call holds the helpers.
@@ -38,7 +49,10 @@ class Pool {
     if (!call.owns_lock()) return false;
     const uint32_t gen = publish(total, fn, ctx, threads - 1);
     long mine = 0;
-    for (long t; (t = claim(gen, total)) >= 0; ++mine) fn(ctx, t);
+    {
+      InItems inside;
+      for (long t; (t = claim(gen, total)) >= 0; ++mine) fn(ctx, t);
+    }
     // the items the helpers took: wait for them to finish (they are under way, so this is short)
     while (done_.load(std::memory_order_acquire) != total - mine) std::this_thread::yield();
     std::lock_guard<std::mutex> lock(mu_);
@@ -114,6 +128,7 @@ class Pool {
         ctx = ctx_;
         total = total_;
       }
+      InItems inside;
       for (long t; (t = claim(gen, total)) >= 0;) {
         fn(ctx, t);
         done_.fetch_add(1, std::memory_order_release);
@@ -146,10 +161,10 @@ Pool& pool() {
 extern "C" {
 
 // Run fn(ctx, i) for 0 <= i < n on up to `threads` threads (this one included); every item is
-// done when it returns. With one thread or item, or while another thread's call holds the
-// helpers, the items run here, in order.
+// done when it returns. With one thread or item, inside another call's item, or while another
+// thread's call holds the helpers, the items run here, in order.
 void hs_parallel_for(long n, hs_item_fn fn, void* ctx, int threads) {
-  if (threads > 1 && n > 1 && pool().run(n, fn, ctx, threads)) return;
+  if (threads > 1 && n > 1 && !t_in_items && pool().run(n, fn, ctx, threads)) return;
   for (long t = 0; t < n; ++t) fn(ctx, t);
 }
 }
