@@ -88,7 +88,8 @@ class Chain:
         self.members = [p for p in parts if isinstance(p, _Member)]
         self.per_slice = max(1, min(lead, CHUNK_BYTES // max(per_entry, 1)))
         self._run, self._threads = run, threads
-        self._safe: tuple | None = None  # the layout of the arrays last found free of hazards
+        self._key: tuple | None = None  # the layout of the values last read, and their description
+        self._packed: np.ndarray | None = None
         #: whether the last run went by slices (False: the steps one after the other)
         self.last_run_sliced = False
         self.__name__ = "batch_chain"
@@ -105,38 +106,45 @@ class Chain:
     def _hazard_free(self, env: dict) -> bool:
         arrays = [([env[s] for s in m.ins if isinstance(env[s], np.ndarray) and env[s].ndim >= 1],
                    list(m.out) if isinstance(m.out, tuple) else [m.out]) for m in self.members]
-        key = tuple((a.__array_interface__["data"][0], a.shape, a.strides)
-                    for reads, writes in arrays for a in (*reads, *writes))
-        if key == self._safe:
-            return True
         every = [a for reads, writes in arrays for a in (*reads, *writes)]
-        if any(crossing(w, x) for _, writes in arrays for w in writes for x in every):
-            return False
-        self._safe = key
-        return True
+        return not any(crossing(w, x) for _, writes in arrays for w in writes for x in every)
+
+    def _describe(self, env: dict) -> np.ndarray | None:
+        """Return the chain for `native/chain.cpp`, or None where it must run whole (a member it
+        cannot take, a hazard)."""
+        desc: list[int] = []
+        for m in self.members:
+            d = m.describe(*[env[s] for s in m.ins], out=m.out) if m.describe is not None else None
+            if d is None:
+                return None
+            desc += d
+        return np.array(desc, dtype=np.int64) if self._hazard_free(env) else None
 
     def __call__(self, *values):
         env = dict(zip(self.ins, values))
         for m in self.members:
             env.update(zip(m.outs, m.out if isinstance(m.out, tuple) else (m.out,)))
-        views = [p for p in self.parts if isinstance(p, _View)]
-        for p in views:  # views of outer values, or of results not yet written
-            result = p.fn(*[env[s] for s in p.ins])
-            env.update(zip(p.outs, result if len(p.outs) > 1 else (result,)))
-        desc: list[int] = []
-        for m in self.members:
-            d = m.describe(*[env[s] for s in m.ins], out=m.out) if m.describe is not None and self._run else None
-            if d is None:
-                break
-            desc += d
+        for p in self.parts:  # the views, of outer values or of results not yet written
+            if isinstance(p, _View):
+                result = p.fn(*[env[s] for s in p.ins])
+                env.update(zip(p.outs, result if len(p.outs) > 1 else (result,)))
+        packed = None
+        if self._run is not None:
+            # the results' buffers never move and the views follow from the values read, so the
+            # description (pointers included) and the hazard check hold while those keep their layout
+            key = tuple((v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)
+                        if isinstance(v, np.ndarray) and v.ndim > 0 else None for v in values)
+            if None in key or key != self._key:
+                packed = self._describe(env)
+                self._key, self._packed = (key, packed) if None not in key else (None, None)
+            else:
+                packed = self._packed
+        if packed is not None and self._run(self.lead, self.per_slice, packed.ctypes.data, packed.size,
+                                            self._threads()) == 0:
+            self.last_run_sliced = True
         else:
-            if self._hazard_free(env):
-                packed = np.array(desc, dtype=np.int64)
-                if self._run(self.lead, self.per_slice, packed.ctypes.data, packed.size, self._threads()) == 0:
-                    self.last_run_sliced = True
-                    return self._results(env)
-        self.last_run_sliced = False
-        self._whole(env)
+            self.last_run_sliced = False
+            self._whole(env)
         return self._results(env)
 
     def _results(self, env: dict):
