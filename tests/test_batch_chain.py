@@ -143,7 +143,8 @@ def test_a_chain_with_a_hazard_runs_whole():
     def sliced(*args, out):  # describes itself, as the C++ steps do, but is never run sliced here
         return []
 
-    members = [batch_chain._Member(add_one, (0,), (1,), mid, sliced), batch_chain._Member(double, (1,), (2,), y, sliced)]
+    members = [batch_chain._Member(add_one, (0,), (1,), mid, sliced),
+               batch_chain._Member(double, (1,), (2,), y, sliced)]
     ran = []
     chain = batch_chain.Chain(members, 8, (0,), (1, 2), 64, lambda *a: ran.append(a) or 0, lambda: 2)
     got_mid, got_y = chain(x)

@@ -49,12 +49,12 @@ def _operands(rng, triangle: str, lead: tuple[int, ...], m: int, k: int, n: int)
 @settings(max_examples=80, deadline=None)
 @given(triangle=st.sampled_from(sorted(TRIANGLE_CODES)), lead=st.sampled_from([(1,), (3,), (2, 3), (5, 1)]),
        m=st.integers(1, 40), k=st.integers(0, 40), n=st.integers(1, 70), a_t=st.booleans(), b_t=st.booleans(),
-       out_t=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
-def test_products_are_numpy_products_to_rounding(triangle, lead, m, k, n, a_t, b_t, out_t, threads, seed):
+       out_t=st.booleans(), a_gaps=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_products_are_numpy_products_to_rounding(triangle, lead, m, k, n, a_t, b_t, out_t, a_gaps, threads, seed):
     """Every element within the dot product's rounding bound of `np.matmul` (`2 k eps sum |a||b|`),
-    for operands given transposed (strided views), results laid out by rows or by columns, on
-    1 to 3 threads; an "out-lower" ("out-upper") product right on and below (above) its
-    diagonal, and 0 or its value elsewhere."""
+    for operands given transposed (strided views) or with no unit stride, results laid out by
+    rows or by columns, on 1 to 3 threads; an "out-lower" ("out-upper") product right on and
+    below (above) its diagonal, and 0 or its value elsewhere."""
     rng = np.random.default_rng(seed)
     a, b = _operands(rng, triangle, lead, m, k, n)
     if triangle.startswith("out-") and a.shape[-2] != b.shape[-1]:
@@ -63,6 +63,10 @@ def test_products_are_numpy_products_to_rounding(triangle, lead, m, k, n, a_t, b
         a = np.ascontiguousarray(a.swapaxes(-1, -2)).swapaxes(-1, -2)
     if b_t:
         b = np.ascontiguousarray(b.swapaxes(-1, -2)).swapaxes(-1, -2)
+    if a_gaps:  # no unit stride (every other row and column of a larger array): A is packed
+        wide = np.zeros((*a.shape[:-2], 2 * a.shape[-2], 2 * a.shape[-1]), np.float32)
+        wide[..., ::2, ::2] = a
+        a = wide[..., ::2, ::2]
     expect = np.matmul(a.astype(np.float64), b.astype(np.float64))
     bound = 2 * max(a.shape[-1], 1) * np.finfo(np.float32).eps * np.matmul(np.abs(a), np.abs(b)).astype(np.float64)
     out = np.full(expect.shape, np.nan, np.float32)

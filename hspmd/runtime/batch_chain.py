@@ -152,7 +152,8 @@ class Chain:
 
 
 def tile_chains(plan_steps: list, labels: list, schedule: Schedule, kernels: Callable[[int], Callable | None],
-                run: Callable | None, threads: Callable[[], int], label_of: Callable[["Chain", int, int], object]) -> int:
+                run: Callable | None, threads: Callable[[], int],
+                label_of: Callable[["Chain", int, int], object]) -> int:
     """Replace each batch chain of `schedule` in `plan_steps` (the bound steps, index for index) by
     one `Chain` step at its first index and steps that only free slots after it; return how many.
 

@@ -6,7 +6,8 @@
 // 64 x 128 and the like per call in GPT-tiny) are too small for OpenBLAS to reach the machine's
 // rate: it is called once per product, packs both operands, and splits each product over its
 // threads. Here one call runs the whole batch; each product runs on one thread, and the products
-// are shared out to the threads one at a time.
+// are shared out to the threads one at a time. B is packed in panels; A, where one of its strides
+// is 1 (always, in attention), is read where it lies.
 //
 // Values: every element of C is one chain of fused multiply-adds over k in increasing order,
 // starting from +0: c = fma(a[i,k], b[k,j], c). That is what OpenBLAS's AVX-512 and AVX2 kernels
@@ -85,25 +86,29 @@ constexpr int MR = W == 16 ? 8 : 4;  // rows of C per micro-tile (2 MR accumulat
 constexpr int NV = 2;       // vectors per row of a micro-tile
 constexpr int NR = NV * W;  // columns of C per micro-tile (and of a packed panel of B)
 
-// C[0:R, 0:V*W] = Q[k0:k1, 0:R]^T @ P[k0:k1, :]: Q a packed row block of A (MR floats a k),
-// P a packed panel of B (NR floats a k). Full tiles store straight into C (row stride ldc); a
-// partial tile (cols < V*W) goes through `tile` and only its first `cols` columns are copied.
-// (The loops over r and v are unrolled fully, so that the accumulators stay in registers.)
+// C[0:R, 0:V*W] = A[0:R, 0:n] @ P[0:n, :]: A's element (r, k) at q[r * qr + k * qk] (a row
+// block of A read where it lies: qr = am, qk = ak; or packed: qr = 1, qk = MR), P a packed panel
+// of B (NR floats a k). Full tiles store straight into C (row stride ldc); a partial tile
+// (cols < V*W) goes through `tile` and only its first `cols` columns are copied. (The loops over
+// r and v are unrolled fully, so that the accumulators stay in registers.)
 template <int R, int V>
-__attribute__((always_inline)) inline void micro(long n, const float* q, const float* p, float* c, long ldc,
-                                                 long cols, float* tile) {
+__attribute__((always_inline)) inline void micro(long n, const float* q, long qr, long qk, const float* p, float* c,
+                                                 long ldc, long cols, float* tile) {
   vec acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
-  for (long k = 0; k < n; ++k, p += NR, q += MR) {
+  const float* row[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) row[r] = q + r * qr;
+  for (long k = 0, at = 0; k < n; ++k, p += NR, at += qk) {
     vec bv[V];
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) bv[v] = vload(p + v * W);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vec x = vset1(q[r]);
+      const vec x = vset1(row[r][at]);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(x, bv[v], acc[r][v]);
     }
@@ -124,17 +129,17 @@ __attribute__((always_inline)) inline void micro(long n, const float* q, const f
 }
 
 template <int V>
-inline void micro_rows(int rows, long n, const float* q, const float* p, float* c, long ldc, long cols,
-                       float* tile) {
+inline void micro_rows(int rows, long n, const float* q, long qr, long qk, const float* p, float* c, long ldc,
+                       long cols, float* tile) {
   switch (rows) {
-    case 8: micro<8, V>(n, q, p, c, ldc, cols, tile); break;
-    case 7: micro<7, V>(n, q, p, c, ldc, cols, tile); break;
-    case 6: micro<6, V>(n, q, p, c, ldc, cols, tile); break;
-    case 5: micro<5, V>(n, q, p, c, ldc, cols, tile); break;
-    case 4: micro<4, V>(n, q, p, c, ldc, cols, tile); break;
-    case 3: micro<3, V>(n, q, p, c, ldc, cols, tile); break;
-    case 2: micro<2, V>(n, q, p, c, ldc, cols, tile); break;
-    default: micro<1, V>(n, q, p, c, ldc, cols, tile); break;
+    case 8: micro<8, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 7: micro<7, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 6: micro<6, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 5: micro<5, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 4: micro<4, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 3: micro<3, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    case 2: micro<2, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
+    default: micro<1, V>(n, q, qr, qk, p, c, ldc, cols, tile); break;
   }
 }
 
@@ -202,26 +207,14 @@ inline void pack_b(long K, long j0, long w, const float* b, long bk, long bn, fl
   }
 }
 
-// Q[k - k0, r] = A[r, k] for r < rows, k0 <= k < k1 (A by element strides am, ak): the row
-// block read once, from wherever it lies, into the order the micro-kernel reads it.
+// Q[k - k0, r] = A[r, k] for r < rows, k0 <= k < k1 (A by element strides am, ak, neither 1):
+// the row block read once, from wherever it lies, into the order the micro-kernel reads it. (An
+// A with a unit stride is read where it lies, `product`: packing it, 8 x 8 blocks transposed in
+// registers, cost 3-5% of attention's products.)
 inline void pack_a(int rows, long k0, long k1, const float* a, long am, long ak, float* q) {
-  if (am == 1) {  // A transposed (att^T, ds^T): a k's rows are contiguous
-#if defined(__AVX2__)
-    if (MR == 8 && rows == 8) {
-      for (long k = k0; k < k1; ++k) _mm256_storeu_ps(q + (k - k0) * MR, _mm256_loadu_ps(a + k * ak));
-      return;
-    }
-#endif
-    for (long k = k0; k < k1; ++k)
-      for (int r = 0; r < rows; ++r) q[(k - k0) * MR + r] = a[k * ak + r];
-    return;
-  }
-  long k = k0;
-  if (kTranspose8 && MR == 8 && rows == 8 && ak == 1)  // 8 rows: 8 x 8 blocks in registers
-    for (; k + 8 <= k1; k += 8) transpose8(a + k, am, q + (k - k0) * MR, MR);
   for (int r = 0; r < rows; ++r) {
     const float* src = a + r * am;
-    for (long kk = k; kk < k1; ++kk) q[(kk - k0) * MR + r] = src[kk * ak];
+    for (long k = k0; k < k1; ++k) q[(k - k0) * MR + r] = src[k * ak];
   }
 }
 
@@ -263,7 +256,10 @@ void product(long M, long N, long K, const float* a, long am, long ak, const flo
     const int rows = (int)std::min<long>(MR, M - i0);
     // the terms of A this row block needs (a triangular A: one side of its diagonal only)
     const long ka = tri == 2 ? std::min(K, i0) : 0, kb = tri == 1 ? std::min(K, i0 + rows) : K;
-    pack_a(rows, ka, kb, a + i0 * am, am, ak, q);
+    // A with a unit stride (a row's terms, or a term's rows, side by side: attention's operands)
+    // is read where it lies; any other A is packed first (MR floats a term)
+    const bool direct = am == 1 || ak == 1;
+    if (!direct) pack_a(rows, ka, kb, a + i0 * am, am, ak, q);
     if (i0 + MR < M) prefetch_a((int)std::min<long>(MR, M - i0 - MR), K, a + (i0 + MR) * am, am, ak);
     if (job != nullptr && next >= 0) prefetch_product(*job, next, i0 / MR, (M + MR - 1) / MR);
     for (long j0 = 0; j0 < N; j0 += NR) {
@@ -280,12 +276,13 @@ void product(long M, long N, long K, const float* a, long am, long ak, const flo
       zero_rows(cc, ldc, rows, c0);
       if (c1 > c0) {
         const float* pp = p + (j0 / NR) * K * NR + k0 * NR + c0;
-        const float* qq = q + (k0 - ka) * MR;
+        const float* qq = direct ? a + i0 * am + k0 * ak : q + (k0 - ka) * MR;
+        const long qr = direct ? am : 1, qk = direct ? ak : MR;
         const long n = std::max(0L, k1 - k0);
         if (c1 - c0 > W)
-          micro_rows<2>(rows, n, qq, pp, cc + c0, ldc, c1 - c0, tile);
+          micro_rows<2>(rows, n, qq, qr, qk, pp, cc + c0, ldc, c1 - c0, tile);
         else
-          micro_rows<1>(rows, n, qq, pp, cc + c0, ldc, c1 - c0, tile);
+          micro_rows<1>(rows, n, qq, qr, qk, pp, cc + c0, ldc, c1 - c0, tile);
       }
       zero_rows(cc + c1, ldc, rows, w - std::max(c0, c1));
     }
