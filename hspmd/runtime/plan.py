@@ -336,7 +336,7 @@ class _Binder:
             plan.steps.append((kernel, step.ins, step.outs, kw, step.frees))
         if self.pairs is not None:
             self.pair_products(plan)
-        if self.chains:
+        if self.chains and self.schedule.chains:
             self.batch_chains(plan)
         return plan
 
