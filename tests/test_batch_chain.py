@@ -77,8 +77,8 @@ def test_a_gpt_step_is_bit_identical_with_batch_chains(heads, head_dim, seq, bat
 
 
 def test_the_schedule_marks_attention_forward_and_backward():
-    """GPT's layer: the forward chain (scores, masked softmax, p @ v) and the backward chain (six
-    products and kernels) per layer, their values' buffers apart within each chain."""
+    """GPT's layer: the forward chain (the qkv bias, scores, masked softmax, p @ v) and the
+    backward chain (four products and two kernels) per layer."""
     from hspmd.codegen.schedule import build_schedule
 
     _, _, fn = _gpt_function({"model.layers": 3, "model.d_model": 32, "model.heads": 2, "model.seq_len": 16,
@@ -88,8 +88,9 @@ def test_the_schedule_marks_attention_forward_and_backward():
     for first, last in schedule.chains:
         names = [schedule.steps[i].name for i in range(first, last + 1)]
         members = [n for n in names if n in ("graph.matmul",) or n.startswith("kernel.fused")]
-        assert len(members) in (3, 6), names
-        assert all(n in ("graph.matmul", "graph.transpose") or n.startswith("kernel.fused") for n in names), names
+        assert len(members) in (4, 6), names
+        assert all(n in ("graph.matmul", "graph.transpose", "graph.reshape", "graph.split")
+                   or n.startswith("kernel.fused") for n in names), names
 
 
 def test_a_chain_runs_whole_without_the_native_library(monkeypatch):
@@ -166,6 +167,38 @@ def test_leading_chunks(ins, outs, launches, ok):
     assert not leading_chunks(ins, outs, launches, (16,))  # scratch
 
 
+def test_leading_chunks_takes_a_bias_broadcast_onto_trailing_dims():
+    """An operand broadcast onto the result's trailing dims (a bias) is passed whole to every
+    slice; one of another shape, or not marked as such a broadcast, is not."""
+    out = [((4, 8, 6), F32)]
+    launch = [("row", "k", 32, 6)]
+    assert leading_chunks([((4, 8, 6), F32), ((6,), F32)], out, launch, (), [False, True])
+    assert leading_chunks([((4, 8, 6), F32), ((8, 6), F32)], out, launch, (), [False, True])
+    assert not leading_chunks([((4, 8, 6), F32), ((6,), F32)], out, launch, (), [False, False])
+    assert not leading_chunks([((4, 8, 6), F32), ((4,), F32)], out, launch, (), [False, True])
+    assert not leading_chunks([((4, 8, 6), F32), ((1, 8, 6), F32)], out, launch, (), [False, True])
+
+
+def test_trailing_broadcasts_reads_the_kernel_body():
+    """GPT's fused kernels: the qkv bias add's bias is a trailing broadcast (so the kernel joins
+    the forward chain); a layer norm's weight, read by the norm itself, is not."""
+    from hspmd.codegen.schedule.chains import trailing_broadcasts
+    from hspmd.runtime.kernel_exec import fused_ops
+
+    _, compiled, _ = _gpt_function({"model.layers": 1, "model.d_model": 32, "model.heads": 2,
+                                    "model.seq_len": 16, "data.batch_size": 4, "model.vocab_size": 128})
+    ((_, fused),) = compiled.kernel_groups()
+    seen = {}
+    for op in fused_ops(fused):
+        names = {o.name for o in op.body.block.ops}
+        seen.setdefault(frozenset(names), trailing_broadcasts(op))
+    bias_adds = [f for names, f in seen.items() if names == {"graph.broadcast", "graph.add", "func.return"}
+                 or names == {"graph.broadcast", "graph.add", "kernel.yield"}]
+    assert any(f == [False, True] for f in bias_adds), seen
+    norms = [f for names, f in seen.items() if "graph.layer_norm" in names]
+    assert norms and all(not any(f) for f in norms)
+
+
 def test_find_chains_stops_at_other_steps():
     from types import SimpleNamespace as N
 
@@ -173,7 +206,7 @@ def test_find_chains_stops_at_other_steps():
         return N(kind="op", op=N(name=name), ins=ins, outs=outs, microbatch=None)
 
     nodes = [node("m", (0, 1), (2,)), node("graph.transpose", (2,), (3,)), node("m", (3, 1), (4,)),
-             node("graph.reshape", (4,), (5,)),  # a reshape of a computed value ends the chain
+             node("graph.concat", (4,), (5,)),  # not a view: ends the chain
              node("m", (5, 1), (6,)), node("m", (6, 1), (7,))]
     leads = {0: 4, 2: 4, 4: 4, 5: 4}
     assert find_chains(nodes, leads.get) == [(0, 2), (4, 5)]

@@ -124,12 +124,17 @@ class Chain:
         env = dict(zip(self.ins, values))
         for m in self.members:
             env.update(zip(m.outs, m.out if isinstance(m.out, tuple) else (m.out,)))
+        views = True
         for p in self.parts:  # the views, of outer values or of results not yet written
             if isinstance(p, _View):
                 result = p.fn(*[env[s] for s in p.ins])
-                env.update(zip(p.outs, result if len(p.outs) > 1 else (result,)))
+                results = result if len(p.outs) > 1 else (result,)
+                env.update(zip(p.outs, results))
+                source = env[p.ins[0]]
+                views = views and all(isinstance(r, np.ndarray) and isinstance(source, np.ndarray)
+                                      and np.may_share_memory(r, source) for r in results)
         packed = None
-        if self._run is not None:
+        if self._run is not None and views:  # a view step that copied (a reshape): run whole
             # the results' buffers never move and the views follow from the values read, so the
             # description (pointers included) and the hazard check hold while those keep their layout
             key = tuple((v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)

@@ -28,7 +28,7 @@ from xdsl.ir import Operation
 
 from hspmd.codegen import cpu_compile
 from hspmd.codegen.emit_cuda import C_FLOAT, c_type
-from hspmd.codegen.schedule.chains import leading_chunks
+from hspmd.codegen.schedule.chains import leading_chunks, trailing_broadcasts
 from hspmd.dialects import kernel
 from hspmd.ir.types import dtype_name
 from hspmd.runtime import native
@@ -240,7 +240,9 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
     def chain_desc(*args, out) -> list[int] | None:
         """Return this kernel as steps of a C++ chain (`native/chain.cpp`: each launch on entries
         of the leading dim of every operand and result), or None where an operand is not
-        C-contiguous of the compiled dtype. Scalars are copied here, as a call does."""
+        C-contiguous of the compiled dtype. Scalars are copied here, as a call does; an operand
+        broadcast onto the trailing dims is passed whole to every slice."""
+        lead_shape = out_types[0][0]
         pairs: list[int] = []
         for k, (a, (shape, dt)) in enumerate(zip(args, in_types)):
             if k in scalars:
@@ -249,7 +251,7 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
                 continue
             if type(a) is not np.ndarray or a.dtype != dt or a.shape != shape or not a.flags.c_contiguous:
                 return None
-            pairs += [a.ctypes.data, a.strides[0]]
+            pairs += [a.ctypes.data, a.strides[0] if shape == lead_shape else 0]
         for o, (shape, dt) in zip((out,) if single else out, out_types):
             if type(o) is not np.ndarray or o.dtype != dt or o.shape != shape or not o.flags.c_contiguous:
                 return None
@@ -262,7 +264,7 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
 
     # the plan may preallocate results (out=); an elementwise kernel reads operand i before it
     # writes result i, so a result may even be an operand's own array (in-place update)
-    if leading_chunks(in_types, out_types, op.launch_list, scratch):  # a batch chain's member (chain.cpp)
+    if leading_chunks(in_types, out_types, op.launch_list, scratch, trailing_broadcasts(op)):  # a batch chain's member
         addresses = [(ctypes.cast(fn, ctypes.c_void_p).value, n0, n1) for fn, n0, n1 in launches]
         call.chain_desc = chain_desc  # type: ignore[attr-defined]
     call.accepts_out = True  # type: ignore[attr-defined]
