@@ -1,8 +1,8 @@
 """Batch chains run by slices of their batch: causal attention's products and softmax.
 
-Attention runs, per layer, a chain of steps over the same leading batch dim: the scores
-`q @ k^T` (a batch of small products), the masked softmax (a row kernel), `p @ v`; in the
-backward six such steps. Run one after the other, each step streams its whole batch through
+Attention runs, per layer, a chain of steps over the same leading batch dim: the qkv bias add,
+the scores `q @ k^T` (a batch of small products), the masked softmax (a row kernel), `p @ v`; in
+the backward six such steps. Run one after the other, each step streams its whole batch through
 the caches: GPT-tiny's scores are 4 MB a layer, and the chain's products ran at 2.2 ms a layer
 alone but 5-6 ms in a training step, after the large products had filled the caches with their
 own operands. The schedule marks such chains (`hspmd.codegen.schedule.chains`, which also
@@ -18,9 +18,9 @@ products' kernel, the fused kernels' own row launches), so the values are the sa
 Before it runs, a `Chain` computes the view steps between its members on whole arrays (views
 of results not yet written) and checks that no member writes memory that another entry of a
 member reads or writes (once per layout of its arrays: the buffers never move). Where that
-check fails, or a member cannot be described to C++ (no native library, an operand not laid
-out as the kernel needs), the chain runs one step after the other on whole arrays, as without
-it.
+check fails, a view step copied (a reshape of a non-contiguous value), or a member cannot be
+described to C++ (no native library, an operand not laid out as the kernel needs), the chain
+runs one step after the other on whole arrays, as without it.
 """
 
 from __future__ import annotations
