@@ -154,6 +154,34 @@ def test_a_chain_with_a_hazard_runs_whole():
     np.testing.assert_array_equal(got_y, expect_y)
 
 
+def test_a_view_step_that_copies_makes_the_chain_run_whole():
+    """A reshape between members that must copy (computed before the member that writes its
+    source) would slice stale values: the chain runs one step after the other instead."""
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    mid = np.empty((8, 12), np.float32)
+    out = np.empty((8, 3, 4), np.float32)
+
+    def add_one(a, out):
+        return np.add(a, 1, out=out)
+
+    def copy_reshape(a):
+        return np.array(a.reshape(8, 3, 4))  # a copy, as NumPy makes for a non-contiguous value
+
+    def double(a, out):
+        return np.multiply(a, 2, out=out)
+
+    def described(*args, out):
+        return []
+
+    parts = [batch_chain._Member(add_one, (0,), (1,), mid, described), batch_chain._View(copy_reshape, (1,), (2,)),
+             batch_chain._Member(double, (2,), (3,), out, described)]
+    ran = []
+    chain = batch_chain.Chain(parts, 8, (0,), (1, 2, 3), 64, lambda *a: ran.append(a) or 0, lambda: 2)
+    got_mid, got_view, got_out = chain(x)
+    assert not ran and not chain.last_run_sliced
+    np.testing.assert_array_equal(got_out, (x + 1).reshape(8, 3, 4) * 2)
+
+
 @pytest.mark.parametrize("ins, outs, launches, ok", [
     ([((4, 2, 8, 8), F32)], [((4, 2, 8, 8), F32)], [("row", "k", 64, 8)], True),
     ([((4, 2, 8, 8), F32), ((), F32)], [((4, 2, 8, 8), F32)], [("row", "k", 64, 8)], True),  # a scalar
