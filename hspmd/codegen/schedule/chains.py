@@ -70,7 +70,8 @@ def leading_chunks(in_types: Sequence, out_types: Sequence, launch_list, scratch
         return False
     for k, (s, _) in enumerate(in_types):
         s = tuple(s)
-        trailing = k < len(broadcasts) and broadcasts[k] and 0 < len(s) < len(shape) and s == shape[len(shape) - len(s):]
+        trailing = (k < len(broadcasts) and broadcasts[k] and 0 < len(s) < len(shape)
+                    and s == shape[len(shape) - len(s):])
         if s != () and s != shape and not trailing:
             return False
     rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
