@@ -106,7 +106,7 @@ def test_matmul_into_strided_rows_gives_the_bits_of_a_fresh_result(batch, m, k, 
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((batch, m, k), dtype=np.float32)
     b = rng.standard_normal((k, n) if two_d_rhs else (batch, k, n), dtype=np.float32)
-    expect = np.matmul(a, b)
+    expect = numpy_ops.matmul(a, b)  # a fresh result (rows x 2-D: one product of the rows merged)
     if heads_first:  # batch and rows swapped in memory, as attention's output laid out for its reshape
         out = np.zeros((m, batch, n), np.float32).transpose(1, 0, 2)
     else:  # rows at a stride, as a slice of a concat's buffer

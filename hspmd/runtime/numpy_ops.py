@@ -161,13 +161,21 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     """`a @ b`; a batch of rows times one 2-D matrix is done as one 2-D product (one BLAS call).
 
     Transposed operands (views) go to BLAS as they are, without a copy, where NumPy can; so
-    does an `out=` with strided rows (a result laid out for its consumer, `schedule.placement`).
+    does an `out=` with strided rows (a result laid out for its consumer, `schedule.placement`)
+    of a batch of products. Rows times a 2-D matrix into an `out=` that is not C-contiguous are
+    computed as one product of the rows merged, then copied into `out`: product by product,
+    OpenBLAS (its small-matrix kernels, from K = 32) and NumPy (a matrix-vector or dot product
+    where a product has one row or column) add in other orders than for the rows merged, so the
+    bits would depend on where the result is written.
     """
-    if b.ndim == 2 and a.ndim > 2 and (out is None or out.flags.c_contiguous):
+    if b.ndim == 2 and a.ndim > 2:
         rows = a.reshape(-1, a.shape[-1])  # a view when a's leading dims merge
         if out is None:
             return np.matmul(rows, b).reshape(*a.shape[:-1], b.shape[1])
-        np.matmul(rows, b, out=out.reshape(rows.shape[0], b.shape[1]))
+        if out.flags.c_contiguous:
+            np.matmul(rows, b, out=out.reshape(rows.shape[0], b.shape[1]))
+        else:
+            np.copyto(out, np.matmul(rows, b).reshape(out.shape))
         return out
     return np.matmul(a, b, out=out)
 
