@@ -1,4 +1,5 @@
-"""Shared fixtures: paths, and running the hspmd command lines in a subprocess."""
+"""Shared fixtures: paths, running the hspmd command lines in a subprocess, and a one-device GPT
+step on the fused CPU kernels (for tests comparing plan options bit for bit)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,34 @@ def run_cli(
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def gpt_cpu_step(overrides: dict):
+    """Return (script, compiled, train_step) of `examples/gpt.py` with `overrides` (no dropout)
+    on one device, the kernel-level program on the fused CPU kernels, as `hspmd run` runs it."""
+    from hspmd.compiler import compile_script
+    from hspmd.dialects.levels import physical_groups
+    from hspmd.frontend.script import load_script
+    from hspmd.runtime.kernel_exec import select_program
+
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {"model.dropout": 0.0, **overrides})
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    ((_, physical),) = physical_groups(compiled.physical)
+    ((_, fused),) = compiled.kernel_groups()
+    module = select_program(physical, fused, "cpu")
+    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+              and op.sym_name.data == "train_step")
+    return script, compiled, fn
+
+
+def train_plan(plan, script, compiled, steps: int = 3):
+    """Run `steps` training steps of `plan` from its initial state; return (losses, parameters)."""
+    import numpy as np
+
+    from hspmd.runtime.worker import step_inputs
+
+    config = {**script.config, "lr_schedule": compiled.lr_schedule}
+    state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
+    losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
+              for n in range(1, steps + 1)]
+    return losses, {k: np.array(v) for k, v in state.items()}

@@ -5,8 +5,6 @@ each chain's end; a hazard or a missing native library makes a chain run whole."
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,35 +14,9 @@ from threadpoolctl import threadpool_limits
 from hspmd.codegen.schedule.chains import find_chains, leading_chunks
 from hspmd.runtime import batch_chain, native
 
-from conftest import EXAMPLES
+from conftest import gpt_cpu_step, train_plan
 
 F32 = np.dtype(np.float32)
-
-
-def _gpt_function(overrides: dict):
-    from hspmd.compiler import compile_script
-    from hspmd.dialects.levels import physical_groups
-    from hspmd.frontend.script import load_script
-    from hspmd.runtime.kernel_exec import select_program
-
-    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {"model.dropout": 0.0, **overrides})
-    compiled = compile_script(script, "[0]: dp=1", 1)
-    ((_, physical),) = physical_groups(compiled.physical)
-    ((_, fused),) = compiled.kernel_groups()
-    module = select_program(physical, fused, "cpu")
-    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-              and op.sym_name.data == "train_step")
-    return script, compiled, fn
-
-
-def _train(plan, script, compiled, steps: int = 3):
-    from hspmd.runtime.worker import step_inputs
-
-    config = {**script.config, "lr_schedule": compiled.lr_schedule}
-    state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
-    losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
-              for n in range(1, steps + 1)]
-    return losses, {k: np.array(v) for k, v in state.items()}
 
 
 def _chains(plan) -> list[batch_chain.Chain]:
@@ -61,14 +33,14 @@ def test_a_gpt_step_is_bit_identical_with_batch_chains(heads, head_dim, seq, bat
     from hspmd.runtime.comm import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
 
-    script, compiled, fn = _gpt_function({"model.layers": 2, "model.d_model": heads * head_dim, "model.heads": heads,
+    script, compiled, fn = gpt_cpu_step({"model.layers": 2, "model.d_model": heads * head_dim, "model.heads": heads,
                                           "model.seq_len": seq, "data.batch_size": batch, "model.vocab_size": 128})
     results = {}
     with threadpool_limits(threads, user_api="blas"):
         for chains in (False, True):
             plan = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], batch_chains=chains)
             assert bool(_chains(plan)) == chains
-            results[chains] = _train(plan, script, compiled)
+            results[chains] = train_plan(plan, script, compiled)
             for chain in _chains(plan):
                 assert chain.last_run_sliced, "a chain ran whole (a hazard in the schedule's buffers?)"
     assert results[True][0] == results[False][0]
@@ -81,7 +53,7 @@ def test_the_schedule_marks_attention_forward_and_backward():
     backward chain (four products and two kernels) per layer."""
     from hspmd.codegen.schedule import build_schedule
 
-    _, _, fn = _gpt_function({"model.layers": 3, "model.d_model": 32, "model.heads": 2, "model.seq_len": 16,
+    _, _, fn = gpt_cpu_step({"model.layers": 3, "model.d_model": 32, "model.heads": 2, "model.seq_len": 16,
                               "data.batch_size": 4, "model.vocab_size": 128})
     schedule = build_schedule(fn, 0)
     assert len(schedule.chains) == 6
@@ -98,13 +70,13 @@ def test_a_chain_runs_whole_without_the_native_library(monkeypatch):
     import hspmd.runtime.plan as plan_module
     from hspmd.runtime.comm import InProcessCommunicator
 
-    script, compiled, fn = _gpt_function({"model.layers": 1, "model.d_model": 32, "model.heads": 2,
+    script, compiled, fn = gpt_cpu_step({"model.layers": 1, "model.d_model": 32, "model.heads": 2,
                                           "model.seq_len": 16, "data.batch_size": 4, "model.vocab_size": 128})
-    reference = _train(plan_module.build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], batch_chains=False),
+    reference = train_plan(plan_module.build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], batch_chains=False),
                        script, compiled)
     monkeypatch.setattr(plan_module.native, "library", lambda: None)
     plan = plan_module.build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
-    losses, state = _train(plan, script, compiled)
+    losses, state = train_plan(plan, script, compiled)
     assert _chains(plan) and not any(c.last_run_sliced for c in _chains(plan))
     assert losses == reference[0]
     for name, value in reference[1].items():
@@ -213,7 +185,7 @@ def test_trailing_broadcasts_reads_the_kernel_body():
     from hspmd.codegen.schedule.chains import trailing_broadcasts
     from hspmd.runtime.kernel_exec import fused_ops
 
-    _, compiled, _ = _gpt_function({"model.layers": 1, "model.d_model": 32, "model.heads": 2,
+    _, compiled, _ = gpt_cpu_step({"model.layers": 1, "model.d_model": 32, "model.heads": 2,
                                     "model.seq_len": 16, "data.batch_size": 4, "model.vocab_size": 128})
     ((_, fused),) = compiled.kernel_groups()
     seen = {}

@@ -5,7 +5,6 @@ step's parameters bit-identical with and without pairs."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 from hspmd.runtime.numpy_ops import matmul, matmul_rhs_grad
 from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
 
-from conftest import EXAMPLES
+from conftest import gpt_cpu_step, train_plan
 
 
 def _blas_threads() -> int:
@@ -96,34 +95,18 @@ def test_a_gpt_step_is_bit_identical_with_pairs(monkeypatch):
     """A small GPT (every linear layer's gradients paired: the size floor lowered), 3 steps with
     BLAS on two threads: the same losses and parameters, bit for bit, as without pairs."""
     import hspmd.runtime.plan as plan_module
-    from hspmd.compiler import compile_script
-    from hspmd.dialects.levels import physical_groups
-    from hspmd.frontend.script import load_script
     from hspmd.runtime.comm import InProcessCommunicator
-    from hspmd.runtime.kernel_exec import select_program
-    from hspmd.runtime.worker import step_inputs
 
     monkeypatch.setattr(plan_module, "PAIR_PRODUCT", 1)
-    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {
-        "model.layers": 2, "model.d_model": 64, "model.heads": 2, "model.seq_len": 32,
-        "data.batch_size": 8, "model.vocab_size": 128, "model.dropout": 0.0})
-    compiled = compile_script(script, "[0]: dp=1", 1)
-    ((_, physical),) = physical_groups(compiled.physical)
-    ((_, fused),) = compiled.kernel_groups()
-    module = select_program(physical, fused, "cpu")
-    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-              and op.sym_name.data == "train_step")
-    config = {**script.config, "lr_schedule": compiled.lr_schedule}
+    script, compiled, fn = gpt_cpu_step({"model.layers": 2, "model.d_model": 64, "model.heads": 2,
+                                         "model.seq_len": 32, "data.batch_size": 8, "model.vocab_size": 128})
     results = {}
     with threadpool_limits(2, user_api="blas"):
         for pair in (False, True):
             plan = plan_module.build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], pair_products=pair)
             paired = sum(getattr(f, "__qualname__", "").endswith("pair.<locals>.launch") for f, *_ in plan.steps)
             assert (paired > 0) == pair
-            state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
-            losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
-                      for n in range(1, 4)]
-            results[pair] = losses, {k: np.array(v) for k, v in state.items()}
+            results[pair] = train_plan(plan, script, compiled)
     assert results[True][0] == results[False][0]
     for name, value in results[False][1].items():
         np.testing.assert_array_equal(results[True][1][name], value, err_msg=name)
