@@ -256,15 +256,15 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
             if type(o) is not np.ndarray or o.dtype != dt or o.shape != shape or not o.flags.c_contiguous:
                 return None
             pairs += [o.ctypes.data, o.strides[0]]
-        lead = out_types[0][0][0]
         desc: list[int] = []
         for address, n0, n1 in addresses:
-            desc += [1, address, n0 // lead, n1, len(pairs) // 2, *pairs]
+            desc += [1, address, n0 // lead_shape[0], n1, len(pairs) // 2, *pairs]
         return desc
 
     # the plan may preallocate results (out=); an elementwise kernel reads operand i before it
     # writes result i, so a result may even be an operand's own array (in-place update)
-    if leading_chunks(in_types, out_types, op.launch_list, scratch, trailing_broadcasts(op)):  # a batch chain's member
+    # a batch chain's member (`codegen/schedule/chains.py`)
+    if leading_chunks(in_types, out_types, op.launch_list, scratch, trailing_broadcasts(op)):
         addresses = [(ctypes.cast(fn, ctypes.c_void_p).value, n0, n1) for fn, n0, n1 in launches]
         call.chain_desc = chain_desc  # type: ignore[attr-defined]
     call.accepts_out = True  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Batch chains: runs of steps over one leading batch dim that a runtime may run by slices of it.
 
-Causal attention is, per layer, such a run: the scores `q @ k^T` (a batch of small products),
-the masked softmax (a row kernel), `p @ v`; in the backward six steps. A runtime that runs every
+Causal attention is, per layer, such a run: the qkv bias add, the scores `q @ k^T` (a batch of
+small products), the masked softmax (a row kernel), `p @ v`; in the backward six steps. A runtime that runs every
 member on entries `lo:hi` of the batch, then on the next entries, keeps a slice's scores and
 probabilities in a core's caches between the members that write and read them
 (`hspmd.runtime.batch_chain`).
@@ -17,7 +17,7 @@ on whole arrays: views of results not yet written; it checks that they are views
 
 Sliced, a member runs entry i before a later member has read every other entry of the values
 the chain holds: so the schedule keeps each such value's buffer alive to the chain's end
-(`extend_lifetimes`), where one after the other a dead value's buffer could be taken by a later
+(`memory._chains`), where one after the other a dead value's buffer could be taken by a later
 member's result.
 """
 

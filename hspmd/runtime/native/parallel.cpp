@@ -10,9 +10,9 @@
 // 32 bits, so a helper waking late cannot take an item of a later call for one of its own.
 //
 // Used by the small batched products (small_matmul.cpp, in the same library), the batch chains
-// (chain.cpp) and, through a
-// function pointer handed to each program's kernel library (`hs_set_parallel`, see
-// hspmd/codegen/cpu_compile.py), by the fused kernels: rows and elements in chunks.
+// (chain.cpp) and, through a function pointer handed to each program's kernel library
+// (`hs_set_parallel`, see hspmd/codegen/cpu_compile.py), by the fused kernels: rows and
+// elements in chunks.
 //
 // Linux wakes a sleeping thread on the CPU of the thread that wakes it when it can; a woken
 // helper then took the caller's CPU and did every item while the caller waited for that CPU
