@@ -9,6 +9,11 @@ count or length, so the shapes hypothesis draws reuse the compiled library cache
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -314,6 +319,28 @@ def test_out_arrays_are_filled_and_may_alias_an_elementwise_operand():
     x2 = x.copy()
     got = call(x2, y, out=(x2, *outs[1:]))  # the first result written over the operand itself
     np.testing.assert_array_equal(x2, want[0])
+
+
+def test_loading_kernels_sets_a_passive_wait_policy_and_leaves_omp_dynamic_alone():
+    """Loading a kernel library defaults OMP_WAIT_POLICY to passive and does not touch
+    OMP_DYNAMIC: OMP_DYNAMIC=true in the environment made a PyTorch loaded later in the same
+    process run its operators on fewer threads (docs/kernels.md). Explicit settings stay."""
+    script = (
+        "import os, sys\n"
+        "sys.path.insert(0, os.getcwd())\n"
+        "from tests.test_kernels import chain_text, fuse\n"
+        "from hspmd.runtime.kernel_exec import program_library\n"
+        "module, _ = fuse(chain_text((9,), 'f64'))\n"
+        "assert program_library(module) is not None\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OMP_DYNAMIC'))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_DYNAMIC")}
+    for extra, want in (({}, "passive None"), ({"OMP_WAIT_POLICY": "active", "OMP_DYNAMIC": "false"}, "active false")):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, env={**base, **extra}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split("\n")[-2] == want
 
 
 def test_pointers_are_reused_only_for_the_same_arrays():
