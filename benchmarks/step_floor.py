@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")  # as step_vs_torch.py (before NumPy loads)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
@@ -107,19 +106,15 @@ def main() -> int:
         batch = next(batches)
         for runner in runners.values():
             runner.step(batch)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    order = list(runners)
     t_mm: list[float] = []
     d_model, seq = script.config["model"]["d_model"], script.config["model"]["seq_len"]
     rows = script.config["data"]["batch_size"] * seq
-    for i in range(args.steps):
-        batch = next(batches)
-        for name in order[i % len(order):] + order[:i % len(order)]:  # each goes first in turn
-            start = time.perf_counter()
-            runners[name].step(batch)
-            times[name].append(time.perf_counter() - start)
+
+    def numpy_product() -> None:  # NumPy's rate: the faster of BLAS's threads and one thread
         t_mm.append(min(svt.numpy_matmul_seconds(rows, d_model, 4 * d_model),
                         svt.numpy_matmul_seconds(rows, d_model, 4 * d_model, threads=1)))
+
+    times = svt.alternate(runners, batches, args.steps, numpy_product)
     med = {name: float(np.median(t)) for name, t in times.items()}
     numpy_rate = 2 * rows * d_model * 4 * d_model / float(np.median(t_mm))
     print(f"GPT-tiny, {len(products.calls)} product steps of the plan ({flops / 1e9:.2f} GFLOP of linear layers), "

@@ -170,6 +170,22 @@ def compiled_torch(script, params: dict[str, np.ndarray], batch) -> tuple["Torch
         return None, math.nan, f"{type(err).__name__}: {first[:200]}"
 
 
+def alternate(runners: dict, batches, steps: int, between) -> dict[str, list[float]]:
+    """Return each runner's step times over `steps` batches, the runners taking turns step by
+    step (each goes first in turn, so a machine shared with other work slows all alike);
+    `between()` runs after every round."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    for i in range(steps):
+        batch = next(batches)
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            start = time.perf_counter()
+            runners[name].step(batch)
+            times[name].append(time.perf_counter() - start)
+        between()
+    return times
+
+
 def numpy_matmul_seconds(m: int, k: int, n: int, threads: int | None = None) -> float:
     """Return the time of one float32 (m x k) @ (k x n) with NumPy (median of 5), on BLAS's
     threads or on `threads`."""
@@ -282,20 +298,16 @@ def main() -> int:
         batch = next(batches)
         for runner in runners.values():
             runner.step(batch)
-    times: dict[str, list[float]] = {name: [] for name in runners}
     t_mm: list[float] = []
     t_mm1: list[float] = []
     d_model, seq = script.config["model"]["d_model"], script.config["model"]["seq_len"]
     rows = script.config["data"]["batch_size"] * seq
-    order = list(runners)
-    for i in range(args.steps):
-        batch = next(batches)
-        for name in order[i % len(order):] + order[:i % len(order)]:  # each goes first in turn
-            start = time.perf_counter()
-            runners[name].step(batch)
-            times[name].append(time.perf_counter() - start)
+
+    def numpy_products() -> None:
         t_mm.append(numpy_matmul_seconds(rows, d_model, 4 * d_model))
         t_mm1.append(numpy_matmul_seconds(rows, d_model, 4 * d_model, threads=1))
+
+    times = alternate(runners, batches, args.steps, numpy_products)
     med = {name: float(np.median(t)) for name, t in times.items()}
     # NumPy's rate: the faster of BLAS's threads and one thread (as hspmd's "auto" may pick either)
     mm_threads = "BLAS's threads" if np.median(t_mm) <= np.median(t_mm1) else "one thread"
