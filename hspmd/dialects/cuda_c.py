@@ -1,0 +1,124 @@
+"""What an op's CUDA C is written with: C types and literals, kernel sources, row-kernel templates.
+
+An op gives its CUDA C beside its definition (`dialects/interfaces.py`): an elementwise op a
+`cuda_expr` (statements over C variables, fused into chains by `fuse-kernels`), a row op a
+`cuda_row` (a kernel template with one block per row). `hspmd.codegen.emit_cuda` assembles
+the kernels from them. Sources are written against the portability layer that
+`codegen/cuda_preamble.cuh` (NVRTC) and `codegen/cuda_emu.h` (the host C++ build) define.
+
+The arithmetic follows the op's NumPy kernel operation by operation, in the operands' float
+type, with Python-float constants rounded to that type first as NumPy's weak scalars are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from xdsl.dialects.builtin import Float32Type, Float64Type, IntegerType, TensorType
+from xdsl.ir import Operation, SSAValue
+
+C_FLOAT = {"f32": "float", "f64": "double"}
+
+
+class EmitError(Exception):
+    """An op or operand the emitter cannot turn into CUDA C (the pass leaves it unfused)."""
+
+
+@dataclass
+class KernelCode:
+    """A kernel's CUDA C source, its launches (`"KIND NAME N0 N1"`) and its scratch buffer sizes."""
+
+    source: str
+    launches: list[str]
+    scratch: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Prologue:
+    """An elementwise chain computing a row op's main operand, to be computed inside the row
+    kernel wherever the kernel reads that operand instead of being stored and read back."""
+
+    members: list[Operation]
+    inputs: list[SSAValue]
+    output: SSAValue
+
+
+@dataclass(frozen=True)
+class RowKernel:
+    """What a row op's `cuda_row` gets: the kernel's `name`, the C float type `t`, the extents
+    (`rows` blocks of `cols`), and the prologue computing its first operand (or None).
+
+    `cuda_row` returns a `KernelCode` whose source is a template: `T` the float type, and where
+    it reads its first operand `XPARAM` (the parameter), `XDECL` (the row pointer's declaration)
+    and `XLOAD[j]` (element j of row r), which the emitter fills for a plain operand or a prologue.
+    """
+
+    name: str
+    t: str
+    rows: int
+    cols: int
+    prologue: Any = None
+
+    def fill(self, template: str, **kw: str) -> str:
+        """Return `template` with `{name}`, `{rows}`, `{cols}` and the `kw` placeholders filled."""
+        return fill(template, name=self.name, rows=str(self.rows), cols=str(self.cols), **kw)
+
+    def launch(self) -> list[str]:
+        """Return the one `row` launch of a kernel named as this one."""
+        return [f"row {self.name} {self.rows} {self.cols}"]
+
+
+def float_kind(typ) -> str | None:
+    """Return "f32"/"f64" for a tensor of that element type, else None."""
+    if isinstance(typ, TensorType):
+        if isinstance(typ.element_type, Float32Type):
+            return "f32"
+        if isinstance(typ.element_type, Float64Type):
+            return "f64"
+    return None
+
+
+def c_type(typ) -> str:
+    """Return the C element type of a tensor type (float, double, int32_t, int64_t)."""
+    et = typ.element_type
+    if isinstance(et, Float32Type):
+        return "float"
+    if isinstance(et, Float64Type):
+        return "double"
+    if isinstance(et, IntegerType) and et.width.data in (8, 16, 32, 64):
+        return f"int{et.width.data}_t"
+    raise EmitError(f"no C type for {typ}")
+
+
+def shape(value: SSAValue) -> tuple[int, ...]:
+    """Return the shape of a tensor value."""
+    return tuple(value.type.get_shape())  # type: ignore[attr-defined]
+
+
+def lit(x: float, t: str) -> str:
+    """Return a C expression for Python float `x` rounded to C type `t` (inf/nan spelled out)."""
+    if math.isnan(x):
+        return f"(({t})HS_NAN)"
+    if math.isinf(x):
+        return f"(({t})HS_INF)" if x > 0 else f"(-({t})HS_INF)"
+    return f"(({t}){x!r})"
+
+
+def prop(op: Operation, name: str) -> float:
+    """Return float property `name` of `op`."""
+    return float(op.properties[name].value.data)  # type: ignore[attr-defined]
+
+
+def fill(template: str, **kw: str) -> str:
+    """Return `template` with every `{key}` replaced by `kw[key]`."""
+    for k, v in kw.items():
+        template = template.replace("{" + k + "}", v)
+    return template
+
+
+def retype(src: str, t: str) -> str:
+    """Replace the template's type name T by `t` (whole words only)."""
+    return re.sub(r"\bT\b", t, src)
