@@ -93,6 +93,21 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 
 
+def is_elementwise(op: Operation) -> bool:
+    """Return whether an elementwise kernel can compute `op` (it has a `cuda_expr`)."""
+    return isinstance(op, ELEMENTWISE) or callable(getattr(op, "cuda_expr", None))
+
+
+def is_row_op(op: Operation) -> bool:
+    """Return whether a row kernel computes `op` (it has a `cuda_row`)."""
+    return isinstance(op, ROW_OPS) or callable(getattr(op, "cuda_row", None))
+
+
+def takes_prologue(op: Operation) -> bool:
+    """Return whether `op`'s row kernel can compute its first operand from an elementwise chain."""
+    return isinstance(op, PROLOGUE_ROW_OPS) or bool(getattr(op, "CUDA_ROW_PROLOGUE", False))
+
+
 def _pow_expr(x: str, p: float, t: str) -> str:
     if p == 2.0:
         return f"({x} * {x})"
@@ -109,6 +124,10 @@ def elementwise_expr(op: Operation, a: list[str], t: str, stmts: list[str], out:
 
     Scalar (0-d) operands arrive as `double` expressions. EmitError for an unsupported op.
     """
+    own = getattr(op, "cuda_expr", None)
+    if callable(own):
+        own(a, t, stmts, out)
+        return
     L = lambda x: lit(x, t)  # noqa: E731
     one, half = L(1.0), L(0.5)
     r = out[0]

@@ -107,6 +107,11 @@ def lit(x: float, t: str) -> str:
     return f"(({t}){x!r})"
 
 
+def put(stmts: list[str], t: str, name: str, expr: str) -> None:
+    """Append the statement `const t name = expr;` to `stmts`."""
+    stmts.append(f"const {t} {name} = {expr};")
+
+
 def prop(op: Operation, name: str) -> float:
     """Return float property `name` of `op`."""
     return float(op.properties[name].value.data)  # type: ignore[attr-defined]

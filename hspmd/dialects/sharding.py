@@ -33,39 +33,12 @@ from dataclasses import dataclass
 from xdsl.ir import Operation
 
 from hspmd.dialects import graph
+from hspmd.dialects.op_rule import OpRule
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
 
 
 class ShardingError(Exception):
     """Layouts that an op's rule cannot reconcile; names the op and the layouts."""
-
-
-@dataclass(frozen=True)
-class OpRule:
-    """Factors per dim of each operand and result, linearity and unsplittable factors.
-
-    A factor split on a mesh axis that is missing from a result was summed over for that
-    result, which is then partial on that axis (for every result alike: `layer_norm_grad`'s
-    dx keeps the batch factors, its dweight and dbias do not and come out partial).
-    """
-
-    operands: tuple[tuple[str, ...], ...]
-    results: tuple[tuple[str, ...], ...]
-    linear: frozenset[int] = frozenset()
-    joint: bool = True
-    blocked: frozenset[str] = frozenset()
-    extents: tuple[tuple[str, int], ...] = ()  # (factor, size): a split degree of it must divide size
-    #: factors whose splits are kept first where operands disagree on a mesh axis (a weight's
-    #: dims: weights stay where they are, activations are gathered or reduced to meet them, as
-    #: Megatron does; a weight gradient keeps the weight's split rather than the sequence's)
-    prefer: frozenset[str] = frozenset()
-    #: which operand sets the mesh the op runs on, where operands lie on different meshes or
-    #: split different factors on one: an operand index, or a factor (the operand splitting it,
-    #: the most split first). Operands on another mesh then give their splits to the mesh axes
-    #: the leader leaves free. Mixture of experts: the expert weights (split along the expert
-    #: dim) lead the expert matmuls, the tokens (split along the batch) lead the combine, so the
-    #: reshards between them are all-to-alls of the tokens, never gathers of the weights.
-    lead: int | str | None = None
 
 
 def _dims(prefix: str, n: int) -> tuple[str, ...]:

@@ -7,12 +7,14 @@ shapes) and appends `graph` ops through the tensor's tracer. Tensors' operators 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 from xdsl.dialects.builtin import TensorType
 
 from hspmd.dialects import graph
-from hspmd.dialects.graph import GELU_APPROXIMATIONS
+from hspmd.dialects.graph import Graph
+from hspmd.dialects.interfaces import frontend_names
 from hspmd.frontend.tracing import Tensor, Tracer, fail
 from hspmd.ir.types import element_type
 
@@ -114,42 +116,6 @@ def _unary(cls, x, op: str, **kwargs) -> Tensor:
     return x.tracer.emit(cls(x.value, **kwargs))
 
 
-def relu(x: Tensor) -> Tensor:
-    """Return `max(x, 0)` elementwise."""
-    x = _tensor(x, "relu")
-    return x.tracer.emit(graph.ReluOp(x.value))
-
-
-def exp(x: Tensor) -> Tensor:
-    """Return `exp(x)` elementwise."""
-    return _unary(graph.ExpOp, x, "exp")
-
-
-def log(x: Tensor) -> Tensor:
-    """Return the natural `log(x)` elementwise."""
-    return _unary(graph.LogOp, x, "log")
-
-
-def sqrt(x: Tensor) -> Tensor:
-    """Return `sqrt(x)` elementwise."""
-    return _unary(graph.SqrtOp, x, "sqrt")
-
-
-def rsqrt(x: Tensor) -> Tensor:
-    """Return `1 / sqrt(x)` elementwise."""
-    return _unary(graph.RsqrtOp, x, "rsqrt")
-
-
-def tanh(x: Tensor) -> Tensor:
-    """Return `tanh(x)` elementwise."""
-    return _unary(graph.TanhOp, x, "tanh")
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    """Return `1 / (1 + exp(-x))` elementwise."""
-    return _unary(graph.SigmoidOp, x, "sigmoid")
-
-
 def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
     """Return the mean over all elements of `-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))`.
 
@@ -167,57 +133,9 @@ def binary_cross_entropy_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return per.mean()
 
 
-def silu(x: Tensor) -> Tensor:
-    """Return `x * sigmoid(x)` elementwise (SiLU / swish)."""
-    return _unary(graph.SiluOp, x, "silu")
-
-
-def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    """Return GELU of x: exact (`approximate="none"`, with erf) or the tanh form (`"tanh"`)."""
-    if approximate not in GELU_APPROXIMATIONS:
-        raise fail("gelu", f"approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got {approximate!r}")
-    return _unary(graph.GeluOp, x, "gelu", approximate=approximate)
-
-
-def power(x: Tensor, exponent: float) -> Tensor:
-    """Return `x ** exponent` for a Python number `exponent` (also `x ** p`)."""
-    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)):
-        raise fail("pow", f"the exponent must be a Python number, got {type(exponent).__name__}")
-    x = _tensor(x, "pow")
-    if exponent == 1:
-        return x
-    return _unary(graph.PowOp, x, "pow", exponent=float(exponent))
-
-
-def divide(a, b) -> Tensor:
-    """Return `a / b` elementwise with NumPy broadcasting (also `a / b` on tensors)."""
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
-        return _tensor(a, "div") * (1.0 / b)
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        b = _tensor(b, "div")
-        return b._binary(a, graph.DivOp, "div", swap=True)
-    a = _tensor(a, "div")
-    return a._binary(_tensor(b, "div"), graph.DivOp, "div")
-
-
 # Like autocast: with float16/bfloat16 inputs, these ops compute in float32 and give back the
 # input's dtype (cross-entropy gives float32): their sums and exponentials need the range.
 REDUCED_PRECISION = ("float16", "bfloat16")
-
-
-def cast(x: Tensor, dtype: str) -> Tensor:
-    """Return x converted to `dtype` (float16, bfloat16, float32 or float64)."""
-    x = _tensor(x, "cast")
-    if dtype not in FLOAT_DTYPES:
-        raise fail("cast", f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
-    _float(x, "cast")
-    if x.dtype == dtype:
-        return x
-    try:
-        elt = element_type(dtype)
-    except TypeError as err:
-        raise fail("cast", str(err)) from None
-    return x.tracer.emit(graph.CastOp(x.value, TensorType(elt, x.shape)))
 
 
 # ----------------------------------------------------------------------------- normalisation
@@ -440,6 +358,20 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int | None = Non
         return per_sample.mean()
     mask = logits.tracer.emit(graph.LabelMaskOp(labels.value, ignore, _typed(logits, labels.shape)))
     return divide(per_sample.sum(), mask.sum())
+
+
+def frontend_functions() -> dict[str, Callable]:
+    """Return every function that an op of the `graph` dialect names in its `FRONTEND`, by name
+    (the functions stand beside their ops in `hspmd.dialects.graph`; `Tensor` operators aside)."""
+    functions: dict[str, Callable] = {}
+    for op in Graph.operations:
+        for name in frontend_names(op):
+            if not name.startswith("Tensor."):
+                functions[name] = getattr(sys.modules[op.__module__], name)
+    return functions
+
+
+globals().update(frontend_functions())
 
 
 def _install_operators(cls: type) -> None:

@@ -7,8 +7,6 @@ line of the user's script that made the op, the op, and the shapes.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,28 +15,10 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Block, Region, SSAValue
 
 from hspmd.dialects import graph
+from hspmd.dialects.traced import TraceError, fail
 from hspmd.ir.types import dtype_name, element_type
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-class TraceError(Exception):
-    """A model script asked for something that cannot be traced; says where and why."""
-
-
-def _user_location() -> str:
-    """Return `file:line` of the innermost caller outside the hspmd package."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_PACKAGE_DIR + os.sep):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>"
-
-
-def fail(op: str, message: str) -> TraceError:
-    """Return a TraceError for `op` located at the user's script line."""
-    return TraceError(f"{_user_location()}: {op}: {message}")
+__all__ = ["Tensor", "TraceError", "Tracer", "broadcast_shape", "fail"]
 
 
 class Tracer:
@@ -150,7 +130,9 @@ class Tensor:
         dims = [i + offset for i in keep]
         return self.tracer.emit(graph.BroadcastOp(src.value, dims, TensorType(self.value.type.element_type, shape)))
 
-    def _binary(self, other, cls, op: str, swap: bool = False) -> Tensor:
+    def broadcast_binary(self, other, cls, op: str, swap: bool = False) -> Tensor:
+        """Return binary op `cls` (named `op` in errors) of this tensor and `other` (a tensor or a
+        Python number) broadcast to a common shape, NumPy's way; `swap` puts `other` first."""
         other = self._lift(other, op)
         a, b = (other, self) if swap else (self, other)
         if a.dtype != b.dtype:
@@ -162,26 +144,26 @@ class Tensor:
         return self.tracer.emit(cls(a.value, b.value))
 
     def __add__(self, other):
-        return self._binary(other, graph.AddOp, "add")
+        return self.broadcast_binary(other, graph.AddOp, "add")
 
     def __radd__(self, other):
-        return self._binary(other, graph.AddOp, "add", swap=True)
+        return self.broadcast_binary(other, graph.AddOp, "add", swap=True)
 
     def __sub__(self, other):
-        return self._binary(other, graph.SubOp, "sub")
+        return self.broadcast_binary(other, graph.SubOp, "sub")
 
     def __rsub__(self, other):
-        return self._binary(other, graph.SubOp, "sub", swap=True)
+        return self.broadcast_binary(other, graph.SubOp, "sub", swap=True)
 
     def __mul__(self, other):
         if isinstance(other, (int, float)):
             return self.tracer.emit(graph.ScaleOp(self.value, float(other)))
-        return self._binary(other, graph.MulOp, "mul")
+        return self.broadcast_binary(other, graph.MulOp, "mul")
 
     def __rmul__(self, other):
         if isinstance(other, (int, float)):
             return self.tracer.emit(graph.ScaleOp(self.value, float(other)))
-        return self._binary(other, graph.MulOp, "mul", swap=True)
+        return self.broadcast_binary(other, graph.MulOp, "mul", swap=True)
 
     def __neg__(self):
         return self * -1.0

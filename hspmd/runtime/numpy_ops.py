@@ -22,6 +22,7 @@ import numpy as np
 from xdsl.ir import Operation
 
 from hspmd.dialects import graph
+from hspmd.dialects.interfaces import KernelContext
 from hspmd.ir.types import dtype_name
 from hspmd.runtime import native as _native
 
@@ -739,6 +740,9 @@ def kernel_for(op: Operation, rank: int = 0) -> Kernel:
     Most kernels ignore the rank; ops whose values depend on where a piece lies in the global
     tensor (counter-based dropout) use it with the op's `global_type` layout.
     """
+    own = getattr(op, "numpy_kernel", None)
+    if callable(own):
+        return own(KernelContext(rank, _native))
     fn = _iota(op, rank) if isinstance(op, graph.IotaOp) else _pointwise_or_shape_kernel(op)
     if fn is None:
         fn = _layer_kernel(op, rank)

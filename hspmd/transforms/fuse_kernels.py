@@ -39,16 +39,16 @@ from xdsl.ir import Block, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.codegen.emit_cuda import (
-    ELEMENTWISE,
-    PROLOGUE_ROW_OPS,
-    ROW_OPS,
-    Prologue,
     EmitError,
     KernelCode,
+    Prologue,
     emit_elementwise,
     emit_row,
     float_kind,
+    is_elementwise,
+    is_row_op,
     shape,
+    takes_prologue,
 )
 from hspmd.dialects import graph, kernel
 
@@ -64,7 +64,7 @@ class _Group:
 
 def _elementwise_key(op: Operation) -> tuple[tuple[int, ...], str] | None:
     """Return (shape, dtype) of an op an elementwise kernel can compute, else None."""
-    if not isinstance(op, ELEMENTWISE) or not op.results:
+    if not is_elementwise(op) or not op.results:
         return None
     s, dtype = shape(op.results[0]), float_kind(op.results[0].type)
     if dtype is None or s == () or math.prod(s) == 0:
@@ -152,7 +152,7 @@ def _replace(block: Block, code: KernelCode, name: str, dtype: str, members: lis
 def _fuse_rows(block: Block, namer: _Namer) -> int:
     count = 0
     for op in list(block.ops):
-        if not isinstance(op, ROW_OPS):
+        if not is_row_op(op):
             continue
         try:
             name, code = namer([op], emit_row(_PLACEHOLDER, op))
@@ -235,14 +235,14 @@ def _fuse_prologues(block: Block, namer: _Namer) -> int:
     count = 0
     for row in [o for o in block.ops if isinstance(o, kernel.FusedOp)]:
         (inner,) = _body_ops(row) if len(_body_ops(row)) == 1 else (None,)
-        if not isinstance(inner, PROLOGUE_ROW_OPS) or not row.inputs:
+        if not takes_prologue(inner) or not row.inputs:
             continue
         pro = row.inputs[0].owner
         if (not isinstance(pro, kernel.FusedOp) or pro.parent_block() is not block or len(pro.outputs) != 1
                 or len(list(pro.outputs[0].uses)) != 1 or list(row.inputs).count(pro.outputs[0]) != 1):
             continue
         members = _body_ops(pro)
-        if not all(isinstance(m, (*ELEMENTWISE, graph.BroadcastOp)) and len(m.results) == 1 for m in members):
+        if not all((is_elementwise(m) or isinstance(m, graph.BroadcastOp)) and len(m.results) == 1 for m in members):
             continue
         prologue = Prologue(members, list(pro.body.block.args), pro.body.block.last_op.values[0])
         try:

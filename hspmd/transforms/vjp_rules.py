@@ -105,6 +105,9 @@ def vjp(op: Operation, gs: Sequence[SSAValue | None], emit: Emitter) -> list[Thu
     `gs[i]` is the gradient of result i, None where it has none (not all None). Makers are
     called only for operands that need a gradient, so no dead backward ops appear.
     """
+    own = getattr(op, "vjp", None)
+    if callable(own):
+        return own(gs, emit)
     g = gs[0] if len(gs) == 1 else None
     match op:
         case dist.AnnotateOp():  # the gradient of an annotated value is laid out alike

@@ -22,6 +22,7 @@ from xdsl.ir import Operation
 
 from hspmd.dialects import graph, kernel, optim
 from hspmd.ir.types import dtype_name
+from hspmd.dialects.interfaces import out_facts_of
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ SUM = ANY
 
 def out_facts(op: Operation) -> OutFacts:
     """Return the static facts of `op`'s kernel (FRESH for ops the table does not know)."""
+    if callable(getattr(op, "out_facts", None)) or hasattr(op, "OUT_FACTS"):
+        return out_facts_of(op)
     match op:
         case graph.ReduceSumOp():  # sums in its own dtype into out=; a cast sum allocates
             same = dtype_name(op.operands[0].type) == dtype_name(op.results[0].type)

@@ -12,184 +12,45 @@ re-exports every op, so `graph.MatmulOp` names an op wherever it is defined.
 """
 
 from xdsl.ir import Dialect
-from hspmd.dialects.graph.base import (  # noqa: F401
-    tensor_shape,
-    tensor_type,
-    i64_array,
-    stops_gradient,
-    check_same_shape,
-    check_same_element_type,
-    TensorOp,
-    BinaryOp,
-    UnaryOp,
-    check_float,
-    check_integer,
-    check_dim,
-    int_attr,
-    float_attr,
-    ElementwiseOp,
-    UnaryGradOp,
-    FLOAT_TYPES,
-)
-from hspmd.dialects.graph.leaves import (  # noqa: F401
-    ParameterOp,
-    InputOp,
-    ConstantOp,
-    IotaOp,
-    OutputOp,
-    AssignOp,
-)
-from hspmd.dialects.graph.arithmetic import (  # noqa: F401
-    AddOp,
-    SubOp,
-    MulOp,
-    DivOp,
-    ScaleOp,
-    CastOp,
-    PowOp,
-    PowGradOp,
-)
-from hspmd.dialects.graph.activations import (  # noqa: F401
-    ReluOp,
-    ReluGradOp,
-    ExpOp,
-    LogOp,
-    SqrtOp,
-    RsqrtOp,
-    TanhOp,
-    TanhGradOp,
-    SigmoidOp,
-    SigmoidGradOp,
-    SiluOp,
-    SiluGradOp,
-    GELU_APPROXIMATIONS,
-    GeluOp,
-    GeluGradOp,
-)
-from hspmd.dialects.graph.matmul import (  # noqa: F401
-    MatmulBase,
-    MatmulOp,
-    MatmulRhsGradOp,
-)
-from hspmd.dialects.graph.shape import (  # noqa: F401
-    TransposeOp,
-    ReshapeOp,
-    BroadcastOp,
-    SliceOp,
-    SplitOp,
-    ConcatOp,
-)
-from hspmd.dialects.graph.reductions import (  # noqa: F401
-    ReduceSumOp,
-    ReduceMaxOp,
-    ReduceMaxGradOp,
-)
-from hspmd.dialects.graph.softmax import (  # noqa: F401
-    SoftmaxOp,
-    SoftmaxGradOp,
-    CausalMaskOp,
-)
-from hspmd.dialects.graph.norms import (  # noqa: F401
-    LayerNormOp,
-    LayerNormGradOp,
-    RmsNormOp,
-    RmsNormGradOp,
-)
-from hspmd.dialects.graph.losses import (  # noqa: F401
-    EmbeddingOp,
-    EmbeddingGradOp,
-    SoftmaxCrossEntropyOp,
-    SoftmaxCrossEntropyGradOp,
-    OneHotOp,
-    LabelMaskOp,
-    BinaryCrossEntropyOp,
-    BinaryCrossEntropyGradOp,
-)
-from hspmd.dialects.graph.positions import (  # noqa: F401
-    RopeOp,
-    RopeGradOp,
-    DropoutOp,
-)
-from hspmd.dialects.graph.moe import (  # noqa: F401
-    ExpertMatmulOp,
-    ExpertMatmulRhsGradOp,
-    MoeRouteOp,
-    MoeDispatchOp,
-    MoeCombineOp,
-    MoeWeightsGradOp,
-)
-from hspmd.dialects.graph.scan import (  # noqa: F401
-    stacked_type,
-    ScanOp,
-)
+from xdsl.irdl import IRDLOperation
 
-Graph = Dialect(
-    "graph",
-    [
-        ParameterOp,
-        InputOp,
-        ConstantOp,
-        IotaOp,
-        OutputOp,
-        AssignOp,
-        AddOp,
-        SubOp,
-        MulOp,
-        DivOp,
-        ReluOp,
-        ReluGradOp,
-        ScaleOp,
-        MatmulOp,
-        MatmulRhsGradOp,
-        TransposeOp,
-        ReshapeOp,
-        BroadcastOp,
-        ReduceSumOp,
-        ReduceMaxOp,
-        ReduceMaxGradOp,
-        ExpOp,
-        LogOp,
-        SqrtOp,
-        RsqrtOp,
-        TanhOp,
-        TanhGradOp,
-        SigmoidOp,
-        SigmoidGradOp,
-        BinaryCrossEntropyOp,
-        BinaryCrossEntropyGradOp,
-        SiluOp,
-        SiluGradOp,
-        GeluOp,
-        GeluGradOp,
-        PowOp,
-        PowGradOp,
-        CastOp,
-        SoftmaxOp,
-        SoftmaxGradOp,
-        LayerNormOp,
-        LayerNormGradOp,
-        RmsNormOp,
-        RmsNormGradOp,
-        EmbeddingOp,
-        EmbeddingGradOp,
-        CausalMaskOp,
-        SliceOp,
-        SplitOp,
-        ConcatOp,
-        SoftmaxCrossEntropyOp,
-        SoftmaxCrossEntropyGradOp,
-        OneHotOp,
-        LabelMaskOp,
-        RopeOp,
-        RopeGradOp,
-        DropoutOp,
-        ExpertMatmulOp,
-        ExpertMatmulRhsGradOp,
-        MoeRouteOp,
-        MoeDispatchOp,
-        MoeCombineOp,
-        MoeWeightsGradOp,
-        ScanOp,
-    ],
-    [],
+from hspmd.dialects.graph import (
+    base,
+    leaves,
+    arithmetic,
+    activations,
+    matmul,
+    shape,
+    reductions,
+    softmax,
+    norms,
+    losses,
+    positions,
+    moe,
+    scan,
 )
+from hspmd.dialects.graph.base import *  # noqa: F403
+from hspmd.dialects.graph.leaves import *  # noqa: F403
+from hspmd.dialects.graph.arithmetic import *  # noqa: F403
+from hspmd.dialects.graph.activations import *  # noqa: F403
+from hspmd.dialects.graph.matmul import *  # noqa: F403
+from hspmd.dialects.graph.shape import *  # noqa: F403
+from hspmd.dialects.graph.reductions import *  # noqa: F403
+from hspmd.dialects.graph.softmax import *  # noqa: F403
+from hspmd.dialects.graph.norms import *  # noqa: F403
+from hspmd.dialects.graph.losses import *  # noqa: F403
+from hspmd.dialects.graph.positions import *  # noqa: F403
+from hspmd.dialects.graph.moe import *  # noqa: F403
+from hspmd.dialects.graph.scan import *  # noqa: F403
+
+#: the op families, each a module of ops with everything hspmd knows of them
+FAMILIES = (leaves, arithmetic, activations, matmul, shape, reductions, softmax, norms, losses, positions, moe, scan)
+
+
+def _ops_of(module) -> list[type[IRDLOperation]]:
+    """Return the ops a family module exports (its `__all__`), in their order there."""
+    values = (getattr(module, name) for name in module.__all__)
+    return [v for v in values if isinstance(v, type) and issubclass(v, IRDLOperation) and hasattr(v, "name")]
+
+
+Graph = Dialect("graph", [op for module in FAMILIES for op in _ops_of(module)], [])

@@ -8,7 +8,10 @@ level, which is why no op stores a shape of its own: the result type is the shap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import numpy as np
 
 from xdsl.dialects.builtin import (
     AnyFloat,
@@ -31,6 +34,30 @@ from xdsl.irdl import (
 )
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
+
+from hspmd.dialects.interfaces import Emit
+from hspmd.dialects.op_rule import OpRule, elementwise_rule
+from hspmd.ir.types import dtype_name
+
+__all__ = [
+    "tensor_shape",
+    "tensor_type",
+    "i64_array",
+    "stops_gradient",
+    "check_same_shape",
+    "check_same_element_type",
+    "TensorOp",
+    "BinaryOp",
+    "UnaryOp",
+    "check_float",
+    "check_integer",
+    "check_dim",
+    "int_attr",
+    "float_attr",
+    "ElementwiseOp",
+    "UnaryGradOp",
+    "FLOAT_TYPES",
+]
 
 
 def tensor_shape(value: SSAValue | Attribute) -> tuple[int, ...]:
@@ -129,7 +156,10 @@ def float_attr(value: float) -> FloatAttr:
 
 
 class ElementwiseOp(UnaryOp):
-    """A float elementwise op: result of the input's shape and element type."""
+    """A float elementwise op: result of the input's shape and element type (any split fits)."""
+
+    def sharding_rule(self) -> OpRule:
+        return elementwise_rule(self)
 
     def verify_(self) -> None:
         check_same_shape(self, self.input, self.result)
@@ -144,5 +174,38 @@ class UnaryGradOp(BinaryOp):
     def __init__(self, at: SSAValue, dy: SSAValue, **props: Attribute):
         IRDLOperation.__init__(self, operands=[at, dy], result_types=[dy.type], properties=props)
 
+    NO_VJP: ClassVar[str] = "a gradient op (no second derivatives)"
+
+    def sharding_rule(self) -> OpRule:
+        return elementwise_rule(self, frozenset({1}))  # linear in the incoming gradient
+
 
 FLOAT_TYPES = (Float32Type, Float64Type)
+
+
+# ----------------------------------------------------------------------------- helpers of the facts
+
+
+def result_shape(op: Operation) -> tuple[int, ...]:
+    """Return the shape of `op`'s first result."""
+    return op.results[0].type.get_shape()  # type: ignore[attr-defined]
+
+
+def result_dtype(op: Operation) -> np.dtype:
+    """Return the NumPy dtype of `op`'s first result."""
+    return np.dtype(dtype_name(op.results[0].type))
+
+
+def shared_grad(emit: Emit, make: Callable[[], Operation]) -> Callable[[], Operation]:
+    """Return a maker that emits the op `make` builds once, and then hands back the same op (the
+    gradients of several operands that one backward op computes together)."""
+    made: list[Operation] = []
+
+    def get() -> Operation:
+        if not made:
+            made.append(make())
+            emit(made[0])
+        return made[0]
+
+    return get
+

@@ -33,6 +33,15 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_integer, int_attr
 
+__all__ = [
+    "ParameterOp",
+    "InputOp",
+    "ConstantOp",
+    "IotaOp",
+    "OutputOp",
+    "AssignOp",
+]
+
 
 @irdl_op_definition
 class ParameterOp(IRDLOperation):

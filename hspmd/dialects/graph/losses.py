@@ -25,6 +25,17 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_same_shape, check_same_element_type, TensorOp, BinaryOp, UnaryOp, check_float, check_integer, int_attr
 
+__all__ = [
+    "EmbeddingOp",
+    "EmbeddingGradOp",
+    "SoftmaxCrossEntropyOp",
+    "SoftmaxCrossEntropyGradOp",
+    "OneHotOp",
+    "LabelMaskOp",
+    "BinaryCrossEntropyOp",
+    "BinaryCrossEntropyGradOp",
+]
+
 
 @irdl_op_definition
 class EmbeddingOp(TensorOp):

@@ -18,6 +18,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_same_element_type, TensorOp
 
+__all__ = [
+    "MatmulBase",
+    "MatmulOp",
+    "MatmulRhsGradOp",
+]
+
 
 class MatmulBase(TensorOp):
     """Base of the products `graph.matmul` and `graph.expert_matmul` (one verifier, one kernel)."""

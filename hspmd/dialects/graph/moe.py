@@ -23,6 +23,15 @@ from xdsl.utils.exceptions import VerifyException
 from hspmd.dialects.graph.base import tensor_shape, check_same_element_type, TensorOp, UnaryOp, check_float, int_attr
 from hspmd.dialects.graph.matmul import MatmulBase
 
+__all__ = [
+    "ExpertMatmulOp",
+    "ExpertMatmulRhsGradOp",
+    "MoeRouteOp",
+    "MoeDispatchOp",
+    "MoeCombineOp",
+    "MoeWeightsGradOp",
+]
+
 
 @irdl_op_definition
 class ExpertMatmulOp(MatmulBase):

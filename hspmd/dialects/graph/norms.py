@@ -20,6 +20,13 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_same_shape, check_same_element_type, TensorOp, check_float, float_attr
 
+__all__ = [
+    "LayerNormOp",
+    "LayerNormGradOp",
+    "RmsNormOp",
+    "RmsNormGradOp",
+]
+
 
 @irdl_op_definition
 class LayerNormOp(TensorOp):

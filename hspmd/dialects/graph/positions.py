@@ -26,6 +26,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_same_shape, TensorOp, UnaryOp, check_float, check_integer, int_attr, float_attr
 
+__all__ = [
+    "RopeOp",
+    "RopeGradOp",
+    "DropoutOp",
+]
+
 
 class _Rope(UnaryOp):
     base = prop_def(FloatAttr)

@@ -21,6 +21,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, i64_array, check_same_shape, TensorOp, UnaryOp
 
+__all__ = [
+    "ReduceSumOp",
+    "ReduceMaxOp",
+    "ReduceMaxGradOp",
+]
+
 
 class _Reduce(UnaryOp):
     dims = prop_def(DenseArrayBase)

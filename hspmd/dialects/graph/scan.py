@@ -26,6 +26,11 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, tensor_type, i64_array, int_attr
 
+__all__ = [
+    "stacked_type",
+    "ScanOp",
+]
+
 
 def _slice_type(typ: Attribute) -> TensorType:
     """Return tensor type `typ` without its leading dim (one iteration's piece of a stacked value)."""

@@ -25,6 +25,15 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, i64_array, check_same_element_type, TensorOp, UnaryOp, check_dim, int_attr
 
+__all__ = [
+    "TransposeOp",
+    "ReshapeOp",
+    "BroadcastOp",
+    "SliceOp",
+    "SplitOp",
+    "ConcatOp",
+]
+
 
 @irdl_op_definition
 class TransposeOp(UnaryOp):

@@ -17,6 +17,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.graph.base import tensor_shape, check_same_shape, UnaryOp, check_float, check_dim, int_attr, float_attr, UnaryGradOp
 
+__all__ = [
+    "SoftmaxOp",
+    "SoftmaxGradOp",
+    "CausalMaskOp",
+]
+
 
 @irdl_op_definition
 class SoftmaxOp(UnaryOp):
