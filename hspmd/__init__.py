@@ -16,8 +16,8 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")
 
 from hspmd.frontend import nn
 from hspmd.frontend import optim
-from hspmd.frontend.annotate import annotate
 from hspmd.frontend.ops import (
+    annotate,
     causal_mask,
     cast,
     concat,

@@ -22,6 +22,7 @@ from xdsl.dialects.builtin import Float32Type, Float64Type, IntegerType, TensorT
 from xdsl.ir import Operation, SSAValue
 
 from hspmd.dialects import graph, optim
+from hspmd.dialects.cuda_c import RowKernel
 
 C_FLOAT = {"f32": "float", "f64": "double"}
 
@@ -643,8 +644,11 @@ HS_KERNEL void {name}(XPARAM, T* __restrict__ y, long rows, long cols) {
 
 
 def row_extents(op: Operation) -> tuple[int, int]:
-    """Return (rows, cols) of a row op: its main operand as rows of its last dim (a routing
-    group's [tokens, experts] for `graph.moe_route`)."""
+    """Return (rows, cols) of a row op: its main operand as rows of its last dim (or what the
+    op's `cuda_row_extents()` says: a routing group's [tokens, experts] for `graph.moe_route`)."""
+    own = getattr(op, "cuda_row_extents", None)
+    if callable(own):
+        return own()
     s = shape(op.operands[0])
     if not s:
         raise EmitError(f"'{op.name}' on a 0-d tensor")
@@ -678,6 +682,10 @@ def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> Kern
     eps = lit(_prop(op, "eps"), t) if "eps" in op.properties else ""
     launches = [f"row {name} {rows} {cols}"]
     scratch: list[int] = []
+    own = getattr(op, "cuda_row", None)
+    if callable(own):
+        code = own(RowKernel(name, t, rows, cols, prologue))
+        return _finish_row(name, op, code, dtype, t, cols, prologue)
     match op:
         case graph.SoftmaxOp() | graph.SoftmaxGradOp():
             if op.dim.value.data != nd - 1:
@@ -734,6 +742,31 @@ def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> Kern
         raise EmitError(f"internal: unresolved template in the kernel of '{op.name}'")
     src = _retype(src, t)
     return KernelCode(src, launches, scratch)
+
+
+def _finish_row(name: str, op: Operation, code: KernelCode, dtype: str, t: str, cols: int,
+                prologue: Prologue | None) -> KernelCode:
+    """Return the row kernel `code` (a template from the op's `cuda_row`) with its first operand
+    read from a pointer or computed by `prologue`, and its type name T filled."""
+    src = code.source
+    for w in op.operands[1:]:
+        if float_kind(w.type) not in (None, dtype):
+            raise EmitError(f"'{op.name}' mixes float types")
+    if prologue is None:
+        src = src.replace("XPARAM", "const T* __restrict__ x").replace("XDECL", "const T* xr = x + r * cols;")
+        src = src.replace("XLOAD[", "xr[")
+    else:
+        if not takes_prologue(op) or shape(prologue.output) != shape(op.operands[0]):
+            raise EmitError(f"'{op.name}' takes no prologue")
+        fn, params = _prologue_function(name, prologue, t, cols)
+        args = ", ".join(f"in{k}" for k in range(len(prologue.inputs)))
+        src = src.replace("XPARAM", ", ".join(params)).replace("    XDECL\n", "")
+        src = re.sub(r"XLOAD\[([^\]]+)\]", lambda m: f"{name}_x({args}, r, {m.group(1)}, cols)", src)
+        ops = ", ".join(m.name for m in prologue.members)
+        src = f"// {name}: prologue {ops}\n" + fn + src
+    if "XLOAD" in src or "XPARAM" in src or "XDECL" in src:
+        raise EmitError(f"internal: unresolved template in the kernel of '{op.name}'")
+    return KernelCode(_retype(src, t), code.launches, code.scratch)
 
 
 def _retype(src: str, t: str) -> str:

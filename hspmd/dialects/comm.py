@@ -27,7 +27,7 @@ from xdsl.irdl import (
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import LayoutAttr
-from hspmd.dialects.graph import i64_array, tensor_shape
+from hspmd.dialects.graph.base import i64_array, tensor_shape
 from hspmd.ir.layout import Layout
 
 __all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "talks_with"]
@@ -50,7 +50,17 @@ def groups_of(attr: ArrayAttr) -> Groups:
     return tuple(tuple(g.get_values()) for g in attr.data)  # type: ignore[union-attr]
 
 
-class _Collective(IRDLOperation):
+class _CommOp(IRDLOperation):
+    """What every comm op says of itself (`dialects/interfaces.py`): it exists at the physical
+    level only, and the runtime's communicator runs it."""
+
+    NO_SHARDING_RULE: ClassVar[str] = "a physical-level op over explicit ranks: made by lower-reshard and the pipeline cut"
+    NO_VJP: ClassVar[str] = "made after autodiff, at the physical level"
+    NO_KERNEL: ClassVar[str] = "the runtime's communicator runs it (runtime/comm_kernels.py)"
+    NO_FRONTEND: ClassVar[str] = "made by lower-reshard and the pipeline passes"
+
+
+class _Collective(_CommOp):
     """A collective over `groups`: `%r = comm.X %x {groups = [...], ...} : T -> T`."""
 
     irdl_options = (ParsePropInAttrDict(),)
@@ -211,7 +221,7 @@ def _tag_value(tag: IntegerAttr | None) -> int:
 
 
 @irdl_op_definition
-class SendOp(IRDLOperation):
+class SendOp(_CommOp):
     """Sends the value along `pairs` ([src, dst] rank pairs): a rank that is a src sends to its dst.
 
     The send does not wait for its receive (the runtime waits for every send at the end of
@@ -236,7 +246,7 @@ class SendOp(IRDLOperation):
 
 
 @irdl_op_definition
-class RecvOp(IRDLOperation):
+class RecvOp(_CommOp):
     """Receives a value along `pairs` ([src, dst] rank pairs): a rank that is a dst receives from its src.
 
     It takes the oldest message from its src with the same `tag` (default 0), and blocks until one comes.
@@ -259,7 +269,7 @@ class RecvOp(IRDLOperation):
 
 
 @irdl_op_definition
-class ExchangeOp(IRDLOperation):
+class ExchangeOp(_CommOp):
     """Batched point-to-point over the finest common slices (the general reshard between unions).
 
     The op names the transition, not its transfers: `src` and `dst` layouts and the tensor's

@@ -7,6 +7,9 @@ quotes is the layout grammar of `hspmd.ir.layout_text`, the same text users writ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import ClassVar
+
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
 from xdsl.ir import Attribute, Data, Dialect, Operation, SSAValue
 from xdsl.irdl import (
@@ -23,7 +26,9 @@ from xdsl.parser import AttrParser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.traced import as_tensor, fail
 from hspmd.ir.layout import Layout, LayoutError
+from hspmd.ir.layout_text import LayoutSyntaxError, parse_layout
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 
 __all__ = ["AnnotateOp", "Dist", "LayoutAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
@@ -41,8 +46,6 @@ class LayoutAttr(Data[Layout]):
 
     @classmethod
     def parse_parameter(cls, parser: AttrParser) -> Layout:
-        from hspmd.ir.layout_text import LayoutSyntaxError, parse_layout
-
         with parser.in_angle_brackets():
             pos = parser.pos
             text = parser.parse_str_literal("layout text")
@@ -154,6 +157,10 @@ class ReshardOp(IRDLOperation):
 
     name = "dist.reshard"
     irdl_options = (ParsePropInAttrDict(),)
+    NO_SHARDING_RULE: ClassVar[str] = "it is the change of layout: insert-reshard places it where a consumer needs one"
+    NO_VJP: ClassVar[str] = "placed after autodiff (the annotated level)"
+    NO_KERNEL: ClassVar[str] = "lower-reshard replaces it with comm ops"
+    NO_FRONTEND: ClassVar[str] = "placed by insert-reshard and apply-annotations"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     src = opt_prop_def(LayoutAttr)
@@ -201,6 +208,9 @@ class AnnotateOp(IRDLOperation):
 
     name = "dist.annotate"
     irdl_options = (ParsePropInAttrDict(),)
+    NO_SHARDING_RULE: ClassVar[str] = "apply-annotations turns it into a dist.reshard to its layout"
+    NO_KERNEL: ClassVar[str] = "apply-annotations replaces it before the physical level"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("annotate",)
     input = operand_def(TensorType)
     result = result_def(TensorType)
     spec = prop_def(ArrayAttr)
@@ -216,6 +226,10 @@ class AnnotateOp(IRDLOperation):
     def axes(self) -> tuple[str, ...]:
         """Return the mesh axis (or "") of each dim; () when the op names a whole layout."""
         return tuple(a.data for a in self.spec.data)  # type: ignore[attr-defined]
+
+    def vjp(self, gs, emit):  # the gradient of an annotated value is laid out alike
+        layout = self.layout.data if self.layout is not None else None
+        return [lambda: emit(AnnotateOp(gs[0], self.axes(), layout))]
 
     def verify_(self) -> None:
         typ = self.input.type
@@ -241,6 +255,45 @@ class AnnotateOp(IRDLOperation):
                                       f"{', '.join(MESH_AXES)} (or \"\" for none)")
             if a and axes.count(a) > 1:
                 raise VerifyException(f"'dist.annotate' spec {list(axes)} names '{a}' twice; a mesh axis splits one dim")
+
+
+# ----------------------------------------------------------------------------- frontend
+
+
+def annotate(x, spec: Sequence[str | None] | str):
+    """Return `x` laid out as `spec` says: a mesh axis or None per dim, or a layout's text (as
+    JAX's sharding constraints do).
+
+        h = hs.annotate(x @ w, ("dp", None, "tp"))   # batch over dp, features over tp
+        h = hs.annotate(h, "[0-3]: split(0)=2, dup=2")  # or a whole layout over named devices
+
+    A spec names, per dim, the strategy's mesh axis that splits it (`"dp"` or `"tp"`, each at most
+    once) or None. It is read against each device group of the strategy (`apply-annotations`):
+    a group's mesh is dp major, tp minor, so `("dp", None, "tp")` under `[0-3]: dp=2 tp=2` is
+    `[0-3]: split(0)=2, split(2)=2`; over several groups, a dim on "dp" is split across the
+    groups by their shares, as the batch is. A layout text must use the strategy's devices.
+    Propagation keeps an annotated layout (a user's layout wins) and lays everything else out
+    around it; the gradient of an annotated value is annotated alike.
+    """
+    x = as_tensor(x, "annotate")
+    if isinstance(spec, str):
+        try:
+            layout = parse_layout(spec)
+            layout.check_shape(x.shape)
+        except (LayoutSyntaxError, LayoutError) as err:
+            raise fail("annotate", f"layout '{spec}' for a tensor of shape {list(x.shape)}: {err}") from None
+        return x.tracer.emit(AnnotateOp(x.value, (), layout))
+    axes = tuple("" if a is None else a for a in spec)
+    if len(axes) != x.ndim:
+        raise fail("annotate", f"spec {list(spec)} has {len(axes)} entries for a tensor of shape {list(x.shape)}; "
+                               "give one per dim (a mesh axis or None)")
+    for a in axes:
+        if a and a not in MESH_AXES:
+            raise fail("annotate", f"spec {list(spec)} names '{a}'; the mesh axes are {', '.join(MESH_AXES)} "
+                                   "(or None for a dim nobody splits)")
+        if a and axes.count(a) > 1:
+            raise fail("annotate", f"spec {list(spec)} names '{a}' twice; a mesh axis splits one dim")
+    return x.tracer.emit(AnnotateOp(x.value, axes))
 
 
 Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr, StrategyAttr])

@@ -26,6 +26,8 @@ merged into one generated kernel (or a short sequence of launches sharing one so
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from xdsl.dialects.builtin import ArrayAttr, DenseArrayBase, StringAttr, TensorType
 from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
 from xdsl.irdl import (
@@ -39,6 +41,9 @@ from xdsl.irdl import (
 )
 from xdsl.traits import IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
+
+from hspmd.dialects.graph.base import i64_array
+from hspmd.dialects.interfaces import FIRST, OUT, OutFacts
 
 __all__ = ["Kernel", "FusedOp", "YieldOp", "LAUNCH_KINDS", "DTYPES"]
 
@@ -67,6 +72,10 @@ class YieldOp(IRDLOperation):
     """Ends a `kernel.fused` body: the values that become the fused op's results."""
 
     name = "kernel.yield"
+    NO_SHARDING_RULE: ClassVar[str] = "a terminator of a physical-level kernel"
+    NO_VJP: ClassVar[str] = "a terminator of a physical-level kernel"
+    NO_KERNEL: ClassVar[str] = "ends a kernel.fused body"
+    NO_FRONTEND: ClassVar[str] = "made by fuse-kernels"
     values = var_operand_def()
     traits = traits_def(IsTerminator())
 
@@ -79,6 +88,10 @@ class FusedOp(IRDLOperation):
     """A generated kernel (see the module docstring): operands in, results out, body = semantics."""
 
     name = "kernel.fused"
+    NO_SHARDING_RULE: ClassVar[str] = "made at the kernel level, after layouts are decided"
+    NO_VJP: ClassVar[str] = "made at the kernel level, after autodiff"
+    NO_KERNEL: ClassVar[str] = "its compiled CUDA C runs it (runtime/kernel_exec.py); its body is the per-op reference"
+    NO_FRONTEND: ClassVar[str] = "made by fuse-kernels"
     inputs = var_operand_def(TensorType)
     outputs = var_result_def(TensorType)
     kernel = prop_def(StringAttr)
@@ -100,8 +113,6 @@ class FusedOp(IRDLOperation):
         scratch: list[int],
         body: Region,
     ):
-        from hspmd.dialects.graph import i64_array
-
         super().__init__(
             operands=[inputs],
             result_types=[result_types],
@@ -114,6 +125,11 @@ class FusedOp(IRDLOperation):
             },
             regions=[body],
         )
+
+    def out_facts(self) -> OutFacts:
+        """Compiled launches over pointers write out= buffers; elementwise ones read before they write."""
+        elementwise = all(kind == "elementwise" for kind, _, _, _ in self.launch_list) and not self.scratch_sizes
+        return FIRST if elementwise else OUT
 
     @property
     def launch_list(self) -> list[tuple[str, str, int, int]]:

@@ -4,7 +4,18 @@ The optimizer passes (`sgd`, `adam`, `clip-grad-norm`) write these ops into the 
 after `autodiff`. Each update op reads a parameter, its gradient, its optimizer state and the
 per-step scalars, and returns the new parameter and state, which the pass stores with
 `graph.assign`. The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`,
-`torch.nn.utils.clip_grad_norm_`); see `hspmd/runtime/optim_kernels.py` for the arithmetic.
+`torch.nn.utils.clip_grad_norm_`). Each op carries its facts (`dialects/interfaces.py`): its
+sharding rule, its NumPy kernel (PyTorch's formulas on local pieces) and, for the elementwise
+updates, its fused CUDA C expression. They are written by the optimizer passes, after autodiff:
+no op of this dialect is differentiated, and none has a frontend function.
+
+Arrays are computed in the parameter's dtype; the 0-d scalar operands (lr, bias corrections,
+clip coefficients) are read as Python floats, and the scalars derived from them (`lr / bc1`,
+`sqrt(bc2)`) are formed in float64 before they meet the arrays, as PyTorch's single-tensor
+Adam does with its Python-float step size. Without `out=` every kernel returns new arrays; the
+update kernels (SGD, Adam) and `mul_scalar` also take `out=` (one array per result) and
+compute the same bits into it, and `out` may be the operands themselves (`p, m, v` updated
+in place: the plan does that when the old values are not read afterwards).
 
 Scalars (the learning rate, bias corrections, a norm) are 0-d tensors of any float type, so
 they can come from `graph.input "lr"` (fed each step by the runtime), a `graph.constant`, or
@@ -19,8 +30,13 @@ before it is used (`sum_squares` of a partial gradient would square partial sums
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
 from xdsl.dialects.builtin import BoolAttr, Float64Type, FloatAttr, IntegerAttr, TensorType, i1
-from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.ir import Attribute, Dialect, Operation, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
     ParsePropInAttrDict,
@@ -35,8 +51,11 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.graph import FLOAT_TYPES, tensor_shape
-from hspmd.dialects.sharding import OpRule
+from hspmd.dialects.cuda_c import lit, prop, put
+from hspmd.dialects.graph.base import FLOAT_TYPES, result_dtype, tensor_shape
+from hspmd.dialects.interfaces import FIRST, Kernel, KernelContext, OutFacts
+from hspmd.dialects.op_rule import OpRule
+from hspmd.ir.types import dtype_name
 
 __all__ = ["Optim"]
 
@@ -85,9 +104,91 @@ def _elementwise_rule(param: SSAValue, tensors: int, scalars: int, results: int)
     return OpRule((d,) * tensors + ((),) * scalars, (d,) * results)
 
 
+#: added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
+CLIP_EPS = 1e-6
+
+
+def sgd(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool):
+    """Return (param', buf') of one torch.optim.SGD step (buf None when momentum is 0)."""
+    d = grad + weight_decay * param if weight_decay else grad
+    if momentum:
+        buf = momentum * buf + d
+        d = d + momentum * buf if nesterov else buf
+    return param - lr * d, buf
+
+
+def adam(param, grad, m, v, lr: float, bc1: float, bc2: float, beta1, beta2, eps, weight_decay, decoupled: bool):
+    """Return (param', m', v') of one torch.optim.Adam / AdamW step with bias corrections bc1, bc2."""
+    if weight_decay and decoupled:
+        param = param * (1.0 - lr * weight_decay)
+    elif weight_decay:
+        grad = grad + weight_decay * param
+    m = beta1 * m + (1.0 - beta1) * grad
+    v = beta2 * v + (1.0 - beta2) * (grad * grad)
+    denom = np.sqrt(v) / math.sqrt(bc2) + eps
+    return param - (lr / bc1) * (m / denom), m, v
+
+
+def sgd_into(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool, out) -> None:
+    """Write `sgd(...)`'s (param', buf') into `out` ((param', ) without momentum); `out` may be the operands."""
+    d = grad + weight_decay * param if weight_decay else grad
+    if momentum:
+        new_buf = momentum * buf + d
+        d = d + momentum * new_buf if nesterov else new_buf
+        d = d * lr
+        np.subtract(param, d, out=out[0])
+        np.copyto(out[1], new_buf)
+    else:
+        np.subtract(param, lr * d, out=out[0])
+
+
+def adam_into(param, grad, m, v, lr: float, bc1: float, bc2: float, beta1, beta2, eps, weight_decay,
+              decoupled: bool, out) -> None:
+    """Write `adam(...)`'s (param', m', v') into the arrays `out`, with one temporary; `out` may
+    be (param, m, v) themselves."""
+    po, mo, vo = out
+    if weight_decay and decoupled:
+        param = np.multiply(param, 1.0 - lr * weight_decay, out=po)
+    elif weight_decay:
+        grad = grad + weight_decay * param
+    tmp = np.multiply(grad, 1.0 - beta1)
+    np.multiply(m, beta1, out=mo)
+    mo += tmp
+    np.multiply(grad, grad, out=tmp)
+    tmp *= 1.0 - beta2
+    np.multiply(v, beta2, out=vo)
+    vo += tmp
+    np.sqrt(vo, out=tmp)  # denom = sqrt(v) / sqrt(bc2) + eps
+    tmp /= math.sqrt(bc2)
+    tmp += eps
+    np.divide(mo, tmp, out=tmp)
+    tmp *= lr / bc1
+    np.subtract(param, tmp, out=po)
+
+
+def clip_coef(total: float, max_norm: float) -> float:
+    """Return min(1, max_norm / (sqrt(total) + 1e-6)): the factor clip_grad_norm_ scales by."""
+    return min(1.0, max_norm / (math.sqrt(total) + CLIP_EPS))
+
+
+def _update(fn: Callable) -> Callable:
+    """Mark `fn` as taking `out=` that may be its own operands (elementwise, so the plan may run
+    it by blocks of rows): what `OUT_FACTS = FIRST` says of its op."""
+    fn.accepts_out = True  # type: ignore[attr-defined]
+    fn.inplace_safe = True  # type: ignore[attr-defined]
+    fn.rowwise = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _f(op: Operation, name: str) -> float:
+    return float(op.properties[name].value.data)  # type: ignore[attr-defined]
+
+
 class _OptimOp(IRDLOperation):
     irdl_options = (ParsePropInAttrDict(),)
     assembly_format = "operands attr-dict `:` functional-type(operands, results)"
+    NO_VJP: ClassVar[str] = "an optimizer op: written after the gradients, never differentiated"
+    NO_FRONTEND: ClassVar[str] = "written by the optimizer passes (hs.optim.SGD, Adam, AdamW, clipping)"
 
 
 @irdl_op_definition
@@ -104,6 +205,7 @@ class SGDOp(_OptimOp):
     """
 
     name = "optim.sgd"
+    OUT_FACTS: ClassVar[OutFacts] = FIRST
     param = operand_def(TensorType)
     grad = operand_def(TensorType)
     buf = opt_operand_def(TensorType)
@@ -154,6 +256,41 @@ class SGDOp(_OptimOp):
         n = 3 if self.buf is not None else 2
         return _elementwise_rule(self.param, n, 1, len(self.results))
 
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        momentum, wd, nesterov = _f(self, "momentum"), _f(self, "weight_decay"), bool(self.nesterov.value.data)
+        dtype = np.dtype(dtype_name(self.param.type))
+        if momentum:
+
+            def sgd_momentum(p, g, buf, lr, out=None):
+                if out is not None:
+                    sgd_into(p, g, buf, float(lr), momentum, wd, nesterov, out)
+                    return out
+                p1, b1 = sgd(p, g, buf, float(lr), momentum, wd, nesterov)
+                return p1.astype(dtype, copy=False), b1.astype(dtype, copy=False)
+
+            return _update(sgd_momentum)
+
+        def sgd_plain(p, g, lr, out=None):
+            if out is not None:
+                sgd_into(p, g, None, float(lr), 0.0, wd, False, (out,))
+                return out
+            return sgd(p, g, None, float(lr), 0.0, wd, False)[0].astype(dtype, copy=False)
+
+        return _update(sgd_plain)
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        momentum, wd = prop(self, "momentum"), prop(self, "weight_decay")
+        nesterov = bool(self.nesterov.value.data)
+        p, g, r = a[0], a[1], out[0]
+        lr = a[-1]
+        stmts.append(f"const {t} {r}_d0 = {g + ' + ' + lit(wd, t) + ' * ' + p if wd else g};")
+        d = f"{r}_d0"
+        if momentum:
+            buf = a[2]
+            stmts.append(f"const {t} {out[1]} = {lit(momentum, t)} * {buf} + {d};")
+            d = f"({d} + {lit(momentum, t)} * {out[1]})" if nesterov else out[1]
+        put(stmts, t, r, f"{p} - ({t})({lr}) * {d}")
+
 
 @irdl_op_definition
 class AdamOp(_OptimOp):
@@ -169,6 +306,7 @@ class AdamOp(_OptimOp):
     """
 
     name = "optim.adam"
+    OUT_FACTS: ClassVar[OutFacts] = FIRST
     param = operand_def(TensorType)
     grad = operand_def(TensorType)
     exp_avg = operand_def(TensorType)
@@ -230,6 +368,36 @@ class AdamOp(_OptimOp):
         """Elementwise over the parameter's dims; scalars replicated; not linear in the gradient."""
         return _elementwise_rule(self.param, 4, 3, 3)
 
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        consts = [_f(self, k) for k in ("beta1", "beta2", "eps", "weight_decay")]
+        decoupled = bool(self.decoupled.value.data)
+        dtype = np.dtype(dtype_name(self.param.type))
+
+        def adam_step(p, g, m, v, lr, bc1, bc2, out=None):
+            if out is not None:
+                adam_into(p, g, m, v, float(lr), float(bc1), float(bc2), *consts, decoupled, out)
+                return out
+            res = adam(p, g, m, v, float(lr), float(bc1), float(bc2), *consts, decoupled)
+            return tuple(x.astype(dtype, copy=False) for x in res)
+
+        return _update(adam_step)
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        p, g, m, v, lr, bc1, bc2 = a
+        r = out[0]
+        b1, b2, eps, wd = (prop(self, k) for k in ("beta1", "beta2", "eps", "weight_decay"))
+        decoupled = bool(self.decoupled.value.data)
+        if wd and decoupled:
+            stmts.append(f"const {t} {r}_p = {p} * ({t})(1.0 - ({lr}) * {wd!r});")
+            p = f"{r}_p"
+        elif wd:
+            stmts.append(f"const {t} {r}_g = {g} + {lit(wd, t)} * {p};")
+            g = f"{r}_g"
+        stmts.append(f"const {t} {out[1]} = {lit(b1, t)} * {m} + {lit(1.0 - b1, t)} * {g};")
+        stmts.append(f"const {t} {out[2]} = {lit(b2, t)} * {v} + {lit(1.0 - b2, t)} * ({g} * {g});")
+        stmts.append(f"const {t} {r}_den = hs_sqrt({out[2]}) / ({t})sqrt((double)({bc2})) + {lit(eps, t)};")
+        put(stmts, t, r, f"{p} - ({t})(({lr}) / ({bc1})) * ({out[1]} / {r}_den)")
+
 
 @irdl_op_definition
 class SumSquaresOp(_OptimOp):
@@ -254,6 +422,20 @@ class SumSquaresOp(_OptimOp):
     def sharding_rule(self) -> OpRule:
         return OpRule((tuple(f"d{i}" for i in range(len(tensor_shape(self.input)))),), ((),))
 
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        dtype = result_dtype(self)
+        native = ctx.native
+
+        def sum_squares(x):
+            if dtype == np.float64 and native is not None:  # in one C++ pass, no float64 copy (other last bits than BLAS's dot)
+                total = native.sum_squares(x) if isinstance(x, np.ndarray) else None
+                if total is not None:
+                    return np.asarray(total, dtype=dtype)
+            flat = np.asarray(x, dtype=np.result_type(x.dtype, dtype)).ravel()
+            return np.asarray(np.dot(flat, flat), dtype=dtype)
+
+        return sum_squares
+
 
 @irdl_op_definition
 class ClipCoefOp(_OptimOp):
@@ -277,6 +459,10 @@ class ClipCoefOp(_OptimOp):
     def sharding_rule(self) -> OpRule:
         return OpRule(((),), ((),))
 
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        max_norm, dtype = _f(self, "max_norm"), result_dtype(self)
+        return lambda total: np.asarray(clip_coef(float(total), max_norm), dtype=dtype)
+
 
 @irdl_op_definition
 class MulScalarOp(_OptimOp):
@@ -287,6 +473,7 @@ class MulScalarOp(_OptimOp):
     """
 
     name = "optim.mul_scalar"
+    OUT_FACTS: ClassVar[OutFacts] = FIRST
     input = operand_def(TensorType)
     scalar = operand_def(TensorType)
     result = result_def(TensorType)
@@ -303,6 +490,13 @@ class MulScalarOp(_OptimOp):
     def sharding_rule(self) -> OpRule:
         d = tuple(f"d{i}" for i in range(len(tensor_shape(self.input))))
         return OpRule((d, ()), (d,))
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        dtype = np.dtype(dtype_name(self.input.type))
+        return _update(lambda x, s, out=None: np.multiply(x, dtype.type(float(s)), out=out))
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        put(stmts, t, out[0], f"{a[0]} * ({t})({a[1]})")
 
 
 Optim = Dialect("optim", [SGDOp, AdamOp, SumSquaresOp, ClipCoefOp, MulScalarOp], [])

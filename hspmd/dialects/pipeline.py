@@ -27,6 +27,8 @@ The program does not grow with the micro-batches: their number is an attribute.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from collections.abc import Sequence
 
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr, SymbolRefAttr, TensorType, i64
@@ -67,6 +69,10 @@ class RunOp(IRDLOperation):
     """Run a stage's forward and backward on every micro-batch in a schedule; return the sums (module docstring)."""
 
     name = "pipeline.run"
+    NO_SHARDING_RULE: ClassVar[str] = "made per stage at the physical level"
+    NO_VJP: ClassVar[str] = "made after autodiff: it runs the stage's forward and backward"
+    NO_KERNEL: ClassVar[str] = "the schedule lays out its actions (codegen/schedule/flatten.py)"
+    NO_FRONTEND: ClassVar[str] = "made by outline-pipeline-stages"
     irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
     shared = var_operand_def(TensorType)
     microbatched = var_operand_def(TensorType)

@@ -4,8 +4,8 @@ The functions users call (`hs.gelu(x)`, `hs.cross_entropy(logits, labels)`) stan
 ops (`FRONTEND` in `dialects/interfaces.py`); `hspmd.frontend.ops` gathers them. They see a
 traced tensor through a small protocol, which `hspmd.frontend.tracing.Tensor` implements:
 `value` (its SSA value), `shape`, `ndim`, `dtype` (a name: "float32", "int64", ...), `tracer`
-(whose `emit(op)` appends an op and returns its first result as a tensor, `emit_void(op)`
-appends one, `constant(value, shape, dtype)` makes a constant tensor, `block` is the block
+(whose `emit(op)` appends an op and returns its first result as a tensor, `emit_all(op)` all
+its results, `emit_void(op)` appends one, `constant(value, shape, dtype)` makes a constant tensor, `block` is the block
 being built, `input(name, shape, dtype)` a named input) and the operators and methods of
 `Tensor` (`+`, `*`, `sum`, `mean`, ...). A model's `Parameter` bound to the running trace
 becomes a tensor with `as_tensor`.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from xdsl.dialects.builtin import TensorType
 
 from hspmd.dialects import graph
-from hspmd.dialects.graph import Graph
+from hspmd.dialects.context import hspmd_dialects
 from hspmd.dialects.interfaces import frontend_names
 from hspmd.frontend.tracing import Tensor, Tracer, fail
 from hspmd.ir.types import element_type
@@ -361,12 +361,12 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int | None = Non
 
 
 def frontend_functions() -> dict[str, Callable]:
-    """Return every function that an op of the `graph` dialect names in its `FRONTEND`, by name
-    (the functions stand beside their ops in `hspmd.dialects.graph`; `Tensor` operators aside)."""
+    """Return every function that an op names in its `FRONTEND`, by name (the functions stand
+    beside their ops, in the ops' modules; the methods of `Tensor` and `Tracer` aside)."""
     functions: dict[str, Callable] = {}
-    for op in Graph.operations:
+    for op in (op for dialect in hspmd_dialects() for op in dialect.operations):
         for name in frontend_names(op):
-            if not name.startswith("Tensor."):
+            if "." not in name:  # `Tensor.__add__`, `Tracer.parameter`: methods of the tracing classes
                 functions[name] = getattr(sys.modules[op.__module__], name)
     return functions
 

@@ -39,7 +39,13 @@ class Tracer:
         return Tensor(op.results[0], self)
 
     def emit_void(self, op) -> None:
+        """Append `op`, whose results (if any) the caller does not need as tensors."""
         self.block.add_op(op)
+
+    def emit_all(self, op) -> list[Tensor]:
+        """Append `op` and return all its results as Tensors."""
+        self.block.add_op(op)
+        return [Tensor(r, self) for r in op.results]
 
     def _claim(self, name: str) -> None:
         if name in self.names:

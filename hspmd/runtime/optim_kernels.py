@@ -103,6 +103,11 @@ def _f(op: Operation, prop: str) -> float:
 
 def kernel_for(op: Operation, rank: int = 0) -> Callable:
     """Return the NumPy function that computes `op` from its operand arrays (results as a tuple)."""
+    own = getattr(op, "numpy_kernel", None)
+    if callable(own):
+        from hspmd.dialects.interfaces import KernelContext
+
+        return own(KernelContext(rank, native))
     match op:
         case optim.SGDOp():
             momentum, wd, nesterov = _f(op, "momentum"), _f(op, "weight_decay"), bool(op.nesterov.value.data)

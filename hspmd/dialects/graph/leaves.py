@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 from xdsl.dialects.builtin import (
     I64,
     Float64Type,
@@ -31,7 +32,9 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.graph.base import tensor_shape, check_integer, int_attr
+from hspmd.dialects.dist import layout_of
+from hspmd.dialects.graph.base import check_integer, int_attr, result_dtype, tensor_shape
+from hspmd.dialects.interfaces import Emit, Kernel, KernelContext
 
 __all__ = [
     "ParameterOp",
@@ -53,6 +56,10 @@ class ParameterOp(IRDLOperation):
     """
 
     name = "graph.parameter"
+    NO_SHARDING_RULE: ClassVar[str] = "Parameters are laid out by the strategy (apply-strategy), not by a rule"
+    NO_VJP: ClassVar[str] = "a leaf: autodiff outputs its gradient"
+    NO_KERNEL: ClassVar[str] = "the plan binds it to the parameter's buffer"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.parameter",)
     irdl_options = (ParsePropInAttrDict(),)
     tensor_name = prop_def(StringAttr)
     init = prop_def(StringAttr)
@@ -80,6 +87,10 @@ class InputOp(IRDLOperation):
     """A named input of the step (a batch tensor); `global_type` as for parameters."""
 
     name = "graph.input"
+    NO_SHARDING_RULE: ClassVar[str] = "Inputs are laid out by the strategy (apply-strategy), not by a rule"
+    NO_VJP: ClassVar[str] = "a leaf: no gradient"
+    NO_KERNEL: ClassVar[str] = "the plan binds it to the batch's array"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.input",)
     irdl_options = (ParsePropInAttrDict(),)
     tensor_name = prop_def(StringAttr)
     global_type = opt_prop_def(TypeAttribute)
@@ -98,6 +109,10 @@ class ConstantOp(IRDLOperation):
     """A tensor whose every element is `value` (a splat)."""
 
     name = "graph.constant"
+    NO_SHARDING_RULE: ClassVar[str] = "a splat: replicated, or whatever layout its user wants"
+    NO_VJP: ClassVar[str] = "a constant: no gradient"
+    NO_KERNEL: ClassVar[str] = "the plan makes it once"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.constant",)
     irdl_options = (ParsePropInAttrDict(),)
     value = prop_def(FloatAttr)
     result = result_def(TensorType)
@@ -120,6 +135,9 @@ class IotaOp(IRDLOperation):
     """
 
     name = "graph.iota"
+    NO_SHARDING_RULE: ClassVar[str] = "replicated: every device makes the whole (small) tensor"
+    NO_VJP: ClassVar[str] = "integers: no gradient"
+    NO_FRONTEND: ClassVar[str] = "made by stack-layers (per-layer counters)"
     irdl_options = (ParsePropInAttrDict(),)
     start = prop_def(IntegerAttr[I64])
     step = prop_def(IntegerAttr[I64])
@@ -138,12 +156,27 @@ class IotaOp(IRDLOperation):
             raise VerifyException(f"'{self.name}' makes a 1-d tensor, not {self.result.type}")
         check_integer(self, self.result, "result")
 
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        """This rank's piece of `start + i * step` (the whole where the op records no global type,
+        at the logical level)."""
+        typ = self.global_type if self.global_type is not None else self.result.type
+        (n,) = typ.get_shape()  # type: ignore[attr-defined]
+        values = (np.arange(n, dtype=np.int64) * self.step.value.data + self.start.value.data).astype(result_dtype(self))
+        layout = layout_of(typ) if self.global_type is not None else None
+        if layout is not None:
+            values = np.ascontiguousarray(values[layout.slices(ctx.rank, (n,))])
+        return lambda: values.copy()
+
 
 @irdl_op_definition
 class OutputOp(IRDLOperation):
     """Marks a value the step returns under a name (the loss, a gradient)."""
 
     name = "graph.output"
+    NO_SHARDING_RULE: ClassVar[str] = "a store: takes its operand's layout"
+    NO_VJP: ClassVar[str] = "a store: autodiff starts from the loss output"
+    NO_KERNEL: ClassVar[str] = "the plan returns the value"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.output",)
     irdl_options = (ParsePropInAttrDict(),)
     tensor_name = prop_def(StringAttr)
     value = operand_def(TensorType)
@@ -158,6 +191,10 @@ class AssignOp(IRDLOperation):
     """Stores a new value into a named parameter at the end of the step."""
 
     name = "graph.assign"
+    NO_SHARDING_RULE: ClassVar[str] = "a store: takes the parameter's layout"
+    NO_VJP: ClassVar[str] = "a store: written after the gradients"
+    NO_KERNEL: ClassVar[str] = "the plan writes the parameter's buffer"
+    NO_FRONTEND: ClassVar[str] = "written by the optimizer passes"
     irdl_options = (ParsePropInAttrDict(),)
     tensor_name = prop_def(StringAttr)
     value = operand_def(TensorType)
@@ -165,3 +202,9 @@ class AssignOp(IRDLOperation):
 
     def __init__(self, tensor_name: str, value: SSAValue | Operation):
         super().__init__(properties={"tensor_name": StringAttr(tensor_name)}, operands=[value])
+
+
+def grad_or_zeros(emit: Emit, gs, op: Operation, i: int) -> SSAValue:
+    """Return the gradient `gs[i]` of `op`'s result `i`, or zeros of its type where it has none."""
+    g = gs[i]
+    return g if g is not None else emit(ConstantOp(0.0, op.results[i].type))  # type: ignore[arg-type]

@@ -1,28 +1,28 @@
-"""Reductions over dims: sum and max (with max's gradient)."""
+"""Reductions over dims and their transposes: sum and broadcast, max and max's gradient."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import ClassVar
 
-from xdsl.dialects.builtin import (
-    DenseArrayBase,
-    TensorType,
-)
+import numpy as np
+from xdsl.dialects.builtin import DenseArrayBase, TensorType
 from xdsl.ir import Attribute, SSAValue
-from xdsl.irdl import (
-    irdl_op_definition,
-    operand_def,
-    prop_def,
-    result_def,
-    traits_def,
-)
+from xdsl.irdl import irdl_op_definition, operand_def, prop_def, result_def, traits_def
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.graph.base import tensor_shape, i64_array, check_same_shape, TensorOp, UnaryOp
+from hspmd.dialects.graph.base import TensorOp, UnaryOp, check_same_shape, i64_array, result_dtype, tensor_shape
+from hspmd.dialects.graph.shape import ReshapeOp
+from hspmd.dialects.interfaces import FRESH, OUT, Emit, Kernel, KernelContext, OutFacts, takes_out
+from hspmd.dialects.op_rule import OpRule, factors
+from hspmd.dialects.traced import as_tensor, norm_dim, require_float, typed
+from hspmd.ir.types import dtype_name
 
 __all__ = [
     "ReduceSumOp",
+    "BroadcastOp",
     "ReduceMaxOp",
     "ReduceMaxGradOp",
 ]
@@ -49,6 +49,90 @@ class ReduceSumOp(_Reduce):
     """Sum over `dims` (removed from the shape)."""
 
     name = "graph.reduce_sum"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.sum", "Tensor.mean")
+
+    def sharding_rule(self) -> OpRule:
+        d = factors("d", len(tensor_shape(self.input)))
+        dims = set(self.dims.get_values())
+        return OpRule((d,), (tuple(f for i, f in enumerate(d) if i not in dims),), frozenset({0}))
+
+    def vjp(self, gs, emit):
+        dims = set(self.dims.get_values())
+        kept = [d for d in range(len(tensor_shape(self.input))) if d not in dims]
+        return [lambda: emit(BroadcastOp(gs[0], kept, self.input.type))]
+
+    def _same_dtype(self) -> bool:
+        return dtype_name(self.input.type) == dtype_name(self.result.type)
+
+    def out_facts(self) -> OutFacts:
+        return OUT if self._same_dtype() else FRESH  # sums in its own dtype into out=; a cast sum allocates
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        dims = tuple(self.dims.get_values())
+        dtype = result_dtype(self)
+        if self._same_dtype():
+            return takes_out(lambda x, out=None: np.sum(x, axis=dims, out=out))
+        return lambda x: np.asarray(x.sum(axis=dims), dtype=dtype)
+
+@irdl_op_definition
+class BroadcastOp(UnaryOp):
+    """Broadcasts to the result shape; input dim i becomes result dim `dims[i]` (size equal or 1)."""
+
+    name = "graph.broadcast"
+    dims = prop_def(DenseArrayBase)
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.broadcast_to",)
+
+    def __init__(self, input: SSAValue, dims: Sequence[int], result_type: Attribute):
+        super().__init__(input, result_type, dims=i64_array(dims))
+
+    def verify_(self) -> None:
+        dims = self.dims.get_values()
+        src, dst = tensor_shape(self.input), tensor_shape(self.result)
+        if len(dims) != len(src) or list(dims) != sorted(set(dims)) or any(d >= len(dst) for d in dims):
+            raise VerifyException(f"'graph.broadcast' dims {list(dims)} do not map {list(src)} into {list(dst)}")
+        for i, d in enumerate(dims):
+            if src[i] not in (1, dst[d]):
+                raise VerifyException(f"'graph.broadcast' cannot stretch dim {i} of {list(src)} to {list(dst)}")
+
+    def sharding_rule(self) -> OpRule:
+        dims = self.dims.get_values()
+        src_shape, dst_shape = tensor_shape(self.input), tensor_shape(self.result)
+        out = list(factors("o", len(dst_shape)))
+        src = tuple(out[d] if src_shape[i] == dst_shape[d] else f"one{i}" for i, d in enumerate(dims))
+        return OpRule((src,), (tuple(out),), frozenset({0}))
+
+    def vjp(self, gs, emit):
+        return [lambda: unbroadcast(emit, gs[0], self)]
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        shape, dims = tensor_shape(self.result), self.dims.get_values()
+        placed = [1] * len(shape)
+
+        def broadcast(x: np.ndarray) -> np.ndarray:
+            view = list(placed)
+            for i, d in enumerate(dims):
+                view[d] = x.shape[i]
+            return np.broadcast_to(x.reshape(view), shape)
+
+        return broadcast
+
+    def cuda_read_index(self, cols: int) -> str:
+        """Return the C expression of the input offset read at result position (row r, column j)
+        of the result seen as rows of `cols` (its last dim): a fused kernel reads through the
+        broadcast instead of materialising it."""
+        out_shape, in_shape = tensor_shape(self.result), tensor_shape(self.input)
+        dims = list(self.dims.get_values())
+        in_strides = [math.prod(in_shape[k + 1:]) for k in range(len(in_shape))]
+        terms = []
+        for k, d in enumerate(dims):
+            if in_shape[k] == 1:
+                continue
+            if d == len(out_shape) - 1:
+                terms.append(f"j * {in_strides[k]}L" if in_strides[k] != 1 else "j")
+            else:
+                row_stride = math.prod(out_shape[d + 1:-1])  # rows per step of dim d
+                terms.append(f"((r / {row_stride}L) % {out_shape[d]}L) * {in_strides[k]}L")
+        return " + ".join(terms) or "0"
 
 
 @irdl_op_definition
@@ -56,6 +140,20 @@ class ReduceMaxOp(_Reduce):
     """Maximum over `dims` (removed from the shape)."""
 
     name = "graph.reduce_max"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("max", "Tensor.max")
+
+    def sharding_rule(self) -> OpRule:  # a max of pieces is not a sum: reduced dims stay whole
+        d = factors("d", len(tensor_shape(self.input)))
+        dims = set(self.dims.get_values())
+        kept = tuple(f for i, f in enumerate(d) if i not in dims)
+        return OpRule((d,), (kept,), blocked=frozenset(d[i] for i in dims))
+
+    def vjp(self, gs, emit):
+        return [lambda: emit(ReduceMaxGradOp(self.input, self.result, gs[0], self.dims.get_values()))]
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        dims = tuple(self.dims.get_values())
+        return lambda x: np.asarray(x.max(axis=dims))
 
 
 @irdl_op_definition
@@ -64,6 +162,7 @@ class ReduceMaxGradOp(TensorOp):
     to the maximum `y`, split evenly between ties."""
 
     name = "graph.reduce_max_grad"
+    NO_VJP: ClassVar[str] = "a gradient op (no second derivatives)"
     x = operand_def(TensorType)
     y = operand_def(TensorType)
     dy = operand_def(TensorType)
@@ -81,3 +180,50 @@ class ReduceMaxGradOp(TensorOp):
         if tensor_shape(self.y) != kept or tensor_shape(self.dy) != kept:
             raise VerifyException(f"'{self.name}' needs y and dy of shape {list(kept)}")
         check_same_shape(self, self.x, self.result)
+
+    def sharding_rule(self) -> OpRule:
+        d = factors("d", len(tensor_shape(self.x)))
+        dims = set(self.dims.get_values())
+        kept = tuple(f for i, f in enumerate(d) if i not in dims)
+        return OpRule((d, kept, kept), (d,), frozenset({2}), blocked=frozenset(d[i] for i in dims))
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        """`dy` to the arg-max positions; ties share it evenly."""
+        dims = tuple(self.dims.get_values())
+
+        def grad(x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> np.ndarray:
+            hit = x == np.expand_dims(y, dims)
+            count = hit.sum(axis=dims, keepdims=True)
+            return (hit * (np.expand_dims(dy, dims) / count)).astype(dy.dtype, copy=False)
+
+        return grad
+
+
+def unbroadcast(emit: Emit, g: SSAValue, op: BroadcastOp) -> SSAValue:
+    """Return `g` summed back to the broadcast `op`'s input shape."""
+    src = tensor_shape(op.input)
+    dims = op.dims.get_values()
+    kept = {d for i, d in enumerate(dims) if src[i] != 1 or tensor_shape(op.result)[d] == 1}
+    summed = [d for d in range(len(tensor_shape(g))) if d not in kept]
+    if summed:
+        shape = [s for d, s in enumerate(tensor_shape(g)) if d not in summed]
+        g = emit(ReduceSumOp(g, summed, TensorType(g.type.element_type, shape)))  # type: ignore[attr-defined]
+    if tensor_shape(g) != src:
+        g = emit(ReshapeOp(g, TensorType(g.type.element_type, src)))  # type: ignore[attr-defined]
+    return g
+
+
+# ----------------------------------------------------------------------------- frontend
+
+
+def max(x, dims: int | Sequence[int] | None = None):  # noqa: A001 - hs.max, like x.max
+    """Return the maximum over `dims` (all dims if None). Its gradient goes to the positions
+    holding the maximum, split evenly between ties."""
+    x = as_tensor(x, "max")
+    require_float(x, "max")
+    if dims is None:
+        dims = list(range(x.ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    norm = sorted({norm_dim(x, d, "max") for d in dims})
+    shape = [s for i, s in enumerate(x.shape) if i not in norm]
+    return x.tracer.emit(ReduceMaxOp(x.value, norm, typed(x, shape)))

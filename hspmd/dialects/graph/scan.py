@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from xdsl.dialects.builtin import (
     I64,
@@ -69,6 +70,10 @@ class ScanOp(IRDLOperation):
     """
 
     name = "graph.scan"
+    NO_SHARDING_RULE: ClassVar[str] = "propagation lays out its callee's arguments and results"
+    NO_VJP: ClassVar[str] = "autodiff differentiates its callee (transforms/scan_vjp.py)"
+    NO_KERNEL: ClassVar[str] = "the schedule lays out its iterations (codegen/schedule/flatten.py)"
+    NO_FRONTEND: ClassVar[str] = "made by stack-layers from repeated function modules"
     irdl_options = (ParsePropInAttrDict(),)
     args = var_operand_def(TensorType)
     outs = var_result_def(TensorType)
