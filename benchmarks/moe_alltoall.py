@@ -55,7 +55,7 @@ def routed_minimum(steps: int, directory: str) -> tuple[float, float]:
     """Return (rank 0's minimum bytes per step for its routed tokens, the fraction of choices kept)."""
     from hspmd.compiler import compile_script, write_bundle
     from hspmd.frontend.script import load_script
-    from hspmd.runtime import numpy_ops
+    from hspmd.dialects.graph import moe
     from hspmd.runtime.comm import run_spmd
     from hspmd.runtime.worker import train
 
@@ -63,7 +63,7 @@ def routed_minimum(steps: int, directory: str) -> tuple[float, float]:
     model = script.config["model"]
     d, experts, top_k = model["d_model"], model["experts"], model["top_k"]
     masks: list[np.ndarray] = []
-    route = numpy_ops.moe_route
+    route = moe.moe_route_values
 
     def recording(probs, k, capacity):
         mask = route(probs, k, capacity)
@@ -72,11 +72,11 @@ def routed_minimum(steps: int, directory: str) -> tuple[float, float]:
 
     bundle = os.path.join(directory, "one")
     write_bundle(compile_script(script, "[0]: dp=1", 1), bundle)
-    numpy_ops.moe_route = recording
+    moe.moe_route_values = recording
     try:
         run_spmd(1, lambda comm: train(bundle, comm, steps=steps, quiet=True), timeout=600)
     finally:
-        numpy_ops.moe_route = route
+        moe.moe_route_values = route
     if not masks:
         raise SystemExit("no routing mask was recorded")
     layers = len(masks) // steps

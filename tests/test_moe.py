@@ -30,7 +30,7 @@ from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.frontend.tracing import Tracer
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.numpy_ops import moe_route
+from hspmd.dialects.graph.moe import moe_route_values as moe_route
 from hspmd.runtime.worker import train
 from hspmd.transforms.util import PassError
 

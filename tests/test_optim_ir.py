@@ -19,7 +19,7 @@ from hspmd.frontend.script import ScriptError, load_script
 from hspmd.dialects.context import IRTextError, parse_module
 from hspmd.runtime.checkpoint import load_checkpoint
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.optim_kernels import adam, sgd
+from hspmd.dialects.optim import adam, sgd
 from hspmd.ir.lr_schedule import schedule_from_spec
 from hspmd.runtime.worker import train
 from hspmd.compiler import run_passes

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
-from hspmd.runtime.numpy_ops import matmul, matmul_rhs_grad
+from hspmd.dialects.graph.matmul import matmul_rhs_grad_values as matmul_rhs_grad
+from hspmd.dialects.graph.matmul import matmul_values as matmul
 from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
 
 from conftest import gpt_cpu_step, train_plan

@@ -21,7 +21,8 @@ from hspmd.codegen.schedule.triangular import triangular_matmuls
 from hspmd.compiler import compile_script
 from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.runtime import numpy_ops
+from hspmd.dialects.graph.matmul import matmul_values
+from hspmd.dialects.graph.shape import concat_values
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.kernel_exec import select_program
 from hspmd.runtime.plan import build_plan
@@ -106,12 +107,12 @@ def test_matmul_into_strided_rows_gives_the_bits_of_a_fresh_result(batch, m, k, 
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((batch, m, k), dtype=np.float32)
     b = rng.standard_normal((k, n) if two_d_rhs else (batch, k, n), dtype=np.float32)
-    expect = numpy_ops.matmul(a, b)  # a fresh result (rows x 2-D: one product of the rows merged)
+    expect = matmul_values(a, b)  # a fresh result (rows x 2-D: one product of the rows merged)
     if heads_first:  # batch and rows swapped in memory, as attention's output laid out for its reshape
         out = np.zeros((m, batch, n), np.float32).transpose(1, 0, 2)
     else:  # rows at a stride, as a slice of a concat's buffer
         out = np.zeros((batch, m, n + 5), np.float32)[:, :, 2:n + 2]
-    got = numpy_ops.matmul(a, b, out=out)
+    got = matmul_values(a, b, out=out)
     assert got is out
     np.testing.assert_array_equal(out, expect)
 
@@ -123,10 +124,10 @@ def test_concat_copies_only_operands_not_already_in_place():
     placed[...] = rng.standard_normal(placed.shape)
     first = rng.standard_normal((3, 4, 2)).astype(np.float32)
     last = rng.standard_normal((3, 4, 4)).astype(np.float32)
-    got = numpy_ops.concat((first, placed, last), 2, out)
+    got = concat_values((first, placed, last), 2, out)
     assert got is out
     np.testing.assert_array_equal(out, np.concatenate((first, out[:, :, 2:5].copy(), last), axis=2))
     # an operand equal in value but elsewhere in memory is copied
     other = out[:, :, 2:5].copy() + 1
-    numpy_ops.concat((first, other, last), -1, out)
+    concat_values((first, other, last), -1, out)
     np.testing.assert_array_equal(out[:, :, 2:5], other)

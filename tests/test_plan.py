@@ -19,6 +19,10 @@ from conftest import EXAMPLES
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.dialects.levels import physical_groups
+from hspmd.dialects.graph.activations import gelu_grad_values, gelu_values
+from hspmd.dialects.graph.matmul import matmul_values
+from hspmd.dialects.graph.norms import layer_norm_grad_values, layer_norm_values
+from hspmd.dialects.graph.softmax import softmax_grad_values, softmax_values
 from hspmd.runtime import numpy_ops
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import PlanError, accepts_out, build_plan
@@ -82,7 +86,7 @@ def test_callees_are_inlined_into_one_flat_list(gpt):
     plan = build_plan(_step_fn(compiled.physical), 0, InProcessCommunicator.create_world(1)[0])
     fns = [fn for fn, *_ in plan.steps]
     assert all(getattr(fn, "__name__", "") != "call" for fn in fns)
-    matmuls = sum(fn is numpy_ops.matmul for fn in fns)
+    matmuls = sum(fn is matmul_values for fn in fns)
     assert matmuls >= 2 * 2 * 4  # every layer's matmuls appear, once per layer
 
 
@@ -181,13 +185,13 @@ def test_kernels_give_the_same_bits_with_and_without_out(approximate, rows, cols
     w = rng.standard_normal(cols).astype(np.float32)
     b = rng.standard_normal(cols).astype(np.float32)
     cases = [
-        (lambda out=None: numpy_ops.gelu(x, approximate, out), 1),
-        (lambda out=None: numpy_ops.gelu_grad(x, dy, approximate, out), 1),
-        (lambda out=None: numpy_ops.layer_norm(x, w, b, 1e-5, out), 1),
-        (lambda out=None: numpy_ops.layer_norm_grad(x, w, dy, 1e-5, out), 3),
-        (lambda out=None: numpy_ops.softmax(x, -1, out), 1),
-        (lambda out=None: numpy_ops.softmax_grad(numpy_ops.softmax(x, -1), dy, -1, out), 1),
-        (lambda out=None: numpy_ops.matmul(x[None], w[:, None] * w[None, :], out), 1),
+        (lambda out=None: gelu_values(x, approximate, out), 1),
+        (lambda out=None: gelu_grad_values(x, dy, approximate, out), 1),
+        (lambda out=None: layer_norm_values(x, w, b, 1e-5, out), 1),
+        (lambda out=None: layer_norm_grad_values(x, w, dy, 1e-5, out), 3),
+        (lambda out=None: softmax_values(x, -1, out), 1),
+        (lambda out=None: softmax_grad_values(softmax_values(x, -1), dy, -1, out), 1),
+        (lambda out=None: matmul_values(x[None], w[:, None] * w[None, :], out), 1),
     ]
     for fn, n in cases:
         ref = fn()
@@ -210,21 +214,21 @@ def test_in_place_kernels_match_the_textbook_formulas(rows, cols, seed):
     b = rng.standard_normal(cols).astype(np.float32)
     c, k = math.sqrt(2 / math.pi), 0.044715  # Python floats: no float64 upcast
     t = np.tanh(c * (x + k * (x * x * x)))
-    assert numpy_ops.gelu(x, "tanh").tobytes() == (0.5 * x * (1 + t)).tobytes()
+    assert gelu_values(x, "tanh").tobytes() == (0.5 * x * (1 + t)).tobytes()
     d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x)
-    assert numpy_ops.gelu_grad(x, dy, "tanh").tobytes() == (dy * d).tobytes()
+    assert gelu_grad_values(x, dy, "tanh").tobytes() == (dy * d).tobytes()
     xc = x - x.mean(-1, keepdims=True)
     ln = xc / np.sqrt((xc * xc).mean(-1, keepdims=True) + 1e-5) * w + b
-    assert numpy_ops.layer_norm(x, w, b, 1e-5).tobytes() == ln.tobytes()
+    assert layer_norm_values(x, w, b, 1e-5).tobytes() == ln.tobytes()
     rstd = 1 / np.sqrt((xc * xc).mean(-1, keepdims=True) + 1e-5)
     xhat, g = xc * rstd, dy * w
     dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    got = numpy_ops.layer_norm_grad(x, w, dy, 1e-5)
+    got = layer_norm_grad_values(x, w, dy, 1e-5)
     assert [a.tobytes() for a in got] == [dx.tobytes(), (dy * xhat).sum(0).tobytes(), dy.sum(0).tobytes()]
     e = np.exp(x - x.max(-1, keepdims=True))
     sm = e / e.sum(-1, keepdims=True)
-    assert numpy_ops.softmax(x, -1).tobytes() == sm.tobytes()
-    assert numpy_ops.softmax_grad(sm, dy, -1).tobytes() == (sm * (dy - (dy * sm).sum(-1, keepdims=True))).tobytes()
+    assert softmax_values(x, -1).tobytes() == sm.tobytes()
+    assert softmax_grad_values(sm, dy, -1).tobytes() == (sm * (dy - (dy * sm).sum(-1, keepdims=True))).tobytes()
 
 
 def test_rows_by_blocks_on_threads_give_the_bits_of_one_call(monkeypatch):
@@ -251,11 +255,11 @@ def test_layer_norm_grad_into_strided_and_transposed_arrays():
     x = rng.standard_normal((6, 5, 40)).astype(np.float32)
     dy = rng.standard_normal((6, 5, 40)).astype(np.float32)
     w = rng.standard_normal(40).astype(np.float32)
-    ref = numpy_ops.layer_norm_grad(x, w, dy, 1e-5)
+    ref = layer_norm_grad_values(x, w, dy, 1e-5)
     xt, dyt = (np.ascontiguousarray(a.transpose(1, 0, 2)).transpose(1, 0, 2) for a in (x, dy))  # strided views
-    got = numpy_ops.layer_norm_grad(xt, w, dyt, 1e-5)
+    got = layer_norm_grad_values(xt, w, dyt, 1e-5)
     strided = np.empty((5, 6, 40), np.float32).transpose(1, 0, 2)
-    into = numpy_ops.layer_norm_grad(x, w, dy, 1e-5, (strided, np.empty(40, np.float32), np.empty(40, np.float32)))
+    into = layer_norm_grad_values(x, w, dy, 1e-5, (strided, np.empty(40, np.float32), np.empty(40, np.float32)))
     assert into[0] is strided
     assert all(np.array_equal(a, c) for a, c in zip(ref, into))
     assert np.array_equal(ref[0], got[0])  # the sums over rows may add in another order for strided inputs

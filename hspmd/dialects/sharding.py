@@ -1,10 +1,11 @@
-"""Sharding rules of the `graph` ops: which operand layouts an op accepts, which result follows.
+"""Sharding inference: from an op's rule, which operand layouts it accepts and which result follows.
 
-Each op is described by *factors* (as in einsum, or Shardy's factor rules): one name per
-dim of each operand and result. `matmul` is `[i,k] x [k,j] -> [i,j]`; `k` appears in no
-result, so it is a reduction factor and splitting it leaves partial sums. An op is *linear*
-in some operands (partial sums may pass through it): jointly (`add`: all partial together)
-or separately (`mul`, `matmul`: one operand partial, the others replicated on that axis).
+Every op gives its own rule (`sharding_rule()` beside its definition, an `OpRule` of
+`hspmd.dialects.op_rule`): *factors* (as in einsum, or Shardy's factor rules), one name per dim
+of each operand and result. `matmul` is `[i,k] x [k,j] -> [i,j]`; `k` appears in no result, so
+it is a reduction factor and splitting it leaves partial sums. An op is *linear* in some
+operands (partial sums may pass through it): jointly (`add`: all partial together) or
+separately (`mul`, `matmul`: one operand partial, the others replicated on that axis).
 
 `infer` works on the mesh of one SPMD group: each mesh axis of the operands' states gets
 one role (a factor, partial, or nothing). The roles give every operand the layout the op
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 
 from xdsl.ir import Operation
 
-from hspmd.dialects import graph
 from hspmd.dialects.op_rule import OpRule
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
 
@@ -41,250 +41,15 @@ class ShardingError(Exception):
     """Layouts that an op's rule cannot reconcile; names the op and the layouts."""
 
 
-def _dims(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
-
-
 def _shape(value) -> tuple[int, ...]:
     return value.type.get_shape()
 
 
 def rule_for(op: Operation) -> OpRule | None:
-    """Return the sharding rule of a compute op (None for leaves, outputs and assigns).
-
-    An op class of any dialect can give its own rule with a `sharding_rule(self) -> OpRule`
-    method; the `graph` ops' rules are below.
-    """
+    """Return the sharding rule of `op` (its `sharding_rule()`), None for an op without one
+    (leaves, outputs and assigns, which the strategy lays out)."""
     own = getattr(op, "sharding_rule", None)
-    if own is not None:
-        return own()
-    match op:
-        case graph.AddOp() | graph.SubOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d, d), (d,), frozenset({0, 1}), joint=True)
-        case graph.MulOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d, d), (d,), frozenset({0, 1}), joint=False)
-        case graph.ReluGradOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d, d), (d,), frozenset({1}))
-        case graph.ReluOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d,), (d,))
-        case graph.ScaleOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d,), (d,), frozenset({0}))
-        case graph.ExpertMatmulOp():
-            return OpRule((("e", "i", "k"), ("e", "k", "j")), (("e", "i", "j"),), frozenset({0, 1}), joint=False,
-                          lead="e")
-        case graph.ExpertMatmulRhsGradOp():  # m is contracted: split, it leaves partial sums
-            return OpRule((("e", "m", "k"), ("e", "m", "n")), (("e", "k", "n"),), frozenset({0, 1}), joint=False,
-                          lead="e")
-        case graph.MatmulOp():
-            b = _dims("b", len(_shape(op.lhs)) - 2)  # batch dims: shared, so splitting them is free
-            rhs = (*b, "k", "j") if len(_shape(op.rhs)) > 2 else ("k", "j")
-            weight = frozenset({"k", "j"}) if len(_shape(op.rhs)) == 2 else frozenset()  # times a 2-D weight
-            return OpRule(((*b, "i", "k"), rhs), ((*b, "i", "j"),), frozenset({0, 1}), joint=False, prefer=weight)
-        case graph.MatmulRhsGradOp():  # batch dims and i are contracted: split, they leave partial sums
-            b = _dims("b", len(_shape(op.lhs)) - 2)
-            return OpRule(((*b, "i", "k"), (*b, "i", "j")), (("k", "j"),), frozenset({0, 1}), joint=False,
-                          prefer=frozenset({"k", "j"}))
-        case graph.TransposeOp():
-            d = _dims("d", len(_shape(op.input)))
-            return OpRule((d,), (tuple(d[p] for p in op.perm.get_values()),), frozenset({0}))
-        case graph.ReshapeOp():
-            src, dst, extents = _reshape_factors(_shape(op.input), _shape(op.result))
-            blocked = frozenset(f for f in (*src, *dst) if f.startswith("r"))
-            return OpRule((src,), (dst,), frozenset({0}), blocked=blocked, extents=extents)
-        case graph.BroadcastOp():
-            dims = op.dims.get_values()
-            src_shape, dst_shape = _shape(op.input), _shape(op.result)
-            out = list(_dims("o", len(dst_shape)))
-            src = tuple(out[d] if src_shape[i] == dst_shape[d] else f"one{i}" for i, d in enumerate(dims))
-            return OpRule((src,), (tuple(out),), frozenset({0}))
-        case graph.ReduceSumOp():
-            d = _dims("d", len(_shape(op.input)))
-            dims = set(op.dims.get_values())
-            return OpRule((d,), (tuple(f for i, f in enumerate(d) if i not in dims),), frozenset({0}))
-    return _rule_for_more(op)
-
-
-def _elementwise(op: Operation, linear: frozenset[int] = frozenset()) -> OpRule:
-    d = _dims("d", len(_shape(op.results[0])))
-    return OpRule(tuple(d for _ in op.operands), (d,), linear)
-
-
-def _last_dim_rule(op: Operation, n_operands_full: Sequence[bool], results_full: Sequence[bool],
-                   linear: frozenset[int] = frozenset()) -> OpRule:
-    """Rule of an op normalising over the last dim `n` of x [..., n] (blocked), with [n]-shaped
-    operands/results where `*_full` is False (their leading dims are reductions)."""
-    lead = _dims("b", len(_shape(op.operands[0])) - 1)
-    full, vec = (*lead, "n"), ("n",)
-    return OpRule(
-        tuple(full if f else vec for f in n_operands_full),
-        tuple(full if f else vec for f in results_full),
-        linear,
-        blocked=frozenset({"n"}),
-    )
-
-
-def _rule_for_more(op: Operation) -> OpRule | None:
-    """Rules of the transformer op set (elementwise, normalisation, indexing, losses)."""
-    match op:
-        case graph.BinaryCrossEntropyOp():
-            return _elementwise(op)
-        case graph.BinaryCrossEntropyGradOp():  # linear in the incoming gradient
-            return _elementwise(op, frozenset({2}))
-        case graph.DivOp():  # linear in the numerator only
-            return _elementwise(op, frozenset({0}))
-        case graph.ExpOp() | graph.LogOp() | graph.SqrtOp() | graph.RsqrtOp() | graph.TanhOp() | graph.SiluOp() | graph.SigmoidOp():
-            return _elementwise(op)
-        case graph.GeluOp() | graph.PowOp():
-            return _elementwise(op)
-        case graph.CastOp():
-            return _elementwise(op, frozenset({0}))
-        case graph.TanhGradOp() | graph.SiluGradOp() | graph.GeluGradOp() | graph.PowGradOp() | graph.SigmoidGradOp():
-            return _elementwise(op, frozenset({1}))  # linear in the incoming gradient
-        case graph.SoftmaxOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d,), (d,), blocked=frozenset({d[op.dim.value.data]}))
-        case graph.SoftmaxGradOp():
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d, d), (d,), frozenset({1}), blocked=frozenset({d[op.dim.value.data]}))
-        case graph.LayerNormOp():
-            return _last_dim_rule(op, (True, False, False), (True,))
-        case graph.LayerNormGradOp():  # linear in dy, but a partial dy is reduced first (below)
-            return _last_dim_rule(op, (True, False, True), (True, False, False))
-        case graph.RmsNormOp():
-            return _last_dim_rule(op, (True, False), (True,))
-        case graph.RmsNormGradOp():
-            # Linear in dy, yet declared not: a partial dy (a column-parallel input's gradient) is
-            # all-reduced here, as Megatron does, so the residual stream's gradient, the norm's
-            # weight gradients and what the embeddings receive are whole, not partial sums that
-            # each need a reduction of their own.
-            return _last_dim_rule(op, (True, False, True), (True, False))
-        case graph.EmbeddingOp():
-            # vocabulary-parallel (Megatron): a table split along V gives each rank the rows it
-            # owns and zeros for other ids, so `v`, missing from the result, leaves partial sums.
-            # Not linear in the table: a partial result then always means a split vocabulary
-            # (the kernel reads its rows' offset from the partial coordinate).
-            b = _dims("b", len(_shape(op.ids)))
-            return OpRule((("v", "e"), b), ((*b, "e"),))
-        case graph.EmbeddingGradOp():  # the id dims are summed over: split, they leave partial sums;
-            b = _dims("b", len(_shape(op.ids)))  # a result split along V scatters only its ids' rows
-            return OpRule((b, (*b, "e")), (("v", "e"),), frozenset({1}))
-        case graph.OneHotOp():  # classes are global indices along the last dim: any split is fine
-            b = _dims("b", len(_shape(op.labels)))
-            return OpRule((b,), ((*b, "c"),))
-        case graph.CausalMaskOp():  # the mask compares global query and key indices: keep them whole
-            d = _dims("d", len(_shape(op.result)))
-            linear = frozenset({0}) if op.value.value.data == 0.0 else frozenset()
-            return OpRule((d,), (d,), linear, blocked=frozenset(d[-2:]))
-        case graph.SliceOp() | graph.SplitOp() | graph.ConcatOp():  # offsets are global along dim
-            d = _dims("d", len(_shape(op.results[0])))
-            blocked = frozenset({d[op.dim.value.data]})
-            return OpRule(tuple(d for _ in op.operands), tuple(d for _ in op.results),
-                          frozenset(range(len(op.operands))), joint=True, blocked=blocked)
-        case graph.ReduceMaxOp():  # a max of pieces is not a sum: reduced dims stay whole
-            d = _dims("d", len(_shape(op.input)))
-            dims = set(op.dims.get_values())
-            kept = tuple(f for i, f in enumerate(d) if i not in dims)
-            return OpRule((d,), (kept,), blocked=frozenset(d[i] for i in dims))
-        case graph.ReduceMaxGradOp():
-            d = _dims("d", len(_shape(op.x)))
-            dims = set(op.dims.get_values())
-            kept = tuple(f for i, f in enumerate(d) if i not in dims)
-            return OpRule((d, kept, kept), (d,), frozenset({2}), blocked=frozenset(d[i] for i in dims))
-        case graph.SoftmaxCrossEntropyOp():
-            b = _dims("b", len(_shape(op.labels)))
-            return OpRule(((*b, "c"), b), (b,), blocked=frozenset({"c"}))
-        case graph.SoftmaxCrossEntropyGradOp():
-            b = _dims("b", len(_shape(op.labels)))
-            return OpRule(((*b, "c"), b, b), ((*b, "c"),), frozenset({2}), blocked=frozenset({"c"}))
-        case graph.LabelMaskOp():
-            return _elementwise(op)
-        case graph.RopeOp() | graph.RopeGradOp():  # angles use the global position (dim -3) and Dh
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d,), (d,), frozenset({0}), blocked=frozenset({d[-3], d[-1]}))
-        case graph.DropoutOp():  # the mask is keyed by global indices (global_type): any split is fine
-            d = _dims("d", len(_shape(op.result)))
-            return OpRule((d, ()), (d,), frozenset({0}))
-    return _rule_for_moe(op)
-
-
-def _rule_for_moe(op: Operation) -> OpRule | None:
-    """Rules of the mixture-of-experts ops: groups `g` split freely, experts `e` where the weights lie."""
-    match op:
-        case graph.MoeRouteOp():  # a group's routing needs its whole sequence and every expert
-            return OpRule((("g", "s", "e"),), (("g", "s", "e", "c"),), blocked=frozenset({"s", "e", "c"}))
-        case graph.MoeDispatchOp():
-            return OpRule((("g", "s", "d"), ("g", "s", "e", "c")), (("e", "g", "c", "d"),), frozenset({0, 1}),
-                          joint=False)
-        case graph.MoeCombineOp():  # the tokens' side (weights) leads: expert outputs come back by all-to-all
-            return OpRule((("e", "g", "c", "d"), ("g", "s", "e", "c")), (("g", "s", "d"),), frozenset({0, 1}),
-                          joint=False, lead=1)
-        case graph.MoeWeightsGradOp():
-            return OpRule((("g", "s", "d"), ("e", "g", "c", "d")), (("g", "s", "e", "c"),), frozenset({0, 1}),
-                          joint=False, lead=0)
-    return None
-
-
-def _reshape_factors(
-    src: Sequence[int], dst: Sequence[int]
-) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """Return (source factors, result factors, extents) for a reshape.
-
-    Dims kept whole at the same offset (stride) share a factor. A dim that is the product of
-    consecutive dims of the other side ending at the same offset (`[B,T,D] -> [B,T,H,hd]`,
-    D = H*hd, or the reverse merge) shares its factor with the MAJOR of those sub-dims: a split
-    of D into k contiguous chunks is a split of H into k chunks exactly when k divides H, so the
-    factor's extent is H (`extents`) and a degree that does not divide it is not offered. The
-    minor sub-dims, and dims matched in no way, get blocked factors (`rs*`, `rd*`).
-    """
-
-    def offsets(shape):
-        out, acc = [], 1
-        for s in reversed(shape):
-            out.append(acc)
-            acc *= s
-        return list(reversed(out))
-
-    so, do = offsets(src), offsets(dst)
-    shared: dict[int, int] = {}  # source dim -> result dim with the same factor
-    for i, (s, o) in enumerate(zip(src, so)):
-        for j, (t, p) in enumerate(zip(dst, do)):
-            if s == t and o == p and j not in shared.values():
-                shared[i] = j
-                break
-    extents: list[tuple[str, int]] = []
-
-    def merge(big, big_off, small, small_off, taken_big, taken_small):
-        """Yield (big dim, major small dim) where big dim = product of consecutive small dims."""
-        for i, (s, o) in enumerate(zip(big, big_off)):
-            if i in taken_big or s == 1:
-                continue
-            for j in range(len(small)):
-                prod, k = 1, j
-                while k < len(small) and prod < s:
-                    prod *= small[k]
-                    k += 1
-                if k - j >= 2 and prod == s and small_off[k - 1] == o and small[j] > 1 \
-                        and not any(x in taken_small for x in range(j, k)):
-                    yield i, j
-                    taken_small.update(range(j, k))
-                    break
-
-    used_src, used_dst = set(shared), set(shared.values())
-    for i, j in list(merge(src, so, dst, do, used_src, used_dst)):  # one source dim -> several result dims
-        shared[i] = j
-        used_src.add(i)
-        extents.append((f"f{j}", dst[j]))
-    for j, i in list(merge(dst, do, src, so, used_dst, used_src)):  # several source dims -> one result dim
-        shared[i] = j
-        extents.append((f"f{j}", src[i]))
-    a = tuple(f"f{shared[i]}" if i in shared else f"rs{i}" for i in range(len(src)))
-    b = tuple(f"f{j}" if j in shared.values() else f"rd{j}" for j in range(len(dst)))
-    return a, b, tuple(extents)
+    return own() if callable(own) else None
 
 
 # ----------------------------------------------------------------------------- inference

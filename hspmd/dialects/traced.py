@@ -3,12 +3,16 @@
 The functions users call (`hs.gelu(x)`, `hs.cross_entropy(logits, labels)`) stand beside their
 ops (`FRONTEND` in `dialects/interfaces.py`); `hspmd.frontend.ops` gathers them. They see a
 traced tensor through a small protocol, which `hspmd.frontend.tracing.Tensor` implements:
-`value` (its SSA value), `shape`, `ndim`, `dtype` (a name: "float32", "int64", ...), `tracer`
-(whose `emit(op)` appends an op and returns its first result as a tensor, `emit_all(op)` all
-its results, `emit_void(op)` appends one, `constant(value, shape, dtype)` makes a constant tensor, `block` is the block
-being built, `input(name, shape, dtype)` a named input) and the operators and methods of
-`Tensor` (`+`, `*`, `sum`, `mean`, ...). A model's `Parameter` bound to the running trace
-becomes a tensor with `as_tensor`.
+
+* `value` (its SSA value), `shape`, `ndim`, `dtype` (a name: "float32", "int64", ...);
+* the operators and methods of `Tensor` (`+`, `*`, `@`, `sum`, `mean`, `reshape`,
+  `broadcast_binary`, ...);
+* `tracer`, the function being built: `emit(op)` appends an op and returns its first result as
+  a tensor, `emit_all(op)` all its results, `emit_void(op)` none; `tensor(value)` makes a value
+  of the function a tensor; `constant(value, shape, dtype)` and `input(name, shape, dtype)` make
+  a constant and a named input; `block` is the block being built.
+
+A model's `Parameter` bound to the running trace becomes a tensor with `as_tensor`.
 
 Bad arguments raise `TraceError` through `fail`, which names the line of the user's script
 that called the function, the function and what is wrong.

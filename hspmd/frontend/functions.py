@@ -17,6 +17,7 @@ from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Block, Region
 
 from hspmd.dialects import graph
+from hspmd.dialects.graph.positions import step_tensor
 from hspmd.frontend.tracing import Tensor, Tracer, fail
 from hspmd.ir.types import element_type
 
@@ -97,8 +98,6 @@ def _call_counter(tracer: Tracer, key) -> Tensor:
     Each call gets `step + (call index << 32)`, so every layer draws different random numbers
     (dropout masks) and every step too.
     """
-    from hspmd.frontend.ops import step_tensor
-
     index = tracer.call_counts.get(key, 0)
     tracer.call_counts[key] = index + 1
     step = step_tensor(tracer)

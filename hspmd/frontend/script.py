@@ -29,7 +29,8 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.frontend.nn import Module, bind_parameters
-from hspmd.frontend.ops import REDUCED_PRECISION, cast
+from hspmd.dialects.graph.arithmetic import cast
+from hspmd.dialects.traced import REDUCED_PRECISION
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 from hspmd.ir.types import element_type
 

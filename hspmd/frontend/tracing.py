@@ -42,6 +42,10 @@ class Tracer:
         """Append `op`, whose results (if any) the caller does not need as tensors."""
         self.block.add_op(op)
 
+    def tensor(self, value: SSAValue) -> Tensor:
+        """Return `value`, a value of the function being built, as a Tensor."""
+        return Tensor(value, self)
+
     def emit_all(self, op) -> list[Tensor]:
         """Append `op` and return all its results as Tensors."""
         self.block.add_op(op)

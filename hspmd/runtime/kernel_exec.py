@@ -131,10 +131,7 @@ def sample_operands(op: kernel.FusedOp, rng: np.random.Generator) -> list[np.nda
 
 def numpy_call(op: kernel.FusedOp, rank: int = 0) -> Callable:
     """Return a function running `op`'s body with the per-op NumPy kernels (the reference)."""
-    from hspmd.runtime.numpy_ops import kernel_for as graph_kernel_for
-    from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
-
-    makers = {"graph": graph_kernel_for, "optim": optim_kernel_for}
+    from hspmd.runtime.numpy_ops import kernel_for
     block = op.body.block
     slots = {a: i for i, a in enumerate(block.args)}
     steps = []
@@ -143,7 +140,7 @@ def numpy_call(op: kernel.FusedOp, rank: int = 0) -> Callable:
         if isinstance(inner, kernel.YieldOp):
             returns = tuple(slots[v] for v in inner.values)
             continue
-        fn = makers[inner.dialect_name()](inner, rank)
+        fn = kernel_for(inner, rank)
         for r in inner.results:
             slots[r] = len(slots)
         steps.append((fn, tuple(slots[v] for v in inner.operands), tuple(slots[r] for r in inner.results)))

@@ -41,14 +41,13 @@ from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
-from hspmd.runtime.optim_kernels import kernel_for as optim_kernel_for
 from hspmd.runtime.small_matmul import SmallMatmul
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
 from hspmd.runtime.triangular_matmul import triangular_matmul
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
 KERNELS: dict[str, Callable[[Operation, int], Callable]] = {
-    "graph": kernel_for, "optim": optim_kernel_for, "kernel": kernel_exec.kernel_for
+    "graph": kernel_for, "optim": kernel_for, "kernel": kernel_exec.kernel_for
 }
 
 

@@ -85,7 +85,7 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
 from hspmd.dialects.dist import record_strategy, with_layout
-from hspmd.dialects.sharding import _reshape_factors
+from hspmd.dialects.graph.shape import reshape_factors
 from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
@@ -292,7 +292,7 @@ class _Walk:
         """Return the head count a column output's last (split) dim is reshaped into (None: not into heads);
         raise if tp does not divide it, unless uneven pieces are allowed."""
         src, dst = op.input.type.get_shape(), op.result.type.get_shape()
-        a, _, extents = _reshape_factors(src, dst)
+        a, _, extents = reshape_factors(src, dst)
         extent = dict(extents).get(a[-1])
         if extent is not None and extent % self.tp and not self.uneven:
             k = sorted(map(str, sources))[0]

@@ -15,7 +15,6 @@ from xdsl.ir import Dialect
 from xdsl.irdl import IRDLOperation
 
 from hspmd.dialects.graph import (
-    base,
     leaves,
     arithmetic,
     activations,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import ClassVar
 
 import numpy as np
@@ -293,12 +292,6 @@ def rope(x, base: float = 10000.0):
 STEP_INPUT = "step"
 
 
-def _tensor_of(tracer, value: SSAValue):
-    """Return `value`, a value of the function `tracer` builds, as a traced tensor (of the class
-    the tracer's module makes its tensors with: a family module does not import the frontend)."""
-    return sys.modules[type(tracer).__module__].Tensor(value, tracer)
-
-
 def step_tensor(tracer):
     """Return the scalar int64 input "step" of the training step (made on first use).
 
@@ -315,7 +308,7 @@ def step_tensor(tracer):
         if isinstance(op, InputOp) and op.tensor_name.data == STEP_INPUT:
             if op.result.type != TensorType(element_type("int64"), ()):
                 raise fail("dropout", f"the input '{STEP_INPUT}' must be a scalar int64")
-            return _tensor_of(tracer, op.result)
+            return tracer.tensor(op.result)
     return tracer.input(STEP_INPUT, (), "int64")
 
 

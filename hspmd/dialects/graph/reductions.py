@@ -188,15 +188,15 @@ class ReduceMaxGradOp(TensorOp):
         return OpRule((d, kept, kept), (d,), frozenset({2}), blocked=frozenset(d[i] for i in dims))
 
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
-        """`dy` to the arg-max positions; ties share it evenly."""
         dims = tuple(self.dims.get_values())
+        return lambda x, y, dy: reduce_max_grad_values(x, y, dy, dims)
 
-        def grad(x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> np.ndarray:
-            hit = x == np.expand_dims(y, dims)
-            count = hit.sum(axis=dims, keepdims=True)
-            return (hit * (np.expand_dims(dy, dims) / count)).astype(dy.dtype, copy=False)
 
-        return grad
+def reduce_max_grad_values(x: np.ndarray, y: np.ndarray, dy: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+    """`dy` to the positions of `x` holding the maximum `y` over `dims`; ties share it evenly."""
+    hit = x == np.expand_dims(y, dims)
+    count = hit.sum(axis=dims, keepdims=True)
+    return (hit * (np.expand_dims(dy, dims) / count)).astype(dy.dtype, copy=False)
 
 
 def unbroadcast(emit: Emit, g: SSAValue, op: BroadcastOp) -> SSAValue:

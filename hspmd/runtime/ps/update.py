@@ -20,8 +20,7 @@ from hspmd.dialects import graph, optim
 from hspmd.dialects.context import parse_module
 from hspmd.ir.init_spec import initial_value
 from hspmd.ir.types import dtype_name
-from hspmd.runtime.numpy_ops import kernel_for as graph_kernel
-from hspmd.runtime.optim_kernels import kernel_for as optim_kernel
+from hspmd.runtime.numpy_ops import kernel_for
 
 GRAD_PREFIX = "grad:"
 
@@ -47,10 +46,10 @@ class UpdateStep:
                 self.leaves.append((op.tensor_name.data, op.init.data, tuple(typ.get_shape()),
                                     np.dtype(dtype_name(typ))))
             elif op.dialect_name() == "optim":
-                self.kernels[op] = optim_kernel(op, 0)
+                self.kernels[op] = kernel_for(op, 0)
             elif op.dialect_name() == "graph" and not isinstance(
                     op, (graph.InputOp, graph.OutputOp, graph.AssignOp, graph.ConstantOp)):
-                self.kernels[op] = graph_kernel(op, 0)
+                self.kernels[op] = kernel_for(op, 0)
         #: the parameters whose gradients this step takes, in order
         self.params = [o.tensor_name.data[len(GRAD_PREFIX):] for o in self.ops
                        if isinstance(o, graph.InputOp) and o.tensor_name.data.startswith(GRAD_PREFIX)]
