@@ -35,6 +35,7 @@ __all__ = [
     "GELU_APPROXIMATIONS",
     "GeluOp",
     "GeluGradOp",
+    "ErfOp",
 ]
 
 
@@ -306,6 +307,24 @@ def erf_values(x: np.ndarray) -> np.ndarray:
     return erf_series(x).astype(x.dtype, copy=False)
 
 
+@irdl_op_definition
+class ErfOp(ElementwiseOp):
+    """Elementwise error function `erf(x) = 2/sqrt(pi) * integral_0^x exp(-t^2) dt`."""
+
+    name = "graph.erf"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("erf",)
+
+    def vjp(self, gs, emit):  # d/dx erf(x) = 2/sqrt(pi) exp(-x^2)
+        density = lambda: emit(ExpOp(emit(ScaleOp(emit(MulOp(self.input, self.input)), -1.0))))  # noqa: E731
+        return [lambda: emit(ScaleOp(emit(MulOp(gs[0], density())), 2.0 / math.sqrt(math.pi)))]
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        return erf_values
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        put(stmts, t, out[0], f"hs_erf({a[0]})")
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -483,3 +502,8 @@ def gelu(x, approximate: str = "none"):
     if approximate not in GELU_APPROXIMATIONS:
         raise fail("gelu", f"approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got {approximate!r}")
     return float_unary(GeluOp, x, "gelu", approximate=approximate)
+
+
+def erf(x):
+    """Return the error function of x elementwise (`torch.erf`, `scipy.special.erf`)."""
+    return float_unary(ErfOp, x, "erf")
