@@ -110,10 +110,12 @@ class KernelContext:
     """What an op's NumPy kernel may know of where it runs.
 
     `rank`: the rank running it (ops whose values depend on where a piece lies in the global
-    tensor read their `global_type` layout with it: dropout, a split vocabulary). `native`:
-    the runtime's compiled helpers where they are built (`hspmd.runtime.native`: a scatter-add
-    of rows and a sum of squares in one C++ pass), else None; a kernel that uses them keeps a
-    NumPy path of its own.
+    tensor read their `global_type` layout with it: dropout, a split vocabulary, iota).
+    `native`: the runtime's compiled helpers (the module `hspmd.runtime.native`:
+    `scatter_add_rows(out, index, rows) -> bool` and `sum_squares(x) -> float | None`, in one
+    C++ pass each, which say False/None where the library is not built or the arrays do not
+    fit), or None; a kernel that uses them keeps a NumPy path of its own. A dialect module
+    cannot import the runtime, so the runtime hands them over here.
     """
 
     rank: int = 0

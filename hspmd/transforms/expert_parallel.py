@@ -11,7 +11,7 @@ tp minor, so the layout `dup=dp, split(0)=ep, split(d)=tp` has one replicated ax
 replicated over both dp and tp would need two dup axes that are not neighbours, which one
 device order cannot express). Everything
 else (the tokens' all-to-alls into and out of the experts) follows from the sharding rules of
-the mixture-of-experts ops (`dialects/sharding.py`) and the reshard lowering.
+the mixture-of-experts ops (`dialects/graph/moe.py`) and the reshard lowering.
 """
 
 from __future__ import annotations

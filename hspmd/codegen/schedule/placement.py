@@ -12,7 +12,7 @@ go away when the matmul writes its result straight into the memory the consumer 
 * **concat**: each operand that is a matmul's result seen through transposes is written by
   that matmul into its part of the concat's own buffer (a slice along the concat dim,
   transposed back); the concat kernel then finds each operand already in place and copies
-  nothing (`numpy_ops` checks that it is the very same view).
+  nothing (`graph.concat`'s kernel checks that it is the very same view).
 
 * **stack**: a scan's stacked result (`graph.scan`, the iterations' values one slice each):
   each iteration's value that only the stack reads is written by its op straight into its
