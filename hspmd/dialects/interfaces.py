@@ -15,6 +15,7 @@ switches on op names:
 | kernel facts | `OUT_FACTS = ...` (or `out_facts(self)` where they depend on attributes) | `codegen/schedule/kernel_facts.py` |
 | CUDA C | `cuda_expr(self, a, t, stmts, out)` (fusable elementwise) or `cuda_row(self, rk)` (a row kernel) | `codegen/emit_cuda.py`, `fuse-kernels` |
 | frontend | `FRONTEND = ("name", ...)`: functions of the op's module (or `Tensor` operators) | `frontend/ops.py`, `hspmd` |
+| ATen ops (planned with the PyTorch importer) | `ATEN = ("aten.erf.default", ...)`: the ATen ops it answers to | the importer |
 
 `vjp(gs, emit)` gets the gradient of each result (None where a result has none) and an
 `emit(op) -> first result` that inserts backward ops; it returns, per operand, a function
