@@ -40,15 +40,18 @@ from hspmd.dialects.interfaces import (
 from hspmd.frontend import ops as frontend_ops
 from hspmd.frontend.tracing import Tensor, Tracer
 
-#: every op with a NumPy kernel must have a CUDA kernel too (part 1 of the GPU runtime turns it on)
-CUDA_REQUIRED = False
+#: every op with a NumPy kernel must have a GPU kernel too: a fusable expression, a row template,
+#: a standalone kernel, a GEMM or a view (`transforms/device_kernels.py`)
+CUDA_REQUIRED = True
 
 ALL_OPS = [op for dialect in hspmd_dialects() for op in dialect.operations]
 
 
 def _facts(op: type) -> dict[str, str]:
     """Return, per fact, "yes", the op's reason for not having it, or "" (missing)."""
-    cuda = "expr" if issubclass(op, HasCudaExpr) else "row" if issubclass(op, HasCudaRow) else ""
+    cuda = ("expr" if issubclass(op, HasCudaExpr) else "row" if issubclass(op, HasCudaRow)
+            else "kernel" if callable(getattr(op, "cuda_kernel", None)) else "gemm" if getattr(op, "CUDA_GEMM", False)
+            else "view" if getattr(op, "DEVICE_VIEW", False) else "")
     return {
         "sharding": "yes" if issubclass(op, HasShardingRule) else getattr(op, "NO_SHARDING_RULE", ""),
         "vjp": "yes" if has_vjp(op) else no_vjp_reason(op) or "",

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import hspmd as hs
 from hspmd.frontend.tracing import Tracer
 from hspmd.dialects.levels import physical_groups
-from hspmd.dialects.graph import activations, losses, positions, reductions
+from hspmd.dialects.graph import activations, embedding, positions, reductions
 from hspmd.runtime import native as native_module
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
@@ -180,7 +180,7 @@ def test_embedding_and_its_gradient(ids_shape, vocab, dim, seed):
     scatter = np.zeros((vocab, dim))
     for i, row in zip(ids.reshape(-1), dy.reshape(-1, dim)):
         scatter[i] += row
-    np.testing.assert_allclose(losses.embedding_grad_values(ids, dy, vocab), scatter, **TOL)
+    np.testing.assert_allclose(embedding.embedding_grad_values(ids, dy, vocab), scatter, **TOL)
 
 
 @settings(max_examples=40, deadline=None)
@@ -197,13 +197,13 @@ def test_scatter_add_rows_is_add_at_bit_for_bit(n, vocab, dim, seed, dtype, inde
     start = rng.standard_normal((vocab, dim)).astype(dtype)
     expect = start.copy()
     np.add.at(expect, index, rows)
-    got = losses.scatter_add_rows(start.copy(), index, rows, native=native_module if native else None)
+    got = embedding.scatter_add_rows(start.copy(), index, rows, native=native_module if native else None)
     np.testing.assert_array_equal(got.view(np.uint8), expect.view(np.uint8))
 
 
 def test_scatter_add_rows_refuses_an_index_out_of_range():
     with pytest.raises(IndexError, match="index 5 is out of bounds"):
-        losses.scatter_add_rows(np.zeros((5, 3), np.float32), np.array([0, 5]), np.ones((2, 3), np.float32))
+        embedding.scatter_add_rows(np.zeros((5, 3), np.float32), np.array([0, 5]), np.ones((2, 3), np.float32))
 
 
 @settings(max_examples=10, deadline=None)

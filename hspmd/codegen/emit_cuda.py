@@ -121,17 +121,19 @@ def emit_elementwise(
     outputs: list[SSAValue],
     dtype: str,
     out_shape: tuple[int, ...],
+    ctype: str | None = None,
 ) -> KernelCode:
     """Return the elementwise kernel computing `outputs` from `inputs` through `members` (in
     order). Inputs are tensors of the group's shape (read at `i`), 0-d scalars (read once) or
-    the operands of member `graph.broadcast` ops (read at the mapped index).
+    the operands of member `graph.broadcast` ops (read at the mapped index). The kernel computes
+    in `dtype`'s C type, or `ctype` where given (an integer chain: a dropout's step counters).
 
     A plain chain is one flat loop (`HS_FOR`, launch `elementwise`). A chain that reads
     through a broadcast or masks by position (`CUDA_NEEDS_ROWS`) runs as rows of the last dim
     (launch `row`, no reduction): the row and column indices then come without a division per
     element, and the column loop stays unit-stride so a CPU compiler vectorises it.
     """
-    t = C_FLOAT[dtype]
+    t = ctype or C_FLOAT[dtype]
     numel = math.prod(out_shape)
     cols = out_shape[-1]
     rows = numel // cols

@@ -87,3 +87,21 @@ template <class T> __device__ __forceinline__ T hs_sigmoid(T x) {
   T e = hs_exp(x >= T(0) ? -x : x);
   return x >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
 }
+// ---- counter-based random numbers: graph.dropout's (positions.py has the NumPy side)
+// the splitmix64 finaliser, a bijection of 64-bit words with good avalanche
+__device__ __forceinline__ unsigned long long hs_mix64(unsigned long long z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+// the key of (seed, salt, step), then the uniform in [0, 1) (53 bits) of element `index`
+__device__ __forceinline__ unsigned long long hs_dropout_key(unsigned long long seed, unsigned long long salt,
+                                                             unsigned long long step) {
+  const unsigned long long golden = 0x9E3779B97F4A7C15ULL;
+  unsigned long long k = hs_mix64(seed + golden) ^ salt;
+  k = hs_mix64(k + golden) ^ step;
+  return hs_mix64(k + golden);
+}
+__device__ __forceinline__ double hs_dropout_uniform(unsigned long long key, unsigned long long index) {
+  return (double)(hs_mix64(key + (index + 1ULL) * 0x9E3779B97F4A7C15ULL) >> 11) * (1.0 / 9007199254740992.0);
+}

@@ -127,3 +127,54 @@ def fill(template: str, **kw: str) -> str:
 def retype(src: str, t: str) -> str:
     """Replace the template's type name T by `t` (whole words only)."""
     return re.sub(r"\bT\b", t, src)
+
+
+# ----------------------------------------------------------------------------- standalone device kernels
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Return the row-major strides (in elements) of `shape`."""
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def offset_expr(index: str, shape, strides) -> str:
+    """Return the C expression of the offset (in elements, `strides` per dim; 0 for a dim read
+    whole, as a broadcast does) of the element whose row-major flat index over `shape` is the C
+    expression `index`."""
+    shape = tuple(shape)
+    terms = []
+    for k, (n, s) in enumerate(zip(shape, strides)):
+        if n == 1 or s == 0:
+            continue
+        below = math.prod(shape[k + 1:])
+        term = index if below == 1 else f"({index} / {below}L)"
+        if k > 0:
+            term = f"({term} % {n}L)"
+        terms.append(term if s == 1 else f"{term} * {s}L")
+    return " + ".join(terms) or "0"
+
+
+def kernel_params(op: Operation, scratch: int = 0) -> list[str]:
+    """Return the parameters every `__global__` function of `op`'s standalone kernel takes: its
+    operands (`const` pointers `in0`, ...), results (`out0`, ...), `scratch` buffers of T, then
+    the launch extents `long n0, long n1`."""
+    params = [f"const {c_type(v.type)}* in{k}" for k, v in enumerate(op.operands)]
+    params += [f"{c_type(v.type)}* out{k}" for k, v in enumerate(op.results)]
+    params += [f"T* scratch{k}" for k in range(scratch)]
+    return params + ["long n0", "long n1"]
+
+
+def flat_kernel(name: str, op: Operation, t: str, body: str, n: int | None = None, pre: str = "",
+                comment: str = "") -> KernelCode:
+    """Return `op`'s kernel of one `elementwise` launch over `n` items (default: its first
+    result's elements): `body` runs per item `i` (a grid-stride loop on a GPU), after `pre` once."""
+    n = math.prod(shape(op.results[0])) if n is None else n
+    src = (f"// {name}: {comment or op.name}\n"
+           f"HS_KERNEL void {name}({', '.join(kernel_params(op))}) {{\n"
+           + (f"  {pre}\n" if pre else "")
+           + f"  HS_FOR(i, n0) {{\n    {body}\n  }}\n}}\n")
+    return KernelCode(retype(src, t), [f"elementwise {name} {n} 0"])

@@ -127,9 +127,13 @@ class FusedOp(IRDLOperation):
         )
 
     def out_facts(self) -> OutFacts:
-        """Compiled launches over pointers write out= buffers; elementwise ones read before they write."""
+        """Compiled launches over pointers write out= buffers; a chain of elementwise ops (its
+        body's ops compute item i from the operands' items i, or read through a broadcast) reads
+        each item before it writes it, so its result may be its first operand's array."""
+        pointwise = all(callable(getattr(op, "cuda_expr", None)) or callable(getattr(op, "cuda_read_index", None))
+                        for op in self.body.block.ops if not isinstance(op, YieldOp))
         elementwise = all(kind == "elementwise" for kind, _, _, _ in self.launch_list) and not self.scratch_sizes
-        return FIRST if elementwise else OUT
+        return FIRST if elementwise and pointwise else OUT
 
     @property
     def launch_list(self) -> list[tuple[str, str, int, int]]:

@@ -51,7 +51,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import lit, prop, put
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, kernel_params, lit, prop, put, retype
 from hspmd.dialects.graph.base import FLOAT_TYPES, result_dtype, tensor_shape
 from hspmd.dialects.interfaces import FIRST, Kernel, KernelContext, OutFacts
 from hspmd.dialects.op_rule import OpRule
@@ -436,6 +436,19 @@ class SumSquaresOp(_OptimOp):
 
         return sum_squares
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """One block summing the squares, in the result's type."""
+        n = math.prod(tensor_shape(self.input))
+        src = (f"// {name}: optim.sum_squares\n"
+               f"HS_KERNEL void {name}({', '.join(kernel_params(self))}) {{\n"
+               f"  HS_ROWS(r, n0) {{\n"
+               f"    T acc = 0;\n"
+               f"    HS_COLS_SUM(j, n1, acc) {{ const T v = (T)in0[j]; acc += v * v; }}\n"
+               f"    acc = hs_block_sum(acc);\n"
+               f"    if (threadIdx.x == 0) out0[0] = acc;\n"
+               f"  }}\n}}\n")
+        return KernelCode(retype(src, c_type(self.result.type)), [f"row {name} 1 {max(n, 1)}"])
+
 
 @irdl_op_definition
 class ClipCoefOp(_OptimOp):
@@ -462,6 +475,13 @@ class ClipCoefOp(_OptimOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         max_norm, dtype = _f(self, "max_norm"), result_dtype(self)
         return lambda total: np.asarray(clip_coef(float(total), max_norm), dtype=dtype)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """`min(1, max_norm / (sqrt(total) + 1e-6))` in double, as the NumPy kernel's Python floats."""
+        max_norm = _f(self, "max_norm")
+        body = (f"const double coef = {max_norm!r} / (sqrt((double)in0[0]) + {CLIP_EPS!r});\n"
+                f"    out0[0] = (T)(coef < 1.0 ? coef : 1.0);")
+        return flat_kernel(name, self, c_type(self.result.type), body, n=1)
 
 
 @irdl_op_definition

@@ -70,7 +70,7 @@ def fused_ops(module: Operation) -> list[kernel.FusedOp]:
 def launch_specs(op: kernel.FusedOp) -> list[cpu_compile.LaunchSpec]:
     """Return the CPU launch specs of `op`: each launch with the C types of its pointer args."""
     t = C_FLOAT[op.dtype.data]
-    types = tuple([c_type(v.type) for v in op.inputs] + [t] * (len(op.outputs) + len(op.scratch_sizes)))
+    types = tuple([c_type(v.type) for v in (*op.inputs, *op.outputs)] + [t] * len(op.scratch_sizes))
     return [cpu_compile.LaunchSpec(kind, fname, types) for kind, fname, _, _ in op.launch_list]
 
 
@@ -265,7 +265,7 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
         addresses = [(ctypes.cast(fn, ctypes.c_void_p).value, n0, n1) for fn, n0, n1 in launches]
         call.chain_desc = chain_desc  # type: ignore[attr-defined]
     call.accepts_out = True  # type: ignore[attr-defined]
-    call.inplace_safe = all(kind == "elementwise" for kind, _, _, _ in op.launch_list) and not scratch  # type: ignore[attr-defined]
+    call.inplace_safe = op.out_facts().inplace_safe  # type: ignore[attr-defined]
     return call
 
 

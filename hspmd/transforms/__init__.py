@@ -33,6 +33,7 @@ _PASSES = {
     "pipeline-split": "hspmd.transforms.pipeline.split:PipelineSplit",
     "shard-stage-optimizer": "hspmd.transforms.pipeline.shard_stage_optimizer:ShardStageOptimizer",
     "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
+    "device-kernels": "hspmd.transforms.device_kernels:DeviceKernels",
     "coalesce-group-sums": "hspmd.transforms.coalesce_group_sums:CoalesceGroupSums",
 }
 

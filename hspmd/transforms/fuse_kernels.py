@@ -105,10 +105,10 @@ def _can_join(group: _Group, op: Operation, pos: dict[Operation, int]) -> bool:
 
 
 #: the name a kernel is emitted under before it gets its own
-_PLACEHOLDER = "HS_KERNEL_NAME"
+KERNEL_NAME = "HS_KERNEL_NAME"
 
 
-class _Namer:
+class KernelNamer:
     """Names kernels within one module: k<N>_<op names>, and the same name for the same source
     (the Adam updates of all parameters, the layer norms of every layer: one kernel each,
     compiled once; the extents are in each op's launches, not in the source)."""
@@ -123,11 +123,11 @@ class _Namer:
         if name is None:
             short = "_".join(o.name.split(".")[1] for o in ops[:3])
             name = self.known[key] = f"k{next(self.count)}_{short}"
-        return name, KernelCode(code.source.replace(_PLACEHOLDER, name),
-                                [s.replace(_PLACEHOLDER, name) for s in code.launches], code.scratch)
+        return name, KernelCode(code.source.replace(KERNEL_NAME, name),
+                                [s.replace(KERNEL_NAME, name) for s in code.launches], code.scratch)
 
 
-def _replace(block: Block, code: KernelCode, name: str, dtype: str, members: list[Operation],
+def replace_with_kernel(block: Block, code: KernelCode, name: str, dtype: str, members: list[Operation],
              inputs: list[SSAValue], outputs: list[SSAValue], extra: list[Operation]) -> None:
     """Insert the kernel.fused op for `members` before the last member, rewire, erase members."""
     region, body = kernel.make_body([v.type for v in inputs])
@@ -149,24 +149,24 @@ def _replace(block: Block, code: KernelCode, name: str, dtype: str, members: lis
             b.erase()
 
 
-def _fuse_rows(block: Block, namer: _Namer) -> int:
+def _fuse_rows(block: Block, namer: KernelNamer) -> int:
     count = 0
     for op in list(block.ops):
         if not is_row_op(op):
             continue
         try:
-            name, code = namer([op], emit_row(_PLACEHOLDER, op))
+            name, code = namer([op], emit_row(KERNEL_NAME, op))
         except EmitError:
             continue
         if not any(r.uses for r in op.results):
             continue  # dead: nothing to compute
         # the kernel writes every result; unused ones still come back (the yield names them all)
-        _replace(block, code, name, float_kind(op.operands[0].type), [op], list(op.operands), list(op.results), [])
+        replace_with_kernel(block, code, name, float_kind(op.operands[0].type), [op], list(op.operands), list(op.results), [])
         count += 1
     return count
 
 
-def _fuse_elementwise(block: Block, namer: _Namer) -> int:
+def _fuse_elementwise(block: Block, namer: KernelNamer) -> int:
     ops = list(block.ops)
     pos = {op: i for i, op in enumerate(ops)}
     member_of: dict[Operation, _Group] = {}
@@ -214,11 +214,11 @@ def _fuse_elementwise(block: Block, namer: _Namer) -> int:
         if not outputs:
             continue
         try:
-            name, code = namer(g.members, emit_elementwise(_PLACEHOLDER, extra + g.members, inputs, outputs,
+            name, code = namer(g.members, emit_elementwise(KERNEL_NAME, extra + g.members, inputs, outputs,
                                                            g.dtype, g.shape))
         except EmitError:
             continue
-        _replace(block, code, name, g.dtype, g.members, inputs, outputs, extra)
+        replace_with_kernel(block, code, name, g.dtype, g.members, inputs, outputs, extra)
         count += 1
     return count
 
@@ -227,7 +227,7 @@ def _body_ops(op: kernel.FusedOp) -> list[Operation]:
     return [o for o in op.body.block.ops if not isinstance(o, kernel.YieldOp)]
 
 
-def _fuse_prologues(block: Block, namer: _Namer) -> int:
+def _fuse_prologues(block: Block, namer: KernelNamer) -> int:
     """Merge an elementwise kernel whose one result only feeds a row kernel's first operand
     (softmax, layer/RMS norm, cross-entropy) into that row kernel: the row kernel computes
     the chain where it reads the operand (the scaled, masked attention scores of a softmax
@@ -246,7 +246,7 @@ def _fuse_prologues(block: Block, namer: _Namer) -> int:
             continue
         prologue = Prologue(members, list(pro.body.block.args), pro.body.block.last_op.values[0])
         try:
-            name, code = namer(members + [inner], emit_row(_PLACEHOLDER, inner, prologue))
+            name, code = namer(members + [inner], emit_row(KERNEL_NAME, inner, prologue))
         except EmitError:
             continue
         inputs = list(pro.inputs) + list(row.inputs[1:])
@@ -270,7 +270,7 @@ def _fuse_prologues(block: Block, namer: _Namer) -> int:
     return count
 
 
-def fuse_function(fn: func.FuncOp, namer: _Namer) -> int:
+def fuse_function(fn: func.FuncOp, namer: KernelNamer) -> int:
     """Fuse the ops of `fn`'s body in place; return the number of kernels made."""
     block = fn.body.block
     made = _fuse_rows(block, namer) + _fuse_elementwise(block, namer)
@@ -279,7 +279,7 @@ def fuse_function(fn: func.FuncOp, namer: _Namer) -> int:
 
 def fuse_module(module: ModuleOp) -> int:
     """Fuse every function of `module` (nested group modules included); return the kernel count."""
-    namer = _Namer()
+    namer = KernelNamer()
     functions = [op for op in module.walk() if isinstance(op, func.FuncOp)]
     return sum(fuse_function(fn, namer) for fn in functions)
 

@@ -9,7 +9,7 @@ from xdsl.dialects.builtin import Float64Type, FloatAttr, TensorType
 from xdsl.ir import SSAValue
 from xdsl.irdl import irdl_op_definition, prop_def
 
-from hspmd.dialects.cuda_c import lit, put
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, lit, put
 from hspmd.dialects.graph.base import (
     BinaryOp,
     ElementwiseOp,
@@ -176,6 +176,9 @@ class CastOp(UnaryOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         dtype = result_dtype(self)
         return lambda x: x.astype(dtype)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        return flat_kernel(name, self, c_type(self.result.type), "out0[i] = (T)in0[i];")
 
 
 def _pow(exponent: float) -> Kernel:

@@ -35,6 +35,8 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.cuda_c import EmitError
+from hspmd.dialects.dist import layout_of
 from hspmd.dialects.interfaces import Emit
 from hspmd.dialects.op_rule import OpRule, elementwise_rule
 from hspmd.ir.types import dtype_name
@@ -209,3 +211,19 @@ def shared_grad(emit: Emit, make: Callable[[], Operation]) -> Callable[[], Opera
 
     return get
 
+
+def whole_piece(op: Operation) -> bool:
+    """Return whether every rank holds `op`'s whole result (no `global_type`, or a layout that
+    neither splits it nor holds partial sums): then a kernel that reads global positions (a
+    dropout mask, a vocabulary range) is the same on every rank."""
+    typ = getattr(op, "global_type", None)
+    layout = layout_of(typ) if typ is not None else None
+    if layout is None:
+        return True
+    return len(layout.groups) == 1 and all(axis.kind == "dup" for axis, _ in layout.groups[0].states.axes)
+
+
+def rank_dependent(op: Operation) -> EmitError:
+    """Return the error of an op whose device kernel would depend on the rank's piece (not yet made)."""
+    return EmitError(f"'{op.name}' on a split or partial layout reads its piece's global position: "
+                     "its GPU kernel takes the rank's offsets, which GPU runs over several ranks bring")

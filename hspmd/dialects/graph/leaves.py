@@ -33,7 +33,8 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import layout_of
-from hspmd.dialects.graph.base import check_integer, int_attr, result_dtype, tensor_shape
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel
+from hspmd.dialects.graph.base import check_integer, int_attr, rank_dependent, result_dtype, tensor_shape, whole_piece
 from hspmd.dialects.interfaces import Emit, Kernel, KernelContext
 
 __all__ = [
@@ -166,6 +167,12 @@ class IotaOp(IRDLOperation):
         if layout is not None:
             values = np.ascontiguousarray(values[layout.slices(ctx.rank, (n,))])
         return lambda: values.copy()
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        if not whole_piece(self):
+            raise rank_dependent(self)
+        start, step = self.start.value.data, self.step.value.data
+        return flat_kernel(name, self, c_type(self.result.type), f"out0[i] = (T)({start}LL + i * {step}LL);")
 
 
 @irdl_op_definition

@@ -1,5 +1,5 @@
-"""Embeddings and losses: row lookup and its gradient, softmax and binary cross-entropy with
-their gradients, one-hot labels and the label mask of an ignored index."""
+"""Losses: softmax and binary cross-entropy with their gradients, one-hot labels and the label
+mask of an ignored index."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import KernelCode, RowKernel, c_type, lit, put
-from hspmd.dialects.dist import layout_of
+from hspmd.dialects.cuda_c import KernelCode, RowKernel, c_type, flat_kernel, lit, put
 from hspmd.dialects.graph.activations import sigmoid_values
 from hspmd.dialects.graph.arithmetic import MulOp, ScaleOp, cast, divide
 from hspmd.dialects.graph.base import (
@@ -34,21 +33,26 @@ from hspmd.dialects.graph.base import (
     UnaryOp,
     check_float,
     check_integer,
-    check_same_element_type,
     check_same_shape,
     int_attr,
+    rank_dependent,
     result_dtype,
     result_shape,
     tensor_shape,
+    whole_piece,
 )
+from hspmd.dialects.graph.embedding import annotated_piece
 from hspmd.dialects.interfaces import Kernel, KernelContext
 from hspmd.dialects.op_rule import OpRule, elementwise_rule, factors
-from hspmd.dialects.traced import REDUCED_PRECISION, as_tensor, fail, require_float, typed
-from hspmd.ir.layout import PARTIAL
+from hspmd.dialects.traced import (
+    REDUCED_PRECISION,
+    as_tensor,
+    fail,
+    require_float,
+    typed,
+)
 
 __all__ = [
-    "EmbeddingOp",
-    "EmbeddingGradOp",
     "SoftmaxCrossEntropyOp",
     "SoftmaxCrossEntropyGradOp",
     "OneHotOp",
@@ -56,181 +60,6 @@ __all__ = [
     "BinaryCrossEntropyOp",
     "BinaryCrossEntropyGradOp",
 ]
-
-
-# ----------------------------------------------------------------------------- a split vocabulary
-
-
-def _annotated(op: Operation, rank: int):
-    """Return (global shape, layout) of `op`'s result from its `global_type`, or None where the
-    op runs whole (logical IR, a one-device program, or a rank the layout does not name)."""
-    typ = getattr(op, "global_type", None)
-    layout = layout_of(typ) if typ is not None else None
-    if layout is None or rank not in layout.devices:
-        return None
-    return typ.get_shape(), layout  # type: ignore[attr-defined]
-
-
-# ----------------------------------------------------------------------------- embeddings
-
-
-#: groups of more repeats of one id than this are summed one group at a time (`np.add.reduce`);
-#: the others in one vectorized pass per repeat
-_SCATTER_PASSES = 16
-
-
-def scatter_add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray, native=None) -> np.ndarray:
-    """Add row i of `rows` into row `index[i]` of `out`, in place, in the order of i; return `out`.
-
-    The same bits as `np.add.at(out, index, rows)` (each row of `out` gets its rows added one
-    by one in order). With `native` (the runtime's `hspmd.runtime.native`, as a kernel gets it
-    in `KernelContext.native`; None: NumPy only) in one C++ pass where its library is built
-    (`native.scatter_add_rows`: 0.1 ms against 1.1-1.4 ms for GPT-tiny's 2048 ids). Else
-    about 9x faster than `np.add.at` on a GPT's ids: the rows are grouped by index (a
-    stable sort) and the k-th row of every group is added in one vectorized pass, so the
-    passes number the most repeats of one index among the groups of at most `_SCATTER_PASSES`
-    rows. A larger group (a byte-level GPT's space: hundreds of repeats) is added into its row
-    of `out` row after row on its own (`np.add.reduce`, `reduceat` and `accumulate` over the
-    leading axis sum pairwise or cast differently for some shapes and dtypes: other bits).
-    """
-    if index.size == 0 or native is not None and native.scatter_add_rows(out, index, rows):
-        return out
-    order = np.argsort(index, kind="stable")
-    sorted_index = index[order]
-    starts = np.flatnonzero(np.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))
-    counts = np.diff(np.append(starts, index.size))
-    grouped = rows[order]
-    targets = sorted_index[starts]
-    large = counts > _SCATTER_PASSES
-    for t, s, c in zip(targets[large], starts[large], counts[large]):
-        acc = out[t]
-        for row in grouped[s:s + c]:
-            np.add(acc, row, out=acc)
-    small = ~large
-    for k in range(int(counts[small].max(initial=0))):
-        more = small & (counts > k)
-        out[targets[more]] += grouped[starts[more] + k]
-    return out
-
-
-def embedding_grad_values(ids: np.ndarray, dy: np.ndarray, vocab: int, native=None) -> np.ndarray:
-    """Scatter-add the rows of `dy` into a zero [vocab, D] table at `ids` (in the order of the ids;
-    `native` as for `scatter_add_rows`)."""
-    out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
-    return scatter_add_rows(out, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]), native)
-
-
-@irdl_op_definition
-class EmbeddingOp(TensorOp):
-    """Row lookup `table[ids]`: table [V, D], integer ids [...] -> [..., D]."""
-
-    name = "graph.embedding"
-    table = operand_def(TensorType)
-    ids = operand_def(TensorType)
-    result = result_def(TensorType)
-    global_type = opt_prop_def(TypeAttribute)
-    traits = traits_def(Pure())
-    #: a vocabulary-split table gives a partial result (each rank looks up the rows it owns,
-    #: zeros elsewhere): the kernel finds its rows' offset from the result's annotated layout
-    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
-    FRONTEND: ClassVar[tuple[str, ...]] = ("embedding",)
-
-    def __init__(self, table: SSAValue, ids: SSAValue, result_type: Attribute):
-        super().__init__(operands=[table, ids], result_types=[result_type])
-
-    def verify_(self) -> None:
-        t, i, r = tensor_shape(self.table), tensor_shape(self.ids), tensor_shape(self.result)
-        if len(t) != 2 or r != (*i, t[1]):
-            raise VerifyException(f"'{self.name}' needs table [V, D] and ids [...] giving [..., D], "
-                                  f"got {list(t)}, {list(i)} -> {list(r)}")
-        check_integer(self, self.ids, "ids")
-        check_same_element_type(self, self.table, self.result)
-
-    def sharding_rule(self) -> OpRule:
-        # vocabulary-parallel (Megatron): a table split along V gives each rank the rows it
-        # owns and zeros for other ids, so `v`, missing from the result, leaves partial sums.
-        # Not linear in the table: a partial result then always means a split vocabulary
-        # (the kernel reads its rows' offset from the partial coordinate).
-        b = factors("b", len(tensor_shape(self.ids)))
-        return OpRule((("v", "e"), b), ((*b, "e"),))
-
-    def vjp(self, gs, emit):
-        g = gs[0]
-        return [lambda: emit(EmbeddingGradOp(self.ids, g, self.table.type)), None]
-
-    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
-        """`table[ids]`; with a vocabulary-split table (a partial result) the rows this rank owns,
-        zeros for the other ids: its table piece starts at (its coordinate on the partial axis) * rows."""
-        rank = ctx.rank
-        found = _annotated(self, rank)
-        part = None
-        if found is not None:
-            layout = found[1]
-            for group in layout.groups:
-                if rank in group.devices:
-                    part = group.states.coords(group.devices.index(rank)).get(PARTIAL)
-        if part is None:
-            return lambda table, ids: table[ids]
-
-        def lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-            local = ids - part * table.shape[0]
-            inside = (local >= 0) & (local < table.shape[0])
-            out = table[np.where(inside, local, 0)]
-            out[~inside] = 0
-            return out
-
-        return lookup
-
-
-@irdl_op_definition
-class EmbeddingGradOp(TensorOp):
-    """Scatter-add `out[ids[...]] += dy[...]` into zeros [V, D] (V from the result type)."""
-
-    name = "graph.embedding_grad"
-    ids = operand_def(TensorType)
-    dy = operand_def(TensorType)
-    result = result_def(TensorType)
-    global_type = opt_prop_def(TypeAttribute)
-    traits = traits_def(Pure())
-    #: a result split along V holds the rows of one vocabulary range: the kernel scatters only
-    #: the ids in that range, at the offset the result's annotated layout gives
-    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
-    NO_VJP: ClassVar[str] = "a gradient op (no second derivatives)"
-
-    def __init__(self, ids: SSAValue, dy: SSAValue, result_type: Attribute):
-        super().__init__(operands=[ids, dy], result_types=[result_type])
-
-    def verify_(self) -> None:
-        i, g, r = tensor_shape(self.ids), tensor_shape(self.dy), tensor_shape(self.result)
-        if len(r) != 2 or g != (*i, r[1]):
-            raise VerifyException(f"'{self.name}' needs ids [...] and dy [..., D] giving [V, D], "
-                                  f"got {list(i)}, {list(g)} -> {list(r)}")
-        check_integer(self, self.ids, "ids")
-        check_same_element_type(self, self.dy, self.result)
-
-    def sharding_rule(self) -> OpRule:
-        # the id dims are summed over: split, they leave partial sums;
-        # a result split along V scatters only its ids' rows
-        b = factors("b", len(tensor_shape(self.ids)))
-        return OpRule((b, (*b, "e")), (("v", "e"),), frozenset({1}))
-
-    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
-        """Scatter-add `dy` at `ids` into this rank's rows of the table gradient (all rows, or the
-        vocabulary range its result piece covers when the result is split along V)."""
-        rank, native = ctx.rank, ctx.native
-        vocab = result_shape(self)[0]
-        found = _annotated(self, rank)
-        start = found[1].slices(rank, found[0])[0].start if found is not None else 0
-        if start == 0 and (found is None or found[0][0] == vocab):
-            return lambda ids, dy: embedding_grad_values(ids, dy, vocab, native)
-
-        def grad(ids: np.ndarray, dy: np.ndarray) -> np.ndarray:
-            local = ids.reshape(-1) - start
-            inside = (local >= 0) & (local < vocab)
-            out = np.zeros((vocab, dy.shape[-1]), dtype=dy.dtype)
-            return scatter_add_rows(out, local[inside], dy.reshape(-1, dy.shape[-1])[inside], native)
-
-        return grad
 
 
 # ----------------------------------------------------------------------------- softmax cross-entropy
@@ -451,10 +280,17 @@ class OneHotOp(TensorOp):
         """`labels[..., None] == classes` for the classes (global indices along the last dim) of this piece."""
         rank = ctx.rank
         shape, dtype = result_shape(self), result_dtype(self)
-        found = _annotated(self, rank)
+        found = annotated_piece(self, rank)
         start = found[1].slices(rank, found[0])[-1].start if found is not None else 0
         classes = np.arange(start, start + shape[-1])
         return lambda labels: (labels[..., None] == classes).astype(dtype)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        if not whole_piece(self):
+            raise rank_dependent(self)
+        classes = result_shape(self)[-1]
+        return flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = ((long)in0[i / {classes}L] == i % {classes}L) ? (T)1 : (T)0;")
 
 
 @irdl_op_definition
@@ -483,6 +319,10 @@ class LabelMaskOp(UnaryOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         ignore, dtype = self.ignore_index.value.data, result_dtype(self)
         return lambda labels: (labels != ignore).astype(dtype)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        return flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = ((long)in0[i] != {self.ignore_index.value.data}L) ? (T)1 : (T)0;")
 
 
 # ----------------------------------------------------------------------------- binary cross-entropy
@@ -544,17 +384,6 @@ class BinaryCrossEntropyGradOp(TensorOp):
 
 
 # ----------------------------------------------------------------------------- frontend
-
-
-def embedding(table, ids):
-    """Return `table[ids]`: table [V, D] float, integer ids [...] -> [..., D]."""
-    table, ids = as_tensor(table, "embedding"), as_tensor(ids, "embedding")
-    if table.ndim != 2:
-        raise fail("embedding", f"the table must be [V, D], got {list(table.shape)}")
-    if not ids.dtype.startswith("int"):
-        raise fail("embedding", f"ids must be integers, got {ids.dtype}")
-    require_float(table, "embedding")
-    return table.tracer.emit(EmbeddingOp(table.value, ids.value, typed(table, (*ids.shape, table.shape[1]))))
 
 
 def cross_entropy(logits, labels, ignore_index: int | None = None):

@@ -50,6 +50,8 @@ class MatmulOp(MatmulBase):
     [B, T, D] activations). With no batch dims it is the plain 2-D product."""
 
     name = "graph.matmul"
+    #: on a GPU a cuBLAS (strided batched) GEMM computes it, transposes as flags (`runtime/cuda/`)
+    CUDA_GEMM: ClassVar[bool] = True
     OUT_FACTS: ClassVar[OutFacts] = OUT
     FRONTEND: ClassVar[tuple[str, ...]] = ("matmul", "Tensor.__matmul__")
 
@@ -82,6 +84,8 @@ class MatmulRhsGradOp(TensorOp):
     needs one all-reduce of the weight gradient, as for a 2-D matmul)."""
 
     name = "graph.matmul_rhs_grad"
+    #: on a GPU a cuBLAS (strided batched) GEMM computes it, transposes as flags (`runtime/cuda/`)
+    CUDA_GEMM: ClassVar[bool] = True
     OUT_FACTS: ClassVar[OutFacts] = OUT
     NO_VJP: ClassVar[str] = "a gradient op (no second derivatives)"
     lhs = operand_def(TensorType)

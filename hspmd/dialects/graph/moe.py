@@ -21,7 +21,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import KernelCode, RowKernel
+from hspmd.dialects.cuda_c import KernelCode, RowKernel, c_type, flat_kernel
 from hspmd.dialects.graph.base import (
     TensorOp,
     UnaryOp,
@@ -66,6 +66,8 @@ class ExpertMatmulOp(MatmulBase):
     batched matmul would gather the weight instead."""
 
     name = "graph.expert_matmul"
+    #: on a GPU a cuBLAS (strided batched) GEMM computes it, transposes as flags (`runtime/cuda/`)
+    CUDA_GEMM: ClassVar[bool] = True
     OUT_FACTS: ClassVar[OutFacts] = OUT
     FRONTEND: ClassVar[tuple[str, ...]] = ("expert_matmul",)
 
@@ -95,6 +97,8 @@ class ExpertMatmulRhsGradOp(TensorOp):
     tokens the forward moved to the experts as they are, with no second all-to-all)."""
 
     name = "graph.expert_matmul_rhs_grad"
+    #: on a GPU a cuBLAS (strided batched) GEMM computes it, transposes as flags (`runtime/cuda/`)
+    CUDA_GEMM: ClassVar[bool] = True
     lhs = operand_def(TensorType)
     dy = operand_def(TensorType)
     result = result_def(TensorType)
@@ -305,6 +309,16 @@ class MoeDispatchOp(TensorOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return moe_dispatch_values
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """Per slot element `out[e, g, c, d]`: the sum over the group's tokens s of mask * x."""
+        e, g, c, d = tensor_shape(self.result)
+        s = tensor_shape(self.x)[1]
+        body = (f"const long dd = i % {d}L, cc = (i / {d}L) % {c}L, gg = (i / {c * d}L) % {g}L, ee = i / {g * c * d}L;\n"
+                f"    T acc = 0;\n"
+                f"    for (long s = 0; s < {s}L; ++s) acc += in1[((gg * {s}L + s) * {e}L + ee) * {c}L + cc] * in0[(gg * {s}L + s) * {d}L + dd];\n"
+                f"    out0[i] = acc;")
+        return flat_kernel(name, self, c_type(self.result.type), body)
+
 
 @irdl_op_definition
 class MoeCombineOp(TensorOp):
@@ -336,6 +350,18 @@ class MoeCombineOp(TensorOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return moe_combine_values
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """Per token element `out[g, s, d]`: the sum over the slots (e, c) of weights * y."""
+        e, g, c, d = tensor_shape(self.y)
+        s = tensor_shape(self.result)[1]
+        body = (f"const long dd = i % {d}L, ss = (i / {d}L) % {s}L, gg = i / {s * d}L;\n"
+                f"    T acc = 0;\n"
+                f"    for (long ee = 0; ee < {e}L; ++ee)\n"
+                f"      for (long cc = 0; cc < {c}L; ++cc)\n"
+                f"        acc += in1[((gg * {s}L + ss) * {e}L + ee) * {c}L + cc] * in0[((ee * {g}L + gg) * {c}L + cc) * {d}L + dd];\n"
+                f"    out0[i] = acc;")
+        return flat_kernel(name, self, c_type(self.result.type), body)
+
 
 @irdl_op_definition
 class MoeWeightsGradOp(TensorOp):
@@ -362,6 +388,16 @@ class MoeWeightsGradOp(TensorOp):
 
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return moe_weights_grad_values
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """Per weight `out[g, s, e, c]`: the dot product over d of t[g, s] and y[e, g, c]."""
+        e, g, c, d = tensor_shape(self.y)
+        s = tensor_shape(self.t)[1]
+        body = (f"const long cc = i % {c}L, ee = (i / {c}L) % {e}L, ss = (i / {e * c}L) % {s}L, gg = i / {s * e * c}L;\n"
+                f"    T acc = 0;\n"
+                f"    for (long dd = 0; dd < {d}L; ++dd) acc += in0[(gg * {s}L + ss) * {d}L + dd] * in1[((ee * {g}L + gg) * {c}L + cc) * {d}L + dd];\n"
+                f"    out0[i] = acc;")
+        return flat_kernel(name, self, c_type(self.result.type), body)
 
 
 # ----------------------------------------------------------------------------- frontend

@@ -26,6 +26,7 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import layout_of
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel
 from hspmd.dialects.graph.base import (
     TensorOp,
     UnaryOp,
@@ -34,8 +35,10 @@ from hspmd.dialects.graph.base import (
     check_same_shape,
     float_attr,
     int_attr,
+    rank_dependent,
     result_shape,
     tensor_shape,
+    whole_piece,
 )
 from hspmd.dialects.graph.leaves import InputOp
 from hspmd.dialects.interfaces import Kernel, KernelContext
@@ -97,6 +100,18 @@ class _Rope(UnaryOp):
     def sharding_rule(self) -> OpRule:  # angles use the global position (dim -3) and Dh
         d = factors("d", len(result_shape(self)))
         return OpRule((d,), (d,), frozenset({0}), blocked=frozenset({d[-3], d[-1]}))
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """Per element: its position t (dim -3) and frequency, the angle in double as NumPy's
+        tables are, cos and sin rounded to the element type, then `x cos + sign rotate_half(x) sin`."""
+        *_, steps, heads, dh = tensor_shape(self.input)
+        half, sign = dh // 2, "-" if isinstance(self, RopeGradOp) else ""
+        body = (f"const long d = i % {dh}L, t = (i / {heads * dh}L) % {steps}L;\n"
+                f"    const double angle = (double)t * pow({float(self.base.value.data)!r}, -(double)(2 * (d % {half}L)) / {dh}.0);\n"
+                f"    const T c = (T)cos(angle), s = (T)({sign}sin(angle));\n"
+                f"    const T rot = d < {half}L ? -in0[i + {half}L] : in0[i - {half}L];\n"
+                f"    out0[i] = in0[i] * c + rot * s;")
+        return flat_kernel(name, self, c_type(self.result.type), body)
 
 
 @irdl_op_definition
@@ -274,6 +289,21 @@ class DropoutOp(TensorOp):
 
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return dropout_kernel(self, ctx.rank)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """The same counter-based mask as the NumPy kernel (`hs_dropout_key`, `hs_dropout_uniform`
+        in hs_common.cuh), for a result that is the whole tensor on every rank."""
+        if self.microbatches is not None or not whole_piece(self):
+            raise rank_dependent(self)
+        rate = self.rate.value.data
+        seed, salt = self.seed.value.data & 0xFFFFFFFFFFFFFFFF, self.salt.value.data & 0xFFFFFFFFFFFFFFFF
+        t = c_type(self.result.type)
+        if rate == 0.0:
+            return flat_kernel(name, self, t, "out0[i] = in0[i];")
+        pre = f"const unsigned long long key = hs_dropout_key({seed}ULL, {salt}ULL, (unsigned long long)in1[0]);"
+        body = (f"const bool keep = hs_dropout_uniform(key, (unsigned long long)i) >= {rate!r};\n"
+                f"    out0[i] = keep ? in0[i] * (T){1.0 / (1.0 - rate)!r} : (T)0;")
+        return flat_kernel(name, self, t, body, pre=pre)
 
 
 # ----------------------------------------------------------------------------- frontend

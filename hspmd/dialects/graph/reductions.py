@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -13,6 +14,7 @@ from xdsl.irdl import irdl_op_definition, operand_def, prop_def, result_def, tra
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.cuda_c import KernelCode, c_type, contiguous_strides, flat_kernel, kernel_params, offset_expr, retype
 from hspmd.dialects.graph.base import TensorOp, UnaryOp, check_same_shape, i64_array, result_dtype, tensor_shape
 from hspmd.dialects.graph.shape import ReshapeOp
 from hspmd.dialects.interfaces import FRESH, OUT, Emit, Kernel, KernelContext, OutFacts, takes_out
@@ -74,6 +76,10 @@ class ReduceSumOp(_Reduce):
             return takes_out(lambda x, out=None: np.sum(x, axis=dims, out=out))
         return lambda x: np.asarray(x.sum(axis=dims), dtype=dtype)
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """A block per result element, its threads summing the reduced elements (in the result's type)."""
+        return _reduce_kernel(name, self, "sum")
+
 @irdl_op_definition
 class BroadcastOp(UnaryOp):
     """Broadcasts to the result shape; input dim i becomes result dim `dims[i]` (size equal or 1)."""
@@ -116,6 +122,16 @@ class BroadcastOp(UnaryOp):
 
         return broadcast
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """The broadcast written out (a fused kernel reads through it instead: `cuda_read_index`)."""
+        dims, src = self.dims.get_values(), tensor_shape(self.input)
+        in_strides = contiguous_strides(src)
+        strides = [0] * len(tensor_shape(self.result))
+        for i, d in enumerate(dims):
+            strides[d] = in_strides[i] if src[i] != 1 else 0
+        return flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = in0[{offset_expr('i', tensor_shape(self.result), strides)}];")
+
     def cuda_read_index(self, cols: int) -> str:
         """Return the C expression of the input offset read at result position (row r, column j)
         of the result seen as rows of `cols` (its last dim): a fused kernel reads through the
@@ -155,6 +171,9 @@ class ReduceMaxOp(_Reduce):
         dims = tuple(self.dims.get_values())
         return lambda x: np.asarray(x.max(axis=dims))
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        return _reduce_kernel(name, self, "max")
+
 
 @irdl_op_definition
 class ReduceMaxGradOp(TensorOp):
@@ -190,6 +209,25 @@ class ReduceMaxGradOp(TensorOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         dims = tuple(self.dims.get_values())
         return lambda x, y, dy: reduce_max_grad_values(x, y, dy, dims)
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """A block per element of `y`: count the ties over the reduced elements, then share `dy`."""
+        base, offset, rows, cols = _reduced_indexing(tensor_shape(self.x), self.dims.get_values())
+        t = c_type(self.result.type)
+        src = (f"// {name}: graph.reduce_max_grad\n"
+               f"HS_KERNEL void {name}({', '.join(kernel_params(self))}) {{\n"
+               f"  HS_ROWS(r, n0) {{\n"
+               f"    const long base = {base};\n"
+               f"    const T top = in1[r];\n"
+               f"    T count = 0;\n"
+               f"    HS_COLS_SUM(j, n1, count) count += (in0[base + {offset}] == top) ? (T)1 : (T)0;\n"
+               f"    count = hs_block_sum(count);\n"
+               f"    const T share = in2[r] / count;\n"
+               f"    HS_COLS(j, n1) {{\n"
+               f"      const long o = base + {offset};\n"
+               f"      out0[o] = (in0[o] == top) ? share : (T)0;\n"
+               f"    }}\n  }}\n}}\n")
+        return KernelCode(retype(src, t), [f"row {name} {rows} {cols}"])
 
 
 def reduce_max_grad_values(x: np.ndarray, y: np.ndarray, dy: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
@@ -227,3 +265,37 @@ def max(x, dims: int | Sequence[int] | None = None):  # noqa: A001 - hs.max, lik
     norm = sorted({norm_dim(x, d, "max") for d in dims})
     shape = [s for i, s in enumerate(x.shape) if i not in norm]
     return x.tracer.emit(ReduceMaxOp(x.value, norm, typed(x, shape)))
+
+
+def _reduced_indexing(shape: tuple[int, ...], dims) -> tuple[str, str, int, int]:
+    """Return (C expression of row `r`'s base offset, of the offset of its `j`-th reduced element
+    from there, rows, columns) of a reduction of a contiguous `shape` over `dims`: a row per kept
+    element, a column per reduced one."""
+    strides = contiguous_strides(shape)
+    kept = [k for k in range(len(shape)) if k not in dims]
+    reduced = [k for k in range(len(shape)) if k in dims]
+    base = offset_expr("r", [shape[k] for k in kept], [strides[k] for k in kept])
+    offset = offset_expr("j", [shape[k] for k in reduced], [strides[k] for k in reduced])
+    return base, offset, builtins.max(math.prod(shape[k] for k in kept), 1), math.prod(shape[k] for k in reduced)  # `max` is hs.max here
+
+
+def _reduce_kernel(name: str, op: UnaryOp, kind: str) -> KernelCode:
+    """A row kernel reducing `op`'s operand over its dims into its result (in the result's type)."""
+    base, offset, rows, cols = _reduced_indexing(tensor_shape(op.input), op.dims.get_values())  # type: ignore[attr-defined]
+    t = c_type(op.result.type)  # type: ignore[attr-defined]
+    if kind == "sum":
+        init, step, block = "(T)0", f"acc += (T)in0[base + {offset}];", "hs_block_sum(acc)"
+        loop = "HS_COLS_SUM(j, n1, acc)"
+    else:
+        init, step, block = "-HS_INF", f"acc = hs_max(acc, (T)in0[base + {offset}]);", "hs_block_max(acc)"
+        loop = "HS_COLS_MAX(j, n1, acc)"
+    src = (f"// {name}: {op.name}\n"
+           f"HS_KERNEL void {name}({', '.join(kernel_params(op))}) {{\n"
+           f"  HS_ROWS(r, n0) {{\n"
+           f"    const long base = {base};\n"
+           f"    T acc = {init};\n"
+           f"    {loop} {step}\n"
+           f"    acc = {block};\n"
+           f"    if (threadIdx.x == 0) out0[r] = acc;\n"
+           f"  }}\n}}\n")
+    return KernelCode(retype(src, t), [f"row {name} {rows} {builtins.max(cols, 1)}"])

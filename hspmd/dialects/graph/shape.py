@@ -28,6 +28,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.cuda_c import KernelCode, c_type, contiguous_strides, flat_kernel, kernel_params, offset_expr
 from hspmd.dialects.graph.base import (
     TensorOp,
     UnaryOp,
@@ -84,12 +85,21 @@ class TransposeOp(UnaryOp):
         perm = tuple(self.perm.get_values())
         return lambda x: np.transpose(x, perm)  # a view
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """A copy in the permuted order (a device array is contiguous: a transposed view is not)."""
+        src = contiguous_strides(tensor_shape(self.input))
+        strides = [src[p] for p in self.perm.get_values()]
+        return flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = in0[{offset_expr('i', tensor_shape(self.result), strides)}];")
+
 
 @irdl_op_definition
 class ReshapeOp(UnaryOp):
     """Same elements in row-major order, another shape (the result type's)."""
 
     name = "graph.reshape"
+    #: a device array is contiguous, so a reshape is a view there too (no kernel)
+    DEVICE_VIEW: ClassVar[bool] = True
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.reshape",)
 
     def verify_(self) -> None:
@@ -146,6 +156,12 @@ class SliceOp(UnaryOp):
         index = tuple([builtins.slice(None)] * d + [builtins.slice(start, stop)])  # `slice` is hs.slice here
         return lambda x: x[index]  # a view
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        strides = contiguous_strides(tensor_shape(self.input))
+        base = self.start.value.data * strides[self.dim.value.data]
+        return flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = in0[{base}L + {offset_expr('i', tensor_shape(self.result), strides)}];")
+
 
 @irdl_op_definition
 class SplitOp(TensorOp):
@@ -184,6 +200,18 @@ class SplitOp(TensorOp):
         if not bounds:  # one result: the plan stores the array itself, not a tuple
             return lambda x: x
         return lambda x: tuple(np.split(x, bounds, axis=d))  # views
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """One launch per piece: a copy of its slice of the input."""
+        d, strides = self.dim.value.data, contiguous_strides(tensor_shape(self.input))
+        functions, launches, start = [], [], 0
+        for k, r in enumerate(self.outputs):
+            shape = tensor_shape(r)
+            functions.append(f"HS_KERNEL void {name}_{k}({', '.join(kernel_params(self))}) {{\n"
+                             f"  HS_FOR(i, n0) out{k}[i] = in0[{start * strides[d]}L + {offset_expr('i', shape, strides)}];\n}}\n")
+            launches.append(f"elementwise {name}_{k} {math.prod(shape)} 0")
+            start += shape[d]
+        return KernelCode(f"// {name}: graph.split\n" + "".join(functions), launches)
 
 
 @irdl_op_definition
@@ -224,6 +252,18 @@ class ConcatOp(TensorOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         d = self.dim.value.data
         return takes_out(lambda *xs, out=None: concat_values(xs, d, out))
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """One launch per operand: a copy into its slice of the result."""
+        d, strides = self.dim.value.data, contiguous_strides(tensor_shape(self.result))
+        functions, launches, start = [], [], 0
+        for k, x in enumerate(self.inputs):
+            shape = tensor_shape(x)
+            functions.append(f"HS_KERNEL void {name}_{k}({', '.join(kernel_params(self))}) {{\n"
+                             f"  HS_FOR(i, n0) out0[{start * strides[d]}L + {offset_expr('i', shape, strides)}] = in{k}[i];\n}}\n")
+            launches.append(f"elementwise {name}_{k} {math.prod(shape)} 0")
+            start += shape[d]
+        return KernelCode(f"// {name}: graph.concat\n" + "".join(functions), launches)
 
 
 def _pieces_rule(op: Operation) -> OpRule:

@@ -18,7 +18,21 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import EmitError, KernelCode, Prologue, RowKernel, lit, prop, put, shape
+from hspmd.dialects.cuda_c import (
+    EmitError,
+    KernelCode,
+    Prologue,
+    RowKernel,
+    c_type,
+    contiguous_strides,
+    kernel_params,
+    lit,
+    offset_expr,
+    prop,
+    put,
+    retype,
+    shape,
+)
 from hspmd.dialects.graph.arithmetic import cast
 from hspmd.dialects.graph.base import (
     UnaryGradOp,
@@ -195,6 +209,10 @@ class SoftmaxOp(UnaryOp):
         axis = -1 if rows is rowwise else axis  # row blocks come as 2-D views
         return overwrites_first(rows(lambda x, out=None: softmax_values(x, axis, out)))
 
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """A softmax over any dim (`cuda_row` is the last dim's): a block per row along `dim`."""
+        return _strided_softmax(name, self, False)
+
     def cuda_row(self, rk: RowKernel) -> KernelCode:
         _check_last_dim(self)
         src = rk.fill(_SOFTMAX)
@@ -228,6 +246,9 @@ class SoftmaxGradOp(UnaryGradOp):
         rows = along(axis, len(result_shape(self)))
         axis = -1 if rows is rowwise else axis  # row blocks come as 2-D views
         return rows(lambda y, dy, out=None: softmax_grad_values(y, dy, axis, out))
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        return _strided_softmax(name, self, True)
 
     def cuda_row(self, rk: RowKernel) -> KernelCode:
         _check_last_dim(self)
@@ -293,3 +314,26 @@ def causal_mask(scores):
         raise fail("causal_mask", f"needs scores [..., Tq, Tk], got {list(scores.shape)}")
     require_float(scores, "causal_mask")
     return scores.tracer.emit(CausalMaskOp(scores.value))
+
+
+def _strided_softmax(name: str, op, grad: bool) -> KernelCode:
+    """A softmax (`grad`: its gradient) along `op.dim` of a contiguous tensor: a block per row
+    (every other dim's index), its threads striding along the dim."""
+    dims = tensor_shape(op.results[0])
+    d = op.dim.value.data
+    strides = contiguous_strides(dims)
+    others = [k for k in range(len(dims)) if k != d]
+    base = offset_expr("r", [dims[k] for k in others], [strides[k] for k in others])
+    at = f"base + j * {strides[d]}L"
+    if grad:  # y * (dy - sum(dy * y))
+        body = (f"    T s = 0;\n    HS_COLS_SUM(j, n1, s) s += in1[{at}] * in0[{at}];\n    s = hs_block_sum(s);\n"
+                f"    HS_COLS(j, n1) out0[{at}] = in0[{at}] * (in1[{at}] - s);\n")
+    else:
+        body = (f"    T m = -HS_INF;\n    HS_COLS_MAX(j, n1, m) m = hs_max(m, in0[{at}]);\n    m = hs_block_max(m);\n"
+                f"    T s = 0;\n    HS_COLS_SUM(j, n1, s) {{ const T e = hs_exp(in0[{at}] - m); out0[{at}] = e; s += e; }}\n"
+                f"    const T inv = (T)1 / hs_block_sum(s);\n    HS_COLS(j, n1) out0[{at}] = out0[{at}] * inv;\n")
+    src = (f"// {name}: {op.name} along dim {d}\n"
+           f"HS_KERNEL void {name}({', '.join(kernel_params(op))}) {{\n"
+           f"  HS_ROWS(r, n0) {{\n    const long base = {base};\n" + body + "  }\n}\n")
+    rows = max(1, int(np.prod([dims[k] for k in others])))
+    return KernelCode(retype(src, c_type(op.results[0].type)), [f"row {name} {rows} {dims[d]}"])
