@@ -39,7 +39,7 @@ def _devices(fn: func.FuncOp) -> frozenset[int] | None:
 
 
 def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
-                   reuse_buffers: bool = True, triangular: bool = True) -> Schedule:
+                   reuse_buffers: bool = True, triangular: bool = True, device: bool = False) -> Schedule:
     """Return the schedule of physical step function `fn` for `rank`.
 
     `bucket_bytes` is the size of a gradient all-reduce bucket (default: the
@@ -47,6 +47,8 @@ def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
     all-reduce runs blocking where the program has it). `reuse_buffers=False` gives every
     kernel a fresh array each step (for debugging a kernel's `out=` support). `triangular=False`
     marks no matmul for block products (`triangular.py`): every product in full, as written.
+    `device=True` schedules a device program (`device-kernels`): every result, scalars too,
+    in a buffer allocated once (a GPU step allocates nothing), none placed in a consumer's layout.
     Raises `model.ScheduleError` where `fn` cannot be scheduled.
     """
     if bucket_bytes == -1:
@@ -54,4 +56,4 @@ def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
         bucket_bytes = int(env) if env else DEFAULT_BUCKET_BYTES
     flat = flatten(fn)
     buckets = plan_buckets(flat, rank, _devices(fn), bucket_bytes) if bucket_bytes else []
-    return assemble(flat, rank, buckets, reuse_buffers, triangular)
+    return assemble(flat, rank, buckets, reuse_buffers, triangular, device)

@@ -74,8 +74,10 @@ class _Storages:
         return len(self.kind) - 1
 
 
-def _storages(flat: Flat, reuse_buffers: bool, triangles: dict[int, str]) -> _Storages:
-    """Return the storages of `flat` and each slot's aliases (step 1 of the module docstring)."""
+def _storages(flat: Flat, reuse_buffers: bool, triangles: dict[int, str], device: bool = False) -> _Storages:
+    """Return the storages of `flat` and each slot's aliases (step 1 of the module docstring);
+    `device`: a device program's (every result pooled, scalars too; no result placed in a
+    consumer's layout)."""
     types = flat.types
     st = _Storages(alias=[frozenset()] * len(types))
     for p in flat.params:
@@ -86,8 +88,9 @@ def _storages(flat: Flat, reuse_buffers: bool, triangles: dict[int, str]) -> _St
     for c in flat.constants:
         st.alias[c.slot] = frozenset({st.new("fixed", c.slot)})
     st.out_capable = [reuse_buffers and node.kind in _COMPUTES and node.facts.takes_out
-                      and all(types[o] is not None and types[o][0] != () for o in node.outs) for node in flat.nodes]
-    st.placed = placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into, triangles)
+                      and all(types[o] is not None and (device or types[o][0] != ()) for o in node.outs)
+                      for node in flat.nodes]
+    st.placed = {} if device else placements(flat, lambda i: st.out_capable[i] and not flat.nodes[i].into, triangles)
     for i, node in enumerate(flat.nodes):
         name = node.op.name if node.op is not None else ""
         poolable = st.out_capable[i]
@@ -295,11 +298,12 @@ def _peak_bytes(flat: Flat, st: _Storages, buffers: list[int], buckets: list[Buc
 
 
 def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bool = True,
-             triangular: bool = True) -> Schedule:
+             triangular: bool = True, device: bool = False) -> Schedule:
     """Return the finished schedule of a flat program (see the module docstring); with
-    `triangular`, causal attention's products marked for block products (`triangular.py`)."""
-    triangles = triangular_matmuls(flat) if triangular else {}
-    st = _storages(flat, reuse_buffers, triangles)
+    `triangular`, causal attention's products marked for block products (`triangular.py`);
+    with `device`, the schedule of a device program (`_storages`)."""
+    triangles = triangular_matmuls(flat) if triangular and not device else {}
+    st = _storages(flat, reuse_buffers, triangles, device)
     defined, last_use = _liveness(flat, st)
     inplace = _inplace_params(flat, st, defined)
     root = _share_dying_operands(flat, st, inplace)
