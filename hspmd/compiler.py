@@ -39,6 +39,7 @@ from hspmd.transforms.apply_annotations import ApplyAnnotations
 from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
 from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
+from hspmd.transforms.device_kernels import device_module
 from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
@@ -155,12 +156,30 @@ class Compiled:
     # the learning-rate schedule the runtime feeds as input "lr" (hspmd.ir.lr_schedule spec)
     lr_schedule: dict | None = None
     _kernel_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
+    _device_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
 
     def kernel_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
         """Return each device group's kernel level: its physical module fused by `fuse-kernels`."""
         if self._kernel_groups is None:
             self._kernel_groups = kernel_level(self.physical)
         return self._kernel_groups
+
+    def device_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
+        """Return each device group's program for a GPU: its kernel level after `device-kernels`
+        (every op a kernel, a GEMM or a view). PassError names an op that has no GPU kernel."""
+        if self._device_groups is None:
+            self._device_groups = device_level(self.kernel_groups())
+        return self._device_groups
+
+
+def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]]) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, a copy after `device-kernels`) for each group's kernel level."""
+    out = []
+    for devices, fused in kernel_groups:
+        program = fused.clone()
+        device_module(program)
+        out.append((devices, program))
+    return out
 
 
 def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
@@ -282,9 +301,9 @@ def _lower(script: ModelScript, record: StrategyRecord, logical: ModuleOp, opt: 
     return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
 
 
-def write_bundle(compiled: Compiled | list[Compiled], directory: str) -> str:
-    """Write the levels (the kernel level too) and the manifest of `compiled` into `directory`;
-    return the directory.
+def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bool = False) -> str:
+    """Write the levels (the kernel level too; with `device`, the GPU programs as well) and the
+    manifest of `compiled` into `directory`; return the directory.
 
     A list (from `compile_strategies`) makes a switching bundle: the first strategy's program in
     `directory`, each other distinct one in `directory/strategy-<id>/`, and the manifest's
@@ -295,18 +314,19 @@ def write_bundle(compiled: Compiled | list[Compiled], directory: str) -> str:
     for c in programs[1:]:
         if id(c) not in where:
             where[id(c)] = f"strategy-{c.strategy.id}"
-            _write_one(c, os.path.join(directory, where[id(c)]))
-    _write_one(programs[0], directory, [where[id(c)] for c in programs[1:]])
+            _write_one(c, os.path.join(directory, where[id(c)]), device=device)
+    _write_one(programs[0], directory, [where[id(c)] for c in programs[1:]], device)
     return directory
 
 
-def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None) -> None:
+def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None, device: bool = False) -> None:
+    gpu = [m for _, m in compiled.device_groups()] if device else [None] * len(compiled.kernel_groups())
     bundle.write_bundle(
         directory, script=compiled.script.path,
         config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
         strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
-        groups=[(devices, module, fused) for (devices, module), (_, fused) in zip(physical_groups(compiled.physical),
-                                                                                  compiled.kernel_groups())],
+        groups=[(devices, module, fused, program) for (devices, module), (_, fused), program
+                in zip(physical_groups(compiled.physical), compiled.kernel_groups(), gpu)],
         variants=variants or [],
     )
 

@@ -144,7 +144,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from", "cpu_bind", "trace", "progress", "switch_every")
+                  "init_from", "cpu_bind", "trace", "progress", "switch_every", "device", "cuda_graph")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -220,15 +220,40 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     else:
         compiled = compile_script(script, strategy or default_strategy(n), n)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
-    write_bundle(compiled, bundle)
+    write_bundle(compiled, bundle, device=getattr(args, "device", "cpu") == "cuda")
     return bundle
 
 
+def run_device(args) -> str:
+    """Return "cpu" or "cuda" for `hspmd run`'s `--device` (and `--kernels cuda`, its other
+    spelling); DeviceError where the GPU run asked for cannot be."""
+    from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.runtime.cuda.select import resolve_device
+
+    asked = "cuda" if args.kernels == "cuda" else args.device
+    if asked == "auto" and (args.n > 1 or args.servers is not None or args.elastic):  # one GPU rank for now
+        return "cpu"
+    device = resolve_device(asked)
+    if device == "cuda":
+        if args.n > 1 or args.servers is not None or args.elastic:
+            raise DeviceError("--device cuda runs one rank for now (GPU runs over several ranks, parameter servers "
+                              "and --elastic come with part 2 of the GPU runtime)")
+        args.kernels = "cpu"  # the worker's CPU kernels are not used
+    return device
+
+
 def cmd_run(args) -> int:
+    from hspmd.runtime.cuda.device import DeviceError
     from hspmd.runtime.launch import launch
 
     _one_strategy(args)
     check_run_options(args)
+    try:
+        args.device = run_device(args)
+    except DeviceError as err:
+        print(f"hspmd: error: {err}", file=sys.stderr)
+        return 2
+    args.cuda_graph = "off" if args.no_cuda_graph else None
     # the ranks' output goes through mpiexec: whether it ends on a terminal is known only here
     args.progress = "bar" if sys.stdout.isatty() else None
     if args.resume:  # said before compiling: the newest complete checkpoint there, or an error
@@ -354,9 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several --strategy: switch to the next one every K steps, moving parameters and "
                         "optimizer states in memory (docs/switching.md)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
+    r.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                   help="where the step runs: cuda (one GPU per rank: the whole step on the GPU, parameters there "
+                        "from the start; an error where there is no usable GPU), cpu, or auto (the default: cuda "
+                        "where CuPy finds a GPU, else cpu); see docs/gpu.md")
+    r.add_argument("--no-cuda-graph", action="store_true",
+                   help="with --device cuda: run each step call by call instead of replaying it as one CUDA graph")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
-                   help="fused C++ kernels built from their CUDA source (cpu, the default), NumPy per op (numpy), "
-                        "or CuPy (cuda); see docs/kernels.md")
+                   help="on the CPU: fused C++ kernels built from their CUDA source (cpu, the default) or NumPy per "
+                        "op (numpy); cuda is a spelling of --device cuda (docs/kernels.md)")
     r.set_defaults(func=cmd_run)
 
     k = sub.add_parser("checkpoint", help="inspect or export a sharded checkpoint (docs/checkpoints.md)")

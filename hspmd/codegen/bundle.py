@@ -1,7 +1,9 @@
 """Executable bundles: a dump directory that `hspmd run` can execute without the compiler.
 
 A bundle holds `logical.mlir`, `annotated.mlir`, one `physical_groupK.mlir` per device group,
-the same program at the kernel level (fused by the compiler) as `kernel_groupK.mlir`, and
+the same program at the kernel level (fused by the compiler) as `kernel_groupK.mlir`, for a
+GPU run its device program (`device-kernels`: every op a kernel, a GEMM or a view) as
+`device_groupK.mlir`, and
 `manifest.json`, which records what running needs: the model script that provides the data,
 its config, the strategy, the device count, and which programs each group runs. The
 compiler writes it (`write_bundle`), the runtime reads it (`read_manifest`). A manifest
@@ -30,12 +32,14 @@ class BundleError(Exception):
 
 @dataclass
 class GroupEntry:
-    """One device group, the file holding its physical program and the file holding the same
-    program at the kernel level (None in bundles written before they held it)."""
+    """One device group, the file holding its physical program, the file holding the same
+    program at the kernel level (None in bundles written before they held it) and the file of
+    its GPU program (None where the bundle was not compiled for a GPU run)."""
 
     devices: list[int]
     program: str
     kernels: str | None = None
+    device: str | None = None
 
 
 @dataclass
@@ -63,7 +67,11 @@ class Manifest:
 def write_manifest(directory: str, manifest: Manifest) -> str:
     """Write `manifest.json` into `directory` atomically and return its path."""
     path = os.path.join(directory, MANIFEST)
-    atomic_write_text(path, json.dumps(asdict(manifest), indent=2) + "\n")
+    raw = asdict(manifest)
+    for group in raw["groups"]:  # a bundle for CPUs only says nothing of GPU programs
+        if group.get("device") is None:
+            group.pop("device", None)
+    atomic_write_text(path, json.dumps(raw, indent=2) + "\n")
     return path
 
 
@@ -93,22 +101,26 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def write_bundle(directory: str, *, script: str, config: dict, strategy: str, logical: ModuleOp,
-                 annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp]],
+                 annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp, ModuleOp | None]],
                  variants: Sequence[str] = ()) -> Manifest:
     """Write a bundle into `directory` and return its manifest.
 
-    `groups` holds, per device group, its devices, its physical program and the same program
-    at the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one);
-    `variants`, the sub-bundles of a switching run's other strategies (`Manifest.variants`).
+    `groups` holds, per device group, its devices, its physical program, the same program at
+    the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one) and its
+    GPU program (None: the bundle runs on CPUs only); `variants`, the sub-bundles of a
+    switching run's other strategies (`Manifest.variants`).
     """
     os.makedirs(directory, exist_ok=True)
     atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(logical))
     atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(annotated))
     entries = []
-    for gi, (devices, physical, kernels) in enumerate(groups):
-        entry = GroupEntry(list(devices), f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir")
+    for gi, (devices, physical, kernels, device) in enumerate(groups):
+        entry = GroupEntry(list(devices), f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir",
+                           f"device_group{gi}.mlir" if device is not None else None)
         atomic_write_text(os.path.join(directory, entry.program), module_text(physical))
         atomic_write_text(os.path.join(directory, entry.kernels), module_text(kernels))
+        if device is not None:
+            atomic_write_text(os.path.join(directory, entry.device), module_text(device))  # type: ignore[arg-type]
         entries.append(entry)
     manifest = Manifest(script=script, config=config, strategy=strategy,
                         num_devices=sum(len(g.devices) for g in entries), groups=entries, variants=list(variants))

@@ -158,6 +158,8 @@ def train(
     switch_every: int | None = None,
     strategy_order: list[int] | None = None,
     leave_at: tuple[int, int] | None = None,
+    device: str = "cpu",
+    cuda_graph: bool = True,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -165,7 +167,9 @@ def train(
     "cpu" runs the bundle's kernel-level program, its fused kernels built as C++ from their
     CUDA source (the physical program, NumPy per op, said once, where no compiler is found or
     the bundle has no kernel level), "numpy" runs the physical program NumPy per op, "cuda" is
-    for CuPy (falls back to "cpu" without a GPU).
+    for CuPy (falls back to "cpu" without a GPU). `device` "cuda" runs the bundle's GPU program
+    on the rank's GPU instead (`hspmd.runtime.cuda`: parameters and optimizer states on the
+    device for the whole run; `cuda_graph`: each step replayed as one CUDA graph).
 
     With `keep_outputs`, the result also holds every step's named outputs (gradients of a
     program compiled without an optimizer, for instance) and the initial parameters.
@@ -191,8 +195,10 @@ def train(
             f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
             f"but the run has {comm.size} ranks"
         )
-    program = load_rank_program(bundle, manifest, comm, kernels, quiet)
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph)
     plan, gather = program.plan, program.gather
+    if device == "cuda" and manifest.variants:
+        raise RunError("graph switching on the GPU comes with GPU runs over several ranks (part 2 of the GPU runtime)")
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
     full = [i for i, p in enumerate(programs) if len(p.devices) == comm.size]  # the others: for leaving ranks
     choose = strategy_chooser(manifest, full, switch_every, strategy_order)
@@ -347,9 +353,13 @@ class RankProgram:
     devices: tuple[int, ...] = ()  # the ranks the strategy runs on
 
 
-def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool) -> RankProgram:
-    """Return the program of `bundle` that `comm.rank` runs, with its plan built."""
+def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool, device: str = "cpu",
+                      cuda_graph: bool = True) -> RankProgram:
+    """Return the program of `bundle` that `comm.rank` runs, with its plan built (on the rank's
+    GPU for `device` "cuda")."""
     entry = manifest.group_for(comm.rank)
+    if device == "cuda":
+        return _load_device_program(bundle, manifest, entry, comm, quiet, cuda_graph)
     path = os.path.join(bundle, entry.program)
     kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
     with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
@@ -442,6 +452,35 @@ def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndar
     return out
 
 
+def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet: bool,
+                         cuda_graph: bool) -> RankProgram:
+    """Return the rank's GPU program with its plan built on the rank's device."""
+    from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.runtime.cuda.plan import DevicePlanError, build_device_plan
+    from hspmd.runtime.cuda.select import local_rank, open_device
+
+    if entry.device is None:
+        raise RunError(f"{bundle}: the bundle holds no GPU program (compile it for a GPU run: hspmd run --device cuda)")
+    path = os.path.join(bundle, entry.device)
+    group_module = _group_program(path, comm.rank)
+    fn = next((op for op in group_module.body.block.ops if getattr(op, "sym_name", None) is not None
+               and op.sym_name.data == "train_step"), None)
+    if fn is None:
+        raise RunError(f"{path}: the group's module has no @train_step function")
+    try:
+        gpu = open_device(local_rank(comm.rank))
+        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph)
+    except (DeviceError, DevicePlanError) as err:
+        raise RunError(str(err)) from None
+    if comm.rank == 0 and not quiet:
+        print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
+              f"parameters, optimizer states, inputs and buffers {plan.buffer_bytes / 2**20:.1f} MiB reused by "
+              f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
+              f"{len(plan.calls)} calls a step{', one CUDA graph' if cuda_graph else ''}", flush=True)
+    gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
+    return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
+
+
 def _group_program(path: str, rank: int, verify: bool = False):
     """Return the group module of the program in `path` that `rank` runs (the physical level
     verified with `verify`)."""
@@ -492,6 +531,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
     parser.add_argument("--switch-every", type=int)
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cuda-graph", choices=("on", "off"), default="on")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
@@ -505,7 +546,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
-              progress_bar=args.progress == "bar", switch_every=args.switch_every)
+              progress_bar=args.progress == "bar", switch_every=args.switch_every, device=args.device,
+              cuda_graph=args.cuda_graph == "on")
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:

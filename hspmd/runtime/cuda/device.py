@@ -141,6 +141,12 @@ class DeviceArray:
         """Return a host copy."""
         return np.asarray(self)
 
+    def __float__(self) -> float:  # a 0-d value (a step counter, a scalar state) read as a number
+        return float(np.asarray(self))
+
+    def __int__(self) -> int:
+        return int(np.asarray(self))
+
     def view(self, shape: Sequence[int]) -> DeviceArray:
         """Return the same memory seen with another shape of as many elements."""
         return DeviceArray(self.device, self.ptr, tuple(shape), self.dtype)

@@ -30,7 +30,7 @@ from hspmd.runtime.kernel_exec import build_program
 class EmulatedDevice(Device):
     """The CPU as a device (see the module docstring)."""
 
-    name = "emulated on the CPU"
+    name = "an emulated GPU (host memory, the kernels built for the CPU)"
 
     def __init__(self, team: int = 1) -> None:
         self.team = team

@@ -1,0 +1,93 @@
+"""cuBLAS through its C API (ctypes), on a handle, stream and workspace of our own.
+
+CuPy's matmul and its `cublas` wrapper refuse to run while a stream is being captured into a
+CUDA graph; cuBLAS itself captures fine when called with a handle bound to the capturing
+stream and a workspace set on it (measured on an H100: `../shared/gpu/README.md`). So the GPU
+plan calls cuBLAS directly: `Cublas(stream)` makes the handle, binds it to the plan's stream,
+gives it a workspace, and `gemm(...)` issues one (strided batched) GEMM with cuBLAS's
+column-major conventions (`gemm.Gemm`). Host pointer mode: alpha and beta are read when the
+call is made (captured: when the graph is made), so they stay constants of the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+import numpy as np
+
+from hspmd.runtime.cuda.gemm import Gemm
+
+#: bytes of the workspace cuBLAS gets (it needs one to run inside a captured graph)
+WORKSPACE_BYTES = 32 << 20
+_OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
+
+
+def find_library() -> str:
+    """Return the path of libcublas: the CUDA toolkit's, or the one an `nvidia-cublas` wheel brings."""
+    candidates = ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if base:
+            candidates += sorted(glob.glob(os.path.join(base, "lib64", "libcublas.so*")))
+    for site in sys.path:
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cublas", "lib", "libcublas.so*")))
+    for name in candidates:
+        try:
+            ctypes.CDLL(name)
+            return name
+        except OSError:
+            continue
+    raise OSError("libcublas not found (the CUDA toolkit's lib64, or an nvidia-cublas wheel)")
+
+
+class CublasError(RuntimeError):
+    """A cuBLAS call returned a status other than CUBLAS_STATUS_SUCCESS."""
+
+
+class Cublas:
+    """A cuBLAS handle bound to `stream` (a `cudaStream_t` as an integer) with a workspace at
+    `workspace` (`WORKSPACE_BYTES`, device memory the caller keeps alive)."""
+
+    def __init__(self, stream: int, workspace: int) -> None:
+        self.lib = ctypes.CDLL(find_library())
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace),
+                                                   ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+    def gemm_call(self, g: Gemm, a: int, b: int, c: int):
+        """Return the call issuing GEMM `g` on A at `a`, B at `b`, C at `c` (on the handle's stream)."""
+        if g.dtype == np.float32:
+            scalar, single, batched = ctypes.c_float, self.lib.cublasSgemm_v2, self.lib.cublasSgemmStridedBatched
+        elif g.dtype == np.float64:
+            scalar, single, batched = ctypes.c_double, self.lib.cublasDgemm_v2, self.lib.cublasDgemmStridedBatched
+        else:
+            raise CublasError(f"no GEMM for {g.dtype} yet (float32 and float64)")
+        alpha, beta = scalar(1.0), scalar(0.0)
+        head = (self.handle, _OP[g.transa], _OP[g.transb], g.m, g.n, g.k, ctypes.byref(alpha))
+        if g.batch == 1:
+            args = (*head, ctypes.c_void_p(a), g.lda, ctypes.c_void_p(b), g.ldb, ctypes.byref(beta), ctypes.c_void_p(c),
+                    g.ldc)
+            fn = single
+        else:
+            args = (*head, ctypes.c_void_p(a), g.lda, ctypes.c_longlong(g.stride_a), ctypes.c_void_p(b), g.ldb,
+                    ctypes.c_longlong(g.stride_b), ctypes.byref(beta), ctypes.c_void_p(c), g.ldc,
+                    ctypes.c_longlong(g.stride_c), g.batch)
+            fn = batched
+        keep = (alpha, beta)  # alive as long as the call
+
+        def call() -> None:
+            status = fn(*args)
+            if status != 0:
+                raise CublasError(f"GEMM {g} failed with cuBLAS status {status}")
+            _ = keep
+
+        return call

@@ -1,0 +1,132 @@
+"""A CUDA GPU through CuPy: device memory, the program's kernels as RawModules, cuBLAS, CUDA graphs.
+
+Everything runs on one non-blocking stream of the plan's own: kernel launches (each kernel
+compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build tests, with
+`cuda_preamble.cuh` and `hs_common.cuh` in front; launch shapes as `codegen/cupy_backend.py`
+chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
+copies. Uploads go through pinned host buffers (one per destination, made once), so the next
+batch's copy is asynchronous. `capture` records a step into one CUDA graph and replays it;
+where a capture fails it says so once and the run goes on call by call.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+from xdsl.ir import Operation
+
+from hspmd.codegen.cupy_backend import gpu_status, launch_config
+from hspmd.codegen.nvrtc_check import GPU_OPTIONS, gpu_text
+from hspmd.dialects import kernel
+from hspmd.runtime.cuda.cublas import WORKSPACE_BYTES, Cublas
+from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceError, KernelSet
+from hspmd.runtime.cuda.gemm import Gemm
+
+
+class CupyDevice(Device):
+    """CUDA device `index` (after `CUDA_VISIBLE_DEVICES`) through CuPy (see the module docstring)."""
+
+    def __init__(self, index: int = 0) -> None:
+        ok, why = gpu_status()
+        if not ok:
+            raise DeviceError(f"no usable GPU: {why}")
+        import cupy
+
+        self.cupy = cupy
+        self.index = index
+        cupy.cuda.Device(index).use()
+        props = cupy.cuda.runtime.getDeviceProperties(index)
+        name = props["name"]
+        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._memory: list = []  # the allocations, alive with the device
+        self._pinned: dict[tuple[int, int], np.ndarray] = {}
+        self.cublas = Cublas(self.stream.ptr, self.alloc(WORKSPACE_BYTES))
+
+    def alloc(self, nbytes: int) -> int:
+        mem = self.cupy.cuda.alloc(max(int(nbytes), 1) + ALIGN)
+        self._memory.append(mem)
+        self.cupy.cuda.runtime.memsetAsync(mem.ptr, 0, max(int(nbytes), 1) + ALIGN, self.stream.ptr)
+        return mem.ptr + (-mem.ptr) % ALIGN
+
+    def upload(self, ptr: int, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        key = (ptr, array.nbytes)
+        staging = self._pinned.get(key)
+        if staging is None:
+            mem = self.cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+            staging = np.frombuffer(mem, np.uint8, array.nbytes)
+            self._pinned[key] = staging
+        else:
+            self.stream.synchronize()  # the previous copy from this buffer has finished
+        np.copyto(staging, array.reshape(-1).view(np.uint8))
+        rt = self.cupy.cuda.runtime
+        rt.memcpyAsync(ptr, staging.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+
+    def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        out = np.empty(tuple(shape), np.dtype(dtype))
+        self.stream.synchronize()
+        rt = self.cupy.cuda.runtime
+        rt.memcpy(out.ctypes.data, ptr, out.nbytes, rt.memcpyDeviceToHost)
+        return out
+
+    def kernels(self, module: Operation) -> KernelSet:
+        functions: dict[str, object] = {}
+        seen: set[str] = set()
+        for op in module.walk():
+            if not isinstance(op, kernel.FusedOp) or op.kernel.data in seen:
+                continue
+            seen.add(op.kernel.data)
+            raw = self.cupy.RawModule(code=gpu_text(op.source.data), options=GPU_OPTIONS)
+            for _, fname, _, _ in op.launch_list:
+                functions[fname] = raw.get_function(fname)
+        return KernelSet(functions)
+
+    def prepare_launch(self, kernels: KernelSet, function: str, kind: str, n0: int, n1: int,
+                       ptrs: Sequence[int]) -> Call:
+        fn = kernels[function]
+        grid, block = launch_config(kind, n0, n1)
+        args = (*(np.uint64(p) for p in ptrs), np.int64(n0), np.int64(n1))
+        stream = self.stream
+
+        def launch() -> None:
+            fn((grid,), (block,), args, stream=stream)  # type: ignore[operator]
+
+        return launch
+
+    def prepare_gemm(self, gemm: Gemm, a: int, b: int, c: int) -> Call:
+        return self.cublas.gemm_call(gemm, a, b, c)
+
+    def prepare_copy(self, dst: int, src: int, nbytes: int) -> Call:
+        rt, stream = self.cupy.cuda.runtime, self.stream.ptr
+
+        def copy() -> None:
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream)
+
+        return copy
+
+    def capture(self, calls: Sequence[Call]) -> Call:
+        calls = list(calls)
+        stream = self.stream
+        self.stream.synchronize()
+        try:
+            stream.begin_capture()
+            try:
+                for call in calls:
+                    call()
+            finally:
+                graph = stream.end_capture()  # a failed capture must still end it
+        except Exception as err:  # noqa: BLE001 - any refusal of capture: run uncaptured
+            print(f"hspmd: the step could not be captured as a CUDA graph ({type(err).__name__}: {err}); "
+                  "running it call by call", file=sys.stderr)
+            return super().capture(calls)
+
+        def replay() -> None:
+            graph.launch(stream)
+
+        return replay
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
