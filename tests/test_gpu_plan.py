@@ -1,0 +1,224 @@
+"""The GPU runtime without a GPU: device programs and the CUDA plan on the emulated device.
+
+`device-kernels` gives every op of a program a GPU kernel (or a GEMM, or a view); the device
+program runs first on the CPU plan (each new kernel's CPU build against the fused CPU level:
+the same losses), then as a CUDA plan on `EmulatedDevice` (one arena, fixed pointers,
+cuBLAS-convention GEMMs, the step replayed): the CPU backend's losses and parameters. The
+GEMM mapping is checked against NumPy's products bit for bit, the row kernels with a block
+of several emulated threads (the GPU's block reductions), the sources with NVRTC. `hspmd run
+--device cuda` runs under the test switch `HSPMD_EMULATE_GPU=1`, and refuses cleanly without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES, run_cli, train_plan
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hspmd.compiler import compile_script, run_passes
+from hspmd.dialects.graph.matmul import matmul_rhs_grad_values, matmul_values
+from hspmd.dialects.graph.moe import expert_matmul_rhs_grad_values
+from hspmd.frontend.script import load_script
+from hspmd.runtime.comm import InProcessCommunicator
+from hspmd.runtime.cuda.device import DeviceArray
+from hspmd.runtime.cuda.emulated import EmulatedDevice
+from hspmd.runtime.cuda.gemm import gemm_for, numpy_gemm
+from hspmd.runtime.cuda.plan import build_device_plan
+from hspmd.runtime.plan import build_plan
+from hspmd.transforms.util import PassError
+
+SMALL_GPT = {"model.layers": 2, "model.d_model": 32, "model.seq_len": 16, "data.batch_size": 8}
+CASES = {
+    "mlp": ("mlp.py", {}),
+    "gpt-dropout": ("gpt.py", {**SMALL_GPT, "model.dropout": 0.1}),
+    "llama": ("llama.py", {"model.layers": 2, "model.d_model": 32, "model.seq_len": 16}),
+    "moe": ("moe.py", {}),
+}
+
+
+def _step(module):
+    return next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+                and op.sym_name.data == "train_step")
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """Per case: (script, compiled, the CPU kernel level, the device program)."""
+    out = {}
+    for name, (script_name, overrides) in CASES.items():
+        script = load_script(os.path.join(EXAMPLES, script_name), overrides)
+        compiled = compile_script(script, "[0]: dp=1", 1)
+        ((_, fused),) = compiled.kernel_groups()
+        ((_, device),) = compiled.device_groups()
+        out[name] = (script, compiled, fused, device)
+    return out
+
+
+def _cpu_losses(programs, name, steps=3):
+    script, compiled, fused, _ = programs[name]
+    (comm,) = InProcessCommunicator.create_world(1)
+    return train_plan(build_plan(_step(fused), 0, comm), script, compiled, steps)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_device_program_has_only_kernels_gemms_and_views(programs, name):
+    *_, device = programs[name]
+    left = {op.name for op in device.walk() if op.parent_op() is not None and op.parent_op().name == "func.func"}
+    assert left <= {"kernel.fused", "graph.matmul", "graph.matmul_rhs_grad", "graph.expert_matmul",
+                    "graph.expert_matmul_rhs_grad", "graph.reshape", "graph.parameter", "graph.input", "graph.constant",
+                    "graph.output", "graph.assign", "graph.scan", "func.return", "func.call"}, left
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_device_programs_kernels_give_the_cpu_levels_losses(programs, name):
+    """Every GPU kernel, built for the CPU, in the CPU plan: the fused CPU level's numbers."""
+    script, compiled, _, device = programs[name]
+    ref, ref_params = _cpu_losses(programs, name)
+    (comm,) = InProcessCommunicator.create_world(1)
+    got, params = train_plan(build_plan(_step(device), 0, comm), script, compiled, 3)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    for k in ref_params:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_cuda_plan_on_the_emulated_device_gives_the_cpu_backends_numbers(programs, name):
+    script, compiled, _, device = programs[name]
+    ref, ref_params = _cpu_losses(programs, name)
+    plan = build_device_plan(_step(device), 0, EmulatedDevice())
+    got, params = train_plan(plan, script, compiled, 3)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    for k in ref_params:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert plan.peak_bytes >= sum(a.nbytes for a in plan.param_arrays.values())
+
+
+def test_row_kernels_with_blocks_of_several_threads_give_the_same_losses(programs):
+    """The GPU's algorithm (block reductions over 4 emulated threads, barriers, shuffles)."""
+    script, compiled, _, device = programs["gpt-dropout"]
+    ref, _ = _cpu_losses(programs, "gpt-dropout", 2)
+    got, _ = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(team=4)), script, compiled, 2)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_a_replayed_step_equals_a_step_run_call_by_call(programs):
+    script, compiled, _, device = programs["gpt-dropout"]
+    a = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(), cuda_graph=True), script, compiled, 3)[0]
+    b = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(), cuda_graph=False), script, compiled, 3)[0]
+    assert a == b
+
+
+def test_every_gpu_kernel_compiles_with_nvrtc(programs):
+    from hspmd.codegen.nvrtc_check import check_module, nvrtc_status
+
+    ok, why = nvrtc_status()
+    if not ok:
+        pytest.skip(f"NVRTC is not available here: {why}")
+    for name in ("gpt-dropout", "moe"):
+        assert all(size > 0 for size in check_module(programs[name][3]).values())
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+
+def _flat(shape, rng, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 9), k=st.integers(1, 9), n=st.integers(1, 9),
+       lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), weight=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_the_gemm_of_every_product_gives_numpys_bits(m, k, n, lead, weight, dtype, seed):
+    """cuBLAS's column-major call of each product, run on flat memory as cuBLAS reads it."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    lead = tuple(lead)
+    cases = [
+        ("graph.matmul", [(*lead, m, k), (k, n) if weight else (*lead, k, n)], (*lead, m, n), matmul_values),
+        ("graph.matmul_rhs_grad", [(*lead, m, k), (*lead, m, n)], (k, n), matmul_rhs_grad_values),
+        ("graph.expert_matmul_rhs_grad", [(3, m, k), (3, m, n)], (3, k, n), expert_matmul_rhs_grad_values),
+    ]
+    for name, shapes, out_shape, reference in cases:
+        x, y = (_flat(s, rng, dtype) for s in shapes)
+        g = gemm_for(SimpleNamespace(name=name), shapes, out_shape, np.dtype(dtype))
+        ops = [x, y]
+        c = np.full(int(np.prod(out_shape)), np.nan, dtype)
+        numpy_gemm(g, ops[g.a].reshape(-1), ops[g.b].reshape(-1), c)
+        np.testing.assert_array_equal(c.reshape(out_shape), reference(x, y), err_msg=name)
+
+
+def test_device_arrays_read_as_host_arrays():
+    device = EmulatedDevice()
+    ptr = device.alloc(4 * 6)
+    device.upload(ptr, np.arange(6, dtype=np.float32).reshape(2, 3))
+    a = DeviceArray(device, ptr, (2, 3), np.dtype(np.float32))
+    np.testing.assert_array_equal(np.asarray(a), np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(np.asarray(a[1]), [3, 4, 5])
+    assert [list(np.asarray(r)) for r in a] == [[0, 1, 2], [3, 4, 5]]
+    assert float(DeviceArray(device, ptr + 4, (), np.dtype(np.float32))) == 1.0
+    full = np.zeros((2, 3), np.float32)
+    full[:] = a
+    assert full[1, 2] == 5
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_an_op_without_a_gpu_kernel_is_a_compile_error_naming_it():
+    from hspmd.dialects.context import parse_module
+
+    module = parse_module("""
+builtin.module {
+  func.func @train_step() {
+    %x = graph.input "x" : tensor<4xbf16>
+    %y = graph.exp %x : (tensor<4xbf16>) -> tensor<4xbf16>
+    graph.output "y", %y : tensor<4xbf16>
+    func.return
+  }
+}""")
+    with pytest.raises(PassError, match="no GPU kernel for 'graph.exp' in @train_step"):
+        run_passes(module, "device-kernels")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _log(path) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(path).read().splitlines()]
+
+
+def test_hspmd_run_device_cuda_on_the_emulated_device_logs_the_cpu_losses(tmp_path):
+    gpt = os.path.join(EXAMPLES, "gpt.py")
+    sets = [a for kv in SMALL_GPT.items() for a in ("--set", f"{kv[0]}={kv[1]}")]
+    run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cpu", "--steps", "4", "--log", str(tmp_path / "cpu.jsonl"),
+            *sets, check=True, timeout=600)
+    env = {"HSPMD_EMULATE_GPU": "1"}
+    out = run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cuda", "--steps", "4", "--log",
+                  str(tmp_path / "gpu.jsonl"), "--dump-dir", str(tmp_path / "bundle"), *sets, check=True, timeout=600,
+                  env=env)
+    assert "plan: on an emulated GPU" in out.stdout and "one CUDA graph" in out.stdout
+    assert os.path.isfile(tmp_path / "bundle" / "device_group0.mlir")
+    np.testing.assert_allclose(_log(tmp_path / "gpu.jsonl"), _log(tmp_path / "cpu.jsonl"), rtol=1e-4)
+    again = run_cli("hspmd", "run", "-n", "1", str(tmp_path / "bundle"), "--kernels", "cuda", "--steps", "2",
+                    "--no-cuda-graph", check=True, timeout=600, env=env)  # --kernels cuda: the other spelling
+    assert "calls a step" in again.stdout and "CUDA graph" not in again.stdout
+
+
+def test_hspmd_run_device_cuda_without_a_gpu_refuses_in_one_line():
+    env = {"HSPMD_EMULATE_GPU": "0"}
+    out = run_cli("hspmd", "run", "-n", "1", os.path.join(EXAMPLES, "mlp.py"), "--device", "cuda", "--steps", "2",
+                  timeout=120, env=env)
+    from hspmd.codegen.cupy_backend import gpu_status
+
+    if gpu_status()[0]:
+        pytest.skip("a GPU is here: --device cuda runs")
+    assert out.returncode == 2
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--device cuda: no usable GPU" in lines[0] and "Traceback" not in out.stderr
