@@ -19,8 +19,11 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """Run an installed console script (`hspmd`, `hspmd-opt`) and return the finished process."""
     exe = os.path.join(BIN, args[0])
+    # where the project is on the path but not installed (the GPU machine): the module itself
+    command = [exe] if os.path.isfile(exe) else [sys.executable, "-m", {"hspmd": "hspmd.cli.main",
+                                                                         "hspmd-opt": "hspmd.cli.opt"}[args[0]]]
     proc = subprocess.run(
-        [exe, *args[1:]], capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+        [*command, *args[1:]], capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
         env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:

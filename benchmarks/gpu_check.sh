@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU machine's checks, as one script (../shared/gpu/README.md): what the machine is, the
+# gpu-marked tests (the GPU runtime against the CPU backend), `hspmd run --device cuda` against
+# `--device cpu`, then benchmarks/gpu_step_vs_torch.py. About 8 minutes; run from the project
+# root, with .whl/ carried along (made here by ../shared/gpu/prepare_wheels.sh):
+#
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+set -u
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+else
+  echo "no .whl/: run ../shared/gpu/prepare_wheels.sh in the checkout first and carry .whl"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+  HSPMD_MPIEXEC=/usr/bin/mpirun
+python3 - <<'PY'
+import importlib
+missing = [m for m in ("xdsl", "lark", "numpy", "cupy", "torch", "ml_dtypes", "safetensors", "tqdm", "threadpoolctl",
+                       "mpi4py", "pytest", "hypothesis") if importlib.util.find_spec(m) is None]
+print("missing python modules:", ", ".join(missing) if missing else "none")
+PY
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "== gpu-marked tests"
+timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py 2>&1 | tail -25
+echo "== hspmd run --device cuda (20 steps) against --device cpu"
+t=$(mktemp -d)
+timeout 120 python3 -m hspmd.cli.main run -n 1 examples/gpt.py --device cpu --steps 20 --log "$t/cpu.jsonl" >"$t/cpu.out" 2>&1
+timeout 120 python3 -m hspmd.cli.main run -n 1 examples/gpt.py --device cuda --steps 20 --log "$t/gpu.jsonl" \
+  --trace "$t/trace.json" >"$t/gpu.out" 2>&1 &
+pid=$!
+sleep 15; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
+wait $pid; echo "exit $?"; head -3 "$t/gpu.out"; tail -2 "$t/gpu.out"
+python3 - "$t" <<'PY'
+import json, sys
+t = sys.argv[1]
+a = [json.loads(l)["loss"] for l in open(f"{t}/cpu.jsonl")]
+b = [json.loads(l)["loss"] for l in open(f"{t}/gpu.jsonl")]
+print(f"max relative loss difference over {len(b)} steps: {max(abs(x / y - 1) for x, y in zip(b, a)):.2e}")
+ev = json.load(open(f"{t}/trace.json"))
+ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+print("trace kernel events:", sum(1 for e in ev if str(e.get("name", "")).startswith("kernel.fused")))
+PY
+echo "== benchmark (after $(( $(date +%s) - start )) s)"
+left=$(( 520 - ($(date +%s) - start) ))
+timeout $(( left > 60 ? left : 60 )) python3 benchmarks/gpu_step_vs_torch.py --steps 20 --warmup 3
+echo "== done in $(( $(date +%s) - start )) s"

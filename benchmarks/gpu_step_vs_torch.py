@@ -1,0 +1,237 @@
+"""One training step of the GPT of examples/gpt.py on one GPU: hspmd against PyTorch CUDA.
+
+    python benchmarks/gpu_step_vs_torch.py [--sizes tiny,medium,gpt2] [--steps 20] [--warmup 3]
+                                           [--no-torch-compile] [--no-cuda-graph]
+
+Sizes: tiny (L2 d128 h4 T64 B16), medium (L6 d512 h8 T256 B16), gpt2 (the GPT-2-small shape:
+L12 d768 h12 T1024 B8), byte-level vocabulary, AdamW with weight decay and clipping as the
+script's optimizer. hspmd runs its GPU plan (`hspmd run --device cuda`: the whole step on the
+device, one CUDA graph); PyTorch runs the same model (started from hspmd's initial
+parameters) eagerly and through `torch.compile`, with its defaults (torch.optim.AdamW,
+clip_grad_norm_), TF32 off on both sides for float32. The runners take turns step by step in
+one process; each step is timed to its end on the device (the loss read back). bfloat16:
+PyTorch with autocast; hspmd's GPU kernels compute in float32 and float64 so far, so its
+column says why it has no number.
+
+Printed per size: the median step times, hspmd / eager and hspmd / torch.compile, the peak
+device memory of each (hspmd's arena, allocated once; `torch.cuda.max_memory_allocated`), and
+last the headline: hspmd / PyTorch eager at the largest size run, float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIZES = {
+    "tiny": {"model.layers": 2, "model.d_model": 128, "model.heads": 4, "model.seq_len": 64, "data.batch_size": 16},
+    "medium": {"model.layers": 6, "model.d_model": 512, "model.heads": 8, "model.seq_len": 256, "data.batch_size": 16},
+    "gpt2": {"model.layers": 12, "model.d_model": 768, "model.heads": 12, "model.seq_len": 1024, "data.batch_size": 8},
+}
+
+
+def torch_loss(p: dict, ids, targets, heads: int, eps: float):
+    """The loss of hspmd.frontend.transformer's GPT in plain PyTorch, on the ids' device."""
+    import torch
+
+    F = torch.nn.functional
+    b, t = ids.shape
+    x = p["wte.weight"][ids] + p["wpe"][:t]
+    layers = len({k.split(".")[1] for k in p if k.startswith("blocks.")})
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device), 1)
+    for i in range(layers):
+        q = f"blocks.{i}."
+        h = F.layer_norm(x, x.shape[-1:], p[q + "ln1.weight"], p[q + "ln1.bias"], eps)
+        qkv = h @ p[q + "attn.qkv.weight"] + p[q + "attn.qkv.bias"]
+        d = x.shape[-1]
+        hd = d // heads
+        qq, kk, vv = (z.transpose(1, 2) for z in qkv.reshape(b, t, heads, 3 * hd).split(hd, dim=3))
+        att = ((qq @ kk.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(mask, float("-inf")).softmax(-1)
+        y = (att @ vv).transpose(1, 2).reshape(b, t, d)
+        x = x + y @ p[q + "attn.proj.weight"] + p[q + "attn.proj.bias"]
+        h = F.layer_norm(x, x.shape[-1:], p[q + "ln2.weight"], p[q + "ln2.bias"], eps)
+        h = F.gelu(h @ p[q + "mlp.fc.weight"] + p[q + "mlp.fc.bias"], approximate="tanh")
+        x = x + h @ p[q + "mlp.proj.weight"] + p[q + "mlp.proj.bias"]
+    x = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
+    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1).float(), targets.reshape(-1))
+
+
+class Hspmd:
+    """hspmd's GPU plan of the script's step, and its state on the device."""
+
+    def __init__(self, script, cuda_graph: bool) -> None:
+        from hspmd.compiler import compile_script
+        from hspmd.runtime.cuda.cupy_device import CupyDevice
+        from hspmd.runtime.cuda.plan import build_device_plan
+        from hspmd.runtime.worker import step_inputs
+
+        compiled = compile_script(script, "[0]: dp=1", 1)
+        ((_, program),) = compiled.device_groups()
+        fn = next(op for op in program.body.block.ops if getattr(op, "sym_name", None) is not None
+                  and op.sym_name.data == "train_step")
+        self.device = CupyDevice(0)
+        self.plan = build_device_plan(fn, 0, self.device, cuda_graph=cuda_graph)
+        self.state = self.plan.initial_state(int(script.config.get("seed", 0)))
+        self.config = {**script.config, "lr_schedule": compiled.lr_schedule}
+        self.names = {leaf.name for leaf in self.plan.inputs}
+        self.step_inputs, self.n = step_inputs, 0
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.state.items()}
+
+    def step(self, batch) -> float:
+        self.n += 1
+        inputs = self.plan.local_batch({**batch, **self.step_inputs(self.n, self.config, self.names)})
+        return float(self.plan.run(self.state, inputs)["loss"])  # the loss comes back: the step has ended
+
+
+class Torch:
+    """PyTorch CUDA: the same parameters, AdamW and clipping; eager or through torch.compile."""
+
+    def __init__(self, script, params: dict[str, np.ndarray], compiled: bool, bf16: bool) -> None:
+        import torch
+
+        from hspmd.runtime.stacked import per_layer
+
+        self.torch = torch
+        cfg, o = script.config, script.config["optim"]
+        self.heads, self.eps = cfg["model"]["heads"], cfg["model"].get("eps", 1e-5)
+        self.params = {k: torch.tensor(v, device="cuda", requires_grad=True)
+                       for k, v in per_layer(params).items() if not k.startswith("opt.")}
+        self.loss_fn = torch.compile(torch_loss, dynamic=False) if compiled else torch_loss
+        self.clip, self.bf16 = o.get("clip") or 0.0, bf16
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=o["lr"], weight_decay=o["weight_decay"])
+
+    def step(self, batch) -> float:
+        torch = self.torch
+        ids, targets = (torch.from_numpy(np.asarray(batch[k], dtype=np.int64)).cuda(non_blocking=True)
+                        for k in ("ids", "targets"))
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.loss_fn(self.params, ids, targets, self.heads, self.eps)
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
+        self.opt.step()
+        return float(loss.detach())  # synchronizes: the step has ended
+
+
+def alternate(runners: dict, batches, steps: int, warmup: int) -> dict[str, float]:
+    """Return each runner's median step time (seconds) over `steps` steps after `warmup`, the
+    runners taking turns step by step."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    for i in range(warmup + steps):
+        batch = next(batches)
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            start = time.perf_counter()
+            runners[name].step(batch)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_size(size: str, args) -> float:
+    """Benchmark one size; return hspmd / eager in float32 (nan where hspmd did not run)."""
+    import torch
+
+    from hspmd.frontend.script import load_script
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    script = load_script(os.path.join(ROOT, "examples", "gpt.py"), {**SIZES[size], "model.dropout": 0.0})
+    ratio = math.nan
+    for precision in ("float32", "bfloat16"):
+        runners: dict = {}
+        why = ""
+        params = None
+        if precision == "float32":
+            try:
+                runners["hspmd"] = Hspmd(script, not args.no_cuda_graph)
+                params = runners["hspmd"].params()
+            except Exception as err:  # noqa: BLE001 - say why and go on with PyTorch's columns
+                why = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        else:
+            why = "hspmd's GPU kernels compute in float32 and float64 so far (bfloat16: part of the GPU work to come)"
+        if params is None:
+            params = _initial_params(script)
+        torch.cuda.reset_peak_memory_stats()
+        runners["eager"] = Torch(script, params, compiled=False, bf16=precision == "bfloat16")
+        if not args.no_torch_compile:
+            try:
+                runners["compile"] = Torch(script, params, compiled=True, bf16=precision == "bfloat16")
+            except Exception as err:  # noqa: BLE001
+                print(f"  torch.compile unavailable: {type(err).__name__}: {err}", flush=True)
+        batches = script.batches()
+        medians = alternate(runners, batches, args.steps, args.warmup)
+        peak_torch = torch.cuda.max_memory_allocated() / 2**20
+        line = f"{size} {precision}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items())
+        if "hspmd" in medians:
+            h = medians["hspmd"]
+            ratio = h / medians["eager"] if precision == "float32" else ratio
+            line += f"; hspmd/eager {h / medians['eager']:.3f}"
+            if "compile" in medians:
+                line += f", hspmd/compile {h / medians['compile']:.3f}"
+            line += (f"; peak MiB hspmd {runners['hspmd'].plan.peak_bytes / 2**20:.0f} (arena), "
+                     f"PyTorch {peak_torch:.0f} (max allocated, eager and compile runners together)")
+        else:
+            line += f"; hspmd: {why}"
+        print(line, flush=True)
+        del runners
+        torch.cuda.empty_cache()
+    return ratio
+
+
+def _initial_params(script) -> dict[str, np.ndarray]:
+    """Return the script's initial parameters as the plans make them (global arrays)."""
+    from hspmd.compiler import compile_script
+    from hspmd.dialects import graph
+    from hspmd.ir.init_spec import initial_value
+
+    compiled, seed = compile_script(script, "[0]: dp=1", 1), int(script.config.get("seed", 0))
+    out = {}
+    for op in compiled.logical.walk():
+        if isinstance(op, graph.ParameterOp):
+            name = op.tensor_name.data
+            shape = tuple(op.result.type.get_shape())
+            out[name] = initial_value(op.init.data, shape, "float32", name, seed)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,medium,gpt2")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--no-cuda-graph", action="store_true")
+    args = parser.parse_args()
+    from hspmd.codegen.cupy_backend import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        print(f"needs a CUDA GPU and CuPy: {why}")
+        return 2
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        print(f"unknown sizes {unknown} (known: {', '.join(SIZES)})")
+        return 2
+    ratio = math.nan
+    for size in sizes:
+        ratio = run_size(size, args)
+    print(f"headline: hspmd / PyTorch eager, {sizes[-1]}, float32: {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
