@@ -13,7 +13,7 @@ switches on op names:
 | gradient | `vjp(self, gs, emit) -> [maker or None per operand]`, or `NO_VJP = "why not"` | `transforms/autodiff.py` |
 | NumPy kernel | `numpy_kernel(self, ctx: KernelContext) -> Kernel` | `runtime/numpy_ops.py` (`kernel_for`) |
 | kernel facts | `OUT_FACTS = ...` (or `out_facts(self)` where they depend on attributes) | `codegen/schedule/kernel_facts.py` |
-| CUDA C | `cuda_expr(self, a, t, stmts, out)` (fusable elementwise) or `cuda_row(self, rk)` (a row kernel) | `codegen/emit_cuda.py`, `fuse-kernels` |
+| CUDA C | `cuda_expr(self, a, t, stmts, out)` (fusable elementwise) or `cuda_row(self, rk)` (a row kernel); `cuda_kernel(self, name)` (a standalone kernel); or `CUDA_GEMM` (cuBLAS computes it) / `DEVICE_VIEW` (a view on a device) | `codegen/emit_cuda.py`, `fuse-kernels`, `device-kernels` |
 | frontend | `FRONTEND = ("name", ...)`: functions of the op's module (or `Tensor` operators) | `frontend/ops.py`, `hspmd` |
 | ATen ops (planned with the PyTorch importer) | `ATEN = ("aten.erf.default", ...)`: the ATen ops it answers to | the importer |
 
