@@ -68,10 +68,13 @@ def _cpu_losses(programs, name, steps=3):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_device_program_has_only_kernels_gemms_and_views(programs, name):
     *_, device = programs[name]
-    left = {op.name for op in device.walk() if op.parent_op() is not None and op.parent_op().name == "func.func"}
+    ops = [op for op in device.walk() if op.parent_op() is not None and op.parent_op().name == "func.func"]
+    left = {op.name for op in ops}
     assert left <= {"kernel.fused", "graph.matmul", "graph.matmul_rhs_grad", "graph.expert_matmul",
-                    "graph.expert_matmul_rhs_grad", "graph.reshape", "graph.parameter", "graph.input", "graph.constant",
-                    "graph.output", "graph.assign", "graph.scan", "func.return", "func.call"}, left
+                    "graph.expert_matmul_rhs_grad", "graph.reshape", "graph.transpose", "graph.parameter", "graph.input",
+                    "graph.constant", "graph.output", "graph.assign", "graph.scan", "func.return", "func.call"}, left
+    for t in (op for op in ops if op.name == "graph.transpose"):  # a GEMM's transpose flag, never written out
+        assert {u.operation.name for u in t.result.uses} <= {"graph.matmul", "graph.expert_matmul"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -152,6 +155,18 @@ def test_the_gemm_of_every_product_gives_numpys_bits(m, k, n, lead, weight, dtyp
         c = np.full(int(np.prod(out_shape)), np.nan, dtype)
         numpy_gemm(g, ops[g.a].reshape(-1), ops[g.b].reshape(-1), c)
         np.testing.assert_array_equal(c.reshape(out_shape), reference(x, y), err_msg=name)
+    # operands read through a transpose of their last two dims (the memory holds the untransposed)
+    shapes = [(m, k), (k, n)] if weight else [(*lead, m, k), (*lead, k, n)]
+    for ta, tb in ((False, True), (True, False), (True, True)):
+        if ta and weight and len(shapes[0]) > 2:
+            continue
+        x, y = (_flat(s, rng, dtype) for s in shapes)
+        stored = [np.ascontiguousarray(np.swapaxes(v, -1, -2)) if t else v for v, t in ((x, ta), (y, tb))]
+        g = gemm_for(SimpleNamespace(name="graph.matmul"), shapes, (*shapes[0][:-1], n), np.dtype(dtype), (ta, tb))
+        c = np.full(int(np.prod((*shapes[0][:-1], n))), np.nan, dtype)
+        numpy_gemm(g, stored[g.a].reshape(-1), stored[g.b].reshape(-1), c)
+        np.testing.assert_allclose(c.reshape(*shapes[0][:-1], n), np.matmul(x, y), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"transposed {ta, tb}")
 
 
 def test_device_arrays_read_as_host_arrays():

@@ -10,7 +10,9 @@ embedding's gather and its gradient, dropout's mask, a concat...). What stays as
 
 * the products (`CUDA_GEMM`: matmul, matmul_rhs_grad, the experts' products), which the
   device's GEMM computes;
-* views (`DEVICE_VIEW`: a reshape of a contiguous array);
+* views (`DEVICE_VIEW`: a reshape of a contiguous array), and transposes of the last two dims
+  that only products read (`gemm_transpose`): the GEMM takes them as a transpose flag, so a
+  transposed weight or attention's `k^T` is never written out;
 * leaves and stores (parameter, input, constant, output, assign), calls, scans, collectives,
   pipeline runs and the kernels `fuse-kernels` made.
 
@@ -54,7 +56,28 @@ _AS_THEY_ARE = (graph.ParameterOp, graph.InputOp, graph.ConstantOp, graph.Output
 def runs_as_it_is(op: Operation) -> bool:
     """Return whether a device runs `op` without a kernel of its own (see the module docstring)."""
     return (isinstance(op, _AS_THEY_ARE) or op.dialect_name() in ("comm", "pipeline")
-            or bool(getattr(op, "CUDA_GEMM", False)) or bool(getattr(op, "DEVICE_VIEW", False)))
+            or bool(getattr(op, "CUDA_GEMM", False)) or bool(getattr(op, "DEVICE_VIEW", False))
+            or gemm_transpose(op))
+
+
+def gemm_transpose(op: Operation) -> bool:
+    """Return whether `op` is a transpose a GEMM takes as a flag: it swaps the last two dims, and
+    every use is an operand of a `graph.matmul` or `graph.expert_matmul` (the right operand, or
+    a left operand of a product batched like its right one: a left operand times a 2-D weight
+    is its rows merged, which a transposed left operand has not)."""
+    if not isinstance(op, graph.TransposeOp):
+        return False
+    perm = list(op.perm.get_values())
+    n = len(perm)
+    if n < 2 or perm != [*range(n - 2), n - 1, n - 2] or not op.result.uses:
+        return False
+    for use in op.result.uses:
+        user = use.operation
+        if user.name not in ("graph.matmul", "graph.expert_matmul"):
+            return False
+        if use.index == 0 and len(shape(user.operands[1])) == 2 and n > 2:
+            return False
+    return True
 
 
 def _kernel_dtype(op: Operation) -> str:

@@ -44,22 +44,30 @@ class Gemm:
 
 
 def _rowmajor(a: int, b: int, rows: int, inner: int, cols: int, batch: int, dtype: np.dtype,
-              transposed_x: bool = False) -> Gemm:
+              transposed_x: bool = False, transposed_y: bool = False) -> Gemm:
     """The call of row-major `C[rows, cols] = X[rows, inner] Y[inner, cols]` (X is operand `a`, Y
-    operand `b`; `transposed_x`: X is stored as [inner, rows], its transpose), `batch` times with
-    contiguous problems."""
-    return Gemm(False, transposed_x, cols, rows, inner, cols, rows if transposed_x else inner, cols,
-                inner * cols, rows * inner, rows * cols, batch, b, a, dtype)
+    operand `b`; `transposed_x`: X is stored as [inner, rows], its transpose; `transposed_y`: Y as
+    [cols, inner]), `batch` times with contiguous problems."""
+    return Gemm(transposed_y, transposed_x, cols, rows, inner, inner if transposed_y else cols,
+                rows if transposed_x else inner, cols, inner * cols, rows * inner, rows * cols, batch, b, a, dtype)
 
 
-def gemm_for(op: Operation, in_shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: np.dtype) -> Gemm:
-    """Return the cuBLAS call computing product op `op` on contiguous operands of `in_shapes`."""
+def gemm_for(op: Operation, in_shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: np.dtype,
+             transposed: tuple[bool, bool] = (False, False)) -> Gemm:
+    """Return the cuBLAS call computing product op `op` on contiguous operands of `in_shapes`
+    (the shapes the op sees); `transposed[i]`: operand i is the transpose of its last two dims
+    (`device-kernels`' `gemm_transpose`), its memory holding the array it was transposed from."""
     a, b = in_shapes[0], in_shapes[1]
+    ta, tb = transposed
     match op.name:
         case "graph.matmul" | "graph.expert_matmul":
             if len(b) == 2:  # rows times one 2-D matrix (a weight): one product of the rows merged
-                return _rowmajor(0, 1, math.prod(a[:-1]), a[-1], b[-1], 1, dtype)
-            return _rowmajor(0, 1, a[-2], a[-1], b[-1], math.prod(a[:-2]), dtype)
+                if ta and len(a) > 2:
+                    raise ValueError("a transposed left operand times a 2-D matrix: its rows do not merge")
+                return _rowmajor(0, 1, math.prod(a[:-1]), a[-1], b[-1], 1, dtype, ta, tb)
+            return _rowmajor(0, 1, a[-2], a[-1], b[-1], math.prod(a[:-2]), dtype, ta, tb)
+        case "graph.matmul_rhs_grad" | "graph.expert_matmul_rhs_grad" if ta or tb:
+            raise ValueError(f"'{op.name}' on a transposed operand")
         case "graph.matmul_rhs_grad":  # [..., m, k]^T [..., m, n], every leading dim merged
             return _rowmajor(0, 1, a[-1], math.prod(a[:-1]), out_shape[-1], 1, dtype, transposed_x=True)
         case "graph.expert_matmul_rhs_grad":  # per expert e: a[e]^T g[e]

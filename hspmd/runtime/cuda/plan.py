@@ -146,6 +146,7 @@ class _Binder:
         self.schedule, self.device, self.kernels = schedule, device, kernels
         self.types = schedule.slot_types
         self.where: dict[int, int] = {}  # slot -> pointer
+        self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
 
     def layout(self) -> tuple[int, dict]:
         """Return (arena bytes, offsets by region) and allocate the arena."""
@@ -230,6 +231,8 @@ class _Binder:
             return []
         if step.kind == "op" and _is_view(step.op):
             self.where[step.outs[0]] = self.where[step.ins[0]]
+            if step.op.name == "graph.transpose":  # read by GEMMs as a transpose flag
+                self.transposed.add(step.outs[0])
             return []
         if step.kind not in ("op", "stack"):
             raise DevicePlanError(f"a schedule step '{step.name or step.kind}': GPU runs of it come with runs "
@@ -253,7 +256,8 @@ class _Binder:
         if getattr(op, "CUDA_GEMM", False):
             shapes = [tuple(self.types[a][0]) for a in step.ins]  # type: ignore[index]
             out_shape, dtype = self.types[step.outs[0]]  # type: ignore[misc]
-            g = gemm_for(op, shapes, tuple(out_shape), np.dtype(dtype))
+            flags = (step.ins[0] in self.transposed, step.ins[1] in self.transposed)
+            g = gemm_for(op, shapes, tuple(out_shape), np.dtype(dtype), flags)
             return [self.device.prepare_gemm(g, self.where[step.ins[g.a]], self.where[step.ins[g.b]],
                                              self.where[step.outs[0]])]
         raise DevicePlanError(f"'{op.name}' has no GPU kernel in this program (compile it with device-kernels)")
@@ -271,7 +275,8 @@ class _Binder:
 
 
 def _is_view(op: Operation | None) -> bool:
-    return op is not None and bool(getattr(op, "DEVICE_VIEW", False))
+    """Return whether a device step of `op` is a view: a reshape, or a transpose its GEMMs read as a flag."""
+    return op is not None and (bool(getattr(op, "DEVICE_VIEW", False)) or op.name == "graph.transpose")
 
 
 def _scratch_bytes(op: kernel.FusedOp) -> int:
