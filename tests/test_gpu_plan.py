@@ -237,3 +237,19 @@ def test_hspmd_run_device_cuda_without_a_gpu_refuses_in_one_line():
     assert out.returncode == 2
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and "--device cuda: no usable GPU" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_checkpoints_move_between_the_emulated_gpu_and_the_cpu(tmp_path):
+    """Written from a GPU run's device arrays, resumed on the CPU; and the other way."""
+    mlp = os.path.join(EXAMPLES, "mlp.py")
+    run_cli("hspmd", "run", "-n", "1", mlp, "--device", "cpu", "--steps", "5", "--log", str(tmp_path / "ref.jsonl"),
+            check=True, timeout=600)
+    ref = _log(tmp_path / "ref.jsonl")
+    emulate = {"HSPMD_EMULATE_GPU": "1"}
+    for first, second in (("cuda", "cpu"), ("cpu", "cuda")):
+        d, log = tmp_path / f"ck-{first}", tmp_path / f"{first}-{second}.jsonl"
+        run_cli("hspmd", "run", "-n", "1", mlp, "--device", first, "--steps", "2", "--checkpoint-dir", str(d),
+                check=True, timeout=600, env=emulate)
+        run_cli("hspmd", "run", "-n", "1", mlp, "--device", second, "--steps", "5", "--resume", str(d), "--log",
+                str(log), check=True, timeout=600, env=emulate)
+        np.testing.assert_allclose(_log(log), ref[2:], rtol=1e-6)

@@ -43,6 +43,7 @@ from hspmd.runtime.comm.base import Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
+from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     except AgreedRunError as err:
         print(f"hspmd run: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (RunError, BundleError, PlanError, IRTextError, LevelError, SwitchError, LeaveError) as err:
+    except (RunError, BundleError, PlanError, DevicePlanError, IRTextError, LevelError, SwitchError, LeaveError) as err:
         print(f"hspmd run (rank {comm.rank}): error: {err}", file=sys.stderr, flush=True)
         if comm.size > 1:  # the others may wait in a collective: end the whole job
             from mpi4py import MPI

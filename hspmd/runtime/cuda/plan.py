@@ -103,8 +103,9 @@ class DevicePlan:
                 state[p.name] = mine
                 continue
             host = np.ascontiguousarray(np.asarray(value), dtype=mine.dtype)
-            if host.shape != mine.shape:
+            if host.size != mine.size:
                 raise DevicePlanError(f"parameter '{p.name}' has shape {host.shape}, the program holds {mine.shape}")
+            host = host.reshape(mine.shape)  # a scalar state a checkpoint holds as [1] (`opt.step`)
             self.device.upload(mine.ptr, host)
             state[p.name] = mine
 
