@@ -301,9 +301,12 @@ def write_bundle(compiled: Compiled | list[Compiled], directory: str) -> str:
 
 
 def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None) -> None:
+    imported = compiled.script.imported  # a PyTorch model's weights, and its tied parameters' other names
+    extra = {"torch_aliases": imported.aliases} if imported is not None and imported.aliases else {}
     bundle.write_bundle(
         directory, script=compiled.script.path,
-        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
+        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule, **extra},
+        weights=imported.weights if imported is not None else None,
         strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
         groups=[(devices, module, fused) for (devices, module), (_, fused) in zip(physical_groups(compiled.physical),
                                                                                   compiled.kernel_groups())],
