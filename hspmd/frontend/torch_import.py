@@ -37,16 +37,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, ModuleOp, i64
+from xdsl.dialects.builtin import ModuleOp
 
+from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 
-__all__ = ["TorchImportError", "TorchProgram", "from_torch", "tp_splits", "TP_PLAN_ATTR"]
-
-#: the module attribute recording each parameter's tp split dim (per-layer names)
-TP_PLAN_ATTR = "hspmd.tp_split"
+__all__ = ["TP_SPLIT_ATTR", "TorchImportError", "TorchProgram", "default_tp_plan", "from_torch", "tp_splits"]
 #: the wrapper's attribute holding the user's module (stripped from every name)
 _PREFIX = "model."
 
@@ -505,7 +503,7 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     plan = default_tp_plan(module) if tp_plan is None else tp_plan
     splits = tp_splits(module, plan, used)
     if splits:
-        program.attributes[TP_PLAN_ATTR] = DictionaryAttr({k: IntegerAttr(v, i64) for k, v in sorted(splits.items())})
+        record_tp_splits(program, splits)
     weights = {n: values[n].detach().cpu().numpy().astype(np.dtype(_dtype(values[n])), copy=True) for n in params}
     return TorchProgram(program, weights, {a: n for a, n in aliases.items() if n in used}, splits)
 
@@ -529,10 +527,3 @@ def _check_padding_rows(module, ep) -> None:
                                        "is not zero; hspmd keeps it out of the gradient by masking its lookups, "
                                        "which needs it zero (as PyTorch initialises it)")
 
-
-def tp_plan_of(module: ModuleOp) -> dict[str, int]:
-    """Return the tp split dims an imported program records (`TP_PLAN_ATTR`), or {}."""
-    attr = module.attributes.get(TP_PLAN_ATTR)
-    if not isinstance(attr, DictionaryAttr):
-        return {}
-    return {k: v.value.data for k, v in attr.data.items()}  # type: ignore[union-attr]
