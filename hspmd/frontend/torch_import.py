@@ -122,6 +122,8 @@ class _Importer:
         self.blocks: dict[str, _Block] = {}
         self.runs: dict = {}  # id(block module) -> (nodes, dynamic inputs, outputs)
         self.param_nodes: dict = {}  # placeholder node -> program parameter name
+        self.repeats: dict[str, list[str]] = {}  # exported block -> the blocks called as it is, in order
+        self.made: dict[str, tuple] = {}  # block path -> (signature, output nodes) of the blocks called
 
     # -- values
     def lift(self, tracer: Tracer, value, dtype: str | None) -> Tensor:
@@ -278,6 +280,26 @@ class _Importer:
         parts.append(("out", tuple(local[n] for n in outputs)))
         return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
+    def repeat(self, path: str, inputs: list, args: list, results: tuple) -> tuple:
+        """Call the blocks `self.repeats[path]` in turn, each on the one before's result where
+        block `path` takes its predecessor's (the carry), the other arguments as `path` has them;
+        return the last one's results. _NotRepeatable where the two exported blocks differ, or
+        do not chain by one carried value."""
+        before = path.rpartition(".")[0] + ".0"
+        if before not in self.made or self.made[before][0] != self.made[path][0] or len(results) != 1:
+            raise _NotRepeatable(path)
+        carried = [i for i, x in enumerate(inputs) if x in self.made[before][1]]
+        if len(carried) != 1:
+            raise _NotRepeatable(path)
+        args = list(args)
+        for name in self.repeats[path]:
+            block = self.blocks[name]
+            block.signature = self.blocks[path].signature
+            args[carried[0]] = results[0]
+            out = block(*args)
+            results = out if isinstance(out, tuple) else (out,)
+        return results
+
     def replay_block(self, block: _Block, args) -> tuple:
         """Trace a block's nodes with `args` standing for its dynamic inputs (the function's body)."""
         run, inputs, outputs = self.runs[id(block)]
@@ -339,8 +361,12 @@ class _Importer:
                 continue
             block.signature = sig_text
             self.runs[id(block)] = (run, inputs, outputs)
-            results = block(*[self.env[x] for x in inputs])
+            self.made[path] = (sig_text, outputs)
+            args = [self.env[x] for x in inputs]
+            results = block(*args)
             results = results if isinstance(results, tuple) else (results,)
+            if path in self.repeats:  # the blocks left out of the export: called as this one is
+                results = self.repeat(path, inputs, args, results)
             for n, r in zip(outputs, results):
                 self.env[n] = r
         loss = self.env[output.args[0][0]]
@@ -445,17 +471,68 @@ def _default_loss(model, batch):
 
 
 def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
-               tp_plan: Mapping[str, str] | None = None) -> TorchProgram:
+               tp_plan: Mapping[str, str] | None = None, repeat_blocks: bool = True) -> TorchProgram:
     """Import `loss_fn(module, batch)` (default: `module(**batch)`'s loss) as a logical program.
 
     `example_batch` is a dict of arrays or tensors (the global batch the program is compiled
     for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
-    module's own plan, `default_tp_plan`). See the module docstring.
+    module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` of alike
+    blocks is exported with its first two only and the others called as the second is
+    (`repeatable_lists`), so the import's time, as the rest of the compile's, does not grow with
+    the depth. See the module docstring.
     """
     import torch
 
-    loss_fn = loss_fn or _default_loss
     batch = {k: torch.as_tensor(np.asarray(v)) for k, v in example_batch.items()}
+    lists = repeatable_lists(module) if repeat_blocks else {}
+    if lists:
+        try:
+            return _import(module, batch, loss_fn or _default_loss, tp_plan, lists)
+        except _NotRepeatable:
+            pass  # the blocks' graphs differ after all: export every one
+    return _import(module, batch, loss_fn or _default_loss, tp_plan, {})
+
+
+class _NotRepeatable(Exception):
+    """A ModuleList's first two blocks do not chain as the others would need (export them all)."""
+
+
+def repeatable_lists(module) -> dict[str, int]:
+    """Return {path: length} of the top-level `nn.ModuleList`s of at least 3 blocks that are alike:
+    one class, the same parameters (names, shapes, dtypes), equal buffers and equal plain settings
+    (numbers, strings, flags of every submodule; `layer_idx` aside), and a config with no per-layer
+    list that differs between them (transformers' `layer_types`, say)."""
+    import torch
+
+    config = getattr(module, "config", None)
+    per_layer = [v for v in (vars(config).values() if config is not None else ())
+                 if isinstance(v, (list, tuple)) and len({repr(x) for x in v}) > 1]
+    out: dict[str, int] = {}
+    for path, m in module.named_modules():
+        if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
+            continue
+        if any(len(v) == len(m) for v in per_layer):
+            continue
+        keys = {_block_key(b) for b in m}
+        if len(keys) == 1:
+            out[path] = len(m)
+    return out
+
+
+def _block_key(block) -> str:
+    """Return what two blocks must share to compute alike (see `repeatable_lists`)."""
+    parts = [type(block).__qualname__]
+    for name, sub in block.named_modules():
+        parts.append((name, type(sub).__qualname__, sorted(
+            (k, repr(v)) for k, v in vars(sub).items()
+            if not k.startswith("_") and k not in ("training", "layer_idx") and isinstance(v, (bool, int, float, str, type(None))))))
+    parts += [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
+    parts += [(n, _digest(b)) for n, b in block.named_buffers()]
+    return repr(parts)
+
+
+def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, int]) -> TorchProgram:
+    import torch
 
     class _Step(torch.nn.Module):
         def __init__(self) -> None:
@@ -465,11 +542,20 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
         def forward(self, b):
             return loss_fn(self.model, b)
 
+    saved = {}
     try:
+        for path, n in lists.items():  # export the first two blocks of each repeatable list
+            parent, _, key = path.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            saved[path] = (owner, key, owner._modules[key])
+            owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:2])
         ep = torch.export.export(_Step(), (batch,), strict=False)
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TorchImportError(f"torch.export of the model's loss failed: {type(err).__name__}: {first}") from None
+    finally:
+        for owner, key, full in saved.values():
+            owner._modules[key] = full
     names = {}  # id(tensor) -> first name
     canonical, aliases = {}, {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -479,6 +565,10 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
             aliases[name] = first
     used = {canonical[s.target] for s in ep.graph_signature.input_specs
             if s.kind.name == "PARAMETER" and ep.graph.find_nodes(op="placeholder", target=s.arg.name)[0].users}
+    repeats = {f"{path}.1": [f"{path}.{k}" for k in range(2, n)] for path, n in lists.items()}
+    for last, more in repeats.items():  # the repeated blocks use what the second one uses
+        own = [u[len(last) + 1:] for u in used if u.startswith(last + ".")]
+        used |= {f"{m}.{u}" for m in more for u in own}
     tracer = Tracer()
     values = dict(module.named_parameters())
     params = {name: Parameter(tuple(values[name].shape), "zeros", _dtype(values[name])) for name in values
@@ -488,7 +578,7 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     for name, p in root.named_parameters():
         p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
     importer = _Importer(ep, params, canonical, tracer)
-    importer.blocks = blocks
+    importer.blocks, importer.repeats = blocks, repeats
     for b in blocks.values():
         b._importer = importer
     importer.inputs = {k: tracer.input(k, tuple(v.shape), _dtype(v)) for k, v in batch.items()}
