@@ -20,6 +20,7 @@ from conftest import EXAMPLES, ROOT
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[torch]')")
 
+import hspmd as hs  # noqa: E402
 from hspmd.compiler import compile_script, write_bundle  # noqa: E402
 from hspmd.frontend.script import load_script, parse_overrides  # noqa: E402
 from hspmd.runtime.comm import run_spmd  # noqa: E402
@@ -42,6 +43,7 @@ def rel(a, b) -> float:
 
 def run_hspmd(script, tmp_path, steps, optimizer=True, strategy="[0]: dp=1", n=1):
     bundle = tmp_path / f"b{steps}{optimizer}{n}"
+    bundle.parent.mkdir(parents=True, exist_ok=True)
     write_bundle(compile_script(script, strategy, n, optimizer=optimizer), str(bundle))
     return run_spmd(n, lambda comm: train(str(bundle), comm, steps=steps, quiet=True, keep_outputs=True))[0]
 
@@ -93,3 +95,129 @@ def test_loss_gradients_and_three_adamw_steps_equal_pytorch(tmp_path, case):
             if not ours.size:
                 continue
         assert rel(ours, theirs) <= 1e-5, name
+
+
+STRATEGIES = [(2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (2, "[0,1]: pp=2"), (3, "[0-2]: dp=3"),
+              (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1")]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_strategy_trains_with_the_one_device_losses(tmp_path, case):
+    """dp, tp (from the model's tp plan), pp, uneven dp and unlike groups with shares: in-process ranks."""
+    path, overrides = CASES[case]
+    script = load_script(path, parse_overrides([o for o in overrides if not o.startswith("data.")]
+                                               + ["data.batch_size=8"]))
+    one = run_hspmd(script, tmp_path, steps=2).losses
+    for n, strategy in STRATEGIES:
+        got = run_hspmd(script, tmp_path / strategy.replace(" ", "").replace("|", "_"), steps=2, strategy=strategy,
+                        n=n).losses
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, one)) <= 1e-4, (strategy, got, one)
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("gpt2", {"transformer.h.[0:2].attn.c_attn.weight": 2, "transformer.h.[0:2].attn.c_attn.bias": 1,
+              "transformer.h.[0:2].mlp.c_proj.weight": 1, "transformer.h.[0:2].mlp.c_proj.bias": None}),
+    ("llama", {"model.layers.[0:2].self_attn.q_proj.weight": 1, "model.layers.[0:2].self_attn.o_proj.weight": 2,
+               "model.layers.[0:2].mlp.down_proj.weight": 2, "model.embed_tokens.weight": 0, "lm_head.weight": 0,
+               "model.norm.weight": None}),
+])
+def test_the_tp_plan_in_pytorch_terms_lays_the_weights_out(case, expect):
+    """The example's plan (GPT-2's Conv1D weights are [in, out]) or LLaMA's own `base_model_tp_plan`
+    (nn.Linear weights [out, in]): colwise splits the output features, rowwise the input features."""
+    from hspmd.dialects import graph
+    from hspmd.dialects.dist import layout_of
+
+    path, overrides = CASES[case]
+    compiled = compile_script(load_script(path, parse_overrides(overrides)), "[0,1]: tp=2", 2)
+    layouts = {o.tensor_name.data: str(layout_of(o.result.type)) for o in compiled.annotated.walk()
+               if isinstance(o, graph.ParameterOp)}
+    for name, dim in expect.items():
+        assert (f"split({dim})=2" in layouts[name]) if dim is not None else "split" not in layouts[name], \
+            (name, layouts[name])
+
+
+def test_repeated_blocks_are_one_function_and_the_ir_is_flat_in_depth():
+    """A ModuleList of alike blocks: one function per block type, stacked into one scan; the
+    program (every level) is the same at 2 and 48 layers, and only two blocks are exported."""
+    from xdsl.dialects import func
+
+    counts = {}
+    for layers in (2, 48):
+        script = load_script(CASES["gpt2"][0], parse_overrides(CASES["gpt2"][1] + [f"model.layers={layers}"]))
+        compiled = compile_script(script, "[0]: dp=1", 1)
+        counts[layers] = [sum(1 for _ in getattr(compiled, level).walk()) for level in ("logical", "physical")]
+        assert [f.sym_name.data for f in compiled.logical.body.block.ops if isinstance(f, func.FuncOp)] == \
+            ["train_step", "GPT2Block_0_bwd", "GPT2Block_0_fwd"]
+        imported = hs.from_torch(script.module.torch_model(script.config), next(script.batches()),
+                                 script.module.torch_loss).module
+        assert [f.sym_name.data for f in imported.body.block.ops if isinstance(f, func.FuncOp)] == \
+            ["train_step", "GPT2Block_0"]
+        calls = [o for o in imported.walk() if isinstance(o, func.CallOp)]
+        assert len(calls) == layers
+    assert counts[2] == counts[48]
+
+
+UNSUPPORTED = '''
+import numpy as np
+import torch
+
+config = {"steps": 1, "seed": 0}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=1).pow(2).mean()
+
+
+def torch_model(config):
+    return Net()
+
+
+def torch_loss(model, batch):
+    return model(batch["x"])
+
+
+def batches(config):
+    while True:
+        yield {"x": np.ones((2, 4), np.float32)}
+'''
+
+
+def test_an_unsupported_op_is_one_line_naming_it(tmp_path, cli):
+    script = tmp_path / "cumsum.py"
+    script.write_text(UNSUPPORTED)
+    proc = cli("hspmd", "compile", str(script), timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if "cumsum" in x]
+    assert f"{script}:" in line and "module '(the model)' (Net)" in line and \
+        "the ATen op aten.cumsum.default is not supported" in line, line
+
+
+def test_an_exported_checkpoint_loads_into_the_pytorch_module(tmp_path, cli):
+    """Train GPT-2 under tp=2 (tied embedding and head), export the step-2 checkpoint: PyTorch's
+    `load_state_dict` takes it as it is, and the loaded module's loss on the third batch is the
+    loss hspmd computed at step 3."""
+    from safetensors.torch import load_file
+
+    sets = [x for o in CASES["gpt2"][1] + ["optim.warmup=0"] for x in ("--set", o)]
+    cli("hspmd", "run", "-n", "2", "examples/hf_gpt2.py", "--strategy", "[0,1]: tp=2", "--steps", "3",
+        "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--log", str(tmp_path / "log.jsonl"),
+        *sets, timeout=300, check=True)
+    cli("hspmd", "checkpoint", "export", str(tmp_path / "ck" / "step-2"), "--to", str(tmp_path / "m.safetensors"),
+        timeout=120, check=True)
+    script = load_script(CASES["gpt2"][0], parse_overrides(CASES["gpt2"][1] + ["optim.warmup=0"]))
+    module = script.module.torch_model(script.config)
+    state = load_file(str(tmp_path / "m.safetensors"))
+    assert set(state) == set(module.state_dict())  # lm_head.weight too, the tied name
+    module.load_state_dict(state)
+    batches = script.batches()
+    next(batches), next(batches)
+    loss = script.module.torch_loss(module, torch_batch(next(batches))).item()
+    import json
+
+    logged = [json.loads(x)["loss"] for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert abs(logged[2] - loss) / abs(loss) <= 1e-5, (logged, loss)

@@ -396,10 +396,15 @@ def where(node, message: str) -> str:
     module = ""
     if stack:
         path, cls = list(stack.values())[-1]
-        path = path[len(_PREFIX):] if path.startswith(_PREFIX) else path
+        path = _user_path(path)
         cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
         module = f"module '{path or '(the model)'}' ({cls.rsplit('.', 1)[-1]}): "
     return f"{_source_line(node)}: {module}{message}"
+
+
+def _user_path(path: str) -> str:
+    """Return a module stack path without the wrapper's `model` (the user's module itself: "")."""
+    return "" if path == _PREFIX[:-1] else path[len(_PREFIX):] if path.startswith(_PREFIX) else path
 
 
 def _source_line(node) -> str:
