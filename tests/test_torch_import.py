@@ -221,3 +221,16 @@ def test_an_exported_checkpoint_loads_into_the_pytorch_module(tmp_path, cli):
 
     logged = [json.loads(x)["loss"] for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert abs(logged[2] - loss) / abs(loss) <= 1e-5, (logged, loss)
+
+
+def test_the_translators_are_the_ops_aten_facts():
+    """Each ATen op the importer translates is claimed by the op it becomes (`ATEN` on the op
+    class, `tests/test_op_facts.py`'s table), and each claim has a translator."""
+    from hspmd.dialects.context import hspmd_dialects
+    from hspmd.dialects.interfaces import aten_names
+    from hspmd.frontend import aten
+
+    claimed = {n for d in hspmd_dialects() for op in d.operations for n in aten_names(op)}
+    translated = set(aten.TRANSLATORS) - {"operator.getitem"}
+    assert claimed == translated, (sorted(claimed - translated), sorted(translated - claimed))
+    assert not (aten.IDENTITY | aten.ASSERTS) & translated

@@ -125,6 +125,7 @@ class EmbeddingOp(TensorOp):
     """Row lookup `table[ids]`: table [V, D], integer ids [...] -> [..., D]."""
 
     name = "graph.embedding"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.embedding.default",)
     table = operand_def(TensorType)
     ids = operand_def(TensorType)
     result = result_def(TensorType)
@@ -340,6 +341,7 @@ class SoftmaxCrossEntropyOp(TensorOp):
     With `ignore_index`, samples whose label equals it get loss 0."""
 
     name = "graph.softmax_cross_entropy"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cross_entropy_loss.default",)
     logits = operand_def(TensorType)
     labels = operand_def(TensorType)
     result = result_def(TensorType)

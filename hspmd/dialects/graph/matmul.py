@@ -50,6 +50,13 @@ class MatmulOp(MatmulBase):
     [B, T, D] activations). With no batch dims it is the plain 2-D product."""
 
     name = "graph.matmul"
+    ATEN: ClassVar[tuple[str, ...]] = (
+        "aten.linear.default",
+        "aten.addmm.default",
+        "aten.mm.default",
+        "aten.bmm.default",
+        "aten.matmul.default",
+    )
     OUT_FACTS: ClassVar[OutFacts] = OUT
     FRONTEND: ClassVar[tuple[str, ...]] = ("matmul", "Tensor.__matmul__")
 
