@@ -221,6 +221,12 @@ def test_an_exported_checkpoint_loads_into_the_pytorch_module(tmp_path, cli):
 
     logged = [json.loads(x)["loss"] for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert abs(logged[2] - loss) / abs(loss) <= 1e-5, (logged, loss)
+    # and back: --init-from the file of PyTorch names starts a run from those weights
+    cli("hspmd", "run", "-n", "1", "examples/hf_gpt2.py", "--steps", "1", "--init-from", str(tmp_path / "m.safetensors"),
+        "--log", str(tmp_path / "again.jsonl"), *sets, timeout=300, check=True)
+    first = script.module.torch_loss(module, torch_batch(next(script.batches()))).item()
+    again = json.loads((tmp_path / "again.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(again - first) / abs(first) <= 1e-5, (again, first)
 
 
 def test_the_translators_are_the_ops_aten_facts():
