@@ -51,10 +51,13 @@ from hspmd.frontend.ops import (
     binary_cross_entropy_with_logits,
 )
 from hspmd.frontend.tracing import Tensor, TraceError
+from hspmd.frontend.torch_import import TorchImportError, from_torch
 
 __all__ = [
     "Tensor",
+    "TorchImportError",
     "TraceError",
+    "from_torch",
     "annotate",
     "cast",
     "causal_mask",

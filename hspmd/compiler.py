@@ -321,9 +321,12 @@ def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bo
 
 def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None, device: bool = False) -> None:
     gpu = [m for _, m in compiled.device_groups()] if device else [None] * len(compiled.kernel_groups())
+    imported = compiled.script.imported  # a PyTorch model's weights, and its tied parameters' other names
+    extra = {"torch_aliases": imported.aliases} if imported is not None and imported.aliases else {}
     bundle.write_bundle(
         directory, script=compiled.script.path,
-        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule},
+        config={**compiled.script.config, "lr_schedule": compiled.lr_schedule, **extra},
+        weights=imported.weights if imported is not None else None,
         strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
         groups=[(devices, module, fused, program) for (devices, module), (_, fused), program
                 in zip(physical_groups(compiled.physical), compiled.kernel_groups(), gpu)],

@@ -10,7 +10,10 @@ missing piece is found here and not when a model first uses the op:
 * a frontend (`FRONTEND`, names that resolve and that `hspmd` exports) for every op a user
   writes, or why it has none (`NO_FRONTEND`: made by a pass);
 * a CUDA kernel (`cuda_expr`, `cuda_row`) where one exists; `CUDA_REQUIRED` turns this into a
-  requirement for every op with a NumPy kernel once the GPU runtime runs whole steps.
+  requirement for every op with a NumPy kernel once the GPU runtime runs whole steps;
+* the ATen ops the PyTorch importer translates into it (`ATEN`), where there are any: each
+  ATen op answers to one op, and the importer has a translator for each
+  (`tests/test_torch_import.py` checks the translators against the facts).
 
 The facts are then checked on the ops of real programs: every rule names a factor per dim of
 every operand and result, every kernel can be made, and what a kernel's markers say of `out=`
@@ -32,6 +35,7 @@ from hspmd.dialects.interfaces import (
     HasNumpyKernel,
     HasShardingRule,
     KernelContext,
+    aten_names,
     frontend_names,
     has_vjp,
     no_vjp_reason,
@@ -60,12 +64,13 @@ def _facts(op: type) -> dict[str, str]:
                 "by attributes" if callable(getattr(op, "out_facts", None)) else "",
         "cuda": cuda,
         "frontend": ", ".join(frontend_names(op)) or getattr(op, "NO_FRONTEND", ""),
+        "aten": ", ".join(n.removeprefix("aten.") for n in aten_names(op)),
     }
 
 
 def op_facts_table() -> str:
     """Return a table of every op and its facts ("-" where it has none)."""
-    rows = [(op.name, {k: ("yes" if v == "yes" else "-" if not v else v if k in ("cuda", "frontend", "out=")
+    rows = [(op.name, {k: ("yes" if v == "yes" else "-" if not v else v if k in ("cuda", "frontend", "out=", "aten")
                            else "n/a") for k, v in _facts(op).items()}) for op in ALL_OPS]
     keys = list(rows[0][1])
     widths = [max(len(r[0]) for r in rows), *(max(len(k), *(len(r[1][k]) for r in rows)) for k in keys)]
@@ -104,6 +109,19 @@ def test_every_frontend_name_resolves_and_is_exported():
                 continue
             assert callable(getattr(frontend_ops, name, None)), f"{op.name}: frontend.ops has no {name}()"
             assert getattr(hs, name, None) is getattr(frontend_ops, name), f"{op.name}: hspmd does not export {name}"
+
+
+def test_every_aten_op_answers_to_one_op():
+    """An ATen op of the importer's names one op (`ATEN`); ops beyond the graph dialect have none."""
+    owners: dict[str, list[str]] = {}
+    for op in ALL_OPS:
+        for name in aten_names(op):
+            assert name.startswith("aten.") and name.count(".") == 2, f"{op.name}: ATEN {name!r} is not an ATen overload"
+            owners.setdefault(name, []).append(op.name)
+    assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+    assert all(op.name.startswith("graph.") for op in ALL_OPS if aten_names(op))
+    assert {"aten.linear.default", "aten.scaled_dot_product_attention.default", "aten.layer_norm.default",
+            "aten.embedding.default", "aten.cross_entropy_loss.default"} <= set(owners)
 
 
 def test_the_dialects_list_every_op_once():

@@ -8,7 +8,9 @@ GPU run its device program (`device-kernels`: every op a kernel, a GEMM or a vie
 its config, the strategy, the device count, and which programs each group runs. The
 compiler writes it (`write_bundle`), the runtime reads it (`read_manifest`). A manifest
 written before bundles held kernel-level IR has no `kernels` entries: such a bundle runs its
-physical programs (NumPy per op).
+physical programs (NumPy per op). A program imported from PyTorch (`hspmd.frontend.torch_import`)
+also holds its module's weights, `weights.safetensors` (global tensors named as the parameters),
+which a run starts from unless it resumes or is given `--init-from`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Manifest:
     # graph switching: the sub-bundle (a directory relative to this one, "." for this one) of
     # strategies 1, 2, ... of the run; empty for a bundle of one strategy
     variants: list[str] = field(default_factory=list)
+    # the file of global tensors the run starts from (relative to the bundle), or None: the
+    # parameters' own initialisers
+    weights: str | None = None
 
     def group_for(self, rank: int) -> GroupEntry:
         """Return the group entry whose devices include `rank`."""
@@ -102,13 +107,15 @@ def atomic_write_text(path: str, text: str) -> None:
 
 def write_bundle(directory: str, *, script: str, config: dict, strategy: str, logical: ModuleOp,
                  annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp, ModuleOp | None]],
-                 variants: Sequence[str] = ()) -> Manifest:
+                 variants: Sequence[str] = (), weights: dict | None = None) -> Manifest:
     """Write a bundle into `directory` and return its manifest.
 
     `groups` holds, per device group, its devices, its physical program, the same program at
     the kernel level (the compiler runs `fuse-kernels` on a copy of the physical one) and its
     GPU program (None: the bundle runs on CPUs only); `variants`, the sub-bundles of a
-    switching run's other strategies (`Manifest.variants`).
+    switching run's other strategies (`Manifest.variants`); `weights`, the initial values of
+    the parameters (name -> global array), where they are not the initialisers' (an imported
+    PyTorch module's).
     """
     os.makedirs(directory, exist_ok=True)
     atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(logical))
@@ -122,7 +129,21 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
         if device is not None:
             atomic_write_text(os.path.join(directory, entry.device), module_text(device))  # type: ignore[arg-type]
         entries.append(entry)
+    weights_file = None
+    if weights:
+        import zlib
+
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        weights_file = "weights.safetensors"
+        arrays = {k: np.ascontiguousarray(v) for k, v in weights.items()}
+        meta = {"format": "hspmd-global", **{f"crc32/{k}": str(zlib.crc32(v.data)) for k, v in arrays.items()}}
+        tmp = os.path.join(directory, f"{weights_file}.tmp{os.getpid()}")
+        save_file(arrays, tmp, metadata=meta)
+        os.replace(tmp, os.path.join(directory, weights_file))
     manifest = Manifest(script=script, config=config, strategy=strategy,
-                        num_devices=sum(len(g.devices) for g in entries), groups=entries, variants=list(variants))
+                        num_devices=sum(len(g.devices) for g in entries), groups=entries, variants=list(variants),
+                        weights=weights_file)
     write_manifest(directory, manifest)
     return manifest

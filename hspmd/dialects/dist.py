@@ -126,6 +126,24 @@ def record_strategy(module: Operation, record: StrategyRecord) -> None:
                                                                                      key=lambda r: r.id)])
 
 
+#: the module attribute of a tensor-parallel plan: parameter (per-layer name) -> the dim tp splits
+#: (an imported PyTorch model's plan, `hspmd.frontend.torch_import`); `apply-strategy` follows it
+TP_SPLIT_ATTR = "hspmd.tp_split"
+
+
+def record_tp_splits(module: Operation, splits: dict[str, int]) -> None:
+    """Record on `module` the dim tp splits of each parameter named in `splits` (`TP_SPLIT_ATTR`)."""
+    from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, i64
+
+    module.attributes[TP_SPLIT_ATTR] = DictionaryAttr({k: IntegerAttr(v, i64) for k, v in sorted(splits.items())})
+
+
+def tp_splits_of(module: Operation) -> dict[str, int]:
+    """Return the tp split dims `module` records (`TP_SPLIT_ATTR`), {} where it records none."""
+    attr = module.attributes.get(TP_SPLIT_ATTR)
+    return {k: v.value.data for k, v in attr.data.items()} if attr is not None else {}  # type: ignore[attr-defined]
+
+
 def layout_of(value: SSAValue | Attribute) -> Layout | None:
     """Return the layout in a tensor value's (or type's) encoding, or None if it has none."""
     typ = value.type if isinstance(value, SSAValue) else value

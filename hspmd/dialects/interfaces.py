@@ -15,7 +15,7 @@ switches on op names:
 | kernel facts | `OUT_FACTS = ...` (or `out_facts(self)` where they depend on attributes) | `codegen/schedule/kernel_facts.py` |
 | CUDA C | `cuda_expr(self, a, t, stmts, out)` (fusable elementwise) or `cuda_row(self, rk)` (a row kernel); `cuda_kernel(self, name)` (a standalone kernel); or `CUDA_GEMM` (cuBLAS computes it) / `DEVICE_VIEW` (a view on a device) | `codegen/emit_cuda.py`, `fuse-kernels`, `device-kernels` |
 | frontend | `FRONTEND = ("name", ...)`: functions of the op's module (or `Tensor` operators) | `frontend/ops.py`, `hspmd` |
-| ATen ops (planned with the PyTorch importer) | `ATEN = ("aten.erf.default", ...)`: the ATen ops it answers to | the importer |
+| ATen ops | `ATEN = ("aten.erf.default", ...)`: the ATen ops of `torch.export`'s graphs it answers to | `frontend/torch_import.py` (its translators, `frontend/aten.py`) |
 
 `vjp(gs, emit)` gets the gradient of each result (None where a result has none) and an
 `emit(op) -> first result` that inserts backward ops; it returns, per operand, a function
@@ -96,6 +96,11 @@ def has_vjp(op: type[Operation] | Operation) -> bool:
 def no_vjp_reason(op: type[Operation] | Operation) -> str | None:
     """Return why `op` has no gradient rule (its `NO_VJP`), None where it does not say."""
     return getattr(op, "NO_VJP", None)
+
+
+def aten_names(op: type[Operation] | Operation) -> tuple[str, ...]:
+    """Return the ATen ops that the PyTorch importer translates into `op` (its `ATEN`, or ())."""
+    return tuple(getattr(op, "ATEN", ()))
 
 
 def frontend_names(op: type[Operation] | Operation) -> tuple[str, ...]:

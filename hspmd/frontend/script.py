@@ -14,6 +14,12 @@ A model script is a Python file that defines:
   with `config["lr"]`);
 - optionally `config["precision"]` ("float32", "bfloat16" or "float16") and
   `config["loss_scale"]`: mixed precision with float32 master weights (see `precision`).
+
+Instead of `model` and `loss`, a script may define `torch_model(config)`, returning a
+`torch.nn.Module`, and optionally `torch_loss(module, batch)` (tensors in, a scalar tensor out;
+default: the module's own loss) and `tp_plan` (module-name patterns to `colwise`/`rowwise`/
+`vocab`, or a function of the config returning them): the loss is imported through
+`torch.export` (`hspmd.frontend.torch_import`), and training starts from the module's weights.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 from hspmd.ir.types import element_type
 
 REQUIRED = ("config", "model", "loss", "batches")
+#: what a script importing a PyTorch model defines instead (`torch_loss` optional)
+REQUIRED_TORCH = ("config", "torch_model", "batches")
 
 
 class ScriptError(Exception):
@@ -48,6 +56,13 @@ class ModelScript:
     path: str
     module: ModuleType
     config: dict = field(default_factory=dict)
+    #: after `trace_script` of a script with `torch_model`: the imported program (its weights, aliases)
+    imported: object = None
+
+    @property
+    def is_torch(self) -> bool:
+        """Return whether the script imports a PyTorch model (`torch_model`)."""
+        return hasattr(self.module, "torch_model")
 
     def batches(self):
         """Return an iterator over the script's global batches."""
@@ -84,7 +99,11 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
         tb = traceback.extract_tb(err.__traceback__)
         where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if f.filename == path), path)
         raise ScriptError(f"{where}: loading the script failed: {type(err).__name__}: {err}") from None
-    missing = [n for n in REQUIRED if not hasattr(module, n)]
+    required = REQUIRED_TORCH if hasattr(module, "torch_model") else REQUIRED
+    missing = [n for n in required if not hasattr(module, n)]
+    if missing and required is REQUIRED_TORCH:
+        raise ScriptError(f"{path}: a model script with torch_model must define {', '.join(REQUIRED_TORCH)}; "
+                          f"missing {', '.join(missing)}")
     if missing:
         raise ScriptError(f"{path}: a model script must define {', '.join(REQUIRED)}; missing {', '.join(missing)}")
     config = copy.deepcopy(dict(module.config))
@@ -137,6 +156,8 @@ def trace_script(script: ModelScript) -> ModuleOp:
         first = next(script.batches())
     except StopIteration:
         raise ScriptError(f"{script.path}: batches(config) yields no batch") from None
+    if script.is_torch:
+        return trace_torch_script(script, first)
     model = script.module.model(script.config)
     if not isinstance(model, Module):
         raise ScriptError(f"{script.path}: model(config) must return an hspmd.nn.Module, got {type(model).__name__}")
@@ -164,6 +185,26 @@ def trace_script(script: ModelScript) -> ModuleOp:
             loss = cast(loss, "float32")
         tracer.output("loss", loss)
     return tracer.finish()
+
+
+def trace_torch_script(script: ModelScript, first: dict) -> ModuleOp:
+    """Return the logical IR of a script's PyTorch model (`torch_model`, `torch_loss`, `tp_plan`),
+    imported through `torch.export`; the imported program (weights, aliases) is kept on the script."""
+    from hspmd.frontend.torch_import import from_torch
+
+    if precision(script):
+        raise ScriptError(f"{script.path}: config precision={script.config.get('precision')!r}: an imported "
+                          "PyTorch model computes in its own dtype (convert the module instead)")
+    try:
+        module = script.module.torch_model(script.config)
+    except Exception as err:  # the user's code
+        raise ScriptError(f"{script.path}: torch_model(config) failed: {type(err).__name__}: {err}") from None
+    plan = getattr(script.module, "tp_plan", None)
+    if callable(plan):
+        plan = plan(script.config)
+    program = from_torch(module, first, getattr(script.module, "torch_loss", None), plan)
+    script.imported = program
+    return program.module
 
 
 def precision(script: ModelScript) -> str | None:

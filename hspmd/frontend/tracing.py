@@ -73,6 +73,11 @@ class Tracer:
     def constant(self, value: float, shape: Sequence[int] = (), dtype: str = "float32") -> Tensor:
         return self.emit(graph.ConstantOp(value, TensorType(element_type(dtype), shape)))
 
+    def literal(self, values: np.ndarray) -> Tensor:
+        """Return a constant tensor holding `values` element by element (`graph.literal`)."""
+        values = np.asarray(values)
+        return self.emit(graph.LiteralOp(values, TensorType(element_type(values.dtype), values.shape)))
+
     def finish(self) -> ModuleOp:
         """Return the module holding the traced function (the tracer is spent afterwards)."""
         self.block.add_op(func.ReturnOp())

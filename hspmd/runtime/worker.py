@@ -230,8 +230,9 @@ def train(
             done = saved.step
             if comm.rank == 0 and not quiet:
                 print(f"resumed from {where} (step {saved.step}, saved under '{saved.strategy}')", flush=True)
-        elif ck.init_from:
-            state = stacked(load_global_file(ck.init_from, layer_leaves(plan.params), comm.rank, comm,
+        elif ck.init_from or manifest.weights:  # a file given, or the imported module's weights
+            start = ck.init_from or os.path.join(bundle, manifest.weights)
+            state = stacked(load_global_file(start, layer_leaves(plan.params), comm.rank, comm,
                                              per_layer(state)), plan.params)
     except CheckpointElsewhere as err:
         raise QuietRunError(str(err)) from None

@@ -84,12 +84,12 @@ from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
-from hspmd.dialects.dist import record_strategy, with_layout
+from hspmd.dialects.dist import record_strategy, tp_splits_of, with_layout
 from hspmd.dialects.graph.shape import reshape_factors
 from hspmd.ir.strategy import (
     Strategy, StrategyError, StrategyGroup, StrategyRecord, even_out_rows, parse_strategy,
 )
-from hspmd.ir.stacked_names import is_stacked, layer_range
+from hspmd.ir.stacked_names import is_stacked, layer_names, layer_range
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms import uneven_tensor_parallel as uneven_tp
@@ -107,6 +107,8 @@ UNEVEN_ONLY = (" (uneven pieces are laid out for a strategy of one group of dp a
                "groups, nor with pp, sp or ep)")
 #: a tag beside a weight's role: `heads:H`, its output (a row weight: its input) is cut into H heads
 HEADS = "heads:"
+#: the role of a weight the module's tp plan splits (`dist.TP_SPLIT_ATTR`): `split:D`, along dim D
+PLANNED = "split:"
 
 
 def strategy_group(strategy: Strategy) -> StrategyGroup:
@@ -177,6 +179,8 @@ def role_layout(group: StrategyGroup, role: str | None) -> Layout:
     if role in EXPERTS:
         return expert_layout(group, 1 if role == EXPERT_ROW else 2)
     dim = {COLUMN: 1, ROW: 0, COLUMN_BIAS: 0, VOCAB_TABLE: 0, VOCAB_HEAD: 1}.get(role)  # type: ignore[arg-type]
+    if role is not None and role.startswith(PLANNED):
+        dim = int(role[len(PLANNED):])
     if dim is None:
         return Layout.replicated(group.devices)
     return Layout.spmd(group.devices, DistributedStates.of((DUP, group.batch_ranks), (split(dim), group.tp)))
@@ -496,7 +500,8 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
     leaves = [o for o in step_function(op).body.block.ops if isinstance(o, (graph.ParameterOp, graph.InputOp))]
     roles: dict[str, str] = {}
     uneven = uneven and not hetero and group.sp == 0 and group.ep == 1  # uneven tp pieces: one plain dp/tp group
-    for tp in sorted({g.tp for g in strategy.groups} - {1}):  # the roles do not depend on tp; its checks do
+    planned = tp_splits_of(op)  # a module's own plan (an imported PyTorch model's) instead of the walk
+    for tp in sorted({g.tp for g in strategy.groups} - {1}) if not planned else ():  # roles do not depend on tp
         roles, heads = tensor_parallel_plan(op, tp, vocab=not hetero, uneven=uneven)
         group = next(g for g in strategy.groups if g.tp == tp)
         shapes = {o.tensor_name.data: layer_shape(o) for o in leaves if isinstance(o, graph.ParameterOp)}
@@ -504,7 +509,10 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
             _lay_out_uneven(leaves, group, roles, heads)
             _seed_uneven_row_outputs(op, group)
             return
-    if not hetero and group.tp > 1:
+    if planned:
+        roles = {o.tensor_name.data: f"{PLANNED}{planned[layer_names(o.tensor_name.data)[0]]}" for o in leaves
+                 if isinstance(o, graph.ParameterOp) and layer_names(o.tensor_name.data)[0] in planned}
+    if not hetero and group.tp > 1 and not planned:
         split_vocabulary_losses(op, roles, group.tp)
     if not hetero and group.tp > 1:
         residual_stream(op, group)
@@ -538,7 +546,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
                                         f"{str(err).rsplit(': ', 1)[-1]}") from None
                     raise PassError(
                         f"apply-strategy: tp={group.tp} cannot split parameter {param_text(name, shape)}: the "
-                        f"{_RULE[role]} over tp into '{layout}', but "
+                        f"{_RULE.get(role, 'plan splits it along dim ' + role[len(PLANNED):])} over tp into '{layout}', but "
                         f"{str(err).rsplit(': ', 1)[-1]}{UNEVEN_ONLY}") from None
         try:
             layout.check_shape(shape, f"{kind} '{name}'")

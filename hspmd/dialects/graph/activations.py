@@ -59,6 +59,7 @@ class ReluOp(UnaryOp):
     """Elementwise `max(x, 0)`."""
 
     name = "graph.relu"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.relu.default",)
     OUT_FACTS: ClassVar[OutFacts] = FIRST
     FRONTEND: ClassVar[tuple[str, ...]] = ("relu",)
 
@@ -102,6 +103,7 @@ class ExpOp(_UfuncOp):
     """Elementwise `exp(x)`."""
 
     name = "graph.exp"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.exp.default",)
     UFUNC: ClassVar[np.ufunc] = np.exp
     C_FUNCTION: ClassVar[str] = "hs_exp"
     FRONTEND: ClassVar[tuple[str, ...]] = ("exp",)
@@ -115,6 +117,7 @@ class LogOp(_UfuncOp):
     """Elementwise natural `log(x)`."""
 
     name = "graph.log"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.log.default", "aten.log_softmax.int", "aten._log_softmax.default",)
     UFUNC: ClassVar[np.ufunc] = np.log
     C_FUNCTION: ClassVar[str] = "hs_log"
     FRONTEND: ClassVar[tuple[str, ...]] = ("log",)
@@ -128,6 +131,7 @@ class SqrtOp(_UfuncOp):
     """Elementwise `sqrt(x)`."""
 
     name = "graph.sqrt"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sqrt.default",)
     UFUNC: ClassVar[np.ufunc] = np.sqrt
     C_FUNCTION: ClassVar[str] = "hs_sqrt"
     FRONTEND: ClassVar[tuple[str, ...]] = ("sqrt",)
@@ -141,6 +145,7 @@ class RsqrtOp(ElementwiseOp):
     """Elementwise `1 / sqrt(x)`."""
 
     name = "graph.rsqrt"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.rsqrt.default",)
     OUT_FACTS: ClassVar[OutFacts] = FIRST
     FRONTEND: ClassVar[tuple[str, ...]] = ("rsqrt",)
 
@@ -165,6 +170,7 @@ class TanhOp(_UfuncOp):
     """Elementwise `tanh(x)`."""
 
     name = "graph.tanh"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.tanh.default",)
     UFUNC: ClassVar[np.ufunc] = np.tanh
     C_FUNCTION: ClassVar[str] = "hs_tanh"
     FRONTEND: ClassVar[tuple[str, ...]] = ("tanh",)
@@ -205,6 +211,7 @@ class SigmoidOp(ElementwiseOp):
     """Elementwise `1 / (1 + exp(-x))`."""
 
     name = "graph.sigmoid"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sigmoid.default",)
     FRONTEND: ClassVar[tuple[str, ...]] = ("sigmoid",)
 
     def vjp(self, gs, emit):
@@ -235,6 +242,7 @@ class SiluOp(ElementwiseOp):
     """Elementwise `x * sigmoid(x)` (SiLU, swish)."""
 
     name = "graph.silu"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.silu.default",)
     FRONTEND: ClassVar[tuple[str, ...]] = ("silu",)
 
     def vjp(self, gs, emit):
@@ -312,6 +320,7 @@ class ErfOp(ElementwiseOp):
     """Elementwise error function `erf(x) = 2/sqrt(pi) * integral_0^x exp(-t^2) dt`."""
 
     name = "graph.erf"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.erf.default",)
     FRONTEND: ClassVar[tuple[str, ...]] = ("erf",)
 
     def vjp(self, gs, emit):  # d/dx erf(x) = 2/sqrt(pi) exp(-x^2)
@@ -391,6 +400,7 @@ class GeluOp(ElementwiseOp):
     `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (`approximate = "tanh"`, GPT-2)."""
 
     name = "graph.gelu"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.gelu.default",)
     approximate = prop_def(StringAttr)
     OUT_FACTS: ClassVar[OutFacts] = OUT
     FRONTEND: ClassVar[tuple[str, ...]] = ("gelu",)

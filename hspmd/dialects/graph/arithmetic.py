@@ -57,6 +57,7 @@ class AddOp(_Arithmetic):
     """Elementwise `lhs + rhs` (same shapes; broadcast first with `graph.broadcast`)."""
 
     name = "graph.add"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.add.Tensor", "aten.add.Scalar",)
     C_OPERATOR: ClassVar[str] = "+"
     UFUNC: ClassVar[np.ufunc] = np.add
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__add__",)
@@ -75,6 +76,7 @@ class SubOp(_Arithmetic):
     """Elementwise `lhs - rhs`."""
 
     name = "graph.sub"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",)
     C_OPERATOR: ClassVar[str] = "-"
     UFUNC: ClassVar[np.ufunc] = np.subtract
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__sub__",)
@@ -93,6 +95,12 @@ class MulOp(_Arithmetic):
     """Elementwise `lhs * rhs`."""
 
     name = "graph.mul"
+    ATEN: ClassVar[tuple[str, ...]] = (
+        "aten.mul.Tensor",
+        "aten.mul.Scalar",
+        "aten.where.self",
+        "aten.masked_fill.Scalar",
+    )
     C_OPERATOR: ClassVar[str] = "*"
     UFUNC: ClassVar[np.ufunc] = np.multiply
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__mul__",)
@@ -111,6 +119,7 @@ class DivOp(_Arithmetic):
     """Elementwise `lhs / rhs` (same shapes)."""
 
     name = "graph.div"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.div.Tensor", "aten.div.Scalar",)
     C_OPERATOR: ClassVar[str] = "/"
     UFUNC: ClassVar[np.ufunc] = np.divide
     FRONTEND: ClassVar[tuple[str, ...]] = ("divide",)
@@ -131,6 +140,7 @@ class ScaleOp(UnaryOp):
     """Elementwise `x * factor` for a compile-time constant `factor`."""
 
     name = "graph.scale"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.neg.default",)
     factor = prop_def(FloatAttr)
     OUT_FACTS: ClassVar[OutFacts] = FIRST
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__mul__",)
@@ -161,6 +171,12 @@ class CastOp(UnaryOp):
     """Elementwise conversion to the result type's element type (same shape)."""
 
     name = "graph.cast"
+    ATEN: ClassVar[tuple[str, ...]] = (
+        "aten.to.dtype",
+        "aten.to.dtype_layout",
+        "aten._to_copy.default",
+        "aten.type_as.default",
+    )
     FRONTEND: ClassVar[tuple[str, ...]] = ("cast",)
 
     def verify_(self) -> None:
@@ -209,6 +225,7 @@ class PowOp(ElementwiseOp):
     """Elementwise `x ** exponent` for a compile-time constant exponent."""
 
     name = "graph.pow"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.pow.Tensor_Scalar",)
     exponent = prop_def(FloatAttr)
     FRONTEND: ClassVar[tuple[str, ...]] = ("power",)
 

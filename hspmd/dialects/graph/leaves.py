@@ -36,11 +36,13 @@ from hspmd.dialects.dist import layout_of
 from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel
 from hspmd.dialects.graph.base import check_integer, int_attr, rank_dependent, result_dtype, tensor_shape, whole_piece
 from hspmd.dialects.interfaces import Emit, Kernel, KernelContext
+from hspmd.ir.types import dtype_name
 
 __all__ = [
     "ParameterOp",
     "InputOp",
     "ConstantOp",
+    "LiteralOp",
     "IotaOp",
     "OutputOp",
     "AssignOp",
@@ -124,6 +126,75 @@ class ConstantOp(IRDLOperation):
         super().__init__(
             properties={"value": FloatAttr(float(value), Float64Type())}, result_types=[result_type]
         )
+
+
+@irdl_op_definition
+class LiteralOp(IRDLOperation):
+    """A tensor given element by element: a constant of the model that is not a splat (the
+    rotary tables, position ids or a mask an imported PyTorch module computes from its
+    buffers alone, `hspmd.frontend.torch_import`).
+
+    `data` holds the elements' bytes, little-endian in row-major order, as hexadecimal text (as
+    MLIR prints a large `dense<"0x...">`), so the IR keeps every bit. Like `graph.iota` it is
+    laid out as its users want and `global_type` records the annotated type at the physical
+    level: each rank makes its own piece.
+    """
+
+    name = "graph.literal"
+    NO_SHARDING_RULE: ClassVar[str] = "a constant: laid out as its users want (a rank makes its piece)"
+    NO_VJP: ClassVar[str] = "a constant: no gradient"
+    FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.literal",)
+    irdl_options = (ParsePropInAttrDict(),)
+    data = prop_def(StringAttr)
+    global_type = opt_prop_def(TypeAttribute)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$data attr-dict `:` type($result)"
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
+
+    def __init__(self, values: np.ndarray, result_type: TensorType):
+        data = np.ascontiguousarray(values, dtype=np.dtype(dtype_name(result_type)).newbyteorder("<")).tobytes()
+        super().__init__(properties={"data": StringAttr(data.hex())}, result_types=[result_type])
+
+    def values(self) -> np.ndarray:
+        """Return the global tensor the op holds."""
+        typ = self.global_type if self.global_type is not None else self.result.type
+        dtype = np.dtype(dtype_name(typ)).newbyteorder("<")
+        flat = np.frombuffer(bytes.fromhex(self.data.data), dtype=dtype)
+        return flat.astype(dtype.newbyteorder("="), copy=True).reshape(typ.get_shape())  # type: ignore[attr-defined]
+
+    def verify_(self) -> None:
+        typ = self.global_type if self.global_type is not None else self.result.type
+        size = int(np.prod(typ.get_shape())) * np.dtype(dtype_name(typ)).itemsize  # type: ignore[attr-defined]
+        if len(self.data.data) != 2 * size:
+            raise VerifyException(f"'{self.name}' holds {len(self.data.data) // 2} bytes; {typ} needs {size}")
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        """This rank's piece of the tensor (the whole where the op records no global type)."""
+        values = self.values()
+        layout = layout_of(self.global_type) if self.global_type is not None else None
+        if layout is not None:
+            values = np.ascontiguousarray(values[layout.slices(ctx.rank, values.shape)])
+        return lambda: values.copy()
+
+    def cuda_kernel(self, name: str) -> KernelCode:
+        """The elements as a constant array of the kernel (exact: floats as hexadecimal literals)."""
+        if not whole_piece(self):
+            raise rank_dependent(self)
+        values = self.values().reshape(-1)
+        t = c_type(self.result.type)
+
+        def literal(v) -> str:
+            if values.dtype.kind != "f":
+                return str(int(v))
+            v = float(v)
+            return "HS_NAN" if v != v else ("HS_INF" if v > 0 else "-HS_INF") if v in (float("inf"), -float("inf")) \
+                else v.hex()
+
+        items = ", ".join(literal(v) for v in values) or "0"
+        code = flat_kernel(name, self, t, f"out0[i] = {name}_data[i];")
+        table = f"__device__ const {t} {name}_data[{max(values.size, 1)}] = {{{items}}};\n"
+        return KernelCode(table + code.source, code.launches)
 
 
 @irdl_op_definition

@@ -169,6 +169,7 @@ class SoftmaxCrossEntropyOp(TensorOp):
     With `ignore_index`, samples whose label equals it get loss 0."""
 
     name = "graph.softmax_cross_entropy"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cross_entropy_loss.default",)
     logits = operand_def(TensorType)
     labels = operand_def(TensorType)
     result = result_def(TensorType)

@@ -292,6 +292,7 @@ class LayerNormOp(TensorOp):
     x [..., n], weight [n], bias [n] -> [..., n]."""
 
     name = "graph.layer_norm"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.layer_norm.default",)
     x = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = operand_def(TensorType)
@@ -376,6 +377,7 @@ class RmsNormOp(TensorOp):
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dim (LLaMA): x [..., n], weight [n]."""
 
     name = "graph.rms_norm"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.rms_norm.default",)
     x = operand_def(TensorType)
     weight = operand_def(TensorType)
     result = result_def(TensorType)

@@ -58,6 +58,7 @@ class TransposeOp(UnaryOp):
     """Permutes dimensions: result dim i is input dim `perm[i]`."""
 
     name = "graph.transpose"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.permute.default", "aten.transpose.int", "aten.t.default",)
     perm = prop_def(DenseArrayBase)
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.transpose", "Tensor.T")
 
@@ -100,6 +101,17 @@ class ReshapeOp(UnaryOp):
     name = "graph.reshape"
     #: a device array is contiguous, so a reshape is a view there too (no kernel)
     DEVICE_VIEW: ClassVar[bool] = True
+    ATEN: ClassVar[tuple[str, ...]] = (
+        "aten.view.default",
+        "aten.reshape.default",
+        "aten._unsafe_view.default",
+        "aten.unsqueeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze.default",
+        "aten.flatten.using_ints",
+        "aten.unflatten.int",
+    )
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.reshape",)
 
     def verify_(self) -> None:
@@ -127,6 +139,7 @@ class SliceOp(UnaryOp):
     """`x[..., start:start + n, ...]` along `dim`, n the result's size there."""
 
     name = "graph.slice"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.slice.Tensor", "aten.select.int",)
     dim = prop_def(IntegerAttr[I64])
     start = prop_def(IntegerAttr[I64])
     FRONTEND: ClassVar[tuple[str, ...]] = ("slice",)
@@ -168,6 +181,7 @@ class SplitOp(TensorOp):
     """Consecutive pieces of `input` along `dim`; the results' sizes there sum to the input's."""
 
     name = "graph.split"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.split.Tensor", "aten.split_with_sizes.default",)
     input = operand_def(TensorType)
     outputs = var_result_def(TensorType)
     dim = prop_def(IntegerAttr[I64])
@@ -219,6 +233,7 @@ class ConcatOp(TensorOp):
     """The operands joined along `dim` (same shapes elsewhere)."""
 
     name = "graph.concat"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default",)
     inputs = var_operand_def(TensorType)
     result = result_def(TensorType)
     dim = prop_def(IntegerAttr[I64])

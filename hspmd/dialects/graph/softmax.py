@@ -182,6 +182,11 @@ class SoftmaxOp(UnaryOp):
     """`exp(x - max) / sum(exp(x - max))` along `dim`."""
 
     name = "graph.softmax"
+    ATEN: ClassVar[tuple[str, ...]] = (
+        "aten.softmax.int",
+        "aten._softmax.default",
+        "aten.scaled_dot_product_attention.default",
+    )
     dim = prop_def(IntegerAttr[I64])
     OUT_FACTS: ClassVar[OutFacts] = FIRST
     CUDA_ROW_PROLOGUE: ClassVar[bool] = True

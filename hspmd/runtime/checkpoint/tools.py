@@ -91,6 +91,11 @@ def export_checkpoint(path: str, to: str, include_optimizer: bool = False) -> st
     manifest, tensors = global_tensors(path, include_optimizer)
     if not tensors:
         raise CheckpointError(f"{path}: holds no tensors to export")
+    # an imported PyTorch model's tied parameters (GPT-2's lm_head.weight is transformer.wte.weight):
+    # under each of their names, as the module's state_dict has them
+    for alias, name in (manifest.config.get("torch_aliases") or {}).items():
+        if name in tensors:
+            tensors[alias] = tensors[name].copy()
     meta = {"format": "hspmd-global", "step": str(manifest.step), "strategy": manifest.strategy}
     meta.update({f"crc32/{k}": str(zlib.crc32(np.ascontiguousarray(v).data)) for k, v in tensors.items()})
     os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)

@@ -1,0 +1,624 @@
+"""Import a PyTorch model: `torch.export` its loss, translate the ATen graph into the logical IR.
+
+    program = hs.from_torch(module, example_batch, loss_fn)
+
+`torch.export` traces `loss_fn(module, batch)` (default: `module(**batch)`, its `.loss` where
+it returns a model output) on the example batch; the importer walks the exported graph and
+emits the same `graph` ops an `hs.nn` model traces into, through the frontend's functions
+(`hspmd/frontend/aten.py` holds one translator per ATen op). What it gives:
+
+* **Parameters** keep their PyTorch names (`transformer.h.0.attn.c_attn.weight`) and shapes (a
+  linear layer's weight stays [out, in]); a tied weight (GPT-2's `lm_head.weight` is
+  `transformer.wte.weight`) is one parameter under its first name, the others recorded as its
+  aliases; a parameter the loss never uses is left out. The module's own values are the initial
+  values (`TorchProgram.weights`).
+* **Constants**: a node whose inputs are all concrete (buffers, constants, `arange`) is
+  evaluated with PyTorch at import, and enters the program where a translated op uses it (the
+  rotary tables, a causal mask recognised as `graph.causal_mask`).
+* **Repeated blocks stay functions**: the elements of an `nn.ModuleList` (found through
+  `torch.export`'s module stack) whose graphs are alike become calls of one function per block
+  type (`GPT2Block_0`), so `stack-layers` turns them into one `graph.scan` as for `hs.nn` models.
+* **A tensor-parallel plan** in PyTorch's terms (`{"model.layers.*.self_attn.q_proj": "colwise",
+  ...}`, `parallelize_module`'s vocabulary; default: the module's own `_tp_plan`, which
+  transformers builds from `base_model_tp_plan`) is recorded on the module as the dim each
+  parameter splits along over tp (`hspmd.tp_split`), which `apply-strategy` follows.
+
+Bad input (an ATen op or an argument the importer does not translate, a buffer the loss
+mutates, an export that fails) raises one `TorchImportError` naming the op, the module it came
+from and the source line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+
+from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
+from hspmd.frontend import aten
+from hspmd.frontend.nn import Module, Parameter
+from hspmd.frontend.tracing import Tensor, TraceError, Tracer
+
+__all__ = ["TP_SPLIT_ATTR", "TorchImportError", "TorchProgram", "default_tp_plan", "from_torch", "tp_splits"]
+#: the wrapper's attribute holding the user's module (stripped from every name)
+_PREFIX = "model."
+
+
+class TorchImportError(TraceError):
+    """A PyTorch model the importer cannot translate; the message names the op, the module and the line."""
+
+
+@dataclass
+class TorchProgram:
+    """An imported model: the logical forward step and what it came with."""
+
+    module: ModuleOp  # graph.parameter / graph.input ... graph.output "loss"
+    weights: dict[str, np.ndarray]  # the module's values of the program's parameters
+    aliases: dict[str, str] = field(default_factory=dict)  # a tied parameter's other name -> its name
+    tp_split: dict[str, int] = field(default_factory=dict)  # parameter -> the dim tp splits
+
+
+# ----------------------------------------------------------------------------- the module tree
+
+
+class _Imported(Module):
+    """A module of the imported model: its parameters and children as attributes, named as in PyTorch."""
+
+
+class _Block(Module):
+    """An element of an `nn.ModuleList`: a function module, called with the values its graph
+    takes from outside; `signature` says which blocks share one function."""
+
+    function = True
+
+    def forward(self, *args):
+        return self._importer.replay_block(self, args)
+
+
+def _tree(torch_module, prefix: str, params: dict, blocks: dict, block_classes: dict, in_list: bool) -> Module:
+    """Return the hspmd module mirroring `torch_module`: a `_Block` (a subclass per PyTorch class,
+    so the functions are named after it) for an element of a ModuleList, else `_Imported`."""
+    import torch
+
+    if in_list:
+        name = type(torch_module).__name__
+        cls = block_classes.setdefault(name, type(name, (_Block,), {}))
+        node = cls()
+        blocks[prefix.rstrip(".")] = node
+    else:
+        node = _Imported()
+    for key, _ in torch_module.named_parameters(recurse=False):
+        full = prefix + key
+        if full in params:
+            setattr(node, key, params[full])
+    for key, child in torch_module.named_children():
+        sub = _tree(child, f"{prefix}{key}.", params, blocks, block_classes,
+                    isinstance(torch_module, torch.nn.ModuleList) and not in_list and not blocks_above(prefix, blocks))
+        setattr(node, key, sub)
+    return node
+
+
+def blocks_above(prefix: str, blocks: dict) -> bool:
+    """Return whether a block encloses the module at `prefix` (nested lists stay inside their block)."""
+    return any(prefix.startswith(b + ".") for b in blocks)
+
+
+# ----------------------------------------------------------------------------- the importer
+
+
+class _Importer:
+    def __init__(self, ep, params: dict[str, Parameter], canonical: dict[str, str], tracer: Tracer) -> None:
+        self.ep = ep
+        self.params = params  # program name -> Parameter
+        self.canonical = canonical  # export target name -> program name
+        self.tracer = tracer
+        self.env: dict = {}  # node -> value (Tensor, concrete value, list)
+        self.block_of: dict = {}  # node -> the block path it belongs to (None: the top level)
+        self.blocks: dict[str, _Block] = {}
+        self.runs: dict = {}  # id(block module) -> (nodes, dynamic inputs, outputs)
+        self.param_nodes: dict = {}  # placeholder node -> program parameter name
+        self.repeats: dict[str, list[str]] = {}  # exported block -> the blocks called as it is, in order
+        self.made: dict[str, tuple] = {}  # block path -> (signature, output nodes) of the blocks called
+
+    # -- values
+    def lift(self, tracer: Tracer, value, dtype: str | None) -> Tensor:
+        """Return concrete `value` as a tensor of `tracer` (a splat or a literal), in `dtype` if given."""
+        import torch
+
+        if isinstance(value, (int, float, bool)):
+            value = torch.tensor(value)
+        if not isinstance(value, torch.Tensor):
+            raise aten.Unsupported(f"a {type(value).__name__} where a tensor is needed")
+        arr = value.detach().cpu()
+        if arr.dtype == torch.bool:
+            arr = arr.to(torch.float32 if dtype is None else getattr(torch, dtype))
+        arr = arr.numpy()
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        if arr.dtype not in (np.float32, np.float64, np.int64, np.int32, np.float16):
+            arr = arr.astype(np.float32)
+        flat = arr.reshape(-1)
+        if flat.size and np.all(flat == flat[0]) and np.isfinite(flat[0]) or flat.size == 0:
+            return tracer.constant(float(flat[0]) if flat.size else 0.0, arr.shape, arr.dtype.name)
+        return tracer.literal(arr)
+
+    def value(self, x, env: dict):
+        """Return the value of an FX argument (nodes looked up in `env`, containers mapped)."""
+        import torch.fx
+
+        if isinstance(x, torch.fx.Node):
+            return env[x]
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.value(v, env) for v in x)
+        if isinstance(x, dict):
+            return {k: self.value(v, env) for k, v in x.items()}
+        return x
+
+    @staticmethod
+    def is_traced(x) -> bool:
+        if isinstance(x, Tensor):
+            return True
+        if isinstance(x, (list, tuple)):
+            return any(_Importer.is_traced(v) for v in x)
+        if isinstance(x, dict):
+            return any(_Importer.is_traced(v) for v in x.values())
+        return False
+
+    # -- nodes
+    def run_node(self, node, env: dict, tracer: Tracer):
+        """Compute `node`'s value in `env`: evaluated with PyTorch where its inputs are all concrete,
+        else translated into ops of `tracer`'s trace."""
+        name = aten.aten_name(node.target)
+        args, kwargs = self.value(node.args, env), self.value(node.kwargs, env)
+        if name in aten.ASSERTS:
+            return None
+        if not self.is_traced(args) and not self.is_traced(kwargs):
+            return self.evaluate(node, args, kwargs)
+        if name in aten.IDENTITY:
+            return args[0]
+        translate = aten.TRANSLATORS.get(name)
+        if translate is None:
+            raise TorchImportError(where(node, f"the ATen op {name} is not supported by the importer"))
+        cx = aten.Context(tracer, lambda v, dtype: self.lift(tracer, v, dtype), node.meta.get("val"))
+        try:
+            out = translate(cx, *args, **kwargs)
+        except aten.Unsupported as err:
+            raise TorchImportError(where(node, f"{name}: {err}")) from None
+        except TorchImportError:
+            raise
+        except TraceError as err:
+            raise TorchImportError(where(node, f"{name}: {err}")) from None
+        self.check(node, out)
+        return out
+
+    def evaluate(self, node, args, kwargs):
+        """Evaluate a node of concrete inputs with PyTorch."""
+        try:
+            return node.target(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - the model's own code: report where it failed
+            raise TorchImportError(where(node, f"evaluating {aten.aten_name(node.target)} at import failed: "
+                                               f"{type(err).__name__}: {err}")) from None
+
+    @staticmethod
+    def check(node, out) -> None:
+        """Raise TorchImportError unless a translated tensor has the shape PyTorch gave the node."""
+        meta = node.meta.get("val")
+        if isinstance(out, Tensor) and meta is not None and hasattr(meta, "shape"):
+            if tuple(out.shape) != tuple(int(s) for s in meta.shape):
+                raise TorchImportError(where(node, f"{aten.aten_name(node.target)}: translated to shape "
+                                                   f"{list(out.shape)}, PyTorch has {list(meta.shape)}"))
+
+    # -- blocks
+    def plan_blocks(self, nodes: list) -> list:
+        """Return the top-level items in order: nodes, and (block, nodes) runs of blocks whose nodes
+        are contiguous (a block met twice stays inline)."""
+        items: list = []
+        runs: dict[str, list] = {}
+        broken: set[str] = set()
+        last = None
+        for n in nodes:
+            b = self.block_path(n)
+            if b is not None and b != last and b in runs:
+                broken.add(b)
+            if b is not None:
+                runs.setdefault(b, []).append(n)
+            last = b
+        seen: set[str] = set()
+        for n in nodes:
+            b = self.block_path(n)
+            if b is None or b in broken:
+                items.append(n)
+            elif b not in seen:
+                seen.add(b)
+                items.append((b, runs[b]))
+        return items
+
+    def block_path(self, node) -> str | None:
+        stack = node.meta.get("nn_module_stack") or {}
+        for path, _ in stack.values():
+            p = path[len(_PREFIX):] if path.startswith(_PREFIX) else None
+            if p is not None and p in self.blocks:
+                return p
+        return None
+
+    def signature(self, path: str, run: list, users_outside) -> tuple[list, list, str]:
+        """Return (dynamic inputs, outputs, signature) of a block's run of nodes."""
+        import torch
+
+        local = {n: i for i, n in enumerate(run)}
+        inputs: list = []
+        parts = []
+        own = path + "."
+
+        def ref(x):
+            if isinstance(x, torch.fx.Node):
+                if x in local:
+                    return ("n", local[x])
+                pname = self.param_nodes.get(x)
+                if pname is not None and pname.startswith(own):
+                    return ("p", pname[len(own):])
+                v = self.env[x]
+                if self.is_traced(v):
+                    if x not in inputs:
+                        inputs.append(x)
+                    return ("in", inputs.index(x))
+                return ("s", _digest(v))
+            if isinstance(x, (list, tuple)):
+                return tuple(ref(v) for v in x)
+            if isinstance(x, dict):
+                return tuple(sorted((k, ref(v)) for k, v in x.items()))
+            return repr(x)
+
+        for n in run:
+            parts.append((aten.aten_name(n.target), ref(n.args), ref(n.kwargs)))
+        outputs = [n for n in run if any(u not in local for u in n.users) or n in users_outside]
+        parts.append(("out", tuple(local[n] for n in outputs)))
+        return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+    def repeat(self, path: str, inputs: list, args: list, results: tuple) -> tuple:
+        """Call the blocks `self.repeats[path]` in turn, each on the one before's result where
+        block `path` takes its predecessor's (the carry), the other arguments as `path` has them;
+        return the last one's results. _NotRepeatable where the two exported blocks differ, or
+        do not chain by one carried value."""
+        before = path.rpartition(".")[0] + ".0"
+        if before not in self.made or self.made[before][0] != self.made[path][0] or len(results) != 1:
+            raise _NotRepeatable(path)
+        carried = [i for i, x in enumerate(inputs) if x in self.made[before][1]]
+        if len(carried) != 1:
+            raise _NotRepeatable(path)
+        args = list(args)
+        for name in self.repeats[path]:
+            block = self.blocks[name]
+            block.signature = self.blocks[path].signature
+            args[carried[0]] = results[0]
+            out = block(*args)
+            results = out if isinstance(out, tuple) else (out,)
+        return results
+
+    def replay_block(self, block: _Block, args) -> tuple:
+        """Trace a block's nodes with `args` standing for its dynamic inputs (the function's body)."""
+        run, inputs, outputs = self.runs[id(block)]
+        tracer = args[0].tracer if args else self.tracer
+        env = dict(self.env)  # concrete values and parameters of the top level
+        for n, a in zip(inputs, args):
+            env[n] = a
+        for n, pname in self.param_nodes.items():
+            p = self.params.get(pname)
+            if p is not None and p._traced is not None and p._traced.tracer is tracer:
+                env[n] = p._traced
+        for n in run:
+            env[n] = self.run_node(n, env, tracer)
+        outs = tuple(env[n] for n in outputs)
+        if not all(isinstance(o, Tensor) for o in outs):
+            raise TorchImportError(f"block '{run[0]}' returns a value that is not a tensor")
+        return outs
+
+    def import_graph(self, batch_names: list[str]) -> Tensor:
+        """Translate the exported graph; return the loss."""
+        import torch
+        from torch.export.graph_signature import InputKind, OutputKind
+
+        sig = self.ep.graph_signature
+        for spec in sig.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise TorchImportError(f"the loss mutates '{spec.target}' ({spec.kind.name.lower()}): hspmd "
+                                       "programs do not update buffers (BatchNorm's running statistics, say); "
+                                       "put the module in eval mode or use a norm without state")
+        placeholders = {n.name: n for n in self.ep.graph.nodes if n.op == "placeholder"}
+        users = 0
+        for spec in sig.input_specs:
+            node = placeholders[spec.arg.name]
+            if spec.kind == InputKind.PARAMETER:
+                name = self.canonical[spec.target]
+                self.param_nodes[node] = name
+                self.env[node] = self.params[name].traced("parameter")
+            elif spec.kind == InputKind.BUFFER:
+                self.env[node] = self.ep.state_dict[spec.target] if spec.target in self.ep.state_dict \
+                    else self.ep.constants[spec.target]
+            elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                self.env[node] = self.ep.constants[spec.target]
+            elif spec.kind == InputKind.USER_INPUT:
+                self.env[node] = self.inputs[batch_names[users]]
+                users += 1
+        nodes = [n for n in self.ep.graph.nodes if n.op == "call_function"]
+        (output,) = [n for n in self.ep.graph.nodes if n.op == "output"]
+        outside = set(output.all_input_nodes)
+        for item in self.plan_blocks(nodes):
+            if isinstance(item, torch.fx.Node):
+                self.env[item] = self.run_node(item, self.env, self.tracer)
+                continue
+            path, run = item
+            block = self.blocks[path]
+            inputs, outputs, sig_text = self.signature(path, run, outside)
+            if not outputs or any(not self.is_traced(self.env[x]) for x in inputs) or not inputs:
+                for n in run:  # nothing to call it with: inline
+                    self.env[n] = self.run_node(n, self.env, self.tracer)
+                continue
+            block.signature = sig_text
+            self.runs[id(block)] = (run, inputs, outputs)
+            self.made[path] = (sig_text, outputs)
+            args = [self.env[x] for x in inputs]
+            results = block(*args)
+            results = results if isinstance(results, tuple) else (results,)
+            if path in self.repeats:  # the blocks left out of the export: called as this one is
+                results = self.repeat(path, inputs, args, results)
+            for n, r in zip(outputs, results):
+                self.env[n] = r
+        loss = self.env[output.args[0][0]]
+        if not isinstance(loss, Tensor) or loss.shape != ():
+            raise TorchImportError(f"the loss function must return a scalar tensor, got {loss!r}")
+        return loss
+
+
+def _digest(value) -> str:
+    """Return a short digest of a concrete value (two blocks share a function only where their
+    constants are equal)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().cpu()
+        return hashlib.sha1(repr((str(arr.dtype), tuple(arr.shape))).encode() +
+                            arr.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                            if arr.numel() else b"empty" + repr(tuple(arr.shape)).encode()).hexdigest()[:16]
+    if isinstance(value, (list, tuple)):
+        return repr(tuple(_digest(v) for v in value))
+    return repr(value)
+
+
+def where(node, message: str) -> str:
+    """Return `message` prefixed with the source line and the module a node came from."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        path, cls = list(stack.values())[-1]
+        path = _user_path(path)
+        cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        module = f"module '{path or '(the model)'}' ({cls.rsplit('.', 1)[-1]}): "
+    return f"{_source_line(node)}: {module}{message}"
+
+
+def _user_path(path: str) -> str:
+    """Return a module stack path without the wrapper's `model` (the user's module itself: "")."""
+    return "" if path == _PREFIX[:-1] else path[len(_PREFIX):] if path.startswith(_PREFIX) else path
+
+
+def _source_line(node) -> str:
+    """Return `file:line` of the model code that made `node` (the innermost frame outside torch)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for file, line in reversed(frames):
+        if "/torch/" not in file:
+            return f"{file}:{line}"
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else "<exported graph>"
+
+
+# ----------------------------------------------------------------------------- tensor parallel plans
+
+#: parallelize_module's styles: the dim of a weight they split, by layer kind
+_LINEAR = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "local_colwise": 0,
+           "rowwise": 1, "rowwise_rep": 1, "local_rowwise": 1, "vocab": 0}
+_EMBEDDING = {"rowwise": 0, "embedding_rowwise": 0, "vocab": 0, "colwise": 1, "colwise_rep": 1}
+
+
+def tp_splits(torch_module, plan: Mapping[str, str] | None, used: set[str]) -> dict[str, int]:
+    """Return {parameter name: dim tp splits} from a plan of module-name patterns to styles
+    (`colwise`, `rowwise`, `vocab`, ...): a column-parallel linear layer splits its weight
+    [out, in] along dim 0 and its bias, a row-parallel one its weight along dim 1 (its bias
+    stays whole); an embedding table splits its vocabulary (dim 0); transformers' `Conv1D`
+    (weight [in, out]) the other way round. Styles of other layer kinds and `sequence_parallel`
+    entries are left to propagation."""
+    import torch
+
+    out: dict[str, int] = {}
+    for mod_name, mod in torch_module.named_modules():
+        style = next((s for pat, s in (plan or {}).items() if fnmatch.fnmatchcase(mod_name, pat)), None)
+        if style is None:
+            continue
+        weight = f"{mod_name}.weight"
+        if isinstance(mod, torch.nn.Embedding) and style in _EMBEDDING:
+            dims = {weight: _EMBEDDING[style]}
+        elif style in _LINEAR and hasattr(mod, "weight") and getattr(mod.weight, "ndim", 0) == 2:
+            dim = _LINEAR[style]
+            conv1d = type(mod).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight [in, out]
+            dims = {weight: 1 - dim if conv1d else dim}
+            if dim == 0 and getattr(mod, "bias", None) is not None:
+                dims[f"{mod_name}.bias"] = 0
+        else:
+            continue
+        out.update({k: v for k, v in dims.items() if k in used})
+    return out
+
+
+def default_tp_plan(torch_module) -> dict[str, str]:
+    """Return the module's own tensor-parallel plan (transformers' `_tp_plan`, made from the config's
+    `base_model_tp_plan` and the head's), or {}."""
+    plan = getattr(torch_module, "_tp_plan", None) or getattr(torch_module, "tp_plan", None)
+    if plan:
+        return dict(plan)
+    base = getattr(getattr(torch_module, "config", None), "base_model_tp_plan", None)
+    prefix = getattr(torch_module, "base_model_prefix", "")
+    if base and prefix and hasattr(torch_module, prefix):
+        return {f"{prefix}.{k}": v for k, v in base.items()}
+    return dict(base or {})
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _default_loss(model, batch):
+    out = model(**batch)
+    return getattr(out, "loss", out) if not isinstance(out, (tuple, list)) else out[0]
+
+
+def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
+               tp_plan: Mapping[str, str] | None = None, repeat_blocks: bool = True) -> TorchProgram:
+    """Import `loss_fn(module, batch)` (default: `module(**batch)`'s loss) as a logical program.
+
+    `example_batch` is a dict of arrays or tensors (the global batch the program is compiled
+    for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
+    module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` of alike
+    blocks is exported with its first two only and the others called as the second is
+    (`repeatable_lists`), so the import's time, as the rest of the compile's, does not grow with
+    the depth. See the module docstring.
+    """
+    import torch
+
+    batch = {k: torch.as_tensor(np.asarray(v)) for k, v in example_batch.items()}
+    lists = repeatable_lists(module) if repeat_blocks else {}
+    if lists:
+        try:
+            return _import(module, batch, loss_fn or _default_loss, tp_plan, lists)
+        except _NotRepeatable:
+            pass  # the blocks' graphs differ after all: export every one
+    return _import(module, batch, loss_fn or _default_loss, tp_plan, {})
+
+
+class _NotRepeatable(Exception):
+    """A ModuleList's first two blocks do not chain as the others would need (export them all)."""
+
+
+def repeatable_lists(module) -> dict[str, int]:
+    """Return {path: length} of the top-level `nn.ModuleList`s of at least 3 blocks that are alike:
+    one class, the same parameters (names, shapes, dtypes), equal buffers and equal plain settings
+    (numbers, strings, flags of every submodule; `layer_idx` aside), and a config with no per-layer
+    list that differs between them (transformers' `layer_types`, say)."""
+    import torch
+
+    config = getattr(module, "config", None)
+    per_layer = [v for v in (vars(config).values() if config is not None else ())
+                 if isinstance(v, (list, tuple)) and len({repr(x) for x in v}) > 1]
+    out: dict[str, int] = {}
+    for path, m in module.named_modules():
+        if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
+            continue
+        if any(len(v) == len(m) for v in per_layer):
+            continue
+        keys = {_block_key(b) for b in m}
+        if len(keys) == 1:
+            out[path] = len(m)
+    return out
+
+
+def _block_key(block) -> str:
+    """Return what two blocks must share to compute alike (see `repeatable_lists`)."""
+    parts = [type(block).__qualname__]
+    for name, sub in block.named_modules():
+        parts.append((name, type(sub).__qualname__, sorted(
+            (k, repr(v)) for k, v in vars(sub).items()
+            if not k.startswith("_") and k not in ("training", "layer_idx") and isinstance(v, (bool, int, float, str, type(None))))))
+    parts += [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
+    parts += [(n, _digest(b)) for n, b in block.named_buffers()]
+    return repr(parts)
+
+
+def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, int]) -> TorchProgram:
+    import torch
+
+    class _Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = module
+
+        def forward(self, b):
+            return loss_fn(self.model, b)
+
+    saved = {}
+    try:
+        for path, n in lists.items():  # export the first two blocks of each repeatable list
+            parent, _, key = path.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            saved[path] = (owner, key, owner._modules[key])
+            owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:2])
+        ep = torch.export.export(_Step(), (batch,), strict=False)
+    except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TorchImportError(f"torch.export of the model's loss failed: {type(err).__name__}: {first}") from None
+    finally:
+        for owner, key, full in saved.values():
+            owner._modules[key] = full
+    names = {}  # id(tensor) -> first name
+    canonical, aliases = {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first = names.setdefault(id(p), name)
+        canonical[_PREFIX + name] = first
+        if first != name:
+            aliases[name] = first
+    used = {canonical[s.target] for s in ep.graph_signature.input_specs
+            if s.kind.name == "PARAMETER" and ep.graph.find_nodes(op="placeholder", target=s.arg.name)[0].users}
+    repeats = {f"{path}.1": [f"{path}.{k}" for k in range(2, n)] for path, n in lists.items()}
+    for last, more in repeats.items():  # the repeated blocks use what the second one uses
+        own = [u[len(last) + 1:] for u in used if u.startswith(last + ".")]
+        used |= {f"{m}.{u}" for m in more for u in own}
+    tracer = Tracer()
+    values = dict(module.named_parameters())
+    params = {name: Parameter(tuple(values[name].shape), "zeros", _dtype(values[name])) for name in values
+              if name in used}
+    blocks: dict[str, _Block] = {}
+    root = _tree(module, "", params, blocks, {}, False)
+    for name, p in root.named_parameters():
+        p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
+    importer = _Importer(ep, params, canonical, tracer)
+    importer.blocks, importer.repeats = blocks, repeats
+    for b in blocks.values():
+        b._importer = importer
+    importer.inputs = {k: tracer.input(k, tuple(v.shape), _dtype(v)) for k, v in batch.items()}
+    try:
+        _check_padding_rows(module, ep)
+        loss = importer.import_graph(list(batch))
+        tracer.output("loss", loss)
+    finally:
+        for p in params.values():
+            p._traced = None
+    program = tracer.finish()
+    plan = default_tp_plan(module) if tp_plan is None else tp_plan
+    splits = tp_splits(module, plan, used)
+    if splits:
+        record_tp_splits(program, splits)
+    weights = {n: values[n].detach().cpu().numpy().astype(np.dtype(_dtype(values[n])), copy=True) for n in params}
+    return TorchProgram(program, weights, {a: n for a, n in aliases.items() if n in used}, splits)
+
+
+def _dtype(t) -> str:
+    name = str(t.dtype).replace("torch.", "")
+    if name not in ("float32", "float64", "float16", "bfloat16", "int64", "int32"):
+        raise TorchImportError(f"a tensor of dtype {name} (hspmd takes float16/32/64, bfloat16, int32, int64)")
+    return name
+
+
+def _check_padding_rows(module, ep) -> None:
+    """Raise TorchImportError where an embedding's `padding_idx` row is not zero: hspmd keeps its
+    gradient zero by masking its lookups, which gives PyTorch's values only for a zero row."""
+    import torch
+
+    for name, mod in module.named_modules():
+        if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None:
+            if bool(mod.weight.detach()[mod.padding_idx].abs().max() > 0):
+                raise TorchImportError(f"module '{name}' (Embedding): row padding_idx={mod.padding_idx} of the table "
+                                       "is not zero; hspmd keeps it out of the gradient by masking its lookups, "
+                                       "which needs it zero (as PyTorch initialises it)")
+
