@@ -104,6 +104,8 @@ def _elementwise_rule(param: SSAValue, tensors: int, scalars: int, results: int)
     return OpRule((d,) * tensors + ((),) * scalars, (d,) * results)
 
 
+#: elements a block of `optim.sum_squares`' GPU kernel sums before the blocks' sums are added
+SUM_CHUNK = 8192
 #: added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 CLIP_EPS = 1e-6
 
@@ -437,17 +439,30 @@ class SumSquaresOp(_OptimOp):
         return sum_squares
 
     def cuda_kernel(self, name: str) -> KernelCode:
-        """One block summing the squares, in the result's type."""
-        n = math.prod(tensor_shape(self.input))
-        src = (f"// {name}: optim.sum_squares\n"
-               f"HS_KERNEL void {name}({', '.join(kernel_params(self))}) {{\n"
+        """Two launches: a block per chunk of `SUM_CHUNK` elements summing its squares into a
+        scratch slot (every SM busy on a large gradient), then one block summing the slots; in
+        the result's type."""
+        n = max(math.prod(tensor_shape(self.input)), 1)
+        parts = -(-n // SUM_CHUNK)
+        params = ", ".join(kernel_params(self, scratch=1))
+        src = (f"// {name}: optim.sum_squares, by chunks then their partial sums\n"
+               f"HS_KERNEL void {name}_part({params}) {{\n"
+               f"  HS_ROWS(r, n0) {{\n"
+               f"    const long lo = r * n1, len = ({n}L - lo) < n1 ? ({n}L - lo) : n1;\n"
+               f"    T acc = 0;\n"
+               f"    HS_COLS_SUM(j, len, acc) {{ const T v = (T)in0[lo + j]; acc += v * v; }}\n"
+               f"    acc = hs_block_sum(acc);\n"
+               f"    if (threadIdx.x == 0) scratch0[r] = acc;\n"
+               f"  }}\n}}\n"
+               f"HS_KERNEL void {name}_total({params}) {{\n"
                f"  HS_ROWS(r, n0) {{\n"
                f"    T acc = 0;\n"
-               f"    HS_COLS_SUM(j, n1, acc) {{ const T v = (T)in0[j]; acc += v * v; }}\n"
+               f"    HS_COLS_SUM(j, n1, acc) acc += scratch0[j];\n"
                f"    acc = hs_block_sum(acc);\n"
                f"    if (threadIdx.x == 0) out0[0] = acc;\n"
                f"  }}\n}}\n")
-        return KernelCode(retype(src, c_type(self.result.type)), [f"row {name} 1 {max(n, 1)}"])
+        return KernelCode(retype(src, c_type(self.result.type)),
+                          [f"row {name}_part {parts} {min(n, SUM_CHUNK)}", f"row {name}_total 1 {parts}"], [parts])
 
 
 @irdl_op_definition
