@@ -150,7 +150,8 @@ class _Binder:
         self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
 
     def layout(self) -> tuple[int, dict]:
-        """Return (arena bytes, offsets by region) and allocate the arena."""
+        """Return (arena bytes, offset of each region: parameters, inputs, constants, buffers,
+        results the schedule left unplaced, scratch)."""
         s = self.schedule
         offsets: dict = {}
         size = 0
@@ -169,7 +170,7 @@ class _Binder:
         for i, b in enumerate(s.buffers):
             place(("buffer", i), b)
         for i, step in enumerate(s.steps):  # results the schedule left unplaced: a place of their own
-            if step.kind == "op" and not _is_view(step.op) and step.out is None:
+            if step.kind in ("op", "stack") and not _is_view(step.op) and step.out is None:
                 for o in step.outs:
                     place(("fresh", o), nbytes(self.types[o]))
         place(("scratch",), max((_scratch_bytes(step.op) for step in s.steps if isinstance(step.op, kernel.FusedOp)),
