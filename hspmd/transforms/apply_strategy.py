@@ -440,6 +440,9 @@ class ApplyStrategy(ModulePass):
     """Lay out parameters and inputs as the strategy says."""
 
     name = "apply-strategy"
+    #: the strategy checks: what this pass refuses is the user's input (every pass after it is the
+    #: compiler's own: `hspmd.compiler.run_passes` reports its failures as internal errors)
+    checks_input = True
     strategy: str = "[0]: dp=1"
     #: micro-batches per step and the pipeline schedule, for a strategy with pp > 1
     microbatches: int = 1
