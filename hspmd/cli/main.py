@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--servers", type=int, metavar="K",
                    help="start K parameter-server ranks beside the -n workers (strategy comm=ps|hybrid)")
     r.add_argument("--slow-worker", metavar="R:SECONDS", help=argparse.SUPPRESS)
+    r.add_argument("--slow-bursts", metavar="F:SEED", help=argparse.SUPPRESS)  # runtime/ps/bursts.py
     r.add_argument("--silent-after", type=float, metavar="S",
                    help="with --servers: count a worker silent for S seconds as lost (default 10)")
     r.add_argument("--seconds", type=float, metavar="S", help="with --servers: stop starting steps after S seconds")

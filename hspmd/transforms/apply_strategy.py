@@ -93,6 +93,7 @@ from hspmd.ir.stacked_names import is_stacked, layer_range
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms import uneven_tensor_parallel as uneven_tp
+from hspmd.transforms.pipeline.balance import check_pipeline_layers
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
@@ -462,6 +463,7 @@ class ApplyStrategy(ModulePass):
         except StrategyError as err:
             raise PassError(str(err)) from None
         check_microbatches(op, record)
+        check_pipeline_layers(list(step_function(op).body.block.ops), record.strategy.groups)
         record_strategy(op, record)
         strategy = annotation_strategy(record)
         try:
