@@ -32,6 +32,7 @@ DEFAULT_SPEC = {
     "d_model": 16, "heads": 2, "head_dim": 8,  # the attention width is heads * head_dim (need not be d_model)
     "qkv": "separate",  # "separate" (wq, wk, wv), "flat" (one weight, split flat) or "head-major" (GPT's)
     "bias": True,  # biases on the attention and MLP linears
+    "rows": False,  # the MLP and the attention's output projection on [batch * seq, d] rows, as some users write
     "mlp": "gelu",  # "gelu", "relu", "swiglu" or "geglu"
     "d_ff": 32,
     "norm": "layer",  # "layer" or "rms"
@@ -76,6 +77,7 @@ class Attention(hs.nn.Module):
         else:
             self.wqkv = hs.nn.Linear(d, 3 * a, bias=s["bias"])
         self.wo = hs.nn.Linear(a, d, bias=s["bias"])
+        self.rows = s["rows"]
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -93,6 +95,8 @@ class Attention(hs.nn.Module):
         att = hs.softmax(hs.causal_mask(scores) if self.causal else scores, -1)
         if self.dropout:
             att = hs.dropout(att, self.dropout)
+        if self.rows:  # [batch * seq, width] rows through the projection, then back
+            return self.wo((att @ v).transpose((0, 2, 1, 3)).reshape((b * t, h * hd))).reshape((b, t, -1))
         return self.wo((att @ v).transpose((0, 2, 1, 3)).reshape((b, t, h * hd)))
 
 
@@ -104,8 +108,15 @@ class FeedForward(hs.nn.Module):
         if self.kind in ("swiglu", "geglu"):
             self.gate = hs.nn.Linear(d, f, bias=s["bias"])
         self.down = hs.nn.Linear(f, d, bias=s["bias"])
+        self.rows = s["rows"]
 
     def forward(self, x):
+        if self.rows:
+            b, t, d = x.shape
+            return self._forward(x.reshape((b * t, d))).reshape((b, t, d))
+        return self._forward(x)
+
+    def _forward(self, x):
         if self.kind == "swiglu":
             y = hs.silu(self.gate(x)) * self.up(x)
         elif self.kind == "geglu":

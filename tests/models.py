@@ -73,6 +73,7 @@ def model_specs(draw, max_layers: int = 4) -> dict:
         "head_dim": head_dim,
         "qkv": draw(st.sampled_from(["separate", "flat", "head-major"])),
         "bias": draw(st.booleans()),
+        "rows": draw(st.integers(0, 3)) == 0,
         "mlp": mlp,
         "d_ff": max(2, int(round(ratio * d_model))),
         "norm": draw(st.sampled_from(["layer", "rms"])),
@@ -217,8 +218,37 @@ def reproduce_line(spec: dict, par: Parallel | None) -> str:
     return f"python {where} --spec '{spec_text(spec)}'{tail}"
 
 
-def train_pair(spec: dict, par: Parallel, kernels: str = "numpy") -> Outcome:
-    """Compile `spec` under `par` and train it `STEPS` steps on the in-process communicator.
+def train_in_memory(compiled, script, comm, kernels: str = "numpy") -> list[float]:
+    """Return this rank's losses of `STEPS` steps of `compiled`, its plan built from the compiled
+    modules (a copy of its group's) rather than from a bundle's text: the loop of
+    `worker.train` without its files (printing and parsing the levels is most of a small
+    model's time); the kernel level is made and its fused kernels run with `kernels="cpu"`."""
+    from hspmd.dialects.levels import physical_groups
+    from hspmd.runtime.kernel_exec import select_program
+    from hspmd.runtime.plan import build_plan
+    from hspmd.runtime.worker import split_microbatches, step_inputs
+
+    fused = dict(compiled.kernel_groups())  # fuse-kernels runs for every pair (its failures are the compiler's)
+    ((devices, group),) = [(d, g) for d, g in physical_groups(compiled.physical) if comm.rank in d]
+    module = select_program(group.clone(), fused[devices].clone(), kernels)
+    fn = next(o for o in module.body.block.ops if getattr(o, "sym_name", None) is not None
+              and o.sym_name.data == "train_step")
+    plan = build_plan(fn, comm.rank, comm)
+    config = {**script.config, "lr_schedule": compiled.lr_schedule}
+    state, batches = plan.initial_state(int(config.get("seed", 0))), script.batches()
+    names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+    losses = []
+    for step in range(1, STEPS + 1):
+        batch = split_microbatches({**next(batches), **step_inputs(step, config, names)}, names)
+        outputs = plan.run(state, plan.local_batch(batch))
+        losses.append(float(outputs["loss"]) if "loss" in outputs else float("nan"))
+    return losses
+
+
+def train_pair(spec: dict, par: Parallel, kernels: str = "numpy", bundle: bool = False) -> Outcome:
+    """Compile `spec` under `par` and train it `STEPS` steps on the in-process communicator
+    (`bundle`: through a written bundle and `worker.train`, as `hspmd run` does; else
+    `train_in_memory`).
 
     Returns the losses (every rank's must agree), or the refusal of the strategy checks. Raises
     PairFailed for anything else: an internal error, a refusal of more than one line or naming
@@ -226,6 +256,7 @@ def train_pair(spec: dict, par: Parallel, kernels: str = "numpy") -> Outcome:
     script = _script(spec, par.microbatches, par.schedule)
     try:
         compiled = compile_script(script, par.strategy, par.n)
+        compiled.kernel_groups()
     except InternalError as err:
         raise PairFailed(f"{err} (IR in {err.ir_path})") from err
     except (StrategyError, PassError) as err:
@@ -234,13 +265,19 @@ def train_pair(spec: dict, par: Parallel, kernels: str = "numpy") -> Outcome:
         if len(lines) != 1 or not any(w in text for w in REASON_WORDS):
             raise PairFailed(f"the refusal is not one line naming what does not fit: {text!r}") from err
         return Outcome(refused=text)
-    with tempfile.TemporaryDirectory(prefix="hspmd-generated-") as bundle:
-        write_bundle(compiled, bundle)
-        try:
-            ranks = run_spmd(par.n, lambda c: train(bundle, c, steps=STEPS, quiet=True, kernels=kernels), timeout=300)
-        except Exception as err:
-            raise PairFailed(f"the run failed: {type(err).__name__}: {err}") from err
-    losses = [r.losses for r in ranks]
+    try:
+        if bundle:  # as `hspmd run` runs it: the bundle written, read back and trained by `worker.train`
+            with tempfile.TemporaryDirectory(prefix="hspmd-generated-") as where:
+                write_bundle(compiled, where)
+                ranks = run_spmd(par.n, lambda c: train(where, c, steps=STEPS, quiet=True, kernels=kernels),
+                                 timeout=300)
+            losses = [r.losses for r in ranks]
+        else:
+            losses = run_spmd(par.n, lambda c: train_in_memory(compiled, script, c, kernels), timeout=300)
+    except InternalError as err:
+        raise PairFailed(f"{err} (IR in {err.ir_path})") from err
+    except Exception as err:
+        raise PairFailed(f"the run failed: {type(err).__name__}: {err}") from err
     for r, got in enumerate(losses):
         if not np.allclose(got, losses[0], rtol=RTOL, atol=ATOL):
             raise PairFailed(f"rank {r}'s losses {got} differ from rank 0's {losses[0]}")
@@ -261,12 +298,13 @@ def reference_losses(ref: Reference, microbatches: int, kernels: str = "numpy") 
     return ref.losses[microbatches]
 
 
-def check_pair(ref: Reference, par: Parallel, kernels: str = "numpy") -> Outcome:
+def check_pair(ref: Reference, par: Parallel, kernels: str = "numpy", bundle: bool = False) -> Outcome:
     """Train the pair and compare it with one device; raise PairFailed (with the command that runs
-    it again) unless it gives the 1-device losses within 1e-4 or is refused by the strategy checks."""
+    it again) unless it gives the 1-device losses within 1e-4 or is refused by the strategy checks
+    (`bundle`: train it through a bundle, as `hspmd run` does)."""
     try:
         expected = reference_losses(ref, par.microbatches, kernels)
-        out = train_pair(ref.spec, par, kernels)
+        out = train_pair(ref.spec, par, kernels, bundle)
         if out.losses is not None and not np.allclose(out.losses, expected, rtol=RTOL, atol=ATOL):
             raise PairFailed(f"losses {out.losses} differ from the 1-device losses {expected}")
     except PairFailed as err:

@@ -40,7 +40,7 @@ def reason_of(message: str) -> str:
     return re.sub(r"\d+", "N", text)[:160]
 
 
-def sweep(models: int, strategies: int, kernels: str, run_seed: int) -> int:
+def sweep(models: int, strategies: int, kernels: str, run_seed: int, bundle: bool = False) -> int:
     counts = collections.Counter()
     reasons: collections.Counter = collections.Counter()
     failures: list[str] = []
@@ -56,7 +56,7 @@ def sweep(models: int, strategies: int, kernels: str, run_seed: int) -> int:
         for _ in range(strategies):
             par = data.draw(parallel_strategies(spec))
             try:
-                out = check_pair(ref, par, kernels)
+                out = check_pair(ref, par, kernels, bundle)
             except PairFailed as err:
                 counts["failed"] += 1
                 failures.append(str(err))
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", type=int, default=4, help="strategies drawn per model")
     p.add_argument("--seed", type=int, help="the hypothesis seed (default: a random one, printed)")
     p.add_argument("--kernels", choices=("numpy", "cpu"), default="numpy")
+    p.add_argument("--bundle", action="store_true",
+                   help="train each pair through a written bundle, as hspmd run does (slower)")
     p.add_argument("--spec", help="run one pair: the model's spec (JSON, as a failure prints it)")
     p.add_argument("--strategy", help="with --spec: the strategy")
     p.add_argument("-n", type=int, help="with --spec: the devices")
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = Reference(json.loads(args.spec))
         par = Parallel(args.strategy or "[0]: dp=1", args.n or 1, args.microbatches, args.schedule)
         try:
-            out = check_pair(ref, par, args.kernels)
+            out = check_pair(ref, par, args.kernels, args.bundle)
         except PairFailed as err:
             print(f"FAILED {err}")
             return 1
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_seed = args.seed if args.seed is not None else random.randrange(2**32)
     print(f"seed {run_seed}", flush=True)
-    return sweep(args.models, args.strategies, args.kernels, run_seed)
+    return sweep(args.models, args.strategies, args.kernels, run_seed, args.bundle)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,8 @@ class _Walk:
             return keys.get(self._through_casts(v))
 
         for op in block.ops:
+            if isinstance(op, graph.OutputOp) and op.tensor_name.data == "loss":
+                break  # the forward ends here: the backward's values would carry one layer's marks into another's
             if isinstance(op, graph.MatmulOp) and len(op.rhs.type.get_shape()) == 2 \
                     and (k := key_of(op.rhs)) is not None:
                 sources = taint.get(op.lhs, frozenset())
