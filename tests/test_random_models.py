@@ -97,6 +97,9 @@ def test_generated_uneven_tensor_parallel_trains_as_on_one_device(spec, strategy
       "batch": 12, "seq": 6, "d_model": 24, "d_ff": 36, "heads": 1, "head_dim": 2}, "[0,1]: pp=2", 2, 1),
     ({**DEFAULT_SPEC, "prenorm": False, "dropout": 0.1, "function": False, "layers": 2}, "[0-2]: pp=3", 3, 2),
     ({**DEFAULT_SPEC, "function": False, "mlp": "geglu"}, "[0]: dp=1 share=3 | [1,2]: pp=2 share=1", 3, 1),
+    # stacked layers cut into stages, a stacked weight's column split over tp read by a local split
+    ({**DEFAULT_SPEC, "heads": 1, "head_dim": 4, "d_model": 8, "d_ff": 12, "qkv": "head-major", "layers": 3,
+      "positions": "rope", "batch": 6}, "[0-3]: tp=2 pp=2", 4, 1),
 ])
 def test_generated_pipelines_of_inline_layers_train_as_on_one_device(spec, strategy, n, m):
     out = check_pair(Reference(spec), Parallel(strategy, n, m, "1f1b"))
