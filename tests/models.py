@@ -203,6 +203,9 @@ class Reference:
 
     spec: dict
     losses: dict[int, list[float]] = field(default_factory=dict)
+    #: the traced, differentiated step by whether its layers are stacked (as `compile_script` makes
+    #: it: one trace serves every strategy of the model)
+    logical: dict = field(default_factory=dict)
 
 
 def _script(spec: dict, microbatches: int = 1, schedule: str = "gpipe"):
@@ -245,7 +248,23 @@ def train_in_memory(compiled, script, comm, kernels: str = "numpy") -> list[floa
     return losses
 
 
-def train_pair(spec: dict, par: Parallel, kernels: str = "numpy", bundle: bool = False) -> Outcome:
+def compile_pair(script, par: Parallel, ref: Reference | None = None):
+    """Return `compile_script(script, par.strategy, par.n)`, the model traced once per `ref` (the
+    driver's own steps: the strategy record, the trace and training passes, the lowering)."""
+    from hspmd.compiler import _lower, _record, _training_step, stacks_layers
+
+    if ref is None:
+        return compile_script(script, par.strategy, par.n)
+    record = _record(script, par.strategy, 0, par.n, None, None)
+    stack = stacks_layers([record])
+    if stack not in ref.logical:
+        ref.logical[stack] = _training_step(script, True, stack)
+    logical, opt = ref.logical[stack]
+    return _lower(script, record, logical, opt)
+
+
+def train_pair(spec: dict, par: Parallel, kernels: str = "numpy", bundle: bool = False,
+               ref: Reference | None = None) -> Outcome:
     """Compile `spec` under `par` and train it `STEPS` steps on the in-process communicator
     (`bundle`: through a written bundle and `worker.train`, as `hspmd run` does; else
     `train_in_memory`).
@@ -255,7 +274,7 @@ def train_pair(spec: dict, par: Parallel, kernels: str = "numpy", bundle: bool =
     nothing of the strategy, a run that fails."""
     script = _script(spec, par.microbatches, par.schedule)
     try:
-        compiled = compile_script(script, par.strategy, par.n)
+        compiled = compile_pair(script, par, ref)
         compiled.kernel_groups()
     except InternalError as err:
         raise PairFailed(f"{err} (IR in {err.ir_path})") from err
@@ -290,7 +309,7 @@ def reference_losses(ref: Reference, microbatches: int, kernels: str = "numpy") 
         if ref.losses:
             ref.losses[microbatches] = next(iter(ref.losses.values()))
         else:
-            out = train_pair(ref.spec, Parallel("[0]: dp=1", 1), kernels)
+            out = train_pair(ref.spec, Parallel("[0]: dp=1", 1), kernels, ref=ref)
             assert out.losses is not None, out.refused
             if not all(math.isfinite(v) for v in out.losses):
                 raise PairFailed(f"the 1-device losses are not finite: {out.losses}")
@@ -304,7 +323,7 @@ def check_pair(ref: Reference, par: Parallel, kernels: str = "numpy", bundle: bo
     (`bundle`: train it through a bundle, as `hspmd run` does)."""
     try:
         expected = reference_losses(ref, par.microbatches, kernels)
-        out = train_pair(ref.spec, par, kernels, bundle)
+        out = train_pair(ref.spec, par, kernels, bundle, ref)
         if out.losses is not None and not np.allclose(out.losses, expected, rtol=RTOL, atol=ATOL):
             raise PairFailed(f"losses {out.losses} differ from the 1-device losses {expected}")
     except PairFailed as err:
