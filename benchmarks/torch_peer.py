@@ -29,10 +29,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: the environment this process started with (before any benchmark sets anything), for the peers
+#: the environment this process started with (before any benchmark sets anything), for the peers;
+#: NumPy is imported inside the functions, so that importing this module loads no BLAS before the
+#: benchmark sets OPENBLAS_THREAD_TIMEOUT for hspmd's side
 START_ENV = dict(os.environ)
 
 
@@ -71,7 +71,7 @@ class Torch:
     seconds).
     """
 
-    def __init__(self, settings: dict, params: dict[str, np.ndarray], compiled: bool = False) -> None:
+    def __init__(self, settings: dict, params: dict, compiled: bool = False) -> None:
         import torch
 
         self.torch = torch
@@ -83,6 +83,8 @@ class Torch:
                                      weight_decay=settings["weight_decay"])
 
     def step(self, batch) -> float:
+        import numpy as np
+
         torch = self.torch
         ids, targets = (torch.from_numpy(np.asarray(batch[k], dtype=np.int64)) for k in ("ids", "targets"))
         self.opt.zero_grad(set_to_none=True)
@@ -94,9 +96,11 @@ class Torch:
         return float(loss.detach())
 
 
-def write_inputs(directory: str, settings: dict, params: dict[str, np.ndarray], batches: list[dict]) -> None:
+def write_inputs(directory: str, settings: dict, params: dict, batches: list[dict]) -> None:
     """Write what a peer reads: the settings, the initial parameters (one tensor per layer) and
     the batches, in order."""
+    import numpy as np
+
     with open(os.path.join(directory, "settings.json"), "w") as f:
         json.dump(settings, f)
     np.savez(os.path.join(directory, "params.npz"), **params)
@@ -104,8 +108,10 @@ def write_inputs(directory: str, settings: dict, params: dict[str, np.ndarray], 
              **{f"{k}.{i}": v for i, b in enumerate(batches) for k, v in b.items()})
 
 
-def read_inputs(directory: str) -> tuple[dict, dict[str, np.ndarray], list[dict]]:
+def read_inputs(directory: str) -> tuple[dict, dict, list[dict]]:
     """Return what `write_inputs` wrote."""
+    import numpy as np
+
     settings = json.load(open(os.path.join(directory, "settings.json")))
     params = dict(np.load(os.path.join(directory, "params.npz")))
     raw = np.load(os.path.join(directory, "batches.npz"))
