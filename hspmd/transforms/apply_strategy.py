@@ -525,6 +525,11 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
             layout, kind = (batch if shape else params), "input"
             if hetero and shape:
                 check_batch_rows(strategy, name, shape)
+            elif shape and group.ep > 1 and shape[0] % group.batch_ranks:  # (uneven rows over dp alone are evened out)
+                raise PassError(
+                    f"apply-strategy: input '{name}' of shape {_shape_text(shape)} cannot be split over group "
+                    f"'{group}': its {shape[0]} batch rows must be divisible by dp={group.dp} times ep={group.ep} "
+                    f"= {group.batch_ranks} (expert-parallel ranks take rows of their own, in equal parts)")
         else:
             kind = "parameter"
             role = roles.get(name)
@@ -550,7 +555,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
-            raise PassError(str(err)) from None
+            raise PassError(f"apply-strategy: strategy '{strategy}': {err}") from None
         if kind == "parameter" and is_stacked(name):  # each layer laid out as one, the stacking dim whole
             layout = layout.shift_dims(1)
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))
