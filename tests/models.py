@@ -284,6 +284,8 @@ def train_pair(spec: dict, par: Parallel, kernels: str = "numpy", bundle: bool =
         if len(lines) != 1 or not any(w in text for w in REASON_WORDS):
             raise PairFailed(f"the refusal is not one line naming what does not fit: {text!r}") from err
         return Outcome(refused=text)
+    except Exception as err:  # a crash in the strategy checks (or the trace): no refusal, a bug
+        raise PairFailed(f"compiling failed with {type(err).__name__}: {err}") from err
     try:
         if bundle:  # as `hspmd run` runs it: the bundle written, read back and trained by `worker.train`
             with tempfile.TemporaryDirectory(prefix="hspmd-generated-") as where:
