@@ -122,7 +122,7 @@ def _devices(devices: list[int]) -> str:
     return ",".join(map(str, devices)) if len(devices) < 3 else f"{devices[0]}-{devices[-1]}"
 
 
-def _factor(draw, size: int, moe: bool, layers: int) -> dict[str, int]:
+def _factor(draw, size: int, moe: bool) -> dict[str, int]:
     """Draw dp, tp, pp (and with an MoE model ep) whose product is `size`."""
     degrees = {"dp": size, "tp": 1, "pp": 1, "ep": 1}
     rest = size
@@ -139,7 +139,7 @@ def _factor(draw, size: int, moe: bool, layers: int) -> dict[str, int]:
 def _group(draw, devices: list[int], spec: dict, alone: bool) -> str:
     """Draw one group's keys over `devices`."""
     moe = bool(spec["moe"])
-    deg = _factor(draw, len(devices), moe, spec["layers"])
+    deg = _factor(draw, len(devices), moe)
     keys = [f"dp={deg['dp']}"] + [f"{k}={deg[k]}" for k in ("tp", "pp", "ep") if deg[k] > 1]
     if deg["tp"] > 1 and draw(st.integers(0, 3)) == 0:
         keys.append("sp=1")
