@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_vs_torch import TINY, Hspmd, compile_tiny  # noqa: E402  (sets OMP_WAIT_POLICY as it needs)
+from step_vs_torch import TINY, Hspmd, compile_tiny  # noqa: E402
 
 
 def _rank_plan(ranks: int, comm):

@@ -7,7 +7,8 @@ part of that step that no scheduling or fusion can remove: the linear layers' pr
 (forward, input and weight gradients, the LM head; 39.4 GFLOP of GPT-tiny's 42.7), run as
 the plan runs them (the same calls, operands, `out=` buffers, pairs on two threads) back to
 back, in the step's order, with nothing between them. Three runners take turns step by
-step, as in `step_vs_torch.py`: hspmd's whole step, the products alone, PyTorch eager.
+step, as in `step_vs_torch.py`: hspmd's whole step, the products alone, PyTorch eager (in a
+process of its own with PyTorch's defaults, `torch_peer.py`, as its users run it).
 
 Printed: the three medians; the products' FLOP rate alone and in the step, against NumPy's
 rate on the largest shape; the rest of hspmd's step (step - products alone: attention,
@@ -22,12 +23,12 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_peer  # noqa: E402  (first: it keeps the environment as this process found it, for the peer)
+
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")  # as step_vs_torch.py (before NumPy loads)
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import step_vs_torch as svt  # noqa: E402
 
@@ -89,19 +90,34 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
     parser.add_argument("--threads", type=int, help="threads for both (default: each its own default)")
     args = parser.parse_args()
-    svt.limit_threads(args.threads)
-    # PyTorch first, as step_vs_torch.py: its OpenMP runtime reads the environment when it loads
-    # (an OMP_DYNAMIC=true there once made its eager step 609 ms instead of 331)
-    import torch  # noqa: F401
+    if args.threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.threads, user_api="blas")
+        torch_peer.START_ENV.update(OMP_NUM_THREADS=str(args.threads))
+    import tempfile
+
+    from hspmd.runtime.stacked import per_layer
 
     script, compiled, fn = svt.compile_tiny()
     ours = svt.Hspmd(script, compiled, fn, args.threads)
-    initial = {k: v.copy() for k, v in ours.state.items()}
-    theirs = svt.Torch(script, initial)
-    batches = script.batches()
+    all_batches = script.batches()
+    batch_list = [next(all_batches) for _ in range(2 + args.warmup + args.steps)]
+    with tempfile.TemporaryDirectory(prefix="step-floor-") as data:
+        torch_peer.write_inputs(data, svt.torch_settings(script),
+                                per_layer({k: v.copy() for k, v in ours.state.items()}), batch_list)
+        peer = torch_peer.Peer(data)
+        try:
+            return _measure(args, script, ours, fn, peer, iter(batch_list[1:]))
+        finally:
+            peer.close()
+
+
+def _measure(args, script, ours, fn, peer, batches) -> int:
+    """Time the three runners alternately and print the results (see the module docstring)."""
     products = Products(ours, next(batches))
     flops = linear_flops(fn)
-    runners = {"step": ours, "products": products, "torch": theirs}
+    runners = {"step": ours, "products": products, "torch": svt.PeerRunner(peer)}
     for _ in range(args.warmup):
         batch = next(batches)
         for runner in runners.values():
@@ -120,7 +136,7 @@ def main() -> int:
     print(f"GPT-tiny, {len(products.calls)} product steps of the plan ({flops / 1e9:.2f} GFLOP of linear layers), "
           f"{args.steps} steps each, alternating; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"median: hspmd step {med['step'] * 1e3:.1f} ms, its products alone {med['products'] * 1e3:.1f} ms, "
-          f"PyTorch eager {med['torch'] * 1e3:.1f} ms")
+          f"PyTorch eager {med['torch'] * 1e3:.1f} ms (its own process, its defaults)")
     print(f"products' rate: alone {flops / med['products'] / 1e9:.1f} GFLOP/s, NumPy on "
           f"{rows}x{d_model} @ {d_model}x{4 * d_model} {numpy_rate / 1e9:.1f} GFLOP/s "
           f"(alone / NumPy {flops / med['products'] / numpy_rate:.3f})")

@@ -1,42 +1,49 @@
-"""One training step of GPT-tiny: hspmd's plan against PyTorch eager, in the same process.
+"""One training step of GPT-tiny: hspmd's plan against PyTorch eager, each as its users run it.
 
     python benchmarks/step_vs_torch.py [--steps 12] [--warmup 3] [--threads N] [--kernels cpu|numpy]
                                        [--no-torch-compile]
 
 GPT-tiny: 4 layers, d_model 256, 4 heads, seq 128, batch 16, vocab 256, float32, AdamW with
-weight decay and gradient clipping (examples/gpt.py), one process. PyTorch runs the same
-model (`torch_loss`, started from hspmd's initial parameters, the same batch) with
-torch.optim.AdamW and clip_grad_norm_. The two are timed alternately, step by step, so a
-machine shared with other work slows both alike; the medians are compared. `--threads N`
-gives both N threads (PyTorch's intra-op threads, NumPy's BLAS through threadpoolctl, the
-plan's row threads); by default each uses what it finds (the CPUs of the machine). hspmd's
-plan runs as `hspmd run` does by default (BLAS's threads); `--blas-threads auto` runs it with
-`blas_threads="auto"` (HSPMD_BLAS_THREADS=auto): each step's matmuls on BLAS's threads or on
-one, whichever its last steps measured faster (on a machine shared with other work, two BLAS
-threads measured several times slower than one); BLAS's thread count is restored after each
-step, so the NumPy reference products run on all threads.
+weight decay and gradient clipping (examples/gpt.py). hspmd's plan runs in this process as
+`hspmd run` runs it (its fused kernels set `OMP_WAIT_POLICY=passive` for themselves). PyTorch
+runs the same model (`torch_peer.torch_loss`, from hspmd's initial parameters, the same batches)
+with torch.optim.AdamW and clip_grad_norm_ in a process of its own, started with the environment
+this benchmark was started with: PyTorch's defaults, as its users run it (`torch_peer.py`). A
+second PyTorch eager process runs with `OMP_WAIT_POLICY=passive`, the setting this benchmark
+used to impose on PyTorch by running it inside hspmd's process (17% slower there, issue 31): its
+column shows what that cost. The runners are timed alternately, step by step, each step timed
+inside its own process, so a machine shared with other work slows them alike; the medians are
+compared. `--threads N` gives every runner N threads (PyTorch's intra-op threads, NumPy's BLAS
+through threadpoolctl, the plan's row threads); by default each uses what it finds (the CPUs of
+the machine). hspmd's plan runs as `hspmd run` does by default (BLAS's threads);
+`--blas-threads auto` runs it with `blas_threads="auto"` (HSPMD_BLAS_THREADS=auto): each step's
+matmuls on BLAS's threads or on one, whichever its last steps measured faster.
 
-A third column runs the same loss through `torch.compile` (inductor: generated C++ with
-OpenMP on the CPU; the optimizer eager) unless `--no-torch-compile`; where it cannot compile
-here (no C++ compiler, an inductor error) it is skipped with the reason printed.
+Another PyTorch process runs the same loss through `torch.compile` (inductor: generated C++ with
+OpenMP on the CPU; the optimizer eager), with PyTorch's defaults, unless `--no-torch-compile`;
+where it cannot compile here (no C++ compiler, an inductor error) it is skipped with the reason.
 
 Printed: the median step times; hspmd's matmul FLOP rate (the plan's matmul FLOPs per step /
 its step time) against NumPy's own matmul rate on the largest matmul shape, also measured
 alternately (on BLAS's threads and on one, the faster counts); each one's peak memory during training (resident-set growth, sampled every
 millisecond in a fresh process, from before the parameters exist to the end of the steps)
-and the plan's own count (`Plan.peak_bytes`); then hspmd / torch.compile, and last the
-ratio hspmd / PyTorch eager of the median step times.
+and the plan's own count (`Plan.peak_bytes`); then hspmd / torch.compile, hspmd / PyTorch eager
+under OMP_WAIT_POLICY=passive, and last the ratio hspmd / PyTorch eager (its defaults) of the
+median step times.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_peer  # noqa: E402  (first: it keeps the environment as this process found it, for the peers)
 
 # as `import hspmd` sets it (hspmd/__init__.py), before NumPy's OpenBLAS loads: BLAS's threads
 # sleep after each product instead of spinning for 0.1 s on a core that the next step needs
@@ -45,11 +52,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")
 import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Two OpenMP runtimes share this process (PyTorch's own and the one hspmd's fused kernels link):
-# threads of one that busy-wait after their work take the cores from the other's. Both sleep at
-# once when idle (as hspmd's kernel loader sets for its own); PyTorch alone measured the same
-# either way (355-425 ms active, 374-423 ms passive, same machine).
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 sys.path.insert(0, ROOT)
 
 TINY = {"model.layers": 4, "model.d_model": 256, "model.heads": 4, "model.seq_len": 128,
@@ -98,76 +100,23 @@ class Hspmd:
         return float(self.plan.run(self.state, inputs)["loss"])
 
 
-def torch_loss(p: dict, ids, targets, heads: int, eps: float):
-    """The loss of hspmd.frontend.transformer's GPT in plain PyTorch (head-major fused qkv)."""
-    import torch
-
-    F = torch.nn.functional
-    b, t = ids.shape
-    x = p["wte.weight"][ids] + p["wpe"][:t]
-    layers = len({k.split(".")[1] for k in p if k.startswith("blocks.")})
-    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-    for i in range(layers):
-        q = f"blocks.{i}."
-        h = F.layer_norm(x, x.shape[-1:], p[q + "ln1.weight"], p[q + "ln1.bias"], eps)
-        qkv = h @ p[q + "attn.qkv.weight"] + p[q + "attn.qkv.bias"]
-        d = x.shape[-1]
-        hd = d // heads
-        qq, kk, vv = (z.transpose(1, 2) for z in qkv.reshape(b, t, heads, 3 * hd).split(hd, dim=3))
-        att = ((qq @ kk.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(mask, float("-inf")).softmax(-1)
-        y = (att @ vv).transpose(1, 2).reshape(b, t, d)
-        x = x + y @ p[q + "attn.proj.weight"] + p[q + "attn.proj.bias"]
-        h = F.layer_norm(x, x.shape[-1:], p[q + "ln2.weight"], p[q + "ln2.bias"], eps)
-        h = F.gelu(h @ p[q + "mlp.fc.weight"] + p[q + "mlp.fc.bias"], approximate="tanh")
-        x = x + h @ p[q + "mlp.proj.weight"] + p[q + "mlp.proj.bias"]
-    x = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
-    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1), targets.reshape(-1))
+def torch_settings(script) -> dict:
+    """Return what the PyTorch peer needs of the script's config: heads, eps, AdamW's settings."""
+    cfg, o = script.config, script.config["optim"]
+    return {"heads": cfg["model"]["heads"], "eps": cfg["model"].get("eps", 1e-5), "lr": o["lr"],
+            "weight_decay": o["weight_decay"], "clip": o.get("clip") or 0.0}
 
 
-class Torch:
-    """PyTorch's side: the same parameters, AdamW and clipping as the script's optimizer.
+class PeerRunner:
+    """A `torch_peer.Peer` as a runner of `alternate`: each call runs the next batch there."""
 
-    `compiled`: the loss (forward and backward) through `torch.compile` (inductor, the CPU's
-    C++/OpenMP code); the optimizer step and the clipping stay eager, as in PyTorch's own
-    recipe. The first step compiles (tens of seconds).
-    """
+    def __init__(self, peer: "torch_peer.Peer") -> None:
+        self.peer, self.i = peer, 0
+        self.times: list[float] = []
 
-    def __init__(self, script, params: dict[str, np.ndarray], compiled: bool = False) -> None:
-        import torch
-
-        from hspmd.runtime.stacked import per_layer
-
-        params = per_layer(params)  # hspmd's stacked layers (`blocks.[0:4].ln1.weight`) one by one
-
-        self.torch = torch
-        self.loss_fn = torch.compile(torch_loss, dynamic=False) if compiled else torch_loss
-        cfg, o = script.config, script.config["optim"]
-        self.heads, self.eps = cfg["model"]["heads"], cfg["model"].get("eps", 1e-5)
-        self.params = {k: torch.tensor(v, requires_grad=True) for k, v in params.items() if not k.startswith("opt.")}
-        self.clip = o.get("clip") or 0.0
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=o["lr"], weight_decay=o["weight_decay"])
-
-    def step(self, batch) -> float:
-        torch = self.torch
-        ids, targets = (torch.from_numpy(np.asarray(batch[k], dtype=np.int64)) for k in ("ids", "targets"))
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.params, ids, targets, self.heads, self.eps)
-        loss.backward()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip)
-        self.opt.step()
-        return float(loss.detach())
-
-
-def compiled_torch(script, params: dict[str, np.ndarray], batch) -> tuple["Torch | None", float, str]:
-    """Return (the torch.compile runner, its first-step loss, "") after its first (compiling)
-    step, or (None, nan, why) when it cannot compile here (no C++ compiler, an inductor error)."""
-    try:
-        runner = Torch(script, params, compiled=True)
-        return runner, runner.step(batch), ""
-    except Exception as err:  # inductor raises many kinds (BackendCompilerFailed, CalledProcessError, ...)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return None, math.nan, f"{type(err).__name__}: {first[:200]}"
+    def step(self, batch=None) -> float:
+        self.i += 1
+        return self.peer.step(self.i)
 
 
 def alternate(runners: dict, batches, steps: int, between) -> dict[str, list[float]]:
@@ -180,8 +129,9 @@ def alternate(runners: dict, batches, steps: int, between) -> dict[str, list[flo
         batch = next(batches)
         for name in order[i % len(order):] + order[:i % len(order)]:
             start = time.perf_counter()
-            runners[name].step(batch)
-            times[name].append(time.perf_counter() - start)
+            inside = runners[name].step(batch)
+            # a peer in its own process says how long its step took there
+            times[name].append(inside if isinstance(runners[name], PeerRunner) else time.perf_counter() - start)
         between()
     return times
 
@@ -221,18 +171,18 @@ def limit_threads(n: int | None) -> None:
     threadpool_limits(n, user_api="blas")
 
 
-def memory_child(which: str, steps: int, threads: int | None, kernels: str, blas_threads: str) -> None:
-    """Print the peak resident-set growth (bytes) of `steps` training steps of one framework."""
-    script, compiled, fn = compile_tiny()
-    batches = script.batches()
-    batch_list = [next(batches) for _ in range(steps)]
-    init = None
-    if which == "torch":  # torch imported and hspmd's initial values made before the baseline
+def memory_child(which: str, steps: int, threads: int | None, kernels: str, blas_threads: str, data: str) -> None:
+    """Print the peak resident-set growth (bytes) of `steps` training steps of one framework (PyTorch:
+    from the peer's inputs in `data`, in a process with the environment the benchmark found)."""
+    if which == "torch":  # torch imported and the parameters read before the baseline; no hspmd here
         import torch  # noqa: F401
-        from hspmd.runtime.comm import InProcessCommunicator
-        from hspmd.runtime.plan import build_plan
 
-        init = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0], allocate=False).initial_state(0)
+        settings, init, batch_list = torch_peer.read_inputs(data)
+        batch_list = batch_list[:steps]
+    else:
+        script, compiled, fn = compile_tiny()
+        batches = script.batches()
+        batch_list = [next(batches) for _ in range(steps)]
     peak, stop = [0], threading.Event()
 
     def sample() -> None:
@@ -246,7 +196,7 @@ def memory_child(which: str, steps: int, threads: int | None, kernels: str, blas
     if which == "hspmd":
         runner = Hspmd(script, compiled, fn, threads, kernels, blas_threads)
     else:
-        runner = Torch(script, init)  # copies the parameters
+        runner = torch_peer.Torch(settings, init)  # copies the parameters
     for batch in batch_list:
         runner.step(batch)
     stop.set()
@@ -258,7 +208,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each (default 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
-    parser.add_argument("--threads", type=int, help="threads for both (default: each its own default)")
+    parser.add_argument("--threads", type=int, help="threads for every runner (default: each its own default)")
     parser.add_argument("--kernels", choices=["cpu", "numpy"], default="cpu",
                         help="hspmd's elementwise and row kernels: fused C++ (cpu, the default of hspmd run) or NumPy per op")
     parser.add_argument("--blas-threads", choices=["auto", "fixed"], default="fixed",
@@ -267,34 +217,62 @@ def main() -> int:
     parser.add_argument("--no-torch-compile", action="store_true",
                         help="leave out the torch.compile column (its first step compiles for tens of seconds)")
     parser.add_argument("--memory-child", choices=["hspmd", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    limit_threads(args.threads)
+    if args.threads is not None:  # the peers read it from their environment
+        torch_peer.START_ENV.update(OMP_NUM_THREADS=str(args.threads))
     if args.memory_child:
-        memory_child(args.memory_child, 3, args.threads, args.kernels, args.blas_threads)
-        return 0
-    import torch
+        if args.memory_child == "torch":
+            limit_threads(args.threads)
+        elif args.threads is not None:
+            from threadpoolctl import threadpool_limits
 
+            threadpool_limits(args.threads, user_api="blas")
+        memory_child(args.memory_child, 3, args.threads, args.kernels, args.blas_threads, args.data)
+        return 0
+    if args.threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.threads, user_api="blas")
     from hspmd.codegen.schedule.analysis import matmul_flops
+    from hspmd.runtime.stacked import per_layer
 
     script, compiled, fn = compile_tiny()
     ours = Hspmd(script, compiled, fn, args.threads, args.kernels, args.blas_threads)
-    initial = {k: v.copy() for k, v in ours.state.items()}  # hspmd updates its state in place
-    theirs = Torch(script, initial)
-    flops = matmul_flops(fn)
     batches = script.batches()
-    first = next(batches)
-    l1, l2 = ours.step(first), theirs.step(first)
-    inductor, why = None, "left out (--no-torch-compile)"
-    if not args.no_torch_compile:
-        inductor, l3, why = compiled_torch(script, initial, first)
-    print(f"GPT-tiny, first step loss: hspmd {l1:.6f}, PyTorch {l2:.6f}"
-          + (f", torch.compile {l3:.6f}" if inductor is not None else "")
-          + f" (torch {torch.__version__}, {torch.get_num_threads()} threads; NumPy {np.__version__}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-    if inductor is None:
+    batch_list = [next(batches) for _ in range(1 + args.warmup + args.steps)]
+    with tempfile.TemporaryDirectory(prefix="step-vs-torch-") as data:
+        # hspmd's initial parameters, one tensor per layer (hspmd updates its state in place)
+        torch_peer.write_inputs(data, torch_settings(script), per_layer({k: v.copy() for k, v in ours.state.items()}),
+                                batch_list)
+        peers = {"torch": torch_peer.Peer(data), "torch-passive": torch_peer.Peer(data, env="passive")}
+        why = "left out (--no-torch-compile)"
+        if not args.no_torch_compile:
+            try:
+                peers["inductor"] = torch_peer.Peer(data, compiled=True)
+            except RuntimeError as err:
+                why = str(err)
+        try:
+            return _measure(args, script, ours, fn, peers, batch_list, why, data, matmul_flops)
+        finally:
+            for peer in peers.values():
+                peer.close()
+
+
+def _measure(args, script, ours, fn, peers, batch_list, why, data, matmul_flops) -> int:
+    """Time the runners alternately and print the results (see the module docstring)."""
+    flops = matmul_flops(fn)
+    l1 = ours.step(batch_list[0])
+    torch = peers["torch"]
+    print(f"GPT-tiny, first step loss: hspmd {l1:.6f}, PyTorch {torch.first_loss:.6f}"
+          + (f", torch.compile {peers['inductor'].first_loss:.6f}" if "inductor" in peers else "")
+          + f" (torch {torch.version}, {torch.threads} threads, its own process with its defaults; NumPy "
+          f"{np.__version__}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    if "inductor" not in peers:
         print(f"torch.compile: skipped ({why})")
-    runners = {"ours": ours, "torch": theirs, **({"inductor": inductor} if inductor is not None else {})}
-    for _ in range(args.warmup - 1):
+    runners = {"ours": ours, **{name: PeerRunner(p) for name, p in peers.items()}}
+    batches = iter(batch_list[1:])
+    for _ in range(args.warmup):
         batch = next(batches)
         for runner in runners.values():
             runner.step(batch)
@@ -317,7 +295,8 @@ def main() -> int:
     blas = ours.plan.blas
     how = (f", BLAS threads auto: {', '.join(f'{n} on {k}' for n, k in blas.steps.items())} of "
            f"{sum(blas.steps.values())} steps" if blas is not None else "")
-    print(f"median step: hspmd ({args.kernels} kernels{how}) {med_ours * 1e3:.1f} ms, PyTorch eager {med_torch * 1e3:.1f} ms"
+    print(f"median step: hspmd ({args.kernels} kernels{how}) {med_ours * 1e3:.1f} ms, PyTorch eager {med_torch * 1e3:.1f} ms "
+          f"(its defaults), PyTorch eager under OMP_WAIT_POLICY=passive {med['torch-passive'] * 1e3:.1f} ms"
           + (f", torch.compile {med['inductor'] * 1e3:.1f} ms" if "inductor" in med else "")
           + f" ({args.steps} steps each, alternating)")
     print(f"matmul FLOPs per step {flops / 1e9:.2f} G: hspmd {achieved / 1e9:.1f} GFLOP/s, NumPy matmul "
@@ -325,9 +304,9 @@ def main() -> int:
     mem = {}
     for which in ("hspmd", "torch"):
         extra = ((["--threads", str(args.threads)] if args.threads else []) + ["--kernels", args.kernels]
-                 + ["--blas-threads", args.blas_threads])
+                 + ["--blas-threads", args.blas_threads, "--data", data])
         proc = subprocess.run([sys.executable, __file__, "--memory-child", which, *extra], capture_output=True,
-                              text=True, timeout=1800)
+                              text=True, timeout=1800, env=torch_peer.START_ENV if which == "torch" else None)
         if proc.returncode != 0:
             print(proc.stdout + proc.stderr, file=sys.stderr)
             return 1
@@ -337,9 +316,10 @@ def main() -> int:
           f"ratio {mem['hspmd'] / mem['torch']:.3f}")
     if "inductor" in med:
         print(f"step time hspmd / torch.compile (inductor): {med_ours / med['inductor']:.3f}")
-    print(f"step time hspmd / PyTorch: {med_ours / med_torch:.3f}")
+    print(f"step time hspmd / PyTorch eager under OMP_WAIT_POLICY=passive (the old, handicapped peer): "
+          f"{med_ours / med['torch-passive']:.3f}")
+    print(f"step time hspmd / PyTorch (its own process, its defaults): {med_ours / med_torch:.3f}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,18 +58,103 @@ if TYPE_CHECKING:
 
     from hspmd.ir.ps_plan import PSPlan
 
-__all__ = ["Compiled", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script", "compile_strategies",
+__all__ = ["Compiled", "InternalError", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script", "compile_strategies",
            "default_strategy", "kernel_level", "physical_passes", "run_passes", "to_physical", "training_passes",
            "write_bundle"]
 
 
-def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | None = None) -> ModuleOp:
+class InternalError(Exception):
+    """A pass after the strategy checks failed: a bug of hspmd, not of the model or the strategy.
+
+    `pass_name` names the pass (or the verifier), `ir_path` the file holding the IR it was given
+    (None where it could not be written), `cause` the exception it raised. `hspmd compile` and
+    `hspmd run` report it as `hspmd: internal error in <pass>: ...` with that path, exit code 3.
+    """
+
+    def __init__(self, pass_name: str, cause: BaseException, ir_path: str | None) -> None:
+        self.pass_name, self.cause, self.ir_path = pass_name, cause, ir_path
+        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+        text = lines[0] if lines else ""
+        if not isinstance(cause, PassError):  # an exception the pass did not mean to raise: name it
+            text = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+        super().__init__(f"internal error in {pass_name}: {text}")
+
+
+def _internal_error(pass_name: str, cause: BaseException, before) -> InternalError:
+    """Return the InternalError of `pass_name` failing with `cause`; `before()` gives the IR the pass
+    was given, which is written to a new file in the temporary directory."""
+    import tempfile
+
+    from hspmd.dialects.context import module_text
+
+    path = None
+    try:
+        module = before()
+        directory = tempfile.mkdtemp(prefix="hspmd-internal-")
+        path = os.path.join(directory, f"before-{pass_name.replace(' ', '-')}.mlir")
+        with open(path, "w") as f:
+            f.write(f"// the input of {pass_name}, which failed: {cause!s:.500}\n" + module_text(module))
+    except Exception:  # noqa: BLE001 - the report of a bug must not hide it behind another
+        path = None
+    return InternalError(pass_name, cause, path)
+
+
+def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | None = None,
+               checked: bool = False) -> ModuleOp:
     """Run `passes` (pass objects, or pass-spec text as `hspmd-opt -p` reads it) on `module` in place,
-    verify it, and return it."""
+    verify it, and return it.
+
+    The strategy checks are the passes marked `checks_input` (`apply-strategy`,
+    `apply-annotations`): what they refuse is the user's input, and so is what fails before them
+    (tracing, the training passes). Every pass after them, or every pass when `checked` (the input
+    has passed them), is the compiler's own: its failure (any exception, the verifier's too) raises
+    `InternalError` naming the pass, with the IR the pass was given written to a file. That IR is
+    made again only on failure (the passes since the first checked one, rerun on a copy of their
+    input), so a compile that succeeds pays one copy of the module per call.
+    """
     ctx = ctx or make_context()
-    for p in build_passes(passes) if isinstance(passes, str) else passes:
+    passes = build_passes(passes) if isinstance(passes, str) else list(passes)
+    start, snapshot = 0, None
+    for i, p in enumerate(passes):
+        if getattr(p, "checks_input", False):
+            p.apply(ctx, module)
+            checked = True
+            continue
+        if not checked:
+            p.apply(ctx, module)
+            continue
+        if snapshot is None:
+            start, snapshot = i, module.clone()
+        try:
+            p.apply(ctx, module)
+        except Exception as err:
+            raise _internal_error(p.name, err, lambda: _replay(snapshot, passes[start:i], ctx)) from err
+    if not checked:
+        module.verify()
+        return module
+    try:
+        module.verify()
+    except Exception as err:
+        last = passes[-1].name if passes else "the input"
+        raise _internal_error(f"the verifier after {last}", err, lambda: module) from err
+    return module
+
+
+def _replay(snapshot: ModuleOp, passes: list[ModulePass], ctx: Context) -> ModuleOp:
+    """Return a copy of `snapshot` with `passes` applied: the input of the pass after them."""
+    module = snapshot.clone()
+    for p in passes:
         p.apply(ctx, module)
-    module.verify()
+    return module
+
+
+def _verified(module: ModuleOp, verify, what: str) -> ModuleOp:
+    """Run the level verifier `verify` on `module`, past the strategy checks: its failure is the
+    compiler's (`InternalError` named `what`)."""
+    try:
+        verify(module)
+    except Exception as err:
+        raise _internal_error(what, err, lambda: module) from err
     return module
 
 
@@ -126,16 +211,14 @@ def annotate(module: ModuleOp, strategy: str | StrategyRecord) -> ModuleOp:
     """Annotate logical `module` in place under `strategy` (text: one strategy, id 0, no micro-batches)."""
     record = strategy if isinstance(strategy, StrategyRecord) else StrategyRecord(0, parse_strategy(strategy))
     run_passes(module, annotate_passes(record))
-    verify_annotated(module)
-    return module
+    return _verified(module, verify_annotated, "verify-annotated")
 
 
 def to_physical(module: ModuleOp, strategy_id: int | None = None) -> ModuleOp:
     """Lower annotated `module` in place to physical IR under the strategy it records (`strategy_id`:
     which one, when it records several)."""
-    run_passes(module, physical_passes(module_strategy(module, strategy_id, "to_physical")))
-    verify_physical(module)
-    return module
+    run_passes(module, physical_passes(module_strategy(module, strategy_id, "to_physical")), checked=True)
+    return _verified(module, verify_physical, "verify-physical")
 
 
 def default_strategy(n: int) -> str:
@@ -187,7 +270,10 @@ def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
     out = []
     for devices, module in physical_groups(physical):
         fused = module.clone()
-        fuse_module(fused)
+        try:
+            fuse_module(fused)
+        except Exception as err:  # past the strategy checks: the compiler's failure
+            raise _internal_error("fuse-kernels", err, lambda m=module: m) from err
         out.append((devices, fused))
     return out
 

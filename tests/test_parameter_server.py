@@ -230,3 +230,32 @@ def test_a_server_writes_each_checkpoint_step_once_as_the_clocks_pass_it(every, 
     top = min(max(clocks, default=0), steps)
     due = [s for s in range(min(start, steps) + 1, top + 1) if s % every == 0 or s == steps]
     assert (written[-1:] == due[-1:]) if due else not written  # the newest passed is always written
+
+
+# ----------------------------------------------------------------------------- bursty stragglers (issue 31)
+
+
+def test_burst_schedules_slow_about_a_third_of_the_steps_in_bursts_of_one_or_two():
+    from hspmd.runtime.ps.bursts import BurstSchedule
+
+    runs = []
+    for rank in range(2):
+        b = BurstSchedule(3.0, seed=11, rank=rank)
+        marks = "".join("x" if b.slowed(s) else "." for s in range(1, 3001))
+        assert 0.28 < marks.count("x") / len(marks) < 0.38, marks.count("x")
+        bursts = [len(r) for r in marks.split(".") if r]
+        assert set(bursts) == {1, 2}  # a burst is 1 or 2 steps, and a normal step follows it
+        again = BurstSchedule(3.0, seed=11, rank=rank)
+        assert "".join("x" if again.slowed(s) else "." for s in range(1, 3001)) == marks  # seeded
+        assert b.extra_seconds(marks.index("x") + 1, 0.01) == pytest.approx(0.02)  # 3x: 2x more
+        assert b.extra_seconds(marks.index(".") + 1, 0.01) == 0.0
+        runs.append(marks)
+    assert runs[0] != runs[1]  # each worker its own schedule
+
+
+@pytest.mark.parametrize("text", ["3", "x:1", "0.5:1", "3:y"])
+def test_malformed_slow_bursts_is_one_error(text):
+    from hspmd.runtime.ps.bursts import parse_bursts
+
+    with pytest.raises(ValueError, match="expected FACTOR:SEED"):
+        parse_bursts(text)

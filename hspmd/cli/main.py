@@ -9,7 +9,9 @@
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
-Errors a user can cause end in one message on stderr and exit code 1, never a traceback.
+Errors a user can cause end in one message on stderr and exit code 1, never a traceback. A pass
+failing after the strategy checks is the compiler's bug: `hspmd: internal error in <pass>: ...`,
+the file holding the IR it was given, a request to report it, exit code 3.
 """
 
 from __future__ import annotations
@@ -52,6 +54,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
         FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError,
     )
+
+
+#: the exit code of a compiler bug (a user's error exits 1, a bad command line 2)
+INTERNAL_ERROR_EXIT = 3
+
+
+def report_internal_error(err) -> None:
+    """Print an `InternalError` (a pass after the strategy checks failed) as a compiler bug: the pass,
+    its message, where the IR it was given is, and a request to report it."""
+    print(f"hspmd: {err}", file=sys.stderr)
+    if err.ir_path:
+        print(f"hspmd: the IR given to {err.pass_name} is in {err.ir_path}", file=sys.stderr)
+    print("hspmd: this is a bug in hspmd, not in your model or strategy: please report it with the command "
+          "you ran" + (" and that file" if err.ir_path else ""), file=sys.stderr)
 
 
 def _add_script_options(p: argparse.ArgumentParser) -> None:
@@ -159,6 +175,8 @@ def worker_arguments(args, bundle: str) -> list[str]:
 
 def check_run_options(args) -> None:
     """Raise SystemExit (an argparse-style message) for `hspmd run` options that do not go together."""
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"hspmd: error: --steps {args.steps}: a run trains at least 1 step")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise SystemExit("hspmd: error: --checkpoint-every must be at least 1")
     if args.keep is not None and args.keep < 1:
@@ -366,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--servers", type=int, metavar="K",
                    help="start K parameter-server ranks beside the -n workers (strategy comm=ps|hybrid)")
     r.add_argument("--slow-worker", metavar="R:SECONDS", help=argparse.SUPPRESS)
+    r.add_argument("--slow-bursts", metavar="F:SEED", help=argparse.SUPPRESS)  # runtime/ps/bursts.py
     r.add_argument("--silent-after", type=float, metavar="S",
                    help="with --servers: count a worker silent for S seconds as lost (default 10)")
     r.add_argument("--seconds", type=float, metavar="S", help="with --servers: stop starting steps after S seconds")
@@ -422,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "n", None) is not None and args.n < 1:
         print("hspmd: error: -n must be at least 1", file=sys.stderr)
         return 1
+    from hspmd.compiler import InternalError
+
     try:
         return args.func(args)
+    except InternalError as err:
+        report_internal_error(err)
+        return INTERNAL_ERROR_EXIT
     except _user_errors() as err:
         print(f"hspmd: error: {describe(err)}", file=sys.stderr)
         return 1

@@ -5,7 +5,10 @@
 
 Built on xDSL's `xDSLOptMain`: hspmd's dialects and passes are added to xDSL's own (cse,
 dce, canonicalize, ...). `--load-pass` loads every `ModulePass` subclass defined in a Python
-file or an importable module, under the pass's `name`. Errors are one located message.
+file or an importable module, under the pass's `name`. Errors are one located message (exit code
+1). A pass failing on an exception that no pass raises for bad input (not a PassError, nor a
+verifier's) is a bug in that pass: `hspmd-opt: internal error in <pass>: ...`, the IR it was given
+written to a file whose path is printed, a request to report it, exit code 3.
 """
 
 from __future__ import annotations
@@ -56,6 +59,46 @@ def load_user_passes(source: str) -> dict[str, type[ModulePass]]:
     return found
 
 
+class OptInternalError(Exception):
+    """A pass of hspmd-opt failed on an exception no pass raises for bad input: a bug in that pass."""
+
+    def __init__(self, pass_name: str, cause: BaseException, ir_path: str | None) -> None:
+        self.pass_name, self.cause, self.ir_path = pass_name, cause, ir_path
+        text = (str(cause).strip().splitlines() or [""])[0]
+        super().__init__(f"internal error in {pass_name}: {type(cause).__name__}" + (f": {text}" if text else ""))
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Return the exceptions a pass raises when its input IR is not what it takes (the user's input)."""
+    from xdsl.utils.exceptions import DiagnosticException, VerifyException
+
+    from hspmd.dialects.levels import LevelError
+    from hspmd.dialects.sharding import ShardingError
+    from hspmd.ir.layout import LayoutError
+    from hspmd.ir.strategy import StrategyError
+    from hspmd.transforms.util import PassError
+
+    return PassError, ShardingError, LayoutError, StrategyError, LevelError, VerifyException, DiagnosticException
+
+
+def _write_input(name: str, start, passes: list[ModulePass], ctx) -> str | None:
+    """Return the path of a new file holding the input of pass `name`: `start` with `passes` applied."""
+    import tempfile
+
+    from hspmd.dialects.context import module_text
+
+    try:
+        module = start.clone()
+        for p in passes:
+            p.apply(ctx, module)
+        path = os.path.join(tempfile.mkdtemp(prefix="hspmd-internal-"), f"before-{name}.mlir")
+        with open(path, "w") as f:
+            f.write(module_text(module))
+        return path
+    except Exception:  # noqa: BLE001 - the report of a bug must not hide it behind another
+        return None
+
+
 class HspmdOptMain(xDSLOptMain):
     """xDSLOptMain with hspmd's dialects and passes, plus passes loaded by the user."""
 
@@ -79,6 +122,24 @@ class HspmdOptMain(xDSLOptMain):
             self.register_pass(name, loader)
         for name, cls in self._user_passes.items():
             self.register_pass(name, lambda c=cls: c)
+
+    def apply_passes(self, prog) -> None:
+        """Apply the pipeline's passes in order, as xDSL does; a pass that fails with an exception no
+        pass raises for bad input (a PassError, a verifier's) is a bug in that pass: `OptInternalError`
+        with the IR it was given (the passes before it run again on a copy of the input)."""
+        passes, callback = list(self.pipeline.passes), self.pipeline.callback
+        start = prog.clone()
+        if callback is not None:
+            callback(None, prog, passes[0] if passes else None)
+        for i, p in enumerate(passes):
+            try:
+                p.apply(self.ctx, prog)
+            except _input_errors():
+                raise
+            except Exception as err:
+                raise OptInternalError(p.name, err, _write_input(p.name, start, passes[:i], self.ctx)) from err
+            if callback is not None:
+                callback(p, prog, passes[i + 1] if i + 1 < len(passes) else None)
 
     def output_resulting_program(self, prog) -> str:
         """Return the program as `hspmd compile` writes it, so dumps print back unchanged."""
@@ -110,7 +171,7 @@ def _pre_scan_load_pass(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run hspmd-opt; return the exit code (1 on any user error, with one message)."""
+    """Run hspmd-opt; return the exit code (1 on any user error, with one message; 3 on a pass's bug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         user = {}
@@ -129,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     except ArgSpecParseError as err:
         print(f"hspmd-opt: error: {err}", file=sys.stderr)
         return 1
+    except OptInternalError as err:  # a bug in a pass, not in the input
+        print(f"hspmd-opt: {err}", file=sys.stderr)
+        if err.ir_path:
+            print(f"hspmd-opt: the IR given to {err.pass_name} is in {err.ir_path}", file=sys.stderr)
+        print(f"hspmd-opt: this is a bug in the pass {err.pass_name}, not in the input IR: please report it with "
+              "the command you ran" + (" and that file" if err.ir_path else ""), file=sys.stderr)
+        return 3
     except Exception as err:  # verifier, pass or I/O errors: one message, no traceback
         print(f"hspmd-opt: error: {describe(err)}", file=sys.stderr)
         return 1

@@ -82,7 +82,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def _compile(script, candidate, n: int):
     """Return (the candidate compiled, None), or (None, the compiler's message) when it does not compile."""
-    from hspmd.compiler import compile_script
+    from hspmd.compiler import InternalError, compile_script
     from hspmd.dialects.sharding import ShardingError
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.strategy import StrategyError
@@ -93,6 +93,8 @@ def _compile(script, candidate, n: int):
                               pipeline_schedule=candidate.schedule), None
     except (PassError, StrategyError, ShardingError, LayoutError) as err:
         return None, str(err).splitlines()[0]
+    except InternalError as err:  # a compiler bug on this candidate: said as such, the search goes on
+        return None, f"{err} (IR in {err.ir_path}; please report it)"
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,14 @@ def run_parameter_servers(args) -> int:
         argv += ["--seconds", str(args.seconds)]
     if getattr(args, "slow_worker", None):
         argv += ["--slow", args.slow_worker]
+    if getattr(args, "slow_bursts", None):
+        from hspmd.runtime.ps.bursts import parse_bursts
+
+        try:
+            parse_bursts(args.slow_bursts)
+        except ValueError as err:
+            raise SystemExit(f"hspmd: error: {err}") from None
+        argv += ["--slow-bursts", args.slow_bursts]
     if getattr(args, "silent_after", None):
         argv += ["--silent", str(args.silent_after)]
     plan = PSPlan.from_json(open(os.path.join(bundle, PLAN_FILE)).read())

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
-from xdsl.ir import Attribute, Data, Dialect, Operation, SSAValue
+from xdsl.ir import Attribute, Data, Dialect, Operation, SSAValue, TypeAttribute
 from xdsl.irdl import (
     IRDLOperation,
     ParsePropInAttrDict,
@@ -183,6 +183,10 @@ class ReshardOp(IRDLOperation):
     result = result_def(TensorType)
     src = opt_prop_def(LayoutAttr)
     dst = opt_prop_def(LayoutAttr)
+    #: the annotated result type (its global shape), which local types cannot always tell when
+    #: pieces are uneven; specialize-groups records it, lower-reshard reads it
+    global_type = opt_prop_def(TypeAttribute)
+    RECORDS_GLOBAL_TYPE: ClassVar[bool] = True
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
     def __init__(self, input: SSAValue, result_type: Attribute, src: Layout | None = None, dst: Layout | None = None):

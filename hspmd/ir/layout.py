@@ -265,14 +265,15 @@ class Group:
         object.__setattr__(self, "devices", devices)
         if not isinstance(self.states, DistributedStates):
             raise LayoutError(f"group states {self.states!r} are not DistributedStates")
-        text = f"[{format_devices(devices)}]: {self.states}"
+        # the group's text is made only for a message (layouts are made by the thousand while compiling)
+        text = lambda: f"[{format_devices(devices)}]: {self.states}"  # noqa: E731
         if any(d < 0 for d in devices):
-            raise LayoutError(f"group '{text}' has a negative device id")
+            raise LayoutError(f"group '{text()}' has a negative device id")
         if len(set(devices)) != len(devices):
-            raise LayoutError(f"group '{text}' lists a device more than once")
+            raise LayoutError(f"group '{text()}' lists a device more than once")
         if len(devices) != self.states.num_devices:
             raise LayoutError(
-                f"group '{text}' lists {len(devices)} devices but its degrees multiply to {self.states.num_devices}")
+                f"group '{text()}' lists {len(devices)} devices but its degrees multiply to {self.states.num_devices}")
 
     def __str__(self) -> str:
         return f"[{format_devices(self.devices)}]: {self.states}"
@@ -324,22 +325,22 @@ class Layout:
             raise LayoutError(f"a layout needs one or more Groups, got {self.groups!r}")
         if not isinstance(self.hetero, Axis):
             raise LayoutError(f"hetero must be an Axis, got {self.hetero!r}")
-        text = " | ".join(str(g) for g in groups)
+        text = lambda: " | ".join(str(g) for g in groups)  # noqa: E731  (only for a message)
         where: dict[int, tuple[int, int]] = {}
         for gi, g in enumerate(groups):
             for i, d in enumerate(g.devices):
                 if d in where:
-                    raise LayoutError(f"layout '{text}' puts device {d} in groups {where[d][0]} and {gi}")
+                    raise LayoutError(f"layout '{text()}' puts device {d} in groups {where[d][0]} and {gi}")
                 where[d] = (gi, i)
         object.__setattr__(self, "_where", where)
         shares = self.shares
         if shares is not None:
             if self.hetero.kind != "split":
-                raise LayoutError(f"layout '{text}' gives shares but hetero={self.hetero}; shares need hetero=split(d)")
+                raise LayoutError(f"layout '{text()}' gives shares but hetero={self.hetero}; shares need hetero=split(d)")
             shares = tuple(operator.index(s) for s in shares)
             if len(shares) != len(groups) or any(s <= 0 for s in shares):
                 raise LayoutError(
-                    f"layout '{text}' has {len(groups)} groups but shares "
+                    f"layout '{text()}' has {len(groups)} groups but shares "
                     f"{':'.join(map(str, shares))}; need one positive share per group")
         if len(groups) == 1:
             object.__setattr__(self, "hetero", DUP)

@@ -209,6 +209,9 @@ def train(
     tracer = Tracer.agreed(comm) if trace else None  # every rank, or none
     config = manifest.config
     steps = int(config.get("steps", 10) if steps is None else steps)
+    if steps < 1:  # every rank finds it alike: rank 0 says it
+        raise (AgreedRunError if comm.rank == 0 else QuietRunError)(
+            f"steps={steps}: a run trains at least 1 step (--steps, or the script's config 'steps')")
     seed = int(config.get("seed", 0))
     state = plan.initial_state(seed)
     ck = checkpoints or CheckpointOptions()

@@ -66,6 +66,8 @@ class ApplyAnnotations(ModulePass):
     """Replace every `dist.annotate` by a `dist.reshard` to the layout it asks for under the strategy."""
 
     name = "apply-annotations"
+    #: checks the script's `hs.annotate` layouts against the strategy (user input, as apply-strategy)
+    checks_input = True
     #: the id of the module's strategy to read (None: its only one)
     strategy_id: int | None = None
 

@@ -93,6 +93,7 @@ from hspmd.ir.stacked_names import is_stacked, layer_names, layer_range
 from hspmd.ir.layout import DUP, DistributedStates, Group, Layout, LayoutError, apportion, split
 from hspmd.transforms.expert_parallel import expert_layout, expert_tp_dims, uneven_experts_layout
 from hspmd.transforms import uneven_tensor_parallel as uneven_tp
+from hspmd.transforms.pipeline.balance import check_pipeline_layers
 from hspmd.transforms.pipeline.virtual import annotation_strategy, check_microbatches
 from hspmd.transforms.util import PassError, callee_of, step_function
 from hspmd.transforms.vocab_parallel import split_cross_entropy
@@ -217,6 +218,8 @@ class _Walk:
             return keys.get(self._through_casts(v))
 
         for op in block.ops:
+            if isinstance(op, graph.OutputOp) and op.tensor_name.data == "loss":
+                break  # the forward ends here: the backward's values would carry one layer's marks into another's
             if isinstance(op, graph.MatmulOp) and len(op.rhs.type.get_shape()) == 2 \
                     and (k := key_of(op.rhs)) is not None:
                 sources = taint.get(op.lhs, frozenset())
@@ -444,6 +447,9 @@ class ApplyStrategy(ModulePass):
     """Lay out parameters and inputs as the strategy says."""
 
     name = "apply-strategy"
+    #: the strategy checks: what this pass refuses is the user's input (every pass after it is the
+    #: compiler's own: `hspmd.compiler.run_passes` reports its failures as internal errors)
+    checks_input = True
     strategy: str = "[0]: dp=1"
     #: micro-batches per step and the pipeline schedule, for a strategy with pp > 1
     microbatches: int = 1
@@ -463,6 +469,7 @@ class ApplyStrategy(ModulePass):
         except StrategyError as err:
             raise PassError(str(err)) from None
         check_microbatches(op, record)
+        check_pipeline_layers(list(step_function(op).body.block.ops), record.strategy.groups)
         record_strategy(op, record)
         strategy = annotation_strategy(record)
         try:
@@ -526,6 +533,11 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
             layout, kind = (batch if shape else params), "input"
             if hetero and shape:
                 check_batch_rows(strategy, name, shape)
+            elif shape and group.ep > 1 and shape[0] % group.batch_ranks:  # (uneven rows over dp alone are evened out)
+                raise PassError(
+                    f"apply-strategy: input '{name}' of shape {_shape_text(shape)} cannot be split over group "
+                    f"'{group}': its {shape[0]} batch rows must be divisible by dp={group.dp} times ep={group.ep} "
+                    f"= {group.batch_ranks} (expert-parallel ranks take rows of their own, in equal parts)")
         else:
             kind = "parameter"
             role = roles.get(name)
@@ -551,7 +563,7 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
         try:
             layout.check_shape(shape, f"{kind} '{name}'")
         except LayoutError as err:
-            raise PassError(str(err)) from None
+            raise PassError(f"apply-strategy: strategy '{strategy}': {err}") from None
         if kind == "parameter" and is_stacked(name):  # each layer laid out as one, the stacking dim whole
             layout = layout.shift_dims(1)
         Rewriter.replace_value_with_new_type(leaf.result, with_layout(leaf.result.type, layout))

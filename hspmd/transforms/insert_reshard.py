@@ -39,6 +39,8 @@ class InsertReshard(ModulePass):
         carries = scan_carries(op)
         for fn in [f for f in op.body.block.ops if isinstance(f, func.FuncOp)]:
             self._insert(fn.body.block, carries.get(fn.sym_name.data, set()))
+            if fn.sym_name.data in carries:  # a carried result resharded to its argument's layout
+                fn.update_function_type()
 
     @staticmethod
     def _insert(block: Block, carries: set[tuple[int, int]] = frozenset()) -> None:  # type: ignore[assignment]

@@ -163,11 +163,14 @@ def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
 
 def _global_shape(src: Layout, dst: Layout, reshard: dist.ReshardOp,
                   devices: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Return the global shape that the reshard's local types imply for one of this module's devices.
+    """Return the global shape of the reshard: the one specialize-groups recorded, else the one the
+    reshard's local types imply for one of this module's devices (IR written without it).
 
     A dim split across groups by shares is found by search (every extent whose pieces fit both
     local types); an ambiguous one is an error.
     """
+    if reshard.global_type is not None:  # recorded by specialize-groups
+        return tuple(reshard.global_type.get_shape())  # type: ignore[attr-defined]
     if not devices:
         raise PassError(f"lower-reshard: '{src}' -> '{dst}' needs the global shape, found only inside a group module")
     r = devices[0]

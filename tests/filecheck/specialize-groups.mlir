@@ -3,7 +3,8 @@
 // Annotated -> physical: the step function moves into one `builtin.module @groupN` per
 // device group, with `hspmd.devices`; every tensor type becomes one device's local piece
 // without layout; parameters and inputs keep their annotated type as `global_type`; each
-// dist.reshard keeps its two layouts as `src`/`dst` (its types are local shapes now).
+// dist.reshard keeps its two layouts as `src`/`dst` (its types are local shapes now) and its
+// annotated result type as `global_type` (uneven pieces' local types do not tell the global shape).
 
 #dup = #dist.layout<"[0-3]: dup=4">
 #s2 = #dist.layout<"[0-3]: split(0)=2, split(1)=2">
@@ -26,10 +27,10 @@ builtin.module {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {init = "zeros", global_type = tensor<8x6xf32, #dist.layout<"[0-3]: dup=4">>} : tensor<8x6xf32>
 // CHECK-NEXT:        %x = graph.input "x" {global_type = tensor<8x6xf32, #dist.layout<"[0-3]: split(0)=2, split(1)=2">>} : tensor<4x3xf32>
-// CHECK-NEXT:        %ws = dist.reshard %w {src = #dist.layout<"[0-3]: dup=4">, dst = #dist.layout<"[0-3]: split(0)=2, split(1)=2">} : tensor<8x6xf32> -> tensor<4x3xf32>
+// CHECK-NEXT:        %ws = dist.reshard %w {global_type = tensor<8x6xf32, #dist.layout<"[0-3]: split(0)=2, split(1)=2">>, src = #dist.layout<"[0-3]: dup=4">, dst = #dist.layout<"[0-3]: split(0)=2, split(1)=2">} : tensor<8x6xf32> -> tensor<4x3xf32>
 // CHECK-NEXT:        %y = graph.mul %x, %ws : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x3xf32>
 // CHECK-NEXT:        %r = graph.reduce_sum %y {dims = array<i64: 1>} : (tensor<4x3xf32>) -> tensor<4xf32>
-// CHECK-NEXT:        %d = dist.reshard %r {src = #dist.layout<"[0-3]: split(0)=2, partial=2">, dst = #dist.layout<"[0-3]: dup=4">} : tensor<4xf32> -> tensor<8xf32>
+// CHECK-NEXT:        %d = dist.reshard %r {global_type = tensor<8xf32, #dist.layout<"[0-3]: dup=4">>, src = #dist.layout<"[0-3]: split(0)=2, partial=2">, dst = #dist.layout<"[0-3]: dup=4">} : tensor<4xf32> -> tensor<8xf32>
 // CHECK-NEXT:        graph.output "r", %d : tensor<8xf32>
 // CHECK-NEXT:        func.return
 // CHECK-NEXT:      }

@@ -4,7 +4,8 @@
 under `mpiexec -n N+K`: ranks 0..N-1 train as workers (`worker.train_worker`), ranks N..N+K-1
 serve (`server.Server`). The world is split into the workers' communicator (their all-reduces)
 and the servers'; `--slow R:SECONDS` sleeps worker R that long each step (a straggler, for tests
-and benchmarks).
+and benchmarks), `--slow-bursts F:SEED` slows every worker F times in bursts of 1-2 steps, about a
+third of its steps, each from its own seeded schedule (`bursts.py`: SSP's case).
 
 Faults (docs/parameter-server.md): `hspmd run` starts every rank under a guard with
 `mpiexec -disable-auto-cleanup`, so a rank that dies leaves the others running. A worker beats
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log")
     parser.add_argument("--kernels", default="cpu")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
+    parser.add_argument("--slow-bursts", help="F:SEED: every worker slowed F times in bursts of 1-2 steps (bursts.py)")
     parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
     parser.add_argument("--silent", type=float, default=10.0,
                         help="seconds of silence after which a server counts a worker as gone (a worker "
@@ -133,9 +135,15 @@ def main(argv: list[str] | None = None) -> int:
                 resumed = _resume(args.resume, dense, rank, workers)
             if args.checkpoint_dir and dense is not None and rank == 0:
                 checkpoints = _checkpoints(args, plan.servers, plan, dense, manifest, steps, seed, resumed)
+            bursts = None
+            if args.slow_bursts:  # checked by `hspmd run` before launching
+                from hspmd.runtime.ps.bursts import BurstSchedule, parse_bursts
+
+                factor, burst_seed = parse_bursts(args.slow_bursts)
+                bursts = BurstSchedule(factor, burst_seed, rank)
             _, lost = train_worker(args.bundle, rank, plan, world, workers, steps, args.log,
                                    args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent,
-                                   heartbeat=heartbeat, checkpoints=checkpoints, resumed=resumed)
+                                   heartbeat=heartbeat, checkpoints=checkpoints, resumed=resumed, bursts=bursts)
         else:
             from hspmd.runtime.ps.server import Server
 

@@ -246,9 +246,10 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
                  seconds: float | None = None, silent_s: float = 120.0, heartbeat=None, checkpoints=None,
-                 resumed: tuple[dict, int] | None = None) -> tuple[list[float], dict[int, int]]:
+                 resumed: tuple[dict, int] | None = None, bursts=None) -> tuple[list[float], dict[int, int]]:
     """Run this worker's steps; return (its logged losses, the workers the servers lost). `slow` (seconds) is slept each step (a
-    slowed worker, for tests and benchmarks); with `seconds` the worker stops starting steps once
+    slowed worker, for tests and benchmarks); `bursts` (a `bursts.BurstSchedule`) slows this
+    worker's own work in the steps it says (a bursty straggler); with `seconds` the worker stops starting steps once
     that much wall time has passed; `heartbeat` (a `protocol.Heartbeat`) is stopped before the
     servers are told this worker is done. Under hybrid, `checkpoints` (worker 0's
     `checkpoints.PSCheckpoints`) writes the dense parameters and states after each checkpoint
@@ -323,6 +324,8 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
             outputs = program.run(state, program.local_batch(inputs))
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
+            if bursts is not None:  # its own work (all but the pull's wait) taken `factor` times as long
+                time.sleep(bursts.extra_seconds(step, time.perf_counter() - start - waited))
             computed = time.perf_counter() - computing
             pushing = time.perf_counter()
             pushed = me.push(step, grads)

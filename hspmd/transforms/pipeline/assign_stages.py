@@ -109,8 +109,11 @@ class _Assignment:
         if pinned:
             self.pinned_ops.add(o)
             return max(pinned)
-        if any(v.owner in self.pinned_ops for v in o.operands):  # uses a weight's transpose: with the weight
-            return max(self.stage[v.owner] for v in o.operands if v.owner in self.pinned_ops)  # type: ignore[index]
+        # uses a weight's transpose (a view of a parameter): with the weight; not any result of an op
+        # that reads a parameter (a norm's input gradient goes on to the stages before it)
+        weights = [v.owner for v in o.operands if v.owner in self.pinned_ops and isinstance(v.owner, _VIEWS)]
+        if weights:
+            return max(self.stage[w] for w in weights)  # type: ignore[index]
         if isinstance(o, _VIEWS) and others and all(v.owner in self.forward_ops for v in o.operands
                                                     if self.value_stage(v) != FREE):
             self.views.append(o)  # a view of a forward value (a residual's transpose): with its users

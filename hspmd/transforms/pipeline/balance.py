@@ -19,7 +19,7 @@ from xdsl.ir import Operation
 from hspmd.dialects import graph
 from hspmd.transforms.util import PassError
 
-__all__ = ["balanced_counts", "layer_costs", "layers_of", "op_cost", "stage_of_layers"]
+__all__ = ["balanced_counts", "check_pipeline_layers", "layer_costs", "layers_of", "op_cost", "stage_of_layers"]
 
 
 def layers_of(ops: list[Operation], forward_end: int) -> tuple[list[list[Operation]], dict[str, int], str]:
@@ -37,16 +37,53 @@ def layers_of(ops: list[Operation], forward_end: int) -> tuple[list[list[Operati
                 if isinstance(v.owner, graph.ParameterOp):
                     params.setdefault(v.owner.tensor_name.data, k)
         return [[c] for c in calls], params, "block calls"
+    # parameter groups in the order the forward first uses them (not the order they are declared
+    # in: a post-norm layer declares its norm before the attention whose output it normalises)
+    forward = ops[:forward_end]
+    position = {op: i for i, op in enumerate(forward)}
+    first_use: dict[str, int] = {}
+    for op in forward:
+        if not isinstance(op, graph.ParameterOp):
+            continue
+        uses, seen = [], [op.result]
+        while seen:  # through the casts a mixed-precision step puts after each parameter
+            v = seen.pop()
+            for u in v.uses:
+                if isinstance(u.operation, graph.CastOp) and u.operation in position:
+                    seen.append(u.operation.result)
+                elif u.operation in position:
+                    uses.append(position[u.operation])
+        if uses:
+            first_use[op.tensor_name.data] = min(uses)
     prefixes: list[str] = []
-    for op in ops[:forward_end]:
-        if isinstance(op, graph.ParameterOp) and any(u.operation in ops[:forward_end] for u in op.result.uses):
-            name = op.tensor_name.data
-            prefix = name.rsplit(".", 1)[0] if "." in name else name
-            if prefix not in prefixes:
-                prefixes.append(prefix)
-            params[name] = prefixes.index(prefix)
+    for name in sorted(first_use, key=lambda n: first_use[n]):
+        prefix = name.rsplit(".", 1)[0] if "." in name else name
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+        params[name] = prefixes.index(prefix)
     return [[] for _ in prefixes], params, "parameter groups"
 
+
+
+def check_pipeline_layers(ops: list[Operation], groups) -> None:
+    """Raise PassError unless the forward of the step `ops` has the layers each strategy group of
+    `groups` with pp > 1 cuts into stages: at least pp, and as many as its `layers=` counts add up
+    to. Layers are counted as the pipeline passes count them (`layers_of`: block calls, a stack's
+    layers, else parameter groups); `apply-strategy` asks before any pass cuts a stage."""
+    end = next((i + 1 for i, o in enumerate(ops) if isinstance(o, graph.OutputOp) and o.tensor_name.data == "loss"),
+               len(ops))
+    layers, _, what = layers_of(ops, end)
+    n = sum(g[0].num_iterations if g and isinstance(g[0], graph.ScanOp) else 1 for g in layers)
+    for pipe in (g for g in groups if g.pp > 1):
+        group = str(pipe)
+        if n < pipe.pp:
+            raise PassError(f"apply-strategy: group '{group}' cuts the model into {pipe.pp} pipeline stages of at "
+                            f"least one layer each, but the model has {n} layer{'s' if n != 1 else ''} ({what}); "
+                            f"use pp <= {n}")
+        if pipe.layers is not None and sum(pipe.layers) != n:
+            raise PassError(f"apply-strategy: group '{group}' gives layers={':'.join(map(str, pipe.layers))}, "
+                            f"{sum(pipe.layers)} layers to its stages, but the model has {n} layers ({what}); "
+                            f"the counts must add up to {n}")
 
 
 def stage_of_layers(n: int, pp: int, counts: tuple[int, ...] | None, what: str,

@@ -11,6 +11,7 @@ counts, else ranges balanced by forward cost) and cuts every stacked value at th
     %x = graph.scan @Block_0_fwd(%w, %x0) {length = 8}              ->  a scan of 5 layers, then one of 3
     %g = graph.scan @Block_0_bwd(...) {length = 8, reverse}         ->  the 3 layers' backward, then the 5's
     optim.adam / mul_scalar / comm.all_reduce / graph.cast of a stack ->  one per piece
+    a collective along another dim than 0 (comm.local_split, ...)   ->  one per piece
     optim.sum_squares of a stack                                    ->  one per piece, added in order
     graph.iota (a per-layer counter)                                ->  one per piece, from its first layer's
     graph.assign "blocks.[0:8].w"                                   ->  "blocks.[0:5].w", "blocks.[5:8].w"
@@ -52,6 +53,17 @@ _SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, graph.CastOp, comm.A
               graph.BroadcastOp)
 
 Pieces = list[tuple[int, int]]  # (start, stop) of each piece, in the stack's slice numbers
+
+
+def _layerwise_collective(o: Operation) -> bool:
+    """Return whether `o` is a collective that moves a stack's pieces along dims other than the
+    stacking dim 0 (a stacked weight's column split over tp): it works on each layer's slice alone,
+    and what it makes is a stack too."""
+    if isinstance(o, (comm.LocalSplitOp, comm.AllGatherOp, comm.ReduceScatterOp)):
+        return o.dim.value.data != 0
+    if isinstance(o, comm.AllToAllOp):
+        return o.split_dim.value.data != 0 and o.concat_dim.value.data != 0
+    return isinstance(o, comm.LocalZeroOp)
 
 
 def _units(ops: list[Operation], end: int) -> list[Operation]:
@@ -282,6 +294,8 @@ def _cut_family(g: PipelinedGroup, forward: graph.ScanOp, pieces: Pieces, owners
             elif isinstance(o, _SLICEWISE):
                 todo.extend(x for x in (*o.operands, *o.results)
                             if x not in family and isinstance(x.type, TensorType) and graph.tensor_shape(x) == shape)
+            elif _layerwise_collective(o):
+                todo.extend(x for x in (*o.operands, *o.results) if x not in family)
     cutter = _Cutter(forward.num_iterations, pieces, family)
     for o in list(g.step.body.block.ops):
         touches = any(v in family for v in (*o.operands, *o.results))
@@ -296,7 +310,7 @@ def _cut_family(g: PipelinedGroup, forward: graph.ScanOp, pieces: Pieces, owners
         elif isinstance(o, graph.BroadcastOp) and o.input in family:
             raise PassError(f"cut-stacked-layers: '{o.name}' broadcasts a stack of {forward.num_iterations} layers; "
                             "a pipeline cannot cut it into its stages' layers")
-        elif isinstance(o, _SLICEWISE):
+        elif isinstance(o, _SLICEWISE) or _layerwise_collective(o):
             cutter.slicewise(o)
         elif isinstance(o, optim.SumSquaresOp):
             cutter.sum_squares(o)

@@ -141,7 +141,15 @@ def annotation_strategy(record: StrategyRecord) -> Strategy:
 def check_microbatches(module: ModuleOp, record: StrategyRecord) -> None:
     """Raise PassError unless the micro-batches of a one-group pipeline, each split over dp ranks,
     divide the batch dim (dim 0) of every non-scalar input (beside other groups, apply-strategy
-    checks the group's rows against m x dp)."""
+    checks the group's rows against m x dp); and that micro-batches do not meet tensor
+    parallelism in several pipelined groups at once (their sums across the groups would span
+    some of the micro-batches only, which the stages cannot run as one collective)."""
+    piped_tp = [g for g in record.strategy.groups if g.pp > 1 and g.tp > 1]
+    if record.microbatches > 1 and len(piped_tp) > 1:
+        raise PassError(f"microbatches={record.microbatches}: strategy '{record.strategy}' has tensor parallelism in "
+                        f"several pipelined groups ({', '.join(repr(str(g)) for g in piped_tp)}), which micro-batches "
+                        "do not support yet (the groups' sums would span some micro-batches only); use "
+                        "microbatches=1, or tp=1 in all pipelined groups but one")
     pipes = pipelines(record.strategy, record.microbatches)
     if len(pipes) != 1 or pipes[0].union is not None:
         return
