@@ -22,6 +22,7 @@ from hspmd.dialects.graph import (
     shape,
     reductions,
     softmax,
+    attention,
     norms,
     embedding,
     losses,
@@ -37,6 +38,7 @@ from hspmd.dialects.graph.matmul import *  # noqa: F403
 from hspmd.dialects.graph.shape import *  # noqa: F403
 from hspmd.dialects.graph.reductions import *  # noqa: F403
 from hspmd.dialects.graph.softmax import *  # noqa: F403
+from hspmd.dialects.graph.attention import *  # noqa: F403
 from hspmd.dialects.graph.norms import *  # noqa: F403
 from hspmd.dialects.graph.embedding import *  # noqa: F403
 from hspmd.dialects.graph.losses import *  # noqa: F403
@@ -45,7 +47,7 @@ from hspmd.dialects.graph.moe import *  # noqa: F403
 from hspmd.dialects.graph.scan import *  # noqa: F403
 
 #: the op families, each a module of ops with everything hspmd knows of them
-FAMILIES = (leaves, arithmetic, activations, matmul, shape, reductions, softmax, norms, embedding, losses, positions, moe, scan)
+FAMILIES = (leaves, arithmetic, activations, matmul, shape, reductions, softmax, attention, norms, embedding, losses, positions, moe, scan)
 
 
 def _ops_of(module) -> list[type[IRDLOperation]]:
