@@ -40,6 +40,7 @@ from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
 from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
 from hspmd.transforms.device_kernels import device_module
+from hspmd.transforms.flash_attention import flash_attention_module
 from hspmd.transforms.fuse_kernels import fuse_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
@@ -240,6 +241,9 @@ class Compiled:
     lr_schedule: dict | None = None
     _kernel_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
     _device_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
+    #: fuse attention into flash-style kernels in the GPU programs (`flash-attention`); off with
+    #: HSPMD_FLASH_ATTENTION=0 in the environment, to compare with the unfused kernels
+    flash_attention: bool = field(default_factory=lambda: os.environ.get("HSPMD_FLASH_ATTENTION", "1") != "0")
 
     def kernel_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
         """Return each device group's kernel level: its physical module fused by `fuse-kernels`."""
@@ -251,16 +255,20 @@ class Compiled:
         """Return each device group's program for a GPU: its kernel level after `device-kernels`
         (every op a kernel, a GEMM or a view). PassError names an op that has no GPU kernel."""
         if self._device_groups is None:
-            self._device_groups = device_level(self.kernel_groups())
+            self._device_groups = device_level(self.kernel_groups(), flash=self.flash_attention)
         return self._device_groups
 
 
-def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]]) -> list[tuple[tuple[int, ...], ModuleOp]]:
-    """Return (devices, a copy after `device-kernels`) for each group's kernel level."""
+def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]],
+                 flash: bool = True) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, a copy after `device-kernels`, then `flash-attention` unless `flash` is
+    False) for each group's kernel level."""
     out = []
     for devices, fused in kernel_groups:
         program = fused.clone()
         device_module(program)
+        if flash:
+            flash_attention_module(program)
         out.append((devices, program))
     return out
 

@@ -34,6 +34,7 @@ _PASSES = {
     "shard-stage-optimizer": "hspmd.transforms.pipeline.shard_stage_optimizer:ShardStageOptimizer",
     "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
     "device-kernels": "hspmd.transforms.device_kernels:DeviceKernels",
+    "flash-attention": "hspmd.transforms.flash_attention:FlashAttention",
     "coalesce-group-sums": "hspmd.transforms.coalesce_group_sums:CoalesceGroupSums",
 }
 

@@ -1,0 +1,497 @@
+"""`flash-attention`: attention's chain in a GPU program becomes one fused kernel forward and one backward.
+
+Runs on a GPU program (the kernel level after `device-kernels`: every op a `kernel.fused`, a
+GEMM or a view). It finds attention's forward chain
+
+    s = matmul(q, kT)                       kT: k with its last two dims swapped (a view or a kernel)
+    p = kernel[scale, causal_mask(-inf), softmax(last dim)](s)      (no causal_mask: not causal)
+    pd = kernel[dropout](p, step)           (optional)
+    o = matmul(pd, v)
+
+and its backward (in the same function, or in the function a `graph.scan` of the backward
+calls with the forward's residuals)
+
+    dpd = matmul(do, vT)        dv = matmul(pdT, do)        dp = kernel[dropout](dpd, step)
+    ds = kernel[softmax_grad](p, dp)        dsc = kernel[causal_mask(0), scale](ds)
+    dq = matmul(dsc, k)         dkT = matmul(qT, dsc)
+
+and replaces them by `graph.flash_attention` (o and the rows' logsumexp) and
+`graph.flash_attention_grad` (dq, dk, dv), each then given its kernel as `device-kernels` does.
+Between a forward and a backward function the residuals p and pd ([..., T, T] each) leave the
+scans; o and the logsumexp ([..., T, D] and [..., T]) join them. The T x T scores and
+probabilities are never written.
+
+What the chain must be: float32, q, k, v of one shape [..., T, D] with D <= 128 (the kernels'
+tiles), self-attention (as many keys as queries), one scale and one dropout (same rate, seed,
+salt) forward and backward, and every intermediate value used only by the chain (p and pd may
+also be residuals). A chain that is not so, or whose backward is not found, stays as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import Float32Type, ModuleOp, TensorType
+from xdsl.ir import Block, BlockArgument, Operation, SSAValue
+from xdsl.passes import ModulePass
+
+from hspmd.dialects import graph, kernel
+from hspmd.dialects.graph.attention import MAX_HEAD_DIM, FlashAttentionGradOp, FlashAttentionOp
+from hspmd.dialects.graph.base import whole_piece
+from hspmd.dialects.graph.scan import stacked_type
+from hspmd.transforms.device_kernels import device_module
+
+
+def _members(op: Operation | None) -> list[Operation]:
+    """Return the ops a kernel computes (its body), or [op] for an op that is not a kernel."""
+    if op is None:
+        return []
+    if isinstance(op, kernel.FusedOp):
+        return [o for o in op.body.block.ops if not isinstance(o, kernel.YieldOp)]
+    return [op]
+
+
+def _owner(v: SSAValue) -> Operation | None:
+    return v.owner if isinstance(v.owner, Operation) else None
+
+
+def _chain(op: Operation | None, names: list[str]) -> list[Operation] | None:
+    """Return the member ops of `op` where it is a one-input, one-output kernel (or a lone op)
+    computing a chain of ops named `names` (in this order, each reading the last), else None."""
+    if op is None or len(op.results) != 1:
+        return None
+    ms = _members(op)
+    if [m.name for m in ms] != names:
+        return None
+    if isinstance(op, kernel.FusedOp):
+        if len(op.operands) != 1:
+            return None
+        prev: SSAValue = op.body.block.args[0]
+        for m in ms:
+            if m.operands[0] is not prev or any(o is not prev for o in m.operands[1:]):
+                return None
+            prev = m.results[0]
+        if op.body.block.last_op.operands[0] is not prev:  # type: ignore[union-attr]
+            return None
+    return ms
+
+
+def _swapped(v: SSAValue) -> SSAValue | None:
+    """Return x where `v` is x with its last two dims swapped (a transpose, or a kernel of one)."""
+    op = _owner(v)
+    ms = _chain(op, ["graph.transpose"])
+    if not ms:
+        return None
+    perm = list(ms[0].perm.get_values())  # type: ignore[attr-defined]
+    n = len(perm)
+    return op.operands[0] if n >= 2 and perm == [*range(n - 2), n - 1, n - 2] else None  # type: ignore[union-attr]
+
+
+def _dropout(v: SSAValue) -> tuple[SSAValue, SSAValue, graph.DropoutOp] | None:
+    """Return (x, step, the dropout) where `v` is a dropout kernel's result: rate > 0, the whole
+    tensor on the rank (its mask's indices are the tensor's own), not a micro-batch's."""
+    op = _owner(v)
+    if op is None or len(op.results) != 1 or [m.name for m in _members(op)] != ["graph.dropout"]:
+        return None
+    (d,) = _members(op)
+    assert isinstance(d, graph.DropoutOp)
+    if d.rate.value.data <= 0.0 or d.microbatches is not None or not whole_piece(d):
+        return None
+    if isinstance(op, kernel.FusedOp) and [o for o in d.operands] != list(op.body.block.args):
+        return None
+    return op.operands[0], op.operands[1], d
+
+
+def _same_dropout(a: graph.DropoutOp | None, b: graph.DropoutOp | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all(getattr(a, k).value.data == getattr(b, k).value.data for k in ("rate", "seed", "salt"))
+
+
+def _is_matmul(op: Operation | None) -> bool:
+    return op is not None and op.name == "graph.matmul"
+
+
+def _shape(v: SSAValue) -> tuple[int, ...]:
+    return tuple(v.type.get_shape())  # type: ignore[attr-defined]
+
+
+def _f32(v: SSAValue) -> bool:
+    return isinstance(v.type, TensorType) and isinstance(v.type.element_type, Float32Type)
+
+
+@dataclass
+class _Forward:
+    fn: func.FuncOp
+    qk: Operation
+    sm: Operation
+    drop: Operation | None
+    pv: Operation
+    q: SSAValue
+    kt: SSAValue  # the product's right operand (k with its last two dims swapped)
+    k: SSAValue  # what the forward kernel reads (k, or kt itself)
+    k_transposed: bool
+    v: SSAValue
+    p: SSAValue
+    pd: SSAValue
+    step: SSAValue | None
+    dropout: graph.DropoutOp | None
+    scale: float
+    causal: bool
+
+
+def _softmax_facts(sm: Operation) -> tuple[float, bool] | None:
+    """Return (scale, causal) of the scores' kernel (scale, causal mask of -inf, softmax over the last dim)."""
+    for names, causal in ((["graph.scale", "graph.causal_mask", "graph.softmax"], True),
+                          (["graph.causal_mask", "graph.scale", "graph.softmax"], True),
+                          (["graph.scale", "graph.softmax"], False)):
+        ms = _chain(sm, names)
+        if ms is None:
+            continue
+        scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
+        mask = [m for m in ms if m.name == "graph.causal_mask"]
+        if mask and mask[0].value.value.data != float("-inf"):  # type: ignore[attr-defined]
+            return None
+        soft = ms[-1]
+        if soft.dim.value.data != len(_shape(soft.results[0])) - 1:  # type: ignore[attr-defined]
+            return None
+        return float(scale), causal
+    return None
+
+
+def _match_forward(fn: func.FuncOp, pv: Operation) -> _Forward | None:
+    if not _is_matmul(pv):
+        return None
+    pd, v = pv.operands
+    dropped = _dropout(pd)
+    p, step, dropout = (dropped[0], dropped[1], dropped[2]) if dropped else (pd, None, None)
+    sm = _owner(p)
+    facts = _softmax_facts(sm) if sm is not None else None
+    if facts is None:
+        return None
+    s = sm.operands[0]  # type: ignore[union-attr]
+    qk = _owner(s)
+    if not _is_matmul(qk) or len(list(s.uses)) != 1:
+        return None
+    q, kt = qk.operands  # type: ignore[union-attr]
+    shape = _shape(q)
+    if len(shape) < 3 or shape[-1] > MAX_HEAD_DIM or _shape(v) != shape or _shape(kt) != (*shape[:-2], shape[-1], shape[-2]):
+        return None
+    if not all(_f32(x) for x in (q, kt, v, p, pd)):
+        return None
+    k = _swapped(kt)
+    return _Forward(fn, qk, sm, _owner(pd) if dropped else None, pv, q, kt, k if k is not None else kt, k is None, v,  # type: ignore[arg-type]
+                    p, pd, step, dropout, facts[0], facts[1])
+
+
+@dataclass
+class _Link:
+    """How residuals go from a forward function to a backward one: the scans calling each."""
+
+    fwd: graph.ScanOp
+    bwd: graph.ScanOp
+    bwd_fn: func.FuncOp
+
+
+def _scans_of(module: ModuleOp, fn: func.FuncOp) -> list[graph.ScanOp]:
+    name = fn.sym_name.data
+    return [op for op in module.walk() if isinstance(op, graph.ScanOp) and op.callee.root_reference.data == name]
+
+
+def _image(v: SSAValue, fwd: _Forward, link: _Link | None) -> SSAValue | None:
+    """Return the value the backward sees for forward value `v`: itself in the same function,
+    else the backward function's argument fed by the scans with the residual `v`."""
+    if link is None:
+        return v
+    ret = fwd.fn.body.block.last_op
+    assert isinstance(ret, func.ReturnOp)
+    for r, x in enumerate(ret.operands):
+        if x is not v or not link.fwd.result_stacked(r):
+            continue
+        for use in link.fwd.results[r].uses:
+            if use.operation is link.bwd and link.bwd.arg_kind(use.index) == "stacked":
+                return link.bwd_fn.body.block.args[use.index]
+    return None
+
+
+def _links(module: ModuleOp, fwd: _Forward, funcs: dict[str, func.FuncOp]) -> list[_Link | None]:
+    """Return where the backward of `fwd` may be: its own function (None), and each backward
+    function fed by the one scan calling the forward function with p as a residual."""
+    out: list[_Link | None] = [None]
+    scans = _scans_of(module, fwd.fn)
+    if len(scans) != 1:
+        return out
+    ret = fwd.fn.body.block.last_op
+    for r, x in enumerate(ret.operands):  # type: ignore[union-attr]
+        if x is not fwd.p:
+            continue
+        for use in scans[0].results[r].uses:
+            user = use.operation
+            if isinstance(user, graph.ScanOp) and user.callee.root_reference.data in funcs:
+                g = funcs[user.callee.root_reference.data]
+                if len(_scans_of(module, g)) == 1 and g is not fwd.fn:
+                    out.append(_Link(scans[0], user, g))
+    return out
+
+
+@dataclass
+class _Backward:
+    fn: func.FuncOp
+    ops: list[Operation]  # the chain's ops, to erase
+    q: SSAValue
+    kt: SSAValue
+    v: SSAValue
+    do: SSAValue
+    step: SSAValue | None
+    dq: SSAValue
+    dkt: SSAValue
+    dv: SSAValue
+    first: Operation
+
+
+def _single_use(v: SSAValue) -> Operation | None:
+    uses = list(v.uses)
+    return uses[0].operation if len(uses) == 1 else None
+
+
+def _match_backward(fwd: _Forward, fn: func.FuncOp, link: _Link | None) -> _Backward | None:
+    p, pd, q, kt, v = (_image(x, fwd, link) for x in (fwd.p, fwd.pd, fwd.q, fwd.kt, fwd.v))
+    if p is None or pd is None or q is None or kt is None or v is None:
+        return None
+    for use in list(p.uses):
+        sg = use.operation
+        if use.index != 0 or _chain_two(sg) is None:
+            continue
+        found = _match_from_softmax_grad(fwd, fn, sg, pd, q, kt, v)
+        if found is not None:
+            return found
+    return None
+
+
+def _chain_two(sg: Operation) -> Operation | None:
+    """Return the softmax_grad of kernel `sg` (two inputs y, dy; one output; over the last dim)."""
+    ms = _members(sg)
+    if [m.name for m in ms] != ["graph.softmax_grad"] or len(sg.results) != 1 or len(sg.operands) != 2:
+        return None
+    (m,) = ms
+    if isinstance(sg, kernel.FusedOp) and list(m.operands) != list(sg.body.block.args):
+        return None
+    if m.dim.value.data != len(_shape(m.results[0])) - 1:  # type: ignore[attr-defined]
+        return None
+    return m
+
+
+def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: SSAValue, q: SSAValue,
+                             kt: SSAValue, v: SSAValue) -> _Backward | None:
+    dp = sg.operands[1]
+    ops = [sg]
+    step = None
+    if fwd.dropout is not None:
+        dropped = _dropout(dp)
+        if dropped is None or not _same_dropout(dropped[2], fwd.dropout) or len(list(dp.uses)) != 1:
+            return None
+        dpd, step, _ = dropped
+        ops.append(_owner(dp))  # type: ignore[arg-type]
+    else:
+        dpd = dp
+    mm = _owner(dpd)
+    if not _is_matmul(mm) or len(list(dpd.uses)) != 1 or _swapped(mm.operands[1]) is not v:  # type: ignore[union-attr]
+        return None
+    do = mm.operands[0]  # type: ignore[union-attr]
+    ops.append(mm)  # type: ignore[arg-type]
+    # dv = matmul(pd^T, do)
+    dv_op = next((u.operation for u in do.uses if _is_matmul(u.operation) and u.index == 1
+                  and _swapped(u.operation.operands[0]) is pd), None)
+    if dv_op is None:
+        return None
+    ops.append(dv_op)
+    ds = sg.results[0]
+    sc = _single_use(ds)
+    names = (["graph.causal_mask", "graph.scale"], ["graph.scale", "graph.causal_mask"]) if fwd.causal else (["graph.scale"],)
+    ms = next((m for n in names if (m := _chain(sc, n)) is not None), None)
+    if ms is None:
+        return None
+    scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
+    mask = [m for m in ms if m.name == "graph.causal_mask"]
+    if scale != fwd.scale or (mask and mask[0].value.value.data != 0.0):  # type: ignore[attr-defined]
+        return None
+    ops.append(sc)  # type: ignore[arg-type]
+    dsc = sc.results[0]  # type: ignore[union-attr]
+    uses = list(dsc.uses)
+    if len(uses) != 2:
+        return None
+    dq_op = next((u.operation for u in uses if _is_matmul(u.operation) and u.index == 0
+                  and _swapped(u.operation.operands[1]) is kt), None)
+    dk_op = next((u.operation for u in uses if _is_matmul(u.operation) and u.index == 1
+                  and _swapped(u.operation.operands[0]) is q), None)
+    if dq_op is None or dk_op is None:
+        return None
+    ops += [dq_op, dk_op]
+    block = fn.body.block
+    first = min((mm, dv_op), key=block.get_operation_index)  # type: ignore[arg-type]
+    return _Backward(fn, ops, q, kt, v, do, step, dq_op.results[0], dk_op.results[0], dv_op.results[0], first)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- residuals through scans
+
+
+def _rebuild_scan(old: graph.ScanOp, args: list[SSAValue], stacked: list[int], carry_args: list[int],
+                  result_types: list, carry_results: list[int], result_map: list[int | None]) -> graph.ScanOp:
+    """Put a scan of the same callee with these operands and results in place of `old`; old result
+    i becomes new result `result_map[i]` (None: it must have no uses)."""
+    new = graph.ScanOp(old.callee.root_reference.data, args, result_types, length=old.num_iterations, stacked=stacked,
+                       carry_args=carry_args, carry_results=carry_results, reverse=old.is_reverse)
+    for k, v in old.attributes.items():
+        new.attributes[k] = v
+    block = old.parent_block()
+    assert block is not None
+    block.insert_op_before(new, old)
+    for i, r in enumerate(old.results):
+        j = result_map[i]
+        if j is None:
+            assert not r.uses
+        else:
+            r.replace_all_uses_with(new.results[j])
+    old.detach()
+    old.erase()
+    return new
+
+
+def _add_residual(value: SSAValue, fwd_fn: func.FuncOp, link: _Link) -> SSAValue:
+    """Return the backward function's new argument holding forward value `value` (a new
+    stacked result of the forward scan, fed to the backward scan)."""
+    ret = fwd_fn.body.block.last_op
+    assert isinstance(ret, func.ReturnOp)
+    ret.operands = [*ret.operands, value]
+    fwd_fn.update_function_type()
+    f = link.fwd
+    n = len(f.results)
+    link.fwd = _rebuild_scan(f, list(f.args), list(f.stacked_args()), list(f.carry_args.get_values()),
+                             [r.type for r in f.results] + [stacked_type(value.type, f.num_iterations)],
+                             list(f.carry_results.get_values()), list(range(n)))
+    b = link.bwd
+    m = len(b.args)
+    link.bwd = _rebuild_scan(b, [*b.args, link.fwd.results[n]], [*b.stacked_args(), m], list(b.carry_args.get_values()),
+                             [r.type for r in b.results], list(b.carry_results.get_values()), list(range(len(b.results))))
+    block = link.bwd_fn.body.block
+    arg = block.insert_arg(value.type, len(block.args))
+    link.bwd_fn.update_function_type()
+    return arg
+
+
+def _drop_unused_args(link: _Link) -> None:
+    """Remove the backward function's unused arguments that the backward scan feeds with stacked values."""
+    block = link.bwd_fn.body.block
+    b = link.bwd
+    drop = [j for j, a in enumerate(block.args) if not a.uses and b.arg_kind(j) == "stacked"]
+    if not drop:
+        return
+    keep = [j for j in range(len(b.args)) if j not in drop]
+    where = {j: i for i, j in enumerate(keep)}
+    for j in reversed(drop):
+        block.erase_arg(block.args[j])
+    link.bwd_fn.update_function_type()
+    link.bwd = _rebuild_scan(b, [b.args[j] for j in keep], [where[j] for j in b.stacked_args() if j in where],
+                             [where[j] for j in b.carry_args.get_values()], [r.type for r in b.results],
+                             list(b.carry_results.get_values()), list(range(len(b.results))))
+
+
+def _drop_unused_results(fwd_fn: func.FuncOp, link: _Link, values: list[SSAValue]) -> None:
+    """Remove the forward scan's stacked results that nothing reads any more and that return one of `values`."""
+    f = link.fwd
+    ret = fwd_fn.body.block.last_op
+    assert isinstance(ret, func.ReturnOp)
+    drop = [r for r, x in enumerate(ret.operands) if any(x is v for v in values) and f.result_stacked(r)
+            and not f.results[r].uses]
+    if not drop:
+        return
+    keep = [r for r in range(len(f.results)) if r not in drop]
+    where = {r: i for i, r in enumerate(keep)}
+    ret.operands = [ret.operands[r] for r in keep]
+    fwd_fn.update_function_type()
+    link.fwd = _rebuild_scan(f, list(f.args), list(f.stacked_args()), list(f.carry_args.get_values()),
+                             [f.results[r].type for r in keep], [where[r] for r in f.carry_results.get_values()],
+                             [where.get(r) for r in range(len(f.results))])
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def _erase_dead(ops: list[Operation]) -> None:
+    """Erase `ops` (and the views and kernels they alone read, transitively) where nothing uses them."""
+    work = list(ops)
+    while work:
+        op = work.pop()
+        if op.parent is None or any(r.uses for r in op.results):
+            continue
+        if not (isinstance(op, kernel.FusedOp) or op.name in ("graph.matmul", "graph.transpose")):
+            continue
+        feeders = [_owner(x) for x in op.operands]
+        op.detach()
+        op.erase()
+        work += [f for f in feeders if f is not None]
+
+
+def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> None:
+    props = dict(scale=fwd.scale, causal=fwd.causal, rate=fwd.dropout.rate.value.data if fwd.dropout else 0.0,
+                 seed=fwd.dropout.seed.value.data if fwd.dropout else 0,
+                 salt=fwd.dropout.salt.value.data if fwd.dropout else 0)
+    flash = FlashAttentionOp(fwd.q, fwd.k, fwd.v, fwd.step, k_transposed=fwd.k_transposed, **props)
+    fwd.fn.body.block.insert_op_before(flash, fwd.pv)
+    fwd.pv.results[0].replace_all_uses_with(flash.o)
+    o, lse = (flash.o, flash.lse) if link is None else (_add_residual(flash.o, fwd.fn, link),
+                                                         _add_residual(flash.lse, fwd.fn, link))
+    grad = FlashAttentionGradOp(bwd.q, bwd.kt, bwd.v, o, bwd.do, lse, bwd.step, k_transposed=True, **props)
+    block: Block = bwd.fn.body.block
+    block.insert_op_before(grad, bwd.first)
+    bwd.dq.replace_all_uses_with(grad.dq)
+    bwd.dv.replace_all_uses_with(grad.dv)
+    user = _single_use(bwd.dkt)
+    if user is not None and _swapped(user.results[0]) is bwd.dkt and len(user.results) == 1:
+        user.results[0].replace_all_uses_with(grad.dk)  # dk^T written out as dk: dk itself
+        bwd.ops.append(user)
+    else:
+        n = len(_shape(grad.dk))
+        back = graph.TransposeOp(grad.dk, [*range(n - 2), n - 1, n - 2], bwd.dkt.type)
+        block.insert_op_after(back, grad)
+        bwd.dkt.replace_all_uses_with(back.result)
+    _erase_dead(bwd.ops)
+    if link is not None:
+        _drop_unused_args(link)
+        _drop_unused_results(fwd.fn, link, [fwd.p, fwd.pd])
+    _erase_dead([fwd.pv, *([fwd.drop] if fwd.drop else []), fwd.sm, fwd.qk])
+
+
+def flash_attention_module(module: ModuleOp) -> int:
+    """Replace every attention chain of GPU program `module` (and its backward) by the fused
+    kernels (see the module docstring); return how many it replaced."""
+    funcs = {op.sym_name.data: op for op in module.walk() if isinstance(op, func.FuncOp)}
+    n = 0
+    for fn in list(funcs.values()):
+        for op in list(fn.body.block.ops):
+            if op.parent is None or not _is_matmul(op):
+                continue
+            fwd = _match_forward(fn, op)
+            if fwd is None:
+                continue
+            for link in _links(module, fwd, funcs):
+                bwd = _match_backward(fwd, link.bwd_fn if link else fn, link)
+                if bwd is not None:
+                    _rewrite(module, fwd, bwd, link)
+                    n += 1
+                    break
+    if n:
+        device_module(module)  # the new ops' kernels
+    return n
+
+
+@dataclass(frozen=True)
+class FlashAttention(ModulePass):
+    """Fuse attention's chains of a GPU program into flash-style kernels (see the module doc)."""
+
+    name = "flash-attention"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        flash_attention_module(op)

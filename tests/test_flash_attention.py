@@ -1,0 +1,254 @@
+"""Flash-style fused attention on the GPU runtime, without a GPU.
+
+The kernels of `graph.flash_attention` and `graph.flash_attention_grad` (CUDA C built for the
+CPU under `cuda_emu.h`, in the serial block emulation and with blocks of several emulated
+threads) against their NumPy reference (float64) and against attention written out in NumPy
+(the CPU's ops: scores, mask, softmax, the counter-based dropout, the product with v); the
+`flash-attention` pass on the GPU programs of GPT (with dropout) and LLaMA: the chains it
+replaces, the residuals that leave and join the scans, the CPU backend's losses on the emulated
+device and the arena it saves; NVRTC compiles the kernels for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES, train_plan
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, TensorType, f32, i64
+from xdsl.ir import Block, Region
+
+from hspmd.codegen import cpu_compile
+from hspmd.compiler import compile_script
+from hspmd.dialects import kernel
+from hspmd.dialects.graph.attention import FlashAttentionGradOp, FlashAttentionOp, tiles
+from hspmd.dialects.graph.positions import dropout_key, dropout_uniform
+from hspmd.frontend.script import load_script
+from hspmd.runtime.comm import InProcessCommunicator
+from hspmd.runtime.cuda.emulated import EmulatedDevice
+from hspmd.runtime.cuda.plan import build_device_plan
+from hspmd.runtime.kernel_exec import build_program, cpu_call, numpy_call
+from hspmd.runtime.plan import build_plan
+from hspmd.transforms.flash_attention import flash_attention_module
+
+needs_compiler = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="no C++ compiler")
+
+
+def flash_module(lead, t, d, *, causal, rate, kt, seed=7, salt=3):
+    """Return a module of one function running the forward and the backward kernels (after
+    `device-kernels`), and the two kernel.fused ops."""
+    from hspmd.transforms.device_kernels import device_module
+
+    qt = TensorType(f32, [*lead, t, d])
+    kty = TensorType(f32, [*lead, d, t] if kt else [*lead, t, d])
+    types = [qt, kty, qt, qt, qt, TensorType(f32, [*lead, t])] + ([TensorType(i64, [])] if rate else [])
+    block = Block(arg_types=types)
+    q, k, v, o, do, lse, *step = block.args
+    kw = dict(scale=1 / np.sqrt(d), causal=causal, k_transposed=kt, rate=rate, seed=seed, salt=salt)
+    fwd = FlashAttentionOp(q, k, v, step[0] if step else None, **kw)
+    bwd = FlashAttentionGradOp(q, k, v, o, do, lse, step[0] if step else None, **kw)
+    block.add_ops([fwd, bwd, func.ReturnOp(*fwd.results, *bwd.results)])
+    fn = func.FuncOp("f", (types, [r.type for r in (*fwd.results, *bwd.results)]), Region(block))
+    module = ModuleOp([fn])
+    device_module(module)
+    module.verify()
+    return module, [op for op in module.walk() if isinstance(op, kernel.FusedOp)]
+
+
+def written_out(q, k, v, do, *, causal, rate, step, seed=7, salt=3):
+    """Attention as the CPU computes it op by op (float64): o and the gradients of q, k, v."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    t, d = q.shape[-2:]
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(d)
+    if causal:
+        s = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    drop = np.ones_like(p)
+    if rate:  # graph.dropout of the probabilities: its counters, the tensor's own indices
+        index = np.arange(p.size, dtype=np.uint64).reshape(p.shape)
+        drop = (dropout_uniform(dropout_key(seed, salt, step), index) >= rate) / (1 - rate)
+    o = (p * drop) @ v
+    dpd = do @ np.swapaxes(v, -1, -2)
+    dv = np.swapaxes(p * drop, -1, -2) @ do
+    dp = dpd * drop
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(d)
+    return o, s, ds @ k, np.swapaxes(ds, -1, -2) @ q, dv
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+CASES = [  # lead dims, T, D, causal, rate, k transposed
+    ((2, 3), 37, 16, True, 0.0, False),
+    ((2, 3), 37, 16, True, 0.1, False),
+    ((1, 2), 70, 32, False, 0.0, True),
+    ((1, 2), 70, 32, False, 0.2, False),
+    ((2, 1), 83, 64, True, 0.1, True),
+    ((1, 2), 64, 64, True, 0.0, False),
+    ((1, 1), 40, 128, True, 0.1, False),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("lead,t,d,causal,rate,kt", CASES)
+def test_the_kernels_give_attention_written_out(lead, t, d, causal, rate, kt):
+    """Forward output, logsumexp and the three gradients, within float32 rounding of float64 NumPy."""
+    rng = np.random.default_rng(t * d)
+    q, k, v, do = (rng.standard_normal((*lead, t, d)).astype(np.float32) for _ in range(4))
+    step = 5
+    module, (fwd, bwd) = flash_module(lead, t, d, causal=causal, rate=rate, kt=kt)
+    lib = cpu_compile.load_library(build_program(module))
+    kin = np.ascontiguousarray(np.swapaxes(k, -1, -2)) if kt else k
+    steps = [np.array(step, np.int64)] if rate else []
+    o, lse = cpu_call(fwd, lib)(q, kin, v, *steps)
+    dq, dk, dv = cpu_call(bwd, lib)(q, kin, v, o, do, lse, *steps)
+    ro, s, rdq, rdk, rdv = written_out(q, k, v, do, causal=causal, rate=rate, step=step)
+    m = s.max(-1)
+    rlse = m + np.log(np.exp(s - m[..., None]).sum(-1))
+    for name, got, want in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert got.shape == want.shape and np.isfinite(got).all(), name
+        assert _rel(got, want) < 2e-6, (name, _rel(got, want))
+    # the ops' NumPy kernels (the reference the GPU tests use) say the same
+    ref = numpy_call(fwd)(q, kin, v, *steps)
+    np.testing.assert_allclose(ref[0], ro, rtol=1e-5, atol=1e-6)
+    ref = numpy_call(bwd)(q, kin, v, o, do, lse, *steps)
+    np.testing.assert_allclose(ref[1], rdk, rtol=1e-5, atol=1e-6)
+    # deterministic: no atomics, sums in a fixed order
+    again = cpu_call(bwd, lib)(q, kin, v, o, do, lse, *steps)
+    assert all(np.array_equal(a, b) for a, b in zip(again, (dq, dk, dv)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("d,rate", [(16, 0.1), (32, 0.0)])
+def test_blocks_of_several_threads_give_the_same_numbers(d, rate):
+    """The GPU's algorithm as written: barriers between the tiles, threads striding over them."""
+    lead, t = (1, 2), 45
+    rng = np.random.default_rng(d)
+    q, k, v, do = (rng.standard_normal((*lead, t, d)).astype(np.float32) for _ in range(4))
+    module, (fwd, bwd) = flash_module(lead, t, d, causal=True, rate=rate, kt=False)
+    lib = cpu_compile.load_library(build_program(module, team=True))
+    steps = [np.array(3, np.int64)] if rate else []
+    one = cpu_call(fwd, lib)(q, k, v, *steps)
+    four = cpu_call(fwd, lib, team=4)(q, k, v, *steps)
+    for a, b in zip(one, four):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    g1 = cpu_call(bwd, lib)(q, k, v, one[0], do, one[1], *steps)
+    g4 = cpu_call(bwd, lib, team=4)(q, k, v, one[0], do, one[1], *steps)
+    for a, b in zip(g1, g4):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_tiles_fit_in_static_shared_memory():
+    for d in (1, 16, 32, 64, 65, 96, 128):
+        tiles(d)  # asserts the bytes of each kernel's tiles
+
+
+def test_a_head_dim_over_128_has_no_flash_kernel():
+    from hspmd.dialects.cuda_c import EmitError
+
+    module, _ = flash_module((1, 1), 8, 16, causal=True, rate=0.0, kt=False)
+    qt = TensorType(f32, [1, 1, 8, 160])
+    block = Block(arg_types=[qt, qt, qt])
+    op = FlashAttentionOp(*block.args, None, scale=0.1, causal=True)
+    with pytest.raises(EmitError, match="head dim 160"):
+        op.cuda_kernel("k")
+
+
+def test_nvrtc_compiles_the_kernels_for_sm80_and_sm90():
+    from hspmd.codegen.nvrtc_check import check_module, nvrtc_status
+
+    ok, why = nvrtc_status()
+    if not ok:
+        pytest.skip(f"NVRTC is not available here: {why}")
+    for d, rate, kt in ((128, 0.1, True), (64, 0.0, False)):
+        module, _ = flash_module((2, 2), 40, d, causal=True, rate=rate, kt=kt)
+        sizes = check_module(module, ("sm_80", "sm_90"))
+        assert set(sizes) == {"sm_80", "sm_90"} and all(n > 0 for n in sizes.values())
+
+
+# ----------------------------------------------------------------------------- the pass on real programs
+
+SMALL = {"model.layers": 2, "model.d_model": 32, "model.seq_len": 20, "data.batch_size": 4}
+MODELS = {
+    "gpt-dropout": ("gpt.py", {**SMALL, "model.dropout": 0.1}),
+    "llama": ("llama.py", {"model.layers": 2, "model.d_model": 32, "model.seq_len": 20, "data.batch_size": 4}),
+}
+
+
+def _step(module):
+    return next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+                and op.sym_name.data == "train_step")
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """Per model: (script, compiled, CPU kernel level, device program unfused, device program fused)."""
+    from hspmd.compiler import device_level
+
+    out = {}
+    for name, (script_name, overrides) in MODELS.items():
+        script = load_script(os.path.join(EXAMPLES, script_name), overrides)
+        compiled = compile_script(script, "[0]: dp=1", 1)
+        ((_, fused),) = compiled.kernel_groups()
+        ((_, plain),) = device_level(compiled.kernel_groups(), flash=False)
+        ((_, flash),) = device_level(compiled.kernel_groups(), flash=True)
+        out[name] = (script, compiled, fused, plain, flash)
+    return out
+
+
+def _ops(module, name):
+    return [op for op in module.walk() if op.name == name]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_pass_replaces_attention_forward_and_backward(programs, name):
+    *_, plain, flash = programs[name]
+    flash.verify()
+    assert len(_ops(flash, "graph.flash_attention")) == 1 and len(_ops(flash, "graph.flash_attention_grad")) == 1
+    # no product or kernel of [.., T, T] is left: the scores are never written
+    t = SMALL["model.seq_len"]
+    square = [op for op in flash.walk() if op.name in ("graph.matmul", "kernel.fused") and op.parent_op().name == "func.func"
+              and any(tuple(r.type.get_shape()[-2:]) == (t, t) for r in op.results)]
+    assert not square
+    assert [op for op in plain.walk() if op.name == "graph.matmul" and tuple(op.results[0].type.get_shape()[-2:]) == (t, t)]
+    # the residuals: the probabilities leave the scans, o and the logsumexp join them
+    fwd_scan = next(op for op in _step(flash).walk() if op.name == "graph.scan" and "fwd" in op.callee.root_reference.data)
+    shapes = [tuple(r.type.get_shape()) for r in fwd_scan.results]
+    assert not [s for s in shapes if s[-2:] == (t, t)]
+    assert (2, 4, 4, t) in shapes  # lse [layers, B, H, T]
+
+
+def test_running_the_pass_twice_changes_nothing(programs):
+    *_, flash = programs["gpt-dropout"]
+    again = flash.clone()
+    assert flash_attention_module(again) == 0
+    assert str(again) == str(flash)
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_emulated_gpu_gives_the_cpu_backends_losses(programs, name):
+    script, compiled, fused, _, flash = programs[name]
+    (comm,) = InProcessCommunicator.create_world(1)
+    ref, ref_params = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 3)
+    got, params = train_plan(build_device_plan(_step(flash), 0, EmulatedDevice()), script, compiled, 3)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    for k in ref_params:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@needs_compiler
+def test_the_arena_shrinks(programs):
+    """GPT with dropout: the arena without the [B, H, T, T] scores, probabilities and their gradients."""
+    *_, plain, flash = programs["gpt-dropout"]
+    before = build_device_plan(_step(plain), 0, EmulatedDevice()).peak_bytes
+    after = build_device_plan(_step(flash), 0, EmulatedDevice()).peak_bytes
+    b, h, t, d = SMALL["data.batch_size"], 4, SMALL["model.seq_len"], SMALL["model.d_model"] // 4
+    square = b * h * t * t * 4  # one [B, H, T, T] float32 array
+    added = b * h * t * (d + 1) * 4  # o and the logsumexp of one layer
+    # the residuals p and pd of both layers leave, o and the logsumexp join
+    assert after <= before - 2 * (2 * square - added), (before, after)
