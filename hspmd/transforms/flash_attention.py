@@ -39,7 +39,7 @@ from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, kernel
 from hspmd.dialects.graph.attention import MAX_HEAD_DIM, FlashAttentionGradOp, FlashAttentionOp
-from hspmd.dialects.graph.base import whole_piece
+from hspmd.dialects.graph.base import int_attr, whole_piece
 from hspmd.dialects.graph.scan import stacked_type
 from hspmd.transforms.device_kernels import device_module
 
@@ -381,11 +381,12 @@ def _add_residual(value: SSAValue, fwd_fn: func.FuncOp, link: _Link) -> SSAValue
     return arg
 
 
-def _drop_unused_args(link: _Link) -> None:
-    """Remove the backward function's unused arguments that the backward scan feeds with stacked values."""
+def _drop_unused_args(link: _Link, args: list[SSAValue | None]) -> None:
+    """Remove those of `args` (the backward function's) that nothing uses and the backward scan
+    feeds with stacked values."""
     block = link.bwd_fn.body.block
     b = link.bwd
-    drop = [j for j, a in enumerate(block.args) if not a.uses and b.arg_kind(j) == "stacked"]
+    drop = [j for j, a in enumerate(block.args) if not a.uses and b.arg_kind(j) == "stacked" and any(a is x for x in args)]
     if not drop:
         return
     keep = [j for j in range(len(b.args)) if j not in drop]
@@ -435,6 +436,8 @@ def _erase_dead(ops: list[Operation]) -> None:
 
 
 def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> None:
+    # the images of the forward's values in the backward function, before the scans change
+    p_pd = [_image(x, fwd, link) for x in (fwd.p, fwd.pd)]
     props = dict(scale=fwd.scale, causal=fwd.causal, rate=fwd.dropout.rate.value.data if fwd.dropout else 0.0,
                  seed=fwd.dropout.seed.value.data if fwd.dropout else 0,
                  salt=fwd.dropout.salt.value.data if fwd.dropout else 0)
@@ -458,10 +461,18 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
         block.insert_op_after(back, grad)
         bwd.dkt.replace_all_uses_with(back.result)
     _erase_dead(bwd.ops)
+    fwd_ops = [fwd.pv, *([fwd.drop] if fwd.drop else []), fwd.sm, fwd.qk]
+    if link is None:
+        _erase_dead(fwd_ops)
+    if not fwd.k_transposed and [u.operation for u in bwd.kt.uses] == [grad]:
+        # the backward reads k as the forward does: k^T need not be written out for it
+        grad.operands[1] = fwd.k if link is None else _add_residual(fwd.k, fwd.fn, link)
+        grad.properties["k_transposed"] = int_attr(0)
     if link is not None:
-        _drop_unused_args(link)
-        _drop_unused_results(fwd.fn, link, [fwd.p, fwd.pd])
-    _erase_dead([fwd.pv, *([fwd.drop] if fwd.drop else []), fwd.sm, fwd.qk])
+        _drop_unused_args(link, [bwd.kt, *p_pd])
+        _drop_unused_results(fwd.fn, link, [fwd.p, fwd.pd, fwd.kt])
+    kt_op = _owner(fwd.kt)
+    _erase_dead(fwd_ops + ([kt_op] if kt_op is not None and kt_op.parent is not None else []))
 
 
 def flash_attention_module(module: ModuleOp) -> int:
