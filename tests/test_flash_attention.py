@@ -252,3 +252,70 @@ def test_the_arena_shrinks(programs):
     added = b * h * t * (d + 1) * 4  # o and the logsumexp of one layer
     # the residuals p and pd of both layers leave, o and the logsumexp join
     assert after <= before - 2 * (2 * square - added), (before, after)
+
+
+def test_a_head_dim_over_128_stays_on_the_unfused_path():
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {"model.layers": 1, "model.heads": 1, "model.d_model": 160,
+                                                          "model.seq_len": 8, "data.batch_size": 2})
+    compiled = compile_script(script, "[0]: dp=1", 1)
+    ((_, device),) = compiled.device_groups()
+    assert not _ops(device, "graph.flash_attention") and not _ops(device, "graph.flash_attention_grad")
+    assert [op for op in device.walk() if op.name == "graph.matmul" and tuple(op.results[0].type.get_shape()[-2:]) == (8, 8)]
+
+
+def test_hspmd_flash_attention_0_turns_the_pass_off(monkeypatch):
+    name, overrides = MODELS["llama"]
+    script = load_script(os.path.join(EXAMPLES, name), overrides)
+    monkeypatch.setenv("HSPMD_FLASH_ATTENTION", "0")
+    ((_, off),) = compile_script(script, "[0]: dp=1", 1).device_groups()
+    monkeypatch.setenv("HSPMD_FLASH_ATTENTION", "1")
+    ((_, on),) = compile_script(script, "[0]: dp=1", 1).device_groups()
+    assert not _ops(off, "graph.flash_attention") and len(_ops(on, "graph.flash_attention")) == 1
+
+
+# ----------------------------------------------------------------------------- on a GPU (marked gpu: skip here)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from hspmd.codegen.cupy_backend import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
+    from hspmd.runtime.cuda.cupy_device import CupyDevice
+
+    return CupyDevice(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,t,d,causal,rate,kt", CASES + [((4, 8), 256, 64, True, 0.1, False)])
+def test_the_kernels_on_a_gpu_give_attention_written_out(gpu, lead, t, d, causal, rate, kt):
+    import cupy
+
+    from hspmd.codegen.cupy_backend import kernel_for
+
+    rng = np.random.default_rng(t * d)
+    q, k, v, do = (rng.standard_normal((*lead, t, d)).astype(np.float32) for _ in range(4))
+    _, (fwd, bwd) = flash_module(lead, t, d, causal=causal, rate=rate, kt=kt)
+    kin = np.ascontiguousarray(np.swapaxes(k, -1, -2)) if kt else k
+    steps = [np.array(5, np.int64)] if rate else []
+    o, lse = kernel_for(fwd)(q, kin, v, *steps)
+    dq, dk, dv = kernel_for(bwd)(q, kin, v, o, do, lse, *steps)
+    ro, s, rdq, rdk, rdv = written_out(q, k, v, do, causal=causal, rate=rate, step=5)
+    m = s.max(-1)
+    rlse = m + np.log(np.exp(s - m[..., None]).sum(-1))
+    for name, got, want in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert _rel(cupy.asnumpy(got), want) < 1e-5, name
+    again = kernel_for(bwd)(q, kin, v, o, do, lse, *steps)
+    assert all(cupy.array_equal(a, b) for a, b in zip(again, (dq, dk, dv)))  # no atomics: the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_gpu_step_with_flash_attention_gives_the_cpu_backends_losses(gpu, programs, name):
+    script, compiled, fused, _, flash = programs[name]
+    (comm,) = InProcessCommunicator.create_world(1)
+    ref, _ = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 3)
+    got, _ = train_plan(build_device_plan(_step(flash), 0, gpu), script, compiled, 3)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
