@@ -142,6 +142,22 @@ def test_blocks_of_several_threads_give_the_same_numbers(d, rate):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@needs_compiler
+def test_the_kernels_follow_their_ops_numpy_kernels_on_any_operands():
+    """What tests/test_gpu_cuda.py checks of every kernel of a device program: the ops' NumPy
+    kernels on sampled operands (an o and lse not from the forward: the backward still follows
+    its definition)."""
+    from hspmd.runtime.kernel_exec import sample_operands
+
+    module, ops = flash_module((2, 2), 21, 16, causal=True, rate=0.1, kt=True)
+    lib = cpu_compile.load_library(build_program(module))
+    rng = np.random.default_rng(0)
+    for op in ops:
+        args = sample_operands(op, rng)
+        for got, want in zip(cpu_call(op, lib)(*args), numpy_call(op)(*args)):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=op.kernel.data)
+
+
 def test_the_tiles_fit_in_static_shared_memory():
     for d in (1, 16, 32, 64, 65, 96, 128):
         tiles(d)  # asserts the bytes of each kernel's tiles

@@ -117,7 +117,13 @@ def program_library(module: Operation) -> cpu_compile.Library | None:
 def sample_operands(op: kernel.FusedOp, rng: np.random.Generator) -> list[np.ndarray]:
     """Return random operands for fused op `op` (to check a backend against `numpy_call`):
     integers in [0, the last dim) (indices, labels), floats positive and away from 0 (logs,
-    divisions and square roots stay finite), a scalar 0.5."""
+    divisions and square roots stay finite), a scalar 0.5. A kernel of one op whose operands must
+    agree with each other (a flash attention's backward reads the forward's o and logsumexp)
+    takes them from the op's own `sample_operands(rng)`."""
+    members = [m for m in op.body.block.ops if not isinstance(m, kernel.YieldOp)]
+    own = getattr(members[0], "sample_operands", None) if len(members) == 1 else None
+    if callable(own):
+        return own(rng)
     args = []
     for v in op.inputs:
         shape, dt = tuple(v.type.get_shape()), str(v.type.element_type)

@@ -92,21 +92,28 @@ def flash_attention_values(op, q, k, v, step=None):
 
 
 def flash_attention_grad_values(op, q, k, v, o, do, lse, step=None):
-    """Return (dq, dk, dv) of `graph.flash_attention_grad`, all [..., T, D] (float64 arithmetic)."""
-    scale, p, _, mask = _probabilities(op, q, k, step)
-    n, t = p.shape[:2]
-    d = q.shape[-1]
-    do64 = do.reshape(n, t, d).astype(np.float64)
-    v64 = v.reshape(n, t, d).astype(np.float64)
-    q64 = q.reshape(n, t, d).astype(np.float64)
+    """Return (dq, dk, dv) of `graph.flash_attention_grad`, all [..., T, D] (float64 arithmetic).
+
+    As the kernels compute them from their operands: the probabilities `exp(scale q k - lse)`
+    from the given logsumexp, and the rows' `sum_j p dp` as `dO . o` from the given o; for the
+    o and lse of `graph.flash_attention` these are attention's gradients."""
+    *lead, t, d = q.shape
+    n = int(np.prod(lead, dtype=np.int64))
+    q64, v64, o64, do64 = (x.reshape(n, t, d).astype(np.float64) for x in (q, v, o, do))
     k64 = k.reshape(n, *k.shape[-2:]).astype(np.float64)
     if op.k_transposed.value.data:
         k64 = np.swapaxes(k64, -1, -2)
+    scale = op.scale.value.data
+    s = scale * (q64 @ np.swapaxes(k64, -1, -2))
+    if op.causal.value.data:
+        s = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, s)
+    p = np.exp(s - lse.reshape(n, t, 1).astype(np.float64))
+    mask = _mask(op, n, t, step)
     pd = p if mask is None else p * mask
     dv = np.swapaxes(pd, -1, -2) @ do64
     dpd = do64 @ np.swapaxes(v64, -1, -2)
     dp = dpd if mask is None else dpd * mask
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    ds = p * (dp - (do64 * o64).sum(-1, keepdims=True)) * scale
     dq, dk = ds @ k64, np.swapaxes(ds, -1, -2) @ q64
     return tuple(x.reshape(q.shape).astype(q.dtype) for x in (dq, dk, dv))
 
@@ -389,6 +396,18 @@ class _FlashFacts(IRDLOperation):
     def props(scale: float, causal: bool, k_transposed: bool, rate: float, seed: int, salt: int) -> dict:
         return {"scale": float_attr(scale), "causal": int_attr(int(causal)), "k_transposed": int_attr(int(k_transposed)),
                 "rate": float_attr(rate), "seed": int_attr(seed), "salt": int_attr(salt)}
+
+    def sample_operands(self, rng: np.random.Generator) -> list[np.ndarray]:
+        """Return operands that agree with each other (to check a kernel against the NumPy one):
+        q, k, v and do normal with deviation 1/2, o and lse the forward's, the step 0."""
+        *lead, t, d = tensor_shape(self.operands[0])
+        q, k, v, do = ((0.5 * rng.standard_normal((*lead, t, d))).astype(np.float32) for _ in range(4))
+        kin = np.ascontiguousarray(np.swapaxes(k, -1, -2)) if self.k_transposed.value.data else k
+        step = [np.array(0, np.int64)] if self.step is not None else []
+        if isinstance(self, FlashAttentionOp):
+            return [q, kin, v, *step]
+        o, lse = flash_attention_values(self, q, kin, v, *step)
+        return [q, kin, v, o, do, lse, *step]
 
     def dims(self) -> tuple[int, int, int]:
         """Return (batch x heads, T, D)."""
