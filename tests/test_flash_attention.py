@@ -189,10 +189,13 @@ def test_nvrtc_compiles_the_kernels_for_sm80_and_sm90():
 # ----------------------------------------------------------------------------- the pass on real programs
 
 SMALL = {"model.layers": 2, "model.d_model": 32, "model.seq_len": 20, "data.batch_size": 4}
-MODELS = {
+MODELS = {  # (script, overrides), and how many attentions the program has
     "gpt-dropout": ("gpt.py", {**SMALL, "model.dropout": 0.1}),
+    "gpt-one-layer": ("gpt.py", {**SMALL, "model.layers": 1, "model.dropout": 0.1}),  # calls, not scans
     "llama": ("llama.py", {"model.layers": 2, "model.d_model": 32, "model.seq_len": 20, "data.batch_size": 4}),
+    "moe": ("moe.py", {"model.seq_len": 20, "data.batch_size": 4}),
 }
+ATTENTIONS = {"gpt-dropout": 1, "gpt-one-layer": 1, "llama": 1, "moe": 2}
 
 
 def _step(module):
@@ -224,18 +227,21 @@ def _ops(module, name):
 def test_the_pass_replaces_attention_forward_and_backward(programs, name):
     *_, plain, flash = programs[name]
     flash.verify()
-    assert len(_ops(flash, "graph.flash_attention")) == 1 and len(_ops(flash, "graph.flash_attention_grad")) == 1
+    n = ATTENTIONS[name]
+    assert len(_ops(flash, "graph.flash_attention")) == n and len(_ops(flash, "graph.flash_attention_grad")) == n
     # no product or kernel of [.., T, T] is left: the scores are never written
-    t = SMALL["model.seq_len"]
+    t = MODELS[name][1]["model.seq_len"]
     square = [op for op in flash.walk() if op.name in ("graph.matmul", "kernel.fused") and op.parent_op().name == "func.func"
               and any(tuple(r.type.get_shape()[-2:]) == (t, t) for r in op.results)]
     assert not square
     assert [op for op in plain.walk() if op.name == "graph.matmul" and tuple(op.results[0].type.get_shape()[-2:]) == (t, t)]
-    # the residuals: the probabilities leave the scans, o and the logsumexp join them
-    fwd_scan = next(op for op in _step(flash).walk() if op.name == "graph.scan" and "fwd" in op.callee.root_reference.data)
-    shapes = [tuple(r.type.get_shape()) for r in fwd_scan.results]
-    assert not [s for s in shapes if s[-2:] == (t, t)]
-    assert (2, 4, 4, t) in shapes  # lse [layers, B, H, T]
+    # the residuals: the probabilities leave the layers' scans or calls, the logsumexp joins them
+    callers = [op for op in _step(flash).walk() if op.name in ("graph.scan", "func.call")
+               and op.callee.root_reference.data.endswith("_fwd")]
+    shapes = [tuple(r.type.get_shape()) for op in callers for r in op.results]
+    assert callers and not [s for s in shapes if s[-2:] == (t, t)]
+    b = MODELS[name][1]["data.batch_size"]
+    assert [s for s in shapes if s[-3:] == (b, 4, t)], shapes  # lse [(layers,) B, H, T]
 
 
 def test_running_the_pass_twice_changes_nothing(programs):

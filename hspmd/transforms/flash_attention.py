@@ -8,8 +8,8 @@ GEMM or a view). It finds attention's forward chain
     pd = kernel[dropout](p, step)           (optional)
     o = matmul(pd, v)
 
-and its backward (in the same function, or in the function a `graph.scan` of the backward
-calls with the forward's residuals)
+and its backward (in the same function, or in the backward function that a `graph.scan` (or a
+`func.call`) of the layers calls with the forward's residuals)
 
     dpd = matmul(do, vT)        dv = matmul(pdT, do)        dp = kernel[dropout](dpd, step)
     ds = kernel[softmax_grad](p, dp)        dsc = kernel[causal_mask(0), scale](ds)
@@ -18,7 +18,8 @@ calls with the forward's residuals)
 and replaces them by `graph.flash_attention` (o and the rows' logsumexp) and
 `graph.flash_attention_grad` (dq, dk, dv), each then given its kernel as `device-kernels` does.
 Between a forward and a backward function the residuals p and pd ([..., T, T] each) leave the
-scans; o and the logsumexp ([..., T, D] and [..., T]) join them. The T x T scores and
+scans (or calls); o and the logsumexp ([..., T, D] and [..., T]) join them, and k takes the
+place of k^T where the forward had it written out for the backward only. The T x T scores and
 probabilities are never written.
 
 What the chain must be: float32, q, k, v of one shape [..., T, D] with D <= 128 (the kernels'
@@ -186,53 +187,69 @@ def _match_forward(fn: func.FuncOp, pv: Operation) -> _Forward | None:
                     p, pd, step, dropout, facts[0], facts[1])
 
 
+#: what calls a layer's forward or backward function: a scan over the layers, or a call
+_Caller = graph.ScanOp | func.CallOp
+
+
 @dataclass
 class _Link:
-    """How residuals go from a forward function to a backward one: the scans calling each."""
+    """How residuals go from a forward function to a backward one: the one scan (or call) of
+    each; a scan's residuals are stacked results fed to stacked operands."""
 
-    fwd: graph.ScanOp
-    bwd: graph.ScanOp
+    fwd: _Caller
+    bwd: _Caller
     bwd_fn: func.FuncOp
 
 
-def _scans_of(module: ModuleOp, fn: func.FuncOp) -> list[graph.ScanOp]:
+def _callers(module: ModuleOp, fn: func.FuncOp) -> list[_Caller]:
     name = fn.sym_name.data
-    return [op for op in module.walk() if isinstance(op, graph.ScanOp) and op.callee.root_reference.data == name]
+    return [op for op in module.walk() if isinstance(op, (graph.ScanOp, func.CallOp))
+            and op.callee.root_reference.data == name]
+
+
+def _stacked_result(caller: _Caller, r: int) -> bool:
+    """Return whether result `r` of `caller` is one per call (a call's, a scan's stacked one)."""
+    return isinstance(caller, func.CallOp) or caller.result_stacked(r)
+
+
+def _stacked_arg(caller: _Caller, j: int) -> bool:
+    return isinstance(caller, func.CallOp) or caller.arg_kind(j) == "stacked"
 
 
 def _image(v: SSAValue, fwd: _Forward, link: _Link | None) -> SSAValue | None:
     """Return the value the backward sees for forward value `v`: itself in the same function,
-    else the backward function's argument fed by the scans with the residual `v`."""
+    else the backward function's argument fed by the callers with the residual `v`."""
     if link is None:
         return v
     ret = fwd.fn.body.block.last_op
     assert isinstance(ret, func.ReturnOp)
     for r, x in enumerate(ret.operands):
-        if x is not v or not link.fwd.result_stacked(r):
+        if x is not v or not _stacked_result(link.fwd, r):
             continue
         for use in link.fwd.results[r].uses:
-            if use.operation is link.bwd and link.bwd.arg_kind(use.index) == "stacked":
+            if use.operation is link.bwd and _stacked_arg(link.bwd, use.index):
                 return link.bwd_fn.body.block.args[use.index]
     return None
 
 
 def _links(module: ModuleOp, fwd: _Forward, funcs: dict[str, func.FuncOp]) -> list[_Link | None]:
     """Return where the backward of `fwd` may be: its own function (None), and each backward
-    function fed by the one scan calling the forward function with p as a residual."""
+    function fed by the one scan (or call) of the forward function with p as a residual."""
     out: list[_Link | None] = [None]
-    scans = _scans_of(module, fwd.fn)
-    if len(scans) != 1:
+    callers = _callers(module, fwd.fn)
+    if len(callers) != 1:
         return out
     ret = fwd.fn.body.block.last_op
     for r, x in enumerate(ret.operands):  # type: ignore[union-attr]
         if x is not fwd.p:
             continue
-        for use in scans[0].results[r].uses:
+        for use in callers[0].results[r].uses:
             user = use.operation
-            if isinstance(user, graph.ScanOp) and user.callee.root_reference.data in funcs:
+            if isinstance(user, (graph.ScanOp, func.CallOp)) and user.callee.root_reference.data in funcs \
+                    and type(user) is type(callers[0]):
                 g = funcs[user.callee.root_reference.data]
-                if len(_scans_of(module, g)) == 1 and g is not fwd.fn:
-                    out.append(_Link(scans[0], user, g))
+                if len(_callers(module, g)) == 1 and g is not fwd.fn:
+                    out.append(_Link(callers[0], user, g))
     return out
 
 
@@ -337,12 +354,18 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
 # ----------------------------------------------------------------------------- residuals through scans
 
 
-def _rebuild_scan(old: graph.ScanOp, args: list[SSAValue], stacked: list[int], carry_args: list[int],
-                  result_types: list, carry_results: list[int], result_map: list[int | None]) -> graph.ScanOp:
-    """Put a scan of the same callee with these operands and results in place of `old`; old result
-    i becomes new result `result_map[i]` (None: it must have no uses)."""
-    new = graph.ScanOp(old.callee.root_reference.data, args, result_types, length=old.num_iterations, stacked=stacked,
-                       carry_args=carry_args, carry_results=carry_results, reverse=old.is_reverse)
+def _rebuild(old: _Caller, args: list[SSAValue], result_types: list, result_map: list[int | None], *,
+             stacked: list[int] | None = None, carry_args: list[int] | None = None,
+             carry_results: list[int] | None = None) -> _Caller:
+    """Put a caller of the same callee with these operands and results in place of `old` (a
+    scan takes `stacked`, `carry_args`, `carry_results`); old result i becomes new result
+    `result_map[i]` (None: it must have no uses)."""
+    if isinstance(old, graph.ScanOp):
+        new: _Caller = graph.ScanOp(old.callee.root_reference.data, args, result_types, length=old.num_iterations,
+                                    stacked=stacked or [], carry_args=carry_args or [],
+                                    carry_results=carry_results or [], reverse=old.is_reverse)
+    else:
+        new = func.CallOp(old.callee, args, result_types)
     for k, v in old.attributes.items():
         new.attributes[k] = v
     block = old.parent_block()
@@ -359,22 +382,31 @@ def _rebuild_scan(old: graph.ScanOp, args: list[SSAValue], stacked: list[int], c
     return new
 
 
+def _scan_facts(c: _Caller) -> tuple[list[int], list[int], list[int]]:
+    """Return (stacked, carry_args, carry_results) of a scan; empty lists for a call."""
+    if isinstance(c, graph.ScanOp):
+        return list(c.stacked_args()), list(c.carry_args.get_values()), list(c.carry_results.get_values())
+    return [], [], []
+
+
 def _add_residual(value: SSAValue, fwd_fn: func.FuncOp, link: _Link) -> SSAValue:
     """Return the backward function's new argument holding forward value `value` (a new
-    stacked result of the forward scan, fed to the backward scan)."""
+    result of the forward's caller, stacked for a scan, fed to the backward's caller)."""
     ret = fwd_fn.body.block.last_op
     assert isinstance(ret, func.ReturnOp)
     ret.operands = [*ret.operands, value]
     fwd_fn.update_function_type()
     f = link.fwd
     n = len(f.results)
-    link.fwd = _rebuild_scan(f, list(f.args), list(f.stacked_args()), list(f.carry_args.get_values()),
-                             [r.type for r in f.results] + [stacked_type(value.type, f.num_iterations)],
-                             list(f.carry_results.get_values()), list(range(n)))
+    typ = stacked_type(value.type, f.num_iterations) if isinstance(f, graph.ScanOp) else value.type
+    st, ca, cr = _scan_facts(f)
+    link.fwd = _rebuild(f, list(f.operands), [r.type for r in f.results] + [typ], list(range(n)),
+                        stacked=st, carry_args=ca, carry_results=cr)
     b = link.bwd
-    m = len(b.args)
-    link.bwd = _rebuild_scan(b, [*b.args, link.fwd.results[n]], [*b.stacked_args(), m], list(b.carry_args.get_values()),
-                             [r.type for r in b.results], list(b.carry_results.get_values()), list(range(len(b.results))))
+    m = len(b.operands)
+    st, ca, cr = _scan_facts(b)
+    link.bwd = _rebuild(b, [*b.operands, link.fwd.results[n]], [r.type for r in b.results], list(range(len(b.results))),
+                        stacked=[*st, m], carry_args=ca, carry_results=cr)
     block = link.bwd_fn.body.block
     arg = block.insert_arg(value.type, len(block.args))
     link.bwd_fn.update_function_type()
@@ -382,29 +414,31 @@ def _add_residual(value: SSAValue, fwd_fn: func.FuncOp, link: _Link) -> SSAValue
 
 
 def _drop_unused_args(link: _Link, args: list[SSAValue | None]) -> None:
-    """Remove those of `args` (the backward function's) that nothing uses and the backward scan
-    feeds with stacked values."""
+    """Remove those of `args` (the backward function's) that nothing uses and that its caller
+    feeds once per call (a scan's stacked operands)."""
     block = link.bwd_fn.body.block
     b = link.bwd
-    drop = [j for j, a in enumerate(block.args) if not a.uses and b.arg_kind(j) == "stacked" and any(a is x for x in args)]
+    drop = [j for j, a in enumerate(block.args) if not a.uses and _stacked_arg(b, j) and any(a is x for x in args)]
     if not drop:
         return
-    keep = [j for j in range(len(b.args)) if j not in drop]
+    keep = [j for j in range(len(b.operands)) if j not in drop]
     where = {j: i for i, j in enumerate(keep)}
     for j in reversed(drop):
         block.erase_arg(block.args[j])
     link.bwd_fn.update_function_type()
-    link.bwd = _rebuild_scan(b, [b.args[j] for j in keep], [where[j] for j in b.stacked_args() if j in where],
-                             [where[j] for j in b.carry_args.get_values()], [r.type for r in b.results],
-                             list(b.carry_results.get_values()), list(range(len(b.results))))
+    st, ca, cr = _scan_facts(b)
+    link.bwd = _rebuild(b, [b.operands[j] for j in keep], [r.type for r in b.results], list(range(len(b.results))),
+                        stacked=[where[j] for j in st if j in where], carry_args=[where[j] for j in ca],
+                        carry_results=cr)
 
 
 def _drop_unused_results(fwd_fn: func.FuncOp, link: _Link, values: list[SSAValue]) -> None:
-    """Remove the forward scan's stacked results that nothing reads any more and that return one of `values`."""
+    """Remove the forward caller's results (once per call) that nothing reads any more and that
+    return one of `values`."""
     f = link.fwd
     ret = fwd_fn.body.block.last_op
     assert isinstance(ret, func.ReturnOp)
-    drop = [r for r, x in enumerate(ret.operands) if any(x is v for v in values) and f.result_stacked(r)
+    drop = [r for r, x in enumerate(ret.operands) if any(x is v for v in values) and _stacked_result(f, r)
             and not f.results[r].uses]
     if not drop:
         return
@@ -412,9 +446,9 @@ def _drop_unused_results(fwd_fn: func.FuncOp, link: _Link, values: list[SSAValue
     where = {r: i for i, r in enumerate(keep)}
     ret.operands = [ret.operands[r] for r in keep]
     fwd_fn.update_function_type()
-    link.fwd = _rebuild_scan(f, list(f.args), list(f.stacked_args()), list(f.carry_args.get_values()),
-                             [f.results[r].type for r in keep], [where[r] for r in f.carry_results.get_values()],
-                             [where.get(r) for r in range(len(f.results))])
+    st, ca, cr = _scan_facts(f)
+    link.fwd = _rebuild(f, list(f.operands), [f.results[r].type for r in keep], [where.get(r) for r in range(len(f.results))],
+                        stacked=st, carry_args=ca, carry_results=[where[r] for r in cr])
 
 
 # ----------------------------------------------------------------------------- the rewrite
