@@ -35,11 +35,15 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import Float32Type, ModuleOp, TensorType
-from xdsl.ir import Block, BlockArgument, Operation, SSAValue
+from xdsl.ir import Block, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, kernel
-from hspmd.dialects.graph.attention import MAX_HEAD_DIM, FlashAttentionGradOp, FlashAttentionOp
+from hspmd.dialects.graph.attention import (
+    MAX_HEAD_DIM,
+    FlashAttentionGradOp,
+    FlashAttentionOp,
+)
 from hspmd.dialects.graph.base import int_attr, whole_piece
 from hspmd.dialects.graph.scan import stacked_type
 from hspmd.transforms.device_kernels import device_module
@@ -472,9 +476,9 @@ def _erase_dead(ops: list[Operation]) -> None:
 def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> None:
     # the images of the forward's values in the backward function, before the scans change
     p_pd = [_image(x, fwd, link) for x in (fwd.p, fwd.pd)]
-    props = dict(scale=fwd.scale, causal=fwd.causal, rate=fwd.dropout.rate.value.data if fwd.dropout else 0.0,
-                 seed=fwd.dropout.seed.value.data if fwd.dropout else 0,
-                 salt=fwd.dropout.salt.value.data if fwd.dropout else 0)
+    drop = fwd.dropout
+    props = {"scale": fwd.scale, "causal": fwd.causal, "rate": drop.rate.value.data if drop else 0.0,
+             "seed": drop.seed.value.data if drop else 0, "salt": drop.salt.value.data if drop else 0}
     flash = FlashAttentionOp(fwd.q, fwd.k, fwd.v, fwd.step, k_transposed=fwd.k_transposed, **props)
     fwd.fn.body.block.insert_op_before(flash, fwd.pv)
     fwd.pv.results[0].replace_all_uses_with(flash.o)

@@ -30,7 +30,15 @@ from typing import ClassVar
 import numpy as np
 from xdsl.dialects.builtin import I64, FloatAttr, IntegerAttr, TensorType
 from xdsl.ir import SSAValue
-from xdsl.irdl import IRDLOperation, irdl_op_definition, operand_def, opt_operand_def, prop_def, result_def, traits_def
+from xdsl.irdl import (
+    IRDLOperation,
+    irdl_op_definition,
+    operand_def,
+    opt_operand_def,
+    prop_def,
+    result_def,
+    traits_def,
+)
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
@@ -39,7 +47,7 @@ from hspmd.dialects.graph.base import float_attr, int_attr, tensor_shape, tensor
 from hspmd.dialects.graph.positions import dropout_key, dropout_uniform
 from hspmd.dialects.interfaces import Kernel, KernelContext
 
-__all__ = ["FlashAttentionOp", "FlashAttentionGradOp"]
+__all__ = ["FlashAttentionGradOp", "FlashAttentionOp"]
 
 #: the largest head dim the kernels take (their tiles are sized for it)
 MAX_HEAD_DIM = 128
@@ -429,7 +437,7 @@ class _FlashFacts(IRDLOperation):
             raise VerifyException(f"'{self.name}' takes a step operand exactly when it drops out")
 
     def _kernel_parts(self) -> dict[str, str]:
-        bh, t, d = self.dims()
+        _, t, d = self.dims()
         if d > MAX_HEAD_DIM:
             raise EmitError(f"'{self.name}' with head dim {d} > {MAX_HEAD_DIM}")
         if c_type(self.operands[0].type) != "float":
@@ -488,7 +496,7 @@ class FlashAttentionOp(_FlashFacts):
 
     def cuda_kernel(self, name: str) -> KernelCode:
         parts = self._kernel_parts()
-        bh, t, _ = self.dims()
+        bh, _, _ = self.dims()
         src = _PRELUDE + _fill(_FWD, name=name, params=", ".join(kernel_params(self)).replace("T* scratch", "float* scratch"))
         src = _fill(src, **parts)
         src = _fill(src, **parts)  # the dropout's index names {t}
