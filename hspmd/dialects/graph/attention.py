@@ -169,17 +169,27 @@ HS_KERNEL void {name}_fwd({params}) {
         kv[jj * {dp} + c] = {kload};
       }
       __syncthreads();
-      for (int x = threadIdx.x; x < rows * {bk}; x += blockDim.x) {
-        const int i = x / {bk}, jj = x % {bk};
-        float sc = -HS_INF;
-        if (jj < kn && !({causal} && k0 + jj > q0 + i)) {
-          const float* qi = qb + (long)i * {d};
-          const float* kj = kv + jj * {dp};
-          float dot = 0.0f;
-          for (int c = 0; c < {d}; ++c) dot += qi[c] * kj[c];
-          sc = dot * {scale};
+      // the scores by micro-tiles of 4 queries x {cs} keys: each value read serves several products
+      for (int x = threadIdx.x; x < {bq} / 4 * ({bk} / {cs}); x += blockDim.x) {
+        const int i0 = x / ({bk} / {cs}) * 4, j0 = x % ({bk} / {cs}) * {cs};
+        if (i0 >= rows) continue;
+        const float* qr[4];
+        for (int a = 0; a < 4; ++a) qr[a] = qb + (long)(i0 + a < rows ? i0 + a : i0) * {d};
+        float dot[4][{cs}];
+        for (int a = 0; a < 4; ++a)
+          for (int b = 0; b < {cs}; ++b) dot[a][b] = 0.0f;
+        for (int c = 0; c < {d}; ++c) {
+          float qa[4], kc[{cs}];
+          for (int a = 0; a < 4; ++a) qa[a] = qr[a][c];
+          for (int b = 0; b < {cs}; ++b) kc[b] = kv[(j0 + b) * {dp} + c];
+          for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < {cs}; ++b) dot[a][b] += qa[a] * kc[b];
         }
-        s[x] = sc;
+        for (int a = 0; a < 4; ++a)
+          for (int b = 0; b < {cs}; ++b) {
+            const int i = i0 + a, jj = j0 + b;
+            s[i * {bk} + jj] = jj < kn && !({causal} && k0 + jj > q0 + i) ? dot[a][b] * {scale} : -HS_INF;
+          }
       }
       __syncthreads();
       for (int x = threadIdx.x; x < kn * {d}; x += blockDim.x) kv[(x / {d}) * {dp} + x % {d}] = vb[(k0 + x / {d}) * {d}L + x % {d}];
@@ -199,11 +209,22 @@ HS_KERNEL void {name}_fwd({params}) {
         crow[i] = corr;
       }
       __syncthreads();
-      for (int x = threadIdx.x; x < rows * {d}; x += blockDim.x) {
-        const int i = x / {d}, c = x % {d};
-        float a = acc[x] * crow[i];
-        for (int jj = 0; jj < kn; ++jj) a += s[i * {bk} + jj] * kv[jj * {dp} + c];
-        acc[x] = a;
+      // acc += p v by micro-tiles of 4 queries x {cc} columns
+      for (int x = threadIdx.x; x < {bq} / 4 * ({d} / {cc}); x += blockDim.x) {
+        const int i0 = x / ({d} / {cc}) * 4, c0 = x % ({d} / {cc}) * {cc};
+        if (i0 >= rows) continue;
+        float a[4][{cc}];
+        for (int r = 0; r < 4; ++r)
+          for (int b = 0; b < {cc}; ++b) a[r][b] = acc[(i0 + r) * {d} + c0 + b] * crow[i0 + r];
+        for (int jj = 0; jj < kn; ++jj) {
+          float pr[4], vc[{cc}];
+          for (int r = 0; r < 4; ++r) pr[r] = s[(i0 + r) * {bk} + jj];
+          for (int b = 0; b < {cc}; ++b) vc[b] = kv[jj * {dp} + c0 + b];
+          for (int r = 0; r < 4; ++r)
+            for (int b = 0; b < {cc}; ++b) a[r][b] += pr[r] * vc[b];
+        }
+        for (int r = 0; r < 4; ++r)
+          for (int b = 0; b < {cc}; ++b) acc[(i0 + r) * {d} + c0 + b] = a[r][b];
       }
       __syncthreads();
     }
@@ -269,30 +290,51 @@ HS_KERNEL void {name}_dkv({params}) {
       }
       for (int ii = threadIdx.x; ii < qn; ii += blockDim.x) { ls[ii] = lse[bh * {t}L + i0 + ii]; dsum[ii] = scratch0[bh * {t}L + i0 + ii]; }
       __syncthreads();
-      for (int x = threadIdx.x; x < {bq2} * {bkv}; x += blockDim.x) {
-        const int ii = x / {bkv}, jj = x % {bkv};
-        float pd_ = 0.0f, ds_ = 0.0f;
-        if (ii < qn && jj < kn && !({causal} && k0 + jj > i0 + ii)) {
-          float sdot = 0.0f, gdot = 0.0f;
-          for (int c = 0; c < {d}; ++c) { sdot += qs[ii * {dp} + c] * ks[jj * {dp} + c]; gdot += gs[ii * {dp} + c] * vs[jj * {dp} + c]; }
-          const float lrow_ = ls[ii], drow_ = dsum[ii];
-          const unsigned long long at_ = ((unsigned long long)(bh * {t}L + i0 + ii)) * {t}ULL + (unsigned long long)(k0 + jj);
-          (void)at_;
-{entry}
+      // p, its dropout and the scores' gradient by micro-tiles of {r2} queries x {c2} keys
+      for (int x = threadIdx.x; x < {bq2} / {r2} * ({bkv} / {c2}); x += blockDim.x) {
+        const int ii0 = x / ({bkv} / {c2}) * {r2}, jj0 = x % ({bkv} / {c2}) * {c2};
+        float sd[{r2}][{c2}], gd[{r2}][{c2}];
+        for (int a = 0; a < {r2}; ++a)
+          for (int b = 0; b < {c2}; ++b) { sd[a][b] = 0.0f; gd[a][b] = 0.0f; }
+        for (int c = 0; c < {d}; ++c) {
+          float qa[{r2}], ga[{r2}], kc[{c2}], vc[{c2}];
+          for (int a = 0; a < {r2}; ++a) { qa[a] = qs[(ii0 + a) * {dp} + c]; ga[a] = gs[(ii0 + a) * {dp} + c]; }
+          for (int b = 0; b < {c2}; ++b) { kc[b] = ks[(jj0 + b) * {dp} + c]; vc[b] = vs[(jj0 + b) * {dp} + c]; }
+          for (int a = 0; a < {r2}; ++a)
+            for (int b = 0; b < {c2}; ++b) { sd[a][b] += qa[a] * kc[b]; gd[a][b] += ga[a] * vc[b]; }
         }
-        pds[x] = pd_;
-        dss[x] = ds_;
+        for (int a = 0; a < {r2}; ++a)
+          for (int b = 0; b < {c2}; ++b) {
+            const int ii = ii0 + a, jj = jj0 + b;
+            float pd_ = 0.0f, ds_ = 0.0f;
+            if (ii < qn && jj < kn && !({causal} && k0 + jj > i0 + ii)) {
+              const float sdot = sd[a][b], gdot = gd[a][b];
+              const float lrow_ = ls[ii], drow_ = dsum[ii];
+              const unsigned long long at_ = ((unsigned long long)(bh * {t}L + i0 + ii)) * {t}ULL + (unsigned long long)(k0 + jj);
+              (void)at_;
+{entry}
+            }
+            pds[ii * {bkv} + jj] = pd_;
+            dss[ii * {bkv} + jj] = ds_;
+          }
       }
       __syncthreads();
-      for (int x = threadIdx.x; x < kn * {d}; x += blockDim.x) {
-        const int jj = x / {d}, c = x % {d};
-        float a = dv[x], b = dk[x];
+      // dv += pd^T do, dk += ds^T q by micro-tiles of 2 keys x {cc} columns
+      for (int x = threadIdx.x; x < {bkv} / 2 * ({d} / {cc}); x += blockDim.x) {
+        const int j0 = x / ({d} / {cc}) * 2, c0 = x % ({d} / {cc}) * {cc};
+        if (j0 >= kn) continue;
+        float a[2][{cc}], b[2][{cc}];
+        for (int r = 0; r < 2; ++r)
+          for (int e = 0; e < {cc}; ++e) { a[r][e] = dv[(j0 + r) * {d} + c0 + e]; b[r][e] = dk[(j0 + r) * {d} + c0 + e]; }
         for (int ii = 0; ii < qn; ++ii) {
-          a += pds[ii * {bkv} + jj] * gs[ii * {dp} + c];
-          b += dss[ii * {bkv} + jj] * qs[ii * {dp} + c];
+          float pc[2], sc[2], gc[{cc}], qc[{cc}];
+          for (int r = 0; r < 2; ++r) { pc[r] = pds[ii * {bkv} + j0 + r]; sc[r] = dss[ii * {bkv} + j0 + r]; }
+          for (int e = 0; e < {cc}; ++e) { gc[e] = gs[ii * {dp} + c0 + e]; qc[e] = qs[ii * {dp} + c0 + e]; }
+          for (int r = 0; r < 2; ++r)
+            for (int e = 0; e < {cc}; ++e) { a[r][e] += pc[r] * gc[e]; b[r][e] += sc[r] * qc[e]; }
         }
-        dv[x] = a;
-        dk[x] = b;
+        for (int r = 0; r < 2; ++r)
+          for (int e = 0; e < {cc}; ++e) { dv[(j0 + r) * {d} + c0 + e] = a[r][e]; dk[(j0 + r) * {d} + c0 + e] = b[r][e]; }
       }
       __syncthreads();
     }
@@ -329,29 +371,60 @@ HS_KERNEL void {name}_dq({params}) {
         vs[jj * {dp} + c] = vb[(k0 + jj) * {d}L + c];
       }
       __syncthreads();
-      for (int x = threadIdx.x; x < rows * {bk3}; x += blockDim.x) {
-        const int i = x / {bk3}, jj = x % {bk3};
-        float ds_ = 0.0f, pd_ = 0.0f;
-        if (jj < kn && !({causal} && k0 + jj > q0 + i)) {
-          const long row = bh * {t}L + q0 + i;
-          const float* qi = q + row * {d}L;
-          const float* gi = g + row * {d}L;
-          float sdot = 0.0f, gdot = 0.0f;
-          for (int c = 0; c < {d}; ++c) { sdot += qi[c] * ks[jj * {dp} + c]; gdot += gi[c] * vs[jj * {dp} + c]; }
-          const float lrow_ = lse[row], drow_ = scratch0[row];
-          const unsigned long long at_ = (unsigned long long)row * {t}ULL + (unsigned long long)(k0 + jj);
-          (void)at_;
-{entry}
+      // the scores' gradient by micro-tiles of {r3} queries x {c3} keys
+      for (int x = threadIdx.x; x < {bq3} / {r3} * ({bk3} / {c3}); x += blockDim.x) {
+        const int i0 = x / ({bk3} / {c3}) * {r3}, j0 = x % ({bk3} / {c3}) * {c3};
+        if (i0 >= rows) continue;
+        const float* qr[{r3}];
+        const float* gr[{r3}];
+        for (int a = 0; a < {r3}; ++a) {
+          const long row = bh * {t}L + q0 + (i0 + a < rows ? i0 + a : i0);
+          qr[a] = q + row * {d}L;
+          gr[a] = g + row * {d}L;
         }
-        (void)pd_;
-        dss[x] = ds_;
+        float sd[{r3}][{c3}], gd[{r3}][{c3}];
+        for (int a = 0; a < {r3}; ++a)
+          for (int b = 0; b < {c3}; ++b) { sd[a][b] = 0.0f; gd[a][b] = 0.0f; }
+        for (int c = 0; c < {d}; ++c) {
+          float qa[{r3}], ga[{r3}], kc[{c3}], vc[{c3}];
+          for (int a = 0; a < {r3}; ++a) { qa[a] = qr[a][c]; ga[a] = gr[a][c]; }
+          for (int b = 0; b < {c3}; ++b) { kc[b] = ks[(j0 + b) * {dp} + c]; vc[b] = vs[(j0 + b) * {dp} + c]; }
+          for (int a = 0; a < {r3}; ++a)
+            for (int b = 0; b < {c3}; ++b) { sd[a][b] += qa[a] * kc[b]; gd[a][b] += ga[a] * vc[b]; }
+        }
+        for (int a = 0; a < {r3}; ++a)
+          for (int b = 0; b < {c3}; ++b) {
+            const int i = i0 + a, jj = j0 + b;
+            float ds_ = 0.0f, pd_ = 0.0f;
+            if (i < rows && jj < kn && !({causal} && k0 + jj > q0 + i)) {
+              const long row = bh * {t}L + q0 + i;
+              const float sdot = sd[a][b], gdot = gd[a][b];
+              const float lrow_ = lse[row], drow_ = scratch0[row];
+              const unsigned long long at_ = (unsigned long long)row * {t}ULL + (unsigned long long)(k0 + jj);
+              (void)at_;
+{entry}
+            }
+            (void)pd_;
+            dss[i * {bk3} + jj] = ds_;
+          }
       }
       __syncthreads();
-      for (int x = threadIdx.x; x < rows * {d}; x += blockDim.x) {
-        const int i = x / {d}, c = x % {d};
-        float a = dq[x];
-        for (int jj = 0; jj < kn; ++jj) a += dss[i * {bk3} + jj] * ks[jj * {dp} + c];
-        dq[x] = a;
+      // dq += ds k by micro-tiles of 4 queries x {cc} columns
+      for (int x = threadIdx.x; x < {bq3} / 4 * ({d} / {cc}); x += blockDim.x) {
+        const int i0 = x / ({d} / {cc}) * 4, c0 = x % ({d} / {cc}) * {cc};
+        if (i0 >= rows) continue;
+        float a[4][{cc}];
+        for (int r = 0; r < 4; ++r)
+          for (int e = 0; e < {cc}; ++e) a[r][e] = dq[(i0 + r) * {d} + c0 + e];
+        for (int jj = 0; jj < kn; ++jj) {
+          float sc[4], kc[{cc}];
+          for (int r = 0; r < 4; ++r) sc[r] = dss[(i0 + r) * {bk3} + jj];
+          for (int e = 0; e < {cc}; ++e) kc[e] = ks[jj * {dp} + c0 + e];
+          for (int r = 0; r < 4; ++r)
+            for (int e = 0; e < {cc}; ++e) a[r][e] += sc[r] * kc[e];
+        }
+        for (int r = 0; r < 4; ++r)
+          for (int e = 0; e < {cc}; ++e) dq[(i0 + r) * {d} + c0 + e] = a[r][e];
       }
       __syncthreads();
     }
@@ -378,8 +451,16 @@ def tiles(d: int) -> dict[str, int]:
     different banks)."""
     dp = d + 1
     small = d <= 64
-    t = {"bq": FWD_QUERIES, "bk": 32 if small else 16, "bkv": 32 if small else 16, "bq2": 16 if small else 8,
-         "bq3": 64 if small else 32, "bk3": 32 if small else 16}
+    t = {
+        # forward: queries a block, keys a tile, micro-tiles of 4 queries x cs keys (scores) and
+        # 4 queries x cc columns (p v)
+        "bq": FWD_QUERIES, "bk": 32 if small else 16, "cs": 4 if small else 2,
+        "cc": 4 if d % 4 == 0 else 2 if d % 2 == 0 else 1,
+        # dk, dv: keys a block, queries a tile, micro-tiles of r2 x c2 (p, ds) and 2 keys x cc
+        "bkv": 32 if small else 16, "bq2": 16 if small else 8, "r2": 2 if small else 1, "c2": 2 if small else 1,
+        # dq: queries a block, keys a tile, micro-tiles of r3 x c3 (ds) and 4 queries x cc
+        "bq3": 64 if small else 32, "bk3": 32 if small else 16, "r3": 4 if small else 2, "c3": 4 if small else 2,
+    }
     fwd = t["bq"] * d + t["bk"] * dp + t["bq"] * t["bk"] + 3 * t["bq"]
     dkv = 2 * t["bkv"] * d + 2 * t["bkv"] * dp + 2 * t["bq2"] * dp + 2 * t["bq2"] * t["bkv"] + 2 * t["bq2"]
     dq = t["bq3"] * d + 2 * t["bk3"] * dp + t["bq3"] * t["bk3"]
