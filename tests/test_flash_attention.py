@@ -340,3 +340,74 @@ def test_a_gpu_step_with_flash_attention_gives_the_cpu_backends_losses(gpu, prog
     ref, _ = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 3)
     got, _ = train_plan(build_device_plan(_step(flash), 0, gpu), script, compiled, 3)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the pass on written IR
+
+
+def _attention_ir(causal: bool, rate: float, b: int = 3, t: int = 9, d: int = 8) -> str:
+    """Attention forward and backward in one function, as autodiff writes it, with inputs and outputs."""
+    ty = f"tensor<{b}x{t}x{d}xf32>"
+    ss, kt = f"tensor<{b}x{t}x{t}xf32>", f"tensor<{b}x{d}x{t}xf32>"
+    perm = "{perm = array<i64: 0, 2, 1>}"
+    scale = repr(1 / float(np.sqrt(d)))
+    drop = f"{{rate = {rate!r} : f64, seed = 5 : i64, salt = 2 : i64}}"
+    whole = '#dist.layout<"[0]: dup=1">'
+    lines = [f'%{x} = graph.input "{x}" {{global_type = tensor<{b}x{t}x{d}xf32, {whole}>}} : {ty}'
+             for x in ("q", "k", "v", "do")]
+    lines += [f'%step = graph.input "step" {{global_type = tensor<i64, {whole}>}} : tensor<i64>',
+              f"%kt = graph.transpose %k {perm} : ({ty}) -> {kt}",
+              f"%s = graph.matmul %q, %kt : ({ty}, {kt}) -> {ss}",
+              f"%ss = graph.scale %s {{factor = {scale} : f64}} : ({ss}) -> {ss}"]
+    if causal:
+        lines.append(f"%m = graph.causal_mask %ss {{value = 0xFFF0000000000000 : f64}} : ({ss}) -> {ss}")
+    lines.append(f"%p = graph.softmax %{'m' if causal else 'ss'} {{dim = 2 : i64}} : ({ss}) -> {ss}")
+    pd, dp = ("pd", "dp") if rate else ("p", "dpd")
+    if rate:
+        lines.append(f"%pd = graph.dropout %p, %step {drop} : ({ss}, tensor<i64>) -> {ss}")
+    lines += [f"%o = graph.matmul %{pd}, %v : ({ss}, {ty}) -> {ty}",
+              f"%vt = graph.transpose %v {perm} : ({ty}) -> {kt}",
+              f"%dpd = graph.matmul %do, %vt : ({ty}, {kt}) -> {ss}",
+              f"%pt = graph.transpose %{pd} {perm} : ({ss}) -> {ss}",
+              f"%dv = graph.matmul %pt, %do : ({ss}, {ty}) -> {ty}"]
+    if rate:
+        lines.append(f"%dp = graph.dropout %dpd, %step {drop} : ({ss}, tensor<i64>) -> {ss}")
+    lines.append(f"%ds = graph.softmax_grad %p, %{dp} {{dim = 2 : i64}} : ({ss}, {ss}) -> {ss}")
+    if causal:
+        lines.append(f"%dm = graph.causal_mask %ds {{value = 0.000000e+00 : f64}} : ({ss}) -> {ss}")
+    lines += [f"%dsc = graph.scale %{'dm' if causal else 'ds'} {{factor = {scale} : f64}} : ({ss}) -> {ss}",
+              f"%ktt = graph.transpose %kt {perm} : ({kt}) -> {ty}",
+              f"%dq = graph.matmul %dsc, %ktt : ({ss}, {ty}) -> {ty}",
+              f"%qt = graph.transpose %q {perm} : ({ty}) -> {kt}",
+              f"%dkt = graph.matmul %qt, %dsc : ({kt}, {ss}) -> {kt}",
+              f"%dk = graph.transpose %dkt {perm} : ({kt}) -> {ty}"]
+    lines += [f'graph.output "{x}", %{x} : {ty}' for x in ("o", "dq", "dk", "dv")]
+    body = "\n    ".join(lines)
+    return f"builtin.module {{\n  func.func @train_step() {{\n    {body}\n    func.return\n  }}\n}}\n"
+
+
+@needs_compiler
+@pytest.mark.parametrize("causal,rate", [(True, 0.0), (False, 0.0), (False, 0.25), (True, 0.25)])
+def test_the_pass_keeps_the_programs_numbers(causal, rate):
+    """Causal or not (an encoder's attention: the kernels with the mask off), with dropout or
+    not: the program with the fused kernels gives the unfused program's values, on the CPU plan
+    and on the emulated device."""
+    from hspmd.compiler import run_passes
+    from hspmd.dialects.context import parse_module
+
+    plain = parse_module(_attention_ir(causal, rate))
+    run_passes(plain, "fuse-kernels,device-kernels")
+    flash = plain.clone()
+    assert flash_attention_module(flash) == 1
+    (op,) = _ops(flash, "graph.flash_attention")
+    assert op.causal.value.data == int(causal) and op.rate.value.data == rate
+    assert not [o for o in flash.walk() if o.name == "graph.matmul"]
+    rng = np.random.default_rng(1)
+    inputs = {x: rng.standard_normal((3, 9, 8)).astype(np.float32) for x in ("q", "k", "v", "do")}
+    inputs["step"] = np.array(4, np.int64)
+    (comm,) = InProcessCommunicator.create_world(1)
+    want = build_plan(_step(plain), 0, comm).run({}, inputs)
+    for plan in (build_plan(_step(flash), 0, comm), build_device_plan(_step(flash), 0, EmulatedDevice())):
+        got = plan.run({}, inputs)
+        for name in ("o", "dq", "dk", "dv"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
