@@ -123,7 +123,7 @@ def test_the_kernels_give_attention_written_out(lead, t, d, causal, rate, kt):
 
 
 @needs_compiler
-@pytest.mark.parametrize("d,rate", [(16, 0.1), (32, 0.0)])
+@pytest.mark.parametrize("d,rate", [(16, 0.1)])
 def test_blocks_of_several_threads_give_the_same_numbers(d, rate):
     """The GPU's algorithm as written: barriers between the tiles, threads striding over them."""
     lead, t = (1, 2), 45
@@ -251,7 +251,7 @@ def test_running_the_pass_twice_changes_nothing(programs):
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", ["gpt-dropout", "gpt-one-layer", "llama"])  # MoE's attention: as GPT's of one layer
 def test_the_emulated_gpu_gives_the_cpu_backends_losses(programs, name):
     script, compiled, fused, _, flash = programs[name]
     (comm,) = InProcessCommunicator.create_world(1)
@@ -345,7 +345,7 @@ def test_a_gpu_step_with_flash_attention_gives_the_cpu_backends_losses(gpu, prog
 # ----------------------------------------------------------------------------- the pass on written IR
 
 
-def _attention_ir(causal: bool, rate: float, b: int = 3, t: int = 9, d: int = 8) -> str:
+def _attention_ir(causal: bool, rate: float, b: int = 3, t: int = 9, d: int = 8, bwd_drop: str = "") -> str:
     """Attention forward and backward in one function, as autodiff writes it, with inputs and outputs."""
     ty = f"tensor<{b}x{t}x{d}xf32>"
     ss, kt = f"tensor<{b}x{t}x{t}xf32>", f"tensor<{b}x{d}x{t}xf32>"
@@ -355,7 +355,8 @@ def _attention_ir(causal: bool, rate: float, b: int = 3, t: int = 9, d: int = 8)
     whole = '#dist.layout<"[0]: dup=1">'
     lines = [f'%{x} = graph.input "{x}" {{global_type = tensor<{b}x{t}x{d}xf32, {whole}>}} : {ty}'
              for x in ("q", "k", "v", "do")]
-    lines += [f'%step = graph.input "step" {{global_type = tensor<i64, {whole}>}} : tensor<i64>',
+    lines += [f'%{x} = graph.input "{x}" {{global_type = tensor<i64, {whole}>}} : tensor<i64>' for x in ("step", "step2")]
+    lines += [
               f"%kt = graph.transpose %k {perm} : ({ty}) -> {kt}",
               f"%s = graph.matmul %q, %kt : ({ty}, {kt}) -> {ss}",
               f"%ss = graph.scale %s {{factor = {scale} : f64}} : ({ss}) -> {ss}"]
@@ -370,8 +371,10 @@ def _attention_ir(causal: bool, rate: float, b: int = 3, t: int = 9, d: int = 8)
               f"%dpd = graph.matmul %do, %vt : ({ty}, {kt}) -> {ss}",
               f"%pt = graph.transpose %{pd} {perm} : ({ss}) -> {ss}",
               f"%dv = graph.matmul %pt, %do : ({ss}, {ty}) -> {ty}"]
-    if rate:
-        lines.append(f"%dp = graph.dropout %dpd, %step {drop} : ({ss}, tensor<i64>) -> {ss}")
+    if rate:  # `bwd_drop`: the backward's dropout is another one (another step, another salt)
+        step2 = "%step2" if bwd_drop == "step" else "%step"
+        drop2 = drop.replace("salt = 2", "salt = 3") if bwd_drop == "salt" else drop
+        lines.append(f"%dp = graph.dropout %dpd, {step2} {drop2} : ({ss}, tensor<i64>) -> {ss}")
     lines.append(f"%ds = graph.softmax_grad %p, %{dp} {{dim = 2 : i64}} : ({ss}, {ss}) -> {ss}")
     if causal:
         lines.append(f"%dm = graph.causal_mask %ds {{value = 0.000000e+00 : f64}} : ({ss}) -> {ss}")
@@ -404,10 +407,21 @@ def test_the_pass_keeps_the_programs_numbers(causal, rate):
     assert not [o for o in flash.walk() if o.name == "graph.matmul"]
     rng = np.random.default_rng(1)
     inputs = {x: rng.standard_normal((3, 9, 8)).astype(np.float32) for x in ("q", "k", "v", "do")}
-    inputs["step"] = np.array(4, np.int64)
+    inputs["step"] = inputs["step2"] = np.array(4, np.int64)
     (comm,) = InProcessCommunicator.create_world(1)
     want = build_plan(_step(plain), 0, comm).run({}, inputs)
     for plan in (build_plan(_step(flash), 0, comm), build_device_plan(_step(flash), 0, EmulatedDevice())):
         got = plan.run({}, inputs)
         for name in ("o", "dq", "dk", "dv"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("other", ["step", "salt"])
+def test_a_backward_with_another_dropout_stays_unfused(other):
+    from hspmd.compiler import run_passes
+    from hspmd.dialects.context import parse_module
+
+    module = parse_module(_attention_ir(True, 0.25, bwd_drop=other))
+    run_passes(module, "fuse-kernels,device-kernels")
+    assert flash_attention_module(module) == 0
+    assert [o for o in module.walk() if o.name == "graph.matmul"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import Float32Type, ModuleOp, TensorType
-from xdsl.ir import Block, Operation, SSAValue
+from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, kernel
@@ -277,6 +277,23 @@ def _single_use(v: SSAValue) -> Operation | None:
     return uses[0].operation if len(uses) == 1 else None
 
 
+def _same_step(fwd: _Forward, step: SSAValue | None, link: _Link | None) -> bool:
+    """Return whether the backward's dropout step `step` is the forward's: the same value, the
+    forward's as a residual, or arguments that the callers feed with one value in the same way."""
+    if fwd.step is None or step is None:
+        return fwd.step is step
+    if link is None:
+        return fwd.step is step
+    if _image(fwd.step, fwd, link) is step:  # the forward hands its step over as a residual
+        return True
+    a, b = fwd.step, step
+    if not (isinstance(a, BlockArgument) and isinstance(b, BlockArgument)):
+        return False
+    i, j = a.index, b.index
+    return (link.fwd.operands[i] is link.bwd.operands[j]
+            and _stacked_arg(link.fwd, i) == _stacked_arg(link.bwd, j))
+
+
 def _match_backward(fwd: _Forward, fn: func.FuncOp, link: _Link | None) -> _Backward | None:
     p, pd, q, kt, v = (_image(x, fwd, link) for x in (fwd.p, fwd.pd, fwd.q, fwd.kt, fwd.v))
     if p is None or pd is None or q is None or kt is None or v is None:
@@ -286,7 +303,7 @@ def _match_backward(fwd: _Forward, fn: func.FuncOp, link: _Link | None) -> _Back
         if use.index != 0 or _chain_two(sg) is None:
             continue
         found = _match_from_softmax_grad(fwd, fn, sg, pd, q, kt, v)
-        if found is not None:
+        if found is not None and _same_step(fwd, found.step, link):
             return found
     return None
 
