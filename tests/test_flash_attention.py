@@ -36,21 +36,27 @@ from hspmd.transforms.flash_attention import flash_attention_module
 needs_compiler = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="no C++ compiler")
 
 
-def flash_module(lead, t, d, *, causal, rate, kt, seed=7, salt=3):
+def flash_module(lead, t, d, *, causal, rate, kt, seed=7, salt=3, heads_inside=False):
     """Return a module of one function running the forward and the backward kernels (after
-    `device-kernels`), and the two kernel.fused ops."""
+    `device-kernels`), and the two kernel.fused ops; `heads_inside`: the backward reads o as
+    [B, T, H, D]."""
     from hspmd.transforms.device_kernels import device_module
 
     qt = TensorType(f32, [*lead, t, d])
     kty = TensorType(f32, [*lead, d, t] if kt else [*lead, t, d])
-    types = [qt, kty, qt, qt, qt, TensorType(f32, [*lead, t])] + ([TensorType(i64, [])] if rate else [])
+    ot = TensorType(f32, [lead[0], t, lead[1], d]) if heads_inside else qt
+    types = [qt, kty, qt, ot, qt, TensorType(f32, [*lead, t])] + ([TensorType(i64, [])] if rate else [])
     block = Block(arg_types=types)
     q, k, v, o, do, lse, *step = block.args
     kw = {"scale": 1 / np.sqrt(d), "causal": causal, "k_transposed": kt, "rate": rate, "seed": seed, "salt": salt}
     fwd = FlashAttentionOp(q, k, v, step[0] if step else None, **kw)
-    bwd = FlashAttentionGradOp(q, k, v, o, do, lse, step[0] if step else None, **kw)
-    block.add_ops([fwd, bwd, func.ReturnOp(*fwd.results, *bwd.results)])
-    fn = func.FuncOp("f", (types, [r.type for r in (*fwd.results, *bwd.results)]), Region(block))
+    bwd = FlashAttentionGradOp(q, k, v, o, do, lse, step[0] if step else None, o_heads_inside=heads_inside, **kw)
+    block.add_ops([fwd, bwd, func.ReturnOp(*fwd.results, *bwd.results)] if not heads_inside else
+                  [bwd, func.ReturnOp(*bwd.results)])
+    results = [*fwd.results, *bwd.results] if not heads_inside else list(bwd.results)
+    if heads_inside:
+        fwd.erase()
+    fn = func.FuncOp("f", (types, [r.type for r in results]), Region(block))
     module = ModuleOp([fn])
     device_module(module)
     module.verify()
@@ -143,13 +149,14 @@ def test_blocks_of_several_threads_give_the_same_numbers(d, rate):
 
 
 @needs_compiler
-def test_the_kernels_follow_their_ops_numpy_kernels_on_any_operands():
+@pytest.mark.parametrize("heads_inside", [False, True])
+def test_the_kernels_follow_their_ops_numpy_kernels(heads_inside):
     """What tests/test_gpu_cuda.py checks of every kernel of a device program: the ops' NumPy
-    kernels on sampled operands (an o and lse not from the forward: the backward still follows
-    its definition)."""
+    kernels on the operands the ops sample (the backward's o and lse the forward's; o also as
+    [B, T, H, D])."""
     from hspmd.runtime.kernel_exec import sample_operands
 
-    module, ops = flash_module((2, 2), 21, 16, causal=True, rate=0.1, kt=True)
+    module, ops = flash_module((2, 3), 21, 16, causal=True, rate=0.1, kt=True, heads_inside=heads_inside)
     lib = cpu_compile.load_library(build_program(module))
     rng = np.random.default_rng(0)
     for op in ops:

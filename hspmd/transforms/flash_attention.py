@@ -18,8 +18,10 @@ and its backward (in the same function, or in the backward function that a `grap
 and replaces them by `graph.flash_attention` (o and the rows' logsumexp) and
 `graph.flash_attention_grad` (dq, dk, dv), each then given its kernel as `device-kernels` does.
 Between a forward and a backward function the residuals p and pd ([..., T, T] each) leave the
-scans (or calls); o and the logsumexp ([..., T, D] and [..., T]) join them, and k takes the
-place of k^T where the forward had it written out for the backward only. The T x T scores and
+scans (or calls); the logsumexp ([..., T]) joins them, and o ([..., T, D]) too unless the layer
+keeps it already with its heads moved inside (attention's output before the projection, whose
+weight gradient reads it: the backward kernel reads o in that layout); k takes the place of k^T
+where the forward had it written out for the backward only. The T x T scores and
 probabilities are never written.
 
 What the chain must be: float32, q, k, v of one shape [..., T, D] with D <= 128 (the kernels'
@@ -490,6 +492,33 @@ def _erase_dead(ops: list[Operation]) -> None:
         work += [f for f in feeders if f is not None]
 
 
+def _heads_inside_residual(o: SSAValue, fwd: _Forward, link: _Link, block: Block,
+                           before: Operation) -> SSAValue | None:
+    """Return o [B, H, T, D] as the backward function already has it: the residual of o with its
+    heads moved inside ([B, T, H, D], or that merged into [B, T, H * D], which the layer keeps for
+    its projection's weight gradient), seen as [B, T, H, D] (a view put before `before`); None
+    where there is no such residual."""
+    shape = _shape(o)
+    if len(shape) != 4:
+        return None
+    b, h, t, d = shape
+    for use in o.uses:
+        ms = _chain(use.operation, ["graph.transpose"])
+        if not ms or list(ms[0].perm.get_values()) != [0, 2, 1, 3]:  # type: ignore[attr-defined]
+            continue
+        moved = use.operation.results[0]
+        for x in (moved, *(u.operation.results[0] for u in moved.uses if u.operation.name == "graph.reshape")):
+            seen = _image(x, fwd, link)
+            if seen is None or _shape(seen) not in ((b, t, h, d), (b, t, h * d)):
+                continue
+            if _shape(seen) == (b, t, h, d):
+                return seen
+            view = graph.ReshapeOp(seen, TensorType(o.type.element_type, [b, t, h, d]))  # type: ignore[attr-defined]
+            block.insert_op_before(view, before)
+            return view.result
+    return None
+
+
 def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> None:
     # the images of the forward's values in the backward function, before the scans change
     p_pd = [_image(x, fwd, link) for x in (fwd.p, fwd.pd)]
@@ -499,10 +528,17 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
     flash = FlashAttentionOp(fwd.q, fwd.k, fwd.v, fwd.step, k_transposed=fwd.k_transposed, **props)
     fwd.fn.body.block.insert_op_before(flash, fwd.pv)
     fwd.pv.results[0].replace_all_uses_with(flash.o)
-    o, lse = (flash.o, flash.lse) if link is None else (_add_residual(flash.o, fwd.fn, link),
-                                                         _add_residual(flash.lse, fwd.fn, link))
-    grad = FlashAttentionGradOp(bwd.q, bwd.kt, bwd.v, o, bwd.do, lse, bwd.step, k_transposed=True, **props)
     block: Block = bwd.fn.body.block
+    heads_inside = False
+    if link is None:
+        o, lse = flash.o, flash.lse
+    else:
+        o = _heads_inside_residual(flash.o, fwd, link, block, bwd.first)
+        heads_inside = o is not None
+        o = o if o is not None else _add_residual(flash.o, fwd.fn, link)
+        lse = _add_residual(flash.lse, fwd.fn, link)
+    grad = FlashAttentionGradOp(bwd.q, bwd.kt, bwd.v, o, bwd.do, lse, bwd.step, k_transposed=True,
+                                o_heads_inside=heads_inside, **props)
     block.insert_op_before(grad, bwd.first)
     bwd.dq.replace_all_uses_with(grad.dq)
     bwd.dv.replace_all_uses_with(grad.dv)

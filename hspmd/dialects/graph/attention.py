@@ -17,7 +17,9 @@ to; the CUDA C is `cuda_kernel` below, run under `cuda_emu.h` on the CPU and by 
 GPU.
 
 Shapes: q, v, o [..., T, D]; k [..., T, D], or [..., D, T] with `k_transposed` (the residual a
-GEMM's transpose flag left behind); lse [..., T] (float32); the leading dims are one batch of
+GEMM's transpose flag left behind); the backward's o may be [B, T, H, D] for q [B, H, T, D]
+(`o_heads_inside`: the layout attention's output takes before its heads merge, which the layer
+keeps anyway for its projection's gradient); lse [..., T] (float32); the leading dims are one batch of
 B x H heads. The tiles are sized per head dim so that a block's static shared memory stays under
 48 KiB (sm_80 and sm_90 without opting in to more): D <= 128.
 """
@@ -107,6 +109,8 @@ def flash_attention_grad_values(op, q, k, v, o, do, lse, step=None):
     o and lse of `graph.flash_attention` these are attention's gradients."""
     *lead, t, d = q.shape
     n = int(np.prod(lead, dtype=np.int64))
+    if op.o_heads_inside.value.data:  # o [B, T, H, D]: as q's [B, H, T, D]
+        o = np.swapaxes(o, -2, -3)
     q64, v64, o64, do64 = (x.reshape(n, t, d).astype(np.float64) for x in (q, v, o, do))
     k64 = k.reshape(n, *k.shape[-2:]).astype(np.float64)
     if op.k_transposed.value.data:
@@ -240,7 +244,7 @@ _BWD_DOT = """\
 // {name}_dot: the rows' dO . O
 HS_KERNEL void {name}_dot({params}) {
   HS_FOR(i, n0) {
-    const float* oi = in3 + i * {d}L;
+    const float* oi = in3 + {orow};
     const float* gi = in4 + i * {d}L;
     float acc = 0.0f;
     for (int c = 0; c < {d}; ++c) acc += gi[c] * oi[c];
@@ -496,6 +500,8 @@ class _FlashFacts(IRDLOperation):
         if isinstance(self, FlashAttentionOp):
             return [q, kin, v, *step]
         o, lse = flash_attention_values(self, q, kin, v, *step)
+        if self.o_heads_inside.value.data:
+            o = np.ascontiguousarray(np.swapaxes(o, -2, -3))
         return [q, kin, v, o, do, lse, *step]
 
     def dims(self) -> tuple[int, int, int]:
@@ -600,19 +606,26 @@ class FlashAttentionGradOp(_FlashFacts):
     dq = result_def(TensorType)
     dk = result_def(TensorType)
     dv = result_def(TensorType)
+    #: 1: o is [B, T, H, D] (heads inside the sequence, as attention's output is before its heads
+    #: merge), q [B, H, T, D]; 0: o is laid out as q
+    o_heads_inside = prop_def(IntegerAttr[I64])
     NO_VJP: ClassVar[str] = "a gradient op"
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, o: SSAValue, do: SSAValue, lse: SSAValue,
                  step: SSAValue | None, *, scale: float, causal: bool, k_transposed: bool = False, rate: float = 0.0,
-                 seed: int = 0, salt: int = 0):
+                 seed: int = 0, salt: int = 0, o_heads_inside: bool = False):
+        props = self.props(scale, causal, k_transposed, rate, seed, salt)
         super().__init__(operands=[q, k, v, o, do, lse, [step] if step is not None else []],
                          result_types=[q.type, q.type, q.type],
-                         properties=self.props(scale, causal, k_transposed, rate, seed, salt))
+                         properties={**props, "o_heads_inside": int_attr(int(o_heads_inside))})
 
     def verify_(self) -> None:
         self.check()
         q = tensor_shape(self.q)
-        if tensor_shape(self.o) != q or tensor_shape(self.do) != q or tensor_shape(self.lse) != q[:-1]:
+        o = (q[0], q[2], q[1], q[3]) if self.o_heads_inside.value.data and len(q) == 4 else q
+        if self.o_heads_inside.value.data and len(q) != 4:
+            raise VerifyException(f"'{self.name}': o [B, T, H, D] needs q [B, H, T, D], got {list(q)}")
+        if tensor_shape(self.o) != o or tensor_shape(self.do) != q or tensor_shape(self.lse) != q[:-1]:
             raise VerifyException(f"'{self.name}': o, do or lse do not fit q {list(q)}")
 
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
@@ -623,6 +636,11 @@ class FlashAttentionGradOp(_FlashFacts):
         bh, t, d = self.dims()
         tl = tiles(d)
         parts["nkb"] = str(-(-t // tl["bkv"]))
+        if self.o_heads_inside.value.data:  # o [B, T, H, D]: row i = (b H + h) T + t of q is o's (b T + t) H + h
+            heads = tensor_shape(self.q)[-3]
+            parts["orow"] = (f"(((i / {t}L) / {heads}L * {t}L + i % {t}L) * {heads}L + (i / {t}L) % {heads}L) * {d}L")
+        else:
+            parts["orow"] = f"i * {d}L"
         parts["nqb3"] = str(-(-t // tl["bq3"]))
         params = ", ".join(kernel_params(self, scratch=1)).replace("T* scratch", "float* scratch")
         entry = _ENTRY.replace("{dropentry}", parts["dropentry"])
