@@ -173,7 +173,7 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
         raise ValueError("team > 1 needs a library built with team=True (build_program(module, team=True))")
     in_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.inputs]
     out_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.outputs]
-    t = np.dtype({"f32": "float32", "f64": "float64"}[op.dtype.data])
+    t = np.dtype("float64" if op.dtype.data == "f64" else "float32")  # scratch: the compute type
     scratch = op.scratch_sizes
     launches = [(lib.function(fname), n0, n1) for _, fname, n0, n1 in op.launch_list]
     nptr = len(in_types) + len(out_types) + len(scratch)

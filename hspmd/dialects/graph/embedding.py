@@ -175,7 +175,7 @@ class EmbeddingOp(TensorOp):
             raise rank_dependent(self)
         vocab, dim = tensor_shape(self.table)
         body = (f"const long id = (long)in1[i / {dim}L];\n"
-                f"    out0[i] = (id >= 0 && id < {vocab}L) ? in0[id * {dim}L + i % {dim}L] : (T)HS_NAN;")
+                f"    out0[i] = (id >= 0 && id < {vocab}L) ? (T)in0[id * {dim}L + i % {dim}L] : (T)HS_NAN;")
         return flat_kernel(name, self, c_type(self.result.type), body)
 
 
