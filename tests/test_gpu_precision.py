@@ -163,6 +163,15 @@ def test_16_bit_steps_on_the_emulated_gpu_follow_the_cpu(script_name, overrides,
     np.testing.assert_allclose(gpu, full, rtol=2e-2)
 
 
+@pytest.mark.skipif(not nvrtc_status()[0], reason="NVRTC is not installed")
+@pytest.mark.parametrize("script_name, precision", [("gpt.py", "bfloat16"), ("llama.py", "float16")])
+def test_nvrtc_compiles_every_16_bit_kernel_for_sm80_and_sm90(script_name, precision):
+    script = load_script(os.path.join(EXAMPLES, script_name), {"precision": precision, "model.layers": 2})
+    ((_, module),) = compile_script(script, "[0]: dp=1", 1).device_groups()
+    assert "hs_bf16" in str(module) or "hs_half" in str(module)
+    assert all(size > 0 for size in check_module(module).values())
+
+
 def test_a_16_bit_op_without_a_gpu_kernel_is_a_compile_time_error():
     """MoE's router in bfloat16 is a row kernel, and row kernels take float32 and float64 only:
     compiling it for a GPU names the op and why (never a host fallback)."""
