@@ -31,7 +31,7 @@ from hspmd.codegen.emit_cuda import C_FLOAT, c_type
 from hspmd.codegen.schedule.chains import leading_chunks, trailing_broadcasts
 from hspmd.dialects import kernel
 from hspmd.ir.types import dtype_name
-from hspmd.runtime import native
+from hspmd.runtime.cpu import native
 
 BACKENDS = ("numpy", "cpu", "cuda")
 _SAID: set[str] = set()
