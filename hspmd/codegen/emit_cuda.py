@@ -203,26 +203,31 @@ def row_extents(op: Operation) -> tuple[int, int]:
     return math.prod(s[:-1]), s[-1]
 
 
-def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> KernelCode:
+def emit_row(name: str, op: Operation, prologue: Prologue | None = None, reduced: bool = False) -> KernelCode:
     """Return the kernel of row op `op` from its `cuda_row` template (EmitError where its form is
     not handled); with a `prologue`, the kernel computes the op's first operand from the
     prologue's inputs where it reads it (its operands are then the prologue's inputs and the
-    op's other operands)."""
+    op's other operands). With `reduced` (a GPU program), an op on bfloat16 or float16 too: its
+    pointers point to the 16-bit type, its values are floats (no scratch, no prologue)."""
     if not is_row_op(op):
         raise EmitError(f"no row emitter for '{op.name}'")
-    dtype = float_kind(op.operands[0].type)
-    if dtype is None:  # a row template's pointers are of its compute type T: no 16-bit floats
-        kind = float_kind(op.operands[0].type, reduced=True)
-        raise EmitError(f"its row kernel takes float32 and float64 only, not {kind}" if kind else f"'{op.name}' is not f32/f64")
+    dtype = float_kind(op.operands[0].type, reduced)
+    if dtype is None:
+        raise EmitError(f"'{op.name}' is not f32/f64")
     t = C_FLOAT[dtype]
     rows, cols = row_extents(op)
     code = op.cuda_row(RowKernel(name, t, rows, cols, prologue))  # type: ignore[attr-defined]
     src = code.source
     for w in op.operands[1:]:
-        if float_kind(w.type) not in (None, dtype):
+        if float_kind(w.type, reduced) not in (None, dtype):
             raise EmitError(f"'{op.name}' mixes float types")
+    if dtype in C_STORAGE:  # 16-bit floats: the template's pointers point to them, its values are floats
+        if code.scratch or prologue is not None:
+            raise EmitError(f"its row kernel takes no {dtype} scratch or prologue")
+        src = re.sub(r"\bT(\s*\*)", C_STORAGE[dtype] + r"\1", src)
     if prologue is None:
-        src = src.replace("XPARAM", "const T* __restrict__ x").replace("XDECL", "const T* xr = x + r * cols;")
+        ptr = C_STORAGE.get(dtype, "T")
+        src = src.replace("XPARAM", f"const {ptr}* __restrict__ x").replace("XDECL", f"const {ptr}* xr = x + r * cols;")
         src = src.replace("XLOAD[", "xr[")
     else:
         if not takes_prologue(op) or shape(prologue.output) != shape(op.operands[0]):

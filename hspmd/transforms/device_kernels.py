@@ -106,7 +106,7 @@ def device_kernel(op: Operation) -> KernelCode:
     own = getattr(op, "cuda_kernel", None)
     if is_row_op(op):
         try:
-            return emit_row(KERNEL_NAME, op)
+            return emit_row(KERNEL_NAME, op, reduced=True)
         except EmitError:
             if not callable(own):
                 raise
