@@ -25,7 +25,8 @@ print("missing python modules:", ", ".join(missing) if missing else "none")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "== gpu-marked tests"
-timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py tests/test_flash_attention.py 2>&1 | tail -25
+timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py tests/test_gpu_precision.py tests/test_gpu_profile.py \
+  tests/test_flash_attention.py 2>&1 | tail -25
 echo "== hspmd run --device cuda (20 steps) against --device cpu"
 t=$(mktemp -d)
 timeout 120 python3 -m hspmd.cli.main run -n 1 examples/gpt.py --device cpu --steps 20 --log "$t/cpu.jsonl" >"$t/cpu.out" 2>&1

@@ -14,6 +14,7 @@ config = {
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
     "precision": "float32",  # or bfloat16 / float16 (float32 master weights)
     "loss_scale": None,  # static; None: 1024 for float16, else 1
+    "tf32": False,  # float32 products on TF32 tensor cores (a GPU run only)
     "microbatches": 1,  # with pp > 1: micro-batches per step, gradients summed
     "pipeline_schedule": "gpipe",  # or 1f1b
     "steps": 200,

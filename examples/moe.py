@@ -21,6 +21,7 @@ config = {
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
     "precision": "float32",
     "loss_scale": None,
+    "tf32": False,  # float32 products on TF32 tensor cores (a GPU run only)
     "microbatches": 1,
     "pipeline_schedule": "gpipe",
     "steps": 200,

@@ -9,7 +9,7 @@ import os as _os
 
 # OpenBLAS's threads busy-wait 2^28 cycles (about 0.1 s) after each product by default, taking a
 # core from whatever runs next: the fused kernels' helpers, and the two one-thread products of a
-# pair (`runtime/paired_matmul.py`), which then ran at half speed. 2^8 cycles: they sleep at
+# pair (`runtime/cpu/paired_matmul.py`), which then ran at half speed. 2^8 cycles: they sleep at
 # once. Read when NumPy's OpenBLAS loads, so only if NumPy is not imported yet; a value set in
 # the environment is kept.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")

@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from hspmd.frontend.optim import Optimizer
-from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, set_config, trace_script
+from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, set_config, tf32, trace_script
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
@@ -381,6 +381,7 @@ def _training_step(script: ModelScript, optimizer: Optimizer | bool,
                    stack: bool = False) -> tuple[ModuleOp, Optimizer | None]:
     """Return the script's logical training step (traced, [layers stacked,] differentiated, updated)
     and its optimizer."""
+    tf32(script.config)  # checked here, read by a GPU run's plan
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
     run_passes(logical, training_passes(opt, loss_scale(script), stack))

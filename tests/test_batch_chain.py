@@ -1,4 +1,4 @@
-"""Batch chains (`codegen/schedule/chains.py`, `runtime/batch_chain.py`, `runtime/native/chain.cpp`):
+"""Batch chains (`codegen/schedule/chains.py`, `runtime/cpu/batch_chain.py`, `runtime/cpu/native/chain.cpp`):
 causal attention's products and softmax run by slices of their batch give the bits of the steps
 one after the other; the schedule marks the chains and keeps their values' buffers alive to
 each chain's end; a hazard or a missing native library makes a chain run whole."""
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 from hspmd.codegen.schedule.chains import find_chains, leading_chunks
-from hspmd.runtime import batch_chain, native
+from hspmd.runtime.cpu import batch_chain, native
 
 from conftest import gpt_cpu_step, train_plan
 

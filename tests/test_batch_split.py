@@ -1,4 +1,4 @@
-"""Batches of small products by halves on two threads (`runtime/batch_split.py`): the same bits as
+"""Batches of small products by halves on two threads (`runtime/cpu/batch_split.py`): the same bits as
 one `np.matmul` call, BLAS's thread count restored, nothing split where BLAS has one thread."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
-from hspmd.runtime.batch_split import BatchSplit, small_batched
-from hspmd.runtime.triangular_matmul import triangular_matmul
+from hspmd.runtime.cpu.batch_split import BatchSplit, small_batched
+from hspmd.runtime.cpu.triangular_matmul import triangular_matmul
 
 
 def _attention_operands(rng, dtype=np.float32):

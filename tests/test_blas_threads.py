@@ -1,4 +1,4 @@
-"""BLAS threads chosen by measurement (`hspmd.runtime.blas_threads`)."""
+"""BLAS threads chosen by measurement (`hspmd.runtime.cpu.blas_threads`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from hspmd.runtime.blas_threads import BlasThreads
+from hspmd.runtime.cpu.blas_threads import BlasThreads
 
 
 def _blas_threads() -> int:

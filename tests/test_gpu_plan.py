@@ -187,18 +187,19 @@ def test_device_arrays_read_as_host_arrays():
 
 
 def test_an_op_without_a_gpu_kernel_is_a_compile_error_naming_it():
-    from hspmd.dialects.context import parse_module
+    """A layer norm's backward in bfloat16 (the frontend computes norms in float32, but IR may say
+    otherwise): its row kernel keeps per-row moments in scratch of its compute type, which a
+    16-bit row kernel does not take, so compiling it for a GPU fails naming the op and why,
+    never falling back to the host."""
+    from hspmd.dialects import graph
+    from hspmd.frontend.tracing import Tracer
 
-    module = parse_module("""
-builtin.module {
-  func.func @train_step() {
-    %x = graph.input "x" : tensor<4xbf16>
-    %y = graph.exp %x : (tensor<4xbf16>) -> tensor<4xbf16>
-    graph.output "y", %y : tensor<4xbf16>
-    func.return
-  }
-}""")
-    with pytest.raises(PassError, match="no GPU kernel for 'graph.exp' in @train_step"):
+    t = Tracer()
+    x, w, dy = t.input("x", (4, 8), "bfloat16"), t.input("w", (8,), "bfloat16"), t.input("dy", (4, 8), "bfloat16")
+    for i, v in enumerate(t.emit_all(graph.LayerNormGradOp(x.value, w.value, dy.value, 1e-5))):
+        t.output(f"g{i}", v)
+    module = t.finish()
+    with pytest.raises(PassError, match="no GPU kernel for 'graph.layer_norm_grad' in @.*no bf16 scratch"):
         run_passes(module, "device-kernels")
 
 

@@ -139,7 +139,7 @@ def test_the_pass_runs_from_hspmd_opt_names():
 
 
 @pytest.mark.parametrize("edit,message", [
-    ('dtype = "f32"', 'dtype = "f16"'),
+    ('dtype = "f32"', 'dtype = "i8"'),
     ('"elementwise k0_exp 32 0"', '"elementwise k0_exp x 0"'),
     ('"elementwise k0_exp 32 0"', '"elementwise nothere 32 0"'),
     ('"elementwise k0_exp 32 0"', '"sideways k0_exp 32 0"'),

@@ -1,4 +1,4 @@
-"""The runtime's own C++ library (`runtime/native.py`): the gradient's sum of squares in float64
+"""The runtime's own C++ library (`runtime/cpu/native.py`): the gradient's sum of squares in float64
 (clipping) within float64's rounding of NumPy's, its order of additions fixed whatever the
 threads; NumPy's kernel where it does not apply."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 from hspmd.codegen import cpu_compile
-from hspmd.runtime import native
+from hspmd.runtime.cpu import native
 
 pytestmark = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="needs a C++ compiler")
 

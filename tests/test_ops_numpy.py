@@ -18,7 +18,7 @@ import hspmd as hs
 from hspmd.frontend.tracing import Tracer
 from hspmd.dialects.levels import physical_groups
 from hspmd.dialects.graph import activations, embedding, positions, reductions
-from hspmd.runtime import native as native_module
+from hspmd.runtime.cpu import native as native_module
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
 from hspmd.compiler import annotate, to_physical

@@ -1,4 +1,4 @@
-"""Two large independent products at once, one BLAS thread each (`runtime/paired_matmul.py`):
+"""Two large independent products at once, one BLAS thread each (`runtime/cpu/paired_matmul.py`):
 the bits of the two calls one after the other, BLAS's thread count restored, a pair run one
 after the other where the second result shares memory with the first's operands, and a GPT
 step's parameters bit-identical with and without pairs."""
@@ -12,7 +12,7 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 
 from hspmd.dialects.graph.matmul import matmul_rhs_grad_values as matmul_rhs_grad
 from hspmd.dialects.graph.matmul import matmul_values as matmul
-from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
+from hspmd.runtime.cpu.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
 
 from conftest import gpt_cpu_step, train_plan
 

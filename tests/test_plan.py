@@ -233,7 +233,7 @@ def test_in_place_kernels_match_the_textbook_formulas(rows, cols, seed):
 
 def test_rows_by_blocks_on_threads_give_the_bits_of_one_call(monkeypatch):
     """Large row-wise kernels run by blocks of rows on threads: the same bits as one call."""
-    from hspmd.runtime import rows as rows_mod
+    from hspmd.runtime.cpu import rows as rows_mod
 
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(SMALL))
     compiled = compile_script(script, "[0]: dp=1", 1)

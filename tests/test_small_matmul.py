@@ -1,5 +1,5 @@
-"""Batches of small float32 products in one C++ call (`runtime/small_matmul.py`,
-`runtime/native/small_matmul.cpp`): NumPy's values to the dot product's rounding bound for any
+"""Batches of small float32 products in one C++ call (`runtime/cpu/small_matmul.py`,
+`runtime/cpu/native/small_matmul.cpp`): NumPy's values to the dot product's rounding bound for any
 shape, triangle, stride and thread count; NumPy's bits on attention's shapes; the same bits on one
 thread and two; NumPy's own products where it does not apply."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hspmd.codegen import cpu_compile
-from hspmd.runtime.small_matmul import TRIANGLE_CODES, SmallMatmul, library
+from hspmd.runtime.cpu.small_matmul import TRIANGLE_CODES, SmallMatmul, library
 
 pytestmark = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="needs a C++ compiler")
 

@@ -1,6 +1,6 @@
 """Causal attention's products on their non-zero blocks: the schedule's analysis finds the
 triangular operands (`codegen/schedule/triangular.py`) and the runtime's block products
-(`runtime/triangular_matmul.py`) give the full products' values, and their bits."""
+(`runtime/cpu/triangular_matmul.py`) give the full products' values, and their bits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.tracing import Tracer
 from hspmd.runtime.comm import InProcessCommunicator
 from hspmd.runtime.plan import build_plan
-from hspmd.runtime.triangular_matmul import TILE, triangular_matmul
+from hspmd.runtime.cpu.triangular_matmul import TILE, triangular_matmul
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-HEADERS = ("cuda_emu.h", "hs_common.cuh")
+HEADERS = ("cuda_emu.h", "hs_float16.cuh", "hs_common.cuh")
 
 
 class CompileError(Exception):
@@ -133,6 +133,7 @@ def library_text(sources: list[str], launches: list[LaunchSpec], team: bool = Fa
     src = "\n".join(sources)
     serial = (
         '#include "cuda_emu.h"\n'
+        '#include "hs_float16.cuh"\n'
         "namespace hs_serial {\n"
         "using hs_emu::blockIdx; using hs_emu::gridDim;\n"
         "static constexpr hs_dim3 threadIdx{0, 0, 0}, blockDim{1, 1, 1};\n"

@@ -54,6 +54,18 @@
 #define HS_EXPF(x) hs_cpu_expf(x)
 #define HS_TANHF(x) hs_cpu_tanhf(x)
 
+// a float's bits and back (hs_common.cuh's 16-bit float storage types are written with them)
+static inline unsigned hs_float_bits(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+static inline float hs_bits_float(unsigned u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
 struct hs_dim3 {
   unsigned x, y, z;
 };

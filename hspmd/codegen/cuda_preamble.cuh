@@ -20,6 +20,9 @@
 #define HS_SIMD
 // the columns of a row that a loop must visit: the first n (a causal softmax's unmasked ones)
 #define HS_LIVE_COLS(n, cols) ((n) < (cols) ? (n) : (cols))
+// a float's bits and back (hs_common.cuh's 16-bit float storage types are written with them)
+#define hs_float_bits(x) __float_as_uint(x)
+#define hs_bits_float(u) __uint_as_float(u)
 typedef int int32_t;
 typedef long long int64_t;
 typedef short int16_t;

@@ -25,6 +25,8 @@ from xdsl.ir import Operation, SSAValue
 from hspmd.dialects import graph
 from hspmd.dialects.cuda_c import (
     C_FLOAT,
+    C_ROUND,
+    C_STORAGE,
     EmitError,
     KernelCode,
     Prologue,
@@ -80,7 +82,10 @@ def _elementwise_body(
     members: list[Operation], inputs: list[SSAValue], outputs: list[SSAValue], t: str, cols: int
 ) -> tuple[list[str], list[str], dict[SSAValue, str]]:
     """Return (statements before the loop, statements per item, value names) computing
-    `members` at flat index `i` (= row `r` * `cols` + column `j` where an op needs them)."""
+    `members` at flat index `i` (= row `r` * `cols` + column `j` where an op needs them).
+
+    A result in a 16-bit float type is rounded to it where its op computes it (`hs_round_*`), so
+    a chain gives what its ops give one by one, stored and read back between them."""
     input_index = {v: k for k, v in enumerate(inputs)}
     names: dict[SSAValue, str] = {}
     pre: list[str] = []
@@ -107,6 +112,10 @@ def _elementwise_body(
         else:
             elementwise_expr(m, [names[v] for v in m.operands], t, body, outs)
         for res, nm in zip(m.results, outs):
+            kind = float_kind(res.type, reduced=True)
+            if kind in C_ROUND:
+                body.append(f"const {t} {nm}r = {C_ROUND[kind]}({nm});")
+                nm += "r"
             names[res] = nm
     missing = [v for v in outputs if v not in names]
     if missing:
@@ -141,7 +150,7 @@ def emit_elementwise(
     # no __restrict__: a runner may pass an operand's array as the result of the same index
     # (an in-place optimizer update), which is safe for a loop reading in[i] before out[i]
     params = [f"const {c_type(v.type)}* in{k}" for k, v in enumerate(inputs)]
-    params += [f"{t}* out{k}" for k in range(len(outputs))]
+    params += [f"{C_STORAGE.get(dtype, t) if ctype is None else t}* out{k}" for k in range(len(outputs))]
     params += ["long n0", "long n1"]
     pre, body, names = _elementwise_body(members, inputs, outputs, t, cols)
     for k, v in enumerate(outputs):
@@ -194,14 +203,15 @@ def row_extents(op: Operation) -> tuple[int, int]:
     return math.prod(s[:-1]), s[-1]
 
 
-def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> KernelCode:
+def emit_row(name: str, op: Operation, prologue: Prologue | None = None, reduced: bool = False) -> KernelCode:
     """Return the kernel of row op `op` from its `cuda_row` template (EmitError where its form is
     not handled); with a `prologue`, the kernel computes the op's first operand from the
     prologue's inputs where it reads it (its operands are then the prologue's inputs and the
-    op's other operands)."""
+    op's other operands). With `reduced` (a GPU program), an op on bfloat16 or float16 too: its
+    pointers point to the 16-bit type, its values are floats (no scratch, no prologue)."""
     if not is_row_op(op):
         raise EmitError(f"no row emitter for '{op.name}'")
-    dtype = float_kind(op.operands[0].type)
+    dtype = float_kind(op.operands[0].type, reduced)
     if dtype is None:
         raise EmitError(f"'{op.name}' is not f32/f64")
     t = C_FLOAT[dtype]
@@ -209,10 +219,15 @@ def emit_row(name: str, op: Operation, prologue: Prologue | None = None) -> Kern
     code = op.cuda_row(RowKernel(name, t, rows, cols, prologue))  # type: ignore[attr-defined]
     src = code.source
     for w in op.operands[1:]:
-        if float_kind(w.type) not in (None, dtype):
+        if float_kind(w.type, reduced) not in (None, dtype):
             raise EmitError(f"'{op.name}' mixes float types")
+    if dtype in C_STORAGE:  # 16-bit floats: the template's pointers point to them, its values are floats
+        if code.scratch or prologue is not None:
+            raise EmitError(f"its row kernel takes no {dtype} scratch or prologue")
+        src = re.sub(r"\bT(\s*\*)", C_STORAGE[dtype] + r"\1", src)
     if prologue is None:
-        src = src.replace("XPARAM", "const T* __restrict__ x").replace("XDECL", "const T* xr = x + r * cols;")
+        ptr = C_STORAGE.get(dtype, "T")
+        src = src.replace("XPARAM", f"const {ptr}* __restrict__ x").replace("XDECL", f"const {ptr}* xr = x + r * cols;")
         src = src.replace("XLOAD[", "xr[")
     else:
         if not takes_prologue(op) or shape(prologue.output) != shape(op.operands[0]):

@@ -24,7 +24,7 @@ class NvrtcError(Exception):
 
 def gpu_text(source: str) -> str:
     """Return the complete CUDA C text of a kernel source, as NVRTC or CuPy compile it."""
-    return (HERE / "cuda_preamble.cuh").read_text() + (HERE / "hs_common.cuh").read_text() + source
+    return "".join((HERE / h).read_text() for h in ("cuda_preamble.cuh", "hs_float16.cuh", "hs_common.cuh")) + source
 
 
 @functools.cache

@@ -17,10 +17,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from xdsl.dialects.builtin import Float32Type, Float64Type, IntegerType, TensorType
+from xdsl.dialects.builtin import BFloat16Type, Float16Type, Float32Type, Float64Type, IntegerType, TensorType
 from xdsl.ir import Operation, SSAValue
 
-C_FLOAT = {"f32": "float", "f64": "double"}
+#: the C type a kernel computes in, per float kind (16-bit floats are stored as such, computed in float)
+C_FLOAT = {"f32": "float", "f64": "double", "bf16": "float", "f16": "float"}
+#: the C storage type of a 16-bit float kind (`codegen/hs_float16.cuh`), and its rounding function
+C_STORAGE = {"bf16": "hs_bf16", "f16": "hs_half"}
+C_ROUND = {"bf16": "hs_round_bf16", "f16": "hs_round_half"}
+REDUCED = frozenset(C_STORAGE)
+COMPUTE_OF_STORAGE = {C_STORAGE[k]: C_FLOAT[k] for k in C_STORAGE}
 
 
 class EmitError(Exception):
@@ -71,23 +77,34 @@ class RowKernel:
         return [f"row {self.name} {self.rows} {self.cols}"]
 
 
-def float_kind(typ) -> str | None:
-    """Return "f32"/"f64" for a tensor of that element type, else None."""
+def float_kind(typ, reduced: bool = False) -> str | None:
+    """Return "f32"/"f64" for a tensor of that element type, else None; with `reduced`, also
+    "bf16"/"f16" (the GPU's kernels take 16-bit floats; the CPU's fused kernels do not, their
+    ops run per op in NumPy)."""
     if isinstance(typ, TensorType):
-        if isinstance(typ.element_type, Float32Type):
+        et = typ.element_type
+        if isinstance(et, Float32Type):
             return "f32"
-        if isinstance(typ.element_type, Float64Type):
+        if isinstance(et, Float64Type):
             return "f64"
+        if reduced and isinstance(et, BFloat16Type):
+            return "bf16"
+        if reduced and isinstance(et, Float16Type):
+            return "f16"
     return None
 
 
 def c_type(typ) -> str:
-    """Return the C element type of a tensor type (float, double, int32_t, int64_t)."""
+    """Return the C element type of a tensor type (float, double, hs_bf16, hs_half, int32_t, int64_t)."""
     et = typ.element_type
     if isinstance(et, Float32Type):
         return "float"
     if isinstance(et, Float64Type):
         return "double"
+    if isinstance(et, BFloat16Type):
+        return "hs_bf16"
+    if isinstance(et, Float16Type):
+        return "hs_half"
     if isinstance(et, IntegerType) and et.width.data in (8, 16, 32, 64):
         return f"int{et.width.data}_t"
     raise EmitError(f"no C type for {typ}")
@@ -125,8 +142,10 @@ def fill(template: str, **kw: str) -> str:
 
 
 def retype(src: str, t: str) -> str:
-    """Replace the template's type name T by `t` (whole words only)."""
-    return re.sub(r"\bT\b", t, src)
+    """Replace the template's type name T by `t` (whole words only): by the type a kernel computes
+    in, float where `t` is a 16-bit float storage type (its pointers keep that type, from
+    `kernel_params`; its values, sums and scratch are floats, rounded where they are stored)."""
+    return re.sub(r"\bT\b", COMPUTE_OF_STORAGE.get(t, t), src)
 
 
 # ----------------------------------------------------------------------------- standalone device kernels

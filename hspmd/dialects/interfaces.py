@@ -117,7 +117,7 @@ class KernelContext:
 
     `rank`: the rank running it (ops whose values depend on where a piece lies in the global
     tensor read their `global_type` layout with it: dropout, a split vocabulary, iota).
-    `native`: the runtime's compiled helpers (the module `hspmd.runtime.native`:
+    `native`: the runtime's compiled helpers (the module `hspmd.runtime.cpu.native`:
     `scatter_add_rows(out, index, rows) -> bool` and `sum_squares(x) -> float | None`, in one
     C++ pass each, which say False/None where the library is not built or the arrays do not
     fit), or None; a kernel that uses them keeps a NumPy path of its own. A dialect module

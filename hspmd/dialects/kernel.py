@@ -50,7 +50,7 @@ __all__ = ["Kernel", "FusedOp", "YieldOp", "LAUNCH_KINDS", "DTYPES"]
 #: what a launch can be: elementwise over N0 items, or one block per row of N0 x N1
 LAUNCH_KINDS = ("elementwise", "row")
 #: float types a generated kernel computes in, by the IR's spelling
-DTYPES = ("f32", "f64")
+DTYPES = ("f32", "f64", "bf16", "f16")
 
 
 def parse_launch(text: str) -> tuple[str, str, int, int]:

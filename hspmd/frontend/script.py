@@ -112,6 +112,10 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
     return ModelScript(os.path.abspath(path), module, config)
 
 
+#: top-level config keys `--set` takes even where a script does not declare them
+OPTIONAL_KEYS = ("tf32",)
+
+
 def set_config(config: dict, key: str, value) -> None:
     """Set the (dotted) `key` of a nested config dict; ScriptError if the key does not exist."""
     *path, last = key.split(".")
@@ -120,6 +124,9 @@ def set_config(config: dict, key: str, value) -> None:
         if not isinstance(node.get(part), dict):
             raise ScriptError(f"--set {key}: the script's config has no section '{'.'.join(path[: i + 1])}'")
         node = node[part]
+    if last not in node and not path and last in OPTIONAL_KEYS:
+        node[last] = value  # a key every script takes, declared or not
+        return
     if last not in node:
         where = f"section '{'.'.join(path)}'" if path else "config"
         raise ScriptError(f"--set {key}: the script's {where} has no key '{last}' (keys: {', '.join(sorted(node))})")
@@ -223,6 +230,17 @@ def precision(script: ModelScript) -> str | None:
         element_type(value)
     except TypeError as err:
         raise ScriptError(f"config precision={value!r}: {err} (bfloat16 needs the ml_dtypes package)") from None
+    return value
+
+
+def tf32(config: dict) -> bool:
+    """Return whether the config asks for float32 products on TF32 tensor cores (`tf32`: true or
+    false, default false; a GPU run's GEMMs only: the CPU has no TF32 and ignores it)."""
+    value = config.get("tf32", False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ScriptError(f"config tf32={value!r}: expected true or false")
     return value
 
 

@@ -31,7 +31,7 @@ from hspmd.codegen.emit_cuda import C_FLOAT, c_type
 from hspmd.codegen.schedule.chains import leading_chunks, trailing_broadcasts
 from hspmd.dialects import kernel
 from hspmd.ir.types import dtype_name
-from hspmd.runtime import native
+from hspmd.runtime.cpu import native
 
 BACKENDS = ("numpy", "cpu", "cuda")
 _SAID: set[str] = set()
@@ -179,7 +179,7 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
         raise ValueError("team > 1 needs a library built with team=True (build_program(module, team=True))")
     in_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.inputs]
     out_types = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.outputs]
-    t = np.dtype({"f32": "float32", "f64": "float64"}[op.dtype.data])
+    t = np.dtype("float64" if op.dtype.data == "f64" else "float32")  # scratch: the compute type
     scratch = op.scratch_sizes
     launches = [(lib.function(fname), n0, n1) for _, fname, n0, n1 in op.launch_list]
     nptr = len(in_types) + len(out_types) + len(scratch)

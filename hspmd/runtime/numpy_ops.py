@@ -2,7 +2,7 @@
 
 Every `graph` and `optim` op gives its own kernel beside its definition (`numpy_kernel`, see
 `hspmd/dialects/interfaces.py`); `kernel_for` makes it for one rank, with the runtime's compiled
-helpers (`hspmd.runtime.native`: the embedding gradient's scatter-add of rows, the clipping's sum
+helpers (`hspmd.runtime.cpu.native`: the embedding gradient's scatter-add of rows, the clipping's sum
 of squares) where the op's kernel can use them. The kernel is made once, when the plan is built,
 and is a function of the operand arrays (several results: a tuple), so no xDSL object is touched
 while steps run.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from xdsl.ir import Operation
 
 from hspmd.dialects.interfaces import HasNumpyKernel, KernelContext
-from hspmd.runtime import native
+from hspmd.runtime.cpu import native
 
 __all__ = ["kernel_for"]
 

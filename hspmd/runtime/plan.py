@@ -32,18 +32,19 @@ from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.kernel_facts import OutFacts
 from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.ir.init_spec import initial_value
-from hspmd.runtime import kernel_exec, native, rows
-from hspmd.runtime.batch_chain import Chain, tile_chains
-from hspmd.runtime.batch_split import BatchSplit, small_batched
-from hspmd.runtime.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
-from hspmd.runtime.blas_threads import BlasCount, BlasThreads
+from hspmd.runtime import kernel_exec
+from hspmd.runtime.cpu import native, rows
+from hspmd.runtime.cpu.batch_chain import Chain, tile_chains
+from hspmd.runtime.cpu.batch_split import BatchSplit, small_batched
+from hspmd.runtime.cpu.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
+from hspmd.runtime.cpu.blas_threads import BlasCount, BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
-from hspmd.runtime.small_matmul import SmallMatmul
+from hspmd.runtime.cpu.small_matmul import SmallMatmul
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
-from hspmd.runtime.triangular_matmul import triangular_matmul
+from hspmd.runtime.cpu.triangular_matmul import triangular_matmul
 
 # dialect name -> maker of the NumPy function that computes one of its ops on a given rank
 KERNELS: dict[str, Callable[[Operation, int], Callable]] = {

@@ -41,6 +41,10 @@ the share they really get:
   when run as the runtime runs buckets (non-blocking, a poll after each kernel): on CPU ranks
   the cores that move the bytes are the ones computing (`_bucket_overlap`).
 
+With `--device cuda` (`hspmd profile -n 1 --device cuda`) a rank's compute rates are its GPU's,
+measured through the GPU plan's device interface (`runtime/cuda/profile.py`: cuBLAS GEMMs up to
+4096^3, the device kernels of exp and softmax).
+
 Rank 0 gathers every rank's numbers and writes the JSON profile. `measure` is the whole
 measurement for one rank; `main` is the rank's entry point.
 """
@@ -388,15 +392,24 @@ def measuring_rounds(n: int) -> list[list[tuple[int, ...]]]:
     return rounds
 
 
-def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str = "") -> DeviceProfile | None:
+def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str = "",
+            device: str = "cpu") -> DeviceProfile | None:
     """Measure on every rank of `comm` at once; return the profile on rank 0 (None on the others).
 
     `reps`: repetitions of each message and collective (the best is kept); `seconds_per_point`:
-    how long each compute rate is measured; `cpu_bind` is recorded in the profile's meta.
+    how long each compute rate is measured; `cpu_bind` is recorded in the profile's meta;
+    `device` "cuda": each rank's compute rates are its GPU's (`runtime/cuda/profile.py`).
     """
     n, rank = comm.size, comm.rank
     comm.barrier()
-    rates = _compute(seconds_per_point)
+    if device == "cuda":
+        from hspmd.runtime.cuda.profile import device_rates
+        from hspmd.runtime.cuda.select import local_rank, open_device
+
+        gpu = open_device(local_rank(rank))
+        rates, where = device_rates(gpu, seconds_per_point), gpu.name
+    else:
+        rates, where = _compute(seconds_per_point), "cpu"
     comm.barrier()
     links: dict[tuple[int, int], Link] = {}
     for a in range(n):
@@ -421,22 +434,25 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
                 comm.barrier()
     fits = [_least(tries) for tries in measured.values()]
     overlap = _bucket_overlap(comm, reps, work) if n > 1 else 1.0
-    gathered = comm.mpi_comm.gather((rates, links, fits, platform.node()), root=0)
+    gathered = comm.mpi_comm.gather((rates, links, fits, platform.node(), where), root=0)
     if rank != 0:
         return None
     all_links: dict[tuple[int, int], Link] = {}
     all_fits: list[CollectiveFit] = []
-    for _, lk, fs, _ in gathered:
+    for _, lk, fs, _, _ in gathered:
         all_links.update(lk)
         all_fits += fs
     order = {g: i for i, g in enumerate(groups_measured(n))}
     all_fits.sort(key=lambda f: (order[f.group], COLLECTIVES.index(f.kind)))
     default = max(all_links.values(), key=lambda lk: lk.seconds(2 ** 20)) if all_links else Link(1e-6, 1e10)
     hosts = sorted({g[3] for g in gathered})
+    devices = sorted({g[4] for g in gathered} - {"cpu"})
+    on = f" on {', '.join(devices)}" if devices else ""
     return DeviceProfile(
         tuple(g[0] for g in gathered), default, all_links, tuple(all_fits),
-        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)})", bucket_overlap=overlap,
-        meta={"hosts": [g[3] for g in gathered], "reps": reps, "seconds_per_point": seconds_per_point,
+        source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)}){on}", bucket_overlap=overlap,
+        meta={"hosts": [g[3] for g in gathered], "devices": [g[4] for g in gathered], "reps": reps,
+              "seconds_per_point": seconds_per_point,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_bind": cpu_bind,
               "threads": os.environ.get("OMP_NUM_THREADS", "")},
     )
@@ -449,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cpu-bind", default="")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seconds-per-point", type=float, default=0.15)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args(argv)
     from hspmd.runtime.comm.mpi import MPICommunicator
 
@@ -456,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cpu_bind:
             bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
-        profile = measure(comm, args.reps, args.seconds_per_point, args.cpu_bind)
+        profile = measure(comm, args.reps, args.seconds_per_point, args.cpu_bind, args.device)
         if profile is not None:
             profile.save(args.out)
     except ProfileRunError as err:

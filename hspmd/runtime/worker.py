@@ -474,14 +474,17 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         raise RunError(f"{path}: the group's module has no @train_step function")
     try:
         gpu = open_device(local_rank(comm.rank))
-        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph)
+        # the script's `tf32` (checked when it was compiled): float32 products on TF32 tensor cores
+        use_tf32 = str(manifest.config.get("tf32", False)).lower() == "true"
+        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph, tf32=use_tf32)
     except (DeviceError, DevicePlanError) as err:
         raise RunError(str(err)) from None
     if comm.rank == 0 and not quiet:
         print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
               f"parameters, optimizer states, inputs and buffers {plan.buffer_bytes / 2**20:.1f} MiB reused by "
               f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
-              f"{len(plan.calls)} calls a step{', one CUDA graph' if cuda_graph else ''}", flush=True)
+              f"{len(plan.calls)} calls a step{', one CUDA graph' if cuda_graph else ''}"
+              f"{', float32 products on TF32 tensor cores' if use_tf32 else ''}", flush=True)
     gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
     return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
 

@@ -19,6 +19,11 @@ embedding's gather and its gradient, dropout's mask, a concat...). What stays as
 An op with no GPU kernel is a compile-time error naming it (a GPU run never falls back to the
 host): `PassError`. The GPU runtime (`hspmd/runtime/cuda/`) runs the result; the CPU build of
 the same kernels under `cuda_emu.h` runs it on an emulated device in tests.
+
+bfloat16 and float16 values are stored as such (`codegen/hs_float16.cuh`) and computed in float.
+Their elementwise chains, which the CPU runs op by op in NumPy, are fused here first, each op's
+result rounded to its type where the op computes it: a chain gives its ops' numbers without
+storing the values between them. Products of them are cuBLAS GEMMs on tensor cores.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from hspmd.codegen.emit_cuda import (
     shape,
 )
 from hspmd.dialects import graph, kernel
-from hspmd.transforms.fuse_kernels import KERNEL_NAME, KernelNamer, replace_with_kernel
+from hspmd.transforms.fuse_kernels import KERNEL_NAME, KernelNamer, fuse_elementwise, replace_with_kernel
 from hspmd.transforms.util import PassError
 
 #: ops a device runs as they are (see the module docstring)
@@ -81,9 +86,9 @@ def gemm_transpose(op: Operation) -> bool:
 
 
 def _kernel_dtype(op: Operation) -> str:
-    """Return the float type a kernel of `op` computes in ("f32" where no value is f32/f64)."""
+    """Return the float type a kernel of `op` computes in ("f32" where no value is a float)."""
     for v in (*op.results, *op.operands):
-        kind = float_kind(v.type)
+        kind = float_kind(v.type, reduced=True)
         if kind is not None:
             return kind
     return "f32"
@@ -92,7 +97,7 @@ def _kernel_dtype(op: Operation) -> str:
 def device_kernel(op: Operation) -> KernelCode:
     """Return the standalone GPU kernel of `op` (named `KERNEL_NAME`); EmitError where it has none."""
     if is_elementwise(op):
-        dtype, ctype = float_kind(op.results[0].type), None
+        dtype, ctype = float_kind(op.results[0].type, reduced=True), None
         if dtype is None:  # integer arithmetic (per-layer dropout counters), in its C type
             dtype, ctype = "f32", c_type(op.results[0].type)
         inputs = list(dict.fromkeys(op.operands))
@@ -101,7 +106,7 @@ def device_kernel(op: Operation) -> KernelCode:
     own = getattr(op, "cuda_kernel", None)
     if is_row_op(op):
         try:
-            return emit_row(KERNEL_NAME, op)
+            return emit_row(KERNEL_NAME, op, reduced=True)
         except EmitError:
             if not callable(own):
                 raise
@@ -113,7 +118,7 @@ def device_kernel(op: Operation) -> KernelCode:
 def device_function(fn: func.FuncOp, namer: KernelNamer) -> int:
     """Give every op of `fn`'s body that needs one its own kernel; return how many it made."""
     block: Block = fn.body.block
-    made = 0
+    made = fuse_elementwise(block, namer, reduced=True)  # 16-bit float chains (the CPU runs them op by op)
     for op in list(block.ops):
         if runs_as_it_is(op):
             continue

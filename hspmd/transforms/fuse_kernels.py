@@ -51,6 +51,7 @@ from hspmd.codegen.emit_cuda import (
     takes_prologue,
 )
 from hspmd.dialects import graph, kernel
+from hspmd.dialects.cuda_c import REDUCED
 
 
 @dataclass
@@ -62,18 +63,19 @@ class _Group:
     members: list[Operation] = field(default_factory=list)
 
 
-def _elementwise_key(op: Operation) -> tuple[tuple[int, ...], str] | None:
-    """Return (shape, dtype) of an op an elementwise kernel can compute, else None."""
+def _elementwise_key(op: Operation, reduced: bool = False) -> tuple[tuple[int, ...], str] | None:
+    """Return (shape, dtype) of an op an elementwise kernel can compute, else None; with
+    `reduced`, of a 16-bit float op only (a GPU's chains of them: `device-kernels`)."""
     if not is_elementwise(op) or not op.results:
         return None
-    s, dtype = shape(op.results[0]), float_kind(op.results[0].type)
-    if dtype is None or s == () or math.prod(s) == 0:
+    s, dtype = shape(op.results[0]), float_kind(op.results[0].type, reduced)
+    if dtype is None or s == () or math.prod(s) == 0 or reduced and dtype not in REDUCED:
         return None
     for v in (*op.operands, *op.results):
         if shape(v) == ():
-            if float_kind(v.type) is None:
+            if float_kind(v.type, reduced) is None:
                 return None
-        elif shape(v) != s or float_kind(v.type) != dtype:
+        elif shape(v) != s or float_kind(v.type, reduced) != dtype:
             return None
     return s, dtype
 
@@ -86,7 +88,7 @@ def _absorbable(value: SSAValue, group: _Group) -> graph.BroadcastOp | None:
     """Return the broadcast producing `value` if a kernel of `group` can read through it."""
     owner = value.owner
     if isinstance(owner, graph.BroadcastOp) and shape(owner.result) == group.shape:
-        if float_kind(owner.input.type) == group.dtype or shape(owner.input) == ():
+        if float_kind(owner.input.type, True) == group.dtype or shape(owner.input) == ():
             return owner
     return None
 
@@ -166,7 +168,9 @@ def _fuse_rows(block: Block, namer: KernelNamer) -> int:
     return count
 
 
-def _fuse_elementwise(block: Block, namer: KernelNamer) -> int:
+def fuse_elementwise(block: Block, namer: KernelNamer, reduced: bool = False) -> int:
+    """Fuse the elementwise chains of `block` (with `reduced`: its 16-bit float chains only);
+    return the number of kernels made."""
     ops = list(block.ops)
     pos = {op: i for i, op in enumerate(ops)}
     member_of: dict[Operation, _Group] = {}
@@ -177,7 +181,7 @@ def _fuse_elementwise(block: Block, namer: KernelNamer) -> int:
         if _is_barrier(op):
             last_barrier = pos[op]
             continue
-        key = _elementwise_key(op)
+        key = _elementwise_key(op, reduced)
         if key is None:
             continue
         chosen = None
@@ -273,7 +277,7 @@ def _fuse_prologues(block: Block, namer: KernelNamer) -> int:
 def fuse_function(fn: func.FuncOp, namer: KernelNamer) -> int:
     """Fuse the ops of `fn`'s body in place; return the number of kernels made."""
     block = fn.body.block
-    made = _fuse_rows(block, namer) + _fuse_elementwise(block, namer)
+    made = _fuse_rows(block, namer) + fuse_elementwise(block, namer)
     return made - _fuse_prologues(block, namer)
 
 

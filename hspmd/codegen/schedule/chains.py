@@ -4,7 +4,7 @@ Causal attention is, per layer, such a run: the qkv bias add, the scores `q @ k^
 small products), the masked softmax (a row kernel), `p @ v`; in the backward six steps. A runtime that runs every
 member on entries `lo:hi` of the batch, then on the next entries, keeps a slice's scores and
 probabilities in a core's caches between the members that write and read them
-(`hspmd.runtime.batch_chain`).
+(`hspmd.runtime.cpu.batch_chain`).
 
 A chain is two or more *members* of one leading extent, with only view steps between them:
 - a `graph.matmul` of two float32 operands of rank 3 or more with its result's leading dims

@@ -10,8 +10,8 @@ matrix into an *upper* one. Of a layer's six batched products, four have such an
 `triangular_matmuls(flat)` finds the `graph.matmul`s of a flat program with a triangular
 operand, in the physical program (the ops one by one) and in the kernel-level one (the same
 ops inside `kernel.fused` bodies), and says for each which (`TRIANGLES`): "lhs-lower",
-"lhs-upper", "rhs-lower" or "rhs-upper". The runtime (`hspmd.runtime.small_matmul`, or
-`hspmd.runtime.triangular_matmul` without a C++ compiler) then multiplies over the operand's
+"lhs-upper", "rhs-lower" or "rhs-upper". The runtime (`hspmd.runtime.cpu.small_matmul`, or
+`hspmd.runtime.cpu.triangular_matmul` without a C++ compiler) then multiplies over the operand's
 non-zero part only (by 8-row tiles: 17/32 of the work at 128 x 128; NumPy's blocks: 5/8).
 The terms left out are exact zeros added to a dot product, so the values are those of the
 full product wherever the operands are finite; on attention's shapes the bits too (tested;

@@ -109,7 +109,7 @@ class _Rope(UnaryOp):
         body = (f"const long d = i % {dh}L, t = (i / {heads * dh}L) % {steps}L;\n"
                 f"    const double angle = (double)t * pow({float(self.base.value.data)!r}, -(double)(2 * (d % {half}L)) / {dh}.0);\n"
                 f"    const T c = (T)cos(angle), s = (T)({sign}sin(angle));\n"
-                f"    const T rot = d < {half}L ? -in0[i + {half}L] : in0[i - {half}L];\n"
+                f"    const T rot = d < {half}L ? -(T)in0[i + {half}L] : (T)in0[i - {half}L];\n"
                 f"    out0[i] = in0[i] * c + rot * s;")
         return flat_kernel(name, self, c_type(self.result.type), body)
 

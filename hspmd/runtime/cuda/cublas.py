@@ -23,6 +23,9 @@ from hspmd.runtime.cuda.gemm import Gemm
 #: bytes of the workspace cuBLAS gets (it needs one to run inside a captured graph)
 WORKSPACE_BYTES = 32 << 20
 _OP = {False: 0, True: 1}  # CUBLAS_OP_N, CUBLAS_OP_T
+#: cudaDataType of the operands of cublasGemmEx: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F
+_DATA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0}
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 68, 77, -1
 
 
 def find_library() -> str:
@@ -64,7 +67,11 @@ class Cublas:
             raise CublasError(f"{what} failed with cuBLAS status {status}")
 
     def gemm_call(self, g: Gemm, a: int, b: int, c: int):
-        """Return the call issuing GEMM `g` on A at `a`, B at `b`, C at `c` (on the handle's stream)."""
+        """Return the call issuing GEMM `g` on A at `a`, B at `b`, C at `c` (on the handle's stream):
+        cublasSgemm/Dgemm for float32 and float64, cublasGemmEx (tensor cores, float32
+        accumulation) for bfloat16, float16 and TF32."""
+        if g.tf32 or g.dtype.name in ("bfloat16", "float16"):
+            return self._gemm_ex_call(g, a, b, c)
         if g.dtype == np.float32:
             scalar, single, batched = ctypes.c_float, self.lib.cublasSgemm_v2, self.lib.cublasSgemmStridedBatched
         elif g.dtype == np.float64:
@@ -83,6 +90,34 @@ class Cublas:
                     ctypes.c_longlong(g.stride_c), g.batch)
             fn = batched
         keep = (alpha, beta)  # alive as long as the call
+
+        def call() -> None:
+            status = fn(*args)
+            if status != 0:
+                raise CublasError(f"GEMM {g} failed with cuBLAS status {status}")
+            _ = keep
+
+        return call
+
+    def _gemm_ex_call(self, g: Gemm, a: int, b: int, c: int):
+        """The call of `g` through cublasGemmEx / cublasGemmStridedBatchedEx, computing in float32
+        (on TF32 tensor cores for a float32 `g.tf32`)."""
+        kind = _DATA_TYPE.get(g.dtype.name)
+        if kind is None:
+            raise CublasError(f"no GEMM for {g.dtype} on tensor cores")
+        compute = CUBLAS_COMPUTE_32F_FAST_TF32 if g.tf32 else CUBLAS_COMPUTE_32F
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        head = (self.handle, _OP[g.transa], _OP[g.transb], g.m, g.n, g.k, ctypes.byref(alpha))
+        if g.batch == 1:
+            args = (*head, ctypes.c_void_p(a), kind, g.lda, ctypes.c_void_p(b), kind, g.ldb, ctypes.byref(beta),
+                    ctypes.c_void_p(c), kind, g.ldc, compute, CUBLAS_GEMM_DEFAULT)
+            fn = self.lib.cublasGemmEx
+        else:
+            args = (*head, ctypes.c_void_p(a), kind, g.lda, ctypes.c_longlong(g.stride_a), ctypes.c_void_p(b), kind,
+                    g.ldb, ctypes.c_longlong(g.stride_b), ctypes.byref(beta), ctypes.c_void_p(c), kind, g.ldc,
+                    ctypes.c_longlong(g.stride_c), g.batch, compute, CUBLAS_GEMM_DEFAULT)
+            fn = self.lib.cublasGemmStridedBatchedEx
+        keep = (alpha, beta)
 
         def call() -> None:
             status = fn(*args)

@@ -5,7 +5,7 @@ compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build te
 `cuda_preamble.cuh` and `hs_common.cuh` in front; launch shapes as `codegen/cupy_backend.py`
 chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
 copies. Uploads go through pinned host buffers (one per destination, made once), so the next
-batch's copy is asynchronous. `capture` records a step into one CUDA graph and replays it;
+batch's copy is asynchronous. A traced step times its calls with CUDA events. `capture` records a step into one CUDA graph and replays it;
 where a capture fails it says so once and the run goes on call by call.
 """
 
@@ -43,6 +43,7 @@ class CupyDevice(Device):
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._memory: list = []  # the allocations, alive with the device
         self._pinned: dict[tuple[int, int], np.ndarray] = {}
+        self._events: dict[int, list] = {}  # a traced step's CUDA events, by the number of calls
         self.cublas = Cublas(self.stream.ptr, self.alloc(WORKSPACE_BYTES))
 
     def alloc(self, nbytes: int) -> int:
@@ -130,3 +131,21 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def time_calls(self, calls: Sequence[Call], clock) -> list[tuple[float, float]]:
+        """A CUDA event recorded before the first call and after each one, on the plan's stream;
+        the calls run back to back and each one's times are its events' (read after the last),
+        placed on `clock` from when the first event was recorded on an idle stream."""
+        cuda = self.cupy.cuda
+        events = self._events.get(len(calls))
+        if events is None:
+            events = self._events[len(calls)] = [cuda.Event() for _ in range(len(calls) + 1)]
+        self.stream.synchronize()
+        t0 = clock()
+        events[0].record(self.stream)
+        for call, event in zip(calls, events[1:]):
+            call()
+            event.record(self.stream)
+        events[-1].synchronize()
+        at = [0.0] + [cuda.get_elapsed_time(events[0], e) / 1e3 for e in events[1:]]
+        return [(t0 + at[i], t0 + at[i + 1]) for i in range(len(calls))]

@@ -77,6 +77,18 @@ class Device(ABC):
     def synchronize(self) -> None:
         """Wait until every call queued so far has finished."""
 
+    def time_calls(self, calls: Sequence[Call], clock: Callable[[], float]) -> list[tuple[float, float]]:
+        """Run `calls` in order and return when each started and ended, on `clock`'s scale (a
+        traced step). Here: each call synchronised and timed on the host; a GPU records an event
+        between calls instead (`CupyDevice`), so the calls run back to back as in a step."""
+        out = []
+        for call in calls:
+            start = clock()
+            call()
+            self.synchronize()
+            out.append((start, clock()))
+        return out
+
 
 class KernelSet:
     """The made kernels of one device program, by function name (what `Device.kernels` returns)."""

@@ -21,7 +21,7 @@ import numpy as np
 from xdsl.ir import Operation
 
 from hspmd.codegen import cpu_compile
-from hspmd.runtime import native
+from hspmd.runtime.cpu import native
 from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceError, KernelSet
 from hspmd.runtime.cuda.gemm import Gemm, numpy_gemm
 from hspmd.runtime.kernel_exec import build_program

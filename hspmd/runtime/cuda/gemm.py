@@ -12,6 +12,7 @@ and the experts' products (batched over the experts).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ class Gemm:
     """One strided-batched GEMM in cuBLAS's terms: for each of `batch` problems,
     `C = op(A) @ op(B)` with op(A) [m, k], op(B) [k, n], C [m, n], all column-major with leading
     dimensions `lda`, `ldb`, `ldc`; `transa`/`transb`: A/B stored transposed; `stride_*`: the
-    elements between the batch's problems. `a`, `b`: which operand of the op is A, which B."""
+    elements between the batch's problems. `a`, `b`: which operand of the op is A, which B.
+    `dtype`: of A, B and C (float32, float64, bfloat16, float16; products accumulate in float32,
+    float64 for float64); `tf32`: float32 operands rounded to TF32 on the tensor cores."""
 
     transa: bool
     transb: bool
@@ -41,6 +44,7 @@ class Gemm:
     a: int
     b: int
     dtype: np.dtype
+    tf32: bool = False
 
 
 def _rowmajor(a: int, b: int, rows: int, inner: int, cols: int, batch: int, dtype: np.dtype,
@@ -53,10 +57,17 @@ def _rowmajor(a: int, b: int, rows: int, inner: int, cols: int, batch: int, dtyp
 
 
 def gemm_for(op: Operation, in_shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: np.dtype,
-             transposed: tuple[bool, bool] = (False, False)) -> Gemm:
+             transposed: tuple[bool, bool] = (False, False), tf32: bool = False) -> Gemm:
     """Return the cuBLAS call computing product op `op` on contiguous operands of `in_shapes`
     (the shapes the op sees); `transposed[i]`: operand i is the transpose of its last two dims
-    (`device-kernels`' `gemm_transpose`), its memory holding the array it was transposed from."""
+    (`device-kernels`' `gemm_transpose`), its memory holding the array it was transposed from;
+    `tf32`: a float32 product on TF32 tensor cores."""
+    g = _gemm_for(op, in_shapes, out_shape, dtype, transposed)
+    return dataclasses.replace(g, tf32=True) if tf32 and np.dtype(dtype) == np.float32 else g
+
+
+def _gemm_for(op: Operation, in_shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: np.dtype,
+              transposed: tuple[bool, bool]) -> Gemm:
     a, b = in_shapes[0], in_shapes[1]
     ta, tb = transposed
     match op.name:
@@ -97,4 +108,17 @@ def numpy_gemm(g: Gemm, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
     out = np.lib.stride_tricks.as_strided(c, (g.batch, g.m, g.n), (g.stride_c * item, item, g.ldc * item))
     # computed as the row-major product it stands for (C^T = op(B)^T op(A)^T): the same BLAS call
     # as the CPU backend's for the same arrays, so the same bits
-    np.copyto(out.transpose(0, 2, 1), np.matmul(op_b.transpose(0, 2, 1), op_a.transpose(0, 2, 1)))
+    x, y = op_b.transpose(0, 2, 1), op_a.transpose(0, 2, 1)
+    if g.tf32:  # the tensor cores read float32 operands as TF32: 10 mantissa bits, rounded to nearest
+        x, y = round_to_tf32(x), round_to_tf32(y)
+    np.copyto(out.transpose(0, 2, 1), np.matmul(x, y))
+
+
+def round_to_tf32(x: np.ndarray) -> np.ndarray:
+    """Return float32 `x` rounded to TF32's 10 mantissa bits (to nearest, ties away from zero;
+    infinities and NaNs kept): the emulation's model of a TF32 product's operands (a GPU's own
+    conversion may round otherwise in the last TF32 bit; tests allow for it)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = np.where(finite, (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), bits)
+    return rounded.astype(np.uint32).view(np.float32)

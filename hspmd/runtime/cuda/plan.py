@@ -130,21 +130,16 @@ class DevicePlan:
         return {name: np.asarray(array) for name, array in self.output_arrays.items()}
 
     def _run_traced(self, tracer: Tracer) -> None:
-        """Run the calls one by one, each timed to its end (the device synchronised after it)."""
-        clock, timings = tracer.clock, []
-        for i, call in enumerate(self.calls):
-            start = clock()
-            call()
-            self.device.synchronize()
-            timings.append((i, start, clock()))
-        tracer.plan_steps(self.labels, timings)
+        """Run the calls uncaptured, each timed by the device (`Device.time_calls`: CUDA events on a GPU)."""
+        times = self.device.time_calls(self.calls, tracer.clock)
+        tracer.plan_steps(self.labels, [(i, start, end) for i, (start, end) in enumerate(times)])
 
 
 class _Binder:
     """Lays out a device schedule's arena and prepares its calls (see the module docstring)."""
 
-    def __init__(self, schedule: Schedule, device: Device, kernels: KernelSet) -> None:
-        self.schedule, self.device, self.kernels = schedule, device, kernels
+    def __init__(self, schedule: Schedule, device: Device, kernels: KernelSet, tf32: bool = False) -> None:
+        self.schedule, self.device, self.kernels, self.tf32 = schedule, device, kernels, tf32
         self.types = schedule.slot_types
         self.where: dict[int, int] = {}  # slot -> pointer
         self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
@@ -259,7 +254,7 @@ class _Binder:
             shapes = [tuple(self.types[a][0]) for a in step.ins]  # type: ignore[index]
             out_shape, dtype = self.types[step.outs[0]]  # type: ignore[misc]
             flags = (step.ins[0] in self.transposed, step.ins[1] in self.transposed)
-            g = gemm_for(op, shapes, tuple(out_shape), np.dtype(dtype), flags)
+            g = gemm_for(op, shapes, tuple(out_shape), np.dtype(dtype), flags, tf32=self.tf32)
             return [self.device.prepare_gemm(g, self.where[step.ins[g.a]], self.where[step.ins[g.b]],
                                              self.where[step.outs[0]])]
         raise DevicePlanError(f"'{op.name}' has no GPU kernel in this program (compile it with device-kernels)")
@@ -267,7 +262,7 @@ class _Binder:
     def launches(self, op: kernel.FusedOp, step: Step, scratch: int) -> list[Call]:
         """Return the launches of a kernel: operand, result and scratch pointers, then the extents."""
         ptrs = [self.where[a] for a in step.ins] + [self.where[o] for o in step.outs]
-        item = np.dtype({"f32": np.float32, "f64": np.float64}[op.dtype.data]).itemsize
+        item = 8 if op.dtype.data == "f64" else 4  # scratch of the compute type (float for 16-bit floats), or less
         at = scratch
         for n in op.scratch_sizes:
             ptrs.append(at)
@@ -293,9 +288,11 @@ def _module_of(fn: func.FuncOp) -> Operation:
     return op
 
 
-def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph: bool = True) -> DevicePlan:
+def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph: bool = True,
+                      tf32: bool = False) -> DevicePlan:
     """Return the plan running step function `fn` of a device program as `rank` on `device`
-    (see the module docstring); `cuda_graph=False` runs every step call by call."""
+    (see the module docstring); `cuda_graph=False` runs every step call by call; `tf32`: float32
+    products on TF32 tensor cores (the script's `tf32` config key)."""
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=None, triangular=False, device=True)
     except ScheduleError as err:
@@ -303,7 +300,7 @@ def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph:
     if schedule.buckets:
         raise DevicePlanError("all-reduce buckets on the GPU come with runs over several GPUs")
     kernels = device.kernels(_module_of(fn))
-    plan = _Binder(schedule, device, kernels).bind(rank)
+    plan = _Binder(schedule, device, kernels, tf32).bind(rank)
     plan.use_graph = cuda_graph
     return plan
 

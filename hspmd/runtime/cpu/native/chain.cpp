@@ -5,7 +5,7 @@
 // `threads` threads (hs_parallel_for): one thread runs all the steps of its slice, so that the
 // slice's intermediates (scores, probabilities) stay in that core's caches between the step
 // that writes them and the next one that reads them. A step inside a slice runs on that thread
-// alone (the parallel loop runs a nested call's items in order). See runtime/batch_chain.py.
+// alone (the parallel loop runs a nested call's items in order). See runtime/cpu/batch_chain.py.
 //
 // `desc` holds `ndesc` longs: the steps one after the other, each a kind then its fields:
 //   0, a batch of small products (small_matmul.cpp's Job, its first batch dim the chain's):

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from hspmd.runtime.blas_threads import BlasCount
+from hspmd.runtime.cpu.blas_threads import BlasCount
 
 #: products of at least this many multiply-adds (m * n * k) each are paired: smaller ones
 #: (GPT-tiny's 2048 x 256 x 256) ran slower on one thread each than one after the other

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hspmd.runtime.blas_threads import BlasCount
+from hspmd.runtime.cpu.blas_threads import BlasCount
 
 #: products of at most this many multiply-adds (m * n * k) count as small
 SMALL_PRODUCT = 1 << 21

@@ -1,4 +1,4 @@
-"""The runtime's own C++ library (`runtime/native/`): its build, its loading, its parallel loop.
+"""The runtime's own C++ library (`runtime/cpu/native/`): its build, its loading, its parallel loop.
 
 `parallel.cpp` (a parallel loop that never waits for a thread that has not started),
 `small_matmul.cpp` (batches of small float32 products), `scatter.cpp` (rows added into a table
