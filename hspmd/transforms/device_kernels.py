@@ -119,7 +119,15 @@ def device_function(fn: func.FuncOp, namer: KernelNamer) -> int:
     """Give every op of `fn`'s body that needs one its own kernel; return how many it made."""
     block: Block = fn.body.block
     made = fuse_elementwise(block, namer, reduced=True)  # 16-bit float chains (the CPU runs them op by op)
-    for op in list(block.ops):
+    return made + give_kernels(fn, list(block.ops), namer)
+
+
+def give_kernels(fn: func.FuncOp, ops: list[Operation], namer: KernelNamer) -> int:
+    """Give each of `ops` (of `fn`'s body) that needs one its own kernel; return how many it made
+    (a pass that puts new ops into a device program, `flash-attention`, calls it for them)."""
+    block: Block = fn.body.block
+    made = 0
+    for op in ops:
         if runs_as_it_is(op):
             continue
         try:
@@ -132,10 +140,16 @@ def device_function(fn: func.FuncOp, namer: KernelNamer) -> int:
     return made
 
 
+def module_namer(module: ModuleOp) -> KernelNamer:
+    """Return a kernel namer whose names follow those `module`'s kernels have."""
+    namer = KernelNamer()
+    namer.count = _numbers_after(module)
+    return namer
+
+
 def device_module(module: ModuleOp) -> int:
     """Run `device-kernels` on every function of `module`; return the number of kernels made."""
-    namer = KernelNamer()
-    namer.count = _numbers_after(module)  # the new kernels' names follow those fuse-kernels gave
+    namer = module_namer(module)  # the new kernels' names follow those fuse-kernels gave
     return sum(device_function(fn, namer) for fn in [op for op in module.walk() if isinstance(op, func.FuncOp)])
 
 

@@ -48,7 +48,7 @@ from hspmd.dialects.graph.attention import (
 )
 from hspmd.dialects.graph.base import int_attr, whole_piece
 from hspmd.dialects.graph.scan import stacked_type
-from hspmd.transforms.device_kernels import device_module
+from hspmd.transforms.device_kernels import give_kernels, module_namer
 
 
 def _members(op: Operation | None) -> list[Operation]:
@@ -519,7 +519,8 @@ def _heads_inside_residual(o: SSAValue, fwd: _Forward, link: _Link, block: Block
     return None
 
 
-def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> None:
+def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None) -> list[tuple[func.FuncOp, Operation]]:
+    """Put the fused ops in place of the chain; return the new ops that need kernels, with their functions."""
     # the images of the forward's values in the backward function, before the scans change
     p_pd = [_image(x, fwd, link) for x in (fwd.p, fwd.pd)]
     drop = fwd.dropout
@@ -540,6 +541,7 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
     grad = FlashAttentionGradOp(bwd.q, bwd.kt, bwd.v, o, bwd.do, lse, bwd.step, k_transposed=True,
                                 o_heads_inside=heads_inside, **props)
     block.insert_op_before(grad, bwd.first)
+    made: list[tuple[func.FuncOp, Operation]] = [(fwd.fn, flash), (bwd.fn, grad)]
     bwd.dq.replace_all_uses_with(grad.dq)
     bwd.dv.replace_all_uses_with(grad.dv)
     user = _single_use(bwd.dkt)
@@ -551,6 +553,7 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
         back = graph.TransposeOp(grad.dk, [*range(n - 2), n - 1, n - 2], bwd.dkt.type)
         block.insert_op_after(back, grad)
         bwd.dkt.replace_all_uses_with(back.result)
+        made.append((bwd.fn, back))
     _erase_dead(bwd.ops)
     fwd_ops = [fwd.pv, *([fwd.drop] if fwd.drop else []), fwd.sm, fwd.qk]
     if link is None:
@@ -564,12 +567,14 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
         _drop_unused_results(fwd.fn, link, [fwd.p, fwd.pd, fwd.kt])
     kt_op = _owner(fwd.kt)
     _erase_dead(fwd_ops + ([kt_op] if kt_op is not None and kt_op.parent is not None else []))
+    return made
 
 
 def flash_attention_module(module: ModuleOp) -> int:
     """Replace every attention chain of GPU program `module` (and its backward) by the fused
     kernels (see the module docstring); return how many it replaced."""
     funcs = {op.sym_name.data: op for op in module.walk() if isinstance(op, func.FuncOp)}
+    made: list[tuple[func.FuncOp, Operation]] = []
     n = 0
     for fn in list(funcs.values()):
         for op in list(fn.body.block.ops):
@@ -581,11 +586,12 @@ def flash_attention_module(module: ModuleOp) -> int:
             for link in _links(module, fwd, funcs):
                 bwd = _match_backward(fwd, link.bwd_fn if link else fn, link)
                 if bwd is not None:
-                    _rewrite(module, fwd, bwd, link)
+                    made += _rewrite(module, fwd, bwd, link)
                     n += 1
                     break
-    if n:
-        device_module(module)  # the new ops' kernels
+    namer = module_namer(module)
+    for fn, op in made:  # the new ops' kernels, as device-kernels gives them
+        give_kernels(fn, [op], namer)
     return n
 
 
