@@ -63,21 +63,26 @@ def _timed_calls(device: Device, call: Call, seconds: float, windows: int = 5) -
 def _kernel_calls(device: Device, size: int) -> tuple[Call, Call, int]:
     """Return (the exp kernel's call, the softmax kernel's call, bytes each moves) on arrays of
     `size` float32 elements in `device`'s memory, made as a GPU program makes them."""
-    from xdsl.dialects import func
     from xdsl.dialects.builtin import ModuleOp, TensorType, f32
-    from xdsl.ir import Block, Region
+    from xdsl.ir import Block
 
+    from hspmd.codegen.emit_cuda import emit_elementwise, emit_row
     from hspmd.dialects import graph, kernel
-    from hspmd.transforms.device_kernels import device_module
-    from hspmd.transforms.fuse_kernels import fuse_module
 
     typ = TensorType(f32, [size // ROW, ROW])
     block = Block(arg_types=[typ])
-    e, s = graph.ExpOp(block.args[0]), graph.SoftmaxOp(block.args[0], 1)
-    block.add_ops([e, s, func.ReturnOp(e.result, s.result)])
-    module = ModuleOp([func.FuncOp("profile", ([typ], [typ, typ]), Region(block))])
-    fuse_module(module)
-    device_module(module)
+    x = block.args[0]
+    e, s = graph.ExpOp(x), graph.SoftmaxOp(x, 1)
+    block.add_ops([e, s])
+    made = []
+    for name, op, code in (("hs_profile_exp", e, emit_elementwise("hs_profile_exp", [e], [x], [e.result], "f32",
+                                                                  (size // ROW, ROW))),
+                           ("hs_profile_softmax", s, emit_row("hs_profile_softmax", s))):
+        region, body = kernel.make_body([typ])  # the kernel op as `fuse-kernels` makes one
+        inner = op.clone(value_mapper={x: body.args[0]})
+        body.add_ops([inner, kernel.YieldOp(inner.results[0])])
+        made.append(kernel.FusedOp([x], [typ], name, "f32", code.source, code.launches, code.scratch, region))
+    module = ModuleOp(made)
     fused = [op for op in module.walk() if isinstance(op, kernel.FusedOp)]
     kernels = device.kernels(module)
     src = device.alloc(size * 4)
