@@ -29,7 +29,15 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from hspmd.frontend.optim import Optimizer
-from hspmd.frontend.script import ModelScript, loss_scale, script_optimizer, set_config, tf32, trace_script
+from hspmd.frontend.script import (
+    ModelScript,
+    flash_attention,
+    loss_scale,
+    script_optimizer,
+    set_config,
+    tf32,
+    trace_script,
+)
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
@@ -241,9 +249,6 @@ class Compiled:
     lr_schedule: dict | None = None
     _kernel_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
     _device_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
-    #: fuse attention into flash-style kernels in the GPU programs (`flash-attention`); off with
-    #: HSPMD_FLASH_ATTENTION=0 in the environment, to compare with the unfused kernels
-    flash_attention: bool = field(default_factory=lambda: os.environ.get("HSPMD_FLASH_ATTENTION", "1") != "0")
 
     def kernel_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
         """Return each device group's kernel level: its physical module fused by `fuse-kernels`."""
@@ -255,7 +260,8 @@ class Compiled:
         """Return each device group's program for a GPU: its kernel level after `device-kernels`
         (every op a kernel, a GEMM or a view). PassError names an op that has no GPU kernel."""
         if self._device_groups is None:
-            self._device_groups = device_level(self.kernel_groups(), flash=self.flash_attention)
+            # attention as flash-style kernels unless the script's `flash_attention` is false
+            self._device_groups = device_level(self.kernel_groups(), flash=flash_attention(self.script.config))
         return self._device_groups
 
 
@@ -382,6 +388,7 @@ def _training_step(script: ModelScript, optimizer: Optimizer | bool,
     """Return the script's logical training step (traced, [layers stacked,] differentiated, updated)
     and its optimizer."""
     tf32(script.config)  # checked here, read by a GPU run's plan
+    flash_attention(script.config)  # checked here, read when the GPU programs are made
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
     run_passes(logical, training_passes(opt, loss_scale(script), stack))

@@ -291,13 +291,11 @@ def test_a_head_dim_over_128_stays_on_the_unfused_path():
     assert [op for op in device.walk() if op.name == "graph.matmul" and tuple(op.results[0].type.get_shape()[-2:]) == (8, 8)]
 
 
-def test_hspmd_flash_attention_0_turns_the_pass_off(monkeypatch):
+def test_set_flash_attention_false_turns_the_pass_off():
     name, overrides = MODELS["llama"]
-    script = load_script(os.path.join(EXAMPLES, name), overrides)
-    monkeypatch.setenv("HSPMD_FLASH_ATTENTION", "0")
-    ((_, off),) = compile_script(script, "[0]: dp=1", 1).device_groups()
-    monkeypatch.setenv("HSPMD_FLASH_ATTENTION", "1")
-    ((_, on),) = compile_script(script, "[0]: dp=1", 1).device_groups()
+    off_script = load_script(os.path.join(EXAMPLES, name), {**overrides, "flash_attention": "false"})
+    ((_, off),) = compile_script(off_script, "[0]: dp=1", 1).device_groups()
+    ((_, on),) = compile_script(load_script(os.path.join(EXAMPLES, name), overrides), "[0]: dp=1", 1).device_groups()
     assert not _ops(off, "graph.flash_attention") and len(_ops(on, "graph.flash_attention")) == 1
 
 

@@ -113,7 +113,7 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
 
 
 #: top-level config keys `--set` takes even where a script does not declare them
-OPTIONAL_KEYS = ("tf32",)
+OPTIONAL_KEYS = ("tf32", "flash_attention")
 
 
 def set_config(config: dict, key: str, value) -> None:
@@ -233,15 +233,27 @@ def precision(script: ModelScript) -> str | None:
     return value
 
 
-def tf32(config: dict) -> bool:
-    """Return whether the config asks for float32 products on TF32 tensor cores (`tf32`: true or
-    false, default false; a GPU run's GEMMs only: the CPU has no TF32 and ignores it)."""
-    value = config.get("tf32", False)
+def config_flag(config: dict, key: str, default: bool) -> bool:
+    """Return the config's true/false switch `key` (a bool, or "true"/"false" as `--set` gives
+    it; `default` where absent); ScriptError for anything else."""
+    value = config.get(key, default)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, bool):
-        raise ScriptError(f"config tf32={value!r}: expected true or false")
+        raise ScriptError(f"config {key}={value!r}: expected true or false")
     return value
+
+
+def tf32(config: dict) -> bool:
+    """Return whether the config asks for float32 products on TF32 tensor cores (`tf32`: true or
+    false, default false; a GPU run's GEMMs only: the CPU has no TF32 and ignores it)."""
+    return config_flag(config, "tf32", False)
+
+
+def flash_attention(config: dict) -> bool:
+    """Return whether a GPU program fuses attention into flash-style kernels (`flash_attention`:
+    true or false, default true; `--set flash_attention=false` compares with the unfused kernels)."""
+    return config_flag(config, "flash_attention", True)
 
 
 def loss_scale(script: ModelScript) -> float:
