@@ -14,6 +14,7 @@ from xdsl.passes import ModulePass, PassPipeline
 # name -> "module:Class"
 _PASSES = {
     "stack-layers": "hspmd.transforms.stack_layers:StackLayers",
+    "recompute": "hspmd.transforms.recompute:Recompute",
     "autodiff": "hspmd.transforms.autodiff:Autodiff",
     "sgd": "hspmd.transforms.sgd:SGD",
     "adam": "hspmd.transforms.adam:Adam",
