@@ -5,7 +5,7 @@
     logical     [stack-layers], [recompute], autodiff, [clip-grad-norm], the optimizer's
                 update                                                       (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
-                [shard-optimizer-state], propagate-layouts, insert-reshard,
+                [shard-optimizer-state], [shard-parameters], propagate-layouts, insert-reshard,
                 reuse-resharded-residuals                                     (annotate_passes)
     physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
                 assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
@@ -50,6 +50,7 @@ from hspmd.transforms.pipeline.split import pipeline_split_passes
 from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
 from hspmd.transforms.recompute import Recompute
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
+from hspmd.transforms.shard_parameters import ShardParameters
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.stack_layers import StackLayers
 from hspmd.transforms.util import PassError, module_strategy
@@ -199,12 +200,15 @@ def stacks_layers(records: list[StrategyRecord]) -> bool:
 def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
     """Return the passes that take logical IR to annotated IR under `record`'s strategy.
 
-    `apply-strategy` records the strategy on the module; a strategy asking for ZeRO (`zero=1` or
-    `zero=2`, outside pipelines) adds `shard-optimizer-state` after `apply-annotations`.
+    `apply-strategy` records the strategy on the module; a strategy asking for ZeRO (`zero=1`,
+    `zero=2` or `zero=3`, outside pipelines) adds `shard-optimizer-state` after `apply-annotations`,
+    and `zero=3` then `shard-parameters`.
     """
     s = record.strategy
     apply = ApplyStrategy(strategy=str(s), microbatches=record.microbatches, schedule=record.schedule, id=record.id)
-    zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in annotation_strategy(record).groups) else []
+    groups = annotation_strategy(record).groups
+    zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in groups) else []
+    zero += [ShardParameters(strategy_id=record.id)] if any(g.zero == 3 for g in groups) else []
     return [apply, ApplyAnnotations(strategy_id=record.id), *zero, PropagateLayouts(), InsertReshard(),
             ReuseReshardedResiduals()]
 

@@ -144,7 +144,8 @@ def _group(draw, devices: list[int], spec: dict, alone: bool) -> str:
     if deg["tp"] > 1 and draw(st.integers(0, 3)) == 0:
         keys.append("sp=1")
     if deg["dp"] > 1 and draw(st.integers(0, 3)) == 0:
-        keys.append(f"zero={draw(st.sampled_from([1, 2]))}")
+        stages = [1, 2, 3] if deg["pp"] == 1 and deg["ep"] == 1 else [1, 2]
+        keys.append(f"zero={draw(st.sampled_from(stages))}")
     if draw(st.integers(0, 4)) == 0:
         keys.append(f"recompute={draw(st.sampled_from(['block', 'selective']))}")
     if deg["pp"] > 1 and spec["layers"] >= deg["pp"] and draw(st.integers(0, 3)) == 0:
