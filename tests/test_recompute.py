@@ -123,3 +123,19 @@ def test_random_models_recompute_gradients(spec):
         assert plain.keys() == again.keys()
         for k in plain:
             np.testing.assert_array_equal(again[k], plain[k], err_msg=f"{mode}: {k}")
+
+
+def test_planned_memory_shows_what_recompute_and_zero3_save():
+    from hspmd.codegen.schedule.analysis import format_memory_rows, memory_rows
+
+    script = load_script(GPT, {**SMALL, "model.layers": 4})
+    rows = {s: memory_rows(compile_script(script, s, 2).physical)[0]
+            for s in ("[0,1]: dp=2", "[0,1]: dp=2 recompute=block", "[0,1]: dp=2 recompute=selective",
+                      "[0,1]: dp=2 zero=3 recompute=block")}
+    base, block, sel, both = rows.values()
+    assert block.activations * 2 < base.activations and sel.activations < base.activations
+    assert block.parameters == base.parameters and both.parameters * 2 == base.parameters
+    assert both.optimizer_states < 0.51 * base.optimizer_states and both.gradients * 2 == base.gradients
+    assert both.peak < base.peak
+    text = format_memory_rows([both], "under zero=3")
+    assert "activations" in text and "peak" in text

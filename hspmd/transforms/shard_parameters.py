@@ -19,8 +19,9 @@ parameter had (apply-strategy's: replicated over dp, its tp split kept) is put
   forward's copy is not kept alive until the backward.
 
 The update (`optim.*`) and `graph.assign` read the shard: propagation then reduce-scatters each
-gradient into its shard (`partial -> split`), the update runs on the shard only, and nothing is
-all-gathered after the step. A group without `zero=3` keeps its parameters as they are (in a
+gradient into its shard (`partial -> split`; a stacked parameter's inside the backward scan, each
+layer's as its backward makes it, so no whole stacked gradient is ever held), the update runs on
+the shard only, and nothing is all-gathered after the step. A group without `zero=3` keeps its parameters as they are (in a
 strategy of several groups each `zero=3` group splits its part over its own dp).
 """
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import Block, Operation, SSAValue
+from xdsl.ir import Block, Operation, OpResult, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
@@ -154,7 +155,31 @@ def shard_parameters(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         report[name] = str(new)
         Rewriter.replace_value_with_new_type(op.result, with_layout(op.result.type, new))
         gatherer.follow(op.result, layout, name)
+        for use in list(op.result.uses):
+            if use.operation.name.startswith("optim.") and use.index == 0:
+                _scatter_in_layer(module, use.operation.operands[1], new)
     return report
+
+
+def _scatter_in_layer(module: ModuleOp, grad: SSAValue, shard: Layout) -> None:
+    """Reduce-scatter a stacked parameter's gradient inside the backward scan that makes it, one
+    layer at a time (the scan then stacks shards, not whole partial sums): a reshard to the
+    shard's layout (one layer's) before the callee returns it. `grad` is what the update reads:
+    the scan's result, or a reshard or clipping (`optim.mul_scalar`) of it."""
+    while isinstance(grad.owner, dist.ReshardOp) or grad.owner.name == "optim.mul_scalar":
+        grad = grad.owner.operands[0]
+    scan = grad.owner
+    if not isinstance(scan, graph.ScanOp) or not isinstance(grad, OpResult):
+        return
+    if grad.index in dict((k, j) for j, k in scan.carries()):
+        return
+    callee = callee_of(scan)
+    ret = callee.body.block.last_op
+    assert isinstance(ret, func.ReturnOp)
+    value = ret.operands[grad.index]
+    to = dist.ReshardOp(value, with_layout(value.type, shard.shift_dims(-1)))
+    Rewriter.insert_op(to, _before(ret))
+    ret.operands = [to.result if i == grad.index else v for i, v in enumerate(ret.operands)]
 
 
 @dataclass(frozen=True)
