@@ -7,10 +7,14 @@ GPT at the GPT-2-small shape (12 layers, d_model 768, 12 heads, sequence 256, by
 vocabulary of 256, examples/gpt.py: AdamW with clipping), global batch 8, on 4 CPU ranks:
 
 * hspmd: `[0-3]: dp=4 zero=3 recompute=block` (and, for the recompute ratios, `[0-3]: dp=4 zero=3`),
-  each run as `hspmd run -n 4` runs it (`hspmd.runtime.launch`: mpiexec, its thread shares);
-* PyTorch: the same model as an `nn.Module` of blocks, each block `fully_shard`ed (FSDP2) and wrapped
-  in `checkpoint_wrapper`, then the root; gloo; AdamW and `clip_grad_norm_`; 4 processes of their
-  own started with the environment this benchmark was started with (PyTorch's defaults).
+  each run as `hspmd run -n 4` runs it (`hspmd.runtime.launch`: mpiexec, its thread shares; each
+  rank the loop of `worker.train`, without the gathering of the whole parameters onto rank 0 that
+  `train` does after the last step to return them);
+* PyTorch: the same model as an `nn.Module` of blocks, built on the meta device (FSDP2's way for
+  a large model: no rank ever holds it whole), each block wrapped in `checkpoint_wrapper` and
+  `fully_shard`ed (FSDP2), then the root, then materialised shard by shard (`to_empty`,
+  `reset_parameters`); gloo; AdamW and `clip_grad_norm_`; 4 processes of their own started with
+  the environment this benchmark was started with (PyTorch's defaults).
 
 Each rank measures its own peak resident memory: its resident set, sampled every millisecond by a
 thread, from just before its model exists (after imports and, for PyTorch, the process group) to
@@ -93,15 +97,31 @@ def _gather(out: str, ranks: int) -> list[dict]:
 
 
 def hspmd_child(bundle: str, out: str, steps: int) -> int:
-    """One rank of hspmd's run (under mpiexec): train `steps` steps, write its numbers."""
+    """One rank of hspmd's run (under mpiexec): the loop of `worker.train` (its program loaded and
+    planned, its parameters made, `steps` steps on the script's batches), without what `train`
+    does after the steps (gathering the whole parameters on rank 0 to return them); write its numbers."""
+    from hspmd.codegen.bundle import read_manifest
     from hspmd.runtime.comm.mpi import MPICommunicator
-    from hspmd.runtime.worker import train
+    from hspmd.runtime.worker import load_batches, load_rank_program, split_microbatches, step_inputs
 
     comm = MPICommunicator()
+    manifest = read_manifest(bundle)
+    config = manifest.config
+    batches = load_batches(manifest.script, config)
     sampler = RssSampler()
-    result = train(bundle, comm, steps=steps, quiet=True)
+    plan = load_rank_program(bundle, manifest, comm, "cpu", True).plan
+    state = plan.initial_state(int(config.get("seed", 0)))
+    names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+    times, losses, marks = [], [], {"planned": sampler.now() - sampler.base}
+    for step in range(1, steps + 1):
+        batch = split_microbatches({**next(batches), **step_inputs(step, config, names)}, names)
+        start = time.perf_counter()
+        outputs = plan.run(state, plan.local_batch(batch))
+        times.append(time.perf_counter() - start)
+        losses.append(float(outputs["loss"]))
+        marks[f"step {step}"] = sampler.now() - sampler.base
     memory = sampler.stop()
-    _write(out, comm.rank, {**memory, "step_s": result.step_s, "losses": result.losses})
+    _write(out, comm.rank, {**memory, "step_s": times, "losses": losses, "marks": marks})
     return 0
 
 
@@ -179,12 +199,19 @@ def torch_child(rank: int, world: int, directory: str, out: str, steps: int) -> 
 
     sampler = RssSampler()
     torch.manual_seed(0)
-    model = GPT()
+    with torch.device("meta"):  # FSDP2's way for a large model: built without memory, sharded, then made
+        model = GPT()
     for i, block in enumerate(model.blocks):
         wrapped = checkpoint_wrapper(block)
         fully_shard(wrapped)
         model.blocks[i] = wrapped
     fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        model.wpe.normal_(0.0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=s["weight_decay"])
     rows = s["batch"] // world
     times, losses = [], []
