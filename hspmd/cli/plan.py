@@ -194,8 +194,9 @@ def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: flo
         twin = by_text.get((replace(chosen, groups=tuple(strip[key](g) for g in chosen.groups)).strategy(),
                             chosen.microbatches))
         if twin is not None and twin.memory_bytes > memory:
-            lines.append(f"{key} made it fit: without it '{twin.strategy()}' needs {_mib(twin.memory_bytes)} per rank, "
-                         f"over --memory-per-rank {_mib(memory)} (with it {_mib(chosen.memory_bytes)})")
+            mib = lambda b: f"{b / 2**20:,.3f} MiB"  # noqa: E731 (the twins may differ in the last digits)
+            lines.append(f"{key} made it fit: without it '{twin.strategy()}' needs {mib(twin.memory_bytes)} per rank, "
+                         f"over --memory-per-rank {mib(memory)} (with it {mib(chosen.memory_bytes)})")
     return "\n".join(lines) or None
 
 

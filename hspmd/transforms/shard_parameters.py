@@ -180,6 +180,7 @@ def _scatter_in_layer(module: ModuleOp, grad: SSAValue, shard: Layout) -> None:
     to = dist.ReshardOp(value, with_layout(value.type, shard.shift_dims(-1)))
     Rewriter.insert_op(to, _before(ret))
     ret.operands = [to.result if i == grad.index else v for i, v in enumerate(ret.operands)]
+    callee.update_function_type()
 
 
 @dataclass(frozen=True)
