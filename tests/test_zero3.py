@@ -99,3 +99,26 @@ def test_checkpoint_resumes_under_zero3_and_dp1(tmp_path):
     np.testing.assert_allclose(other.losses, straight.losses[4:], rtol=1e-6)
     for name, value in straight.params.items():
         np.testing.assert_allclose(other.params[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _mpi_losses(tmp_path, example: str, n: int, strategy: str, extra: list[str]) -> list[float]:
+    import json
+
+    from conftest import EXAMPLES, run_cli
+
+    log = tmp_path / f"{example}-{n}-{abs(hash(strategy))}.jsonl"
+    run_cli("hspmd", "run", "-n", str(n), os.path.join(EXAMPLES, example), "--strategy", strategy, "--steps", "4",
+            "--log", str(log), "--set", "model.dropout=0.1", *extra, check=True, timeout=600)
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("example,n,strategy,extra", [
+    ("gpt.py", 2, "[0,1]: dp=2 zero=3 recompute=block", []),
+    ("llama.py", 4, "[0-3]: dp=2 tp=2 zero=3 recompute=selective", []),
+    ("llama.py", 2, "[0,1]: pp=2 recompute=block", ["--set", "microbatches=4", "--set", "pipeline_schedule=1f1b"]),
+    ("gpt.py", 3, "[0,1]: dp=2 zero=3 share=2 | [2]: dp=1 recompute=selective share=1", []),
+])
+def test_over_mpi_the_single_device_losses(tmp_path, example, n, strategy, extra):
+    one = _mpi_losses(tmp_path, example, 1, "[0]: dp=1", [])
+    np.testing.assert_allclose(_mpi_losses(tmp_path, example, n, strategy, extra), one, rtol=1e-4)
