@@ -88,8 +88,6 @@ def kept_activations(fn: func.FuncOp) -> int | None:
 def memory_rows(physical: ModuleOp) -> list[MemoryRow]:
     """Return each rank's planned memory: parameters, gradients (the values the updates read),
     optimizer states (`opt.*`), activations kept for the backward, and the schedule's peak."""
-    from hspmd.transforms.optimizer import STATE_PREFIX
-
     rows = []
     for devices, module in physical_groups(physical):
         fn = next((op for op in module.body.block.ops if isinstance(op, func.FuncOp)
@@ -99,7 +97,7 @@ def memory_rows(physical: ModuleOp) -> list[MemoryRow]:
         params = states = grads = 0
         for o in fn.walk():
             if isinstance(o, graph.ParameterOp):
-                if o.tensor_name.data.startswith(STATE_PREFIX):
+                if o.tensor_name.data.startswith("opt."):  # optimizer states (transforms/optimizer.py)
                     states += _nbytes(o.result.type)
                 else:
                     params += _nbytes(o.result.type)
