@@ -139,3 +139,19 @@ def test_planned_memory_shows_what_recompute_and_zero3_save():
     assert both.peak < base.peak
     text = format_memory_rows([both], "under zero=3")
     assert "activations" in text and "peak" in text
+
+
+def test_recompute_on_the_emulated_gpu_gives_the_plain_runs_losses(tmp_path):
+    import json
+
+    from conftest import EXAMPLES, run_cli
+
+    sets = [a for k, v in {**SMALL, "model.dropout": 0.1}.items() for a in ("--set", f"{k}={v}")]
+    logs = {}
+    for mode in ("none", "block", "selective"):
+        log = tmp_path / f"{mode}.jsonl"
+        run_cli("hspmd", "run", "-n", "1", os.path.join(EXAMPLES, "gpt.py"), "--device", "cuda", "--steps", "3",
+                "--strategy", f"[0]: recompute={mode}", "--log", str(log), *sets, check=True, timeout=600,
+                env={"HSPMD_EMULATE_GPU": "1"})
+        logs[mode] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert logs["block"] == logs["none"] and logs["selective"] == logs["none"]
