@@ -91,6 +91,11 @@ def test_checkpoint_resumes_under_zero3_and_dp1(tmp_path):
     straight = _train(z3, 2, 8)[0]
     ck = str(tmp_path / "ck")
     _train(z3, 2, 4, directory=ck, every=2)
+    from hspmd.runtime.checkpoint.manifest import latest_checkpoint, read_manifest
+
+    m = read_manifest(latest_checkpoint(ck))
+    for name in ("wte.weight", "opt.m.wte.weight"):  # parameters too are saved as each rank's shard
+        assert sorted(p.file for p in m.tensors[name].pieces) == ["rank-00000.safetensors", "rank-00001.safetensors"]
     resumed = _train(z3, 2, 8, resume=ck)[0]
     assert resumed.losses == straight.losses[4:]
     for name, value in straight.params.items():
