@@ -155,3 +155,57 @@ def test_recompute_on_the_emulated_gpu_gives_the_plain_runs_losses(tmp_path):
                 env={"HSPMD_EMULATE_GPU": "1"})
         logs[mode] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert logs["block"] == logs["none"] and logs["selective"] == logs["none"]
+
+
+CHECKPOINTED = """
+import numpy as np
+
+import hspmd as hs
+
+config = {"batch_size": 16, "steps": 10, "seed": 0, "lr": 0.1, "checkpoint": True}
+
+
+class Model(hs.nn.Module):
+    def __init__(self, use):
+        self.use = use
+        self.first = hs.nn.Linear(8, 16)
+        self.second = hs.nn.Linear(16, 16)
+        self.head = hs.nn.Linear(16, 4)
+
+    def forward(self, x):
+        mlp = lambda a, w: hs.tanh(a @ w) * 2.0
+        if self.use:
+            h = hs.checkpoint(self.first, x)
+            h = hs.checkpoint(mlp, hs.relu(h), self.second.weight)
+        else:
+            h = mlp(hs.relu(self.first(x)), self.second.weight)
+        return self.head(h)
+
+
+def model(config):
+    return Model(config["checkpoint"])
+
+
+def loss(model, batch):
+    return hs.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def batches(config):
+    rng = np.random.default_rng(0)
+    while True:
+        yield {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.integers(0, 4, 16).astype(np.int32)}
+"""
+
+
+def test_checkpointed_functions_give_the_same_gradients(tmp_path):
+    path = tmp_path / "checkpointed.py"
+    path.write_text(CHECKPOINTED)
+    marked_script = load_script(str(path), {})
+    compiled = compile_script(marked_script, "[0]: dp=1", 1)
+    marked = [n for n, f in _functions(compiled.logical).items() if RECOMPUTE_ATTR in f.attributes]
+    assert any(n.startswith("Linear") for n in marked) and any(n.startswith("checkpoint_") for n in marked), marked
+    again = _gradients(marked_script, "[0]: dp=1")
+    base = _gradients(load_script(str(path), {"checkpoint": False}), "[0]: dp=1")
+    assert again.keys() == base.keys() and len(base) > 3
+    for k in base:
+        np.testing.assert_array_equal(again[k], base[k], err_msg=k)

@@ -130,10 +130,12 @@ def checkpoint(fn, *args: Tensor):
     for it alone): its backward runs its forward again rather than keeping what it made.
 
     `fn` is an `hs.nn.Module` (its parameters are its own, as for any module) or a plain function
-    of tensors, which takes every tensor it reads as an argument (parameters included):
+    of tensors, which takes every tensor it reads as an argument (parameters included, as
+    `hs.nn.Parameter`s or their tensors):
 
         y = hs.checkpoint(lambda x, w1, w2: hs.relu(x @ w1) @ w2, x, w1, w2)
     """
+    args = tuple(a.traced("checkpoint") if hasattr(type(a), "traced") else a for a in args)  # parameters
     if not args or not isinstance(args[0], Tensor):
         raise fail("checkpoint", "hs.checkpoint(fn, *args) takes the function's tensors after it")
     module = fn if hasattr(fn, "named_parameters") and hasattr(fn, "forward") else None
