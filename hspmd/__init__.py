@@ -50,11 +50,13 @@ from hspmd.frontend.ops import (
     sigmoid,
     binary_cross_entropy_with_logits,
 )
+from hspmd.frontend.functions import checkpoint
 from hspmd.frontend.tracing import Tensor, TraceError
 from hspmd.frontend.torch_import import TorchImportError, from_torch
 
 __all__ = [
     "Tensor",
+    "checkpoint",
     "TorchImportError",
     "TraceError",
     "from_torch",

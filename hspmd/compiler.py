@@ -2,10 +2,10 @@
 
 `compile_script` traces the script (`hspmd.frontend`), then runs pass objects level by level:
 
-    logical     [stack-layers], autodiff, [clip-grad-norm], the optimizer's
+    logical     [stack-layers], [recompute], autodiff, [clip-grad-norm], the optimizer's
                 update                                                       (training_passes)
     annotated   apply-strategy (records `#dist.strategy` on the module), apply-annotations,
-                [shard-optimizer-state], propagate-layouts, insert-reshard,
+                [shard-optimizer-state], [shard-parameters], propagate-layouts, insert-reshard,
                 reuse-resharded-residuals                                     (annotate_passes)
     physical    specialize-groups, lower-reshard, and with pp > 1 for each pipelined group
                 assign-pipeline-stages, outline-pipeline-stages, [join-pipeline-groups]
@@ -40,7 +40,7 @@ from hspmd.frontend.script import (
 )
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
-from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
+from hspmd.ir.strategy import RECOMPUTE_MODES, StrategyError, StrategyRecord, parse_strategy
 from hspmd.codegen import bundle
 from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
@@ -57,7 +57,9 @@ from hspmd.transforms.pipeline.virtual import annotation_strategy
 from hspmd.transforms.pipeline.shard_stage_optimizer import ShardStageOptimizer
 from hspmd.transforms.pipeline.split import pipeline_split_passes
 from hspmd.transforms.propagate_layouts import PropagateLayouts, propagate
+from hspmd.transforms.recompute import Recompute
 from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
+from hspmd.transforms.shard_parameters import ShardParameters
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.stack_layers import StackLayers
 from hspmd.transforms.util import PassError, module_strategy
@@ -167,13 +169,29 @@ def _verified(module: ModuleOp, verify, what: str) -> ModuleOp:
     return module
 
 
-def training_passes(optimizer: Optimizer | None, scale: float = 1.0, stack: bool = False) -> list[ModulePass]:
+def training_passes(optimizer: Optimizer | None, scale: float = 1.0, stack: bool = False,
+                    recompute: str = "none") -> list[ModulePass]:
     """Return the passes that turn a traced forward step into a training step: with `stack`,
-    stack-layers (repeated layers as one `graph.scan` over stacked parameters), autodiff (with
+    stack-layers (repeated layers as one `graph.scan` over stacked parameters), with `recompute`
+    (`block` or `selective`) the layer functions marked for activation recompute, autodiff (with
     loss scale `scale`), then the optimizer's clipping and update (none without an optimizer)."""
     registry = get_all_passes()
     update = [registry[name]()(**options) for name, options in optimizer.passes()] if optimizer else []
-    return [*([StackLayers()] if stack else []), Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(), *update]
+    marks = [Recompute(mode=recompute)] if recompute != "none" else []
+    return [*([StackLayers()] if stack else []), *marks, Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(),
+            *update]
+
+
+def recompute_mode(records: list[StrategyRecord]) -> str:
+    """Return the activation recompute the training step of `records` is differentiated with: the
+    strongest any group asks for (`block` over `selective` over `none`).
+
+    The backward is made once for every group (autodiff runs before the strategy is applied), so
+    groups that ask for less recompute than another group run the same recomputing program: the
+    numbers are the same either way, and a group's memory is at most what it asked for.
+    """
+    modes = [g.recompute for r in records for g in r.strategy.groups]
+    return max(modes, key=RECOMPUTE_MODES.index, default="none")
 
 
 def stacks_layers(records: list[StrategyRecord]) -> bool:
@@ -191,12 +209,15 @@ def stacks_layers(records: list[StrategyRecord]) -> bool:
 def annotate_passes(record: StrategyRecord) -> list[ModulePass]:
     """Return the passes that take logical IR to annotated IR under `record`'s strategy.
 
-    `apply-strategy` records the strategy on the module; a strategy asking for ZeRO (`zero=1` or
-    `zero=2`, outside pipelines) adds `shard-optimizer-state` after `apply-annotations`.
+    `apply-strategy` records the strategy on the module; a strategy asking for ZeRO (`zero=1`,
+    `zero=2` or `zero=3`, outside pipelines) adds `shard-optimizer-state` after `apply-annotations`,
+    and `zero=3` then `shard-parameters`.
     """
     s = record.strategy
     apply = ApplyStrategy(strategy=str(s), microbatches=record.microbatches, schedule=record.schedule, id=record.id)
-    zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in annotation_strategy(record).groups) else []
+    groups = annotation_strategy(record).groups
+    zero = [ShardOptimizerState(strategy_id=record.id)] if any(g.zero for g in groups) else []
+    zero += [ShardParameters(strategy_id=record.id)] if any(g.zero == 3 for g in groups) else []
     return [apply, ApplyAnnotations(strategy_id=record.id), *zero, PropagateLayouts(), InsertReshard(),
             ReuseReshardedResiduals()]
 
@@ -311,7 +332,8 @@ def compile_script(
     repeated layers become one scan over stacked parameters.
     """
     record = _record(script, strategy, 0, num_devices, microbatches, pipeline_schedule)
-    logical, opt = _training_step(script, optimizer, stacks_layers([record]) if stack_layers is None else stack_layers)
+    logical, opt = _training_step(script, optimizer, stacks_layers([record]) if stack_layers is None else stack_layers,
+                                  recompute_mode([record]))
     return _lower(script, record, logical, opt)
 
 
@@ -341,12 +363,13 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
                                 f"'{records[0].strategy}' does not have")
     traced: dict[str, tuple[ModuleOp, Optimizer | None]] = {}
     stack = stacks_layers(records)  # one program's variants share their parameters' names
+    recompute = recompute_mode(records)
     first: dict[tuple[str, str], Compiled] = {}
     out = []
     for record, overrides in zip(records, configs):
         ckey = repr(sorted(overrides.items()))
         if ckey not in traced:
-            traced[ckey] = _training_step(_specialised(script, overrides), True, stack)
+            traced[ckey] = _training_step(_specialised(script, overrides), True, stack, recompute)
         key = (str(record.strategy), ckey)
         if key not in first:
             logical, opt = traced[ckey]
@@ -384,14 +407,14 @@ def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | Non
 
 
 def _training_step(script: ModelScript, optimizer: Optimizer | bool,
-                   stack: bool = False) -> tuple[ModuleOp, Optimizer | None]:
-    """Return the script's logical training step (traced, [layers stacked,] differentiated, updated)
-    and its optimizer."""
+                   stack: bool = False, recompute: str = "none") -> tuple[ModuleOp, Optimizer | None]:
+    """Return the script's logical training step (traced, [layers stacked,] [marked for recompute,]
+    differentiated, updated) and its optimizer."""
     tf32(script.config)  # checked here, read by a GPU run's plan
     flash_attention(script.config)  # checked here, read when the GPU programs are made
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
-    run_passes(logical, training_passes(opt, loss_scale(script), stack))
+    run_passes(logical, training_passes(opt, loss_scale(script), stack, recompute))
     verify_logical(logical)
     return logical, opt
 

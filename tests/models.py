@@ -6,7 +6,7 @@ write `hs.nn` models, in the families they write: decoder or encoder, causal or 
 tp may not divide, head dims, MLP widths and gated MLPs, LayerNorm or RMSNorm, pre- or
 post-norm, tied or untied embeddings, LM heads and pooled classifiers, mixture-of-experts
 layers, dropout, 1-4 layers). `parallel_strategies(spec)` draws how to train it: dp, tp, sp,
-pp (micro-batches, GPipe or 1F1B, layer counts per stage), zero, ep, unlike device groups with
+pp (micro-batches, GPipe or 1F1B, layer counts per stage), zero, recompute, ep, unlike device groups with
 uneven shares, uneven rows, tp that does not divide the heads or widths, on 2 to 4 devices.
 
 `check_pair(spec, strategy, ...)` compiles the pair and trains it for `STEPS` steps on the
@@ -144,7 +144,10 @@ def _group(draw, devices: list[int], spec: dict, alone: bool) -> str:
     if deg["tp"] > 1 and draw(st.integers(0, 3)) == 0:
         keys.append("sp=1")
     if deg["dp"] > 1 and draw(st.integers(0, 3)) == 0:
-        keys.append(f"zero={draw(st.sampled_from([1, 2]))}")
+        stages = [1, 2, 3] if deg["pp"] == 1 and deg["ep"] == 1 else [1, 2]
+        keys.append(f"zero={draw(st.sampled_from(stages))}")
+    if draw(st.integers(0, 4)) == 0:
+        keys.append(f"recompute={draw(st.sampled_from(['block', 'selective']))}")
     if deg["pp"] > 1 and spec["layers"] >= deg["pp"] and draw(st.integers(0, 3)) == 0:
         cuts = sorted(draw(st.sets(st.integers(1, spec["layers"] - 1), min_size=deg["pp"] - 1,
                                    max_size=deg["pp"] - 1)))
@@ -203,8 +206,8 @@ class Reference:
 
     spec: dict
     losses: dict[int, list[float]] = field(default_factory=dict)
-    #: the traced, differentiated step by whether its layers are stacked (as `compile_script` makes
-    #: it: one trace serves every strategy of the model)
+    #: the traced, differentiated step by whether its layers are stacked and how it recomputes (as
+    #: `compile_script` makes it: one trace serves every strategy of the model)
     logical: dict = field(default_factory=dict)
 
 
@@ -251,15 +254,15 @@ def train_in_memory(compiled, script, comm, kernels: str = "numpy") -> list[floa
 def compile_pair(script, par: Parallel, ref: Reference | None = None):
     """Return `compile_script(script, par.strategy, par.n)`, the model traced once per `ref` (the
     driver's own steps: the strategy record, the trace and training passes, the lowering)."""
-    from hspmd.compiler import _lower, _record, _training_step, stacks_layers
+    from hspmd.compiler import _lower, _record, _training_step, recompute_mode, stacks_layers
 
     if ref is None:
         return compile_script(script, par.strategy, par.n)
     record = _record(script, par.strategy, 0, par.n, None, None)
-    stack = stacks_layers([record])
-    if stack not in ref.logical:
-        ref.logical[stack] = _training_step(script, True, stack)
-    logical, opt = ref.logical[stack]
+    key = (stacks_layers([record]), recompute_mode([record]))
+    if key not in ref.logical:
+        ref.logical[key] = _training_step(script, True, *key)
+    logical, opt = ref.logical[key]
     return _lower(script, record, logical, opt)
 
 

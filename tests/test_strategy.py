@@ -45,11 +45,11 @@ def test_round_trip(degrees, rnd):
 
 
 @pytest.mark.parametrize("text, line, column, expected", [
-    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency or cache"),
+    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute"),
     ("[0-3]: dp=2, dp=2", 1, 14, None),
     ("[0,1]: dp=0 tp=2", 1, 11, "a number >= 1"),
     ("[0,1] dp=2", 1, 7, "':'"),
-    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency or cache)"),
+    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute)"),
     ("[0,1]: dp=2 |\n [2 3]: dp=1", 2, 5, "',', '-' or ']'"),
     ("[0,1]: dp 2", 1, 11, "'='"),
 ])
@@ -70,7 +70,7 @@ def test_unknown_key_message():
         parse_strategy("[0-3]: dp=2 tq=2")
     assert str(info.value) == ("bad strategy at line 1, column 13: unknown key 'tq'\n"
                                "[0-3]: dp=2 tq=2\n"
-                               "            ^ expected dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency or cache")
+                               "            ^ expected dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute")
 
 
 def test_semantic_errors():

@@ -99,6 +99,27 @@ def _load_and_compile(args, n: int):
     return compile_script(script, args.strategy or default_strategy(n), n)
 
 
+def _memory_before_after(args, compiled, n: int) -> str:
+    """Return the planned memory per rank of `compiled`, and where its strategy asks for ZeRO or
+    recompute, of the same strategy without them (compiled again) above it."""
+    from dataclasses import replace
+
+    from hspmd.codegen.schedule.analysis import format_memory_rows, memory_rows
+    from hspmd.ir.strategy import Strategy
+
+    strategy = compiled.strategy.strategy
+    text = format_memory_rows(memory_rows(compiled.physical), f"planned memory per rank under '{strategy}':")
+    if not any(g.zero or g.recompute != "none" for g in strategy.groups):
+        return text
+    base = Strategy(tuple(replace(g, zero=0, recompute="none") for g in strategy.groups))
+    from hspmd.compiler import compile_script
+
+    before = compile_script(compiled.script, str(base), n, microbatches=compiled.strategy.microbatches,
+                            pipeline_schedule=compiled.strategy.schedule)
+    return format_memory_rows(memory_rows(before.physical), f"planned memory per rank before zero/recompute, "
+                              f"under '{base}':") + text
+
+
 def cmd_compile(args) -> int:
     from hspmd.compiler import write_bundle
     from hspmd.ir.strategy import parse_strategy
@@ -133,6 +154,7 @@ def cmd_compile(args) -> int:
         from hspmd.codegen.schedule.analysis import memory_report
 
         sys.stdout.write(memory_report(compiled.physical))
+        sys.stdout.write(_memory_before_after(args, compiled, n))
     if args.explain:
         from hspmd.codegen.report import explain_rows, format_explain
 

@@ -166,11 +166,38 @@ def cmd_plan(args) -> int:
         rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
                      "", "", "", "", "", f"over --memory-per-rank {_mib(memory or 0)}"])
     print(_table(rows))
+    made = what_made_it_fit(chosen, fits + over, memory)
+    if made:
+        print(made)
     if chosen.settings():
         print("run it with: " + " ".join(f"--set {s}" for s in chosen.settings()))
     print("strategy:")
     print(chosen.strategy())
     return 0
+
+
+def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: float | None) -> str | None:
+    """Return a line saying which of the chosen strategy's zero=3 and recompute made it fit under
+    `memory` (its twins without them, priced, are over the limit), or None when neither did."""
+    from dataclasses import replace
+
+    if memory is None:
+        return None
+    by_text = {(c.strategy(), c.microbatches): c for c in candidates}
+    strip = {"zero=3": lambda g: replace(g, zero=0) if g.zero == 3 else g,
+             "recompute": lambda g: replace(g, recompute="none")}
+    used = [k for k, f in strip.items() if any(f(g) != g for g in chosen.groups)]
+    if not used:
+        return None
+    lines = []
+    for key in used:
+        twin = by_text.get((replace(chosen, groups=tuple(strip[key](g) for g in chosen.groups)).strategy(),
+                            chosen.microbatches))
+        if twin is not None and twin.memory_bytes > memory:
+            mib = lambda b: f"{b / 2**20:,.3f} MiB"  # noqa: E731 (the twins may differ in the last digits)
+            lines.append(f"{key} made it fit: without it '{twin.strategy()}' needs {mib(twin.memory_bytes)} per rank, "
+                         f"over --memory-per-rank {mib(memory)} (with it {mib(chosen.memory_bytes)})")
+    return "\n".join(lines) or None
 
 
 def auto_strategy(args, script, n: int) -> Compiled:

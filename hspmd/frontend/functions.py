@@ -42,8 +42,9 @@ def function_key(module, args: Sequence[Tensor]) -> tuple:
     return (type(module).__qualname__, params, inputs, tuple(sorted(settings)))
 
 
-def call_module(tracer: Tracer, module, args: Sequence[Tensor]):
-    """Trace `module(*args)` as a call of its (possibly new) function; return its results."""
+def call_module(tracer: Tracer, module, args: Sequence[Tensor], recompute: str | None = None):
+    """Trace `module(*args)` as a call of its (possibly new) function; return its results.
+    `recompute` ("block"): mark the function for activation recompute (`transforms/recompute.py`)."""
     for a in args:
         if not isinstance(a, Tensor) or a.tracer is not tracer:
             raise fail(type(module).__name__, "a function module takes tensors of the running trace only")
@@ -52,6 +53,10 @@ def call_module(tracer: Tracer, module, args: Sequence[Tensor]):
     if key not in tracer.functions:
         tracer.functions[key] = _trace_function(tracer, module, params, args, key)
     callee = tracer.functions[key]
+    if recompute is not None:
+        from hspmd.ir.recompute import mark
+
+        mark(callee, recompute)
     operands = [p.traced(type(module).__name__).value for p in params] + [a.value for a in args]
     if len(callee.body.block.args) > len(operands):  # the callee draws random numbers: pass a counter
         operands.append(_call_counter(tracer, key).value)
@@ -103,3 +108,43 @@ def _call_counter(tracer: Tracer, key) -> Tensor:
     step = step_tensor(tracer)
     offset = tracer.constant(float(index << 32), (), "int64")
     return tracer.emit(graph.AddOp(step.value, offset.value))
+
+
+class _Checkpointed:
+    """A plain function of tensors as a module without parameters (what `checkpoint` calls)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        # part of the function key: two functions never share one traced function
+        self.function_id = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}#{id(fn)}"
+
+    def named_parameters(self):
+        return iter(())
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def checkpoint(fn, *args: Tensor):
+    """Return `fn(*args)` traced as a function marked for activation recompute (`recompute=block`
+    for it alone): its backward runs its forward again rather than keeping what it made.
+
+    `fn` is an `hs.nn.Module` (its parameters are its own, as for any module) or a plain function
+    of tensors, which takes every tensor it reads as an argument (parameters included, as
+    `hs.nn.Parameter`s or their tensors):
+
+        y = hs.checkpoint(lambda x, w1, w2: hs.relu(x @ w1) @ w2, x, w1, w2)
+    """
+    args = tuple(a.traced("checkpoint") if hasattr(type(a), "traced") else a for a in args)  # parameters
+    if not args or not isinstance(args[0], Tensor):
+        raise fail("checkpoint", "hs.checkpoint(fn, *args) takes the function's tensors after it")
+    module = fn if hasattr(fn, "named_parameters") and hasattr(fn, "forward") else None
+    if module is None:
+        if not callable(fn):
+            raise fail("checkpoint", f"hs.checkpoint takes a function or a module, not {type(fn).__name__}")
+        name = "".join(c if c.isalnum() else "_" for c in getattr(fn, "__name__", "fn")).strip("_") or "fn"
+        module = type(f"checkpoint_{name}", (_Checkpointed,), {})(fn)
+    try:
+        return call_module(args[0].tracer, module, args, recompute="block")
+    except TypeError as err:  # fn called with the wrong arguments: the user's error, said as a trace error
+        raise fail("checkpoint", str(err)) from None

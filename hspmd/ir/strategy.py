@@ -6,8 +6,10 @@ One entry per device group: data-parallel (`dp`), tensor-parallel (`tp`), pipeli
 and expert-parallel (`ep`: a mixture of experts' weights split along the expert dim over ep
 ranks, which also split the batch, as dp ranks do; see docs/moe.md) degrees, `experts=N` for
 how many of a mixture's experts the group holds when groups hold different numbers
-(`[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2`; every group then says it, and ep divides it), the group's batch `share` and its ZeRO stage `zero` (0, 1 or 2: 1 and 2 shard the
-optimizer states over dp, see the `shard-optimizer-state` pass; default 0), `sp=1` for
+(`[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2`; every group then says it, and ep divides it), the group's batch `share` and its ZeRO stage `zero` (0, 1, 2 or 3: 1 and 2 shard the
+optimizer states over dp, see the `shard-optimizer-state` pass, 3 the parameters too, see
+`shard-parameters`; default 0), activation recompute `recompute=none|block|selective` (see the
+`recompute` pass; default none), `sp=1` for
 sequence parallelism (Megatron-style, over the tp ranks; needs tp > 1; default 0) and
 `layers=A:B:...` for the number of layers each pipeline stage takes (one count per stage, pp of
 them; default: contiguous ranges balanced by cost). How the data-parallel ranks communicate
@@ -35,9 +37,10 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
-_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts", "comm", "consistency", "cache")
+_KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts", "comm", "consistency", "cache",
+         "recompute")
 _DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None, "comm": "allreduce", "consistency": "bsp",
-             "cache": 0}
+             "cache": 0, "recompute": "none"}
 #: the keys in words, as errors list them
 _KEYS_TEXT = ", ".join(_KEYS[:-1]) + " or " + _KEYS[-1]
 #: how a group's data-parallel ranks exchange gradients: collectives, parameter servers, or both
@@ -45,8 +48,11 @@ _KEYS_TEXT = ", ".join(_KEYS[:-1]) + " or " + _KEYS[-1]
 COMM_MODES = ("allreduce", "ps", "hybrid")
 #: the consistency models of a parameter-server run (`ssp` takes its bound: `ssp:2`)
 CONSISTENCY_MODELS = ("bsp", "asp", "ssp")
-_WORD_KEYS = ("comm", "consistency")
-ZERO_STAGES = (0, 1, 2)
+_WORD_KEYS = ("comm", "consistency", "recompute")
+ZERO_STAGES = (0, 1, 2, 3)
+#: activation recompute per group (`transforms/recompute.py`): none, each repeated block's forward
+#: again inside its backward, or only attention's scores, softmax and dropout (Megatron's selective)
+RECOMPUTE_MODES = ("none", "block", "selective")
 #: the pipeline schedules a strategy may name (`hspmd.ir.pipeline_schedule.SCHEDULES` runs them)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -107,6 +113,7 @@ class StrategyGroup:
     comm: str = "allreduce"
     consistency: str = "bsp"
     cache: int | tuple[int, int] = 0
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -117,9 +124,16 @@ class StrategyGroup:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise StrategyError(f"group '{text}' has {key}={v!r}; dp, tp, pp, ep and share must be integers >= 1")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
-            raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1 or 2")
+            raise StrategyError(f"group '{text}' has zero={self.zero!r}; zero must be 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise StrategyError(f"group '{text}' has recompute={self.recompute!r}; recompute must be one of "
+                                f"{', '.join(RECOMPUTE_MODES)}")
         if isinstance(self.sp, bool) or self.sp not in (0, 1):
             raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
+        if self.zero == 3 and (self.pp > 1 or self.ep > 1):
+            raise StrategyError(f"group '{text}' asks for zero=3 with {'pp' if self.pp > 1 else 'ep'}="
+                                f"{self.pp if self.pp > 1 else self.ep}, which is not supported yet; use zero=3 with "
+                                "dp and tp (and recompute), or zero=1/2 in a pipeline")
         if self.zero and self.ep > 1 and self.pp > 1:
             raise StrategyError(f"group '{text}' asks for ZeRO (zero={self.zero}) with expert parallelism "
                                 f"(ep={self.ep}) in a pipeline (pp={self.pp}), which is not supported yet; "
@@ -320,7 +334,7 @@ def parse_strategy(text: str) -> Strategy:
                     raise _err(text, value, f"sp={value} is not 0 or 1", "0 or 1")
             elif key == "zero":
                 if int(value) not in ZERO_STAGES:
-                    raise _err(text, value, f"zero={value} is not a supported ZeRO stage", "0, 1 or 2")
+                    raise _err(text, value, f"zero={value} is not a supported ZeRO stage", "0, 1, 2 or 3")
             elif int(value) < 1:
                 raise _err(text, value, f"{key}={value} must be >= 1", "a number >= 1")
             values[str(key)] = int(value)
@@ -339,6 +353,10 @@ def _word_value(text: str, key: Token, value: Token, more: list[Token]) -> str:
     if value.type != "NAME":
         raise _err(text, value, f"key '{key}' takes a word, not {value}",
                    ", ".join(COMM_MODES) if key == "comm" else "bsp, asp or ssp:S")
+    if key == "recompute":
+        if value not in RECOMPUTE_MODES or more:
+            raise _err(text, value, f"recompute={value}{':' if more else ''} is not a recompute mode", ", ".join(RECOMPUTE_MODES))
+        return str(value)
     if key == "comm":
         if value not in COMM_MODES or more:
             raise _err(text, value, f"comm={value}{':' if more else ''} is not a communication mode", ", ".join(COMM_MODES))

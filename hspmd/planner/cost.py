@@ -74,6 +74,7 @@ class GroupConfig:
     zero: int = 0
     sp: int = 0  # sequence parallelism over the tp ranks (needs tp > 1)
     ep: int = 1  # expert parallelism (a mixture-of-experts model): the batch splits over dp * ep
+    recompute: str = "none"  # activation recompute: "block" or "selective" (`transforms/recompute.py`)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,14 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         ops = probe.ops
     else:
         written, activations, ops = facts.activation_bytes_written / tp, facts.activation_bytes / tp, facts.ops
-    work = (facts.matmul_flops * part / shard / mm_rate + written * part / pp / ew_rate) * imbalance
+    matmul_flops = facts.matmul_flops
+    ratios = facts.recompute_ratios(config.recompute)
+    if ratios is not None:
+        # the forward again (all of each block's, or attention's core): the probe's FLOPs and kept
+        # activations, measured on one device with that recompute
+        grow, shrink = ratios
+        matmul_flops, written, activations = matmul_flops * grow, written * grow, activations * shrink
+    work = (matmul_flops * part / shard / mm_rate + written * part / pp / ew_rate) * imbalance
     update_s = facts.update_bytes_written / (shard * (dp if config.zero else 1)) / ew_rate
     compute = work + update_s
     steps = ops + (probe.steps if probe is not None else 0)
@@ -183,7 +191,9 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
                                        / shard, max(1, round(moe.expert_tensors / pp)))
     elif dp > 1 and config.zero:  # per parameter: a reduce-scatter of its gradient, an all-gather of it
         calls = max(1, facts.param_tensors)
-        dp_s = sum(machine.collective(k, dp_group, grads / calls, calls) for k in ("reduce_scatter", "all_gather"))
+        # zero=3 gathers each parameter twice (its layer's forward and backward) and never after the update
+        gathers = ("all_gather", "all_gather") if config.zero == 3 else ("all_gather",)
+        dp_s = sum(machine.collective(k, dp_group, grads / calls, calls) for k in ("reduce_scatter", *gathers))
         dp_s += machine.resync("reduce_scatter", dp_group, update_s / calls, calls)
     elif dp > 1 and facts.dp_sync is not None:  # as the dp=2 probe's schedule runs them, on this shard
         sync = facts.dp_sync
@@ -205,7 +215,11 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
         dp_hidden = total - dp_s
     in_flight = 1.0 if schedule == "gpipe" or pp == 1 else min(pp, m) / m
     states = facts.state_bytes * (grads * shard / facts.param_bytes if ep > 1 and facts.param_bytes else 1.0)
-    memory = 2 * grads + states / (shard * (dp if config.zero else 1)) + activations * part / pp * in_flight
+    if config.zero == 3 and dp > 1:  # parameters and gradients sharded; one layer's weights gathered and its
+        held = 2 * grads / dp + 2 * grads * min(1.0, 1 / max(1, facts.layers))  # gradient before the scatter
+    else:
+        held = 2 * grads
+    memory = held + states / (shard * (dp if config.zero else 1)) + activations * part / pp * in_flight
     return GroupCost(compute, bubble, tp_s, pp_s, dp_s, memory, dp_hidden)
 
 

@@ -18,6 +18,8 @@ under a handful of probe strategies and reads their physical IR:
 * `[0,1]: ep=2`, for a model with expert layers: the expert weights' bytes and the all-to-alls
   and gradient sums of one rank (`ExpertParallelFacts`);
 * `[0,1]: pp=2`: the bytes a stage sends to the next per step;
+* `[0]: dp=1 recompute=block` and `recompute=selective` (a model with layer functions): the matmul
+  FLOPs and activation memory of the step that recomputes (`ModelFacts.recompute`);
 * `tp=4`, `tp=8` (up to `max_devices`) annotated only, to learn which tp degrees the model's
   shapes allow (heads, hidden sizes, vocabulary) and how unevenly each splits the weights (a
   degree that does not divide a head count or width is allowed if every rank gets a piece:
@@ -87,6 +89,19 @@ class ModelFacts:
     dp_sync: DataParallelSync | None = None
     # a mixture-of-experts model's expert parallelism (`[0,1]: ep=2`); None: no expert layers
     ep: ExpertParallelFacts | None = None
+    #: per recompute mode the one device's step runs ("block", "selective"): its matmul FLOPs and its
+    #: activation memory over those without recompute (the FLOPs grow, the memory shrinks); empty
+    #: where the model has no layer functions to recompute
+    recompute: tuple[tuple[str, float, float], ...] = ()
+
+    def recompute_ratios(self, mode: str) -> tuple[float, float] | None:
+        """Return (FLOPs, activation memory) of the step recomputing in `mode` over those without, or None."""
+        return next(((grow, shrink) for m, grow, shrink in self.recompute if m == mode), None)
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """Return the recompute modes that change this model's step."""
+        return tuple(m for m, _, _ in self.recompute)
 
     def tp_busiest(self, tp: int) -> float:
         """Return the busiest tp rank's work over an even 1/tp share (1.0 when tp divides the model's dims)."""
@@ -335,4 +350,20 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     return ModelFacts(rows, one["layers"], float(one["flops"]), one["calls"], one["act"], one["upd"],
                       one["params"], one["states"], one["activations"], tuple(tp_degrees), tp_bytes, tp_calls,
                       pp_bytes, max_pp, one["ops"], one["tensors"], tuple(tp_imbalance), tp_facts, sp_facts, dp_sync,
-                      ep_facts)
+                      ep_facts, _recompute(script, one))
+
+
+def _recompute(script: ModelScript, one: dict) -> tuple[tuple[str, float, float], ...]:
+    """Return (mode, matmul FLOPs, activation bytes) of the one-device step under each recompute
+    mode that changes it, over those of `one` (the step without recompute) (the probe `[0]: dp=1 recompute=MODE`, traced again: recompute is decided
+    at autodiff)."""
+    if one["layers"] <= 1:
+        return ()
+    out = []
+    for mode in ("block", "selective"):
+        logical = trace_script(script)
+        run_passes(logical, training_passes(script_optimizer(script), loss_scale(script), recompute=mode))
+        probe = _one_device(to_physical(_layout(logical, f"[0]: dp=1 recompute={mode}")))
+        if probe["flops"] != one["flops"] or probe["activations"] != one["activations"]:
+            out.append((mode, probe["flops"] / max(1, one["flops"]), probe["activations"] / max(1, one["activations"])))
+    return tuple(out)

@@ -6,7 +6,9 @@
    cluster (when there are several), and each cluster cut into groups of powers of two (when a
    size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
-   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1; sequence
+   a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
+   where also pp = 1; each of them with and without activation recompute (`block`,
+   `selective`: the facts' recompute probes price their extra FLOPs and smaller activations); sequence
    parallelism (sp=1) beside every tp > 1 of a strategy of one group, when the model runs it;
    for a mixture-of-experts model in a strategy of one group, expert parallelism: every ep
    dividing the experts and the ranks that split the batch (dp * ep); for a
@@ -77,10 +79,12 @@ class Candidate:
         """Return the strategy text (`--strategy`), batch shares as the rows' smallest ratio."""
         if len(self.groups) == 1:
             g = self.groups[0]
-            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp, ep=g.ep),)))
+            return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp, ep=g.ep,
+                                               recompute=g.recompute),)))
         common = reduce(math.gcd, self.rows)
         pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
-        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp)
+        return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp,
+                                                recompute=g.recompute)
                                   for g, r in pairs)))
 
     def settings(self) -> list[str]:
@@ -138,9 +142,11 @@ def _configs(devices: tuple[int, ...], facts: ModelFacts, alone: bool) -> list[G
                 # runs it in a strategy of one group)
                 sps = (0, 1) if tp > 1 and alone and ep == 1 and even and facts.sp is not None else (0,)
                 zeros = (0, 1) if dp * ep > 1 and (pp == 1 or alone) and not (ep > 1 and pp > 1) else (0,)
+                zeros += (3,) if dp > 1 and pp == 1 and ep == 1 else ()  # parameters sharded too
                 for zero in zeros:
                     for sp in sps:
-                        out.append(GroupConfig(devices, dp, tp, pp, zero, sp, ep))
+                        for recompute in ("none", *facts.recompute_modes):
+                            out.append(GroupConfig(devices, dp, tp, pp, zero, sp, ep, recompute))
     return out
 
 
@@ -246,10 +252,10 @@ def _nothing_fits(facts: ModelFacts, n: int) -> str:
 
 
 def preference(c: Candidate) -> tuple[float, int, str]:
-    """Rank by step time, ZeRO counted 2 % slower per group that uses it: its per-tensor
+    """Rank by step time, ZeRO (and recompute) counted 2 % slower per group that uses it: its per-tensor
     collectives and gradient copies cost more than the model sees, so it must win clearly
     (or be needed for memory) to be chosen; ties go to fewer groups."""
-    zero = sum(1 for g in c.groups if g.zero)
+    zero = sum(1 for g in c.groups if g.zero) + sum(1 for g in c.groups if g.recompute != "none")
     return (c.step_s * (1 + ZERO_MARGIN * zero), len(c.groups), c.strategy())
 
 

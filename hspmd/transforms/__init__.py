@@ -14,6 +14,7 @@ from xdsl.passes import ModulePass, PassPipeline
 # name -> "module:Class"
 _PASSES = {
     "stack-layers": "hspmd.transforms.stack_layers:StackLayers",
+    "recompute": "hspmd.transforms.recompute:Recompute",
     "autodiff": "hspmd.transforms.autodiff:Autodiff",
     "sgd": "hspmd.transforms.sgd:SGD",
     "adam": "hspmd.transforms.adam:Adam",
@@ -21,6 +22,7 @@ _PASSES = {
     "apply-strategy": "hspmd.transforms.apply_strategy:ApplyStrategy",
     "apply-annotations": "hspmd.transforms.apply_annotations:ApplyAnnotations",
     "shard-optimizer-state": "hspmd.transforms.shard_optimizer_state:ShardOptimizerState",
+    "shard-parameters": "hspmd.transforms.shard_parameters:ShardParameters",
     "propagate-layouts": "hspmd.transforms.propagate_layouts:PropagateLayouts",
     "insert-reshard": "hspmd.transforms.insert_reshard:InsertReshard",
     "reuse-resharded-residuals": "hspmd.transforms.reuse_resharded_residuals:ReuseReshardedResiduals",

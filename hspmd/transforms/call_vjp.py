@@ -8,7 +8,8 @@ For a function `@F(args) -> ys` that the step calls (a repeated layer), `autodif
 once per callee, replaces each forward `func.call @F` by `func.call @F_fwd`, and adds a
 `func.call @F_bwd` to the backward pass. Residuals are the values of F's body (its
 arguments included) that the backward reads, so nothing is computed twice. Calls inside F
-are split the same way.
+are split the same way. A callee marked for recompute (`transforms/recompute.py`) keeps fewer
+residuals: the ops that made the others run again at the top of `@F_bwd`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType, _FloatType
 from xdsl.ir import SSAValue
 
 from hspmd.dialects import graph
+from hspmd.transforms.recompute import RECOMPUTE_ATTR, recompute_mode, recomputed_ops
 from hspmd.transforms.util import PassError, callee_of
 
 
@@ -94,23 +96,36 @@ class CallDifferentiator:
             arg_grads.append(g)
         forward_set = set(forward_ops)
         backward_ops = [o for o in block.ops if o not in forward_set and o is not ret and o is not marker]
-        produced_backward = {r for o in backward_ops for r in o.results} | set(dys)
-        residuals: list[SSAValue] = []
-        for o in backward_ops:
-            for v in o.operands:
-                if v not in produced_backward and v not in residuals:
-                    residuals.append(v)
-        for g in arg_grads:
-            if g not in produced_backward and g not in residuals:
-                residuals.append(g)  # a gradient that is a forward value (identity paths)
+        residuals = self._residuals(backward_ops, dys, arg_grads)
+        mode = recompute_mode(callee)
+        again = recomputed_ops(forward_ops, residuals, mode)
+        if again:  # computed again in the backward: their operands are the residuals instead
+            backward_ops = again + backward_ops
+            residuals = self._residuals(backward_ops, dys, arg_grads)
         marker.detach()
         marker.erase()
 
         fwd = self._forward(callee, [to_callee[r] for r in residuals], f"{name}_fwd")
         bwd = self._backward(combined, backward_ops, residuals, dys, arg_grads, ret, f"{name}_bwd")
+        if mode != "none":
+            bwd.attributes[RECOMPUTE_ATTR] = StringAttr(mode)
         for f in (fwd, bwd):
             self.module.body.block.insert_op_after(f, callee)
         return SplitFunction(fwd, bwd, len(ys), len(residuals), float_args)
+
+    @staticmethod
+    def _residuals(backward_ops: list, dys: list[SSAValue], arg_grads: list[SSAValue]) -> list[SSAValue]:
+        """Return the values `backward_ops` read that they do not make (nor are incoming gradients)."""
+        produced = {r for o in backward_ops for r in o.results} | set(dys)
+        residuals: list[SSAValue] = []
+        for o in backward_ops:
+            for v in o.operands:
+                if v not in produced and v not in residuals:
+                    residuals.append(v)
+        for g in arg_grads:
+            if g not in produced and g not in residuals:
+                residuals.append(g)  # a gradient that is a forward value (identity paths)
+        return residuals
 
     @staticmethod
     def _forward(callee: func.FuncOp, residuals: list[SSAValue], name: str) -> func.FuncOp:

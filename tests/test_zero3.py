@@ -1,0 +1,129 @@
+"""ZeRO stage 3 (`zero=3`, `shard-parameters`): parameters split over dp, gathered in each layer's
+forward and again in its backward, gradients reduce-scattered into the shards, the update on the
+shards only; the 1-device losses; checkpoints that resume under zero=3 and under dp=1."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+from models import Parallel, Reference, check_pair
+
+from generated_model import DEFAULT_SPEC
+from hspmd.compiler import compile_script, write_bundle
+from hspmd.dialects.dist import layout_of
+from hspmd.dialects.levels import physical_groups
+from hspmd.frontend.script import load_script, parse_overrides
+from hspmd.ir.strategy import StrategyError, parse_strategy
+from hspmd.runtime.comm import run_spmd
+from hspmd.runtime.worker import CheckpointOptions, train
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+GPT = os.path.join(ROOT, "examples", "gpt.py")
+SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=4",
+         "optim.warmup=2", "model.dropout=0.1", "steps=8"]
+
+
+def _script(extra=()):
+    return load_script(GPT, parse_overrides(SMALL + list(extra)))
+
+
+def _comms(compiled):
+    """Return {(op, function): count} over the physical program of group 0."""
+    (_, group), *_ = physical_groups(compiled.physical)
+    out = collections.Counter()
+    for fn in group.body.block.ops:
+        for o in fn.walk():
+            if o.name.startswith("comm."):
+                out[(o.name, fn.sym_name.data)] += 1
+    return out
+
+
+def test_parameters_are_split_and_gathered_per_layer():
+    compiled = compile_script(_script(), "[0,1]: dp=2 zero=3", 2)
+    params = {o.tensor_name.data: layout_of(o.result) for o in compiled.annotated.walk()
+              if o.name == "graph.parameter" and not o.tensor_name.data.startswith("opt.")}
+    assert all("split" in str(lay) for lay in params.values()), params
+    comms = _comms(compiled)
+    # each layer's weights gathered in its forward and again in its backward (12 tensors a block)
+    assert comms[("comm.all_gather", "Block_0_fwd")] == 12
+    assert comms[("comm.all_gather", "Block_0_bwd")] >= 6
+    # gradients reduce-scattered into the shards (a stacked one inside the backward scan, layer by
+    # layer); only the loss and the norm's scalar all-reduced
+    stacked = [p for p in params if p.startswith("blocks.[")]
+    assert comms[("comm.reduce_scatter", "Block_0_bwd")] == len(stacked) == 12
+    assert comms[("comm.reduce_scatter", "train_step")] == len(params) - len(stacked)
+    assert comms[("comm.all_reduce", "train_step")] == 2
+    # nothing gathered after the update: the step's gathers are the embedding's and the head's reads
+    base = _comms(compile_script(_script(), "[0,1]: dp=2 zero=2", 2))
+    assert comms[("comm.all_gather", "train_step")] < base[("comm.all_gather", "train_step")]
+
+
+def test_zero3_key_and_refusals():
+    assert str(parse_strategy("[0,1]: dp=2 zero=3")) == "[0,1]: dp=2 zero=3"
+    with pytest.raises(StrategyError, match="zero=3"):
+        parse_strategy("[0-3]: dp=2 pp=2 zero=3")
+
+
+@pytest.mark.parametrize("strategy,n", [
+    ("[0,1]: dp=2 zero=3", 2),
+    ("[0,1]: dp=2 zero=3 recompute=block", 2),
+    ("[0-3]: dp=2 tp=2 zero=3 recompute=selective", 4),
+    ("[0,1]: dp=2 zero=3 share=2 | [2]: dp=1 recompute=block share=1", 3),
+    ("[0,1]: dp=2 zero=3 share=1 | [2,3]: dp=2 zero=1 share=1", 4),
+])
+def test_generated_model_trains_as_on_one_device(strategy, n):
+    out = check_pair(Reference({**DEFAULT_SPEC, "dropout": 0.1, "layers": 2}), Parallel(strategy, n))
+    assert out.refused is None, out.refused
+
+
+def _train(bundle: str, n: int, steps: int, **options):
+    return run_spmd(n, lambda comm: train(bundle, comm, steps=steps, quiet=True,
+                                          checkpoints=CheckpointOptions(**options)), timeout=300)
+
+
+def test_checkpoint_resumes_under_zero3_and_dp1(tmp_path):
+    z3, one = str(tmp_path / "z3"), str(tmp_path / "one")
+    write_bundle(compile_script(_script(), "[0,1]: dp=2 zero=3", 2), z3)
+    write_bundle(compile_script(_script(), "[0]: dp=1", 1), one)
+    straight = _train(z3, 2, 8)[0]
+    ck = str(tmp_path / "ck")
+    _train(z3, 2, 4, directory=ck, every=2)
+    from hspmd.runtime.checkpoint.manifest import latest_checkpoint, read_manifest
+
+    m = read_manifest(latest_checkpoint(ck))
+    for name in ("wte.weight", "opt.m.wte.weight"):  # parameters too are saved as each rank's shard
+        assert sorted(p.file for p in m.tensors[name].pieces) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    resumed = _train(z3, 2, 8, resume=ck)[0]
+    assert resumed.losses == straight.losses[4:]
+    for name, value in straight.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+    other = _train(one, 1, 8, resume=ck)[0]
+    np.testing.assert_allclose(other.losses, straight.losses[4:], rtol=1e-6)
+    for name, value in straight.params.items():
+        np.testing.assert_allclose(other.params[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _mpi_losses(tmp_path, example: str, n: int, strategy: str, extra: list[str]) -> list[float]:
+    import json
+
+    from conftest import EXAMPLES, run_cli
+
+    log = tmp_path / f"{example}-{n}-{abs(hash(strategy))}.jsonl"
+    run_cli("hspmd", "run", "-n", str(n), os.path.join(EXAMPLES, example), "--strategy", strategy, "--steps", "4",
+            "--log", str(log), "--set", "model.dropout=0.1", *extra, check=True, timeout=600)
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("example,n,strategy,extra", [
+    ("gpt.py", 2, "[0,1]: dp=2 zero=3 recompute=block", []),
+    ("llama.py", 4, "[0-3]: dp=2 tp=2 zero=3 recompute=selective", []),
+    ("llama.py", 2, "[0,1]: pp=2 recompute=block", ["--set", "microbatches=4", "--set", "pipeline_schedule=1f1b"]),
+    ("gpt.py", 3, "[0,1]: dp=2 zero=3 share=2 | [2]: dp=1 recompute=selective share=1", []),
+])
+def test_over_mpi_the_single_device_losses(tmp_path, example, n, strategy, extra):
+    one = _mpi_losses(tmp_path, example, 1, "[0]: dp=1", [])
+    np.testing.assert_allclose(_mpi_losses(tmp_path, example, n, strategy, extra), one, rtol=1e-4)
