@@ -104,4 +104,5 @@ def test_model_flops_agree_with_the_ir():
     shape = tiny()
     facts = model_facts(g._script(shape), 1)
     assert facts.matmul_flops == pytest.approx(g.model_flops(shape), rel=0.02)
+    assert facts.param_bytes / 4 == pytest.approx(shape.params(), rel=0.01)  # float32 master weights
     assert g.model_flops(replace(shape, batch=2 * shape.batch)) == pytest.approx(2 * g.model_flops(shape))

@@ -253,13 +253,15 @@ class ModelShape:
         return self.batch * self.seq_len
 
     def params(self) -> float:
-        """Return the parameters: 12 l h^2 (1 + 13/(12h)) + V h (tied embedding) + s h (positions)."""
+        """Return the parameters of examples/gpt.py: 12 l h^2 (1 + 13/(12h)) in the layers, the
+        embedding and the output head (not tied: 2 V h) and learned positions (s h)."""
         h, l = self.d_model, self.layers
-        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq_len) * h
+        return 12 * l * h * h * (1 + 13 / (12 * h)) + (2 * self.vocab + self.seq_len) * h
 
 
 MODELS = {
-    # GPT-2 small: 124M parameters (GPT-2's 117M/124M shape), 64 sequences of 1024 per step
+    # GPT-2 small's shape (124M parameters with GPT-2's tied embedding; 163M with this script's
+    # separate output head), 64 sequences of 1024 per step
     "gpt2-small": ModelShape("GPT-2 small", 12, 768, 12, 1024, 64),
     # GPT-3 XL (Brown et al. 2020, Table 2.1: 1.3B, 24 layers, d 2048, 16 heads of 128), 32 of 2048
     "gpt-1.3b": ModelShape("GPT 1.3B (GPT-3 XL)", 24, 2048, 16, 2048, 32),
