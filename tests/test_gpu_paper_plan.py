@@ -1,0 +1,108 @@
+"""tools/gpu_paper_plan.py at a tiny size: its synthetic H100 profiles are valid device profiles
+whose links and collectives are ordered as the hardware is, and the cost model's predictions on
+them are finite and ordered sensibly (docs/gpus.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+from hspmd.ir.device_profile import DeviceProfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@cache
+def tool():
+    path = os.path.join(HERE, "..", "tools", "gpu_paper_plan.py")
+    spec = importlib.util.spec_from_file_location("gpu_paper_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@cache
+def machines():
+    g = tool()
+    one, two = g.H100Node(), g.H100Node(nodes=2)
+    return (one, g.make_profile(one)), (two, g.make_profile(two))
+
+
+def tiny():
+    g = tool()
+    return g.ModelShape("tiny GPT", layers=2, d_model=128, heads=4, seq_len=128, batch=16, vocab=256)
+
+
+def test_profiles_are_valid_and_survive_json():
+    for hw, profile in machines():
+        assert profile.num_ranks == hw.n
+        again = DeviceProfile.from_json(profile.to_json())
+        assert again.num_ranks == profile.num_ranks and len(again.collectives) == len(profile.collectives)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+            small, large = (profile.time(kind, tuple(range(hw.n)), b) for b in (2**16, 2**28))
+            assert 0 < small < large and math.isfinite(large)
+        # the matmul table: faster for larger products, never above the dense bf16 peak
+        rates = [p.gflops for p in profile.ranks[0].matmul]
+        assert rates == sorted(rates) and rates[-1] * 1e9 < hw.bf16_peak_flops
+        assert profile.ranks[0].elementwise_bps < hw.hbm_bps
+
+
+def test_infiniband_is_slower_than_nvlink():
+    g = tool()
+    (_, p8), (hw16, p16) = machines()
+    mib = 2**20
+    assert p16.link(0, 1).seconds(mib) < p16.link(0, 8).seconds(mib)
+    # an all-reduce over a pair across nodes is slower than over a pair inside one
+    assert p16.time("all_reduce", (0, 8), 16 * mib) > 3 * p16.time("all_reduce", (0, 1), 16 * mib)
+    # all 16 GPUs: slower than one node's 8, but not by the flat ring over the slowest link
+    # (NCCL runs a ring per NIC, or the tree, or the hierarchical form: the fastest is taken)
+    world = tuple(range(16))
+    t16, t8 = p16.time("all_reduce", world, 256 * mib), p8.time("all_reduce", tuple(range(8)), 256 * mib)
+    flat = 2 * 15 * p16.link(0, 8).seconds(256 * mib / 16)
+    assert t8 < t16 < flat / 2
+    algorithms = {g.collective_seconds(hw16, "all_reduce", world, b)[1] for b in (2**10, 2**22, 2**30)}
+    assert len(algorithms) >= 2  # the choice changes with the size, as NCCL's tuner's does
+
+
+def test_regular_groups_cover_the_strategies_groups():
+    g = tool()
+    groups = set(g.regular_groups(16))
+    assert (0, 1, 2, 3) in groups and (0, 4, 8, 12) in groups and (0, 8) in groups and (1, 9) in groups
+    assert all(len(set(x)) == len(x) and max(x) < 16 for x in groups)
+    assert g.strategies_for(8, 64, heads=12)  # pipelines with tp=8 are left out for 12 heads
+    assert not [s for s, m in g.strategies_for(16, 64, heads=12) if "tp=8 pp" in s]
+
+
+def test_predictions_are_finite_and_ordered():
+    g = tool()
+    (hw, p8), _ = machines()
+    shape = tiny()
+    one = g.predict(shape, "[0]: dp=1", p8.restricted(1), 1, hw)
+    four = g.predict(shape, "[0-3]: dp=4", p8.restricted(4), 1, hw)
+    eight = g.predict(shape, "[0-7]: dp=8", p8, 1, hw)
+    for p in (one, four, eight):
+        assert math.isfinite(p.step_s) and p.step_s > 0 and 0 < p.mfu < 1
+        assert 0 < p.matmul_s <= p.compute_s and p.peak_bytes > 0 and p.tokens_per_s > 0
+    # compute-bound at this size: more GPUs in dp, shorter step (fixed global batch)
+    assert one.step_s > four.step_s > eight.step_s
+    assert one.exposed_comm_s == 0 < eight.exposed_comm_s
+    # a dp rank holds less of the batch: less activation memory
+    assert eight.peak_bytes < one.peak_bytes
+
+
+def test_model_flops_agree_with_the_ir():
+    g = tool()
+    from hspmd.planner import model_facts
+
+    shape = tiny()
+    facts = model_facts(g._script(shape), 1)
+    assert facts.matmul_flops == pytest.approx(g.model_flops(shape), rel=0.02)
+    assert facts.param_bytes / 4 == pytest.approx(shape.params(), rel=0.01)  # float32 master weights
+    assert g.model_flops(replace(shape, batch=2 * shape.batch)) == pytest.approx(2 * g.model_flops(shape))
