@@ -92,6 +92,20 @@ def test_pipeline_equals_one_device(tmp_path, example, strategy, n, m, schedule)
         np.testing.assert_allclose(got[name], value, rtol=1e-5 if m > 1 else 0, atol=atol, err_msg=name)
 
 
+def test_mixed_precision_stages_hold_the_layers_float32_stages_hold(tmp_path):
+    """Under bfloat16 each parameter is cast where a layer reads it: the stages still hold the
+    parameters their layers read (the head and final norm on the last stage, not on the first
+    through their casts), as in float32, and the pipeline gives the 1-device bfloat16 losses."""
+    extra = ["model.layers=4", "precision='bfloat16'"]
+    f32 = compile_script(_script("gpt.py", ["model.layers=4"]), "[0,1]: pp=2", 2)
+    bf16 = compile_script(_script("gpt.py", extra), "[0,1]: pp=2", 2)
+    assert _stage_params(bf16) == _stage_params(f32)
+    assert "head.weight" in _stage_params(bf16)[1] and "wte.weight" in _stage_params(bf16)[0]
+    ref = _train(tmp_path, "gpt.py", "[0]: dp=1", 1, extra)[0]
+    for r in _train(tmp_path, "gpt.py", "[0,1]: pp=2", 2, extra):
+        np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-5)
+
+
 def _stage_ops(compiled) -> list[list[tuple[str, list[str]]]]:
     """Return each stage's functions with the names of their ops, in order."""
     return [[(f.sym_name.data, [o.name for o in f.walk()]) for f in g.body.block.ops]

@@ -13,8 +13,9 @@ needs it computes itself. `outline-pipeline-stages` reads them; a user may read 
   Stacked layers come cut by stage (`cut-stacked-layers`): each piece's forward scan is one
   unit whose stage its `pipeline.layer_stage` gives (read and dropped here).
 * **forward** ops (up to `graph.output "loss"`): the last stage among their operands and the
-  parameters they read (a parameter no layer claims goes to its first forward user's stage:
-  the embedding to stage 0, the head to the last);
+  parameters they read, directly or through casts (a parameter no layer claims goes to its
+  first forward user's stage: the embedding to stage 0, the head to the last; a mixed-precision
+  cast of it goes with its users);
 * **backward and update** ops: the stage of a parameter they read; else the one stage all
   their operands come from, or the stage of a weight's transpose they use; a view (transpose,
   reshape, broadcast, cast) of forward values only goes to its users' last stage; else the
@@ -92,11 +93,16 @@ class _Assignment:
 
     def rule(self, o: Operation) -> int | None:
         """Return the stage of a compute op, None when free, _DEFER when its users decide."""
-        params = [v.owner for v in o.operands if isinstance(v.owner, graph.ParameterOp)]
-        pinned = [s for p in params if (s := self.owner_of_state(p.tensor_name.data)) is not None]
-        others = {self.value_stage(v) for v in o.operands if not isinstance(v.owner, graph.ParameterOp)} - {FREE}
         if o in self.layer_ops:
             return self.layer_ops[o]
+        if o in self.forward_ops and isinstance(o, graph.CastOp) and (p := _parameter_of(o.result)) is not None \
+                and self.owner_of_state(p.tensor_name.data) is None:
+            self.views.append(o)  # a mixed-precision cast of a parameter no layer claims: with its users,
+            self.stage[o] = _UNDECIDED  # who claim the parameter as if they read it
+            return _DEFER
+        params = [p for v in o.operands if (p := _parameter_of(v)) is not None]
+        pinned = [s for p in params if (s := self.owner_of_state(p.tensor_name.data)) is not None]
+        others = {self.value_stage(v) for v in o.operands if _parameter_of(v) is None} - {FREE}
         if o in self.forward_ops:
             s = max([*pinned, *others], default=None)
             if s is None and params:
@@ -157,6 +163,14 @@ class _Assignment:
                 stage[o] = FREE if s is None else s
             elif isinstance(o, graph.OutputOp) and o.tensor_name.data != "loss":
                 stage[o] = max(self.value_stage(o.value), 0)
+
+
+def _parameter_of(v: SSAValue) -> graph.ParameterOp | None:
+    """Return the parameter `v` is, directly or through casts (mixed precision casts each
+    parameter where the forward reads it), else None."""
+    while isinstance(v.owner, graph.CastOp):
+        v = v.owner.input
+    return v.owner if isinstance(v.owner, graph.ParameterOp) else None
 
 
 def assign_stages(ops: list[Operation], pp: int, counts: tuple[int, ...] | None = None,

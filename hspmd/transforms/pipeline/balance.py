@@ -26,7 +26,8 @@ def layers_of(ops: list[Operation], forward_end: int) -> tuple[list[list[Operati
     """Return (layer -> forward ops that are the layer, parameter name -> layer, what a layer is).
 
     A forward `graph.scan` of a `*_fwd` function (stacked layers, cut at the stage boundaries by
-    `cut-stacked-layers`) is one unit, as a call is."""
+    `cut-stacked-layers`) is one unit, as a call is. A parameter is the layer's that reads it,
+    directly or through casts (mixed precision casts each parameter before its layer)."""
     calls = [op for op in ops[:forward_end] if (isinstance(op, func.CallOp) or isinstance(op, graph.ScanOp)
                                                 and not op.is_reverse)
              and op.callee.root_reference.data.endswith("_fwd")]
@@ -34,6 +35,8 @@ def layers_of(ops: list[Operation], forward_end: int) -> tuple[list[list[Operati
     if calls:
         for k, call in enumerate(calls):
             for v in call.operands:
+                while isinstance(v.owner, graph.CastOp):  # a mixed-precision step's cast of a parameter
+                    v = v.owner.input
                 if isinstance(v.owner, graph.ParameterOp):
                     params.setdefault(v.owner.tensor_name.data, k)
         return [[c] for c in calls], params, "block calls"
