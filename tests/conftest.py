@@ -65,3 +65,17 @@ def train_plan(plan, script, compiled, steps: int = 3):
     losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
               for n in range(1, steps + 1)]
     return losses, {k: np.array(v) for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """The CUDA GPU 0 through CuPy, as the GPU plan uses it (`CupyDevice`); the test skips, saying
+    why, where CuPy or a GPU is missing (gpu-marked tests on machines without one)."""
+    from hspmd.codegen.cupy_backend import gpu_status
+
+    ok, why = gpu_status()
+    if not ok:
+        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
+    from hspmd.runtime.cuda.cupy_device import CupyDevice
+
+    return CupyDevice(0)

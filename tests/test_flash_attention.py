@@ -302,18 +302,6 @@ def test_set_flash_attention_false_turns_the_pass_off():
 # ----------------------------------------------------------------------------- on a GPU (marked gpu: skip here)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from hspmd.codegen.cupy_backend import gpu_status
-
-    ok, why = gpu_status()
-    if not ok:
-        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
-    from hspmd.runtime.cuda.cupy_device import CupyDevice
-
-    return CupyDevice(0)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("lead,t,d,causal,rate,kt", CASES + [((4, 8), 256, 64, True, 0.1, False)])
 def test_the_kernels_on_a_gpu_give_attention_written_out(gpu, lead, t, d, causal, rate, kt):

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from conftest import EXAMPLES, run_cli, train_plan
 
-from hspmd.codegen.cupy_backend import gpu_status
 from hspmd.compiler import compile_script
 from hspmd.dialects.graph.matmul import matmul_rhs_grad_values, matmul_values
 from hspmd.dialects.kernel import FusedOp
@@ -38,16 +37,6 @@ CASES = {
     "llama": ("llama.py", {"model.layers": 2, "model.d_model": 64, "model.seq_len": 32}),
     "moe": ("moe.py", {}),
 }
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    ok, why = gpu_status()
-    if not ok:
-        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
-    from hspmd.runtime.cuda.cupy_device import CupyDevice
-
-    return CupyDevice(0)
 
 
 def _step(module):

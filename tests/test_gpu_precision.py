@@ -199,18 +199,6 @@ def test_run_device_cuda_bfloat16_on_the_emulated_gpu(tmp_path):
 # ----------------------------------------------------------------------------- on a real GPU (marked gpu)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from hspmd.codegen.cupy_backend import gpu_status
-
-    ok, why = gpu_status()
-    if not ok:
-        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
-    from hspmd.runtime.cuda.cupy_device import CupyDevice
-
-    return CupyDevice(0)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
 def test_cublas_16_bit_products_on_the_gpu(gpu, dtype):
