@@ -62,7 +62,7 @@ from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.shard_parameters import ShardParameters
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.stack_layers import StackLayers
-from hspmd.transforms.util import PassError, module_strategy
+from hspmd.transforms.util import PassError, StrategyLimitError, module_strategy
 
 if TYPE_CHECKING:
     from xdsl.dialects.builtin import TensorType
@@ -118,7 +118,8 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
     The strategy checks are the passes marked `checks_input` (`apply-strategy`,
     `apply-annotations`): what they refuse is the user's input, and so is what fails before them
     (tracing, the training passes). Every pass after them, or every pass when `checked` (the input
-    has passed them), is the compiler's own: its failure (any exception, the verifier's too) raises
+    has passed them), is the compiler's own: its failure (any exception, the verifier's too, but a
+    `StrategyLimitError`: a limit of the compiler that only lowering shows) raises
     `InternalError` naming the pass, with the IR the pass was given written to a file. That IR is
     made again only on failure (the passes since the first checked one, rerun on a copy of their
     input), so a compile that succeeds pays one copy of the module per call.
@@ -138,6 +139,8 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
             start, snapshot = i, module.clone()
         try:
             p.apply(ctx, module)
+        except StrategyLimitError:
+            raise  # the user's strategy, refused where lowering shows what it asks for
         except Exception as err:
             raise _internal_error(p.name, err, lambda: _replay(snapshot, passes[start:i], ctx)) from err
     if not checked:

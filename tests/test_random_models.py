@@ -116,3 +116,17 @@ def test_generated_refusals_come_from_the_strategy_checks_in_one_line(strategy, 
     assert out.refused is not None and "\n" not in out.refused, out
     for w in words:
         assert w in out.refused, out.refused
+
+
+def test_generated_a_limit_only_lowering_shows_is_a_refusal_in_one_line():
+    """Found by the CI sweep (seed 575516462): rows of [batch*seq, d] on a batch split 3:2 between
+    a pipeline and a group beside it need the batch gathered across the groups inside a
+    micro-batch, which micro-batches beside other groups do not support. Only lowering shows it
+    (the gather is placed there), so `pipeline-split` refuses it: one line naming microbatches,
+    a refusal of the strategy (`StrategyLimitError`), not an internal error."""
+    spec = {**DEFAULT_SPEC, "batch": 4, "seq": 4, "d_model": 24, "d_ff": 36, "heads": 3, "head_dim": 6,
+            "layers": 1, "function": False, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
+            "pool": "first", "classes": 5, "vocab": 32, "tied": False, "final_norm": False, "moe": []}
+    out = train_pair(spec, Parallel("[0-2]: dp=1 pp=3 share=3 | [3]: dp=1 share=2", 4, 2))
+    assert out.refused is not None and "\n" not in out.refused, out
+    assert "microbatches=2" in out.refused and "use microbatches=1" in out.refused

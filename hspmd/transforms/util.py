@@ -14,6 +14,13 @@ class PassError(Exception):
     """A pass cannot apply to this IR; the message says which op or name and why."""
 
 
+class StrategyLimitError(PassError):
+    """A strategy asks for something the compiler does not support, which only lowering shows
+    (the strategy checks cannot see it before the communication is placed): a refusal of the
+    user's strategy, one line naming what to change, not a compiler bug (`run_passes` lets it
+    through as the checks' refusals go, not as an internal error)."""
+
+
 def module_strategy(module: ModuleOp, sid: int | None = None, what: str = "this pass") -> StrategyRecord:
     """Return the strategy recorded on `module` (`dist.strategies`) with id `sid`, or its only one.
 

@@ -21,7 +21,7 @@ from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.graph import i64_array
 from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout
 from hspmd.transforms.pipeline.devices import comm_devices, partners, rank_groups, remap_layout
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, StrategyLimitError
 
 __all__ = ["CROSS", "LOCAL", "MAPPED", "MEET", "SPLIT", "VLOCAL", "XMEET", "XPOST", "XSPAN", "ZERO",
            "StageMesh", "StageRemap", "classify_collective", "restage_global_types", "run_as_virtual",
@@ -164,7 +164,7 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
         if isinstance(o, comm.ExchangeOp) and _sums_microbatches(o, mesh):
             return XSPAN, ()  # a sum across groups of partial pieces (the micro-batches' among them)
         if not crossing or not isinstance(o, comm.AllReduceOp):
-            raise PassError(f"pipeline-split: '{o.name}' moves data across device groups inside a micro-batch; "
+            raise StrategyLimitError(f"pipeline-split: '{o.name}' moves data across device groups inside a micro-batch; "
                             f"with microbatches={m} a pipelined group beside other groups may only sum across groups "
                             "(all-reduces of gradients and the loss), so use microbatches=1 (or the same tp in every "
                             "group)")
