@@ -12,16 +12,15 @@ runs).
 Neither op is written by users or autodiff: the `flash-attention` pass puts them into a GPU
 program (the kernel level after `device-kernels`) where it finds attention's chain of products,
 softmax and dropout, and its backward (`hspmd/transforms/flash_attention.py`). Their NumPy
-kernels are the reference (in float64, rounded to the result type) that tests hold the CUDA C
-to; the CUDA C is `cuda_kernel` below, run under `cuda_emu.h` on the CPU and by NVRTC/CuPy on a
-GPU.
+kernels (float64, rounded to the result type) are the reference tests hold the CUDA C to (its
+`cuda_kernel`, run under `cuda_emu.h` on the CPU and by NVRTC/CuPy on a GPU).
 
 Shapes: q, v, o [..., T, D]; k [..., T, D], or [..., D, T] with `k_transposed` (the residual a
 GEMM's transpose flag left behind); the backward's o may be [B, T, H, D] for q [B, H, T, D]
-(`o_heads_inside`: the layout attention's output takes before its heads merge, which the layer
-keeps anyway for its projection's gradient); lse [..., T] (float32); the leading dims are one batch of
-B x H heads. The tiles are sized per head dim so that a block's static shared memory stays under
-48 KiB (sm_80 and sm_90 without opting in to more): D <= 128.
+(`o_heads_inside`: its layout before the heads merge, which the layer keeps for its projection's
+gradient); lse [..., T] (float32); the leading dims are one batch of B x H heads. Tiles are sized
+per head dim so that a block's static shared memory stays under 48 KiB (sm_80 and sm_90 without
+opting in to more): D <= 128.
 """
 
 from __future__ import annotations
