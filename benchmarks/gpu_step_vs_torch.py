@@ -31,38 +31,14 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_peer import torch_loss  # noqa: E402  (the same GPT in PyTorch as the CPU benchmark's peer)
 
 SIZES = {
     "tiny": {"model.layers": 2, "model.d_model": 128, "model.heads": 4, "model.seq_len": 64, "data.batch_size": 16},
     "medium": {"model.layers": 6, "model.d_model": 512, "model.heads": 8, "model.seq_len": 256, "data.batch_size": 16},
     "gpt2": {"model.layers": 12, "model.d_model": 768, "model.heads": 12, "model.seq_len": 1024, "data.batch_size": 8},
 }
-
-
-def torch_loss(p: dict, ids, targets, heads: int, eps: float):
-    """The loss of hspmd.frontend.transformer's GPT in plain PyTorch, on the ids' device."""
-    import torch
-
-    F = torch.nn.functional
-    b, t = ids.shape
-    x = p["wte.weight"][ids] + p["wpe"][:t]
-    layers = len({k.split(".")[1] for k in p if k.startswith("blocks.")})
-    mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device), 1)
-    for i in range(layers):
-        q = f"blocks.{i}."
-        h = F.layer_norm(x, x.shape[-1:], p[q + "ln1.weight"], p[q + "ln1.bias"], eps)
-        qkv = h @ p[q + "attn.qkv.weight"] + p[q + "attn.qkv.bias"]
-        d = x.shape[-1]
-        hd = d // heads
-        qq, kk, vv = (z.transpose(1, 2) for z in qkv.reshape(b, t, heads, 3 * hd).split(hd, dim=3))
-        att = ((qq @ kk.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(mask, float("-inf")).softmax(-1)
-        y = (att @ vv).transpose(1, 2).reshape(b, t, d)
-        x = x + y @ p[q + "attn.proj.weight"] + p[q + "attn.proj.bias"]
-        h = F.layer_norm(x, x.shape[-1:], p[q + "ln2.weight"], p[q + "ln2.bias"], eps)
-        h = F.gelu(h @ p[q + "mlp.fc.weight"] + p[q + "mlp.fc.bias"], approximate="tanh")
-        x = x + h @ p[q + "mlp.proj.weight"] + p[q + "mlp.proj.bias"]
-    x = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
-    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1).float(), targets.reshape(-1))
 
 
 class Hspmd:

@@ -44,7 +44,7 @@ def torch_loss(p: dict, ids, targets, heads: int, eps: float):
     b, t = ids.shape
     x = p["wte.weight"][ids] + p["wpe"][:t]
     layers = len({k.split(".")[1] for k in p if k.startswith("blocks.")})
-    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device), 1)
     for i in range(layers):
         q = f"blocks.{i}."
         h = F.layer_norm(x, x.shape[-1:], p[q + "ln1.weight"], p[q + "ln1.bias"], eps)
@@ -59,7 +59,8 @@ def torch_loss(p: dict, ids, targets, heads: int, eps: float):
         h = F.gelu(h @ p[q + "mlp.fc.weight"] + p[q + "mlp.fc.bias"], approximate="tanh")
         x = x + h @ p[q + "mlp.proj.weight"] + p[q + "mlp.proj.bias"]
     x = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
-    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1), targets.reshape(-1))
+    # float32 logits for the loss (under autocast they are bfloat16), as hspmd's loss computes
+    return F.cross_entropy((x @ p["head.weight"]).reshape(b * t, -1).float(), targets.reshape(-1))
 
 
 class Torch:
