@@ -32,7 +32,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_peer import torch_loss  # noqa: E402  (the same GPT in PyTorch as the CPU benchmark's peer)
+from torch_peer import torch_loss  # the same GPT in PyTorch as the CPU benchmark's peer
 
 SIZES = {
     "tiny": {"model.layers": 2, "model.d_model": 128, "model.heads": 4, "model.seq_len": 64, "data.batch_size": 16},
