@@ -79,3 +79,9 @@ def gpu():
     from hspmd.runtime.cuda.cupy_device import CupyDevice
 
     return CupyDevice(0)
+
+
+def train_step(module):
+    """Return the `@train_step` function of a (group) module."""
+    return next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
+                and op.sym_name.data == "train_step")

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, train_plan
+from conftest import EXAMPLES, train_plan, train_step
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType, f32, i64
 from xdsl.ir import Block, Region
@@ -204,11 +204,6 @@ MODELS = {  # (script, overrides), and how many attentions the program has
 ATTENTIONS = {"gpt-dropout": 1, "gpt-one-layer": 1, "llama": 1, "moe": 2}
 
 
-def _step(module):
-    return next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-                and op.sym_name.data == "train_step")
-
-
 @pytest.fixture(scope="module")
 def programs():
     """Per model: (script, compiled, CPU kernel level, device program unfused, device program fused)."""
@@ -242,7 +237,7 @@ def test_the_pass_replaces_attention_forward_and_backward(programs, name):
     assert not square
     assert [op for op in plain.walk() if op.name == "graph.matmul" and tuple(op.results[0].type.get_shape()[-2:]) == (t, t)]
     # the residuals: the probabilities leave the layers' scans or calls, the logsumexp joins them
-    callers = [op for op in _step(flash).walk() if op.name in ("graph.scan", "func.call")
+    callers = [op for op in train_step(flash).walk() if op.name in ("graph.scan", "func.call")
                and op.callee.root_reference.data.endswith("_fwd")]
     shapes = [tuple(r.type.get_shape()) for op in callers for r in op.results]
     assert callers and not [s for s in shapes if s[-2:] == (t, t)]
@@ -262,8 +257,8 @@ def test_running_the_pass_twice_changes_nothing(programs):
 def test_the_emulated_gpu_gives_the_cpu_backends_losses(programs, name):
     script, compiled, fused, _, flash = programs[name]
     (comm,) = InProcessCommunicator.create_world(1)
-    ref, ref_params = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 3)
-    got, params = train_plan(build_device_plan(_step(flash), 0, EmulatedDevice()), script, compiled, 3)
+    ref, ref_params = train_plan(build_plan(train_step(fused), 0, comm), script, compiled, 3)
+    got, params = train_plan(build_device_plan(train_step(flash), 0, EmulatedDevice()), script, compiled, 3)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     for k in ref_params:
         np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5, err_msg=k)
@@ -273,8 +268,8 @@ def test_the_emulated_gpu_gives_the_cpu_backends_losses(programs, name):
 def test_the_arena_shrinks(programs):
     """GPT with dropout: the arena without the [B, H, T, T] scores, probabilities and their gradients."""
     *_, plain, flash = programs["gpt-dropout"]
-    before = build_device_plan(_step(plain), 0, EmulatedDevice()).peak_bytes
-    after = build_device_plan(_step(flash), 0, EmulatedDevice()).peak_bytes
+    before = build_device_plan(train_step(plain), 0, EmulatedDevice()).peak_bytes
+    after = build_device_plan(train_step(flash), 0, EmulatedDevice()).peak_bytes
     b, h, t, d = SMALL["data.batch_size"], 4, SMALL["model.seq_len"], SMALL["model.d_model"] // 4
     square = b * h * t * t * 4  # one [B, H, T, T] float32 array
     added = b * h * t * (d + 1) * 4  # o and the logsumexp of one layer
@@ -330,8 +325,8 @@ def test_the_kernels_on_a_gpu_give_attention_written_out(gpu, lead, t, d, causal
 def test_a_gpu_step_with_flash_attention_gives_the_cpu_backends_losses(gpu, programs, name):
     script, compiled, fused, _, flash = programs[name]
     (comm,) = InProcessCommunicator.create_world(1)
-    ref, _ = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 3)
-    got, _ = train_plan(build_device_plan(_step(flash), 0, gpu), script, compiled, 3)
+    ref, _ = train_plan(build_plan(train_step(fused), 0, comm), script, compiled, 3)
+    got, _ = train_plan(build_device_plan(train_step(flash), 0, gpu), script, compiled, 3)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
@@ -402,8 +397,8 @@ def test_the_pass_keeps_the_programs_numbers(causal, rate):
     inputs = {x: rng.standard_normal((3, 9, 8)).astype(np.float32) for x in ("q", "k", "v", "do")}
     inputs["step"] = inputs["step2"] = np.array(4, np.int64)
     (comm,) = InProcessCommunicator.create_world(1)
-    want = build_plan(_step(plain), 0, comm).run({}, inputs)
-    for plan in (build_plan(_step(flash), 0, comm), build_device_plan(_step(flash), 0, EmulatedDevice())):
+    want = build_plan(train_step(plain), 0, comm).run({}, inputs)
+    for plan in (build_plan(train_step(flash), 0, comm), build_device_plan(train_step(flash), 0, EmulatedDevice())):
         got = plan.run({}, inputs)
         for name in ("o", "dq", "dk", "dv"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, run_cli, train_plan
+from conftest import EXAMPLES, run_cli, train_plan, train_step
 
 from hspmd.compiler import compile_script
 from hspmd.dialects.graph.matmul import matmul_rhs_grad_values, matmul_values
@@ -37,11 +37,6 @@ CASES = {
     "llama": ("llama.py", {"model.layers": 2, "model.d_model": 64, "model.seq_len": 32}),
     "moe": ("moe.py", {}),
 }
-
-
-def _step(module):
-    return next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-                and op.sym_name.data == "train_step")
 
 
 def _compiled(name):
@@ -116,8 +111,8 @@ def test_training_steps_on_the_gpu_equal_the_cpu_backend(gpu, name):
     ((_, fused),) = compiled.kernel_groups()
     ((_, device),) = compiled.device_groups()
     (comm,) = InProcessCommunicator.create_world(1)
-    ref, ref_params = train_plan(build_plan(_step(fused), 0, comm), script, compiled, 5)
-    got, params = train_plan(build_device_plan(_step(device), 0, gpu), script, compiled, 5)
+    ref, ref_params = train_plan(build_plan(train_step(fused), 0, comm), script, compiled, 5)
+    got, params = train_plan(build_device_plan(train_step(device), 0, gpu), script, compiled, 5)
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     for k in ref_params:
         np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-3, atol=1e-5, err_msg=k)
@@ -126,8 +121,8 @@ def test_training_steps_on_the_gpu_equal_the_cpu_backend(gpu, name):
 def test_a_cuda_graph_replays_the_calls(gpu):
     script, compiled = _compiled("gpt-dropout")
     ((_, device),) = compiled.device_groups()
-    graph = train_plan(build_device_plan(_step(device), 0, gpu, cuda_graph=True), script, compiled, 4)[0]
-    calls = train_plan(build_device_plan(_step(device), 0, gpu, cuda_graph=False), script, compiled, 4)[0]
+    graph = train_plan(build_device_plan(train_step(device), 0, gpu, cuda_graph=True), script, compiled, 4)[0]
+    calls = train_plan(build_device_plan(train_step(device), 0, gpu, cuda_graph=False), script, compiled, 4)[0]
     np.testing.assert_array_equal(graph, calls)
 
 

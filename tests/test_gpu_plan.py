@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, run_cli, train_plan
+from conftest import EXAMPLES, run_cli, train_plan, train_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,11 +41,6 @@ CASES = {
 }
 
 
-def _step(module):
-    return next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-                and op.sym_name.data == "train_step")
-
-
 @pytest.fixture(scope="module")
 def programs():
     """Per case: (script, compiled, the CPU kernel level, the device program)."""
@@ -62,7 +57,7 @@ def programs():
 def _cpu_losses(programs, name, steps=3):
     script, compiled, fused, _ = programs[name]
     (comm,) = InProcessCommunicator.create_world(1)
-    return train_plan(build_plan(_step(fused), 0, comm), script, compiled, steps)
+    return train_plan(build_plan(train_step(fused), 0, comm), script, compiled, steps)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -83,7 +78,7 @@ def test_the_device_programs_kernels_give_the_cpu_levels_losses(programs, name):
     script, compiled, _, device = programs[name]
     ref, ref_params = _cpu_losses(programs, name)
     (comm,) = InProcessCommunicator.create_world(1)
-    got, params = train_plan(build_plan(_step(device), 0, comm), script, compiled, 3)
+    got, params = train_plan(build_plan(train_step(device), 0, comm), script, compiled, 3)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     for k in ref_params:
         np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-6, err_msg=k)
@@ -93,7 +88,7 @@ def test_the_device_programs_kernels_give_the_cpu_levels_losses(programs, name):
 def test_the_cuda_plan_on_the_emulated_device_gives_the_cpu_backends_numbers(programs, name):
     script, compiled, _, device = programs[name]
     ref, ref_params = _cpu_losses(programs, name)
-    plan = build_device_plan(_step(device), 0, EmulatedDevice())
+    plan = build_device_plan(train_step(device), 0, EmulatedDevice())
     got, params = train_plan(plan, script, compiled, 3)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     for k in ref_params:
@@ -105,14 +100,14 @@ def test_row_kernels_with_blocks_of_several_threads_give_the_same_losses(program
     """The GPU's algorithm (block reductions over 4 emulated threads, barriers, shuffles)."""
     script, compiled, _, device = programs["gpt-dropout"]
     ref, _ = _cpu_losses(programs, "gpt-dropout", 2)
-    got, _ = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(team=4)), script, compiled, 2)
+    got, _ = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(team=4)), script, compiled, 2)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
 def test_a_replayed_step_equals_a_step_run_call_by_call(programs):
     script, compiled, _, device = programs["gpt-dropout"]
-    a = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(), cuda_graph=True), script, compiled, 3)[0]
-    b = train_plan(build_device_plan(_step(device), 0, EmulatedDevice(), cuda_graph=False), script, compiled, 3)[0]
+    a = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=True), script, compiled, 3)[0]
+    b = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=False), script, compiled, 3)[0]
     assert a == b
 
 

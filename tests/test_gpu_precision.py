@@ -17,7 +17,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import EXAMPLES, run_cli, train_plan
+from conftest import EXAMPLES, run_cli, train_plan, train_step
 
 import hspmd as hs
 from hspmd.codegen import cpu_compile
@@ -132,13 +132,11 @@ def _losses(script_name, overrides, steps=3, device=False, tf32_on=False):
     (comm,) = InProcessCommunicator.create_world(1)
     if device:
         ((_, module),) = compiled.device_groups()
-        fn = next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
-                  and op.sym_name.data == "train_step")
+        fn = train_step(module)
         plan = build_device_plan(fn, 0, EmulatedDevice(), tf32=tf32_on)
     else:
         ((_, module),) = compiled.kernel_groups()
-        fn = next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
-                  and op.sym_name.data == "train_step")
+        fn = train_step(module)
         plan = build_plan(fn, 0, comm)
     return np.array(train_plan(plan, script, compiled, steps)[0])
 
@@ -223,14 +221,12 @@ def test_bfloat16_and_tf32_steps_on_the_gpu(gpu):
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), cfg)
     compiled = compile_script(script, "[0]: dp=1", 1)
     ((_, module),) = compiled.device_groups()
-    fn = next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
-              and op.sym_name.data == "train_step")
+    fn = train_step(module)
     got = np.array(train_plan(build_device_plan(fn, 0, gpu), script, compiled, 3)[0])
     np.testing.assert_allclose(got, _losses("gpt.py", cfg), rtol=2e-3)
     script = load_script(os.path.join(EXAMPLES, "gpt.py"), SMALL)
     compiled = compile_script(script, "[0]: dp=1", 1)
     ((_, module),) = compiled.device_groups()
-    fn = next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
-              and op.sym_name.data == "train_step")
+    fn = train_step(module)
     got = np.array(train_plan(build_device_plan(fn, 0, gpu, tf32=True), script, compiled, 3)[0])
     np.testing.assert_allclose(got, _losses("gpt.py", SMALL), rtol=2e-3)
