@@ -271,13 +271,12 @@ def run_device(args) -> str:
     from hspmd.runtime.cuda.select import resolve_device
 
     asked = "cuda" if args.kernels == "cuda" else args.device
-    if asked == "auto" and (args.n > 1 or args.servers is not None or args.elastic):  # one GPU rank for now
+    if asked == "auto" and (args.servers is not None or args.elastic):  # not on GPUs yet
         return "cpu"
     device = resolve_device(asked)
     if device == "cuda":
-        if args.n > 1 or args.servers is not None or args.elastic:
-            raise DeviceError("--device cuda runs one rank for now (GPU runs over several ranks, parameter servers "
-                              "and --elastic come with part 2 of the GPU runtime)")
+        if args.servers is not None or args.elastic:
+            raise DeviceError("--device cuda does not run parameter servers or --elastic yet")
         args.kernels = "cpu"  # the worker's CPU kernels are not used
     return device
 

@@ -35,11 +35,18 @@ class EmitError(Exception):
 
 @dataclass
 class KernelCode:
-    """A kernel's CUDA C source, its launches (`"KIND NAME N0 N1"`) and its scratch buffer sizes."""
+    """A kernel's CUDA C source, its launches (`"KIND NAME N0 N1"`) and its scratch buffer sizes.
+
+    `rank_values`: the kernel of an op whose piece depends on the rank (a dropout mask, a
+    vocabulary range, a literal's piece: see `rank_value`) reads macros `NAME_RV0`, ...; this
+    maps each rank of the op's layout to their values. The source defines them for a rank
+    holding the whole tensor (`rank_defaults`); a rank's run defines its own first (`rank_prelude`).
+    """
 
     source: str
     launches: list[str]
     scratch: list[int] = field(default_factory=list)
+    rank_values: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,6 +182,49 @@ def offset_expr(index: str, shape, strides) -> str:
             term = f"({term} % {n}L)"
         terms.append(term if s == 1 else f"{term} * {s}L")
     return " + ".join(terms) or "0"
+
+
+def rank_value(name: str, k: int) -> str:
+    """Return the macro of kernel `name`'s k-th rank-dependent value (`KernelCode.rank_values`)."""
+    return f"{name}_RV{k}"
+
+
+def rank_defaults(name: str, defaults) -> str:
+    """Return the lines defining kernel `name`'s rank-dependent macros as `defaults` unless the
+    rank's prelude (`rank_prelude`) defined them already."""
+    return "".join(f"#ifndef {rank_value(name, k)}\n#define {rank_value(name, k)} {int(v)}LL\n#endif\n"
+                   for k, v in enumerate(defaults))
+
+
+def rank_prelude(name: str, values) -> str:
+    """Return the lines defining kernel `name`'s rank-dependent macros as one rank's `values`."""
+    return "".join(f"#define {rank_value(name, k)} {int(v)}LL\n" for k, v in enumerate(values))
+
+
+def parse_rank_values(text: str) -> dict[int, tuple[int, ...]]:
+    """Return the rank values of `format_rank_values`'s text ("RANK:V,V;RANK:V,V")."""
+    out: dict[int, tuple[int, ...]] = {}
+    for item in filter(None, text.split(";")):
+        rank, _, values = item.partition(":")
+        out[int(rank)] = tuple(int(v) for v in values.split(",") if v)
+    return out
+
+
+def format_rank_values(values: dict[int, tuple[int, ...]]) -> str:
+    """Return `rank_values` as text (a `kernel.fused` op's property): "RANK:V,V;RANK:V,V"."""
+    return ";".join(f"{r}:{','.join(str(int(v)) for v in vs)}" for r, vs in sorted(values.items()))
+
+
+def global_index(name: str, local_shape, global_shape) -> str:
+    """Return C statements setting `long gi` to the row-major index in the global tensor of
+    `global_shape` of item `i` of a piece of `local_shape` whose start along dim d is the
+    rank-dependent macro `rank_value(name, d)`."""
+    strides = contiguous_strides(global_shape)
+    lines = ["long gi = 0, rest = i;"]
+    for d in reversed(range(len(local_shape))):
+        lines.append(f"gi += (rest % {local_shape[d]}L + {rank_value(name, d)}) * {strides[d]}L; "
+                     f"rest /= {local_shape[d]}L;")
+    return "\n    ".join(lines)
 
 
 def kernel_params(op: Operation, scratch: int = 0) -> list[str]:

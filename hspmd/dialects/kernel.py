@@ -33,6 +33,7 @@ from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
     irdl_op_definition,
+    opt_prop_def,
     prop_def,
     region_def,
     traits_def,
@@ -42,6 +43,7 @@ from xdsl.irdl import (
 from xdsl.traits import IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
+from hspmd.dialects.cuda_c import parse_rank_values, rank_prelude
 from hspmd.dialects.graph.base import i64_array
 from hspmd.dialects.interfaces import FIRST, OUT, OutFacts
 
@@ -99,6 +101,9 @@ class FusedOp(IRDLOperation):
     source = prop_def(StringAttr)
     launches = prop_def(ArrayAttr[StringAttr])
     scratch = prop_def(DenseArrayBase)
+    #: a kernel reading its piece's global position: the values of its macros per rank
+    #: (`cuda_c.format_rank_values`), defined before the source when a rank builds it
+    rank_values = opt_prop_def(StringAttr)
     body = region_def("single_block")
     traits = traits_def(Pure())
 
@@ -112,19 +117,26 @@ class FusedOp(IRDLOperation):
         launches: list[str],
         scratch: list[int],
         body: Region,
+        rank_values: str = "",
     ):
-        super().__init__(
-            operands=[inputs],
-            result_types=[result_types],
-            properties={
-                "kernel": StringAttr(kernel),
-                "dtype": StringAttr(dtype),
-                "source": StringAttr(source),
-                "launches": ArrayAttr([StringAttr(s) for s in launches]),
-                "scratch": i64_array(scratch),
-            },
-            regions=[body],
-        )
+        properties = {
+            "kernel": StringAttr(kernel),
+            "dtype": StringAttr(dtype),
+            "source": StringAttr(source),
+            "launches": ArrayAttr([StringAttr(s) for s in launches]),
+            "scratch": i64_array(scratch),
+        }
+        if rank_values:
+            properties["rank_values"] = StringAttr(rank_values)
+        super().__init__(operands=[inputs], result_types=[result_types], properties=properties, regions=[body])
+
+    def source_for(self, rank: int) -> str:
+        """Return the kernel's source as `rank` builds it: its rank values defined first (where
+        the kernel reads its piece's global position and the rank holds one)."""
+        if self.rank_values is None:
+            return self.source.data
+        values = parse_rank_values(self.rank_values.data).get(rank)
+        return self.source.data if values is None else rank_prelude(self.kernel.data, values) + self.source.data
 
     def out_facts(self) -> OutFacts:
         """Compiled launches over pointers write out= buffers; a chain of elementwise ops (its

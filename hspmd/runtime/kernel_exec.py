@@ -74,43 +74,48 @@ def launch_specs(op: kernel.FusedOp) -> list[cpu_compile.LaunchSpec]:
     return [cpu_compile.LaunchSpec(kind, fname, types) for kind, fname, _, _ in op.launch_list]
 
 
-def build_program(module: Operation, team: bool = False) -> Path:
-    """Build (or find cached) the one library holding every kernel of `module`; return its path.
+def build_program(module: Operation, team: bool = False, rank: int = 0) -> Path:
+    """Build (or find cached) the one library holding every kernel of `module` as `rank` runs
+    them (`kernel.FusedOp.source_for`: a kernel reading its piece's position gets the rank's
+    values); return its path.
 
     `team` adds the blockDim > 1 emulation (`cpu_call(..., team=N)`), for tests."""
     ops = fused_ops(module)
     seen: dict[str, str] = {}
     sources, specs = [], []
     for op in ops:
-        name = op.kernel.data
+        name, source = op.kernel.data, op.source_for(rank)
         if name in seen:
-            if seen[name] != op.source.data:
+            if seen[name] != source:
                 raise cpu_compile.CompileError(f"two different kernels are named {name}")
             continue
-        seen[name] = op.source.data
-        sources.append(op.source.data)
+        seen[name] = source
+        sources.append(source)
         specs += launch_specs(op)
     return cpu_compile.build_library(sources, specs, team=team)
 
 
-_PROGRAMS: "weakref.WeakKeyDictionary[Operation, cpu_compile.Library | None]" = weakref.WeakKeyDictionary()
+#: per module, its library per rank (the same for every rank unless a kernel reads its piece's position)
+_PROGRAMS: "weakref.WeakKeyDictionary[Operation, dict[int, cpu_compile.Library | None]]" = weakref.WeakKeyDictionary()
 
 
-def program_library(module: Operation) -> cpu_compile.Library | None:
-    """Return the loaded library of `module`'s kernels, or None (said once) when it cannot be built."""
-    if module in _PROGRAMS:
-        return _PROGRAMS[module]
+def program_library(module: Operation, rank: int = 0) -> cpu_compile.Library | None:
+    """Return the loaded library of `module`'s kernels as `rank` runs them, or None (said once)
+    when it cannot be built."""
+    per_rank = _PROGRAMS.setdefault(module, {})
+    if rank in per_rank:
+        return per_rank[rank]
     lib = None
     if cpu_compile.find_compiler() is None:
         say_once("hspmd: no C++ compiler found ($CXX, g++, c++); fused kernels run as NumPy per op")
     else:
         try:
-            lib = cpu_compile.load_library(build_program(module))
+            lib = cpu_compile.load_library(build_program(module, rank=rank))
             native.bind_parallel(lib)  # its launches in chunks on the runtime's threads
         except (cpu_compile.CompileError, OSError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             say_once(f"hspmd: building the CPU kernels failed ({first}); fused kernels run as NumPy per op")
-    _PROGRAMS[module] = lib
+    per_rank[rank] = lib
     return lib
 
 
@@ -279,7 +284,7 @@ def kernel_for(op: Operation, rank: int = 0) -> Callable:
     """Return the function computing a `kernel.fused` op (compiled CPU code, else NumPy per op)."""
     if not isinstance(op, kernel.FusedOp):
         raise NotImplementedError(f"no runtime for '{op.name}'")
-    lib = program_library(_root(op))
+    lib = program_library(_root(op), rank if op.rank_values is not None else 0)
     if lib is None:
         return numpy_call(op, rank)
     return cpu_call(op, lib)

@@ -274,7 +274,7 @@ class _Binder:
             case "poll":
                 return poller([self.buckets[b] for b in step.polls])
             case "wait-sends":
-                return _wait_sends(list(self.sends))
+                return wait_sends(list(self.sends))
         raise PlanError(f"a schedule step of unknown kind '{step.kind}'")
 
     def matmul(self, step: Step) -> Callable:
@@ -429,15 +429,15 @@ def _stack(*parts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 _stack.accepts_out = True  # type: ignore[attr-defined]
 
 
-def _wait_sends(pending: list[list]) -> Callable[[], None]:
+def wait_sends(pending: list[list]) -> Callable[[], None]:
     """Return the call that waits for every send the plan's send kernels started in this step."""
 
-    def wait_sends() -> None:
+    def wait() -> None:
         for requests in pending:
             while requests:
                 requests.pop().wait()
 
-    return wait_sends
+    return wait
 
 
 def bind_plan(schedule: Schedule, communicator: Communicator, *, allocate: bool = True,

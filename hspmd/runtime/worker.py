@@ -381,12 +381,17 @@ def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, q
         print(f"plan: peak {plan.peak_bytes / 2**20:.1f} MiB per step on rank 0 (buffers {plan.buffer_bytes / 2**20:.1f} "
               f"MiB, reused by liveness), {len(plan.buckets)} all-reduce buckets, "
               f"{sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} fused kernels", flush=True)
-    if STAGE_ATTR in group_module.attributes:  # a pipeline stage holds only its own parameters
+    return RankProgram(plan, _gatherer(bundle, manifest, group_module, plan, comm), group_module,
+                       tuple(sorted(d for g in manifest.groups for d in g.devices)))
+
+
+def _gatherer(bundle: str, manifest, group_module, plan, comm: Communicator):
+    """Return the function bringing the global parameters to rank 0 from a state of `plan`
+    (every stage's, where the rank runs a pipeline stage: it holds only its own)."""
+    if STAGE_ATTR in group_module.attributes:
         stage_params = _stage_parameters(bundle, manifest)
-        gather = lambda state: gather_stage_parameters(stage_params, state, comm)  # noqa: E731
-    else:
-        gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
-    return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
+        return lambda state: gather_stage_parameters(stage_params, state, comm)
+    return lambda state: gather_parameters(plan, state, comm)
 
 
 def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
@@ -476,7 +481,7 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         gpu = open_device(local_rank(comm.rank))
         # the script's `tf32` (checked when it was compiled): float32 products on TF32 tensor cores
         use_tf32 = str(manifest.config.get("tf32", False)).lower() == "true"
-        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph, tf32=use_tf32)
+        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph, tf32=use_tf32, communicator=comm)
     except (DeviceError, DevicePlanError) as err:
         raise RunError(str(err)) from None
     if comm.rank == 0 and not quiet:
@@ -485,8 +490,8 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
               f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
               f"{len(plan.calls)} calls a step{', one CUDA graph' if cuda_graph else ''}"
               f"{', float32 products on TF32 tensor cores' if use_tf32 else ''}", flush=True)
-    gather = lambda state: gather_parameters(plan, state, comm)  # noqa: E731
-    return RankProgram(plan, gather, group_module, tuple(sorted(d for g in manifest.groups for d in g.devices)))
+    return RankProgram(plan, _gatherer(bundle, manifest, group_module, plan, comm), group_module,
+                       tuple(sorted(d for g in manifest.groups for d in g.devices)))
 
 
 def _group_program(path: str, rank: int, verify: bool = False):

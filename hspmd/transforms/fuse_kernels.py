@@ -51,7 +51,7 @@ from hspmd.codegen.emit_cuda import (
     takes_prologue,
 )
 from hspmd.dialects import graph, kernel
-from hspmd.dialects.cuda_c import REDUCED
+from hspmd.dialects.cuda_c import REDUCED, format_rank_values
 
 
 @dataclass
@@ -120,13 +120,14 @@ class KernelNamer:
         self.known: dict[str, str] = {}
 
     def __call__(self, ops: list[Operation], code: KernelCode) -> tuple[str, KernelCode]:
-        key = code.source
+        key = code.source + (f"\n// rank values {format_rank_values(code.rank_values)}" if code.rank_values else "")
         name = self.known.get(key)
         if name is None:
             short = "_".join(o.name.split(".")[1] for o in ops[:3])
             name = self.known[key] = f"k{next(self.count)}_{short}"
         return name, KernelCode(code.source.replace(KERNEL_NAME, name),
-                                [s.replace(KERNEL_NAME, name) for s in code.launches], code.scratch)
+                                [s.replace(KERNEL_NAME, name) for s in code.launches], code.scratch,
+                                code.rank_values)
 
 
 def replace_with_kernel(block: Block, code: KernelCode, name: str, dtype: str, members: list[Operation],
@@ -138,7 +139,7 @@ def replace_with_kernel(block: Block, code: KernelCode, name: str, dtype: str, m
         body.add_op(m.clone(value_mapper=mapping))
     body.add_op(kernel.YieldOp(*[mapping[v] for v in outputs]))
     fused = kernel.FusedOp(inputs, [v.type for v in outputs], name, dtype, code.source,
-                           code.launches, code.scratch, region)
+                           code.launches, code.scratch, region, format_rank_values(code.rank_values))
     block.insert_op_before(fused, members[-1])
     for old, new in zip(outputs, fused.results):
         old.replace_all_uses_with(new)

@@ -223,7 +223,18 @@ def whole_piece(op: Operation) -> bool:
     return len(layout.groups) == 1 and all(axis.kind == "dup" for axis, _ in layout.groups[0].states.axes)
 
 
+def piece_starts(op: Operation) -> dict[int, tuple[int, ...]]:
+    """Return, per rank of `op`'s result layout, where its piece starts in the global tensor
+    along each dim: the rank values (`cuda_c.KernelCode.rank_values`) of a GPU kernel that
+    reads global positions; {} where every rank holds the whole result (`whole_piece`)."""
+    if whole_piece(op):
+        return {}
+    typ = op.global_type  # type: ignore[attr-defined]
+    layout, shape = layout_of(typ), typ.get_shape()
+    return {r: tuple(s.start or 0 for s in layout.slices(r, shape)) for r in layout.devices}
+
+
 def rank_dependent(op: Operation) -> EmitError:
-    """Return the error of an op whose device kernel would depend on the rank's piece (not yet made)."""
-    return EmitError(f"'{op.name}' on a split or partial layout reads its piece's global position: "
-                     "its GPU kernel takes the rank's offsets, which GPU runs over several ranks bring")
+    """Return the error of an op whose device kernel would depend on more than the rank's piece."""
+    return EmitError(f"'{op.name}' in a pipeline's micro-batches reads its micro-batch's global position: "
+                     "its GPU kernel does not take the micro-batch yet")

@@ -22,13 +22,13 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, kernel_params, retype
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, kernel_params, rank_defaults, rank_value, retype
 from hspmd.dialects.dist import layout_of
 from hspmd.dialects.graph.base import (
     TensorOp,
     check_integer,
     check_same_element_type,
-    rank_dependent,
+    piece_starts,
     result_shape,
     tensor_shape,
     whole_piece,
@@ -171,12 +171,19 @@ class EmbeddingOp(TensorOp):
     def cuda_kernel(self, name: str) -> KernelCode:
         """Per element of the result: its id's row of the table (NaN for an id out of range,
         where NumPy raises)."""
-        if not whole_piece(self):
-            raise rank_dependent(self)
         vocab, dim = tensor_shape(self.table)
-        body = (f"const long id = (long)in1[i / {dim}L];\n"
-                f"    out0[i] = (id >= 0 && id < {vocab}L) ? (T)in0[id * {dim}L + i % {dim}L] : (T)HS_NAN;")
-        return flat_kernel(name, self, c_type(self.result.type), body)
+        values = {}  # a rank of a partial layout: (1, where its rows start); zeros elsewhere for ids it lacks
+        if not whole_piece(self):
+            layout = layout_of(self.global_type)
+            for group in layout.groups:
+                for pos, rank in enumerate(group.devices):
+                    part = group.states.coords(pos).get(PARTIAL)
+                    values[rank] = (0, 0) if part is None else (1, part * vocab)
+        body = (f"const long id = (long)in1[i / {dim}L] - {rank_value(name, 1)};\n"
+                f"    out0[i] = (id >= 0 && id < {vocab}L) ? (T)in0[id * {dim}L + i % {dim}L] "
+                f": ({rank_value(name, 0)} ? (T)0 : (T)HS_NAN);")
+        code = flat_kernel(name, self, c_type(self.result.type), body)
+        return KernelCode(rank_defaults(name, (0, 0)) + code.source, code.launches, rank_values=values)
 
 
 @irdl_op_definition
@@ -233,20 +240,20 @@ class EmbeddingGradOp(TensorOp):
         """A block per row v of the table's gradient, its threads over the columns, each adding
         the rows of `dy` whose id is v in the order of the ids: the bits of the NumPy kernel's
         scatter, with no atomics (work: rows x columns x ids)."""
-        if not whole_piece(self):
-            raise rank_dependent(self)
         vocab, dim = tensor_shape(self.result)
         ids = math.prod(tensor_shape(self.ids))
+        starts = piece_starts(self)  # a piece split along V: its rows' ids start where it starts
         src = (f"// {name}: graph.embedding_grad, a block per row of the table\n"
+               + rank_defaults(name, (0, 0)) +
                f"HS_KERNEL void {name}({', '.join(kernel_params(self))}) {{\n"
                f"  HS_ROWS(v, n0) {{\n"
                f"    HS_COLS(j, n1) {{\n"
                f"      T acc = 0;\n"
                f"      for (long n = 0; n < {ids}L; ++n)\n"
-               f"        if ((long)in0[n] == v) acc += in1[n * {dim}L + j];\n"
+               f"        if ((long)in0[n] == v + {rank_value(name, 0)}) acc += in1[n * {dim}L + j];\n"
                f"      out0[v * {dim}L + j] = acc;\n"
                f"    }}\n  }}\n}}\n")
-        return KernelCode(retype(src, c_type(self.result.type)), [f"row {name} {vocab} {dim}"])
+        return KernelCode(retype(src, c_type(self.result.type)), [f"row {name} {vocab} {dim}"], rank_values=starts)
 
 
 # ----------------------------------------------------------------------------- frontend

@@ -33,8 +33,8 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import layout_of
-from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel
-from hspmd.dialects.graph.base import check_integer, int_attr, rank_dependent, result_dtype, tensor_shape, whole_piece
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, global_index, rank_defaults, rank_value
+from hspmd.dialects.graph.base import check_integer, int_attr, piece_starts, result_dtype, tensor_shape
 from hspmd.dialects.interfaces import Emit, Kernel, KernelContext
 from hspmd.ir.types import dtype_name
 
@@ -179,8 +179,7 @@ class LiteralOp(IRDLOperation):
 
     def cuda_kernel(self, name: str) -> KernelCode:
         """The elements as a constant array of the kernel (exact: floats as hexadecimal literals)."""
-        if not whole_piece(self):
-            raise rank_dependent(self)
+        starts = piece_starts(self)  # a piece: the rank's items of the whole table
         values = self.values().reshape(-1)
         t = c_type(self.result.type)
 
@@ -192,9 +191,14 @@ class LiteralOp(IRDLOperation):
                 else v.hex()
 
         items = ", ".join(literal(v) for v in values) or "0"
-        code = flat_kernel(name, self, t, f"out0[i] = {name}_data[i];")
+        if not starts:
+            code = flat_kernel(name, self, t, f"out0[i] = {name}_data[i];")
+        else:
+            index = global_index(name, tensor_shape(self.result), self.values().shape)
+            code = flat_kernel(name, self, t, f"{index}\n    out0[i] = {name}_data[gi];")
         table = f"__device__ const {t} {name}_data[{max(values.size, 1)}] = {{{items}}};\n"
-        return KernelCode(table + code.source, code.launches)
+        defaults = rank_defaults(name, [0] * len(tensor_shape(self.result))) if starts else ""
+        return KernelCode(defaults + table + code.source, code.launches, rank_values=starts)
 
 
 @irdl_op_definition
@@ -240,10 +244,11 @@ class IotaOp(IRDLOperation):
         return lambda: values.copy()
 
     def cuda_kernel(self, name: str) -> KernelCode:
-        if not whole_piece(self):
-            raise rank_dependent(self)
         start, step = self.start.value.data, self.step.value.data
-        return flat_kernel(name, self, c_type(self.result.type), f"out0[i] = (T)({start}LL + i * {step}LL);")
+        starts = piece_starts(self)  # a piece: its items count on from where it starts
+        code = flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = (T)({start}LL + (i + {rank_value(name, 0)}) * {step}LL);")
+        return KernelCode(rank_defaults(name, [0]) + code.source, code.launches, rank_values=starts)
 
 
 @irdl_op_definition

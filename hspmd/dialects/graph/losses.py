@@ -24,7 +24,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.cuda_c import KernelCode, RowKernel, c_type, flat_kernel, lit, put
+from hspmd.dialects.cuda_c import KernelCode, RowKernel, c_type, flat_kernel, lit, put, rank_defaults, rank_value
 from hspmd.dialects.graph.activations import sigmoid_values
 from hspmd.dialects.graph.arithmetic import MulOp, ScaleOp, cast, divide
 from hspmd.dialects.graph.base import (
@@ -35,11 +35,10 @@ from hspmd.dialects.graph.base import (
     check_integer,
     check_same_shape,
     int_attr,
-    rank_dependent,
+    piece_starts,
     result_dtype,
     result_shape,
     tensor_shape,
-    whole_piece,
 )
 from hspmd.dialects.graph.embedding import annotated_piece
 from hspmd.dialects.interfaces import Kernel, KernelContext
@@ -287,11 +286,13 @@ class OneHotOp(TensorOp):
         return lambda labels: (labels[..., None] == classes).astype(dtype)
 
     def cuda_kernel(self, name: str) -> KernelCode:
-        if not whole_piece(self):
-            raise rank_dependent(self)
         classes = result_shape(self)[-1]
-        return flat_kernel(name, self, c_type(self.result.type),
-                           f"out0[i] = ((long)in0[i / {classes}L] == i % {classes}L) ? (T)1 : (T)0;")
+        starts = piece_starts(self)  # a piece split along C: its classes start where it starts
+        last = len(result_shape(self)) - 1
+        code = flat_kernel(name, self, c_type(self.result.type),
+                           f"out0[i] = ((long)in0[i / {classes}L] == i % {classes}L + {rank_value(name, last)}) "
+                           "? (T)1 : (T)0;")
+        return KernelCode(rank_defaults(name, [0] * (last + 1)) + code.source, code.launches, rank_values=starts)
 
 
 @irdl_op_definition

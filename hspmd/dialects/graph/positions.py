@@ -26,7 +26,7 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import layout_of
-from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel
+from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, global_index, rank_defaults
 from hspmd.dialects.graph.base import (
     TensorOp,
     UnaryOp,
@@ -35,10 +35,10 @@ from hspmd.dialects.graph.base import (
     check_same_shape,
     float_attr,
     int_attr,
+    piece_starts,
     rank_dependent,
     result_shape,
     tensor_shape,
-    whole_piece,
 )
 from hspmd.dialects.graph.leaves import InputOp
 from hspmd.dialects.interfaces import Kernel, KernelContext
@@ -294,17 +294,21 @@ class DropoutOp(TensorOp):
     def cuda_kernel(self, name: str) -> KernelCode:
         """The same counter-based mask as the NumPy kernel (`hs_dropout_key`, `hs_dropout_uniform`
         in hs_common.cuh), for a result that is the whole tensor on every rank."""
-        if self.microbatches is not None or not whole_piece(self):
-            raise rank_dependent(self)
         rate = self.rate.value.data
         seed, salt = self.seed.value.data & 0xFFFFFFFFFFFFFFFF, self.salt.value.data & 0xFFFFFFFFFFFFFFFF
         t = c_type(self.result.type)
         if rate == 0.0:
             return flat_kernel(name, self, t, "out0[i] = in0[i];")
+        if self.microbatches is not None:
+            raise rank_dependent(self)
+        starts = piece_starts(self)  # a piece: its items' indices in the global tensor
+        index = global_index(name, result_shape(self), self.global_type.get_shape()) if starts else "long gi = i;"
         pre = f"const unsigned long long key = hs_dropout_key({seed}ULL, {salt}ULL, (unsigned long long)in1[0]);"
-        body = (f"const bool keep = hs_dropout_uniform(key, (unsigned long long)i) >= {rate!r};\n"
+        body = (f"{index}\n    const bool keep = hs_dropout_uniform(key, (unsigned long long)gi) >= {rate!r};\n"
                 f"    out0[i] = keep ? in0[i] * (T){1.0 / (1.0 - rate)!r} : (T)0;")
-        return flat_kernel(name, self, t, body, pre=pre)
+        code = flat_kernel(name, self, t, body, pre=pre)
+        defaults = rank_defaults(name, [0] * len(result_shape(self))) if starts else ""
+        return KernelCode(defaults + code.source, code.launches, rank_values=starts)
 
 
 # ----------------------------------------------------------------------------- frontend

@@ -73,14 +73,14 @@ class CupyDevice(Device):
         rt.memcpy(out.ctypes.data, ptr, out.nbytes, rt.memcpyDeviceToHost)
         return out
 
-    def kernels(self, module: Operation) -> KernelSet:
+    def kernels(self, module: Operation, rank: int = 0) -> KernelSet:
         functions: dict[str, object] = {}
         seen: set[str] = set()
         for op in module.walk():
             if not isinstance(op, kernel.FusedOp) or op.kernel.data in seen:
                 continue
             seen.add(op.kernel.data)
-            raw = self.cupy.RawModule(code=gpu_text(op.source.data), options=GPU_OPTIONS)
+            raw = self.cupy.RawModule(code=gpu_text(op.source_for(rank)), options=GPU_OPTIONS)
             for _, fname, _, _ in op.launch_list:
                 functions[fname] = raw.get_function(fname)
         return KernelSet(functions)

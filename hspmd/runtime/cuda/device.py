@@ -47,8 +47,9 @@ class Device(ABC):
         """Return a host copy of the array of `shape` and `dtype` at `ptr` (after the work queued so far)."""
 
     @abstractmethod
-    def kernels(self, module: Operation) -> KernelSet:
-        """Return the kernels of every `kernel.fused` op of device program `module`, made once."""
+    def kernels(self, module: Operation, rank: int = 0) -> KernelSet:
+        """Return the kernels of every `kernel.fused` op of device program `module` as `rank`
+        runs them (`kernel.FusedOp.source_for`), made once."""
 
     @abstractmethod
     def prepare_launch(self, kernels: KernelSet, function: str, kind: str, n0: int, n1: int,

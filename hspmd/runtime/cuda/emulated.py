@@ -62,9 +62,9 @@ class EmulatedDevice(Device):
     def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         return self._array(ptr, shape, dtype).copy()
 
-    def kernels(self, module: Operation) -> KernelSet:
+    def kernels(self, module: Operation, rank: int = 0) -> KernelSet:
         try:
-            lib = cpu_compile.load_library(build_program(module, team=self.team > 1))
+            lib = cpu_compile.load_library(build_program(module, team=self.team > 1, rank=rank))
         except (cpu_compile.CompileError, OSError) as err:
             raise DeviceError(f"the emulated device cannot build the program's kernels: {err}") from None
         native.bind_parallel(lib)

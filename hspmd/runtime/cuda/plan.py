@@ -12,12 +12,21 @@ first step run call by call), copies assigned values that were not updated in pl
 their parameters, and downloads the outputs. The state (`initial_state`, and what `run`
 updates) is `DeviceArray`s in the arena: parameters never leave the device unless read.
 
-What this plan does not do yet (a PlanError names it): collectives and buckets (more than one
-rank: GPU runs over several ranks are part 2), pipeline micro-batch sums.
+Over several ranks, the collectives and a pipeline's sends and receives are *host-staged*:
+such a call (`host_staged`) downloads its operands, runs the op's NumPy collective over the
+rank's `Communicator` (MPI, as on the CPU: the way ranks that share a GPU, or GPU and CPU
+ranks, exchange) and uploads the result into its place; the device calls between two of them
+are captured as one CUDA graph each. A pipeline's micro-batch sums are a kernel of their own
+(`sum_kernels`). A kernel that reads its piece's global position (a dropout mask, a
+vocabulary range) is built with the rank's values (`kernel.FusedOp.source_for`).
+
+What this plan does not do yet (a DevicePlanError names it): all-reduce buckets (the schedule
+is made without them: each all-reduce is a call of its own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +38,10 @@ from hspmd.codegen.schedule.model import Destination, Leaf, Schedule, ScheduleEr
 from hspmd.dialects import kernel
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceArray, KernelSet
+from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel
 from hspmd.runtime.cuda.gemm import gemm_for
+from hspmd.runtime.plan import wait_sends
 from hspmd.runtime.trace import StepLabel, Tracer, step_label
 
 
@@ -66,7 +78,7 @@ class DevicePlan:
     output_arrays: dict[str, DeviceArray] = field(default_factory=dict)
     #: capture the step as one graph after the first step (where the device has graphs)
     use_graph: bool = True
-    _graph: Call | None = None
+    _graph: list[Call] | None = None
     _steps_run: int = 0
 
     def initial_state(self, seed: int) -> dict[str, DeviceArray]:
@@ -118,16 +130,34 @@ class DevicePlan:
         if tracer is not None:
             self._run_traced(tracer)
         elif self._graph is not None:
-            self._graph()
+            for part in self._graph:
+                part()
         else:
             for call in self.calls:
                 call()
             if self.use_graph:  # the first step ran call by call (kernels compiled, memory touched)
-                self._graph = self.device.capture(self.calls)
+                self._graph = self._captured()
         for copy in self.assign_copies:
             copy()
         self._steps_run += 1
         return {name: np.asarray(array) for name, array in self.output_arrays.items()}
+
+    def _captured(self) -> list[Call]:
+        """Return the step as graphs and host calls: each run of device calls between two
+        host-staged calls captured as one graph (`Device.capture`)."""
+        parts: list[Call] = []
+        run: list[Call] = []
+        for call in self.calls:
+            if getattr(call, "host_staged", False):
+                if run:
+                    parts.append(self.device.capture(run))
+                    run = []
+                parts.append(call)
+            else:
+                run.append(call)
+        if run:
+            parts.append(self.device.capture(run))
+        return parts
 
     def _run_traced(self, tracer: Tracer) -> None:
         """Run the calls uncaptured, each timed by the device (`Device.time_calls`: CUDA events on a GPU)."""
@@ -138,9 +168,15 @@ class DevicePlan:
 class _Binder:
     """Lays out a device schedule's arena and prepares its calls (see the module docstring)."""
 
-    def __init__(self, schedule: Schedule, device: Device, kernels: KernelSet, tf32: bool = False) -> None:
+    def __init__(self, schedule: Schedule, device: Device, kernels: KernelSet, tf32: bool = False,
+                 communicator: Communicator | None = None) -> None:
         self.schedule, self.device, self.kernels, self.tf32 = schedule, device, kernels, tf32
+        self.communicator = communicator
         self.types = schedule.slot_types
+        self.comm_kernels: dict[tuple[Operation, int | None], Callable] = {}
+        self.sends: list[list] = []  # the requests of the step's sends, waited for by its wait-sends step
+        sums = {self.types[step.outs[0]] for step in schedule.steps if step.kind == "sum"}
+        self.sums = sum_kernels(device, sums, schedule.rank) if sums else {}
         self.where: dict[int, int] = {}  # slot -> pointer
         self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
 
@@ -231,9 +267,11 @@ class _Binder:
             if step.op.name == "graph.transpose":  # read by GEMMs as a transpose flag
                 self.transposed.add(step.outs[0])
             return []
-        if step.kind not in ("op", "stack"):
-            raise DevicePlanError(f"a schedule step '{step.name or step.kind}': GPU runs of it come with runs "
-                                  "over several GPUs")
+        if step.kind == "wait-sends":
+            return [_host_call(wait_sends(list(self.sends)))]
+        if step.kind not in ("op", "stack", "sum"):
+            raise DevicePlanError(f"a schedule step '{step.name or step.kind}' (all-reduce buckets): the GPU plan "
+                                  "makes its schedule without them")
         for pos, o in enumerate(step.outs):
             if step.out is not None:
                 self.where[o] = self.destination(step.out[pos], base, offsets, plan)
@@ -246,8 +284,15 @@ class _Binder:
                 if self.where[s] != out + i * part:
                     calls.append(self.device.prepare_copy(out + i * part, self.where[s], part))
             return calls
+        if step.kind == "sum":  # a pipeline's micro-batch sum: the sum kernel of the type
+            kernels, fname = self.sums[self.types[step.outs[0]]]
+            n = int(np.prod(self.types[step.outs[0]][0], dtype=np.int64))  # type: ignore[index]
+            ptrs = [self.where[step.ins[0]], self.where[step.ins[1]], self.where[step.outs[0]]]
+            return [self.device.prepare_launch(kernels, fname, "elementwise", n, 0, ptrs)]
         op = step.op
         assert op is not None
+        if op.dialect_name() == "comm":
+            return [self.staged(op, step)]
         if isinstance(op, kernel.FusedOp):
             return self.launches(op, step, scratch)
         if getattr(op, "CUDA_GEMM", False):
@@ -259,6 +304,36 @@ class _Binder:
                                              self.where[step.outs[0]])]
         raise DevicePlanError(f"'{op.name}' has no GPU kernel in this program (compile it with device-kernels)")
 
+    def staged(self, op: Operation, step: Step) -> Call:
+        """Return the host-staged call of collective `op` (see the module docstring): its
+        operands downloaded, the op's NumPy collective over the rank's communicator, its result
+        uploaded into its place. A send starts (its request is waited for by the step's last call)."""
+        if self.communicator is None:
+            raise DevicePlanError(f"'{op.name}' needs the rank's communicator (build the plan with one)")
+        key = (op, step.microbatch)
+        if key not in self.comm_kernels:
+            try:
+                k = comm_kernel(op, self.schedule.rank, self.communicator)
+            except CommKernelError as err:
+                raise DevicePlanError(str(err)) from None
+            if step.microbatch is not None and hasattr(k, "for_microbatch"):
+                k = k.for_microbatch(step.microbatch)
+            self.comm_kernels[key] = k
+        k = self.comm_kernels[key]
+        if hasattr(k, "pending"):
+            self.sends.append(k.pending)
+        device = self.device
+        ins = [(self.where[a], *self.types[a]) for a in step.ins]  # type: ignore[misc]
+        outs = [(self.where[o], *self.types[o]) for o in step.outs]  # type: ignore[misc]
+
+        def call() -> None:
+            result = k(*[device.download(ptr, shape, dtype) for ptr, shape, dtype in ins])
+            if outs:
+                ptr, shape, dtype = outs[0]
+                device.upload(ptr, np.asarray(result, dtype=dtype).reshape(shape))
+
+        return _host_call(call)
+
     def launches(self, op: kernel.FusedOp, step: Step, scratch: int) -> list[Call]:
         """Return the launches of a kernel: operand, result and scratch pointers, then the extents."""
         ptrs = [self.where[a] for a in step.ins] + [self.where[o] for o in step.outs]
@@ -269,6 +344,48 @@ class _Binder:
             at += _aligned(n * item)
         return [self.device.prepare_launch(self.kernels, fname, kind, n0, n1, ptrs)
                 for kind, fname, n0, n1 in op.launch_list]
+
+
+def _host_call(call: Call) -> Call:
+    """Mark `call` as one the host runs between device calls (never captured in a graph)."""
+    call.host_staged = True  # type: ignore[attr-defined]
+    return call
+
+
+def sum_kernels(device: Device, types, rank: int) -> dict:
+    """Return, per slot type (shape, dtype) of a pipeline's micro-batch sums, (the kernels, the
+    function) adding two arrays of it: `graph.add`'s elementwise GPU kernel, one per dtype."""
+    from xdsl.dialects.builtin import ModuleOp, TensorType
+    from xdsl.ir import Block
+
+    from hspmd.codegen.emit_cuda import emit_elementwise, float_kind
+    from hspmd.dialects import graph
+    from hspmd.ir.types import element_type
+
+    by_dtype: dict[np.dtype, str] = {}
+    made = []
+    for shape, dtype in sorted(types, key=lambda t: (str(t[1]), t[0])):
+        dtype = np.dtype(dtype)
+        if dtype in by_dtype:
+            continue
+        name = f"hs_sum_{len(by_dtype)}"
+        by_dtype[dtype] = name
+        typ = TensorType(element_type(dtype), [1])
+        block = Block(arg_types=[typ, typ])
+        add = graph.AddOp(block.args[0], block.args[1])
+        kind = float_kind(typ, reduced=True) or "f32"
+        code = emit_elementwise(name, [add], list(block.args), [add.result], kind, (1,))
+        region, body = kernel.make_body([typ, typ])
+        inner = add.clone(value_mapper=dict(zip(block.args, body.args)))
+        body.add_ops([inner, kernel.YieldOp(inner.result)])
+        made.append(kernel.FusedOp(list(block.args), [typ], name, kind, code.source, code.launches, code.scratch,
+                                   region))
+    kernels = device.kernels(ModuleOp(made), rank)
+    out = {}
+    for shape, dtype in types:
+        name = by_dtype[np.dtype(dtype)]
+        out[(shape, dtype)] = (kernels, name)
+    return out
 
 
 def _is_view(op: Operation | None) -> bool:
@@ -289,18 +406,19 @@ def _module_of(fn: func.FuncOp) -> Operation:
 
 
 def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph: bool = True,
-                      tf32: bool = False) -> DevicePlan:
+                      tf32: bool = False, communicator: Communicator | None = None) -> DevicePlan:
     """Return the plan running step function `fn` of a device program as `rank` on `device`
     (see the module docstring); `cuda_graph=False` runs every step call by call; `tf32`: float32
-    products on TF32 tensor cores (the script's `tf32` config key)."""
+    products on TF32 tensor cores (the script's `tf32` config key); `communicator`: the rank's,
+    for the program's collectives and pipeline sends (host-staged)."""
     try:
         schedule = build_schedule(fn, rank, bucket_bytes=None, triangular=False, device=True)
     except ScheduleError as err:
         raise DevicePlanError(str(err)) from None
     if schedule.buckets:
         raise DevicePlanError("all-reduce buckets on the GPU come with runs over several GPUs")
-    kernels = device.kernels(_module_of(fn))
-    plan = _Binder(schedule, device, kernels, tf32).bind(rank)
+    kernels = device.kernels(_module_of(fn), rank)
+    plan = _Binder(schedule, device, kernels, tf32, communicator).bind(rank)
     plan.use_graph = cuda_graph
     return plan
 
