@@ -219,3 +219,28 @@ def test_nccl_at_one_rank_on_the_gpu(gpu):
         np.testing.assert_array_equal(np.asarray(comm.all_to_all(a, (0,), t)), data(0, (8, 3)))
         h = device_array(gpu, np.arange(5, dtype=np.float16))
         np.testing.assert_array_equal(np.asarray(comm.all_reduce(h, (0,))), np.arange(5, dtype=np.float16))
+
+
+@pytest.mark.mpi
+def test_unique_ids_go_over_mpi_from_each_groups_first_rank(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from hspmd.runtime.launch import mpiexec_command
+
+    n = 3
+    script = Path(__file__).parent / "mpi_scripts" / "nccl_ids.py"
+    proc = subprocess.run(mpiexec_command(n, [str(script), str(tmp_path)]), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    groups = {key for s in seen for key in s}
+    assert len(groups) == 2 + 3  # the world in two orders, three pairs
+    for key in groups:
+        g = json.loads(key)
+        made = [seen[r][key] for r in g]
+        maker = g[0]
+        assert all(m[0] == len(g) for m in made)
+        assert [m[2] for m in made] == list(range(len(g)))  # NCCL rank = position in the group
+        assert all(m[1] == [(maker * 7 + i) % 256 - 128 for i in range(128)] for m in made)  # the first rank's id
