@@ -68,7 +68,7 @@ class FakeNccl:
             k = next(self._ids)
         return tuple(((k >> (8 * i)) & 0xFF) - 128 if i < 8 else 0 for i in range(128))
 
-    def NcclCommunicator(self, ndev: int, commId: tuple[int, ...], rank: int) -> _Comm:  # noqa: N802 - NCCL's name
+    def NcclCommunicator(self, ndev: int, commId: tuple[int, ...], rank: int) -> _Comm:
         if len(commId) != 128:
             raise FakeNcclError(f"an id of {len(commId)} bytes")
         with self._lock:
@@ -78,12 +78,12 @@ class FakeNccl:
             clique.ranks.add(rank)
         return _Comm(self, clique, tuple(commId[:8]), rank)
 
-    def groupStart(self) -> None:  # noqa: N802
+    def groupStart(self) -> None:
         self._local.depth = getattr(self._local, "depth", 0) + 1
         if self._local.depth == 1:
             self._local.pending = []
 
-    def groupEnd(self) -> None:  # noqa: N802
+    def groupEnd(self) -> None:
         self._local.depth -= 1
         if self._local.depth == 0:
             pending, self._local.pending = self._local.pending, []
@@ -125,7 +125,7 @@ class _Comm:
             raise FakeNcclError(f"members disagree on the collective: {[d[:2] for d in deposits]}")
         return [d[2] for d in deposits]
 
-    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         assert op == NCCL_SUM
         parts = self._collective("allReduce", _view(sendbuf, count, datatype), (count, datatype, op))
         total = parts[0].copy()
@@ -133,11 +133,11 @@ class _Comm:
             total += p
         _view(recvbuf, count, datatype)[:] = total
 
-    def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         parts = self._collective("allGather", _view(sendbuf, count, datatype), (count, datatype))
         _view(recvbuf, count * self.clique.n, datatype)[:] = np.concatenate(parts)
 
-    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         n = self.clique.n
         parts = self._collective("reduceScatter", _view(sendbuf, recvcount * n, datatype), (recvcount, datatype, op))
         mine = slice(self.rank * recvcount, (self.rank + 1) * recvcount)

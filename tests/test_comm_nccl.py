@@ -129,7 +129,8 @@ def test_groups_opened_in_different_orders_are_refused_in_one_line():
             comm.communicator((0, 1, 2))
 
     nccl = FakeNccl()
-    with pytest.raises(CommError, match=r"rank 1 opened NCCL group \(0, 1, 2\) but rank 0 sent the id of another group \(of 2 ranks\)"):
+    said = r"rank 1 opened NCCL group \(0, 1, 2\) but rank 0 sent the id of another group \(of 2 ranks\)"
+    with pytest.raises(CommError, match=said):
         run_spmd(3, rank, timeout=30)
 
 
@@ -193,7 +194,7 @@ def test_bad_buffers_and_peers_are_one_line_errors():
 
 def test_a_refused_communicator_says_why_in_one_line():
     class Refusing(FakeNccl):
-        def NcclCommunicator(self, ndev, commId, rank):  # noqa: N802
+        def NcclCommunicator(self, ndev, commId, rank):
             raise FakeNcclError("NCCL_ERROR_INVALID_USAGE")
 
     (host,) = InProcessCommunicator.create_world(1)

@@ -24,7 +24,7 @@ class Recording(FakeNccl):
     def get_unique_id(self):
         return tuple((self.rank * 7 + i) % 256 - 128 for i in range(128))  # differs by maker
 
-    def NcclCommunicator(self, ndev, commId, rank):  # noqa: N802
+    def NcclCommunicator(self, ndev, commId, rank):
         self.made.append((ndev, list(commId), rank))
         return self
 

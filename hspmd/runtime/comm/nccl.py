@@ -111,7 +111,7 @@ class NcclCommunicator:
             uid = self._unique_id(g)
             try:
                 comm = self.nccl.NcclCommunicator(len(g), uid, g.index(self.rank))
-            except Exception as err:  # NcclError: most often two ranks on one GPU
+            except Exception as err:  # noqa: BLE001 - NcclError (cupy.cuda.nccl), most often two ranks on one GPU
                 raise CommError(f"NCCL refused a communicator for group {g} ({type(err).__name__}: {err}); "
                                 "NCCL needs a GPU of its own per rank (ranks sharing a GPU exchange through "
                                 "the host)") from None
