@@ -114,3 +114,23 @@ def test_hspmd_run_device_list_puts_gpu_programs_in_the_bundle_for_those_ranks(t
             "--steps", "1", "--dump-dir", str(d), env={EMULATION: "1"}, timeout=180)
     manifest = json.loads((d / "manifest.json").read_text())
     assert [g.get("device") for g in manifest["groups"]] == ["device_group0.mlir", None]
+
+
+def test_a_gpu_and_a_cpu_rank_in_one_job_run_or_stop_in_one_line(tmp_path):
+    """`[0]: cuda | [1]: cpu` on the emulated GPU: the 2-rank CPU losses where the GPU plan runs
+    the cross-group gradient sum; until it does, one line naming what the GPU program lacks."""
+    import math
+
+    ref, log = tmp_path / "cpu.jsonl", tmp_path / "mixed.jsonl"
+    run_cli("hspmd", "run", "-n", "2", MLP, "--strategy", "[0]: dp=1 share=3 | [1]: dp=1 share=1", "--device", "cpu",
+            "--steps", "2", "--log", str(ref), check=True, timeout=180)
+    proc = run_cli("hspmd", "run", "-n", "2", MLP, "--strategy", MIXED, "--steps", "2", "--log", str(log),
+                   env={EMULATION: "1"}, timeout=180)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode == 0:
+        want = [json.loads(line)["loss"] for line in ref.read_text().splitlines()]
+        got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+        assert len(got) == len(want) and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, want))
+    else:
+        errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and "no GPU kernel" in errors[0], proc.stderr
