@@ -48,11 +48,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.codegen.cost_model import CostError
     from hspmd.cli.plot import PlotError
     from hspmd.ir.switch_plan import SwitchError
+    from hspmd.runtime.cuda.device import DeviceError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError,
+        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError, DeviceError,
     )
 
 
@@ -262,6 +263,8 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
     from hspmd.runtime.cuda.select import rank_device
 
+    if strategy == "auto" and getattr(args, "device_asked", None) is not None:
+        args.device = planned_devices(args, compiled, n)  # the plan's device= keys decide "auto" entries
     kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in range(n)]
     write_bundle(compiled, bundle, device=kinds)  # GPU programs for the groups of GPU ranks
     return bundle
@@ -276,6 +279,7 @@ def run_device(args) -> str:
     from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
 
     asked = "cuda" if args.kernels == "cuda" else args.device
+    args.device_asked = asked  # for --strategy auto, whose groups' device= keys the planner gives
     entries = device_entries(asked, args.n)
     if args.servers is not None or args.elastic:  # GPU runs with servers or --elastic: not yet
         entries = ["cpu" if e == "auto" else e for e in entries]
@@ -286,6 +290,22 @@ def run_device(args) -> str:
                               "(they come later in part 2 of the GPU runtime)")
         if args.kernels == "cuda":
             args.kernels = "cpu"  # the CPU ranks' kernels (a GPU rank runs its GPU program)
+    return devices_text(kinds)
+
+
+def planned_devices(args, compiled, n: int) -> str:
+    """Return the workers' `--device` for a `--strategy auto` run once the planner chose: the
+    `--device` asked (`args.device_asked`) resolved against the chosen groups' `device=` keys
+    (a profile of GPU and CPU ranks gives each group its kind)."""
+    from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
+
+    keys: list[str | None] = [None] * n
+    for group in compiled.strategy.strategy.groups:
+        for rank in group.devices:
+            keys[rank] = group.device
+    kinds = rank_devices(device_entries(args.device_asked, n), keys)
+    if "cuda" in kinds and args.kernels == "cuda":
+        args.kernels = "cpu"
     return devices_text(kinds)
 
 
