@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -429,9 +430,14 @@ def _lower(script: ModelScript, record: StrategyRecord, logical: ModuleOp, opt: 
     return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
 
 
-def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bool = False) -> str:
-    """Write the levels (the kernel level too; with `device`, the GPU programs as well) and the
-    manifest of `compiled` into `directory`; return the directory.
+def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bool | Sequence[str] = False) -> str:
+    """Write the levels (the kernel level too; the GPU programs of the groups that run on GPUs as
+    well) and the manifest of `compiled` into `directory`; return the directory.
+
+    A group gets its GPU program (`device_groupK.mlir`) where its strategy group says
+    `device=cuda`, where `device` is True (every group: a run with `--device cuda`), or where
+    `device`, a kind per rank ("cpu"/"cuda", `hspmd run --device cuda,cuda,cpu`), puts one of its
+    ranks on a GPU (`gpu_ranks`).
 
     A list (from `compile_strategies`) makes a switching bundle: the first strategy's program in
     `directory`, each other distinct one in `directory/strategy-<id>/`, and the manifest's
@@ -447,8 +453,32 @@ def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bo
     return directory
 
 
-def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None, device: bool = False) -> None:
-    gpu = [m for _, m in compiled.device_groups()] if device else [None] * len(compiled.kernel_groups())
+def gpu_ranks(record: StrategyRecord, device: bool | Sequence[str] = False) -> set[int]:
+    """Return the ranks that run on a GPU: those of groups saying `device=cuda`, and every rank
+    with `device` True or whose entry of `device` (a kind per rank) is "cuda"."""
+    ranks = {r for g in record.strategy.groups if g.device == "cuda" for r in g.devices}
+    if device is True:
+        ranks.update(record.strategy.devices)
+    elif not isinstance(device, bool):
+        ranks.update(r for r, kind in enumerate(device) if kind == "cuda")
+    return ranks
+
+
+def _gpu_programs(compiled: Compiled, device: bool | Sequence[str]) -> list[ModuleOp | None]:
+    """Return each group's GPU program where one of its ranks runs on a GPU, else None."""
+    on_gpu = gpu_ranks(compiled.strategy, device)
+    kernel_groups = compiled.kernel_groups()
+    wanted = [bool(on_gpu.intersection(devices)) for devices, _ in kernel_groups]
+    if all(wanted):
+        return [m for _, m in compiled.device_groups()]
+    made = iter(device_level([g for g, w in zip(kernel_groups, wanted) if w],
+                             flash=flash_attention(compiled.script.config)))
+    return [next(made)[1] if w else None for w in wanted]
+
+
+def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = None,
+               device: bool | Sequence[str] = False) -> None:
+    gpu = _gpu_programs(compiled, device)
     imported = compiled.script.imported  # a PyTorch model's weights, and its tied parameters' other names
     extra = {"torch_aliases": imported.aliases} if imported is not None and imported.aliases else {}
     bundle.write_bundle(

@@ -41,9 +41,9 @@ def test_profile_device_cuda_without_a_gpu_is_one_line(tmp_path):
     r = run_cli("hspmd", "profile", "-n", "1", "--device", "cuda", "-o", str(tmp_path / "p.json"), env=env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--device cuda: no usable GPU here" in r.stderr
-    r = run_cli("hspmd", "profile", "-n", "2", "--device", "cuda", "-o", str(tmp_path / "p.json"),
+    r = run_cli("hspmd", "profile", "-n", "2", "--device", "cuda,gpu", "-o", str(tmp_path / "p.json"),
                 env={"HSPMD_EMULATE_GPU": "1"})
-    assert r.returncode == 2 and "one rank for now" in r.stderr
+    assert r.returncode == 2 and "unknown device 'gpu'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.gpu

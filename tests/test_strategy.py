@@ -45,11 +45,11 @@ def test_round_trip(degrees, rnd):
 
 
 @pytest.mark.parametrize("text, line, column, expected", [
-    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute"),
+    ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache, recompute or device"),
     ("[0-3]: dp=2, dp=2", 1, 14, None),
     ("[0,1]: dp=0 tp=2", 1, 11, "a number >= 1"),
     ("[0,1] dp=2", 1, 7, "':'"),
-    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute)"),
+    ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache, recompute or device)"),
     ("[0,1]: dp=2 |\n [2 3]: dp=1", 2, 5, "',', '-' or ']'"),
     ("[0,1]: dp 2", 1, 11, "'='"),
 ])
@@ -70,7 +70,7 @@ def test_unknown_key_message():
         parse_strategy("[0-3]: dp=2 tq=2")
     assert str(info.value) == ("bad strategy at line 1, column 13: unknown key 'tq'\n"
                                "[0-3]: dp=2 tq=2\n"
-                               "            ^ expected dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache or recompute")
+                               "            ^ expected dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache, recompute or device")
 
 
 def test_semantic_errors():
@@ -113,3 +113,26 @@ def test_sequence_parallel_and_stage_layers():
         parse_strategy("[0,1]: dp=2:1")
     with pytest.raises(StrategyError, match="at least one layer"):
         parse_strategy("[0,1]: pp=2 layers=0:2")
+
+
+def test_device_key_parses_prints_and_round_trips():
+    text = "[0]: dp=1 device=cuda share=3 | [1]: dp=1 device=cpu share=1"
+    s = parse_strategy(text)
+    assert [g.device for g in s.groups] == ["cuda", "cpu"]
+    assert str(s) == "[0]: dp=1 device=cuda share=3 | [1]: dp=1 device=cpu"
+    assert parse_strategy(str(s)) == s
+    assert parse_strategy("[0,1]: tp=2 device=cuda").groups[0].device == "cuda"
+    assert parse_strategy("[0,1]: tp=2").groups[0].device is None  # the run's --device decides
+
+
+@pytest.mark.parametrize("text, message, expected", [
+    ("[0]: device=gpu", "device=gpu is not a kind of device", "cpu, cuda"),
+    ("[0]: device=3", "key 'device' takes a word, not 3", "cpu, cuda"),
+    ("[0]: device=cuda:1", "device=cuda: is not a kind of device", "cpu, cuda"),
+])
+def test_device_key_errors(text, message, expected):
+    with pytest.raises(StrategyError) as info:
+        parse_strategy(text)
+    assert message in str(info.value) and info.value.expected == expected
+    with pytest.raises(StrategyError, match="device must be one of cpu, cuda"):
+        StrategyGroup((0,), device="tpu")

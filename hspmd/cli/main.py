@@ -48,11 +48,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.codegen.cost_model import CostError
     from hspmd.cli.plot import PlotError
     from hspmd.ir.switch_plan import SwitchError
+    from hspmd.runtime.cuda.device import DeviceError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
-        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError,
+        FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError, DeviceError,
     )
 
 
@@ -138,7 +139,7 @@ def cmd_compile(args) -> int:
                 sys.stdout.write(f"// strategy {i}: {c.strategy.strategy}\n{module_text(getattr(c, args.level))}")
             return 0
     if args.dump_dir:
-        write_bundle(compiled, args.dump_dir)
+        write_bundle(compiled, args.dump_dir)  # groups saying device=cuda get their GPU programs
         files = sorted(os.listdir(args.dump_dir))
         print(f"wrote {', '.join(files)} to {args.dump_dir}")
     if args.emit == "kernels":
@@ -260,25 +261,80 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     else:
         compiled = compile_script(script, strategy or default_strategy(n), n)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
-    write_bundle(compiled, bundle, device=getattr(args, "device", "cpu") == "cuda")
+    from hspmd.runtime.cuda.select import rank_device
+
+    if strategy == "auto" and getattr(args, "device_asked", None) is not None:
+        args.device = planned_devices(args, compiled, n)  # the plan's device= keys decide "auto" entries
+    kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in range(n)]
+    write_bundle(compiled, bundle, device=kinds)  # GPU programs for the groups of GPU ranks
     return bundle
 
 
 def run_device(args) -> str:
-    """Return "cpu" or "cuda" for `hspmd run`'s `--device` (and `--kernels cuda`, its other
-    spelling); DeviceError where the GPU run asked for cannot be."""
+    """Return the workers' `--device` for `hspmd run`: "cpu", "cuda", or one kind per rank
+    (`cuda,cuda,cpu`), from `--device` (one entry, or one per rank; `--kernels cuda` is a
+    spelling of `--device cuda`) and the strategy groups' `device=` keys; DeviceError where the
+    GPU run asked for cannot be."""
     from hspmd.runtime.cuda.device import DeviceError
-    from hspmd.runtime.cuda.select import resolve_device
+    from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
 
     asked = "cuda" if args.kernels == "cuda" else args.device
-    if asked == "auto" and (args.servers is not None or args.elastic):  # not on GPUs yet
-        return "cpu"
-    device = resolve_device(asked)
-    if device == "cuda":
+    args.device_asked = asked  # for --strategy auto, whose groups' device= keys the planner gives
+    entries = device_entries(asked, args.n)
+    if args.servers is not None or args.elastic:  # GPU runs with servers or --elastic: not yet
+        entries = ["cpu" if e == "auto" else e for e in entries]
+    kinds = rank_devices(entries, strategy_device_keys(args))
+    if "cuda" in kinds:
         if args.servers is not None or args.elastic:
-            raise DeviceError("--device cuda does not run parameter servers or --elastic yet")
-        args.kernels = "cpu"  # the worker's CPU kernels are not used
-    return device
+            raise DeviceError("--device cuda does not go together with parameter servers or --elastic yet "
+                              "(they come later in part 2 of the GPU runtime)")
+        if args.kernels == "cuda":
+            args.kernels = "cpu"  # the CPU ranks' kernels (a GPU rank runs its GPU program)
+    return devices_text(kinds)
+
+
+def planned_devices(args, compiled, n: int) -> str:
+    """Return the workers' `--device` for a `--strategy auto` run once the planner chose: the
+    `--device` asked (`args.device_asked`) resolved against the chosen groups' `device=` keys
+    (a profile of GPU and CPU ranks gives each group its kind)."""
+    from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
+
+    keys: list[str | None] = [None] * n
+    for group in compiled.strategy.strategy.groups:
+        for rank in group.devices:
+            keys[rank] = group.device
+    kinds = rank_devices(device_entries(args.device_asked, n), keys)
+    if "cuda" in kinds and args.kernels == "cuda":
+        args.kernels = "cpu"
+    return devices_text(kinds)
+
+
+def strategy_device_keys(args) -> list[str | None]:
+    """Return, per rank of `hspmd run`, the `device=` key of its group in the run's strategy
+    (the bundle's where the script is a bundle); None where no group says one, or the strategy
+    is not known yet (`auto`, the default)."""
+    from hspmd.ir.strategy import StrategyError, parse_strategy
+
+    text = args.strategy
+    if os.path.isdir(args.script):
+        from hspmd.codegen.bundle import BundleError, read_manifest
+
+        try:
+            text = read_manifest(args.script).strategy
+        except BundleError:
+            text = None  # said by compile_for_run
+    keys: list[str | None] = [None] * args.n
+    if not text or text == "auto":
+        return keys
+    try:
+        strategy = parse_strategy(text)
+    except StrategyError:
+        return keys  # said when the strategy is compiled
+    for group in strategy.groups:
+        for rank in group.devices:
+            if rank < args.n:
+                keys[rank] = group.device
+    return keys
 
 
 def cmd_run(args) -> int:
@@ -419,10 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several --strategy: switch to the next one every K steps, moving parameters and "
                         "optimizer states in memory (docs/switching.md)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
-    r.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
-                   help="where the step runs: cuda (one GPU per rank: the whole step on the GPU, parameters there "
-                        "from the start; an error where there is no usable GPU), cpu, or auto (the default: cuda "
-                        "where CuPy finds a GPU, else cpu); see docs/gpu.md")
+    r.add_argument("--device", default="auto", metavar="cpu|cuda|auto[,...]",
+                   help="where the step runs: cuda (a GPU per rank, by local rank; ranks beyond the GPUs share "
+                        "them: the whole step on the GPU, parameters there from the start; an error where there is "
+                        "no usable GPU), cpu, or auto (the default: a strategy group's device= key, else cuda for "
+                        "one rank where CuPy finds a GPU, else cpu); or one entry per rank, e.g. cuda,cuda,cpu "
+                        "(GPU and CPU ranks in one job); see docs/gpu.md")
     r.add_argument("--no-cuda-graph", action="store_true",
                    help="with --device cuda: run each step call by call instead of replaying it as one CUDA graph")
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",

@@ -1,11 +1,12 @@
-"""`hspmd profile -n N [-o profile.json] [--cpu-bind LIST] [--device cpu|cuda]`: measure a device profile on N ranks.
+"""`hspmd profile -n N [-o profile.json] [--cpu-bind LIST] [--device cpu|cuda[,...]]`: measure a device profile on N ranks.
 
 Starts N ranks of `hspmd.runtime.profiler` under mpiexec (`hspmd.runtime.launch`), which
 measure together and write the profile (`hspmd.ir.device_profile`); then prints its summary.
 `--cpu-bind 0,0,1` pins rank r to core LIST[r] (each rank calls `os.sched_setaffinity` when it
 starts), so ranks of unequal speed can be made on one machine; pinned ranks use one math
 library thread each unless OMP_NUM_THREADS etc. say otherwise. `--device cuda` measures the
-compute rates of the rank's GPU (one rank for now; an error where there is no usable GPU).
+compute rates of each rank's GPU (an error where there is no usable GPU); one entry per rank
+(`--device cuda,cpu`) measures GPU and CPU ranks in one profile, their kinds in its meta.
 """
 
 from __future__ import annotations
@@ -26,18 +27,14 @@ def cmd_profile(args) -> int:
     from hspmd.runtime.profiler import parse_cpu_bind
 
     from hspmd.runtime.cuda.device import DeviceError
-    from hspmd.runtime.cuda.select import resolve_device
+    from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
 
     if args.reps < 1 or args.seconds_per_point <= 0:
         raise SystemExit("hspmd: error: --reps must be at least 1 and --seconds-per-point positive")
     try:
-        device = "cpu" if args.device == "auto" and args.n > 1 else resolve_device(args.device)
+        device = devices_text(rank_devices(device_entries(args.device, args.n), [None] * args.n))
     except DeviceError as err:
         print(f"hspmd: error: {err}", file=sys.stderr)
-        return 2
-    if device == "cuda" and args.n > 1:
-        print("hspmd: error: --device cuda profiles one rank for now (several GPU ranks come with part 2 of the "
-              "GPU runtime)", file=sys.stderr)
         return 2
     worker = ["-m", "hspmd.runtime.profiler", os.path.abspath(args.output), "--reps", str(args.reps),
               "--seconds-per-point", str(args.seconds_per_point), "--device", device]
@@ -74,7 +71,8 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--seconds-per-point", type=float, default=0.15,
                    help="seconds each compute rate is measured for (0.15)")
     p.add_argument("--timeout", type=float, default=300.0, help="kill the ranks after this many seconds (300)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda|auto[,...]",
                    help="measure the compute rates of the CPU (the default) or of the rank's GPU (cuda; auto: "
-                        "cuda where CuPy finds a GPU and there is one rank)")
+                        "cuda where CuPy finds a GPU and there is one rank); or one entry per rank, e.g. cuda,cpu "
+                        "(GPU and CPU ranks in one profile, which the planner keeps in groups of one kind)")
     p.set_defaults(func=cmd_profile)

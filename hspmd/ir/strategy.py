@@ -16,7 +16,10 @@ them; default: contiguous ranges balanced by cost). How the data-parallel ranks 
 (docs/parameter-server.md): `comm=allreduce|ps|hybrid` (default allreduce), the consistency
 model `consistency=bsp|asp|ssp:S` (default bsp; asp and ssp need ps or hybrid) and the HET
 cache `cache=ROWS` or `cache=ROWS:B` (hot embedding rows each worker keeps, each used for at most
-B steps after it was pulled; B defaults to S of ssp:S, and bsp means 0; default 0, no cache). Keys come in any order, separated by spaces or commas,
+B steps after it was pulled; B defaults to S of ssp:S, and bsp means 0; default 0, no cache), and
+`device=cuda|cpu` for the kind of device the group's ranks run on (GPU and CPU ranks in one job:
+`[0]: dp=1 device=cuda share=3 | [1]: dp=1 device=cpu share=1`; default: what `hspmd run
+--device` says; it changes no IR, only which program each rank runs, see docs/gpu.md). Keys come in any order, separated by spaces or commas,
 and each defaults to 1; dp*tp*pp*ep must equal the number of devices in the group, except that a
 group giving none of dp/tp/pp/ep is pure data parallel (`[0-3]:` means dp=4). Syntax errors and
 unknown keys raise `StrategyError` with a caret under the offending column; impossible
@@ -38,9 +41,12 @@ from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message,
 __all__ = ["StrategyError", "StrategyGroup", "Strategy", "StrategyRecord", "parse_strategy", "PIPELINE_SCHEDULES"]
 
 _KEYS = ("dp", "tp", "pp", "share", "zero", "sp", "layers", "ep", "experts", "comm", "consistency", "cache",
-         "recompute")
+         "recompute", "device")
 _DEFAULTS = {"zero": 0, "sp": 0, "layers": None, "experts": None, "comm": "allreduce", "consistency": "bsp",
-             "cache": 0, "recompute": "none"}
+             "cache": 0, "recompute": "none", "device": None}
+#: the order keys print in (`dp=1 device=cuda share=3`: where a group runs, then how much it takes)
+_PRINT_ORDER = ("dp", "tp", "pp", "device", "share", "zero", "sp", "layers", "ep", "experts", "comm",
+                "consistency", "cache", "recompute")
 #: the keys in words, as errors list them
 _KEYS_TEXT = ", ".join(_KEYS[:-1]) + " or " + _KEYS[-1]
 #: how a group's data-parallel ranks exchange gradients: collectives, parameter servers, or both
@@ -48,7 +54,10 @@ _KEYS_TEXT = ", ".join(_KEYS[:-1]) + " or " + _KEYS[-1]
 COMM_MODES = ("allreduce", "ps", "hybrid")
 #: the consistency models of a parameter-server run (`ssp` takes its bound: `ssp:2`)
 CONSISTENCY_MODELS = ("bsp", "asp", "ssp")
-_WORD_KEYS = ("comm", "consistency", "recompute")
+_WORD_KEYS = ("comm", "consistency", "recompute", "device")
+#: the kinds of device a group may name (`device=cuda`); a group naming none runs where `hspmd run
+#: --device` says
+DEVICE_KINDS = ("cpu", "cuda")
 ZERO_STAGES = (0, 1, 2, 3)
 #: activation recompute per group (`transforms/recompute.py`): none, each repeated block's forward
 #: again inside its backward, or only attention's scores, softmax and dropout (Megatron's selective)
@@ -114,6 +123,7 @@ class StrategyGroup:
     consistency: str = "bsp"
     cache: int | tuple[int, int] = 0
     recompute: str = "none"
+    device: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -128,6 +138,9 @@ class StrategyGroup:
         if self.recompute not in RECOMPUTE_MODES:
             raise StrategyError(f"group '{text}' has recompute={self.recompute!r}; recompute must be one of "
                                 f"{', '.join(RECOMPUTE_MODES)}")
+        if self.device is not None and self.device not in DEVICE_KINDS:
+            raise StrategyError(f"group '{text}' has device={self.device!r}; device must be one of "
+                                f"{', '.join(DEVICE_KINDS)}")
         if isinstance(self.sp, bool) or self.sp not in (0, 1):
             raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
         if self.zero == 3 and (self.pp > 1 or self.ep > 1):
@@ -219,7 +232,7 @@ class StrategyGroup:
         return 0 if model == "bsp" else None if model == "asp" else int(str(self.consistency).split(":")[1])
 
     def __str__(self) -> str:
-        keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _KEYS
+        keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _PRINT_ORDER
                         if k == "dp" or getattr(self, k) != _DEFAULTS.get(k, 1))
         return f"[{format_devices(self.devices)}]: {keys}"
 
@@ -351,8 +364,13 @@ def _word_value(text: str, key: Token, value: Token, more: list[Token]) -> str:
     if key not in _WORD_KEYS:
         raise _err(text, value, f"key '{key}' takes a number, not '{value}'", "a number")
     if value.type != "NAME":
+        words = {"comm": COMM_MODES, "recompute": RECOMPUTE_MODES, "device": DEVICE_KINDS}
         raise _err(text, value, f"key '{key}' takes a word, not {value}",
-                   ", ".join(COMM_MODES) if key == "comm" else "bsp, asp or ssp:S")
+                   ", ".join(words[key]) if key in words else "bsp, asp or ssp:S")
+    if key == "device":
+        if value not in DEVICE_KINDS or more:
+            raise _err(text, value, f"device={value}{':' if more else ''} is not a kind of device", ", ".join(DEVICE_KINDS))
+        return str(value)
     if key == "recompute":
         if value not in RECOMPUTE_MODES or more:
             raise _err(text, value, f"recompute={value}{':' if more else ''} is not a recompute mode", ", ".join(RECOMPUTE_MODES))

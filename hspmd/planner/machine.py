@@ -42,6 +42,15 @@ class Machine:
         return self.profile.num_ranks
 
     @property
+    def kinds(self) -> tuple[str, ...]:
+        """Return every rank's kind of device, "cpu" or "cuda" (the profile's `meta["kinds"]`, which
+        `hspmd profile --device cuda,cpu` records; all "cpu" where a profile does not say)."""
+        kinds = self.profile.meta.get("kinds")
+        if not isinstance(kinds, (list, tuple)) or len(kinds) != self.n:
+            return ("cpu",) * self.n
+        return tuple("cuda" if k == "cuda" else "cpu" for k in kinds)
+
+    @property
     def measured(self) -> bool:
         return not self.profile.source.startswith("synthetic")
 

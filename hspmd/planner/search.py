@@ -1,9 +1,10 @@
 """The search: device groups, per-group degrees, micro-batches and batch shares, ranked by cost.
 
 1. **Groupings.** Ranks are sorted by their matmul rate at the model's matmul size and cut
-   into clusters of like speed (each within `LIKE_SPEED` of its fastest). Up to three
-   groupings are priced: every device in one group (the slowest sets the pace), one group per
-   cluster (when there are several), and each cluster cut into groups of powers of two (when a
+   into clusters of like speed (each within `LIKE_SPEED` of its fastest) and of one kind of
+   device (a profile's GPU ranks apart from its CPU ranks; each group of the strategy then says
+   `device=cuda|cpu`). Up to three groupings are priced: every device in one group (the slowest
+   sets the pace; not where GPU and CPU ranks mix), one group per cluster (when there are several), and each cluster cut into groups of powers of two (when a
    size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
@@ -62,6 +63,8 @@ class Candidate:
     microbatches: int
     costs: tuple[GroupCost, ...]
     cross_s: float  # the gradient sum across groups
+    # every rank's kind of device where some rank is a GPU (each group then says its `device=`)
+    kinds: tuple[str, ...] | None = None
 
     @property
     def step_s(self) -> float:
@@ -80,12 +83,20 @@ class Candidate:
         if len(self.groups) == 1:
             g = self.groups[0]
             return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp, ep=g.ep,
-                                               recompute=g.recompute),)))
+                                               recompute=g.recompute, device=self.device(g)),)))
         common = reduce(math.gcd, self.rows)
         pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
         return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp,
-                                                recompute=g.recompute)
+                                                recompute=g.recompute, device=self.device(g))
                                   for g, r in pairs)))
+
+    def device(self, group: GroupConfig) -> str | None:
+        """Return the `device=` key of `group`: its ranks' kind where the machine has GPU ranks
+        (None where it has none, or the group mixes kinds, which the search never makes)."""
+        if self.kinds is None:
+            return None
+        kinds = {self.kinds[r] for r in group.devices}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def settings(self) -> list[str]:
         """Return the `--set` entries the strategy runs with (micro-batches of a pipeline)."""
@@ -100,12 +111,13 @@ class Candidate:
 
 
 def clusters(machine: Machine, flops_per_call: float) -> list[tuple[int, ...]]:
-    """Return the ranks cut into groups of like speed, fastest first, each sorted by rank."""
-    speed = machine.speeds(flops_per_call)
-    order = sorted(range(machine.n), key=lambda r: (-speed[r], r))
+    """Return the ranks cut into groups of like speed and one kind of device (GPU ranks first),
+    fastest first, each sorted by rank."""
+    speed, kind = machine.speeds(flops_per_call), machine.kinds
+    order = sorted(range(machine.n), key=lambda r: (kind[r] != "cuda", -speed[r], r))
     out: list[list[int]] = []
     for r in order:
-        if out and speed[r] >= LIKE_SPEED * speed[out[-1][0]]:
+        if out and kind[r] == kind[out[-1][0]] and speed[r] >= LIKE_SPEED * speed[out[-1][0]]:
             out[-1].append(r)
         else:
             out.append([r])
@@ -210,7 +222,7 @@ def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...],
     if len(groups) > 1:
         shard = min(g.tp * g.pp for g in groups)
         cross = machine.collective("all_reduce", tuple(g.devices[0] for g in groups), facts.param_bytes / shard)
-    return Candidate(groups, rows, m, costs, cross)
+    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None)
 
 
 def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[int, ...]]) -> list[Candidate]:
@@ -265,7 +277,8 @@ def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = No
     Raises PlanError when no candidate runs on these devices at all.
     """
     parts = clusters(machine, facts.mean_matmul_flops())
-    groupings = [[tuple(range(machine.n))]] + ([parts] if len(parts) > 1 else [])
+    one_kind = len(set(machine.kinds)) == 1  # GPU and CPU ranks never share a group
+    groupings = ([[tuple(range(machine.n))]] if one_kind else []) + ([parts] if len(parts) > 1 else [])
     split = [piece for p in parts for piece in _binary_pieces(p)]
     if len(split) > len(parts):  # sizes that divide nothing (3, 6, ...): groups of powers of two
         groupings.append(split)

@@ -398,9 +398,13 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
 
     `reps`: repetitions of each message and collective (the best is kept); `seconds_per_point`:
     how long each compute rate is measured; `cpu_bind` is recorded in the profile's meta;
-    `device` "cuda": each rank's compute rates are its GPU's (`runtime/cuda/profile.py`).
+    `device` "cuda": each rank's compute rates are its GPU's (`runtime/cuda/profile.py`); one
+    kind per rank (`cuda,cpu`) measures each rank on its own kind, recorded in `meta["kinds"]`.
     """
+    from hspmd.runtime.cuda.select import rank_device
+
     n, rank = comm.size, comm.rank
+    device = rank_device(device, rank)
     comm.barrier()
     if device == "cuda":
         from hspmd.runtime.cuda.profile import device_rates
@@ -434,12 +438,12 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
                 comm.barrier()
     fits = [_least(tries) for tries in measured.values()]
     overlap = _bucket_overlap(comm, reps, work) if n > 1 else 1.0
-    gathered = comm.mpi_comm.gather((rates, links, fits, platform.node(), where), root=0)
+    gathered = comm.mpi_comm.gather((rates, links, fits, platform.node(), where, device), root=0)
     if rank != 0:
         return None
     all_links: dict[tuple[int, int], Link] = {}
     all_fits: list[CollectiveFit] = []
-    for _, lk, fs, _, _ in gathered:
+    for _, lk, fs, _, _, _ in gathered:
         all_links.update(lk)
         all_fits += fs
     order = {g: i for i, g in enumerate(groups_measured(n))}
@@ -451,7 +455,8 @@ def measure(comm, reps: int = 5, seconds_per_point: float = 0.15, cpu_bind: str 
     return DeviceProfile(
         tuple(g[0] for g in gathered), default, all_links, tuple(all_fits),
         source=f"measured by hspmd profile on {n} ranks ({', '.join(hosts)}){on}", bucket_overlap=overlap,
-        meta={"hosts": [g[3] for g in gathered], "devices": [g[4] for g in gathered], "reps": reps,
+        meta={"hosts": [g[3] for g in gathered], "devices": [g[4] for g in gathered],
+              "kinds": [g[5] for g in gathered], "reps": reps,
               "seconds_per_point": seconds_per_point,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_bind": cpu_bind,
               "threads": os.environ.get("OMP_NUM_THREADS", "")},
@@ -465,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cpu-bind", default="")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seconds-per-point", type=float, default=0.15)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or one of them per rank (cuda,cpu)")
     args = p.parse_args(argv)
     from hspmd.runtime.comm.mpi import MPICommunicator
 

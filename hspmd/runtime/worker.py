@@ -526,6 +526,22 @@ def gather_stage_parameters(stages: list[Leaf], state: dict[str, np.ndarray],
     return gather_parameters(Plan(comm.rank, params=stages), state, comm)
 
 
+def worker_device(text: str, rank: int) -> str:
+    """Return "cpu" or "cuda", the device `rank` runs on, from the `--device` that `hspmd run`
+    resolved (one kind for every rank, or one per rank: `cuda,cuda,cpu`)."""
+    from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.runtime.cuda.select import rank_device
+
+    try:
+        device = rank_device(text, rank)
+    except DeviceError as err:
+        raise SystemExit(f"python -m hspmd.runtime.worker: error: {err}") from None
+    if device not in ("cpu", "cuda"):
+        raise SystemExit(f"python -m hspmd.runtime.worker: error: --device {text}: rank {rank} gets '{device}', "
+                         "not cpu or cuda")
+    return device
+
+
 def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int:
     """Entry point of one rank (an MPI process unless `comm` is given); returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m hspmd.runtime.worker")
@@ -544,7 +560,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--progress", choices=("bar", "lines"), default="lines")
     parser.add_argument("--switch-every", type=int)
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, or one of them per rank (cuda,cuda,cpu)")
     parser.add_argument("--cuda-graph", choices=("on", "off"), default="on")
     args = parser.parse_args(argv)
     if comm is None:
@@ -559,7 +575,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
-              progress_bar=args.progress == "bar", switch_every=args.switch_every, device=args.device,
+              progress_bar=args.progress == "bar", switch_every=args.switch_every,
+              device=worker_device(args.device, comm.rank),
               cuda_graph=args.cuda_graph == "on")
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
