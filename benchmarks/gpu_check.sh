@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, as one script (../shared/gpu/README.md): what the machine is, the
 # gpu-marked tests (the GPU runtime against the CPU backend), `hspmd run --device cuda` against
-# `--device cpu`, flash attention against the unfused kernels (benchmarks/gpu_flash_attention.py),
-# then benchmarks/gpu_step_vs_torch.py. About 8 minutes; run from the project
+# `--device cpu`, two ranks sharing the GPU under every strategy (benchmarks/gpu_ranks_check.sh),
+# flash attention against the unfused kernels (benchmarks/gpu_flash_attention.py), then
+# benchmarks/gpu_step_vs_torch.py. About 8 minutes; run from the project
 # root, with .whl/ carried along (made here by ../shared/gpu/prepare_wheels.sh):
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
@@ -25,8 +26,8 @@ print("missing python modules:", ", ".join(missing) if missing else "none")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "== gpu-marked tests"
-timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py tests/test_gpu_precision.py tests/test_gpu_profile.py \
-  tests/test_flash_attention.py 2>&1 | tail -25
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py tests/test_gpu_precision.py tests/test_gpu_profile.py \
+  tests/test_flash_attention.py tests/test_comm_nccl.py 2>&1 | tail -25
 echo "== hspmd run --device cuda (20 steps) against --device cpu"
 t=$(mktemp -d)
 timeout 120 python3 -m hspmd.cli.main run -n 1 examples/gpt.py --device cpu --steps 20 --log "$t/cpu.jsonl" >"$t/cpu.out" 2>&1
@@ -45,6 +46,8 @@ ev = json.load(open(f"{t}/trace.json"))
 ev = ev["traceEvents"] if isinstance(ev, dict) else ev
 print("trace kernel events:", sum(1 for e in ev if str(e.get("name", "")).startswith("kernel.fused")))
 PY
+echo "== two ranks on the one GPU (host-staged MPI) against one CPU device, 3 steps each (after $(( $(date +%s) - start )) s)"
+timeout 200 bash benchmarks/gpu_ranks_check.sh "$t"
 echo "== flash attention against the unfused kernels (after $(( $(date +%s) - start )) s)"
 timeout 90 python3 benchmarks/gpu_flash_attention.py --sizes tiny,long --steps 10 --warmup 2
 echo "== benchmark (after $(( $(date +%s) - start )) s)"

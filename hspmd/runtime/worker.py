@@ -488,10 +488,16 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
               f"parameters, optimizer states, inputs and buffers {plan.buffer_bytes / 2**20:.1f} MiB reused by "
               f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
-              f"{len(plan.calls)} calls a step{', one CUDA graph' if cuda_graph else ''}"
+              f"{len(plan.calls)} calls a step{_graphs_text(plan) if cuda_graph else ''}"
               f"{', float32 products on TF32 tensor cores' if use_tf32 else ''}", flush=True)
     return RankProgram(plan, _gatherer(bundle, manifest, group_module, plan, comm), group_module,
                        tuple(sorted(d for g in manifest.groups for d in g.devices)))
+
+
+def _graphs_text(plan) -> str:
+    """Return how a GPU plan's step replays: one CUDA graph, or graphs between host-staged calls."""
+    staged = sum(1 for c in plan.calls if getattr(c, "host_staged", False))
+    return ", one CUDA graph" if not staged else f", CUDA graphs between {staged} host-staged collective calls"
 
 
 def _group_program(path: str, rank: int, verify: bool = False):

@@ -20,8 +20,11 @@ are captured as one CUDA graph each. A pipeline's micro-batch sums are a kernel 
 (`sum_kernels`). A kernel that reads its piece's global position (a dropout mask, a
 vocabulary range) is built with the rank's values (`kernel.FusedOp.source_for`).
 
-What this plan does not do yet (a DevicePlanError names it): all-reduce buckets (the schedule
-is made without them: each all-reduce is a call of its own).
+The all-reduce buckets are the CPU plan's (`codegen/schedule/buckets.py`: the same buckets,
+so a GPU group and a CPU group make the same collectives): a bucket's flat buffer has a place in
+the arena, its members' producers write into it, its start downloads it and starts the
+communicator's all-reduce (`runtime.buckets.Bucket`), its polls let that progress, its wait
+uploads the sums back.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from hspmd.codegen.schedule.model import Destination, Leaf, Schedule, ScheduleEr
 from hspmd.dialects import kernel
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceArray, KernelSet
+from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel
 from hspmd.runtime.cuda.gemm import gemm_for
@@ -200,6 +204,8 @@ class _Binder:
             place(("constant", c.slot), c.nbytes())
         for i, b in enumerate(s.buffers):
             place(("buffer", i), b)
+        for i, spec in enumerate(s.buckets):
+            place(("bucket", i), spec.nbytes())
         for i, step in enumerate(s.steps):  # results the schedule left unplaced: a place of their own
             if step.kind in ("op", "stack") and not _is_view(step.op) and step.out is None:
                 for o in step.outs:
@@ -213,7 +219,13 @@ class _Binder:
         size, offsets = self.layout()
         base = device.alloc(size)
         plan = DevicePlan(rank, device, list(s.params), list(s.inputs), list(s.outputs), list(s.assigns),
-                          peak_bytes=size, buffer_bytes=sum(s.buffers))
+                          peak_bytes=size, buffer_bytes=sum(s.buffers), buckets=s.bucket_summaries())
+        if s.buckets and self.communicator is None:
+            raise DevicePlanError("the program's all-reduce buckets need the rank's communicator (build the plan "
+                                  "with one)")
+        self.buckets = [Bucket(self.communicator, b.group, b.dtype, list(b.shapes), b.blocking)  # type: ignore[arg-type]
+                        for b in s.buckets]
+        self.bucket_at = [base + offsets[("bucket", i)] for i in range(len(s.buckets))]
 
         def array(slot: int, ptr: int) -> DeviceArray:
             shape, dtype = self.types[slot]  # type: ignore[misc]
@@ -247,8 +259,8 @@ class _Binder:
         """Return the pointer a result goes to (`Destination` of the schedule)."""
         if d.kind == "param":
             return plan.param_arrays[d.name].ptr
-        if d.kind != "buffer":
-            raise DevicePlanError("all-reduce buckets on the GPU come with runs over several GPUs")
+        if d.kind == "bucket":
+            return self.bucket_at[d.index] + self._member_offset(d.index, d.member)
         if d.select is not None or d.perm is not None:
             raise DevicePlanError("a result placed in a consumer's layout (a device schedule places none)")
         ptr = base + offsets[("buffer", d.index)]
@@ -269,6 +281,8 @@ class _Binder:
             return []
         if step.kind == "wait-sends":
             return [_host_call(wait_sends(list(self.sends)))]
+        if step.kind in ("bucket-start", "bucket-wait", "poll"):
+            return self.bucket_calls(step)
         if step.kind not in ("op", "stack", "sum"):
             raise DevicePlanError(f"a schedule step '{step.name or step.kind}' (all-reduce buckets): the GPU plan "
                                   "makes its schedule without them")
@@ -303,6 +317,41 @@ class _Binder:
             return [self.device.prepare_gemm(g, self.where[step.ins[g.a]], self.where[step.ins[g.b]],
                                              self.where[step.outs[0]])]
         raise DevicePlanError(f"'{op.name}' has no GPU kernel in this program (compile it with device-kernels)")
+
+    def _member_offset(self, index: int, member: int) -> int:
+        """Return the byte offset of member `member` in bucket `index`'s flat buffer."""
+        view = self.buckets[index].views[member]
+        return view.ctypes.data - self.buckets[index].buffer.ctypes.data
+
+    def bucket_calls(self, step: Step) -> list[Call]:
+        """Return the calls of a bucket's start (its members copied into its place where their
+        producers wrote elsewhere, then the host-staged start), poll, or wait (the sums uploaded;
+        its results are views of its place)."""
+        device = self.device
+        if step.kind == "poll":
+            return [_host_call(poller([self.buckets[b] for b in step.polls]))]
+        assert step.bucket is not None
+        bucket, at = self.buckets[step.bucket], self.bucket_at[step.bucket]
+        if step.kind == "bucket-wait":
+            for k, o in enumerate(step.outs):
+                self.where[o] = at + self._member_offset(step.bucket, k)
+
+            def wait() -> None:
+                bucket.wait()
+                device.upload(at, bucket.buffer)
+
+            return [_host_call(wait)]
+        calls = []
+        for k, a in enumerate(step.ins):
+            dst = at + self._member_offset(step.bucket, k)
+            if self.where[a] != dst:
+                calls.append(device.prepare_copy(dst, self.where[a], bucket.views[k].nbytes))
+
+        def start() -> None:
+            np.copyto(bucket.buffer, device.download(at, bucket.buffer.shape, bucket.dtype))
+            bucket.start(*bucket.views)
+
+        return [*calls, _host_call(start)]
 
     def staged(self, op: Operation, step: Step) -> Call:
         """Return the host-staged call of collective `op` (see the module docstring): its
@@ -412,11 +461,9 @@ def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph:
     products on TF32 tensor cores (the script's `tf32` config key); `communicator`: the rank's,
     for the program's collectives and pipeline sends (host-staged)."""
     try:
-        schedule = build_schedule(fn, rank, bucket_bytes=None, triangular=False, device=True)
+        schedule = build_schedule(fn, rank, triangular=False, device=True)
     except ScheduleError as err:
         raise DevicePlanError(str(err)) from None
-    if schedule.buckets:
-        raise DevicePlanError("all-reduce buckets on the GPU come with runs over several GPUs")
     kernels = device.kernels(_module_of(fn), rank)
     plan = _Binder(schedule, device, kernels, tf32, communicator).bind(rank)
     plan.use_graph = cuda_graph

@@ -1,0 +1,121 @@
+"""GPU runs over several ranks, on the emulated device: every strategy gives the 1-device losses.
+
+`hspmd run -n 2 --device cuda` under the test switch `HSPMD_EMULATE_GPU=1` runs each rank's
+GPU plan on an emulated device: the collectives, the all-reduce buckets and a pipeline's sends
+host-staged through MPI, the micro-batch sums as a kernel, the kernels that read their piece's
+global position (a dropout mask, a vocabulary range, an embedding's rows) built with the rank's
+values. What the GPU machine runs with two ranks on one GPU (`benchmarks/gpu_check.sh`), here
+without one. A GPU group beside a CPU group (`device=` per group) sums across them as CPU
+groups do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES, run_cli
+
+from hspmd.compiler import compile_script
+from hspmd.frontend.script import load_script
+from hspmd.runtime.comm import InProcessCommunicator
+from hspmd.runtime.cuda.emulated import EmulatedDevice
+from hspmd.runtime.cuda.plan import DevicePlanError, build_device_plan
+
+SMALL = {"model.layers": 2, "model.d_model": 32, "model.seq_len": 16, "data.batch_size": 8}
+EMULATE = {"HSPMD_EMULATE_GPU": "1"}
+
+
+def _sets(config: dict) -> list[str]:
+    return [a for kv in config.items() for a in ("--set", f"{kv[0]}={kv[1]}")]
+
+
+def _log(path) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(path).read().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Return the losses of 3 steps on one CPU device, per (script, config) (made once each)."""
+    made: dict = {}
+
+    def losses(script: str, config: dict) -> list[float]:
+        key = (script, tuple(sorted(config.items())))
+        if key not in made:
+            log = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+            run_cli("hspmd", "run", "-n", "1", os.path.join(EXAMPLES, script), "--device", "cpu", "--steps", "3",
+                    "--log", str(log), *_sets(config), check=True, timeout=600)
+            made[key] = _log(log)
+        return made[key]
+
+    return losses
+
+
+CASES = [
+    ("gpt.py", "[0,1]: dp=2", SMALL),
+    ("gpt.py", "[0,1]: tp=2", SMALL),
+    ("gpt.py", "[0,1]: pp=2", {**SMALL, "microbatches": 4, "pipeline_schedule": "1f1b"}),
+    ("gpt.py", "[0,1]: dp=2 zero=1", SMALL),
+    ("moe.py", "[0,1]: ep=2", {}),
+    ("gpt.py", "[0,1]: dp=2", {**SMALL, "model.dropout": 0.1}),
+    ("llama.py", "[0,1]: tp=2", SMALL),
+    ("gpt.py", "[0]: dp=1 device=cuda share=3 | [1]: dp=1 device=cpu share=1", SMALL),
+]
+
+
+@pytest.mark.parametrize("script,strategy,config", CASES, ids=[f"{c[0]}:{c[1]}{'+drop' if c[2].get('model.dropout') else ''}"
+                                                                for c in CASES])
+def test_two_gpu_ranks_give_the_one_device_losses(tmp_path, one_device, script, strategy, config):
+    log = tmp_path / "gpu.jsonl"
+    device = [] if "device=" in strategy else ["--device", "cuda"]  # the groups say which kind each is
+    out = run_cli("hspmd", "run", "-n", "2", os.path.join(EXAMPLES, script), "--strategy", strategy, *device,
+                  "--steps", "3", "--log", str(log), *_sets(config), timeout=600, env=EMULATE)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "plan: on an emulated GPU" in out.stdout
+    np.testing.assert_allclose(_log(log), one_device(script, config), rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_reading_their_piece_are_built_with_each_ranks_values():
+    """dp=2 with dropout: the mask's kernel holds its rank's offsets (rank 1's piece starts half
+    a batch in), so the two ranks build different sources from one program."""
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {**SMALL, "model.dropout": 0.1})
+    compiled = compile_script(script, "[0,1]: dp=2", 2)
+    ((_, device),) = compiled.device_groups()
+    dropouts = [op for op in device.walk() if op.name == "kernel.fused" and op.rank_values is not None
+                and "dropout" in op.kernel.data]
+    assert dropouts
+    op = dropouts[0]
+    assert op.source_for(0) != op.source_for(1)
+    assert f"#define {op.kernel.data}_RV0 0LL" in op.source_for(0)
+    assert f"#define {op.kernel.data}_RV0 {SMALL['data.batch_size'] // 2}LL" in op.source_for(1)
+    assert op.source_for(7) == op.source.data  # a rank the layout does not name: the whole-tensor defaults
+
+
+def test_a_plan_with_collectives_needs_the_ranks_communicator():
+    script = load_script(os.path.join(EXAMPLES, "mlp.py"))
+    compiled = compile_script(script, "[0,1]: tp=2", 2)
+    ((_, device),) = compiled.device_groups()
+    fn = next(op for op in device.walk() if getattr(op, "sym_name", None) is not None
+              and op.sym_name.data == "train_step")
+    with pytest.raises(DevicePlanError, match="communicator"):
+        build_device_plan(fn, 0, EmulatedDevice())
+    comm, _ = InProcessCommunicator.create_world(2)
+    plan = build_device_plan(fn, 0, EmulatedDevice(), communicator=comm, cuda_graph=True)
+    assert any(getattr(c, "host_staged", False) for c in plan.calls)
+
+
+def test_a_checkpoint_of_two_gpu_ranks_resumes_on_cpus_under_another_strategy_and_back(tmp_path):
+    gpt, sets = os.path.join(EXAMPLES, "gpt.py"), _sets(SMALL)
+    run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cpu", "--steps", "4", "--log", str(tmp_path / "ref.jsonl"),
+            *sets, check=True, timeout=600)
+    ref = _log(tmp_path / "ref.jsonl")
+    for first, second, (s1, s2) in (("cuda", "cpu", ("[0,1]: tp=2", "[0,1]: dp=2")),
+                                    ("cpu", "cuda", ("[0,1]: dp=2", "[0,1]: tp=2"))):
+        d, log = tmp_path / f"ck-{first}", tmp_path / f"{first}-{second}.jsonl"
+        run_cli("hspmd", "run", "-n", "2", gpt, "--strategy", s1, "--device", first, "--steps", "2",
+                "--checkpoint-dir", str(d), *sets, check=True, timeout=600, env=EMULATE)
+        run_cli("hspmd", "run", "-n", "2", gpt, "--strategy", s2, "--device", second, "--steps", "4", "--resume",
+                str(d), "--log", str(log), *sets, check=True, timeout=600, env=EMULATE)
+        np.testing.assert_allclose(_log(log), ref[2:], rtol=1e-6, atol=1e-6)
