@@ -156,10 +156,12 @@ class Switcher:
         return self._plans[a, b]
 
     def switch(self, state: dict[str, np.ndarray], a: int, b: int) -> tuple[dict[str, np.ndarray], SwitchStats]:
-        """Return this rank's state moved from strategy `a`'s layouts to `b`'s, and the switch's stats."""
+        """Return this rank's state moved from strategy `a`'s layouts to `b`'s, and the switch's stats
+        (a GPU run's state, device arrays, is read to the host: `b`'s plan uploads what it is given)."""
         start = time.perf_counter()
         plan = self.plan(a, b)
         rank = self.comm.rank
+        state = {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in state.items()}
         new = switch_state(plan, per_layer(state), self.holdings[a].get(rank, {}), self.holdings[b].get(rank, {}),
                            rank, self.comm)
         return stacked(new, self.params[b]), SwitchStats(time.perf_counter() - start, plan.bytes_moved(),

@@ -198,9 +198,7 @@ def train(
         )
     program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph)
     plan, gather = program.plan, program.gather
-    if device == "cuda" and manifest.variants:
-        raise RunError("graph switching on the GPU comes with GPU runs over several ranks (part 2 of the GPU runtime)")
-    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every)
+    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph)
     full = [i for i, p in enumerate(programs) if len(p.devices) == comm.size]  # the others: for leaving ranks
     choose = strategy_chooser(manifest, full, switch_every, strategy_order)
     leave = (LeaveSignal(comm.rank, leave_at or parse_leave(os.environ.get("HSPMD_LEAVE")))
@@ -395,9 +393,11 @@ def _gatherer(bundle: str, manifest, group_module, plan, comm: Communicator):
 
 
 def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
-                       switch_every: int | None) -> tuple[list[RankProgram], Switcher | None]:
+                       switch_every: int | None, device: str = "cpu",
+                       cuda_graph: bool = True) -> tuple[list[RankProgram], Switcher | None]:
     """Return the programs of every strategy of `bundle` (the first one given; a sub-bundle named
-    twice is loaded once) and the switcher between them (None for a bundle of one strategy)."""
+    twice is loaded once; on the rank's GPU for `device` "cuda": each strategy's plan with an
+    arena of its own) and the switcher between them (None for a bundle of one strategy)."""
     if switch_every is not None and switch_every < 1:
         raise RunError("--switch-every must be at least 1")
     if not manifest.variants:
@@ -410,7 +410,8 @@ def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communic
             devices = tuple(sorted(d for g in variant.groups for d in g.devices))
             if not set(devices) <= set(range(manifest.num_devices)):
                 raise RunError(f"{where}: runs on devices {list(devices)}, the run has {manifest.num_devices}")
-            loaded[sub] = (load_rank_program(where, variant, comm, kernels, quiet=True) if comm.rank in devices
+            loaded[sub] = (load_rank_program(where, variant, comm, kernels, quiet=True, device=device,
+                                             cuda_graph=cuda_graph) if comm.rank in devices
                            else RankProgram(None, None, None, devices))
     dirs = [".", *manifest.variants]
     holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
