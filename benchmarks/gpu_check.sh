@@ -7,6 +7,10 @@
 # root, with .whl/ carried along (made here by ../shared/gpu/prepare_wheels.sh):
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#
+# If the machine's time allows a second command: the planner's shares for a GPU rank beside a
+# CPU rank against a sweep of shares (about 3 minutes), with the same first lines as below:
+#     python3 benchmarks/gpu_cpu_shares.py --steps 12
 set -u
 cd "$(dirname "$0")/.."
 start=$(date +%s)
