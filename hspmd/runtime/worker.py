@@ -39,7 +39,7 @@ from hspmd.runtime.checkpoint.reader import CheckpointElsewhere, load_global_fil
 from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
 from hspmd.runtime.fault import fault_point
 from hspmd.runtime.kernel_exec import BACKENDS, select_program
-from hspmd.runtime.comm.base import Communicator
+from hspmd.runtime.comm.base import CommError, Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
 from hspmd.ir.types import dtype_name
@@ -196,9 +196,11 @@ def train(
             f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
             f"but the run has {comm.size} ranks"
         )
-    program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph)
+    places = rank_places(comm, device)
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph, places)
     plan, gather = program.plan, program.gather
-    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph)
+    programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph,
+                                            places)
     full = [i for i, p in enumerate(programs) if len(p.devices) == comm.size]  # the others: for leaving ranks
     choose = strategy_chooser(manifest, full, switch_every, strategy_order)
     leave = (LeaveSignal(comm.rank, leave_at or parse_leave(os.environ.get("HSPMD_LEAVE")))
@@ -356,13 +358,25 @@ class RankProgram:
     devices: tuple[int, ...] = ()  # the ranks the strategy runs on
 
 
+def rank_places(comm: Communicator, device: str) -> list | None:
+    """Return where every rank runs (`comm.select.RankPlace`: its kind, host and GPU), gathered
+    from each rank's own (`device`: its kind), over several ranks; None for one rank."""
+    if comm.size == 1:
+        return None
+    from hspmd.runtime.comm.select import gather_places
+    from hspmd.runtime.cuda.select import rank_place
+
+    return gather_places(comm, rank_place(device, comm.rank))
+
+
 def load_rank_program(bundle: str, manifest, comm: Communicator, kernels: str, quiet: bool, device: str = "cpu",
-                      cuda_graph: bool = True) -> RankProgram:
+                      cuda_graph: bool = True, places: list | None = None) -> RankProgram:
     """Return the program of `bundle` that `comm.rank` runs, with its plan built (on the rank's
-    GPU for `device` "cuda")."""
+    GPU for `device` "cuda", its collectives through NCCL where `places` puts their groups on
+    distinct GPUs)."""
     entry = manifest.group_for(comm.rank)
     if device == "cuda":
-        return _load_device_program(bundle, manifest, entry, comm, quiet, cuda_graph)
+        return _load_device_program(bundle, manifest, entry, comm, quiet, cuda_graph, places)
     path = os.path.join(bundle, entry.program)
     kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
     with _quiet_unless(comm.rank == 0):  # a fallback is said once for the run, by rank 0
@@ -393,8 +407,8 @@ def _gatherer(bundle: str, manifest, group_module, plan, comm: Communicator):
 
 
 def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communicator, kernels: str,
-                       switch_every: int | None, device: str = "cpu",
-                       cuda_graph: bool = True) -> tuple[list[RankProgram], Switcher | None]:
+                       switch_every: int | None, device: str = "cpu", cuda_graph: bool = True,
+                       places: list | None = None) -> tuple[list[RankProgram], Switcher | None]:
     """Return the programs of every strategy of `bundle` (the first one given; a sub-bundle named
     twice is loaded once; on the rank's GPU for `device` "cuda": each strategy's plan with an
     arena of its own) and the switcher between them (None for a bundle of one strategy)."""
@@ -411,7 +425,7 @@ def switching_programs(bundle: str, manifest, first: RankProgram, comm: Communic
             if not set(devices) <= set(range(manifest.num_devices)):
                 raise RunError(f"{where}: runs on devices {list(devices)}, the run has {manifest.num_devices}")
             loaded[sub] = (load_rank_program(where, variant, comm, kernels, quiet=True, device=device,
-                                             cuda_graph=cuda_graph) if comm.rank in devices
+                                             cuda_graph=cuda_graph, places=places) if comm.rank in devices
                            else RankProgram(None, None, None, devices))
     dirs = [".", *manifest.variants]
     holdings = {sub: bundle_holdings(os.path.join(bundle, sub)) for sub in loaded}
@@ -464,8 +478,9 @@ def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndar
 
 
 def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet: bool,
-                         cuda_graph: bool) -> RankProgram:
-    """Return the rank's GPU program with its plan built on the rank's device."""
+                         cuda_graph: bool, places: list | None = None) -> RankProgram:
+    """Return the rank's GPU program with its plan built on the rank's device (NCCL between
+    the GPUs of groups that `places` puts on distinct GPUs, `comm.select.choose_transport`)."""
     from hspmd.runtime.cuda.device import DeviceError
     from hspmd.runtime.cuda.plan import DevicePlanError, build_device_plan
     from hspmd.runtime.cuda.select import local_rank, open_device
@@ -482,8 +497,15 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         gpu = open_device(local_rank(comm.rank))
         # the script's `tf32` (checked when it was compiled): float32 products on TF32 tensor cores
         use_tf32 = str(manifest.config.get("tf32", False)).lower() == "true"
-        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph, tf32=use_tf32, communicator=comm)
-    except (DeviceError, DevicePlanError) as err:
+        nccl = transport = None
+        if places is not None and getattr(gpu, "stream", None) is not None:  # a GPU (the emulated one has no NCCL)
+            from hspmd.runtime.comm.nccl import NcclCommunicator
+            from hspmd.runtime.comm.select import choose_transport
+
+            nccl, transport = NcclCommunicator(comm, stream=gpu.stream.ptr), (lambda g: choose_transport(g, places))
+        plan = build_device_plan(fn, comm.rank, gpu, cuda_graph=cuda_graph, tf32=use_tf32, communicator=comm,
+                                 nccl=nccl, transport=transport)
+    except (DeviceError, DevicePlanError, CommError) as err:
         raise RunError(str(err)) from None
     if comm.rank == 0 and not quiet:
         print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
@@ -498,7 +520,10 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
 def _graphs_text(plan) -> str:
     """Return how a GPU plan's step replays: one CUDA graph, or graphs between host-staged calls."""
     staged = sum(1 for c in plan.calls if getattr(c, "host_staged", False))
-    return ", one CUDA graph" if not staged else f", CUDA graphs between {staged} host-staged collective calls"
+    nccl = sum(1 for c in plan.calls if getattr(c, "uncaptured", False)) - staged
+    if not staged and not nccl:
+        return ", one CUDA graph"
+    return f", CUDA graphs between {staged} host-staged{f' and {nccl} NCCL' if nccl else ''} collective calls"
 
 
 def _group_program(path: str, rank: int, verify: bool = False):

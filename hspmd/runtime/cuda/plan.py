@@ -20,6 +20,12 @@ are captured as one CUDA graph each. A pipeline's micro-batch sums are a kernel 
 (`sum_kernels`). A kernel that reads its piece's global position (a dropout mask, a
 vocabulary range) is built with the rank's values (`kernel.FusedOp.source_for`).
 
+Where the ranks of a collective's group sit on distinct GPUs (`runtime/comm/select.py`, the
+transport "nccl"), the plan calls the rank's `NcclCommunicator` on the device arrays instead, on
+the plan's stream: all-reduces, broadcasts, all-gathers and reduce-scatters whose pieces are
+contiguous (along the leading dim, or dims before it of size 1), and the buckets' sums in their
+place in the arena; those calls are left out of the graphs too. The other ops stay host-staged.
+
 The all-reduce buckets are the CPU plan's (`codegen/schedule/buckets.py`: the same buckets,
 so a GPU group and a CPU group make the same collectives): a bucket's flat buffer has a place in
 the arena, its members' producers write into it, its start downloads it and starts the
@@ -38,7 +44,7 @@ from xdsl.ir import Operation
 
 from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.model import Destination, Leaf, Schedule, ScheduleError, Step, nbytes
-from hspmd.dialects import kernel
+from hspmd.dialects import comm, kernel
 from hspmd.ir.init_spec import initial_value
 from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceArray, KernelSet
 from hspmd.runtime.buckets import Bucket, poller
@@ -147,12 +153,12 @@ class DevicePlan:
         return {name: np.asarray(array) for name, array in self.output_arrays.items()}
 
     def _captured(self) -> list[Call]:
-        """Return the step as graphs and host calls: each run of device calls between two
-        host-staged calls captured as one graph (`Device.capture`)."""
+        """Return the step as graphs and the calls left out of them (host-staged, NCCL): each run
+        of device calls between two such calls captured as one graph (`Device.capture`)."""
         parts: list[Call] = []
         run: list[Call] = []
         for call in self.calls:
-            if getattr(call, "host_staged", False):
+            if getattr(call, "uncaptured", False):
                 if run:
                     parts.append(self.device.capture(run))
                     run = []
@@ -173,9 +179,11 @@ class _Binder:
     """Lays out a device schedule's arena and prepares its calls (see the module docstring)."""
 
     def __init__(self, schedule: Schedule, device: Device, kernels: KernelSet, tf32: bool = False,
-                 communicator: Communicator | None = None) -> None:
+                 communicator: Communicator | None = None, nccl=None,
+                 transport: Callable[[tuple[int, ...]], str] | None = None) -> None:
         self.schedule, self.device, self.kernels, self.tf32 = schedule, device, kernels, tf32
-        self.communicator = communicator
+        self.communicator, self.nccl = communicator, nccl
+        self.transport = transport or (lambda group: "staged")
         self.types = schedule.slot_types
         self.comm_kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []  # the requests of the step's sends, waited for by its wait-sends step
@@ -306,7 +314,7 @@ class _Binder:
         op = step.op
         assert op is not None
         if op.dialect_name() == "comm":
-            return [self.staged(op, step)]
+            return [self.nccl_call(op, step) or self.staged(op, step)]
         if isinstance(op, kernel.FusedOp):
             return self.launches(op, step, scratch)
         if getattr(op, "CUDA_GEMM", False):
@@ -332,9 +340,12 @@ class _Binder:
             return [_host_call(poller([self.buckets[b] for b in step.polls]))]
         assert step.bucket is not None
         bucket, at = self.buckets[step.bucket], self.bucket_at[step.bucket]
+        on_device = self.nccl is not None and self.transport(bucket.group) == "nccl"
         if step.kind == "bucket-wait":
             for k, o in enumerate(step.outs):
                 self.where[o] = at + self._member_offset(step.bucket, k)
+            if on_device:  # summed in place on the plan's stream by its start
+                return []
 
             def wait() -> None:
                 bucket.wait()
@@ -347,11 +358,43 @@ class _Binder:
             if self.where[a] != dst:
                 calls.append(device.prepare_copy(dst, self.where[a], bucket.views[k].nbytes))
 
+        if on_device:
+            flat = DeviceArray(device, at, bucket.buffer.shape, bucket.dtype)
+            nccl, group = self.nccl, bucket.group
+            return [*calls, _uncaptured(lambda: nccl.all_reduce(flat, group))]
+
         def start() -> None:
             np.copyto(bucket.buffer, device.download(at, bucket.buffer.shape, bucket.dtype))
             bucket.start(*bucket.views)
 
         return [*calls, _host_call(start)]
+
+    def nccl_call(self, op: Operation, step: Step) -> Call | None:
+        """Return the call of collective `op` through NCCL on the device arrays, or None where
+        its group is not on distinct GPUs or NCCL's flat layout is not the op's (see the module docstring)."""
+        if self.nccl is None or len(step.ins) != 1 or len(step.outs) != 1:
+            return None
+        group = next((g for g in getattr(op, "rank_groups", ()) if self.schedule.rank in g), None)
+        if group is None or self.transport(tuple(group)) != "nccl":
+            return None
+        x, y = (DeviceArray(self.device, self.where[v], tuple(self.types[v][0]), np.dtype(self.types[v][1]))  # type: ignore[index]
+                for v in (step.ins[0], step.outs[0]))
+        nccl = self.nccl
+
+        def leading(shape, dim: int) -> bool:  # pieces along `dim` are contiguous blocks in order
+            return all(n == 1 for n in shape[:dim])
+
+        match op:
+            case comm.AllReduceOp():
+                return _uncaptured(lambda: nccl.all_reduce(x, group, out=y))
+            case comm.BroadcastOp():
+                root = group[op.root.value.data]
+                return _uncaptured(lambda: nccl.broadcast(x, group, root, out=y))
+            case comm.AllGatherOp() if leading(x.shape, op.dim.value.data):
+                return _uncaptured(lambda: nccl.all_gather(x, group, y))
+            case comm.ReduceScatterOp() if leading(y.shape, op.dim.value.data):
+                return _uncaptured(lambda: nccl.reduce_scatter(x, group, y))
+        return None
 
     def staged(self, op: Operation, step: Step) -> Call:
         """Return the host-staged call of collective `op` (see the module docstring): its
@@ -398,6 +441,12 @@ class _Binder:
 def _host_call(call: Call) -> Call:
     """Mark `call` as one the host runs between device calls (never captured in a graph)."""
     call.host_staged = True  # type: ignore[attr-defined]
+    return _uncaptured(call)
+
+
+def _uncaptured(call: Call) -> Call:
+    """Mark `call` as one run between the step's graphs, not inside one (a collective)."""
+    call.uncaptured = True  # type: ignore[attr-defined]
     return call
 
 
@@ -455,17 +504,24 @@ def _module_of(fn: func.FuncOp) -> Operation:
 
 
 def build_device_plan(fn: func.FuncOp, rank: int, device: Device, *, cuda_graph: bool = True,
-                      tf32: bool = False, communicator: Communicator | None = None) -> DevicePlan:
+                      tf32: bool = False, communicator: Communicator | None = None, nccl=None,
+                      transport: Callable[[tuple[int, ...]], str] | None = None) -> DevicePlan:
     """Return the plan running step function `fn` of a device program as `rank` on `device`
     (see the module docstring); `cuda_graph=False` runs every step call by call; `tf32`: float32
     products on TF32 tensor cores (the script's `tf32` config key); `communicator`: the rank's,
-    for the program's collectives and pipeline sends (host-staged)."""
+    for the program's collectives and pipeline sends (host-staged); `nccl`: the rank's
+    `NcclCommunicator`, used for the groups that `transport(group)` says are "nccl" (its groups
+    are opened here, in one order on every rank)."""
     try:
         schedule = build_schedule(fn, rank, triangular=False, device=True)
     except ScheduleError as err:
         raise DevicePlanError(str(err)) from None
     kernels = device.kernels(_module_of(fn), rank)
-    plan = _Binder(schedule, device, kernels, tf32, communicator).bind(rank)
+    if nccl is not None and transport is not None:
+        groups = {tuple(g) for op in fn.walk() if op.dialect_name() == "comm" for g in getattr(op, "rank_groups", ())}
+        groups |= {b.group for b in schedule.buckets}
+        nccl.open_groups([g for g in groups if transport(g) == "nccl"])
+    plan = _Binder(schedule, device, kernels, tf32, communicator, nccl, transport).bind(rank)
     plan.use_graph = cuda_graph
     return plan
 

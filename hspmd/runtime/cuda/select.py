@@ -119,3 +119,18 @@ def rank_device(text: str, rank: int) -> str:
     if not 0 <= rank < len(entries):
         raise DeviceError(f"--device {text} names {len(entries)} ranks; there is no entry for rank {rank}")
     return entries[rank]
+
+
+def rank_place(kind: str, rank: int):
+    """Return where this process runs as `rank` of kind `kind` (`comm.select.RankPlace`): its
+    host and, on a GPU rank, the GPU its local rank takes. The emulated device (the test
+    switch) is one GPU that every rank of the host shares."""
+    from hspmd.runtime.comm.select import place_of_rank
+
+    if kind != "cuda":
+        return place_of_rank("cpu", local_rank(rank), 0)
+    if emulated():
+        return place_of_rank("cuda", local_rank(rank), 1, env={})
+    import cupy
+
+    return place_of_rank("cuda", local_rank(rank), cupy.cuda.runtime.getDeviceCount())
