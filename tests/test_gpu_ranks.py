@@ -60,6 +60,7 @@ CASES = [
     ("gpt.py", "[0,1]: dp=2 zero=1", SMALL),
     ("moe.py", "[0,1]: ep=2", {}),
     ("gpt.py", "[0,1]: dp=2", {**SMALL, "model.dropout": 0.1}),
+    ("gpt.py", "[0,1]: pp=2", {**SMALL, "microbatches": 4, "pipeline_schedule": "1f1b", "model.dropout": 0.1}),
     ("llama.py", "[0,1]: tp=2", SMALL),
     ("gpt.py", "[0]: dp=1 device=cuda share=3 | [1]: dp=1 device=cpu share=1", SMALL),
 ]

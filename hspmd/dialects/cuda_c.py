@@ -215,16 +215,42 @@ def format_rank_values(values: dict[int, tuple[int, ...]]) -> str:
     return ";".join(f"{r}:{','.join(str(int(v)) for v in vs)}" for r, vs in sorted(values.items()))
 
 
-def global_index(name: str, local_shape, global_shape) -> str:
+def global_index(name: str, local_shape, global_shape, shift: dict[int, str] | None = None) -> str:
     """Return C statements setting `long gi` to the row-major index in the global tensor of
     `global_shape` of item `i` of a piece of `local_shape` whose start along dim d is the
-    rank-dependent macro `rank_value(name, d)`."""
+    rank-dependent macro `rank_value(name, d)` (plus the C expression `shift[d]`, if any)."""
     strides = contiguous_strides(global_shape)
     lines = ["long gi = 0, rest = i;"]
     for d in reversed(range(len(local_shape))):
-        lines.append(f"gi += (rest % {local_shape[d]}L + {rank_value(name, d)}) * {strides[d]}L; "
+        more = f" + {shift[d]}" if shift and d in shift else ""
+        lines.append(f"gi += (rest % {local_shape[d]}L + {rank_value(name, d)}{more}) * {strides[d]}L; "
                      f"rest /= {local_shape[d]}L;")
     return "\n    ".join(lines)
+
+
+def microbatch_macro(name: str) -> str:
+    """Return the macro of the micro-batch that kernel `name` runs on (a pipeline stage's kernel
+    whose result depends on it, as a dropout mask does): 0 unless the run defines it."""
+    return f"{name}_MB"
+
+
+def microbatch_default(name: str) -> str:
+    """Return the lines defining `microbatch_macro(name)` as 0 unless defined before."""
+    m = microbatch_macro(name)
+    return f"#ifndef {m}\n#define {m} 0LL\n#endif\n"
+
+
+def reads_microbatch(name: str, source: str) -> bool:
+    """Return whether kernel `name`'s `source` depends on the micro-batch it runs on."""
+    return f"#ifndef {microbatch_macro(name)}\n" in source
+
+
+def for_microbatch(name: str, source: str, launches: list[str], microbatch: int) -> tuple[str, str, list[str]]:
+    """Return (name, source, launches) of kernel `name`'s variant for `microbatch`: its
+    functions renamed `NAME_mbI` (one library holds every variant), its macro defined first."""
+    new = f"{name}_mb{microbatch}"
+    return (new, f"#define {microbatch_macro(new)} {int(microbatch)}LL\n" + source.replace(name, new),
+            [s.replace(name, new) for s in launches])
 
 
 def kernel_params(op: Operation, scratch: int = 0) -> list[str]:

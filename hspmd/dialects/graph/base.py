@@ -236,5 +236,5 @@ def piece_starts(op: Operation) -> dict[int, tuple[int, ...]]:
 
 def rank_dependent(op: Operation) -> EmitError:
     """Return the error of an op whose device kernel would depend on more than the rank's piece."""
-    return EmitError(f"'{op.name}' in a pipeline's micro-batches reads its micro-batch's global position: "
-                     "its GPU kernel does not take the micro-batch yet")
+    return EmitError(f"'{op.name}' in a pipeline stage beside other device groups reads its micro-batch's "
+                     "virtual device: its GPU kernel does not take one yet")

@@ -26,7 +26,15 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.dist import layout_of
-from hspmd.dialects.cuda_c import KernelCode, c_type, flat_kernel, global_index, rank_defaults
+from hspmd.dialects.cuda_c import (
+    KernelCode,
+    c_type,
+    flat_kernel,
+    global_index,
+    microbatch_default,
+    microbatch_macro,
+    rank_defaults,
+)
 from hspmd.dialects.graph.base import (
     TensorOp,
     UnaryOp,
@@ -299,15 +307,24 @@ class DropoutOp(TensorOp):
         t = c_type(self.result.type)
         if rate == 0.0:
             return flat_kernel(name, self, t, "out0[i] = in0[i];")
-        if self.microbatches is not None:
+        if self.microbatch_ranks is not None:  # a stage beside other groups: masks of virtual devices
             raise rank_dependent(self)
         starts = piece_starts(self)  # a piece: its items' indices in the global tensor
-        index = global_index(name, result_shape(self), self.global_type.get_shape()) if starts else "long gi = i;"
+        local = result_shape(self)
+        whole = self.global_type.get_shape() if self.global_type is not None else local
+        defaults, shift = rank_defaults(name, [0] * len(local)), None
+        if self.microbatches is not None and self.microbatch_dim is not None:  # one micro-batch of m along d
+            m, d = self.microbatches.value.data, self.microbatch_dim.value.data
+            shift = {d: f"{microbatch_macro(name)} * {whole[d]}L"}
+            whole = tuple(n * m if k == d else n for k, n in enumerate(whole))
+            defaults += microbatch_default(name)
+        elif not starts:
+            defaults = ""
+        index = global_index(name, local, whole, shift) if defaults else "long gi = i;"
         pre = f"const unsigned long long key = hs_dropout_key({seed}ULL, {salt}ULL, (unsigned long long)in1[0]);"
         body = (f"{index}\n    const bool keep = hs_dropout_uniform(key, (unsigned long long)gi) >= {rate!r};\n"
                 f"    out0[i] = keep ? in0[i] * (T){1.0 / (1.0 - rate)!r} : (T)0;")
         code = flat_kernel(name, self, t, body, pre=pre)
-        defaults = rank_defaults(name, [0] * len(result_shape(self))) if starts else ""
         return KernelCode(defaults + code.source, code.launches, rank_values=starts)
 
 

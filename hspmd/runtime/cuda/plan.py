@@ -189,6 +189,7 @@ class _Binder:
         self.sends: list[list] = []  # the requests of the step's sends, waited for by its wait-sends step
         sums = {self.types[step.outs[0]] for step in schedule.steps if step.kind == "sum"}
         self.sums = sum_kernels(device, sums, schedule.rank) if sums else {}
+        self.variants = microbatch_kernels(device, schedule)
         self.where: dict[int, int] = {}  # slot -> pointer
         self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
 
@@ -427,15 +428,19 @@ class _Binder:
         return _host_call(call)
 
     def launches(self, op: kernel.FusedOp, step: Step, scratch: int) -> list[Call]:
-        """Return the launches of a kernel: operand, result and scratch pointers, then the extents."""
+        """Return the launches of a kernel: operand, result and scratch pointers, then the extents
+        (of its micro-batch's variant, where it reads the micro-batch: `microbatch_kernels`)."""
+        kernels, launch_list = self.kernels, op.launch_list
+        if (op, step.microbatch) in self.variants:
+            kernels, launch_list = self.variants[(op, step.microbatch)]
         ptrs = [self.where[a] for a in step.ins] + [self.where[o] for o in step.outs]
         item = 8 if op.dtype.data == "f64" else 4  # scratch of the compute type (float for 16-bit floats), or less
         at = scratch
         for n in op.scratch_sizes:
             ptrs.append(at)
             at += _aligned(n * item)
-        return [self.device.prepare_launch(self.kernels, fname, kind, n0, n1, ptrs)
-                for kind, fname, n0, n1 in op.launch_list]
+        return [self.device.prepare_launch(kernels, fname, kind, n0, n1, ptrs)
+                for kind, fname, n0, n1 in launch_list]
 
 
 def _host_call(call: Call) -> Call:
@@ -484,6 +489,32 @@ def sum_kernels(device: Device, types, rank: int) -> dict:
         name = by_dtype[np.dtype(dtype)]
         out[(shape, dtype)] = (kernels, name)
     return out
+
+
+def microbatch_kernels(device: Device, schedule: Schedule) -> dict:
+    """Return, per (kernel op, micro-batch) of a pipeline's steps whose kernel reads the
+    micro-batch it runs on (a dropout mask: `cuda_c.reads_microbatch`), (the kernels, the
+    launches) of its variant for that micro-batch, all variants built as one program."""
+    from xdsl.dialects.builtin import ModuleOp
+    from xdsl.ir import Block
+
+    from hspmd.dialects.cuda_c import for_microbatch, reads_microbatch
+
+    wanted = list(dict.fromkeys((step.op, step.microbatch) for step in schedule.steps
+                                if isinstance(step.op, kernel.FusedOp) and step.microbatch is not None
+                                and reads_microbatch(step.op.kernel.data, step.op.source.data)))
+    if not wanted:
+        return {}
+    made = []
+    for op, mb in wanted:
+        launches = [s.data for s in op.launches.data]
+        name, source, launches = for_microbatch(op.kernel.data, op.source_for(schedule.rank), launches, mb)
+        operands = Block(arg_types=[v.type for v in op.inputs]).args  # stand-ins: only the types are read
+        region, _ = kernel.make_body([v.type for v in op.inputs])
+        made.append(kernel.FusedOp(list(operands), [r.type for r in op.outputs], name, op.dtype.data, source,
+                                   launches, list(op.scratch_sizes), region))
+    kernels = device.kernels(ModuleOp(made), schedule.rank)
+    return {key: (kernels, variant.launch_list) for key, variant in zip(wanted, made)}
 
 
 def _is_view(op: Operation | None) -> bool:
