@@ -134,7 +134,7 @@ def shard_parameters(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         return {}
     if any(g.pp != 1 for g in strategy.groups):
         raise PassError(f"shard-parameters: strategy '{strategy}': zero=3 with pipeline parallelism is not "
-                        "supported (pp=1)")
+                        "supported here (pp=1); pipeline stages shard theirs with shard-stage-optimizer")
     step = step_function(module)
     gatherer = _Gatherer(module, step, {})
     report: dict[str, str] = {}
