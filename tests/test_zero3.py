@@ -61,6 +61,57 @@ def test_parameters_are_split_and_gathered_per_layer():
     assert comms[("comm.all_gather", "train_step")] < base[("comm.all_gather", "train_step")]
 
 
+def _schedule(prefetch: bool, strategy: str = "[0,1]: dp=2 zero=3 recompute=block"):
+    from hspmd.codegen.schedule import build_schedule
+
+    (_, group), *_ = physical_groups(compile_script(_script(["model.layers=3"]), strategy, 2).physical)
+    step = next(f for f in group.body.block.ops if f.sym_name.data == "train_step")
+    return build_schedule(step, 0, prefetch=prefetch)
+
+
+def test_the_next_layers_gathers_are_in_flight_while_a_layer_computes():
+    """Prefetch (`codegen/schedule/prefetch.py`): a layer's weights' gathers start while the
+    previous layer computes (one layer ahead), are waited on where they stood, and nothing reads
+    a gather's result or writes its piece in between; one layer's weights more at the peak."""
+    plain, ahead = _schedule(False), _schedule(True)
+    gathers = [s for s in plain.steps if s.kind == "op" and s.name == "comm.all_gather"]
+    starts = {s.gather: i for i, s in enumerate(ahead.steps) if s.kind == "gather-start"}
+    waits = {s.gather: i for i, s in enumerate(ahead.steps) if s.kind == "gather-wait"}
+    blocking = [s for s in ahead.steps if s.kind == "op" and s.name == "comm.all_gather"]
+    assert set(starts) == set(waits) and len(starts) + len(blocking) == len(gathers)
+    assert len(blocking) <= 1  # (the first gather of the step has nothing to start behind)
+    overlapped = 0
+    for k, begin in starts.items():
+        start, end = ahead.steps[begin], waits[k]
+        assert begin < end and ahead.steps[end].ins == (start.outs[0], start.ins[0])
+        between = ahead.steps[begin + 1:end]
+        assert not [s for s in between if start.outs[0] in s.ins or start.ins[0] in s.outs], k
+        kernels = [s for s in between if s.kind == "op" and not s.name.startswith("comm.")]
+        overlapped += len(kernels) >= 3
+        if kernels:
+            assert any(s.kind == "gather-poll" and k in s.polls for s in between)
+    assert overlapped >= 0.9 * len(starts)
+    layer = sum(_bytes(ahead, s.outs[0]) for s in gathers[1:13])  # the gathers of one layer's weights
+    assert plain.peak_bytes < ahead.peak_bytes <= plain.peak_bytes + layer
+
+
+def _bytes(schedule, slot: int) -> int:
+    shape, dtype = schedule.slot_types[slot]
+    return int(np.prod(shape)) * dtype.itemsize
+
+
+def test_prefetch_changes_no_number(tmp_path, monkeypatch):
+    bundle = str(tmp_path / "z3")
+    write_bundle(compile_script(_script(), "[0,1]: dp=2 zero=3", 2), bundle)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HSPMD_PREFETCH", flag)
+        runs[flag] = _train(bundle, 2, 3)[0]
+    assert runs["0"].losses == runs["1"].losses
+    for name, value in runs["0"].params.items():
+        np.testing.assert_array_equal(runs["1"].params[name], value, err_msg=name)
+
+
 def test_zero3_key_and_refusals():
     assert str(parse_strategy("[0,1]: dp=2 zero=3")) == "[0,1]: dp=2 zero=3"
     assert str(parse_strategy("[0-3]: dp=2 pp=2 zero=3")) == "[0-3]: dp=2 pp=2 zero=3"
