@@ -6,8 +6,9 @@ just before the op that reads it and, blocking, makes every rank wait there. `pl
 rewrites the flat node list so that the gathers run ahead, as FSDP's forward and backward prefetch
 does:
 
-* the candidates are the `comm.all_gather`s of equal pieces over a group of this program's own
-  devices (every member runs this same program, so all start them in the same order);
+* the candidates are the `comm.all_gather`s of a parameter's piece (or a scan iteration's slice
+  of one) in equal pieces over a group of this program's own devices (every member runs this
+  same program, so all start them in the same order); an activation's gather stays as it is;
 * D is the most candidates that read the weights of one scan iteration (the slices one run of
   `take` nodes makes: one layer's weights), 1 where no scan feeds a gather;
 * candidate j *starts* (`gather-start`: a non-blocking `iall_gather` into a fresh array, its
@@ -34,11 +35,16 @@ from hspmd.dialects import comm
 
 def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> list[int]:
     """Return the positions of the all-gathers that may start early (module docstring), in order."""
+    params = {p.slot for p in flat.params}
+    weights = set(params)  # a parameter's slot, or a scan iteration's slice of it
+    weights.update(n.outs[0] for n in flat.nodes if n.kind == "take" and n.ins[0] in params)
     out = []
     for i, node in enumerate(flat.nodes):
         op = node.op
         if node.kind != "op" or not isinstance(op, comm.AllGatherOp) or len(node.ins) != 1 or len(node.outs) != 1:
             continue
+        if node.ins[0] not in weights:
+            continue  # an activation's gather (tp, sp) stands right after what makes it
         piece, whole = flat.types[node.ins[0]], flat.types[node.outs[0]]
         group = group_of(op.rank_groups, rank, op)
         if piece is None or whole is None or len(group) < 2 or not set(group) <= devices:
