@@ -95,6 +95,23 @@ def test_the_next_layers_gathers_are_in_flight_while_a_layer_computes():
     assert plain.peak_bytes < ahead.peak_bytes <= plain.peak_bytes + layer
 
 
+def test_prefetched_gathers_are_traced_and_priced_as_communication():
+    """A gather's start is communication in traces, its wait a wait, its polls untraced; the cost
+    model prices the started gathers by the all-gather's time for their bytes, as the blocking ones
+    (which pay the members' resynchronisation on top)."""
+    from hspmd.codegen.cost_model import _walk
+    from hspmd.ir.device_profile import DeviceProfile
+    from hspmd.runtime.trace import step_label
+
+    plain, ahead = _schedule(False), _schedule(True)
+    labels = {s.kind: step_label(s, ahead.slot_types) for s in ahead.steps if s.kind.startswith("gather-")}
+    assert labels["gather-start"].cat == "comm" and labels["gather-start"].args["bytes"] > 0
+    assert labels["gather-wait"].cat == "wait" and labels["gather-poll"] is None
+    profile = DeviceProfile.default_cpu(2)
+    walks = [_walk(s, 0, profile, 0.0) for s in (plain, ahead)]
+    assert 0.5 * walks[0].comm < walks[1].comm <= walks[0].comm
+
+
 def _bytes(schedule, slot: int) -> int:
     shape, dtype = schedule.slot_types[slot]
     return int(np.prod(shape)) * dtype.itemsize
