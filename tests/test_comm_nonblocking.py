@@ -1,4 +1,5 @@
-"""Non-blocking all-reduce (`iall_reduce`): the bits of `all_reduce`, in-process and over MPI.
+"""Non-blocking all-reduce (`iall_reduce`) and all-gather (`iall_gather`): the bits of `all_reduce`
+and `all_gather`, in-process and over MPI.
 
 Run as a script under mpiexec (`python tests/test_comm_nonblocking.py OUTDIR`), each rank
 writes its results to OUTDIR/rankR.npz; the tests compare them with in-process runs.
@@ -57,6 +58,39 @@ def exercise(comm) -> dict[str, np.ndarray]:
         assert req.wait() is buf
         out[name + "_inplace"] = buf
         out[name + "_blocking"] = comm.all_reduce(make_input(name, comm.rank, shape, dtype), g)
+    out.update(exercise_gathers(comm))
+    return out
+
+
+#: (name, piece shape, dtype, axis) of the all-gathers: along the first axis and a later one
+GATHERS = [("g_rows", (3, 5), "float32", 0), ("g_cols", (4, 3, 2), "float64", 1), ("g_vec", (7,), "int32", 0),
+           ("g_last", (2, 6), "float16", 1)]
+
+
+def exercise_gathers(comm) -> dict[str, np.ndarray]:
+    """Return this rank's all-gathers: all started at once with an all-reduce between them (the
+    collectives in flight together, started in the same order everywhere), waited on in reverse;
+    into `out`; and the blocking all_gather of the same pieces."""
+    g = tuple(range(comm.size))
+    out: dict[str, np.ndarray] = {}
+    requests = []
+    for k, (name, shape, dtype, axis) in enumerate(GATHERS):
+        requests.append((name, comm.iall_gather(make_input(name, comm.rank, shape, dtype), g, axis)))
+        if k == 1:
+            requests.append(("g_sum", comm.iall_reduce(make_input("g_sum", comm.rank, (5,), "float32"), g)))
+    for name, req in reversed(requests):
+        out[name] = req.wait()
+        assert req.test()
+    for name, shape, dtype, axis in GATHERS:
+        whole = list(shape)
+        whole[axis] *= comm.size
+        target = np.empty(whole, dtype)
+        req = comm.iall_gather(make_input(name, comm.rank, shape, dtype), g, axis, out=target)
+        while not req.test():
+            pass
+        assert req.wait() is target
+        out[name + "_out"] = target
+        out[name + "_blocking"] = comm.all_gather(make_input(name, comm.rank, shape, dtype), g, axis)
     return out
 
 
@@ -97,6 +131,27 @@ def test_in_process_requests_may_complete_in_any_order(n, sizes, seed):
 
     for got, blocking in run_spmd(n, body, timeout=60):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got, blocking))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_in_process_iall_gather_is_the_concatenation(n):
+    results = run_spmd(n, exercise_gathers, timeout=60)
+    for r in range(n):
+        for name, shape, dtype, axis in GATHERS:
+            want = np.concatenate([make_input(name, k, shape, dtype) for k in range(n)], axis=axis)
+            for key in (name, name + "_out", name + "_blocking"):
+                assert results[r][key].dtype == want.dtype and results[r][key].tobytes() == want.tobytes(), key
+
+
+def test_iall_gather_refuses_a_wrong_out():
+    from hspmd.runtime.comm.base import CommError
+
+    def bad(comm):
+        with pytest.raises(CommError, match="iall_gather"):
+            comm.iall_gather(np.zeros((2, 3), np.float32), (0, 1), 0, out=np.empty((2, 3), np.float32))
+        return True
+
+    assert run_spmd(2, bad, timeout=30) == [True, True]
 
 
 @pytest.mark.mpi

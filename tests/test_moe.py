@@ -25,6 +25,7 @@ from test_spmd_property import check_outputs, compile_step, run_step
 from hspmd.compiler import compile_script, run_passes, write_bundle
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
+from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.nn import bind_parameters
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.frontend.tracing import Tracer
@@ -250,7 +251,9 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
                                         (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2"),
                                         (8, "[0-7]: dp=2 ep=2 tp=2"), (2, "[0,1]: ep=2 zero=1"),
                                         (4, "[0-3]: dp=2 ep=2 zero=1"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=2"),
-                                        (5, "[0-3]: ep=2 pp=2 | [4]: dp=1")])
+                                        (5, "[0-3]: ep=2 pp=2 | [4]: dp=1"), (4, "[0-3]: dp=2 ep=2 zero=3"),
+                                        (2, "[0,1]: ep=2 zero=3 recompute=block"),
+                                        (8, "[0-7]: dp=2 ep=2 tp=2 zero=3")])
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
     _check_equal(tmp_path, strategy, n)
 
@@ -259,7 +262,8 @@ def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
                                       "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
                                       "[0]: experts=2 | [1,2]: ep=2 experts=6",
                                       "[0,1]: ep=2 share=3 | [2]: dp=1 share=1",
-                                      "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2"])
+                                      "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2",
+                                      "[0,1]: ep=2 experts=6 zero=3 | [2]: ep=1 experts=2"])
 def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
     """Unlike groups hold different numbers of experts (split across groups by experts=, as the
     batch is by share=): the tokens reach them by uneven exchanges."""
@@ -326,6 +330,24 @@ def test_ep_with_dp_and_tp_splits_experts_over_tp_and_zero_shards_their_states_o
     assert a2a and all(len(g) == 2 for o in a2a for g in o.rank_groups)  # tokens move inside ep pairs
 
 
+def test_zero3_under_ep_holds_the_expert_slices_and_gathers_them_over_dp_only():
+    """`[0-7]: dp=2 ep=2 tp=2 zero=3`: an expert weight (split over ep and tp) holds the slice its
+    states hold (its dup axis, dp, split along a free dim) and is all-gathered over the dp pairs
+    only, where a layer computes with it; a replicated parameter holds 1/(dp*ep) of itself."""
+    compiled = compile_script(_script(), "[0-7]: dp=2 ep=2 tp=2 zero=3", 8)
+    lay = {o.tensor_name.data: str(layout_of(o.result)) for o in compiled.annotated.walk()
+           if isinstance(o, graph.ParameterOp)}
+    assert lay["blocks.1.moe.w1"] == lay["opt.m.blocks.1.moe.w1"] == "[0-7]: split(1)=2, split(0)=2, split(2)=2"
+    assert lay["blocks.1.moe.router"] == lay["opt.m.blocks.1.moe.router"] == "[0-7]: split(0)=4, dup=2"
+    (_, group), *_ = physical_groups(compiled.physical)
+    dp_pairs = {(0, 4), (1, 5), (2, 6), (3, 7)}
+    piece = (2, 16, 16)  # w1, w2 [E=4, D=32, F=32] over ep, tp and dp
+    expert_gathers = [o for o in group.walk() if o.name == "comm.all_gather"
+                      and tuple(o.operands[0].type.get_shape()) == piece]
+    assert len(expert_gathers) == 4  # each weight in its layer's forward and again in its backward
+    assert all({tuple(g) for g in o.rank_groups} == dp_pairs for o in expert_gathers)
+
+
 def test_compile_report_lists_the_all_to_alls_with_bytes():
     proc = run_cli("hspmd", "compile", MOE, "--strategy", "[0,1]: ep=2", "--report", timeout=300, check=True)
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("comm.all_to_all")]
@@ -367,7 +389,7 @@ def _mpi_losses(tmp_path, n: int, strategy: str, experts: str) -> list[float]:
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,strategy,experts", [
     (2, "[0,1]: ep=2", "4"), (4, "[0-3]: dp=2 ep=2", "4"), (4, "[0-3]: ep=2 tp=2", "4"), (4, "[0-3]: ep=2 pp=2", "4"),
-    (4, "[0-3]: dp=2 ep=2 zero=1", "4"),
+    (4, "[0-3]: dp=2 ep=2 zero=1", "4"), (4, "[0-3]: dp=2 ep=2 zero=3", "4"),
     (3, "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", "8"),
 ])
 def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, experts):

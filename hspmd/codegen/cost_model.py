@@ -35,7 +35,9 @@ laid out, all-reduce buckets placed, buffers planned) and walks it once on a clo
   written on: 0 to 0.2, nothing hides); synthetic profiles default to 1 (a GPU's NCCL
   stream), `DeviceProfile.default_cpu` to 0. A *blocking* bucket (a coalesced all-reduce:
   nothing runs between its start and its wait) is one blocking collective of its bytes,
-  priced as one (with its resynchronisation).
+  priced as one (with its resynchronisation). A prefetched all-gather (`gather-start` ...
+  `gather-wait`, `codegen/schedule/prefetch.py`) is priced the same way, with the all-gather's
+  time for its bytes.
 * **pipeline bubbles**: in a stage's program the steps of micro-batch i are known, and which
   of the stage's `@pipeline_forward` / `@pipeline_backward` they belong to. Per stage s,
   F_s and B_s are the slowest of its ranks' forward and backward time per micro-batch; the
@@ -226,6 +228,7 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
     w = _Walk()
     now, net_free = 0.0, 0.0
     done: dict[int, float] = {}
+    gathered: dict[int | None, float] = {}  # a prefetched gather -> when its bytes have arrived
     apart = 0.0  # seconds computed since the last blocking collective: the members may have drifted apart
     for step in schedule.steps:
         spent = 0.0
@@ -274,6 +277,19 @@ def _walk(schedule: Schedule, rank: int, profile: DeviceProfile, overhead_s: flo
             w.comm += t
         elif step.kind == "bucket-wait" and step.bucket is not None:
             spent = max(0.0, done.get(step.bucket, now) - now) + overhead_s
+            w.exposed += spent
+        elif step.kind == "gather-start" and step.op is not None:
+            t = comm_seconds(step.op, rank, profile)
+            spent = (1.0 - profile.bucket_overlap) * t + overhead_s  # as a bucket's start
+            w.exposed += spent
+            start = max(now + spent, net_free)
+            net_free = gathered[step.gather] = start + profile.bucket_overlap * t
+            w.comm += t
+        elif step.kind == "gather-wait":
+            spent = max(0.0, gathered.get(step.gather, now) - now) + overhead_s
+            w.exposed += spent
+        elif step.kind == "gather-poll":
+            spent = overhead_s
             w.exposed += spent
         now += spent
     return w

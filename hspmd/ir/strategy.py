@@ -143,10 +143,6 @@ class StrategyGroup:
                                 f"{', '.join(DEVICE_KINDS)}")
         if isinstance(self.sp, bool) or self.sp not in (0, 1):
             raise StrategyError(f"group '{text}' has sp={self.sp!r}; sp must be 0 or 1")
-        if self.zero == 3 and (self.pp > 1 or self.ep > 1):
-            raise StrategyError(f"group '{text}' asks for zero=3 with {'pp' if self.pp > 1 else 'ep'}="
-                                f"{self.pp if self.pp > 1 else self.ep}, which is not supported yet; use zero=3 with "
-                                "dp and tp (and recompute), or zero=1/2 in a pipeline")
         if self.zero and self.ep > 1 and self.pp > 1:
             raise StrategyError(f"group '{text}' asks for ZeRO (zero={self.zero}) with expert parallelism "
                                 f"(ep={self.ep}) in a pipeline (pp={self.pp}), which is not supported yet; "

@@ -29,6 +29,7 @@ from xdsl.dialects import func
 from xdsl.ir import Operation
 
 from hspmd.codegen.schedule import build_schedule
+from hspmd.codegen.schedule.buckets import group_of
 from hspmd.codegen.schedule.kernel_facts import OutFacts
 from hspmd.codegen.schedule.model import Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.ir.init_spec import initial_value
@@ -39,6 +40,7 @@ from hspmd.runtime.cpu.batch_split import BatchSplit, small_batched
 from hspmd.runtime.cpu.paired_matmul import PAIR_PRODUCT, ProductPairs, product_size
 from hspmd.runtime.cpu.blas_threads import BlasCount, BlasThreads
 from hspmd.runtime.buckets import Bucket, poller
+from hspmd.runtime.gathers import Gather, gather_poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel, contiguous
 from hspmd.runtime.numpy_ops import kernel_for
@@ -235,7 +237,15 @@ class _Binder:
         self.kernels: dict[tuple[Operation, int | None], Callable] = {}
         self.sends: list[list] = []
         self.buckets = [Bucket(communicator, b.group, b.dtype, list(b.shapes), b.blocking) for b in schedule.buckets]
+        self.gathers = {s.gather: self._gather(s) for s in schedule.steps if s.kind == "gather-start"}
         self.raw = [np.empty(size if allocate else 0, dtype=np.uint8) for size in schedule.buffers]
+
+    def _gather(self, step: Step) -> Gather:
+        """Return the prefetched gather that `gather-start` step `step` starts."""
+        op = step.op
+        shape, dtype = self.schedule.slot_types[step.outs[0]]  # type: ignore[misc]
+        group = group_of(op.rank_groups, self.schedule.rank, op)  # type: ignore[union-attr]
+        return Gather(self.communicator, group, op.dim.value.data, shape, dtype)  # type: ignore[union-attr]
 
     def kernel(self, op: Operation, microbatch: int | None) -> Callable:
         """Return the op's kernel; inside a pipeline's forward or backward, micro-batch
@@ -273,6 +283,12 @@ class _Binder:
                 return self.buckets[step.bucket].wait  # type: ignore[index]
             case "poll":
                 return poller([self.buckets[b] for b in step.polls])
+            case "gather-start":
+                return self.gathers[step.gather].start
+            case "gather-wait":
+                return self.gathers[step.gather].wait
+            case "gather-poll":
+                return gather_poller([self.gathers[g] for g in step.polls])
             case "wait-sends":
                 return wait_sends(list(self.sends))
         raise PlanError(f"a schedule step of unknown kind '{step.kind}'")

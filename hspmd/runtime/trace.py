@@ -43,7 +43,7 @@ THREAD_NAMES = {MAIN: "train", CHECKPOINT: "checkpoint writer"}
 GATHER_TAG = 32001
 
 #: step kinds that get no event of their own (views of a micro-batch, the light polls)
-_UNTRACED = ("take", "poll")
+_UNTRACED = ("take", "poll", "gather-poll")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def step_label(step: Step, types: Sequence[SlotType], bucket_bytes: Sequence[int
     if step.kind in _UNTRACED:
         return None
     args: dict = {}
-    if step.kind == "wait-sends":
+    if step.kind in ("wait-sends", "gather-wait"):
         cat = "wait"
     elif step.kind in ("bucket-start", "bucket-wait"):
         cat = "comm" if step.kind == "bucket-start" else "wait"

@@ -22,7 +22,11 @@ The update (`optim.*`) and `graph.assign` read the shard: propagation then reduc
 gradient into its shard (`partial -> split`; a stacked parameter's inside the backward scan, each
 layer's as its backward makes it, so no whole stacked gradient is ever held), the update runs on
 the shard only, and nothing is all-gathered after the step. A group without `zero=3` keeps its parameters as they are (in a
-strategy of several groups each `zero=3` group splits its part over its own dp).
+strategy of several groups each `zero=3` group splits its part over its own dp). Under expert
+parallelism a parameter replicated over the dp*ep batch ranks is split over all of them, and an
+expert weight keeps its ep (and tp) split and is split over dp only (its states' layouts,
+`group_state_layout`), so its gathers run over the dp ranks. Pipeline stages do not come here
+(their step is annotated over micro-batches x dp): `shard-stage-optimizer` slices their parameters.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def shard_parameters(module: ModuleOp, strategy: Strategy) -> dict[str, str]:
         return {}
     if any(g.pp != 1 for g in strategy.groups):
         raise PassError(f"shard-parameters: strategy '{strategy}': zero=3 with pipeline parallelism is not "
-                        "supported (pp=1)")
+                        "supported here (pp=1); pipeline stages shard theirs with shard-stage-optimizer")
     step = step_function(module)
     gatherer = _Gatherer(module, step, {})
     report: dict[str, str] = {}

@@ -6,7 +6,9 @@
    schedule's actions, one flat list of nodes over numbered slots.
 2. **Bucket the all-reduces** (`buckets`): gradient all-reduces grouped into buckets that
    start as soon as their operands are ready and are waited on just before their first use.
-3. **Memory** (`memory`): aliasing, liveness, in-place updates, reused buffers, frees and the
+3. **Prefetch the gathers** (`prefetch`): ZeRO-3's all-gathers of a layer's weights start one
+   layer ahead (non-blocking) and are waited on where they stood (CPU programs).
+4. **Memory** (`memory`): aliasing, liveness, in-place updates, reused buffers, frees and the
    peak bytes, from static facts of each op's kernel (`kernel_facts`).
 
 The result (`model.Schedule`) holds op references but no kernel, array or communicator:
@@ -24,6 +26,7 @@ from hspmd.codegen.schedule.buckets import plan_buckets
 from hspmd.codegen.schedule.flatten import flatten
 from hspmd.codegen.schedule.memory import assemble
 from hspmd.codegen.schedule.model import Schedule
+from hspmd.codegen.schedule.prefetch import plan_prefetch
 
 #: default size of a gradient all-reduce bucket
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -39,7 +42,8 @@ def _devices(fn: func.FuncOp) -> frozenset[int] | None:
 
 
 def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
-                   reuse_buffers: bool = True, triangular: bool = True, device: bool = False) -> Schedule:
+                   reuse_buffers: bool = True, triangular: bool = True, device: bool = False,
+                   prefetch: bool | None = None) -> Schedule:
     """Return the schedule of physical step function `fn` for `rank`.
 
     `bucket_bytes` is the size of a gradient all-reduce bucket (default: the
@@ -49,6 +53,8 @@ def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
     marks no matmul for block products (`triangular.py`): every product in full, as written.
     `device=True` schedules a device program (`device-kernels`): every result, scalars too,
     in a buffer allocated once (a GPU step allocates nothing), none placed in a consumer's layout.
+    `prefetch` (default: unless the `HSPMD_PREFETCH` environment variable is 0; never for a device
+    program) starts ZeRO-3's all-gathers one layer ahead (`prefetch.py`).
     Raises `model.ScheduleError` where `fn` cannot be scheduled.
     """
     if bucket_bytes == -1:
@@ -56,4 +62,8 @@ def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,
         bucket_bytes = int(env) if env else DEFAULT_BUCKET_BYTES
     flat = flatten(fn)
     buckets = plan_buckets(flat, rank, _devices(fn), bucket_bytes) if bucket_bytes else []
+    if prefetch is None:
+        prefetch = os.environ.get("HSPMD_PREFETCH", "1") != "0"
+    if prefetch and not device:
+        plan_prefetch(flat, rank, _devices(fn))
     return assemble(flat, rank, buckets, reuse_buffers, triangular, device)

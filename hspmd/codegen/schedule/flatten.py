@@ -37,7 +37,7 @@ from hspmd.ir.types import dtype_name
 class Node:
     """One call of the flat program while it is scheduled (`model.Step` once finished).
 
-    `kind` as `model.Step.kind`; `into` maps a result position to the (bucket, member) it is
+    `kind` as `model.Step.kind` (`gather` its prefetched gather's index); `into` maps a result position to the (bucket, member) it is
     written into; `scope` as `model.Step.scope`.
     """
 
@@ -51,6 +51,7 @@ class Node:
     polls: tuple[int, ...] = ()
     into: dict[int, tuple[int, int]] | None = None
     scope: str = ""
+    gather: int | None = None
 
 
 @dataclass

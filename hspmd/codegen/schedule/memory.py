@@ -318,7 +318,7 @@ def assemble(flat: Flat, rank: int, buckets: list[BucketSpec], reuse_buffers: bo
     steps = tuple(
         Step(node.kind, node.op, node.ins, node.outs, node.microbatch,
              _destinations(flat, st, i, root, storage_buffer, inplace), node.facts, tuple(dead_at[i]), node.bucket,
-             node.polls, step_name(node.kind, node.op), node.scope, triangles.get(i, ""))
+             node.polls, step_name(node.kind, node.op), node.scope, triangles.get(i, ""), node.gather)
         for i, node in enumerate(flat.nodes)
     )
     updated = {flat.nodes[i].outs[pos]: name for (i, pos), name in inplace.items()}

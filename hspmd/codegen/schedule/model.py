@@ -138,7 +138,10 @@ class Step:
     (a pipeline's micro-batch sums); "stack": the `ins` stacked along a new leading dim (a scan's
     stacked result: one slice per iteration);
     "bucket-start" / "bucket-wait": start / wait for bucket `bucket`; "poll": let the buckets
-    `polls` progress; "wait-sends": wait for every send the step started.
+    `polls` progress; "gather-start" / "gather-wait": start the all-gather `op` of its piece
+    `ins[0]` into `outs[0]` / wait for it (`ins`: the result and the piece), prefetched gather
+    number `gather` (`prefetch.py`); "gather-poll": let the gathers `polls` progress;
+    "wait-sends": wait for every send the step started.
     `out` places each result (None: the kernel allocates); `facts` is what the schedule
     assumed of the kernel in placing them; `frees` lists the slots that die after the step.
     `name` is what the step is called in traces (`step_name`: the IR op's name, `kernel.fused
@@ -162,12 +165,14 @@ class Step:
     name: str = ""
     scope: str = ""
     triangle: str = ""
+    gather: int | None = None
 
 
 #: the names of the steps that compute no IR op of their own (`step_name`)
 KIND_NAMES = {
     "take": "pipeline.take", "sum": "pipeline.sum", "stack": "graph.scan.stack", "bucket-start": "comm.all_reduce.start",
     "bucket-wait": "comm.all_reduce.wait", "poll": "comm.all_reduce.poll", "wait-sends": "comm.send.wait",
+    "gather-start": "comm.all_gather.start", "gather-wait": "comm.all_gather.wait", "gather-poll": "comm.all_gather.poll",
 }
 
 

@@ -266,6 +266,30 @@ class Communicator(ABC):
         Extents along ``axis`` may differ between members; all other dimensions must agree.
         """
 
+    def iall_gather(self, buf: np.ndarray, group: Group, axis: int, out: np.ndarray | None = None) -> Request:
+        """Start the concatenation of the members' ``buf`` along ``axis`` (group order) and return
+        its :class:`Request`; no member blocks.
+
+        Every member's ``buf`` has the same shape (equal pieces: the result's extent along
+        ``axis`` is ``len(group)`` times this one's). The result (``out`` when given) holds
+        :meth:`all_gather`'s values once ``wait()`` returns; ``buf`` must not change and
+        ``out`` must not be read until then. Members start their collectives on a group in the
+        same order, blocking and non-blocking alike. This default runs :meth:`all_gather` at once.
+        """
+        return Request(self.all_gather(buf, group, axis, out))
+
+    def check_iall_gather(self, buf: np.ndarray, group: Sequence[int], axis: int,
+                          out: np.ndarray | None) -> tuple[np.ndarray, Group, int, tuple[int, ...]]:
+        """Return (buffer, group, axis, result shape) of a non-blocking all-gather, checked."""
+        buf = as_buffer(buf, "iall_gather")
+        g = self.check_group(group)
+        axis = normalize_axis(axis, buf.ndim)
+        shape = list(buf.shape)
+        shape[axis] *= len(g)
+        if out is not None:
+            check_out(out, tuple(shape), buf.dtype, "iall_gather")
+        return buf, g, axis, tuple(shape)
+
     @abstractmethod
     def reduce_scatter(
         self, buf: np.ndarray, group: Group, axis: int, out: np.ndarray | None = None

@@ -291,6 +291,19 @@ class InProcessCommunicator(Communicator):
             return np.concatenate(bufs, axis=axis, out=out)
         return np.concatenate(bufs, axis=axis)
 
+    def iall_gather(self, buf, group, axis, out=None):
+        """Post a copy of ``buf`` at once; ``wait()`` waits for the other members and concatenates."""
+        buf, g, axis, _ = self.check_iall_gather(buf, group, axis, out)
+        if len(g) == 1:
+            return Request(_result(buf, out))
+
+        def combine(bufs: list[np.ndarray]) -> np.ndarray:
+            _check_same(bufs, g, "iall_gather")  # equal pieces
+            return np.concatenate(bufs, axis=axis, out=out)
+
+        return _InProcessRequest(self, self._arrive("all_gather", g, (axis,), np.array(buf, copy=True)), g, out,
+                                 combine)
+
     def reduce_scatter(self, buf, group, axis, out=None):
         buf = as_buffer(buf, "reduce_scatter")
         g = self.check_group(group)
@@ -414,11 +427,14 @@ class InProcessCommunicator(Communicator):
 
 
 class _InProcessRequest(Request):
-    """A started in-process all-reduce: the member's copy is posted; `wait` folds the members' copies."""
+    """A started in-process collective: the member's copy is posted; `wait` combines the members'
+    copies (`combine`; by default an all-reduce's fold in group order)."""
 
-    def __init__(self, comm: InProcessCommunicator, posted: tuple, g: Group, out: np.ndarray | None) -> None:
+    def __init__(self, comm: InProcessCommunicator, posted: tuple, g: Group, out: np.ndarray | None,
+                 combine: Callable[[list[np.ndarray]], np.ndarray] | None = None) -> None:
         super().__init__()
         self._comm, self._posted, self._g, self._out = comm, posted, g, out
+        self._combine = combine
         self._done = False
 
     def test(self) -> bool:
@@ -428,8 +444,11 @@ class _InProcessRequest(Request):
     def wait(self) -> np.ndarray:
         if not self._done:
             bufs = self._comm._collect(*self._posted)
-            _check_same(bufs, self._g, "all_reduce")
-            self._result = fold_sum(bufs, self._out)
+            if self._combine is not None:
+                self._result = self._combine(bufs)
+            else:
+                _check_same(bufs, self._g, "all_reduce")
+                self._result = fold_sum(bufs, self._out)
             self._done = True
         return self._result  # type: ignore[return-value]
 

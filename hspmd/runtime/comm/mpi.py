@@ -357,6 +357,29 @@ class MPICommunicator(Communicator):
             return out
         return _result_moved(gathered, axis, out)
 
+    def iall_gather(self, buf, group, axis, out=None):
+        """Start an all-gather of equal pieces without blocking (MPI's Iallgather); ``wait`` moves
+        the gathered axis into place when it is not the first (or ``out`` is not C-contiguous)."""
+        buf, g, axis, shape = self.check_iall_gather(buf, group, axis, out)
+        if len(g) == 1:
+            return Request(_result(buf, out))
+        moved = np.moveaxis(buf, axis, 0) if axis else buf
+        if not moved.flags.c_contiguous:
+            moved = np.ascontiguousarray(moved)  # its own copy: scratch memory may be reused before wait
+        gathered_shape = (shape[axis],) + moved.shape[1:]
+        direct = axis == 0 and out is not None and out.flags.c_contiguous
+        gathered = out if direct else np.empty(gathered_shape, buf.dtype)
+        if direct and np.shares_memory(moved, out):
+            moved = np.array(moved, copy=True)
+        req = self._sub(g).Iallgather(_bytes(moved), _bytes(gathered))
+
+        def finish() -> np.ndarray:
+            nonlocal moved
+            moved = None  # the send buffer: held by this closure until the gather is complete
+            return out if direct else _result_moved(gathered, axis, out)
+
+        return _MPIRequest(req, finish)
+
     def reduce_scatter(self, buf, group, axis, out=None):
         buf = as_buffer(buf, "reduce_scatter")
         g = self.check_group(group)

@@ -1,4 +1,4 @@
-"""`shard-stage-optimizer`: ZeRO over the data-parallel ranks of each pipeline stage.
+"""`shard-stage-optimizer`: ZeRO (stages 1 to 3) over the data-parallel ranks of each pipeline stage.
 
 `shard-stage-optimizer` runs after `pipeline-split` on the stage modules of a
 pipeline whose stages hold dp x tp devices (dp major, tp minor: the dp groups of a stage
@@ -14,6 +14,15 @@ divides that tp does not split):
   only: their layout is the sharded one (checkpoints gather them like any parameter);
 * the update runs on the slice (`comm.local_split` of the parameter) and the new parameter is
   all-gathered (`comm.all_gather`) before its assignment.
+
+Under `zero=3` the parameter holds the slice too (its `graph.parameter` has the slice's type and
+the sharded layout, so checkpoints save pieces): it is all-gathered once per step, just before the
+first op of the step that reads it (the `pipeline.run`, which passes it to every micro-batch's
+forward and backward), the update reads the slice itself (no `comm.local_split`) and the assign
+writes the slice (no gather after the update). Once per step rather than per micro-batch is
+FSDP's choice under pipelines (`docs/passes.md`, ZeRO-3): the micro-batches' gradients are summed
+on the stage's whole weights anyway, and 2m gathers a step would be exposed in the pipeline.
+Parameters updated without states (plain SGD) are sliced under `zero=3` as well.
 
 The gradient's sum is bitwise the all-reduce's slice (both are left folds in group order) and
 the update is elementwise, so the run computes the numbers of the pipeline without ZeRO.
@@ -94,7 +103,7 @@ class _Stage:
         return None
 
 
-def _shard_stage(module: ModuleOp, devices: tuple[int, ...], dp: int, tp: int) -> None:
+def _shard_stage(module: ModuleOp, devices: tuple[int, ...], dp: int, tp: int, zero: int = 1) -> None:
     if len(devices) != dp * tp:
         raise PassError(f"shard-stage-optimizer: a stage on devices {list(devices)} does not hold dp={dp} x tp={tp}")
     funcs = {f.sym_name.data: f for f in module.body.block.ops if isinstance(f, func.FuncOp)}
@@ -106,7 +115,7 @@ def _shard_stage(module: ModuleOp, devices: tuple[int, ...], dp: int, tp: int) -
                    [[devices[d * tp + t] for d in range(dp)] for t in range(tp)], dp)
     sharded_squares: set[Operation] = set()
     for update in [o for o in step.body.block.ops if isinstance(o, _UPDATES)]:  # type: ignore[union-attr]
-        sharded_squares |= _shard_update(stage, update, tp)
+        sharded_squares |= _shard_update(stage, update, tp, zero == 3)
     if not sharded_squares:
         return
     for sq in [o for o in step.walk() if isinstance(o, optim.SumSquaresOp)]:  # type: ignore[union-attr]
@@ -121,8 +130,9 @@ def _shard_stage(module: ModuleOp, devices: tuple[int, ...], dp: int, tp: int) -
         coef.operands[0] = total.result
 
 
-def _shard_update(stage: _Stage, update: Operation, tp: int) -> set[Operation]:
-    """Shard one update (see the module docstring); return the sum_squares ops that now square a slice."""
+def _shard_update(stage: _Stage, update: Operation, tp: int, params: bool = False) -> set[Operation]:
+    """Shard one update (see the module docstring), with `params` (zero=3) the parameter too;
+    return the sum_squares ops that now square a slice."""
     param = update.operands[0]
     if not isinstance(param.owner, graph.ParameterOp):
         return set()
@@ -147,7 +157,7 @@ def _shard_update(stage: _Stage, update: Operation, tp: int) -> set[Operation]:
         return set()  # the gradient is used whole elsewhere: keep it
     states = [v.owner for v in update.operands[2:] if isinstance(v.owner, graph.ParameterOp)
               and v.owner.tensor_name.data.startswith(STATE_PREFIX)]
-    if not states:
+    if not states and not params:
         return set()  # (plain SGD: nothing to shard, as in shard-optimizer-state)
     full = param.type
     shard = _shard_type(full, dim, stage.dp)  # type: ignore[arg-type]
@@ -173,15 +183,37 @@ def _shard_update(stage: _Stage, update: Operation, tp: int) -> set[Operation]:
         st.result.replace_all_uses_with(new_state.result)  # type: ignore[union-attr]
         st.detach()  # type: ignore[union-attr]
         st.erase()  # type: ignore[union-attr]
-    piece = comm.LocalSplitOp(param, stage.groups, shard, dim=dim)
-    Rewriter.insert_op(piece, InsertPoint.before(update))
-    operands = [piece.result, grad, *update.operands[2:]]
+    if params:
+        piece = _shard_parameter(stage, param.owner, shard, sharded, dim)  # type: ignore[arg-type]
+    else:
+        piece = comm.LocalSplitOp(param, stage.groups, shard, dim=dim).result
+        Rewriter.insert_op(piece.owner, InsertPoint.before(update))
+    operands = [piece, grad, *update.operands[2:]]
     types = [shard if r.type == full else r.type for r in update.results]
     new = _recreate(update, operands, types)
-    gathered = comm.AllGatherOp(new.results[0], stage.groups, full, dim=dim)
-    Rewriter.insert_op(gathered, InsertPoint.after(new))
-    new.results[0].replace_uses_with_if(gathered.result, lambda use: use.operation is not gathered)
+    if not params:
+        gathered = comm.AllGatherOp(new.results[0], stage.groups, full, dim=dim)
+        Rewriter.insert_op(gathered, InsertPoint.after(new))
+        new.results[0].replace_uses_with_if(gathered.result, lambda use: use.operation is not gathered)
     return squared
+
+
+def _shard_parameter(stage: _Stage, param: graph.ParameterOp, shard: TensorType, sharded, dim: int) -> SSAValue:
+    """Make `param` hold its dp slice between steps (zero=3): gathered once per step, just before
+    the first op of the step that reads it whole (the stage's `pipeline.run`, or an op before it);
+    return the slice, which the update reads and the assign writes."""
+    typ = param.properties["global_type"]
+    new_param = graph.ParameterOp(param.tensor_name.data, param.init.data, shard,
+                                  with_layout(TensorType(typ.element_type, typ.get_shape()), sharded))  # type: ignore
+    Rewriter.insert_op(new_param, InsertPoint.before(param))
+    block = stage.step.body.block  # (a parameter is read in the step's block only: the run passes it on)
+    first = min((u.operation for u in param.result.uses), key=block.get_operation_index)
+    gathered = comm.AllGatherOp(new_param.result, stage.groups, param.result.type, dim=dim)
+    Rewriter.insert_op(gathered, InsertPoint.before(first))
+    param.result.replace_all_uses_with(gathered.result)
+    param.detach()
+    param.erase()
+    return new_param.result
 
 
 def _retype_run_result(stage: _Stage, k: int, shard: TensorType) -> SSAValue:
@@ -214,7 +246,7 @@ class ShardStageOptimizer(ModulePass):
             return
         for devices, module in physical_groups(op):
             if pipeline.STAGE_ATTR in module.attributes and pipeline.SINGLE_STAGE_ATTR not in module.attributes:
-                _shard_stage(module, devices, group.dp, group.tp)
+                _shard_stage(module, devices, group.dp, group.tp, group.zero)
 
 
 __all__ = ["ShardStageOptimizer"]
