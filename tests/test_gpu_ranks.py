@@ -58,6 +58,7 @@ CASES = [
     ("gpt.py", "[0,1]: tp=2", SMALL),
     ("gpt.py", "[0,1]: pp=2", {**SMALL, "microbatches": 4, "pipeline_schedule": "1f1b"}),
     ("gpt.py", "[0,1]: dp=2 zero=1", SMALL),
+    ("gpt.py", "[0,1]: dp=2 zero=3 recompute=block", SMALL),
     ("moe.py", "[0,1]: ep=2", {}),
     ("gpt.py", "[0,1]: dp=2", {**SMALL, "model.dropout": 0.1}),
     ("gpt.py", "[0,1]: pp=2", {**SMALL, "microbatches": 4, "pipeline_schedule": "1f1b", "model.dropout": 0.1}),
