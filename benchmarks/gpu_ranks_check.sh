@@ -2,7 +2,7 @@
 # Two ranks on one GPU (issue 28's done-when): `hspmd run -n 2 --device cuda` under dp, tp, pp
 # (1F1B, 4 micro-batches), zero=1 and ep (examples/moe.py), and a GPU rank beside a CPU rank
 # (`device=` per group), each against one CPU device: prints the largest loss difference per case.
-# Part of benchmarks/gpu_check.sh (which sets up the environment); usage: gpu_ranks_check.sh DIR
+# Part of `benchmarks/gpu_check.sh ranks` (which sets up the environment); usage: gpu_ranks_check.sh DIR
 set -u
 t=${1:-$(mktemp -d)}
 hs() { python3 -m hspmd.cli.main "$@"; }

@@ -293,8 +293,7 @@ class _Binder:
         if step.kind in ("bucket-start", "bucket-wait", "poll"):
             return self.bucket_calls(step)
         if step.kind not in ("op", "stack", "sum"):
-            raise DevicePlanError(f"a schedule step '{step.name or step.kind}' (all-reduce buckets): the GPU plan "
-                                  "makes its schedule without them")
+            raise DevicePlanError(f"a schedule step '{step.name or step.kind}' has no GPU runtime")
         for pos, o in enumerate(step.outs):
             if step.out is not None:
                 self.where[o] = self.destination(step.out[pos], base, offsets, plan)

@@ -23,7 +23,7 @@ from hspmd.transforms.pipeline.devices import comm_devices
 from hspmd.transforms.pipeline.stage_mesh import (LOCAL, MAPPED, MEET, SPLIT, VLOCAL, XMEET, XPOST, XSPAN, ZERO,
                                                   StageMesh, classify_collective, stage_layout)
 from hspmd.transforms.pipeline.virtual import Pipeline
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, StrategyLimitError
 
 __all__ = ["Collectives", "PipelinedGroup", "find_group", "forward_end", "op_kinds"]
 
@@ -96,8 +96,12 @@ def _classify(functions: list[func.FuncOp], step: func.FuncOp, mesh: StageMesh) 
                                 "supported there (point-to-point messages are the split's own)")
             collectives[o] = classify_collective(o, mesh)
             if f is not step and collectives[o][0] not in (LOCAL, MAPPED, VLOCAL):
-                raise PassError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
-                                "device groups; only the step itself may")
+                # a limit of the split, not a broken input: a layer whose ops mix the batch's rows
+                # gathers across the micro-batches, which are virtual devices beside other groups
+                raise StrategyLimitError(f"pipeline-split: '{o.name}' in @{f.sym_name.data} spans micro-batches or "
+                                         "device groups, which only the step itself may (a layer whose ops mix the "
+                                         "batch's rows, in a pipelined group beside other device groups): run that "
+                                         "group without pp, or the pipeline on its own")
     return collectives
 
 
