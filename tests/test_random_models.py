@@ -130,3 +130,15 @@ def test_generated_a_limit_only_lowering_shows_is_a_refusal_in_one_line():
     out = train_pair(spec, Parallel("[0-2]: dp=1 pp=3 share=3 | [3]: dp=1 share=2", 4, 2))
     assert out.refused is not None and "\n" not in out.refused, out
     assert "microbatches=2" in out.refused and "use microbatches=1" in out.refused
+
+
+def test_generated_a_layer_mixing_rows_in_a_pipeline_beside_a_group_is_a_refusal_in_one_line():
+    """Found by the CI sweep (seed 4060280306): layer functions whose ops mix the batch's rows,
+    in a pipeline beside another group, gather across the groups inside the layer, which only
+    the step itself may: one line (`StrategyLimitError`), not an internal error."""
+    spec = {**DEFAULT_SPEC, "batch": 12, "seq": 4, "d_model": 20, "d_ff": 36, "heads": 3, "head_dim": 6,
+            "layers": 2, "function": True, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
+            "pool": "first", "classes": 5, "vocab": 16, "tied": False, "final_norm": False, "moe": []}
+    out = train_pair(spec, Parallel("[0]: dp=1 share=2 | [1,2]: dp=1 pp=2 recompute=block share=3", 3, 1))
+    assert out.refused is not None and "\n" not in out.refused, out
+    assert "pipeline-split" in out.refused and "without pp" in out.refused
