@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from hspmd.compiler import InternalError, compile_script, write_bundle
 from hspmd.frontend.script import load_script
-from hspmd.ir.strategy import StrategyError, parse_strategy
+from hspmd.ir.strategy import StrategyError
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
 from hspmd.transforms.util import PassError

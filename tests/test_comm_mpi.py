@@ -165,3 +165,26 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.mpi
+def test_a_terminated_launcher_takes_its_ranks_with_it(tmp_path):
+    """SIGTERM to the process that launched the job (`timeout`, a batch system): the ranks, in a
+    session of their own, are killed too, not left running."""
+    ranks = (
+        "import os, sys, time; from mpi4py import MPI; "
+        f"open(os.path.join({str(tmp_path)!r}, f'pid{{MPI.COMM_WORLD.rank}}'), 'w')"
+        ".write(str(os.getpid())); time.sleep(60)"
+    )
+    launcher = f"from hspmd.runtime.launch import launch; launch(2, ['-c', {ranks!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", launcher])
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    proc.terminate()
+    assert proc.wait(20) == 128 + 15
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)

@@ -133,8 +133,6 @@ def test_mpi_hetero_tensor_parallel_equals_one_rank(tmp_path):
 
 def test_exchange_op_does_not_grow_with_the_number_of_ranks():
     """comm.exchange names its layouts and shape, not its transfers: the IR stays one line whatever the ranks."""
-    from hspmd.dialects.context import module_text
-    from xdsl.dialects.builtin import ModuleOp
 
     sizes = []
     for n in (4, 16, 64):

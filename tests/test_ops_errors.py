@@ -63,7 +63,7 @@ def test_dropout_inside_a_function_module_draws_a_different_mask_per_call(t):
     from hspmd.dialects.levels import physical_groups
     from hspmd.runtime.comm import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
-    from hspmd.compiler import annotate, run_passes, to_physical
+    from hspmd.compiler import annotate, to_physical
 
     class Drop(hs.nn.Module):
         function = True

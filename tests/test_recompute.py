@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from models import SCRIPT, Parallel, Reference, check_pair, model_specs
+from models import Parallel, Reference, check_pair, model_specs
 
 import hspmd as hs
 from hspmd.compiler import compile_script

@@ -15,7 +15,7 @@ from hspmd.compiler import compile_script, write_bundle
 from hspmd.dialects.dist import module_strategies
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.layout import apportion
-from hspmd.ir.strategy import Strategy, StrategyGroup, even_out_rows, parse_strategy
+from hspmd.ir.strategy import Strategy, StrategyGroup, even_out_rows
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.worker import train
 

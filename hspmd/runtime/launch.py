@@ -11,12 +11,14 @@ with one thread per rank (one rank alone: 30 ms).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -198,7 +200,8 @@ def launch(
     except OSError as exc:
         raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
     try:
-        return proc.wait(timeout)
+        with _terminated_as_exit():
+            return proc.wait(timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise LaunchTimeout(
@@ -207,3 +210,23 @@ def launch(
     except BaseException:
         _kill_group(proc)
         raise
+
+
+@contextlib.contextmanager
+def _terminated_as_exit():
+    """Within the block, SIGTERM and SIGHUP (`timeout`, a batch system, a closed terminal) end
+    the process as SystemExit(128 + signal), so that the job's processes, which run in a session
+    of their own, are killed with it (`launch`), not left running. Outside the main thread: as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

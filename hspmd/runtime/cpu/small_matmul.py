@@ -32,7 +32,6 @@ import numpy as np
 from hspmd.runtime.cpu import native
 from hspmd.runtime.cpu.blas_threads import BlasCount
 from hspmd.runtime.kernel_exec import say_once
-from hspmd.runtime.cpu.native import library
 
 #: the kernel's code for each triangle (`triangular.TRIANGLES`, and "" for a full product)
 TRIANGLE_CODES = {"": 0, "lhs-lower": 1, "lhs-upper": 2, "rhs-lower": 3, "rhs-upper": 4, "out-lower": 5,
