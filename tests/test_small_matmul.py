@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hspmd.codegen import cpu_compile
-from hspmd.runtime.cpu.small_matmul import TRIANGLE_CODES, SmallMatmul, library
+from hspmd.runtime.cpu.native import library
+from hspmd.runtime.cpu.small_matmul import TRIANGLE_CODES, SmallMatmul
 
 pytestmark = pytest.mark.skipif(cpu_compile.find_compiler() is None, reason="needs a C++ compiler")
 
