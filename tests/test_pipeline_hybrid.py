@@ -25,7 +25,7 @@ from hspmd.ir.strategy import parse_strategy
 from hspmd.ir.layout import DUP, DistributedStates, Layout, split
 from hspmd.dialects.levels import physical_groups
 from hspmd.transforms.pipeline.stage_mesh import LOCAL, MEET, SPLIT, StageMesh, classify_collective, stage_layout
-from hspmd.transforms.util import PassError
+from hspmd.transforms.util import PassError, StrategyLimitError
 
 
 @pytest.mark.parametrize("example, strategy, n, m, schedule", [
@@ -193,7 +193,7 @@ def test_collectives_are_classified_by_the_micro_batches_they_span():
     assert classify_collective(_collective(reduce, dp), mesh) == (MEET, ((0, 2), (1, 3)))
     assert classify_collective(_collective(reduce, [list(range(8))]), mesh) == (MEET, ((0, 1, 2, 3),))
     assert classify_collective(_collective(split_, dp), mesh) == (SPLIT, ((0, 2), (1, 3)))
-    with pytest.raises(PassError, match="spans micro-batches; only all-reduces"):
+    with pytest.raises(StrategyLimitError, match="spans micro-batches .*only all-reduces.*use microbatches=1"):
         classify_collective(_collective(gather, dp), mesh)
     with pytest.raises(PassError, match="spans some but not all"):  # micro-batch minor: not a split of micro-batches
         classify_collective(_collective(split_, [[0, 4, 2, 6], [1, 5, 3, 7]]), mesh)

@@ -142,3 +142,17 @@ def test_generated_a_layer_mixing_rows_in_a_pipeline_beside_a_group_is_a_refusal
     out = train_pair(spec, Parallel("[0]: dp=1 share=2 | [1,2]: dp=1 pp=2 recompute=block share=3", 3, 1))
     assert out.refused is not None and "\n" not in out.refused, out
     assert "pipeline-split" in out.refused and "without pp" in out.refused
+
+
+def test_generated_a_layer_mixing_rows_in_micro_batches_is_a_refusal_in_one_line():
+    """Found by the CI sweep (seed 3774671277): layer functions whose ops mix the batch's rows,
+    pipelined over 2 micro-batches, gather the batch across the micro-batches, which run one at
+    a time: one line naming microbatches=1 (`StrategyLimitError`), not an internal error; with
+    microbatches=1 the same pair trains as on one device."""
+    spec = {**DEFAULT_SPEC, "batch": 8, "seq": 4, "d_model": 24, "d_ff": 36, "heads": 2, "head_dim": 6,
+            "layers": 4, "function": True, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
+            "pool": "first", "classes": 5, "vocab": 16, "tied": False, "final_norm": False, "moe": []}
+    out = train_pair(spec, Parallel("[0-3]: dp=1 tp=2 pp=2 layers=1:3", 4, 2, "gpipe"))
+    assert out.refused is not None and "\n" not in out.refused, out
+    assert "use microbatches=1" in out.refused
+    assert check_pair(Reference(spec), Parallel("[0-3]: dp=1 tp=2 pp=2 layers=1:3", 4, 1, "gpipe")).losses is not None

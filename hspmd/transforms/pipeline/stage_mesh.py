@@ -173,9 +173,10 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
             for p in mesh.positions([d for d in g if d not in mesh.foreign]):
                 by_mb.setdefault(p // size, set()).add(p % size)
             if by_mb and (len(by_mb) != m or len({frozenset(v) for v in by_mb.values()}) != 1):
-                raise PassError(f"pipeline-split: '{o.name}' group {list(g)} sums across device groups over some "
-                                f"but not all {m} micro-batches, or other positions in each (as tensor parallelism "
-                                "in several pipelined groups does: use tp=1 there, or microbatches=1)")
+                raise StrategyLimitError(f"pipeline-split: '{o.name}' group {list(g)} sums across device groups over "
+                                         f"some but not all {m} micro-batches, or other positions in each (as tensor "
+                                         "parallelism in several pipelined groups does: use tp=1 there, or "
+                                         "microbatches=1)")
         return XSPAN, ()
     groups = [mesh.positions(g) for g in rank_groups(o)]
     kind = LOCAL
@@ -185,9 +186,11 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
     else:
         zero = bool(mesh.foreign) and isinstance(o, comm.LocalZeroOp)
         if not isinstance(o, (comm.AllReduceOp, comm.LocalSplitOp)) and not zero:
-            raise PassError(f"pipeline-split: '{o.name}' over {rank_groups(o)} "
-                            "spans micro-batches; only all-reduces (sums over the micro-batches) and local "
-                            "splits may")
+            # the user's strategy, not a broken input: an op mixing the batch's rows (a gather of
+            # the whole batch) cannot run one micro-batch at a time
+            raise StrategyLimitError(f"pipeline-split: '{o.name}' over {rank_groups(o)} spans micro-batches (an "
+                                     "op that mixes the batch's rows); only all-reduces (sums over the "
+                                     f"micro-batches) and local splits may: use microbatches=1 (it has {m})")
         kind = MEET if isinstance(o, comm.AllReduceOp) else ZERO if zero else SPLIT
         for g in groups:
             by_mb: dict[int, list[int]] = {}
