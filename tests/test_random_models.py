@@ -118,15 +118,20 @@ def test_generated_refusals_come_from_the_strategy_checks_in_one_line(strategy, 
         assert w in out.refused, out.refused
 
 
+def _rows_spec(**kw) -> dict:
+    """Return a generated model whose ops mix the batch's rows ([batch*seq, d] rows): the kind the
+    CI sweep found pipeline limits with (the fixed cases below), with `kw` changed."""
+    return {**DEFAULT_SPEC, "seq": 4, "d_ff": 36, "head_dim": 6, "rows": True, "prenorm": False, "norm": "rms",
+            "positions": "none", "pool": "first", "classes": 5, "tied": False, "final_norm": False, "moe": [], **kw}
+
+
 def test_generated_a_limit_only_lowering_shows_is_a_refusal_in_one_line():
     """Found by the CI sweep (seed 575516462): rows of [batch*seq, d] on a batch split 3:2 between
     a pipeline and a group beside it need the batch gathered across the groups inside a
     micro-batch, which micro-batches beside other groups do not support. Only lowering shows it
     (the gather is placed there), so `pipeline-split` refuses it: one line naming microbatches,
     a refusal of the strategy (`StrategyLimitError`), not an internal error."""
-    spec = {**DEFAULT_SPEC, "batch": 4, "seq": 4, "d_model": 24, "d_ff": 36, "heads": 3, "head_dim": 6,
-            "layers": 1, "function": False, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
-            "pool": "first", "classes": 5, "vocab": 32, "tied": False, "final_norm": False, "moe": []}
+    spec = _rows_spec(batch=4, d_model=24, heads=3, layers=1, function=False, vocab=32)
     out = train_pair(spec, Parallel("[0-2]: dp=1 pp=3 share=3 | [3]: dp=1 share=2", 4, 2))
     assert out.refused is not None and "\n" not in out.refused, out
     assert "microbatches=2" in out.refused and "use microbatches=1" in out.refused
@@ -136,9 +141,7 @@ def test_generated_a_layer_mixing_rows_in_a_pipeline_beside_a_group_is_a_refusal
     """Found by the CI sweep (seed 4060280306): layer functions whose ops mix the batch's rows,
     in a pipeline beside another group, gather across the groups inside the layer, which only
     the step itself may: one line (`StrategyLimitError`), not an internal error."""
-    spec = {**DEFAULT_SPEC, "batch": 12, "seq": 4, "d_model": 20, "d_ff": 36, "heads": 3, "head_dim": 6,
-            "layers": 2, "function": True, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
-            "pool": "first", "classes": 5, "vocab": 16, "tied": False, "final_norm": False, "moe": []}
+    spec = _rows_spec(batch=12, d_model=20, heads=3, layers=2, function=True, vocab=16)
     out = train_pair(spec, Parallel("[0]: dp=1 share=2 | [1,2]: dp=1 pp=2 recompute=block share=3", 3, 1))
     assert out.refused is not None and "\n" not in out.refused, out
     assert "pipeline-split" in out.refused and "without pp" in out.refused
@@ -149,9 +152,7 @@ def test_generated_a_layer_mixing_rows_in_micro_batches_is_a_refusal_in_one_line
     pipelined over 2 micro-batches, gather the batch across the micro-batches, which run one at
     a time: one line naming microbatches=1 (`StrategyLimitError`), not an internal error; with
     microbatches=1 the same pair trains as on one device."""
-    spec = {**DEFAULT_SPEC, "batch": 8, "seq": 4, "d_model": 24, "d_ff": 36, "heads": 2, "head_dim": 6,
-            "layers": 4, "function": True, "rows": True, "prenorm": False, "norm": "rms", "positions": "none",
-            "pool": "first", "classes": 5, "vocab": 16, "tied": False, "final_norm": False, "moe": []}
+    spec = _rows_spec(batch=8, d_model=24, heads=2, layers=4, function=True, vocab=16)
     out = train_pair(spec, Parallel("[0-3]: dp=1 tp=2 pp=2 layers=1:3", 4, 2, "gpipe"))
     assert out.refused is not None and "\n" not in out.refused, out
     assert "use microbatches=1" in out.refused
