@@ -51,6 +51,7 @@ from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
 from hspmd.transforms.device_kernels import device_module
 from hspmd.transforms.flash_attention import flash_attention_module
 from hspmd.transforms.fuse_kernels import fuse_module
+from hspmd.transforms.multi_tensor import multi_tensor_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
 from hspmd.transforms.lower_reshard import LowerReshard
@@ -293,13 +294,14 @@ class Compiled:
 def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]],
                  flash: bool = True) -> list[tuple[tuple[int, ...], ModuleOp]]:
     """Return (devices, a copy after `device-kernels`, then `flash-attention` unless `flash` is
-    False) for each group's kernel level."""
+    False, then `multi-tensor`) for each group's kernel level."""
     out = []
     for devices, fused in kernel_groups:
         program = fused.clone()
         device_module(program)
         if flash:
             flash_attention_module(program)
+        multi_tensor_module(program)
         out.append((devices, program))
     return out
 

@@ -3,6 +3,11 @@
 // cuda_emu.h (host C++ compiler, OpenMP). It has no include guard on purpose: the CPU
 // build includes it twice, once per block-emulation namespace (serial and team).
 
+// ---- a piece of a multi-tensor kernel (transforms/multi_tensor.py): an elementwise body run
+// over the items [hs_piece_lo, min(n, hs_piece_hi)) by steps of hs_piece_step (one block's chunk)
+#define HS_FOR_PIECE(i, n) \
+  for (long i = hs_piece_lo; i < ((long)(n) < hs_piece_hi ? (long)(n) : hs_piece_hi); i += hs_piece_step)
+
 // ---- block reductions: every thread of the block must call them (uniform control flow)
 // Warp-level steps add a lane's partner only if it lies within the `width` live lanes of the
 // warp, so a last, partial warp (blockDim not a multiple of 32) reduces correctly.

@@ -20,6 +20,8 @@ merged into one generated kernel (or a short sequence of launches sharing one so
   `N1` columns (a block reduction per row).
 * Every launch takes the same arguments: the operands, the results, then `scratch` buffers
   (element counts, in the kernel's float type), then `long n0, long n1`.
+* `pieces` (optional) marks a multi-tensor kernel (`multi-tensor`): several elementwise kernels
+  of one source side by side in one `row` launch, a block per chunk of a piece's items.
 * The body region keeps the ops the kernel replaced: it is the reference semantics, and the
   NumPy fallback runs it op by op where no compiler or GPU is there.
 """
@@ -104,6 +106,10 @@ class FusedOp(IRDLOperation):
     #: a kernel reading its piece's global position: the values of its macros per rank
     #: (`cuda_c.format_rank_values`), defined before the source when a rank builds it
     rank_values = opt_prop_def(StringAttr)
+    #: a multi-tensor kernel (`transforms/multi_tensor.py`): the item counts of the elementwise
+    #: kernels it runs side by side, one launch for all (item i of a piece depends only on item
+    #: i of that piece's operands)
+    pieces = opt_prop_def(DenseArrayBase)
     body = region_def("single_block")
     traits = traits_def(Pure())
 
@@ -118,6 +124,7 @@ class FusedOp(IRDLOperation):
         scratch: list[int],
         body: Region,
         rank_values: str = "",
+        pieces: list[int] | None = None,
     ):
         properties = {
             "kernel": StringAttr(kernel),
@@ -128,6 +135,8 @@ class FusedOp(IRDLOperation):
         }
         if rank_values:
             properties["rank_values"] = StringAttr(rank_values)
+        if pieces is not None:
+            properties["pieces"] = i64_array(pieces)
         super().__init__(operands=[inputs], result_types=[result_types], properties=properties, regions=[body])
 
     def source_for(self, rank: int) -> str:
@@ -144,7 +153,8 @@ class FusedOp(IRDLOperation):
         each item before it writes it, so its result may be its first operand's array."""
         pointwise = all(callable(getattr(op, "cuda_expr", None)) or callable(getattr(op, "cuda_read_index", None))
                         for op in self.body.block.ops if not isinstance(op, YieldOp))
-        elementwise = all(kind == "elementwise" for kind, _, _, _ in self.launch_list) and not self.scratch_sizes
+        elementwise = (self.pieces is not None or all(kind == "elementwise" for kind, _, _, _ in self.launch_list)) \
+            and not self.scratch_sizes
         return FIRST if elementwise and pointwise else OUT
 
     @property

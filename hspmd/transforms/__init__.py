@@ -37,6 +37,7 @@ _PASSES = {
     "fuse-kernels": "hspmd.transforms.fuse_kernels:FuseKernels",
     "device-kernels": "hspmd.transforms.device_kernels:DeviceKernels",
     "flash-attention": "hspmd.transforms.flash_attention:FlashAttention",
+    "multi-tensor": "hspmd.transforms.multi_tensor:MultiTensor",
     "coalesce-group-sums": "hspmd.transforms.coalesce_group_sums:CoalesceGroupSums",
 }
 
