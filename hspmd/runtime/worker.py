@@ -256,6 +256,26 @@ def train(
     result.first_step = done + 1
     every = ck.every or steps
     progress = Progress(steps, done, progress_bar) if comm.rank == 0 and not quiet else None
+
+    def next_batch(step: int) -> dict:
+        try:
+            return next(batches)
+        except StopIteration:
+            raise RunError(f"the script's batches ran out after {step - 1} steps") from None
+
+    def step_batch(step: int, batch: dict, plan) -> tuple[dict, dict]:
+        """Return (the step's scalar inputs, this rank's piece of the step's whole batch)."""
+        names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
+        scalars = step_inputs(step, config, names)
+        try:  # an epoch's last batch may be short: padded rows count for nothing (batching.py)
+            batch = pad_batch({**batch, **scalars}, compiled_batch_shapes(names.items()), pad)
+        except BatchError as err:
+            raise RunError(f"step {step}: {err}") from None
+        return scalars, plan.local_batch(split_microbatches(batch, names))
+
+    # a GPU plan on its own (no switching, no leaving) uploads the next batch during a step
+    overlap = len(programs) == 1 and leave is None and getattr(plan, "uploads_ahead", False)
+    ahead = None  # (step, items, scalars, local batch) of the next step, made during this one
     try:
         for step in range(done + 1, steps + 1):
             fault_point(comm.rank, step)
@@ -271,30 +291,34 @@ def train(
                 plan, gather = programs[current].plan, programs[current].gather
             if tracer is not None:
                 tracer.step, step_start = step, tracer.clock()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise RunError(f"the script's batches ran out after {step - 1} steps") from None
-            items = batch_items(batch) if progress is not None else None
-            chosen, switched = current if pinned else choose(step, batch), None
-            if chosen != current:
-                state, switched = switcher.switch(state, current, chosen)
-                result.switches.append((step, current, chosen, switched))
-                current = chosen
-                plan, gather = programs[current].plan, programs[current].gather
-            names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
-            shapes = compiled_batch_shapes(names.items())
-            scalars = step_inputs(step, config, names)
+            switched = None
+            if ahead is not None and ahead[0] == step:  # made and uploaded during the last step
+                _, items, scalars, local = ahead
+            else:
+                batch = next_batch(step)
+                items = batch_items(batch) if progress is not None else None
+                chosen = current if pinned else choose(step, batch)
+                if chosen != current:
+                    state, switched = switcher.switch(state, current, chosen)
+                    result.switches.append((step, current, chosen, switched))
+                    current = chosen
+                    plan, gather = programs[current].plan, programs[current].gather
+                scalars, local = step_batch(step, batch, plan)
+            ahead = None
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
-            batch = {**batch, **scalars}
-            try:  # an epoch's last batch may be short: padded rows count for nothing (batching.py)
-                batch = pad_batch(batch, shapes, pad)
-            except BatchError as err:
-                raise RunError(f"step {step}: {err}") from None
-            batch = split_microbatches(batch, names)
             start = time.perf_counter()
-            outputs = plan.run(state, plan.local_batch(batch), tracer)
+            if overlap and step < steps:
+                def make_next(step=step + 1):  # the host makes the next batch while the GPU runs this step
+                    nonlocal ahead
+                    batch = next_batch(step)
+                    scalars, local = step_batch(step, batch, plan)
+                    ahead = (step, batch_items(batch) if progress is not None else None, scalars, local)
+                    return local
+
+                outputs = plan.run(state, local, tracer, ahead=make_next)
+            else:
+                outputs = plan.run(state, local, tracer)
             elapsed = time.perf_counter() - start
             result.step_s.append(elapsed)
             loss = float(outputs["loss"]) if "loss" in outputs else float("nan")

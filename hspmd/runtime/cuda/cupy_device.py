@@ -4,8 +4,9 @@ Everything runs on one non-blocking stream of the plan's own: kernel launches (e
 compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build tests, with
 `cuda_preamble.cuh` and `hs_common.cuh` in front; launch shapes as `codegen/cupy_backend.py`
 chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
-copies. Uploads go through pinned host buffers (one per destination, made once), so the next
-batch's copy is asynchronous. A traced step times its calls with CUDA events. `capture` records a step into one CUDA graph and replays it;
+copies. Uploads go through pinned host buffers (one per destination, made once, with an event
+after its last copy), so the next batch's copy is queued behind the running step without
+waiting for it. A traced step times its calls with CUDA events. `capture` records a step into one CUDA graph and replays it;
 where a capture fails it says so once and the run goes on call by call.
 """
 
@@ -42,7 +43,7 @@ class CupyDevice(Device):
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._memory: list = []  # the allocations, alive with the device
-        self._pinned: dict[tuple[int, int], np.ndarray] = {}
+        self._pinned: dict[tuple[int, int], tuple[np.ndarray, object]] = {}  # buffer, event after its copy
         self._events: dict[int, list] = {}  # a traced step's CUDA events, by the number of calls
         self.cublas = Cublas(self.stream.ptr, self.alloc(WORKSPACE_BYTES))
 
@@ -55,16 +56,17 @@ class CupyDevice(Device):
     def upload(self, ptr: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
         key = (ptr, array.nbytes)
-        staging = self._pinned.get(key)
-        if staging is None:
+        known = self._pinned.get(key)
+        if known is None:
             mem = self.cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
-            staging = np.frombuffer(mem, np.uint8, array.nbytes)
-            self._pinned[key] = staging
+            known = self._pinned[key] = (np.frombuffer(mem, np.uint8, array.nbytes), self.cupy.cuda.Event())
         else:
-            self.stream.synchronize()  # the previous copy from this buffer has finished
+            known[1].synchronize()  # the previous copy from this buffer has finished (not the work after it)
+        staging, copied = known
         np.copyto(staging, array.reshape(-1).view(np.uint8))
         rt = self.cupy.cuda.runtime
         rt.memcpyAsync(ptr, staging.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+        copied.record(self.stream)
 
     def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         out = np.empty(tuple(shape), np.dtype(dtype))

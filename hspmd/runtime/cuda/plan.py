@@ -9,7 +9,8 @@ micro-batch or a layer taken along the leading dim). Every call of a step is the
 once with its pointers (`Device.prepare_*`): kernel launches, GEMMs, copies. A step uploads
 the batch, runs the calls (captured as one CUDA graph where the device has graphs, after a
 first step run call by call), copies assigned values that were not updated in place into
-their parameters, and downloads the outputs. The state (`initial_state`, and what `run`
+their parameters, and downloads the outputs. While the device runs a step, the host makes
+the next batch and queues its upload behind the step (`DevicePlan.run`'s `ahead`). The state (`initial_state`, and what `run`
 updates) is `DeviceArray`s in the arena: parameters never leave the device unless read.
 
 Over several ranks, the collectives and a pipeline's sends and receives are *host-staged*:
@@ -90,6 +91,8 @@ class DevicePlan:
     use_graph: bool = True
     _graph: list[Call] | None = None
     _steps_run: int = 0
+    #: the inputs `run`'s `ahead` uploaded for the next step
+    _staged: dict | None = None
 
     def initial_state(self, seed: int) -> dict[str, DeviceArray]:
         """Return this rank's pieces of every parameter's initial value, on the device."""
@@ -131,12 +134,27 @@ class DevicePlan:
             self.device.upload(mine.ptr, host)
             state[p.name] = mine
 
-    def run(self, state: dict, inputs: dict[str, np.ndarray], tracer: Tracer | None = None) -> dict[str, np.ndarray]:
+    @property
+    def uploads_ahead(self) -> bool:
+        """Whether `run` can upload the next step's inputs while the step runs (`ahead`): no
+        output lives in an input's memory (that upload would overwrite it before it is read)."""
+        spans = [(a.ptr, a.ptr + a.nbytes) for a in self.input_arrays.values()]
+        return not any(lo < b.ptr + b.nbytes and b.ptr < hi for b in self.output_arrays.values() for lo, hi in spans)
+
+    def run(self, state: dict, inputs: dict[str, np.ndarray], tracer: Tracer | None = None,
+            ahead: Callable[[], dict[str, np.ndarray] | None] | None = None) -> dict[str, np.ndarray]:
         """Run one step: upload `inputs`, run the step's calls, update `state` (device arrays)
-        and return the named outputs on the host."""
+        and return the named outputs on the host.
+
+        `ahead` (where `uploads_ahead`) returns the next step's inputs, or None: it is called
+        once the step's calls are queued, so the host makes the next batch while the device
+        computes, and its upload is queued behind the step (on the same stream: after the
+        step's last read of its inputs) before this step's outputs are read. The next `run`
+        given that same dict uploads nothing."""
         self._bind_state(state)
-        for name, array in self.input_arrays.items():
-            self.device.upload(array.ptr, np.asarray(inputs[name], dtype=array.dtype))
+        if inputs is not self._staged:
+            self._upload_inputs(inputs)
+        self._staged = None
         if tracer is not None:
             self._run_traced(tracer)
         elif self._graph is not None:
@@ -150,7 +168,16 @@ class DevicePlan:
         for copy in self.assign_copies:
             copy()
         self._steps_run += 1
+        if ahead is not None and self.uploads_ahead:
+            upcoming = ahead()
+            if upcoming is not None:
+                self._upload_inputs(upcoming)
+                self._staged = upcoming
         return {name: np.asarray(array) for name, array in self.output_arrays.items()}
+
+    def _upload_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+        for name, array in self.input_arrays.items():
+            self.device.upload(array.ptr, np.asarray(inputs[name], dtype=array.dtype))
 
     def _captured(self) -> list[Call]:
         """Return the step as graphs and the calls left out of them (host-staged, NCCL): each run
