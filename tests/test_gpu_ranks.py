@@ -169,3 +169,31 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
     nccl = run_spmd(2, lambda host: rank(host, True), timeout=300)
     assert staged[0][1] == 0 and nccl[0][1] > 0 and nccl[1][1] == nccl[0][1]
     np.testing.assert_allclose(nccl[0][0], staged[0][0], rtol=1e-6)
+
+
+@pytest.mark.mpi
+def test_gpu_ranks_restart_elastically_on_the_ranks_left_with_the_one_device_losses(tmp_path):
+    """`--elastic` with `--device cuda`: rank 1 killed at step 6 of 3 GPU ranks, the run resumes
+    from the step-3 checkpoint on 2 and logs each step once, with the CPU's 1-device losses."""
+    gpt, log = os.path.join(EXAMPLES, "gpt.py"), tmp_path / "e.jsonl"
+    ref = tmp_path / "ref.jsonl"
+    run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cpu", "--steps", "7", "--log", str(ref), *_sets(SMALL),
+            check=True, timeout=600)
+    proc = run_cli("hspmd", "run", "-n", "3", gpt, "--device", "cuda", "--steps", "7", "--elastic", "--checkpoint-dir",
+                   str(tmp_path / "D"), "--checkpoint-every", "3", "--log", str(log), *_sets(SMALL),
+                   check=True, timeout=900, env={**EMULATE, "HSPMD_FAULT": "1:6"})
+    said = [line for line in proc.stderr.splitlines() if line.startswith("hspmd run: ")]
+    assert said == [f"hspmd run: rank 1 died at step ~6 (SIGKILL); resuming from {tmp_path / 'D' / 'step-3'} "
+                    f"on 2 ranks under '[0,1]: dp=2' (restart 1 of 3)"]
+    got = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [g["step"] for g in got] == list(range(1, 8)) and [g["ranks"] for g in got] == [3] * 3 + [2] * 4
+    np.testing.assert_allclose([g["loss"] for g in got], _log(ref), rtol=1e-5)
+
+
+def test_elastic_with_gpu_and_cpu_ranks_is_refused_in_one_line():
+    proc = run_cli("hspmd", "run", "-n", "2", os.path.join(EXAMPLES, "mlp.py"), "--device", "cuda,cpu", "--elastic",
+                   "--checkpoint-dir", "/nonexistent-dir-hspmd", env=EMULATE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "hspmd: error: --elastic needs one device kind for every rank (got --device cuda,cpu): a restart on the "
+        "ranks left would not know which kind each one is"]

@@ -281,13 +281,16 @@ def run_device(args) -> str:
     asked = "cuda" if args.kernels == "cuda" else args.device
     args.device_asked = asked  # for --strategy auto, whose groups' device= keys the planner gives
     entries = device_entries(asked, args.n)
-    if args.servers is not None or args.elastic:  # GPU runs with servers or --elastic: not yet
+    if args.servers is not None:  # GPU runs with parameter servers: not yet
         entries = ["cpu" if e == "auto" else e for e in entries]
     kinds = rank_devices(entries, strategy_device_keys(args))
     if "cuda" in kinds:
-        if args.servers is not None or args.elastic:
-            raise DeviceError("--device cuda does not go together with parameter servers or --elastic yet "
-                              "(they come later in part 2 of the GPU runtime)")
+        if args.servers is not None:
+            raise DeviceError("--device cuda does not go together with parameter servers yet "
+                              "(their pulls and pushes run on the host)")
+        if args.elastic and len(set(kinds)) > 1:  # a restart on fewer ranks: which kind was lost is not known
+            raise DeviceError(f"--elastic needs one device kind for every rank (got --device {devices_text(kinds)}): "
+                              "a restart on the ranks left would not know which kind each one is")
         if args.kernels == "cuda":
             args.kernels = "cpu"  # the CPU ranks' kernels (a GPU rank runs its GPU program)
     return devices_text(kinds)
