@@ -197,3 +197,20 @@ def test_elastic_with_gpu_and_cpu_ranks_is_refused_in_one_line():
     assert proc.stderr.strip().splitlines() == [
         "hspmd: error: --elastic needs one device kind for every rank (got --device cuda,cpu): a restart on the "
         "ranks left would not know which kind each one is"]
+
+
+@pytest.mark.mpi
+def test_a_gpu_rank_leaves_gracefully_and_the_others_go_on_with_the_one_device_losses(tmp_path):
+    """SIGTERM to GPU rank 2 at step 4 (`HSPMD_LEAVE`): the ranks switch from dp=3 zero=1 to tp=2
+    in memory (device arrays through the host), and the losses stay the 1-device ones."""
+    gpt, small = os.path.join(EXAMPLES, "gpt.py"), _sets({**SMALL, "data.batch_size": 12})
+    ref, log = tmp_path / "ref.jsonl", tmp_path / "leave.jsonl"
+    run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cpu", "--steps", "6", "--log", str(ref), *small,
+            check=True, timeout=600)
+    run_cli("hspmd", "run", "-n", "3", gpt, "--device", "cuda", "--steps", "6", "--log", str(log), *small,
+            "--strategy", "[0-2]: dp=3 zero=1", "--strategy", "[0,1]: tp=2", check=True, timeout=600,
+            env={**EMULATE, "HSPMD_LEAVE": "2:4"})
+    got = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [g.get("left") for g in got] == [None] * 3 + [[2]] + [None] * 2
+    assert [g["strategy"] for g in got] == [0] * 3 + [1] * 3
+    np.testing.assert_allclose([g["loss"] for g in got], _log(ref), rtol=1e-5)
