@@ -214,3 +214,27 @@ def test_a_gpu_rank_leaves_gracefully_and_the_others_go_on_with_the_one_device_l
     assert [g.get("left") for g in got] == [None] * 3 + [[2]] + [None] * 2
     assert [g["strategy"] for g in got] == [0] * 3 + [1] * 3
     np.testing.assert_allclose([g["loss"] for g in got], _log(ref), rtol=1e-5)
+
+
+def test_dropout_in_a_pipeline_stage_beside_another_group_draws_its_virtual_devices_masks(tmp_path, one_device):
+    """A 2-stage pipeline (2 micro-batches) beside a data-parallel rank, with dropout: each GPU
+    rank's mask kernel takes, per micro-batch, the piece of that micro-batch's virtual device
+    (rank values for every micro-batch, read at the variant's `K_MB`): the 1-device losses."""
+    config = {**SMALL, "model.dropout": 0.2, "microbatches": 2}
+    log = tmp_path / "gpu.jsonl"
+    out = run_cli("hspmd", "run", "-n", "3", os.path.join(EXAMPLES, "gpt.py"), "--strategy",
+                  "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", "--device", "cuda", "--steps", "3", "--log", str(log),
+                  *_sets(config), timeout=600, env=EMULATE)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    np.testing.assert_allclose(_log(log), one_device("gpt.py", {**SMALL, "model.dropout": 0.2}), rtol=1e-4, atol=1e-5)
+    script = load_script(os.path.join(EXAMPLES, "gpt.py"), {**config, "model.dropout": 0.2})
+    compiled = compile_script(script, "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3)
+    masks = [op for _, program in compiled.device_groups() for op in program.walk()
+             if op.name == "kernel.fused" and "dropout" in op.kernel.data and op.rank_values is not None
+             and "hs_start" in op.source.data]
+    assert masks, "no dropout kernel over virtual devices"
+    from hspmd.codegen.nvrtc_check import check_module, nvrtc_status
+
+    if nvrtc_status()[0]:  # the kernels with their table of starts compile for sm_80 and sm_90
+        for _, program in compiled.device_groups():
+            assert all(size > 0 for size in check_module(program).values())

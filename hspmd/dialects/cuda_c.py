@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,15 +216,18 @@ def format_rank_values(values: dict[int, tuple[int, ...]]) -> str:
     return ";".join(f"{r}:{','.join(str(int(v)) for v in vs)}" for r, vs in sorted(values.items()))
 
 
-def global_index(name: str, local_shape, global_shape, shift: dict[int, str] | None = None) -> str:
+def global_index(name: str, local_shape, global_shape, shift: dict[int, str] | None = None,
+                 start: Callable[[int], str] | None = None) -> str:
     """Return C statements setting `long gi` to the row-major index in the global tensor of
     `global_shape` of item `i` of a piece of `local_shape` whose start along dim d is the
-    rank-dependent macro `rank_value(name, d)` (plus the C expression `shift[d]`, if any)."""
+    rank-dependent macro `rank_value(name, d)` (or the C expression `start(d)`), plus the C
+    expression `shift[d]`, if any."""
     strides = contiguous_strides(global_shape)
     lines = ["long gi = 0, rest = i;"]
     for d in reversed(range(len(local_shape))):
         more = f" + {shift[d]}" if shift and d in shift else ""
-        lines.append(f"gi += (rest % {local_shape[d]}L + {rank_value(name, d)}{more}) * {strides[d]}L; "
+        first = start(d) if start is not None else rank_value(name, d)
+        lines.append(f"gi += (rest % {local_shape[d]}L + {first}{more}) * {strides[d]}L; "
                      f"rest /= {local_shape[d]}L;")
     return "\n    ".join(lines)
 

@@ -234,7 +234,3 @@ def piece_starts(op: Operation) -> dict[int, tuple[int, ...]]:
     return {r: tuple(s.start or 0 for s in layout.slices(r, shape)) for r in layout.devices}
 
 
-def rank_dependent(op: Operation) -> EmitError:
-    """Return the error of an op whose device kernel would depend on more than the rank's piece."""
-    return EmitError(f"'{op.name}' in a pipeline stage beside other device groups reads its micro-batch's "
-                     "virtual device: its GPU kernel does not take one yet")

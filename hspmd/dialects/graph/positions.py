@@ -34,6 +34,7 @@ from hspmd.dialects.cuda_c import (
     microbatch_default,
     microbatch_macro,
     rank_defaults,
+    rank_value,
 )
 from hspmd.dialects.graph.base import (
     TensorOp,
@@ -44,7 +45,6 @@ from hspmd.dialects.graph.base import (
     float_attr,
     int_attr,
     piece_starts,
-    rank_dependent,
     result_shape,
     tensor_shape,
 )
@@ -299,6 +299,26 @@ class DropoutOp(TensorOp):
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return dropout_kernel(self, ctx.rank)
 
+    def _microbatch_count(self) -> int:
+        """Return the micro-batches of a stage beside other groups (`microbatch_ranks` per stage rank)."""
+        return len(self.microbatch_ranks.get_values()) // len(self.stage_ranks.get_values())  # type: ignore[union-attr]
+
+    def _virtual_starts(self) -> dict[int, tuple[int, ...]]:
+        """Return, per rank of a stage beside other groups, where each micro-batch's piece (its
+        virtual device's, as `dropout_kernel` takes it) starts along each dim, micro-batch after
+        micro-batch: the rank values of its GPU kernel."""
+        stage = tuple(self.stage_ranks.get_values())  # type: ignore[union-attr]
+        virtual = tuple(self.microbatch_ranks.get_values())  # type: ignore[union-attr]
+        typ = self.global_type
+        shape = typ.get_shape()  # type: ignore[union-attr]
+        layout = layout_of(typ)
+
+        def start(v: int) -> tuple[int, ...]:
+            return tuple(s.start or 0 for s in layout.slices(v, shape)) if layout is not None else (0,) * len(shape)
+
+        return {r: tuple(x for i in range(self._microbatch_count()) for x in start(virtual[i * len(stage) + q]))
+                for q, r in enumerate(stage)}
+
     def cuda_kernel(self, name: str) -> KernelCode:
         """The same counter-based mask as the NumPy kernel (`hs_dropout_key`, `hs_dropout_uniform`
         in hs_common.cuh), for a result that is the whole tensor on every rank."""
@@ -307,21 +327,30 @@ class DropoutOp(TensorOp):
         t = c_type(self.result.type)
         if rate == 0.0:
             return flat_kernel(name, self, t, "out0[i] = in0[i];")
-        if self.microbatch_ranks is not None:  # a stage beside other groups: masks of virtual devices
-            raise rank_dependent(self)
-        starts = piece_starts(self)  # a piece: its items' indices in the global tensor
         local = result_shape(self)
         whole = self.global_type.get_shape() if self.global_type is not None else local
-        defaults, shift = rank_defaults(name, [0] * len(local)), None
+        pre, start = "", None
+        if self.microbatch_ranks is not None and self.stage_ranks is not None:
+            # a stage beside other groups: micro-batch i's piece is that of its virtual device;
+            # a rank's values are every micro-batch's starts, read at the one the variant runs
+            starts, table = self._virtual_starts(), len(local) * self._microbatch_count()
+            defaults = rank_defaults(name, [0] * table) + microbatch_default(name)
+            pre = f"const long long hs_start[] = {{{', '.join(rank_value(name, k) for k in range(table))}}};\n  "
+            start = lambda d: f"hs_start[{microbatch_macro(name)} * {len(local)} + {d}]"  # noqa: E731
+        else:
+            starts = piece_starts(self)  # a piece: its items' indices in the global tensor
+            defaults = rank_defaults(name, [0] * len(local))
+        shift = None
         if self.microbatches is not None and self.microbatch_dim is not None:  # one micro-batch of m along d
             m, d = self.microbatches.value.data, self.microbatch_dim.value.data
             shift = {d: f"{microbatch_macro(name)} * {whole[d]}L"}
             whole = tuple(n * m if k == d else n for k, n in enumerate(whole))
-            defaults += microbatch_default(name)
+            if start is None:
+                defaults += microbatch_default(name)
         elif not starts:
             defaults = ""
-        index = global_index(name, local, whole, shift) if defaults else "long gi = i;"
-        pre = f"const unsigned long long key = hs_dropout_key({seed}ULL, {salt}ULL, (unsigned long long)in1[0]);"
+        index = global_index(name, local, whole, shift, start) if defaults else "long gi = i;"
+        pre += f"const unsigned long long key = hs_dropout_key({seed}ULL, {salt}ULL, (unsigned long long)in1[0]);"
         body = (f"{index}\n    const bool keep = hs_dropout_uniform(key, (unsigned long long)gi) >= {rate!r};\n"
                 f"    out0[i] = keep ? in0[i] * (T){1.0 / (1.0 - rate)!r} : (T)0;")
         code = flat_kernel(name, self, t, body, pre=pre)
