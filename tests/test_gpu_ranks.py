@@ -140,8 +140,9 @@ def test_gpu_ranks_switch_strategies_in_memory_and_trace_every_rank(tmp_path):
     assert {e.get("pid") for e in events if str(e.get("name", "")).startswith("kernel.fused")} == {0, 1}
 
 
-@pytest.mark.parametrize("strategy", ["[0,1]: dp=2", "[0,1]: tp=2", "[0,1]: dp=2 zero=1"])
-def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_losses(strategy):
+@pytest.mark.parametrize("script_name,strategy", [("gpt.py", "[0,1]: dp=2"), ("gpt.py", "[0,1]: tp=2"),
+                                                  ("gpt.py", "[0,1]: dp=2 zero=1"), ("moe.py", "[0,1]: ep=2")])
+def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_losses(script_name, strategy, monkeypatch):
     """Two ranks as threads, each on an emulated device of its own, NCCL the stand-in of
     `tests/fake_nccl.py` (host addresses as device pointers): the groups on distinct GPUs sum
     through `NcclCommunicator` on the device arrays (buckets in their place, all-reduces,
@@ -152,10 +153,19 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
     from hspmd.runtime.comm.nccl import NcclCommunicator
     from conftest import train_plan, train_step
 
-    script = load_script(os.path.join(EXAMPLES, "gpt.py"), SMALL)
+    script = load_script(os.path.join(EXAMPLES, script_name), SMALL if script_name == "gpt.py" else {})
     compiled = compile_script(script, strategy, 2)
     ((_, device),) = compiled.device_groups()
     fake = FakeNccl()
+    through: list[str] = []
+    if "ep=" in strategy:  # the experts' tokens go through NCCL's all-to-all
+        real = NcclCommunicator.all_to_all
+
+        def all_to_all(self, *args, **kw):
+            through.append("all_to_all")
+            return real(self, *args, **kw)
+
+        monkeypatch.setattr(NcclCommunicator, "all_to_all", all_to_all)
 
     def rank(host, through_nccl: bool):
         nccl = NcclCommunicator(host, stream=0, nccl=fake) if through_nccl else None
@@ -169,6 +179,7 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
     nccl = run_spmd(2, lambda host: rank(host, True), timeout=300)
     assert staged[0][1] == 0 and nccl[0][1] > 0 and nccl[1][1] == nccl[0][1]
     np.testing.assert_allclose(nccl[0][0], staged[0][0], rtol=1e-6)
+    assert ("all_to_all" in through) == ("ep=" in strategy)
 
 
 @pytest.mark.mpi

@@ -110,6 +110,14 @@ class CupyDevice(Device):
 
         return copy
 
+    def prepare_copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> Call:
+        rt, stream = self.cupy.cuda.runtime, self.stream.ptr
+
+        def copy() -> None:
+            rt.memcpy2DAsync(dst, dpitch, src, spitch, width, height, rt.memcpyDeviceToDevice, stream)
+
+        return copy
+
     def capture(self, calls: Sequence[Call]) -> Call:
         calls = list(calls)
         stream = self.stream

@@ -65,6 +65,18 @@ class Device(ABC):
     def prepare_copy(self, dst: int, src: int, nbytes: int) -> Call:
         """Return the call copying `nbytes` from `src` to `dst` in device memory."""
 
+    def prepare_copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> Call:
+        """Return the call copying `height` rows of `width` bytes from `src` (rows `spitch` bytes
+        apart) to `dst` (rows `dpitch` bytes apart), as `cudaMemcpy2DAsync` does. Here: a copy
+        per row; a device does it in one call."""
+        rows = [self.prepare_copy(dst + r * dpitch, src + r * spitch, width) for r in range(height)]
+
+        def copy() -> None:
+            for row in rows:
+                row()
+
+        return copy
+
     def capture(self, calls: Sequence[Call]) -> Call:
         """Return one call running `calls` in order (a CUDA graph of them, where the device has graphs)."""
         calls = list(calls)

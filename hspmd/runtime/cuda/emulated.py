@@ -92,6 +92,14 @@ class EmulatedDevice(Device):
         arr_c = self._array(c, (extent(gemm.ldc, gemm.stride_c, gemm.m, gemm.n),), gemm.dtype)
         return lambda: numpy_gemm(gemm, arr_a, arr_b, arr_c)
 
+    def prepare_copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> Call:
+        def rows(ptr: int, pitch: int) -> np.ndarray:
+            span = self._memory(ptr, (height - 1) * pitch + width) if height else self._memory(ptr, 0)
+            return np.lib.stride_tricks.as_strided(span, (height, width), (pitch, 1), writeable=True)
+
+        to, frm = rows(dst, dpitch), rows(src, spitch)
+        return lambda: np.copyto(to, frm)
+
     def prepare_copy(self, dst: int, src: int, nbytes: int) -> Call:
         to, frm = self._memory(dst, nbytes), self._memory(src, nbytes)
         return lambda: np.copyto(to, frm)

@@ -24,8 +24,11 @@ vocabulary range) is built with the rank's values (`kernel.FusedOp.source_for`).
 Where the ranks of a collective's group sit on distinct GPUs (`runtime/comm/select.py`, the
 transport "nccl"), the plan calls the rank's `NcclCommunicator` on the device arrays instead, on
 the plan's stream: all-reduces, broadcasts, all-gathers and reduce-scatters whose pieces are
-contiguous (along the leading dim, or dims before it of size 1), and the buckets' sums in their
-place in the arena; those calls are left out of the graphs too. The other ops stay host-staged.
+contiguous (along the leading dim, or dims before it of size 1), all-to-alls whose chunks are
+(the experts' tokens), and the buckets' sums in their place in the arena; those calls are left
+out of the graphs too. The other ops stay host-staged: gathers along inner dims, and a
+pipeline's sends and receives (NCCL's are blocking in stream order, where the schedules count
+on sends that do not wait).
 
 The all-reduce buckets are the CPU plan's (`codegen/schedule/buckets.py`: the same buckets,
 so a GPU group and a CPU group make the same collectives): a bucket's flat buffer has a place in
@@ -218,6 +221,8 @@ class _Binder:
         self.sums = sum_kernels(device, sums, schedule.rank) if sums else {}
         self.variants = microbatch_kernels(device, schedule)
         self.where: dict[int, int] = {}  # slot -> pointer
+        self.staged_at: dict[tuple[int, int], int] = {}  # packed all-to-all chunks: (bytes, which) -> pointer
+        self.staged_bytes = 0
         self.transposed: set[int] = set()  # slots holding the transpose of their memory's last two dims
 
     def layout(self) -> tuple[int, dict]:
@@ -283,6 +288,7 @@ class _Binder:
             for call in self.step_calls(step, base, offsets, scratch, plan):
                 plan.calls.append(call)
                 plan.labels.append(label)
+        plan.peak_bytes += self.staged_bytes
         for name, slot in s.outputs:
             plan.output_arrays[name] = array(slot, self.where[slot])
         for name, slot in s.assigns:
@@ -341,7 +347,8 @@ class _Binder:
         op = step.op
         assert op is not None
         if op.dialect_name() == "comm":
-            return [self.nccl_call(op, step) or self.staged(op, step)]
+            through = self.nccl_call(op, step)
+            return [self.staged(op, step)] if through is None else through
         if isinstance(op, kernel.FusedOp):
             return self.launches(op, step, scratch)
         if getattr(op, "CUDA_GEMM", False):
@@ -396,8 +403,8 @@ class _Binder:
 
         return [*calls, _host_call(start)]
 
-    def nccl_call(self, op: Operation, step: Step) -> Call | None:
-        """Return the call of collective `op` through NCCL on the device arrays, or None where
+    def nccl_call(self, op: Operation, step: Step) -> list[Call] | None:
+        """Return the calls of collective `op` through NCCL on the device arrays, or None where
         its group is not on distinct GPUs or NCCL's flat layout is not the op's (see the module docstring)."""
         if self.nccl is None or len(step.ins) != 1 or len(step.outs) != 1:
             return None
@@ -413,15 +420,46 @@ class _Binder:
 
         match op:
             case comm.AllReduceOp():
-                return _uncaptured(lambda: nccl.all_reduce(x, group, out=y))
+                return [_uncaptured(lambda: nccl.all_reduce(x, group, out=y))]
             case comm.BroadcastOp():
                 root = group[op.root.value.data]
-                return _uncaptured(lambda: nccl.broadcast(x, group, root, out=y))
+                return [_uncaptured(lambda: nccl.broadcast(x, group, root, out=y))]
             case comm.AllGatherOp() if leading(x.shape, op.dim.value.data):
-                return _uncaptured(lambda: nccl.all_gather(x, group, y))
+                return [_uncaptured(lambda: nccl.all_gather(x, group, y))]
             case comm.ReduceScatterOp() if leading(y.shape, op.dim.value.data):
-                return _uncaptured(lambda: nccl.reduce_scatter(x, group, y))
+                return [_uncaptured(lambda: nccl.reduce_scatter(x, group, y))]
+            case comm.AllToAllOp():
+                return self.all_to_all_calls(x, y, op.split_dim.value.data, op.concat_dim.value.data, group)
         return None
+
+    def all_to_all_calls(self, x: DeviceArray, y: DeviceArray, split: int, concat: int, group) -> list[Call]:
+        """Return the calls of an all-to-all through NCCL, whose chunks are flat and in order:
+        where x's chunks along `split` (or y's along `concat`) are not contiguous, they are
+        packed into (unpacked from) a staging place of the device by 2-D copies first (after)."""
+        n, item = len(group), x.dtype.itemsize
+        device, nccl = self.device, self.nccl
+        calls: list[Call] = []
+        send, recv = x, y
+        x_rows = _chunk_rows(x.shape, split, n, item)
+        y_rows = _chunk_rows(y.shape, concat, n, item)
+        if x_rows[0] > 1:
+            send = DeviceArray(device, self.staging(x.nbytes, 0), x.shape, x.dtype)
+            calls += _chunk_copies(device, send.ptr, x.ptr, n, x_rows, pack=True)
+        if y_rows[0] > 1:
+            recv = DeviceArray(device, self.staging(y.nbytes, 1), y.shape, y.dtype)
+        calls.append(_uncaptured(lambda: nccl.all_to_all(send, group, recv)))
+        if y_rows[0] > 1:
+            calls += _chunk_copies(device, y.ptr, recv.ptr, n, y_rows, pack=False)
+        return calls
+
+    def staging(self, nbytes: int, which: int) -> int:
+        """Return a place of `nbytes` for packed chunks (`which`: 0 the sent, 1 the received),
+        allocated once per size and counted in the plan's device memory."""
+        key = (int(nbytes), which)
+        if key not in self.staged_at:
+            self.staged_at[key] = self.device.alloc(nbytes)
+            self.staged_bytes += _aligned(nbytes)
+        return self.staged_at[key]
 
     def staged(self, op: Operation, step: Step) -> Call:
         """Return the host-staged call of collective `op` (see the module docstring): its
@@ -467,6 +505,29 @@ class _Binder:
             at += _aligned(n * item)
         return [self.device.prepare_launch(kernels, fname, kind, n0, n1, ptrs)
                 for kind, fname, n0, n1 in launch_list]
+
+
+def _chunk_rows(shape, dim: int, n: int, item: int) -> tuple[int, int, int]:
+    """Return how the `n` chunks along `dim` of a contiguous array of `shape` lie in memory:
+    (rows, bytes of a chunk's row, bytes between rows); chunk j's rows start j row-bytes in.
+    One row: the chunks are contiguous, one after the other."""
+    rows = int(np.prod(shape[:dim], dtype=np.int64))
+    inner = int(np.prod(shape[dim + 1:], dtype=np.int64)) * item
+    return rows, shape[dim] // n * inner, shape[dim] * inner
+
+
+def _chunk_copies(device: Device, dst: int, src: int, n: int, layout: tuple[int, int, int], pack: bool) -> list[Call]:
+    """Return the 2-D copies packing the `n` strided chunks (`_chunk_rows`) at `src` one after the
+    other at `dst` (`pack`), or unpacking them from `src` to their rows at `dst`."""
+    rows, width, pitch = layout
+    out = []
+    for j in range(n):
+        flat, strided = j * rows * width, j * width
+        if pack:
+            out.append(device.prepare_copy2d(dst + flat, width, src + strided, pitch, width, rows))
+        else:
+            out.append(device.prepare_copy2d(dst + strided, pitch, src + flat, width, width, rows))
+    return out
 
 
 def _host_call(call: Call) -> Call:
