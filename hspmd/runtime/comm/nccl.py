@@ -65,6 +65,10 @@ def _count(a: Any) -> int:
     return int(np.prod(a.shape, dtype=np.int64))
 
 
+#: the first NCCL whose calls a CUDA graph may capture (2.9.6, as `ncclGetVersion` gives it)
+CAPTURE_VERSION = 20906
+
+
 class NcclCommunicator:
     """Collectives and point-to-point on device memory through NCCL (see the module docstring).
 
@@ -86,6 +90,15 @@ class NcclCommunicator:
     def rank(self) -> int:
         """Return the caller's global rank."""
         return self.host.rank
+
+    @property
+    def captures(self) -> bool:
+        """Return whether NCCL's calls may be captured in a CUDA graph (NCCL 2.9.6 and later)."""
+        version = getattr(self.nccl, "get_version", None)
+        try:
+            return callable(version) and int(version()) >= CAPTURE_VERSION
+        except Exception:  # noqa: BLE001 - a library that cannot say: not captured
+            return False
 
     @property
     def size(self) -> int:

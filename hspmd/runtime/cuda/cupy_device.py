@@ -42,6 +42,7 @@ class CupyDevice(Device):
         name = props["name"]
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.side = cupy.cuda.Stream(non_blocking=True)  # collectives overlapping the plan's stream
         self._memory: list = []  # the allocations, alive with the device
         self._pinned: dict[tuple[int, int], tuple[np.ndarray, object]] = {}  # buffer, event after its copy
         self._events: dict[int, list] = {}  # a traced step's CUDA events, by the number of calls
@@ -110,6 +111,27 @@ class CupyDevice(Device):
 
         return copy
 
+    def prepare_fork(self) -> Call:
+        return self._ordering(self.stream, self.side)
+
+    def prepare_join(self) -> Call:
+        return self._ordering(self.side, self.stream)
+
+    def _ordering(self, first, then) -> Call:
+        """Return the call making stream `then` wait for the work queued on `first` so far (an
+        event of its own, so that a graph capture records the dependency as an edge)."""
+        event = self.cupy.cuda.Event(disable_timing=True)
+
+        def order() -> None:
+            event.record(first)
+            then.wait_event(event)
+
+        return order
+
+    def prepare_on_side(self, work) -> Call:
+        side = self.side.ptr
+        return lambda: work(side)
+
     def prepare_copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> Call:
         rt, stream = self.cupy.cuda.runtime, self.stream.ptr
 
@@ -141,6 +163,7 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self.side.synchronize()
 
     def time_calls(self, calls: Sequence[Call], clock) -> list[tuple[float, float]]:
         """A CUDA event recorded before the first call and after each one, on the plan's stream;

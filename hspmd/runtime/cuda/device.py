@@ -2,9 +2,10 @@
 
 A `Device` allocates memory, copies to, from and within it, makes the kernels of a device
 program, and prepares the calls a step makes: a kernel launch, a GEMM with cuBLAS's
-conventions (`gemm.Gemm`), a copy. A prepared call takes no argument (every pointer is fixed
-when the plan is built), so a step is a list of calls, which `capture` may turn into one CUDA
-graph. `EmulatedDevice` and `CupyDevice` implement it; nothing else in the plan knows which.
+conventions (`gemm.Gemm`), a copy, and work on a side stream forked from and joined to the
+plan's stream by events (a gradient bucket's sum overlapping the backward). A prepared call
+takes no argument (every pointer is fixed when the plan is built), so a step is a list of calls,
+which `capture` may turn into one CUDA graph. `EmulatedDevice` and `CupyDevice` implement it; nothing else in the plan knows which.
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ class Device(ABC):
     @abstractmethod
     def prepare_copy(self, dst: int, src: int, nbytes: int) -> Call:
         """Return the call copying `nbytes` from `src` to `dst` in device memory."""
+
+    def prepare_fork(self) -> Call:
+        """Return the call making the side stream wait for the work queued on the plan's stream so
+        far (a CUDA event recorded there, waited for on the side stream). Here: nothing to wait for."""
+        return lambda: None
+
+    def prepare_on_side(self, work: Callable[[int], None]) -> Call:
+        """Return the call queuing `work(stream)` on the side stream (a collective overlapping
+        the plan's stream: a gradient bucket's sum). Here: at once, one stream."""
+        return lambda: work(0)
+
+    def prepare_join(self) -> Call:
+        """Return the call making the plan's stream wait for the work queued on the side stream
+        so far. Here: nothing to wait for."""
+        return lambda: None
 
     def prepare_copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> Call:
         """Return the call copying `height` rows of `width` bytes from `src` (rows `spitch` bytes

@@ -6,7 +6,9 @@ and a wrong one shows up as wrong numbers (or a crash) here first. Device memory
 (one NumPy buffer per allocation, its address the pointer); a kernel launch calls the launcher
 of the program's CPU build (`codegen/cpu_compile.py`: the same CUDA C under `cuda_emu.h`, a
 launch in chunks on the runtime's threads); a GEMM runs `gemm.numpy_gemm` on views of the
-memory with cuBLAS's leading dimensions and strides. `team` > 1 runs row launches with that
+memory with cuBLAS's leading dimensions and strides. The side stream's work (a bucket's sum) is
+queued and runs when the plan's stream joins it (or at a download), so a step that reads what
+the side stream writes before joining it reads wrong numbers here. `team` > 1 runs row launches with that
 many emulated threads per block (real barriers and warp shuffles: the GPU algorithm as written).
 
 It is a test device: `hspmd run --device cuda` never falls back to it.
@@ -35,6 +37,24 @@ class EmulatedDevice(Device):
     def __init__(self, team: int = 1) -> None:
         self.team = team
         self._blocks: list[np.ndarray] = []  # the memory handed out, kept alive with the device
+        self._side: list = []  # the side stream's work, run when the plan's stream joins it
+
+    def prepare_on_side(self, work) -> Call:
+        side = self._side
+        return lambda: side.append(work)
+
+    def prepare_join(self) -> Call:
+        return lambda: self._run_side()
+
+    def _run_side(self) -> None:
+        """Run the side stream's work queued so far (late, as a GPU may: a step that reads a
+        bucket's sums before joining the side stream reads them unsummed here)."""
+        work, self._side[:] = list(self._side), []
+        for w in work:
+            w(0)
+
+    def synchronize(self) -> None:
+        self._run_side()
 
     def alloc(self, nbytes: int) -> int:
         block = np.zeros(max(int(nbytes), 1) + ALIGN, np.uint8)
@@ -60,6 +80,7 @@ class EmulatedDevice(Device):
         np.copyto(self._memory(ptr, array.nbytes), array.reshape(-1).view(np.uint8))
 
     def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        self._run_side()
         return self._array(ptr, shape, dtype).copy()
 
     def kernels(self, module: Operation, rank: int = 0) -> KernelSet:

@@ -30,6 +30,12 @@ out of the graphs too. The other ops stay host-staged: gathers along inner dims,
 pipeline's sends and receives (NCCL's are blocking in stream order, where the schedules count
 on sends that do not wait).
 
+A bucket summed through NCCL runs on the device's side stream: its start forks the side stream
+from the plan's (an event), queues the all-reduce there, and its wait joins it back, so the sum
+overlaps the rest of the backward. Where NCCL allows capture (2.9.6 on) its calls, forks and
+joins are captured in the step's graph with the rest (the side stream a parallel branch);
+otherwise they run between the graphs.
+
 The all-reduce buckets are the CPU plan's (`codegen/schedule/buckets.py`: the same buckets,
 so a GPU group and a CPU group make the same collectives): a bucket's flat buffer has a place in
 the arena, its members' producers write into it, its start downloads it and starts the
@@ -378,8 +384,8 @@ class _Binder:
         if step.kind == "bucket-wait":
             for k, o in enumerate(step.outs):
                 self.where[o] = at + self._member_offset(step.bucket, k)
-            if on_device:  # summed in place on the plan's stream by its start
-                return []
+            if on_device:  # summed in place on the side stream by its start: the plan's stream joins it
+                return [self._nccl(device.prepare_join())]
 
             def wait() -> None:
                 bucket.wait()
@@ -392,10 +398,11 @@ class _Binder:
             if self.where[a] != dst:
                 calls.append(device.prepare_copy(dst, self.where[a], bucket.views[k].nbytes))
 
-        if on_device:
+        if on_device:  # summed on the side stream, overlapping the rest of the backward
             flat = DeviceArray(device, at, bucket.buffer.shape, bucket.dtype)
             nccl, group = self.nccl, bucket.group
-            return [*calls, _uncaptured(lambda: nccl.all_reduce(flat, group))]
+            side = device.prepare_on_side(lambda stream: nccl.all_reduce(flat, group, stream=stream))
+            return [*calls, self._nccl(device.prepare_fork()), self._nccl(side)]
 
         def start() -> None:
             np.copyto(bucket.buffer, device.download(at, bucket.buffer.shape, bucket.dtype))
@@ -420,14 +427,14 @@ class _Binder:
 
         match op:
             case comm.AllReduceOp():
-                return [_uncaptured(lambda: nccl.all_reduce(x, group, out=y))]
+                return [self._nccl(lambda: nccl.all_reduce(x, group, out=y))]
             case comm.BroadcastOp():
                 root = group[op.root.value.data]
-                return [_uncaptured(lambda: nccl.broadcast(x, group, root, out=y))]
+                return [self._nccl(lambda: nccl.broadcast(x, group, root, out=y))]
             case comm.AllGatherOp() if leading(x.shape, op.dim.value.data):
-                return [_uncaptured(lambda: nccl.all_gather(x, group, y))]
+                return [self._nccl(lambda: nccl.all_gather(x, group, y))]
             case comm.ReduceScatterOp() if leading(y.shape, op.dim.value.data):
-                return [_uncaptured(lambda: nccl.reduce_scatter(x, group, y))]
+                return [self._nccl(lambda: nccl.reduce_scatter(x, group, y))]
             case comm.AllToAllOp():
                 return self.all_to_all_calls(x, y, op.split_dim.value.data, op.concat_dim.value.data, group)
         return None
@@ -447,10 +454,16 @@ class _Binder:
             calls += _chunk_copies(device, send.ptr, x.ptr, n, x_rows, pack=True)
         if y_rows[0] > 1:
             recv = DeviceArray(device, self.staging(y.nbytes, 1), y.shape, y.dtype)
-        calls.append(_uncaptured(lambda: nccl.all_to_all(send, group, recv)))
+        calls.append(self._nccl(lambda: nccl.all_to_all(send, group, recv)))
         if y_rows[0] > 1:
             calls += _chunk_copies(device, y.ptr, recv.ptr, n, y_rows, pack=False)
         return calls
+
+    def _nccl(self, call: Call) -> Call:
+        """Return `call` (an NCCL call, or a fork or join of the side stream) as the step's
+        graphs take it: captured where NCCL allows capture (`NcclCommunicator.captures`), else
+        run between the graphs."""
+        return call if self.nccl is not None and self.nccl.captures else _uncaptured(call)
 
     def staging(self, nbytes: int, which: int) -> int:
         """Return a place of `nbytes` for packed chunks (`which`: 0 the sent, 1 the received),
