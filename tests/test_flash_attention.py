@@ -491,11 +491,16 @@ def test_the_pass_keeps_a_16bit_programs_numbers(dtype, causal, rate):
     and on the emulated device, and they are no further from attention in float64 (of the same
     16-bit inputs) than the chain, which rounds the scores, the probabilities and their
     gradients to 16 bits on the way; the fused kernels round once, where they store."""
+    _check_16bit_program(dtype, causal, rate, (3, 21, 16), EmulatedDevice())
+
+
+def _check_16bit_program(dtype, causal, rate, btd, device):
+    """The checks of `test_the_pass_keeps_a_16bit_programs_numbers`, the device plans on `device`."""
     from hspmd.compiler import run_passes
     from hspmd.dialects.context import parse_module
 
     npdt, eps = SIXTEEN[dtype]
-    b, t, d = 3, 21, 16
+    b, t, d = btd
     plain = parse_module(_attention_ir(causal, rate, b, t, d, dtype=dtype))
     run_passes(plain, "fuse-kernels,device-kernels")
     flash = plain.clone()
@@ -510,8 +515,8 @@ def test_the_pass_keeps_a_16bit_programs_numbers(dtype, causal, rate):
                                                               causal=causal, rate=rate, step=4, seed=5, salt=2)))
     (comm,) = InProcessCommunicator.create_world(1)
     chains = [build_plan(train_step(plain), 0, comm).run({}, inputs),
-              build_device_plan(train_step(plain), 0, EmulatedDevice()).run({}, inputs)]
-    for plan in (build_plan(train_step(flash), 0, comm), build_device_plan(train_step(flash), 0, EmulatedDevice())):
+              build_device_plan(train_step(plain), 0, device).run({}, inputs)]
+    for plan in (build_plan(train_step(flash), 0, comm), build_device_plan(train_step(flash), 0, device)):
         got = plan.run({}, inputs)
         for name in ("o", "dq", "dk", "dv"):
             g = np.asarray(got[name])
@@ -534,12 +539,17 @@ def test_a_16bit_emulated_run_gives_the_unfused_runs_losses(programs, name):
     far apart: cuBLAS-like GEMMs against NumPy's). The weights themselves are not compared:
     after three Adam steps from zero a bias whose gradient is rounding noise (k's, which the
     softmax does not see) is that noise's sign."""
-    script, compiled, fused, plain, flash = programs[name]
+    _check_16bit_run(programs[name], EmulatedDevice())
+
+
+def _check_16bit_run(program, device):
+    """The checks of `test_a_16bit_emulated_run_gives_the_unfused_runs_losses` on `device`."""
+    script, compiled, fused, plain, flash = program
     eps = SIXTEEN["bf16" if script.config["precision"] == "bfloat16" else "f16"][1]
     (comm,) = InProcessCommunicator.create_world(1)
     cpu, cpu_state = train_plan(build_plan(train_step(fused), 0, comm), script, compiled, 3)
-    off, off_state = train_plan(build_device_plan(train_step(plain), 0, EmulatedDevice()), script, compiled, 3)
-    got, state = train_plan(build_device_plan(train_step(flash), 0, EmulatedDevice()), script, compiled, 3)
+    off, off_state = train_plan(build_device_plan(train_step(plain), 0, device), script, compiled, 3)
+    got, state = train_plan(build_device_plan(train_step(flash), 0, device), script, compiled, 3)
     for ref in (off, cpu):
         np.testing.assert_allclose(got, ref, rtol=eps / 8)
     moments = [k for k in state if k.startswith("opt.m.")]
@@ -547,3 +557,18 @@ def test_a_16bit_emulated_run_gives_the_unfused_runs_losses(programs, name):
     for k in moments:
         for ref in (off_state, cpu_state):
             assert _rel(state[k].astype(np.float64), ref[k].astype(np.float64)) < 8 * eps, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", sorted(SIXTEEN))
+@pytest.mark.parametrize("causal,rate,btd", [(True, 0.1, (32, 256, 64)), (False, 0.0, (8, 130, 128))])
+def test_the_16bit_kernels_on_a_gpu_keep_the_programs_numbers(gpu, dtype, causal, rate, btd):
+    """`test_the_pass_keeps_a_16bit_programs_numbers` with the device plans on a GPU (its GEMMs
+    for the unfused chain, NVRTC's build of the fused kernels), at the sizes of a real layer."""
+    _check_16bit_program(dtype, causal, rate, btd, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gpt-bf16", "gpt-f16", "llama-bf16"])
+def test_a_16bit_gpu_run_gives_the_unfused_runs_losses(gpu, programs, name):
+    _check_16bit_run(programs[name], gpu)
