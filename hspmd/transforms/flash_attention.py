@@ -24,10 +24,30 @@ weight gradient reads it: the backward kernel reads o in that layout); k takes t
 where the forward had it written out for the backward only. The T x T scores and
 probabilities are never written.
 
-What the chain must be: float32, q, k, v of one shape [..., T, D] with D <= 128 (the kernels'
-tiles), self-attention (as many keys as queries), one scale and one dropout (same rate, seed,
-salt) forward and backward, and every intermediate value used only by the chain (p and pd may
-also be residuals). A chain that is not so, or whose backward is not found, stays as it is.
+In a bfloat16 or float16 program (`precision=bfloat16`, `float16`) the chain is the same with
+casts: the products and the scale and mask are 16-bit, the softmax and its gradient compute in
+float32 between casts (as autodiff writes them: `p` is float32, the residual the softmax
+gradient reads, and what the dropout and the product read is `p` cast to 16 bits):
+
+    s16 = matmul(q, kT)    kernel[scale, causal_mask](s16)    cast to f32    p = kernel[softmax]
+    p16 = cast(p)          pd = kernel[dropout](p16, step)    o = matmul(pd, v)
+    ... dp = kernel[dropout](dpd16, step)    cast to f32    ds = kernel[softmax_grad](p, dp)
+    cast to 16 bits        dsc = kernel[causal_mask(0), scale](ds16)    dq, dkT as above
+
+The pass looks through casts between float types anywhere in these runs of kernels (one kernel
+or several, each read only by the next). The fused ops then take q, k, v, o, do and give o, dq,
+dk, dv in the program's 16-bit type, with a float32 logsumexp; their kernels compute in float32
+(`dialects/graph/attention.py` says what they round where). So they round less than the chain
+they replace, which rounds the scores, their scale, the probabilities, their dropout and the
+gradients of each to 16 bits on the way: their results differ from the chain's by about the
+16-bit type's rounding, and are closer to attention computed exactly (tests/test_flash_attention.py).
+
+What the chain must be: q, k, v, the product's operands and its result of one type (float32,
+bfloat16 or float16; p float32 or that type), of one shape [..., T, D] with D <= 128 (the
+kernels' tiles), self-attention (as many keys as queries), one scale and one dropout (same rate,
+seed, salt) forward and backward, do, dq, dk, dv of q's type, and every intermediate value used
+only by the chain (p and pd may also be residuals). A chain that is not so, or whose backward
+is not found, stays as it is.
 """
 
 from __future__ import annotations

@@ -18,7 +18,17 @@ kernels (float64, rounded to the result type) are the reference tests hold the C
 Shapes: q, v, o [..., T, D]; k [..., T, D], or [..., D, T] with `k_transposed` (the residual a
 GEMM's transpose flag left behind); the backward's o may be [B, T, H, D] for q [B, H, T, D]
 (`o_heads_inside`: its layout before the heads merge, which the layer keeps for its projection's
-gradient); lse [..., T] (float32); the leading dims are one batch of B x H heads. Tiles are sized
+gradient); lse [..., T] (float32); the leading dims are one batch of B x H heads.
+
+Types: q, k, v, o, do and dq, dk, dv are all float32, or all bfloat16, or all float16 (stored
+as 16 bits, `codegen/hs_float16.cuh`); lse and the backward's scratch `D = rowsum(dO o)` are
+float32 always. The kernels compute in float32 whatever the storage: a 16-bit q, k, v, o or do
+is widened exactly when it is read (into the float32 tiles in shared memory, or straight from
+global memory); the scores `scale q k^T`, the running maximum and sum, the probabilities and
+their dropout, the accumulator of `p v`, the logsumexp, `D`, the recomputed `p`, `dp`, `ds` and
+the accumulators of dq, dk, dv are float32 and never rounded to 16 bits. A 16-bit result is
+rounded once, to nearest even, where it is stored: o (`acc / l`), dq and dk (times the scale),
+dv. The backward's `D` is computed from o as stored (16-bit o, rounded), as the kernels get it. Tiles are sized
 per head dim so that a block's static shared memory stays under 48 KiB (sm_80 and sm_90 without
 opting in to more): D <= 128.
 """
