@@ -100,13 +100,7 @@ HS_KERNEL void {name}_fwd({params}) {
         float a[4][{cc}];
         for (int r = 0; r < 4; ++r)
           for (int b = 0; b < {cc}; ++b) a[r][b] = acc[(i0 + r) * {d} + c0 + b] * crow[i0 + r];
-        for (int jj = 0; jj < kn; ++jj) {
-          float pr[4], vc[{cc}];
-          for (int r = 0; r < 4; ++r) pr[r] = s[(i0 + r) * {bk} + jj];
-          for (int b = 0; b < {cc}; ++b) vc[b] = kv[jj * {dp} + c0 + b];
-          for (int r = 0; r < 4; ++r)
-            for (int b = 0; b < {cc}; ++b) a[r][b] += pr[r] * vc[b];
-        }
+        hs_tile_madd<4, {cc}>(a, s + i0 * {bk}, {bk}, 1, kv + c0, {dp}, kn);
         for (int r = 0; r < 4; ++r)
           for (int b = 0; b < {cc}; ++b) acc[(i0 + r) * {d} + c0 + b] = a[r][b];
       }
@@ -210,13 +204,8 @@ HS_KERNEL void {name}_dkv({params}) {
         float a[2][{cc}], b[2][{cc}];
         for (int r = 0; r < 2; ++r)
           for (int e = 0; e < {cc}; ++e) { a[r][e] = dv[(j0 + r) * {d} + c0 + e]; b[r][e] = dk[(j0 + r) * {d} + c0 + e]; }
-        for (int ii = 0; ii < qn; ++ii) {
-          float pc[2], sc[2], gc[{cc}], qc[{cc}];
-          for (int r = 0; r < 2; ++r) { pc[r] = pds[ii * {bkv} + j0 + r]; sc[r] = dss[ii * {bkv} + j0 + r]; }
-          for (int e = 0; e < {cc}; ++e) { gc[e] = gs[ii * {dp} + c0 + e]; qc[e] = qs[ii * {dp} + c0 + e]; }
-          for (int r = 0; r < 2; ++r)
-            for (int e = 0; e < {cc}; ++e) { a[r][e] += pc[r] * gc[e]; b[r][e] += sc[r] * qc[e]; }
-        }
+        hs_tile_madd<2, {cc}>(a, pds + j0, 1, {bkv}, gs + c0, {dp}, qn);  // dv += pd^T do
+        hs_tile_madd<2, {cc}>(b, dss + j0, 1, {bkv}, qs + c0, {dp}, qn);  // dk += ds^T q
         for (int r = 0; r < 2; ++r)
           for (int e = 0; e < {cc}; ++e) { dv[(j0 + r) * {d} + c0 + e] = a[r][e]; dk[(j0 + r) * {d} + c0 + e] = b[r][e]; }
       }
@@ -300,13 +289,7 @@ HS_KERNEL void {name}_dq({params}) {
         float a[4][{cc}];
         for (int r = 0; r < 4; ++r)
           for (int e = 0; e < {cc}; ++e) a[r][e] = dq[(i0 + r) * {d} + c0 + e];
-        for (int jj = 0; jj < kn; ++jj) {
-          float sc[4], kc[{cc}];
-          for (int r = 0; r < 4; ++r) sc[r] = dss[(i0 + r) * {bk3} + jj];
-          for (int e = 0; e < {cc}; ++e) kc[e] = ks[jj * {dp} + c0 + e];
-          for (int r = 0; r < 4; ++r)
-            for (int e = 0; e < {cc}; ++e) a[r][e] += sc[r] * kc[e];
-        }
+        hs_tile_madd<4, {cc}>(a, dss + i0 * {bk3}, {bk3}, 1, ks + c0, {dp}, kn);
         for (int r = 0; r < 4; ++r)
           for (int e = 0; e < {cc}; ++e) dq[(i0 + r) * {d} + c0 + e] = a[r][e];
       }
