@@ -39,7 +39,16 @@ import math
 from typing import ClassVar
 
 import numpy as np
-from xdsl.dialects.builtin import I64, BFloat16Type, Float16Type, Float32Type, FloatAttr, IntegerAttr, TensorType, f32
+from xdsl.dialects.builtin import (
+    I64,
+    BFloat16Type,
+    Float16Type,
+    Float32Type,
+    FloatAttr,
+    IntegerAttr,
+    TensorType,
+    f32,
+)
 from xdsl.ir import SSAValue
 from xdsl.irdl import (
     IRDLOperation,
