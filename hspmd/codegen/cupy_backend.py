@@ -72,7 +72,7 @@ def kernel_for(op):
     fns = _raw_kernels(op.source.data, tuple(name for _, name, _, _ in launches))
     in_dtypes = [np.dtype(dtype_name(v.type)) for v in op.inputs]
     outs = [(tuple(v.type.get_shape()), np.dtype(dtype_name(v.type))) for v in op.outputs]
-    t = np.dtype({"f32": "float32", "f64": "float64"}[op.dtype.data])
+    t = np.dtype("float64" if op.dtype.data == "f64" else "float32")  # scratch: the compute type (float for 16 bits)
     scratch = op.scratch_sizes
     configs = [launch_config(kind, n0, n1) for kind, _, n0, n1 in launches]
 

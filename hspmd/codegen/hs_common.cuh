@@ -92,6 +92,21 @@ template <class T> __device__ __forceinline__ T hs_sigmoid(T x) {
   T e = hs_exp(x >= T(0) ? -x : x);
   return x >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
 }
+// ---- micro-tile products (flash attention's p v, ds k, pd^T dO and ds^T q from its tiles)
+// acc[r][c] += sum over k < n of a[r * ar + k * ak] * b[k * bk + c], k in order: each value
+// read serves R or C products. `a` and `b` are float tiles (shared memory on a GPU).
+template <int R, int C>
+__device__ __forceinline__ void hs_tile_madd(float (&acc)[R][C], const float* a, int ar, int ak, const float* b,
+                                             int bk, int n) {
+  for (int k = 0; k < n; ++k) {
+    float av[R], bv[C];
+    for (int r = 0; r < R; ++r) av[r] = a[r * ar + k * ak];
+    for (int c = 0; c < C; ++c) bv[c] = b[k * bk + c];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] += av[r] * bv[c];
+  }
+}
+
 // ---- counter-based random numbers: graph.dropout's (positions.py has the NumPy side)
 // the splitmix64 finaliser, a bijection of 64-bit words with good avalanche
 __device__ __forceinline__ unsigned long long hs_mix64(unsigned long long z) {

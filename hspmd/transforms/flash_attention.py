@@ -24,10 +24,30 @@ weight gradient reads it: the backward kernel reads o in that layout); k takes t
 where the forward had it written out for the backward only. The T x T scores and
 probabilities are never written.
 
-What the chain must be: float32, q, k, v of one shape [..., T, D] with D <= 128 (the kernels'
-tiles), self-attention (as many keys as queries), one scale and one dropout (same rate, seed,
-salt) forward and backward, and every intermediate value used only by the chain (p and pd may
-also be residuals). A chain that is not so, or whose backward is not found, stays as it is.
+In a bfloat16 or float16 program (`precision=bfloat16`, `float16`) the chain is the same with
+casts: the products and the scale and mask are 16-bit, the softmax and its gradient compute in
+float32 between casts (as autodiff writes them: `p` is float32, the residual the softmax
+gradient reads, and what the dropout and the product read is `p` cast to 16 bits):
+
+    s16 = matmul(q, kT)    kernel[scale, causal_mask](s16)    cast to f32    p = kernel[softmax]
+    p16 = cast(p)          pd = kernel[dropout](p16, step)    o = matmul(pd, v)
+    ... dp = kernel[dropout](dpd16, step)    cast to f32    ds = kernel[softmax_grad](p, dp)
+    cast to 16 bits        dsc = kernel[causal_mask(0), scale](ds16)    dq, dkT as above
+
+The pass looks through casts between float types anywhere in these runs of kernels (one kernel
+or several, each read only by the next). The fused ops then take q, k, v, o, do and give o, dq,
+dk, dv in the program's 16-bit type, with a float32 logsumexp; their kernels compute in float32
+(`dialects/graph/attention.py` says what they round where). So they round less than the chain
+they replace, which rounds the scores, their scale, the probabilities, their dropout and the
+gradients of each to 16 bits on the way: their results differ from the chain's by about the
+16-bit type's rounding, and are closer to attention computed exactly (tests/test_flash_attention.py).
+
+What the chain must be: q, k, v, the product's operands and its result of one type (float32,
+bfloat16 or float16; p float32 or that type), of one shape [..., T, D] with D <= 128 (the
+kernels' tiles), self-attention (as many keys as queries), one scale and one dropout (same rate,
+seed, salt) forward and backward, do, dq, dk, dv of q's type, and every intermediate value used
+only by the chain (p and pd may also be residuals). A chain that is not so, or whose backward
+is not found, stays as it is.
 """
 
 from __future__ import annotations
@@ -36,11 +56,12 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import Float32Type, ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, kernel
+from hspmd.dialects.cuda_c import float_kind
 from hspmd.dialects.graph.attention import (
     MAX_HEAD_DIM,
     FlashAttentionGradOp,
@@ -125,15 +146,71 @@ def _shape(v: SSAValue) -> tuple[int, ...]:
     return tuple(v.type.get_shape())  # type: ignore[attr-defined]
 
 
-def _f32(v: SSAValue) -> bool:
-    return isinstance(v.type, TensorType) and isinstance(v.type.element_type, Float32Type)
+#: the storage types whose chains the pass fuses (the kernels compute in float32 for all)
+_FLOAT_KINDS = ("f32", "bf16", "f16")
+
+
+def _kind(v: SSAValue) -> str | None:
+    """Return "f32", "bf16" or "f16" for a tensor of that element type, else None."""
+    kind = float_kind(v.type, reduced=True)
+    return kind if kind in _FLOAT_KINDS else None
+
+
+def _kernel_links(op: Operation, allowed: tuple[str, ...]) -> list[Operation] | None:
+    """Return the member ops of `op` where it is a one-input, one-output kernel (or a lone op)
+    whose ops each read the last (a chain) and are all named in `allowed`, else None."""
+    if op is None or len(op.results) != 1 or len(op.operands) != 1:
+        return None
+    ms = _members(op)
+    if not ms or any(m.name not in allowed for m in ms):
+        return None
+    return _chain(op, [m.name for m in ms])
+
+
+def _peel_casts(v: SSAValue) -> tuple[SSAValue, list[Operation]]:
+    """Return (x, the cast kernels) where `v` is float value x cast (once or more) between float
+    types, each cast read by the next only: a 16-bit program's softmax and its gradient compute
+    in float32 between casts from and to the 16-bit type; (v, []) where it is not a cast."""
+    casts: list[Operation] = []
+    while (op := _owner(v)) is not None and _kernel_links(op, ("graph.cast",)) is not None \
+            and _kind(op.operands[0]) is not None and (not casts or len(list(v.uses)) == 1):
+        casts.append(op)
+        v = op.operands[0]
+    return v, casts
+
+
+def _run_back(v: SSAValue, allowed: tuple[str, ...]) -> tuple[SSAValue, list[Operation], list[Operation]]:
+    """Walk back from `v` through chain kernels of ops in `allowed` (and casts), each read only by
+    the next; return (the first one's input, the kernels in program order, their member ops)."""
+    kernels: list[Operation] = []
+    while (op := _owner(v)) is not None and _kernel_links(op, (*allowed, "graph.cast")) is not None \
+            and (not kernels or len(list(v.uses)) == 1):
+        kernels.insert(0, op)
+        v = op.operands[0]
+    return v, kernels, [m for k in kernels for m in _members(k)]
+
+
+def _run_forward(v: SSAValue, allowed: tuple[str, ...]) -> tuple[SSAValue, list[Operation], list[Operation]]:
+    """Walk on from `v` through chain kernels of ops in `allowed` (and casts), each the only
+    reader of the last's result; return (the last one's result, the kernels, their member ops)."""
+    kernels: list[Operation] = []
+    while (user := _single_use(v)) is not None and _kernel_links(user, (*allowed, "graph.cast")) is not None:
+        kernels.append(user)
+        v = user.results[0]
+    return v, kernels, [m for k in kernels for m in _members(k)]
+
+
+def _named(ms: list[Operation]) -> list[str]:
+    """Return the names of member ops `ms`, the casts left out."""
+    return [m.name for m in ms if m.name != "graph.cast"]
 
 
 @dataclass
 class _Forward:
     fn: func.FuncOp
     qk: Operation
-    sm: Operation
+    sm: list[Operation]  # the kernels from the scores to p: scale, mask, softmax (and casts)
+    casts: list[Operation]  # those from p to what the dropout (or the product) reads
     drop: Operation | None
     pv: Operation
     q: SSAValue
@@ -149,13 +226,17 @@ class _Forward:
     causal: bool
 
 
-def _softmax_facts(sm: Operation) -> tuple[float, bool] | None:
-    """Return (scale, causal) of the scores' kernel (scale, causal mask of -inf, softmax over the last dim)."""
+def _softmax_facts(p: SSAValue) -> tuple[float, bool, SSAValue, list[Operation]] | None:
+    """Return (scale, causal, the scores, the kernels) where `p` is the scores' kernels' result:
+    scale, causal mask of -inf, softmax over the last dim (one kernel in a float32 program; in a
+    16-bit one casts to float32 and back between kernels of them)."""
+    s, kernels, ms = _run_back(p, ("graph.scale", "graph.causal_mask", "graph.softmax"))
+    if not kernels or _members(kernels[-1])[-1].name != "graph.softmax":
+        return None
     for names, causal in ((["graph.scale", "graph.causal_mask", "graph.softmax"], True),
                           (["graph.causal_mask", "graph.scale", "graph.softmax"], True),
                           (["graph.scale", "graph.softmax"], False)):
-        ms = _chain(sm, names)
-        if ms is None:
+        if _named(ms) != names:
             continue
         scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
         mask = [m for m in ms if m.name == "graph.causal_mask"]
@@ -164,7 +245,7 @@ def _softmax_facts(sm: Operation) -> tuple[float, bool] | None:
         soft = ms[-1]
         if soft.dim.value.data != len(_shape(soft.results[0])) - 1:  # type: ignore[attr-defined]
             return None
-        return float(scale), causal
+        return float(scale), causal, s, kernels
     return None
 
 
@@ -174,11 +255,11 @@ def _match_forward(fn: func.FuncOp, pv: Operation) -> _Forward | None:
     pd, v = pv.operands
     dropped = _dropout(pd)
     p, step, dropout = (dropped[0], dropped[1], dropped[2]) if dropped else (pd, None, None)
-    sm = _owner(p)
-    facts = _softmax_facts(sm) if sm is not None else None
+    p, casts = _peel_casts(p)  # a 16-bit program's softmax computes in float32: p is that
+    facts = _softmax_facts(p)
     if facts is None:
         return None
-    s = sm.operands[0]  # type: ignore[union-attr]
+    s = facts[2]
     qk = _owner(s)
     if not _is_matmul(qk) or len(list(s.uses)) != 1:
         return None
@@ -186,11 +267,12 @@ def _match_forward(fn: func.FuncOp, pv: Operation) -> _Forward | None:
     shape = _shape(q)
     if len(shape) < 3 or shape[-1] > MAX_HEAD_DIM or _shape(v) != shape or _shape(kt) != (*shape[:-2], shape[-1], shape[-2]):
         return None
-    if not all(_f32(x) for x in (q, kt, v, p, pd)):
+    kind = _kind(q)
+    if kind is None or any(_kind(x) != kind for x in (kt, v, pd, pv.results[0])) or _kind(p) not in (kind, "f32"):
         return None
     k = _swapped(kt)
-    return _Forward(fn, qk, sm, _owner(pd) if dropped else None, pv, q, kt, k if k is not None else kt, k is None, v,  # type: ignore[arg-type]
-                    p, pd, step, dropout, facts[0], facts[1])
+    return _Forward(fn, qk, facts[3], casts, _owner(pd) if dropped else None, pv, q, kt, k if k is not None else kt,  # type: ignore[arg-type]
+                    k is None, v, p, pd, step, dropout, facts[0], facts[1])
 
 
 #: what calls a layer's forward or backward function: a scan over the layers, or a call
@@ -327,6 +409,10 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
                              kt: SSAValue, v: SSAValue) -> _Backward | None:
     dp = sg.operands[1]
     ops = [sg]
+    if len(list(dp.uses)) != 1:
+        return None
+    dp, casts = _peel_casts(dp)  # a 16-bit program's softmax_grad computes in float32
+    ops += casts
     step = None
     if fwd.dropout is not None:
         dropped = _dropout(dp)
@@ -347,18 +433,15 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
     if dv_op is None:
         return None
     ops.append(dv_op)
-    ds = sg.results[0]
-    sc = _single_use(ds)
+    dsc, scaled, ms = _run_forward(sg.results[0], ("graph.scale", "graph.causal_mask"))
     names = (["graph.causal_mask", "graph.scale"], ["graph.scale", "graph.causal_mask"]) if fwd.causal else (["graph.scale"],)
-    ms = next((m for n in names if (m := _chain(sc, n)) is not None), None)
-    if ms is None:
+    if _named(ms) not in names:
         return None
     scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
     mask = [m for m in ms if m.name == "graph.causal_mask"]
     if scale != fwd.scale or (mask and mask[0].value.value.data != 0.0):  # type: ignore[attr-defined]
         return None
-    ops.append(sc)  # type: ignore[arg-type]
-    dsc = sc.results[0]  # type: ignore[union-attr]
+    ops += scaled
     uses = list(dsc.uses)
     if len(uses) != 2:
         return None
@@ -367,6 +450,8 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
     dk_op = next((u.operation for u in uses if _is_matmul(u.operation) and u.index == 1
                   and _swapped(u.operation.operands[0]) is q), None)
     if dq_op is None or dk_op is None:
+        return None
+    if any(_kind(x) != _kind(q) for x in (do, dq_op.results[0], dk_op.results[0], dv_op.results[0])):
         return None
     ops += [dq_op, dk_op]
     block = fn.body.block
@@ -555,7 +640,7 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
         bwd.dkt.replace_all_uses_with(back.result)
         made.append((bwd.fn, back))
     _erase_dead(bwd.ops)
-    fwd_ops = [fwd.pv, *([fwd.drop] if fwd.drop else []), fwd.sm, fwd.qk]
+    fwd_ops = [fwd.pv, *([fwd.drop] if fwd.drop else []), *reversed(fwd.casts), *reversed(fwd.sm), fwd.qk]
     if link is None:
         _erase_dead(fwd_ops)
     if not fwd.k_transposed and [u.operation for u in bwd.kt.uses] == [grad]:

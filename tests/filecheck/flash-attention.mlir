@@ -41,3 +41,46 @@ builtin.module {
 // CHECK-NOT:     tensor<2x6x6xf32>
 // CHECK-NOT:     graph.transpose
 // CHECK:         func.return [[O]], [[DQ]], [[DK]], [[DV]] :
+
+// The same in bfloat16, as a precision=bfloat16 program has it: the products, scale and mask in
+// 16 bits, the softmax and its gradient in float32 between casts. The fused kernels store
+// bf16 (hs_bf16) and a float32 logsumexp; no value of [B, T, T] is left, of either type.
+
+builtin.module {
+  func.func @attention_bf16(%q: tensor<2x6x8xbf16>, %k: tensor<2x6x8xbf16>, %v: tensor<2x6x8xbf16>, %do: tensor<2x6x8xbf16>) -> (tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>) {
+    %kt = graph.transpose %k {perm = array<i64: 0, 2, 1>} : (tensor<2x6x8xbf16>) -> tensor<2x8x6xbf16>
+    %s = graph.matmul %q, %kt : (tensor<2x6x8xbf16>, tensor<2x8x6xbf16>) -> tensor<2x6x6xbf16>
+    %ss = graph.scale %s {factor = 0.35355339059327373 : f64} : (tensor<2x6x6xbf16>) -> tensor<2x6x6xbf16>
+    %m = graph.causal_mask %ss {value = 0xFFF0000000000000 : f64} : (tensor<2x6x6xbf16>) -> tensor<2x6x6xbf16>
+    %mf = graph.cast %m : (tensor<2x6x6xbf16>) -> tensor<2x6x6xf32>
+    %p = graph.softmax %mf {dim = 2 : i64} : (tensor<2x6x6xf32>) -> tensor<2x6x6xf32>
+    %p16 = graph.cast %p : (tensor<2x6x6xf32>) -> tensor<2x6x6xbf16>
+    %o = graph.matmul %p16, %v : (tensor<2x6x6xbf16>, tensor<2x6x8xbf16>) -> tensor<2x6x8xbf16>
+    %vt = graph.transpose %v {perm = array<i64: 0, 2, 1>} : (tensor<2x6x8xbf16>) -> tensor<2x8x6xbf16>
+    %dp = graph.matmul %do, %vt : (tensor<2x6x8xbf16>, tensor<2x8x6xbf16>) -> tensor<2x6x6xbf16>
+    %pt = graph.transpose %p16 {perm = array<i64: 0, 2, 1>} : (tensor<2x6x6xbf16>) -> tensor<2x6x6xbf16>
+    %dv = graph.matmul %pt, %do : (tensor<2x6x6xbf16>, tensor<2x6x8xbf16>) -> tensor<2x6x8xbf16>
+    %dpf = graph.cast %dp : (tensor<2x6x6xbf16>) -> tensor<2x6x6xf32>
+    %dsf = graph.softmax_grad %p, %dpf {dim = 2 : i64} : (tensor<2x6x6xf32>, tensor<2x6x6xf32>) -> tensor<2x6x6xf32>
+    %ds = graph.cast %dsf : (tensor<2x6x6xf32>) -> tensor<2x6x6xbf16>
+    %dm = graph.causal_mask %ds {value = 0.000000e+00 : f64} : (tensor<2x6x6xbf16>) -> tensor<2x6x6xbf16>
+    %dsc = graph.scale %dm {factor = 0.35355339059327373 : f64} : (tensor<2x6x6xbf16>) -> tensor<2x6x6xbf16>
+    %ktt = graph.transpose %kt {perm = array<i64: 0, 2, 1>} : (tensor<2x8x6xbf16>) -> tensor<2x6x8xbf16>
+    %dq = graph.matmul %dsc, %ktt : (tensor<2x6x6xbf16>, tensor<2x6x8xbf16>) -> tensor<2x6x8xbf16>
+    %qt = graph.transpose %q {perm = array<i64: 0, 2, 1>} : (tensor<2x6x8xbf16>) -> tensor<2x8x6xbf16>
+    %dkt = graph.matmul %qt, %dsc : (tensor<2x8x6xbf16>, tensor<2x6x6xbf16>) -> tensor<2x8x6xbf16>
+    %dk = graph.transpose %dkt {perm = array<i64: 0, 2, 1>} : (tensor<2x8x6xbf16>) -> tensor<2x6x8xbf16>
+    func.return %o, %dq, %dk, %dv : tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>
+  }
+}
+
+// CHECK-LABEL: func.func @attention_bf16
+// CHECK-NOT:     tensor<2x6x6x
+// CHECK:         [[O:%.*]], [[LSE:%.*]] = "kernel.fused"(%q, %k, %v) <{kernel = "[[F:k[0-9]+]]_flash_attention", dtype = "bf16", source = "{{.*}}HS_KERNEL void [[F]]_flash_attention_fwd(const hs_bf16* in0, const hs_bf16* in1, const hs_bf16* in2, hs_bf16* out0, float* out1,
+// CHECK:           "graph.flash_attention"({{.*}}) {{.*}} : (tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>) -> (tensor<2x6x8xbf16>, tensor<2x6xf32>)
+// CHECK-NOT:     tensor<2x6x6x
+// CHECK:         [[DQ:%.*]], [[DK:%.*]], [[DV:%.*]] = "kernel.fused"(%q, %k, %v, [[O]], %do, [[LSE]]) <{kernel = "[[G:k[0-9]+]]_flash_attention_grad", dtype = "bf16",
+// CHECK:           "graph.flash_attention_grad"({{.*}}) {{.*}} : (tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6xf32>) -> (tensor<2x6x8xbf16>, tensor<2x6x8xbf16>, tensor<2x6x8xbf16>)
+// CHECK-NOT:     tensor<2x6x6x
+// CHECK-NOT:     graph.transpose
+// CHECK:         func.return [[O]], [[DQ]], [[DK]], [[DV]] :

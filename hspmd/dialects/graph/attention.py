@@ -18,7 +18,17 @@ kernels (float64, rounded to the result type) are the reference tests hold the C
 Shapes: q, v, o [..., T, D]; k [..., T, D], or [..., D, T] with `k_transposed` (the residual a
 GEMM's transpose flag left behind); the backward's o may be [B, T, H, D] for q [B, H, T, D]
 (`o_heads_inside`: its layout before the heads merge, which the layer keeps for its projection's
-gradient); lse [..., T] (float32); the leading dims are one batch of B x H heads. Tiles are sized
+gradient); lse [..., T] (float32); the leading dims are one batch of B x H heads.
+
+Types: q, k, v, o, do and dq, dk, dv are all float32, or all bfloat16, or all float16 (stored
+as 16 bits, `codegen/hs_float16.cuh`); lse and the backward's scratch `D = rowsum(dO o)` are
+float32 always. The kernels compute in float32 whatever the storage: a 16-bit q, k, v, o or do
+is widened exactly when it is read (into the float32 tiles in shared memory, or straight from
+global memory); the scores `scale q k^T`, the running maximum and sum, the probabilities and
+their dropout, the accumulator of `p v`, the logsumexp, `D`, the recomputed `p`, `dp`, `ds` and
+the accumulators of dq, dk, dv are float32 and never rounded to 16 bits. A 16-bit result is
+rounded once, to nearest even, where it is stored: o (`acc / l`), dq and dk (times the scale),
+dv. The backward's `D` is computed from o as stored (16-bit o, rounded), as the kernels get it. Tiles are sized
 per head dim so that a block's static shared memory stays under 48 KiB (sm_80 and sm_90 without
 opting in to more): D <= 128.
 """
@@ -29,7 +39,16 @@ import math
 from typing import ClassVar
 
 import numpy as np
-from xdsl.dialects.builtin import I64, FloatAttr, IntegerAttr, TensorType
+from xdsl.dialects.builtin import (
+    I64,
+    BFloat16Type,
+    Float16Type,
+    Float32Type,
+    FloatAttr,
+    IntegerAttr,
+    TensorType,
+    f32,
+)
 from xdsl.ir import SSAValue
 from xdsl.irdl import (
     IRDLOperation,
@@ -59,9 +78,12 @@ from hspmd.dialects.graph.attention_cuda import (
 from hspmd.dialects.graph.base import float_attr, int_attr, tensor_shape, tensor_type
 from hspmd.dialects.graph.positions import dropout_key, dropout_uniform
 from hspmd.dialects.interfaces import Kernel, KernelContext
+from hspmd.ir.types import dtype_name
 
 __all__ = ["FlashAttentionGradOp", "FlashAttentionOp"]
 
+#: the element types of q, k, v, o (and of do, dq, dk, dv): the kernels compute in float32
+STORED = (Float32Type, BFloat16Type, Float16Type)
 #: the largest head dim the kernels take (their tiles are sized for it)
 MAX_HEAD_DIM = 128
 #: the column count a row launch passes so that the GPU runs it with 128 threads a block
@@ -160,7 +182,8 @@ class _FlashFacts(IRDLOperation):
         """Return operands that agree with each other (to check a kernel against the NumPy one):
         q, k, v and do normal with deviation 1/2, o and lse the forward's, the step 0."""
         *lead, t, d = tensor_shape(self.operands[0])
-        q, k, v, do = ((0.5 * rng.standard_normal((*lead, t, d))).astype(np.float32) for _ in range(4))
+        dt = np.dtype(dtype_name(self.operands[0].type))
+        q, k, v, do = ((0.5 * rng.standard_normal((*lead, t, d))).astype(dt) for _ in range(4))
         kin = np.ascontiguousarray(np.swapaxes(k, -1, -2)) if self.k_transposed.value.data else k
         step = [np.array(0, np.int64)] if self.step is not None else []
         if isinstance(self, FlashAttentionOp):
@@ -188,16 +211,21 @@ class _FlashFacts(IRDLOperation):
             raise VerifyException(f"'{self.name}' rate must be in [0, 1)")
         if (self.rate.value.data > 0.0) != (self.step is not None):
             raise VerifyException(f"'{self.name}' takes a step operand exactly when it drops out")
+        stored = [self.operands[i].type.element_type for i in (0, 1, 2)]  # type: ignore[attr-defined]
+        if len(set(stored)) != 1 or not isinstance(stored[0], STORED):
+            raise VerifyException(f"'{self.name}': q, k, v must be of one float type (f32, bf16, f16), got "
+                                  f"{', '.join(map(str, stored))}")
 
     def _kernel_parts(self) -> dict[str, str]:
         _, t, d = self.dims()
         if d > MAX_HEAD_DIM:
             raise EmitError(f"'{self.name}' with head dim {d} > {MAX_HEAD_DIM}")
-        if c_type(self.operands[0].type) != "float":
-            raise EmitError(f"'{self.name}' computes in float32 only")
+        st = c_type(self.operands[0].type)
+        if st not in ("float", "hs_bf16", "hs_half"):
+            raise EmitError(f"'{self.name}' stores float32, bfloat16 or float16 only, not {st}")
         rate = self.rate.value.data
         kt = bool(self.k_transposed.value.data)
-        parts = {"t": str(t), "d": str(d), "dp": str(d + 1), "causal": "1" if self.causal.value.data else "0",
+        parts = {"st": st, "t": str(t), "d": str(d), "dp": str(d + 1), "causal": "1" if self.causal.value.data else "0",
                  "scale": flit(self.scale.value.data), **{k: str(v) for k, v in tiles(d).items()}}
         # element (key k0 + jj, column c) of this head's keys
         parts["kload"] = "kb[(long)c * {t}L + k0 + jj]" if kt else "kb[(k0 + jj) * {d}L + c]"
@@ -237,7 +265,7 @@ class FlashAttentionOp(_FlashFacts):
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, step: SSAValue | None, *, scale: float, causal: bool,
                  k_transposed: bool = False, rate: float = 0.0, seed: int = 0, salt: int = 0):
         qt = q.type
-        lse = tensor_type(qt.element_type, tensor_shape(q)[:-1])  # type: ignore[attr-defined]
+        lse = tensor_type(f32, tensor_shape(q)[:-1])  # float32 whatever q's type
         super().__init__(operands=[q, k, v, [step] if step is not None else []], result_types=[qt, lse],
                          properties=self.props(scale, causal, k_transposed, rate, seed, salt))
 
@@ -293,6 +321,11 @@ class FlashAttentionGradOp(_FlashFacts):
             raise VerifyException(f"'{self.name}': o [B, T, H, D] needs q [B, H, T, D], got {list(q)}")
         if tensor_shape(self.o) != o or tensor_shape(self.do) != q or tensor_shape(self.lse) != q[:-1]:
             raise VerifyException(f"'{self.name}': o, do or lse do not fit q {list(q)}")
+        et = self.q.type.element_type  # type: ignore[attr-defined]
+        if self.o.type.element_type != et or self.do.type.element_type != et:  # type: ignore[attr-defined]
+            raise VerifyException(f"'{self.name}': o and do must be of q's type {et}")
+        if not isinstance(self.lse.type.element_type, Float32Type):  # type: ignore[attr-defined]
+            raise VerifyException(f"'{self.name}': lse must be float32")
 
     def numpy_kernel(self, ctx: KernelContext) -> Kernel:
         return lambda *args: flash_attention_grad_values(self, *args)

@@ -34,14 +34,14 @@ HS_KERNEL void {name}_fwd({params}) {
   HS_TILE float kv[{bk} * {dp}];
   HS_TILE float s[{bq} * {bk}];
   HS_TILE float mrow[{bq}], lrow[{bq}], crow[{bq}];
-  const float* q = in0; const float* k = in1; const float* v = in2;
+  const {st}* q = in0; const {st}* k = in1; const {st}* v = in2;
   {keydecl}
   HS_ROWS(r, n0) {
     const long bh = r / {nqb}L, q0 = (r % {nqb}L) * {bq}L;
     const int rows = {t}L - q0 < {bq}L ? (int)({t}L - q0) : {bq};
-    const float* qb = q + (bh * {t}L + q0) * {d}L;
-    const float* kb = k + bh * {t}L * {d}L;
-    const float* vb = v + bh * {t}L * {d}L;
+    const {st}* qb = q + (bh * {t}L + q0) * {d}L;
+    const {st}* kb = k + bh * {t}L * {d}L;
+    const {st}* vb = v + bh * {t}L * {d}L;
     const long kend = {causal} ? q0 + rows : {t}L;
     for (int x = threadIdx.x; x < {bq} * {d}; x += blockDim.x) acc[x] = 0.0f;
     for (int i = threadIdx.x; i < {bq}; i += blockDim.x) { mrow[i] = -HS_INF; lrow[i] = 0.0f; crow[i] = 1.0f; }
@@ -57,7 +57,7 @@ HS_KERNEL void {name}_fwd({params}) {
       for (int x = threadIdx.x; x < {bq} / 4 * ({bk} / {cs}); x += blockDim.x) {
         const int i0 = x / ({bk} / {cs}) * 4, j0 = x % ({bk} / {cs}) * {cs};
         if (i0 >= rows) continue;
-        const float* qr[4];
+        const {st}* qr[4];
         for (int a = 0; a < 4; ++a) qr[a] = qb + (long)(i0 + a < rows ? i0 + a : i0) * {d};
         float dot[4][{cs}];
         for (int a = 0; a < 4; ++a)
@@ -100,13 +100,7 @@ HS_KERNEL void {name}_fwd({params}) {
         float a[4][{cc}];
         for (int r = 0; r < 4; ++r)
           for (int b = 0; b < {cc}; ++b) a[r][b] = acc[(i0 + r) * {d} + c0 + b] * crow[i0 + r];
-        for (int jj = 0; jj < kn; ++jj) {
-          float pr[4], vc[{cc}];
-          for (int r = 0; r < 4; ++r) pr[r] = s[(i0 + r) * {bk} + jj];
-          for (int b = 0; b < {cc}; ++b) vc[b] = kv[jj * {dp} + c0 + b];
-          for (int r = 0; r < 4; ++r)
-            for (int b = 0; b < {cc}; ++b) a[r][b] += pr[r] * vc[b];
-        }
+        hs_tile_madd<4, {cc}>(a, s + i0 * {bk}, {bk}, 1, kv + c0, {dp}, kn);
         for (int r = 0; r < 4; ++r)
           for (int b = 0; b < {cc}; ++b) acc[(i0 + r) * {d} + c0 + b] = a[r][b];
       }
@@ -124,10 +118,10 @@ BWD_DOT = """\
 // {name}_dot: the rows' dO . O
 HS_KERNEL void {name}_dot({params}) {
   HS_FOR(i, n0) {
-    const float* oi = in3 + {orow};
-    const float* gi = in4 + i * {d}L;
+    const {st}* oi = in3 + {orow};
+    const {st}* gi = in4 + i * {d}L;
     float acc = 0.0f;
-    for (int c = 0; c < {d}; ++c) acc += gi[c] * oi[c];
+    for (int c = 0; c < {d}; ++c) acc += (float)gi[c] * (float)oi[c];
     scratch0[i] = acc;
   }
 }
@@ -151,13 +145,13 @@ HS_KERNEL void {name}_dkv({params}) {
   HS_TILE float qs[{bq2} * {dp}], gs[{bq2} * {dp}];
   HS_TILE float pds[{bq2} * {bkv}], dss[{bq2} * {bkv}];
   HS_TILE float ls[{bq2}], dsum[{bq2}];
-  const float* q = in0; const float* k = in1; const float* v = in2; const float* g = in4; const float* lse = in5;
+  const {st}* q = in0; const {st}* k = in1; const {st}* v = in2; const {st}* g = in4; const float* lse = in5;
   {keydecl}
   HS_ROWS(r, n0) {
     const long bh = r / {nkb}L, k0 = (r % {nkb}L) * {bkv}L;
     const int kn = {t}L - k0 < {bkv}L ? (int)({t}L - k0) : {bkv};
-    const float* kb = k + bh * {t}L * {d}L;
-    const float* vb = v + bh * {t}L * {d}L;
+    const {st}* kb = k + bh * {t}L * {d}L;
+    const {st}* vb = v + bh * {t}L * {d}L;
     for (int x = threadIdx.x; x < {bkv} * {d}; x += blockDim.x) { dk[x] = 0.0f; dv[x] = 0.0f; }
     for (int x = threadIdx.x; x < kn * {d}; x += blockDim.x) {
       const int jj = x / {d}, c = x % {d};
@@ -210,13 +204,8 @@ HS_KERNEL void {name}_dkv({params}) {
         float a[2][{cc}], b[2][{cc}];
         for (int r = 0; r < 2; ++r)
           for (int e = 0; e < {cc}; ++e) { a[r][e] = dv[(j0 + r) * {d} + c0 + e]; b[r][e] = dk[(j0 + r) * {d} + c0 + e]; }
-        for (int ii = 0; ii < qn; ++ii) {
-          float pc[2], sc[2], gc[{cc}], qc[{cc}];
-          for (int r = 0; r < 2; ++r) { pc[r] = pds[ii * {bkv} + j0 + r]; sc[r] = dss[ii * {bkv} + j0 + r]; }
-          for (int e = 0; e < {cc}; ++e) { gc[e] = gs[ii * {dp} + c0 + e]; qc[e] = qs[ii * {dp} + c0 + e]; }
-          for (int r = 0; r < 2; ++r)
-            for (int e = 0; e < {cc}; ++e) { a[r][e] += pc[r] * gc[e]; b[r][e] += sc[r] * qc[e]; }
-        }
+        hs_tile_madd<2, {cc}>(a, pds + j0, 1, {bkv}, gs + c0, {dp}, qn);  // dv += pd^T do
+        hs_tile_madd<2, {cc}>(b, dss + j0, 1, {bkv}, qs + c0, {dp}, qn);  // dk += ds^T q
         for (int r = 0; r < 2; ++r)
           for (int e = 0; e < {cc}; ++e) { dv[(j0 + r) * {d} + c0 + e] = a[r][e]; dk[(j0 + r) * {d} + c0 + e] = b[r][e]; }
       }
@@ -238,13 +227,13 @@ HS_KERNEL void {name}_dq({params}) {
   HS_TILE float dq[{bq3} * {d}];
   HS_TILE float ks[{bk3} * {dp}], vs[{bk3} * {dp}];
   HS_TILE float dss[{bq3} * {bk3}];
-  const float* q = in0; const float* k = in1; const float* v = in2; const float* g = in4; const float* lse = in5;
+  const {st}* q = in0; const {st}* k = in1; const {st}* v = in2; const {st}* g = in4; const float* lse = in5;
   {keydecl}
   HS_ROWS(r, n0) {
     const long bh = r / {nqb3}L, q0 = (r % {nqb3}L) * {bq3}L;
     const int rows = {t}L - q0 < {bq3}L ? (int)({t}L - q0) : {bq3};
-    const float* kb = k + bh * {t}L * {d}L;
-    const float* vb = v + bh * {t}L * {d}L;
+    const {st}* kb = k + bh * {t}L * {d}L;
+    const {st}* vb = v + bh * {t}L * {d}L;
     const long kend = {causal} ? q0 + rows : {t}L;
     for (int x = threadIdx.x; x < {bq3} * {d}; x += blockDim.x) dq[x] = 0.0f;
     for (long k0 = 0; k0 < kend; k0 += {bk3}) {
@@ -259,8 +248,8 @@ HS_KERNEL void {name}_dq({params}) {
       for (int x = threadIdx.x; x < {bq3} / {r3} * ({bk3} / {c3}); x += blockDim.x) {
         const int i0 = x / ({bk3} / {c3}) * {r3}, j0 = x % ({bk3} / {c3}) * {c3};
         if (i0 >= rows) continue;
-        const float* qr[{r3}];
-        const float* gr[{r3}];
+        const {st}* qr[{r3}];
+        const {st}* gr[{r3}];
         for (int a = 0; a < {r3}; ++a) {
           const long row = bh * {t}L + q0 + (i0 + a < rows ? i0 + a : i0);
           qr[a] = q + row * {d}L;
@@ -300,13 +289,7 @@ HS_KERNEL void {name}_dq({params}) {
         float a[4][{cc}];
         for (int r = 0; r < 4; ++r)
           for (int e = 0; e < {cc}; ++e) a[r][e] = dq[(i0 + r) * {d} + c0 + e];
-        for (int jj = 0; jj < kn; ++jj) {
-          float sc[4], kc[{cc}];
-          for (int r = 0; r < 4; ++r) sc[r] = dss[(i0 + r) * {bk3} + jj];
-          for (int e = 0; e < {cc}; ++e) kc[e] = ks[jj * {dp} + c0 + e];
-          for (int r = 0; r < 4; ++r)
-            for (int e = 0; e < {cc}; ++e) a[r][e] += sc[r] * kc[e];
-        }
+        hs_tile_madd<4, {cc}>(a, dss + i0 * {bk3}, {bk3}, 1, ks + c0, {dp}, kn);
         for (int r = 0; r < 4; ++r)
           for (int e = 0; e < {cc}; ++e) dq[(i0 + r) * {d} + c0 + e] = a[r][e];
       }
