@@ -68,10 +68,12 @@ def fused_ops(module: Operation) -> list[kernel.FusedOp]:
 
 
 def launch_specs(op: kernel.FusedOp) -> list[cpu_compile.LaunchSpec]:
-    """Return the CPU launch specs of `op`: each launch with the C types of its pointer args."""
+    """Return the CPU launch specs of `op`: each function it launches (once, however many
+    launches it makes of it: a sort's passes) with the C types of its pointer args."""
     t = C_FLOAT[op.dtype.data]
     types = tuple([c_type(v.type) for v in (*op.inputs, *op.outputs)] + [t] * len(op.scratch_sizes))
-    return [cpu_compile.LaunchSpec(kind, fname, types) for kind, fname, _, _ in op.launch_list]
+    kinds = {fname: kind for kind, fname, _, _ in op.launch_list}
+    return [cpu_compile.LaunchSpec(kind, fname, types) for fname, kind in kinds.items()]
 
 
 def build_program(module: Operation, team: bool = False, rank: int = 0) -> Path:
