@@ -637,11 +637,12 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     return CompiledPS(worker, plan, server_updates, update_program(dense, opt) if dense else None, str(parsed))
 
 
-def write_ps_bundle(compiled: CompiledPS, directory: str) -> str:
-    """Write a parameter-server bundle: the worker's bundle, its update steps and `ps.json`."""
+def write_ps_bundle(compiled: CompiledPS, directory: str, device: bool = False) -> str:
+    """Write a parameter-server bundle: the worker's bundle (with its GPU program where `device`:
+    the workers run on GPUs), its update steps and `ps.json`."""
     from hspmd.ir.ps_plan import DENSE_UPDATE_FILE, PLAN_FILE, SERVER_UPDATE_FILE
 
-    write_bundle(compiled.worker, directory)
+    write_bundle(compiled.worker, directory, device=device)
     bundle.atomic_write_text(f"{directory}/{PLAN_FILE}", compiled.plan.to_json())
     for k, module in enumerate(compiled.server_updates):
         bundle.atomic_write_text(f"{directory}/{SERVER_UPDATE_FILE.format(k=k)}", str(module))

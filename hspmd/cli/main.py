@@ -281,13 +281,13 @@ def run_device(args) -> str:
     asked = "cuda" if args.kernels == "cuda" else args.device
     args.device_asked = asked  # for --strategy auto, whose groups' device= keys the planner gives
     entries = device_entries(asked, args.n)
-    if args.servers is not None:  # GPU runs with parameter servers: not yet
+    if args.servers is not None:  # parameter servers: GPU workers where asked by name
         entries = ["cpu" if e == "auto" else e for e in entries]
     kinds = rank_devices(entries, strategy_device_keys(args))
     if "cuda" in kinds:
-        if args.servers is not None:
-            raise DeviceError("--device cuda does not go together with parameter servers yet "
-                              "(their pulls and pushes run on the host)")
+        if args.servers is not None and len(set(kinds)) > 1:
+            raise DeviceError(f"--servers needs one device kind for every worker (got --device {devices_text(kinds)}); "
+                              "the servers run on the host")
         if args.elastic and len(set(kinds)) > 1:  # a restart on fewer ranks: which kind was lost is not known
             raise DeviceError(f"--elastic needs one device kind for every rank (got --device {devices_text(kinds)}): "
                               "a restart on the ranks left would not know which kind each one is")

@@ -56,8 +56,9 @@ def run_parameter_servers(args) -> int:
     script = load_script(args.script, parse_overrides(args.set))
     compiled = compile_ps(script, args.strategy, args.servers)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
-    write_ps_bundle(compiled, bundle)
-    argv = ["-m", "hspmd.runtime.ps.main", bundle, "--kernels", args.kernels]
+    on_gpu = getattr(args, "device", "cpu") == "cuda"  # every worker (hspmd.cli.main.run_device); servers on the host
+    write_ps_bundle(compiled, bundle, device=on_gpu)
+    argv = ["-m", "hspmd.runtime.ps.main", bundle, "--kernels", args.kernels, "--device", "cuda" if on_gpu else "cpu"]
     for name in ("steps", "log"):
         if getattr(args, name, None) is not None:
             argv += ["--" + name, str(getattr(args, name))]

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--log")
     parser.add_argument("--kernels", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the workers' steps run")
     parser.add_argument("--slow", help="R:SECONDS: worker R sleeps that long each step")
     parser.add_argument("--slow-bursts", help="F:SEED: every worker slowed F times in bursts of 1-2 steps (bursts.py)")
     parser.add_argument("--cpu-bind", help="one core per rank (workers, then servers), e.g. 0,1,0")
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 bursts = BurstSchedule(factor, burst_seed, rank)
             _, lost = train_worker(args.bundle, rank, plan, world, workers, steps, args.log,
                                    args.kernels, slow=slow, seconds=args.seconds, silent_s=2 * args.silent,
-                                   heartbeat=heartbeat, checkpoints=checkpoints, resumed=resumed, bursts=bursts)
+                                   heartbeat=heartbeat, checkpoints=checkpoints, resumed=resumed, bursts=bursts,
+                                   device=args.device)
         else:
             from hspmd.runtime.ps.server import Server
 

@@ -246,7 +246,8 @@ def _evaluate(script: str, params: dict, config: dict) -> dict:
 def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communicator, steps: int | None,
                  log: str | None, kernels: str = "cpu", quiet: bool = False, slow: float = 0.0,
                  seconds: float | None = None, silent_s: float = 120.0, heartbeat=None, checkpoints=None,
-                 resumed: tuple[dict, int] | None = None, bursts=None) -> tuple[list[float], dict[int, int]]:
+                 resumed: tuple[dict, int] | None = None, bursts=None,
+                 device: str = "cpu") -> tuple[list[float], dict[int, int]]:
     """Run this worker's steps; return (its logged losses, the workers the servers lost). `slow` (seconds) is slept each step (a
     slowed worker, for tests and benchmarks); `bursts` (a `bursts.BurstSchedule`) slows this
     worker's own work in the steps it says (a bursty straggler); with `seconds` the worker stops starting steps once
@@ -256,9 +257,12 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     step; `resumed` = (dense tensors, step) starts the run after that step. Rank 0 then
     evaluates the servers' parameters with the script's `evaluate` (if it has one) and logs the
     result as one more line, and the lost workers ({worker: step}) as another,
-    `{"lost_workers": {"1": 5}}`."""
+    `{"lost_workers": {"1": 5}}`. With `device` "cuda" the worker's step runs as the bundle's GPU
+    program on the rank's GPU (`runtime/cuda/plan.py`): the worker's state stays on the host,
+    where the pulls write it, and each step uploads it (a table whole, not only its pulled
+    rows) and downloads the gradients it pushes."""
     from hspmd.runtime.comm.inprocess import InProcessCommunicator
-    from hspmd.runtime.worker import RunError, _group_program, load_batches, step_inputs
+    from hspmd.runtime.worker import RunError, _group_program, _load_device_program, load_batches, step_inputs
     from hspmd.runtime.kernel_exec import select_program
     from hspmd.runtime.plan import build_plan
     from hspmd.ir.ps_plan import DENSE_UPDATE_FILE
@@ -267,17 +271,24 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
     entry = manifest.group_for(0)
     path = os.path.join(bundle, entry.program)
     kernel_path = os.path.join(bundle, entry.kernels) if entry.kernels is not None else None
-    module = select_program(lambda: _group_program(path, 0, verify=True),
-                            (lambda: _group_program(kernel_path, 0)) if kernel_path else None, kernels)
-    fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
-              and op.sym_name.data == "train_step")
-    program = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
+    on_gpu = device == "cuda"
+    if on_gpu:  # the worker's program has no collective: a world of its own
+        program = _load_device_program(bundle, manifest, entry, InProcessCommunicator.create_world(1)[0],
+                                       quiet or rank != 0, cuda_graph=True).plan
+    else:
+        module = select_program(lambda: _group_program(path, 0, verify=True),
+                                (lambda: _group_program(kernel_path, 0)) if kernel_path else None, kernels)
+        fn = next(op for op in module.body.block.ops if getattr(op, "sym_name", None) is not None
+                  and op.sym_name.data == "train_step")
+        program = build_plan(fn, 0, InProcessCommunicator.create_world(1)[0])
     dense_path = os.path.join(bundle, DENSE_UPDATE_FILE)
     dense = UpdateStep(open(dense_path).read(), dense_path) if os.path.exists(dense_path) else None
     config = manifest.config
     steps = int(config.get("steps", 10) if steps is None else steps)
     seed = int(config.get("seed", 0))
     state = program.initial_state(seed)
+    if on_gpu:  # the pulls and the dense updates write the state on the host
+        state = {name: np.asarray(value) for name, value in state.items()}
     if dense is not None:  # the dense optimizer states live on the workers under hybrid
         state.update({k: v for k, v in dense.initial_state(seed).items() if k not in state})
     names = {leaf.name: leaf.global_shape for leaf in program.inputs}
@@ -321,7 +332,7 @@ def train_worker(bundle: str, rank: int, plan: PSPlan, world, workers: Communica
                 time.sleep(slow)
             computing = time.perf_counter()
             inputs = {**mine, **step_inputs(step, config, names)}
-            outputs = program.run(state, program.local_batch(inputs))
+            outputs = program.run(dict(state) if on_gpu else state, program.local_batch(inputs))
             loss = float(outputs["loss"])
             grads = {k[len(GRAD_PREFIX):]: v for k, v in outputs.items() if k.startswith(GRAD_PREFIX)}
             if bursts is not None:  # its own work (all but the pull's wait) taken `factor` times as long
