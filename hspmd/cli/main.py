@@ -249,7 +249,7 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
                 f"(strategy '{manifest.strategy}') but -n is {n}"
             )
         return args.script
-    from hspmd.runtime.idle import compile_working, idle_ranks
+    from hspmd.runtime.idle import compile_working, mark_working_ranks
 
     script = load_script(args.script, parse_overrides(args.set))
     ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)
@@ -272,13 +272,7 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
         args.device = planned_devices(args, compiled, n, ranks)  # the plan's device= keys decide "auto" entries
     kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in ranks]
     write_bundle(compiled, bundle, device=kinds)  # GPU programs for the groups of GPU ranks
-    idle = idle_ranks(ranks, n)
-    if idle:
-        from hspmd.codegen.bundle import write_manifest
-
-        manifest = read_manifest(bundle)
-        manifest.ranks, manifest.world_size = list(ranks), n
-        write_manifest(bundle, manifest)
+    mark_working_ranks(bundle, ranks, n)
     return bundle
 
 

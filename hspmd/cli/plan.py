@@ -158,17 +158,24 @@ def cmd_plan(args) -> int:
           f"+ {_mib(facts.state_bytes)} of optimizer states, tp up to {max(facts.tp_degrees)}, up to {facts.max_pp} "
           f"stages; read in {read:.1f} s, {len(fits) + len(over)} candidates searched in {searched:.2f} s")
     shown = ([chosen] + [c for c in fits if c is not chosen])[: args.top]
-    rows = [["#", "strategy", "settings", "step ms", "memory/rank", "compute", "bubble", "tp", "pp", "dp", "why not"]]
+    shown_over = over[: max(0, args.top - len(shown))]
+    idle = any(c.idle_ranks for c in shown + shown_over)  # a column saying which ranks a candidate leaves idle
+    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", "compute", "bubble",
+             "tp", "pp", "dp", "why not"]]
     for i, c in enumerate(shown, 1):
         p = c.parts()
-        rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+        rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
                      f"{p['compute'] * 1e3:.1f}", f"{p['pipeline bubble'] * 1e3:.1f}", f"{p['tp collectives'] * 1e3:.1f}",
                      f"{p['pipeline sends'] * 1e3:.1f}",
                      f"{(p['dp gradient sync'] + p['gradient sum across groups']) * 1e3:.1f}", _why(c, chosen)])
-    for c in over[: max(0, args.top - len(shown))]:
-        rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
-                     "", "", "", "", "", f"over --memory-per-rank {_mib(memory or 0)}"])
+    for c in shown_over:
+        rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), "", "", "", "", "",
+                     f"over --memory-per-rank {_mib(memory or 0)}"])
     print(_table(rows))
+    for line in idle_lines(chosen, fits, machine):
+        print(line)
     made = what_made_it_fit(chosen, fits + over, memory)
     if made:
         print(made)
@@ -177,6 +184,23 @@ def cmd_plan(args) -> int:
     print("strategy:")
     print(chosen.strategy())
     return 0
+
+
+def _idle(c: Candidate, machine: Machine) -> str:
+    """Return the plan table's idle cell of `c`: its idle ranks with their kinds, or "-"."""
+    return ",".join(f"{r} ({machine.kinds[r]})" for r in c.idle_ranks) or "-"
+
+
+def idle_lines(chosen: Candidate, candidates: list[Candidate], machine: Machine) -> list[str]:
+    """Return a line per rank the chosen strategy leaves idle, saying so and what the fastest
+    candidate with every rank at work would take (empty where every rank works)."""
+    if not chosen.idle_ranks:
+        return []
+    busy = min((c for c in candidates if not c.idle_ranks), key=lambda c: c.step_s, default=None)
+    than = (f" (with every rank: '{busy.strategy()}' {busy.step_s * 1e3:.1f} ms per step, "
+            f"+{(busy.step_s / chosen.step_s - 1) * 100:.0f}%)") if busy is not None else ""
+    return [f"rank {r} ({machine.kinds[r]}): idle - the step is faster without it{than}"
+            for r in chosen.idle_ranks]
 
 
 def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: float | None) -> str | None:

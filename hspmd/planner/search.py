@@ -65,6 +65,13 @@ class Candidate:
     cross_s: float  # the gradient sum across groups
     # every rank's kind of device where some rank is a GPU (each group then says its `device=`)
     kinds: tuple[str, ...] | None = None
+    n: int = 0  # the machine's ranks; those no group names are idle (0: every rank is in a group)
+
+    @property
+    def idle_ranks(self) -> tuple[int, ...]:
+        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.idle`)."""
+        named = {d for g in self.groups for d in g.devices}
+        return tuple(r for r in range(self.n) if r not in named)
 
     @property
     def step_s(self) -> float:
@@ -222,7 +229,7 @@ def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...],
     if len(groups) > 1:
         shard = min(g.tp * g.pp for g in groups)
         cross = machine.collective("all_reduce", tuple(g.devices[0] for g in groups), facts.param_bytes / shard)
-    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None)
+    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None, machine.n)
 
 
 def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[int, ...]]) -> list[Candidate]:
@@ -271,17 +278,40 @@ def preference(c: Candidate) -> tuple[float, int, str]:
     return (c.step_s * (1 + ZERO_MARGIN * zero), len(c.groups), c.strategy())
 
 
+def _groupings(machine: Machine, parts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Return the groupings of the ranks of `parts` (clusters) the search prices: all of them in
+    one group (where they are of one kind: GPU and CPU ranks never share a group), one group per
+    cluster (where there are several), and clusters cut into groups of powers of two (where a
+    size divides nothing: 3, 6, ...)."""
+    devices = tuple(sorted(d for p in parts for d in p))
+    one_kind = len({machine.kinds[d] for d in devices}) == 1
+    groupings = ([[devices]] if one_kind else []) + ([list(parts)] if len(parts) > 1 else [])
+    split = [piece for p in parts for piece in _binary_pieces(p)]
+    if len(split) > len(parts):
+        groupings.append(split)
+    return groupings
+
+
+def _working_clusters(machine: Machine, facts: ModelFacts, parts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Return the sets of clusters that leave the slower ones idle: the fastest cluster, the two
+    fastest, ..., all but the slowest (by each cluster's fastest rank's matmul rate). A rank
+    left out runs nothing and costs nothing: where the slower ranks' compute, their share's
+    rounding and the gradient sum across kinds cost more than their rows save, such a
+    candidate is the fastest."""
+    speed = machine.speeds(facts.mean_matmul_flops())
+    fastest_first = sorted(parts, key=lambda p: (-max(speed[r] for r in p), p))
+    return [sorted(fastest_first[:k], key=parts.index) for k in range(1, len(parts))]
+
+
 def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
 
     Raises PlanError when no candidate runs on these devices at all.
     """
     parts = clusters(machine, facts.mean_matmul_flops())
-    one_kind = len(set(machine.kinds)) == 1  # GPU and CPU ranks never share a group
-    groupings = ([[tuple(range(machine.n))]] if one_kind else []) + ([parts] if len(parts) > 1 else [])
-    split = [piece for p in parts for piece in _binary_pieces(p)]
-    if len(split) > len(parts):  # sizes that divide nothing (3, 6, ...): groups of powers of two
-        groupings.append(split)
+    groupings = _groupings(machine, parts)
+    for working in _working_clusters(machine, facts, parts):  # the slower clusters idle
+        groupings += _groupings(machine, working)
     seen: dict[tuple[str, int], Candidate] = {}
     for grouping in groupings:
         for c in _grouping_candidates(facts, machine, grouping):

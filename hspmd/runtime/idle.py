@@ -23,7 +23,7 @@ import numpy as np
 from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup
 from hspmd.runtime.comm.base import CommError, Communicator, Group, Request
 
-__all__ = ["RankSubset", "compile_working", "idle_ranks", "working_strategy"]
+__all__ = ["RankSubset", "compile_working", "idle_ranks", "mark_working_ranks", "working_strategy"]
 
 
 def working_strategy(strategy: Strategy, n: int) -> tuple[Strategy, tuple[int, ...]]:
@@ -149,3 +149,17 @@ def compile_working(script, text: str, n: int, **kwargs):
     if len(ranks) == n:
         return compile_script(script, text, n, **kwargs), ranks
     return compile_script(script, str(working), len(ranks), **kwargs), ranks
+
+
+def mark_working_ranks(bundle: str, ranks: Sequence[int], n: int) -> None:
+    """Record in `bundle`'s manifest that its program runs on the ranks `ranks` of a run of `n`
+    (nothing where they are all of them): the others stay idle."""
+    if tuple(ranks) == tuple(range(n)):
+        return
+    from hspmd.codegen.bundle import read_manifest, write_manifest
+
+    manifest = read_manifest(bundle)
+    if manifest.num_devices != len(ranks):
+        raise ValueError(f"{bundle}: a program of {manifest.num_devices} devices cannot run on ranks {list(ranks)}")
+    manifest.ranks, manifest.world_size = [int(r) for r in ranks], n
+    write_manifest(bundle, manifest)
