@@ -5,7 +5,12 @@
    device (a profile's GPU ranks apart from its CPU ranks; each group of the strategy then says
    `device=cuda|cpu`). Up to three groupings are priced: every device in one group (the slowest
    sets the pace; not where GPU and CPU ranks mix), one group per cluster (when there are several), and each cluster cut into groups of powers of two (when a
-   size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
+   size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`). The same
+   groupings are priced again on the fastest clusters alone (the fastest, the two fastest,
+   ...), the slower ones idle: an idle rank costs nothing, so where the slower ranks' compute
+   and the gradient sum across groups (across kinds beside a GPU) cost more than their rows
+   save, the strategy leaves them out (`[0]: dp=1 device=cuda` beside a slow CPU rank 1;
+   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.idle`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
    where also pp = 1; each of them with and without activation recompute (`block`,
