@@ -9,16 +9,21 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import EXAMPLES, run_cli
+
 from hspmd.codegen.bundle import read_manifest
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script
 from hspmd.ir.strategy import StrategyError, parse_strategy
-from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.checkpoint.gathered import load_checkpoint
+from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.base import CommError
-from hspmd.runtime.idle import RankSubset, compile_working, mark_working_ranks, working_strategy
+from hspmd.runtime.idle import (
+    RankSubset,
+    compile_working,
+    mark_working_ranks,
+    working_strategy,
+)
 from hspmd.runtime.worker import train
 
 MLP = os.path.join(EXAMPLES, "mlp.py")
@@ -75,7 +80,7 @@ def test_an_idle_rank_runs_nothing_and_the_working_one_trains_as_alone(tmp_path,
     assert working.params is not None and set(working.params) == set(ref.params)
     for name, value in ref.params.items():
         np.testing.assert_array_equal(working.params[name], value)
-    logged = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in logged] == ref.losses and all(r["ranks"] == 1 for r in logged)
 
 
@@ -96,8 +101,8 @@ def test_hspmd_run_with_an_idle_rank_logs_and_checkpoints_from_the_working_rank(
     r1 = run_cli("hspmd", "run", "-n", "1", MLP, "--steps", "2", "--log", str(ref_log),
                  "--checkpoint", str(tmp_path / "alone.npz"), timeout=180)
     assert r1.returncode == 0, r1.stderr
-    losses = lambda path: [json.loads(line)["loss"] for line in open(path)]  # noqa: E731
-    assert losses(log) == losses(ref_log)
+    assert [json.loads(x)["loss"] for x in log.read_text().splitlines()] == \
+        [json.loads(x)["loss"] for x in ref_log.read_text().splitlines()]
     (final, step), (ref, _) = load_checkpoint(str(ck)), load_checkpoint(str(tmp_path / "alone.npz"))
     assert step == 2 and set(final) == set(ref) and all(np.array_equal(final[k], ref[k]) for k in ref)
     assert [d for d in os.listdir(ckdir) if d.startswith("step-")] == ["step-2"]  # the working rank's shards, resumable under any strategy

@@ -10,8 +10,8 @@ import os
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import EXAMPLES, run_cli
+
 from hspmd.cli.main import planned_devices
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.strategy import parse_strategy
