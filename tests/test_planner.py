@@ -68,7 +68,11 @@ def test_every_candidate_is_a_valid_strategy_with_whole_rows(facts, speeds):
         return  # e.g. 7 devices of 4 speeds and 8 rows: no grouping divides the batch
     for c in fits + over:
         s = parse_strategy(c.strategy())
-        s.check_devices(n)
+        if c.idle_ranks:  # a slower cluster left idle: the others' strategy, on the ranks it names
+            assert len(set(speeds)) > 1 and set(s.devices).isdisjoint(c.idle_ranks)
+            assert sorted(s.devices + c.idle_ranks) == list(range(n))
+        else:
+            s.check_devices(n)
         assert sum(c.rows) == facts.rows
         for g, r in zip(c.groups, c.rows):  # a pipeline's rows divide into micro-batches; others may be uneven
             assert r >= g.dp and (g.pp == 1 or r % (g.dp * c.microbatches) == 0)
@@ -103,7 +107,10 @@ def test_a_memory_limit_drops_candidates(facts):
 
 def test_sixty_four_devices_plan(facts):
     fits, _ = plan(facts, Machine.uniform(64, (1.0,) * 32 + (2.0,) * 32))
-    assert fits and parse_strategy(fits[0].strategy()).num_devices == 64
+    # 8 rows over 64 ranks: the 32 faster ones alone are faster, the slower half idle
+    best = fits[0]
+    assert fits and parse_strategy(best.strategy()).num_devices + len(best.idle_ranks) == 64
+    assert set(best.idle_ranks) <= set(range(32))
 
 
 def test_hspmd_plan_prints_a_strategy_line_run_accepts(tmp_path):

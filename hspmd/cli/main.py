@@ -241,15 +241,18 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
         if strategy or args.set:
             raise SystemExit("hspmd: error: a bundle is already compiled; --strategy and --set apply to scripts only")
         manifest = read_manifest(args.script)
-        if manifest.num_devices != n:
+        if (manifest.world_size or manifest.num_devices) != n:
             from hspmd.runtime.worker import RunError
 
             raise RunError(
-                f"bundle {args.script} was compiled for {manifest.num_devices} devices "
+                f"bundle {args.script} was compiled for {manifest.world_size or manifest.num_devices} devices "
                 f"(strategy '{manifest.strategy}') but -n is {n}"
             )
         return args.script
+    from hspmd.runtime.idle import compile_working, mark_working_ranks
+
     script = load_script(args.script, parse_overrides(args.set))
+    ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)
     if len(getattr(args, "strategies", None) or []) > 1:
         from hspmd.compiler import compile_strategies
 
@@ -257,16 +260,19 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     elif strategy == "auto":
         from hspmd.cli.plan import auto_strategy
 
-        compiled = auto_strategy(args, script, n)
+        compiled, ranks = auto_strategy(args, script, n)
+    elif strategy:
+        compiled, ranks = compile_working(script, strategy, n)
     else:
-        compiled = compile_script(script, strategy or default_strategy(n), n)
+        compiled = compile_script(script, default_strategy(n), n)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
     from hspmd.runtime.cuda.select import rank_device
 
     if strategy == "auto" and getattr(args, "device_asked", None) is not None:
-        args.device = planned_devices(args, compiled, n)  # the plan's device= keys decide "auto" entries
-    kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in range(n)]
+        args.device = planned_devices(args, compiled, n, ranks)  # the plan's device= keys decide "auto" entries
+    kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in ranks]
     write_bundle(compiled, bundle, device=kinds)  # GPU programs for the groups of GPU ranks
+    mark_working_ranks(bundle, ranks, n)
     return bundle
 
 
@@ -296,16 +302,18 @@ def run_device(args) -> str:
     return devices_text(kinds)
 
 
-def planned_devices(args, compiled, n: int) -> str:
+def planned_devices(args, compiled, n: int, ranks: tuple[int, ...] | None = None) -> str:
     """Return the workers' `--device` for a `--strategy auto` run once the planner chose: the
     `--device` asked (`args.device_asked`) resolved against the chosen groups' `device=` keys
-    (a profile of GPU and CPU ranks gives each group its kind)."""
+    (a profile of GPU and CPU ranks gives each group its kind). `ranks`: the run's rank of each
+    device of `compiled` where the plan leaves ranks idle (they keep the kind asked)."""
     from hspmd.runtime.cuda.select import device_entries, devices_text, rank_devices
 
+    ranks = tuple(range(n)) if ranks is None else ranks
     keys: list[str | None] = [None] * n
     for group in compiled.strategy.strategy.groups:
-        for rank in group.devices:
-            keys[rank] = group.device
+        for device in group.devices:
+            keys[ranks[device]] = group.device
     kinds = rank_devices(device_entries(args.device_asked, n), keys)
     if "cuda" in kinds and args.kernels == "cuda":
         args.kernels = "cpu"
@@ -318,12 +326,13 @@ def strategy_device_keys(args) -> list[str | None]:
     is not known yet (`auto`, the default)."""
     from hspmd.ir.strategy import StrategyError, parse_strategy
 
-    text = args.strategy
+    text, ranks = args.strategy, None
     if os.path.isdir(args.script):
         from hspmd.codegen.bundle import BundleError, read_manifest
 
         try:
-            text = read_manifest(args.script).strategy
+            manifest = read_manifest(args.script)
+            text, ranks = manifest.strategy, manifest.ranks  # its devices are the run's ranks `ranks`
         except BundleError:
             text = None  # said by compile_for_run
     keys: list[str | None] = [None] * args.n
@@ -334,7 +343,8 @@ def strategy_device_keys(args) -> list[str | None]:
     except StrategyError:
         return keys  # said when the strategy is compiled
     for group in strategy.groups:
-        for rank in group.devices:
+        for device in group.devices:
+            rank = ranks[device] if ranks is not None and device < len(ranks) else device
             if rank < args.n:
                 keys[rank] = group.device
     return keys

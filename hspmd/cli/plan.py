@@ -81,16 +81,18 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _compile(script, candidate, n: int):
-    """Return (the candidate compiled, None), or (None, the compiler's message) when it does not compile."""
-    from hspmd.compiler import InternalError, compile_script
+    """Return ((the candidate compiled, the ranks it works on), None), or (None, the compiler's
+    message) when it does not compile (a candidate leaving ranks idle compiles for the others)."""
+    from hspmd.compiler import InternalError
+    from hspmd.runtime.idle import compile_working
     from hspmd.dialects.sharding import ShardingError
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.strategy import StrategyError
     from hspmd.transforms.util import PassError
 
     try:
-        return compile_script(script, candidate.strategy(), n, microbatches=candidate.microbatches,
-                              pipeline_schedule=candidate.schedule), None
+        return compile_working(script, candidate.strategy(), n, microbatches=candidate.microbatches,
+                               pipeline_schedule=candidate.schedule), None
     except (PassError, StrategyError, ShardingError, LayoutError) as err:
         return None, str(err).splitlines()[0]
     except InternalError as err:  # a compiler bug on this candidate: said as such, the search goes on
@@ -103,6 +105,7 @@ class Choice:
 
     chosen: Candidate
     compiled: Compiled  # the chosen strategy, compiled (checked before it is chosen)
+    ranks: tuple[int, ...]  # the ranks it works on (the others idle: hspmd.runtime.idle)
     fits: list[Candidate]  # every candidate under the memory limit, best first
     over: list[Candidate]  # those over it
     facts: ModelFacts
@@ -130,9 +133,9 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
                         f"candidates, '{lean.strategy()}'{' with ' + ' '.join(lean.settings()) if lean.settings() else ''}"
                         f", needs {_mib(lean.memory_bytes)} per rank (more devices, ZeRO or a smaller batch need less)")
     for c in fits[:8]:
-        compiled, problem = _compile(script, c, n)
-        if compiled is not None:
-            return Choice(c, compiled, fits, over, facts, machine, read, searched)
+        done, problem = _compile(script, c, n)
+        if done is not None:
+            return Choice(c, *done, fits, over, facts, machine, read, searched)
         if report:
             report(f"  {c.strategy()} does not compile ({problem}); next")
     raise PlanError("none of the best candidates compiles; see the messages above")
@@ -155,17 +158,24 @@ def cmd_plan(args) -> int:
           f"+ {_mib(facts.state_bytes)} of optimizer states, tp up to {max(facts.tp_degrees)}, up to {facts.max_pp} "
           f"stages; read in {read:.1f} s, {len(fits) + len(over)} candidates searched in {searched:.2f} s")
     shown = ([chosen] + [c for c in fits if c is not chosen])[: args.top]
-    rows = [["#", "strategy", "settings", "step ms", "memory/rank", "compute", "bubble", "tp", "pp", "dp", "why not"]]
+    shown_over = over[: max(0, args.top - len(shown))]
+    idle = any(c.idle_ranks for c in shown + shown_over)  # a column saying which ranks a candidate leaves idle
+    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", "compute", "bubble",
+             "tp", "pp", "dp", "why not"]]
     for i, c in enumerate(shown, 1):
         p = c.parts()
-        rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+        rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
                      f"{p['compute'] * 1e3:.1f}", f"{p['pipeline bubble'] * 1e3:.1f}", f"{p['tp collectives'] * 1e3:.1f}",
                      f"{p['pipeline sends'] * 1e3:.1f}",
                      f"{(p['dp gradient sync'] + p['gradient sum across groups']) * 1e3:.1f}", _why(c, chosen)])
-    for c in over[: max(0, args.top - len(shown))]:
-        rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
-                     "", "", "", "", "", f"over --memory-per-rank {_mib(memory or 0)}"])
+    for c in shown_over:
+        rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), "", "", "", "", "",
+                     f"over --memory-per-rank {_mib(memory or 0)}"])
     print(_table(rows))
+    for line in idle_lines(chosen, fits, machine):
+        print(line)
     made = what_made_it_fit(chosen, fits + over, memory)
     if made:
         print(made)
@@ -174,6 +184,23 @@ def cmd_plan(args) -> int:
     print("strategy:")
     print(chosen.strategy())
     return 0
+
+
+def _idle(c: Candidate, machine: Machine) -> str:
+    """Return the plan table's idle cell of `c`: its idle ranks with their kinds, or "-"."""
+    return ",".join(f"{r} ({machine.kinds[r]})" for r in c.idle_ranks) or "-"
+
+
+def idle_lines(chosen: Candidate, candidates: list[Candidate], machine: Machine) -> list[str]:
+    """Return a line per rank the chosen strategy leaves idle, saying so and what the fastest
+    candidate with every rank at work would take (empty where every rank works)."""
+    if not chosen.idle_ranks:
+        return []
+    busy = min((c for c in candidates if not c.idle_ranks), key=lambda c: c.step_s, default=None)
+    than = (f" (with every rank: '{busy.strategy()}' {busy.step_s * 1e3:.1f} ms per step, "
+            f"+{(busy.step_s / chosen.step_s - 1) * 100:.0f}%)") if busy is not None else ""
+    return [f"rank {r} ({machine.kinds[r]}): idle - the step is faster without it{than}"
+            for r in chosen.idle_ranks]
 
 
 def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: float | None) -> str | None:
@@ -200,11 +227,15 @@ def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: flo
     return "\n".join(lines) or None
 
 
-def auto_strategy(args, script, n: int) -> Compiled:
-    """Return the program `--strategy auto` runs (planned, compiled), the choice said in one line."""
+def auto_strategy(args, script, n: int) -> tuple[Compiled, tuple[int, ...]]:
+    """Return the program `--strategy auto` runs (planned, compiled) and the ranks it works on
+    (the others stay idle), the choice said in one line."""
     choice = choose_strategy(script, n, getattr(args, "profile", None))
     chosen = choice.chosen
     settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
+    idle = chosen.idle_ranks
+    left = (f"; rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the step is faster without "
+            f"{'them' if len(idle) > 1 else 'it'}") if idle else ""
     print(f"hspmd run: --strategy auto chose '{chosen.strategy()}'{settings} (predicted "
-          f"{chosen.step_s * 1e3:.1f} ms per step; 'hspmd plan' shows the others)", flush=True)
-    return choice.compiled
+          f"{chosen.step_s * 1e3:.1f} ms per step{left}; 'hspmd plan' shows the others)", flush=True)
+    return choice.compiled, choice.ranks

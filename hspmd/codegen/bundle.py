@@ -60,6 +60,11 @@ class Manifest:
     # the file of global tensors the run starts from (relative to the bundle), or None: the
     # parameters' own initialisers
     weights: str | None = None
+    # idle ranks (`hspmd.runtime.idle`): the run's rank of each of the program's devices 0..K-1
+    # and the run's rank count, where the strategy names only some of its ranks; None: every
+    # rank of the run works and the devices are its ranks
+    ranks: list[int] | None = None
+    world_size: int | None = None
 
     def group_for(self, rank: int) -> GroupEntry:
         """Return the group entry whose devices include `rank`."""
@@ -76,6 +81,9 @@ def write_manifest(directory: str, manifest: Manifest) -> str:
     for group in raw["groups"]:  # a bundle for CPUs only says nothing of GPU programs
         if group.get("device") is None:
             group.pop("device", None)
+    if raw.get("ranks") is None:  # a bundle whose every rank works says nothing of idle ones
+        raw.pop("ranks", None)
+        raw.pop("world_size", None)
     atomic_write_text(path, json.dumps(raw, indent=2) + "\n")
     return path
 

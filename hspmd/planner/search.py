@@ -5,7 +5,12 @@
    device (a profile's GPU ranks apart from its CPU ranks; each group of the strategy then says
    `device=cuda|cpu`). Up to three groupings are priced: every device in one group (the slowest
    sets the pace; not where GPU and CPU ranks mix), one group per cluster (when there are several), and each cluster cut into groups of powers of two (when a
-   size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`).
+   size such as 3 or 6 divides no batch: `[0,1]: dp=2 share=2 | [2]: dp=1 share=1`). The same
+   groupings are priced again on the fastest clusters alone (the fastest, the two fastest,
+   ...), the slower ones idle: an idle rank costs nothing, so where the slower ranks' compute
+   and the gradient sum across groups (across kinds beside a GPU) cost more than their rows
+   save, the strategy leaves them out (`[0]: dp=1 device=cuda` beside a slow CPU rank 1;
+   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.idle`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
    where also pp = 1; each of them with and without activation recompute (`block`,
@@ -65,6 +70,13 @@ class Candidate:
     cross_s: float  # the gradient sum across groups
     # every rank's kind of device where some rank is a GPU (each group then says its `device=`)
     kinds: tuple[str, ...] | None = None
+    n: int = 0  # the machine's ranks; those no group names are idle (0: every rank is in a group)
+
+    @property
+    def idle_ranks(self) -> tuple[int, ...]:
+        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.idle`)."""
+        named = {d for g in self.groups for d in g.devices}
+        return tuple(r for r in range(self.n) if r not in named)
 
     @property
     def step_s(self) -> float:
@@ -222,7 +234,7 @@ def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...],
     if len(groups) > 1:
         shard = min(g.tp * g.pp for g in groups)
         cross = machine.collective("all_reduce", tuple(g.devices[0] for g in groups), facts.param_bytes / shard)
-    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None)
+    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None, machine.n)
 
 
 def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[int, ...]]) -> list[Candidate]:
@@ -271,17 +283,40 @@ def preference(c: Candidate) -> tuple[float, int, str]:
     return (c.step_s * (1 + ZERO_MARGIN * zero), len(c.groups), c.strategy())
 
 
+def _groupings(machine: Machine, parts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Return the groupings of the ranks of `parts` (clusters) the search prices: all of them in
+    one group (where they are of one kind: GPU and CPU ranks never share a group), one group per
+    cluster (where there are several), and clusters cut into groups of powers of two (where a
+    size divides nothing: 3, 6, ...)."""
+    devices = tuple(sorted(d for p in parts for d in p))
+    one_kind = len({machine.kinds[d] for d in devices}) == 1
+    groupings = ([[devices]] if one_kind else []) + ([list(parts)] if len(parts) > 1 else [])
+    split = [piece for p in parts for piece in _binary_pieces(p)]
+    if len(split) > len(parts):
+        groupings.append(split)
+    return groupings
+
+
+def _working_clusters(machine: Machine, facts: ModelFacts, parts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Return the sets of clusters that leave the slower ones idle: the fastest cluster, the two
+    fastest, ..., all but the slowest (by each cluster's fastest rank's matmul rate). A rank
+    left out runs nothing and costs nothing: where the slower ranks' compute, their share's
+    rounding and the gradient sum across kinds cost more than their rows save, such a
+    candidate is the fastest."""
+    speed = machine.speeds(facts.mean_matmul_flops())
+    fastest_first = sorted(parts, key=lambda p: (-max(speed[r] for r in p), p))
+    return [sorted(fastest_first[:k], key=parts.index) for k in range(1, len(parts))]
+
+
 def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
 
     Raises PlanError when no candidate runs on these devices at all.
     """
     parts = clusters(machine, facts.mean_matmul_flops())
-    one_kind = len(set(machine.kinds)) == 1  # GPU and CPU ranks never share a group
-    groupings = ([[tuple(range(machine.n))]] if one_kind else []) + ([parts] if len(parts) > 1 else [])
-    split = [piece for p in parts for piece in _binary_pieces(p)]
-    if len(split) > len(parts):  # sizes that divide nothing (3, 6, ...): groups of powers of two
-        groupings.append(split)
+    groupings = _groupings(machine, parts)
+    for working in _working_clusters(machine, facts, parts):  # the slower clusters idle
+        groupings += _groupings(machine, working)
     seen: dict[tuple[str, int], Candidate] = {}
     for grouping in groupings:
         for c in _grouping_candidates(facts, machine, grouping):

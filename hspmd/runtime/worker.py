@@ -47,6 +47,7 @@ from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress, batch_items
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
+from hspmd.runtime.idle import RankSubset, idle_ranks
 from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
@@ -90,6 +91,7 @@ class RunResult:
     switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
     step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
     left: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, ranks that left before it)
+    idle: bool = False  # the strategy left this rank out: it ran no step (hspmd.runtime.idle)
 
 
 @dataclass(frozen=True)
@@ -191,11 +193,19 @@ def train(
     gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
     """
     manifest = read_manifest(bundle)
-    if comm.size != manifest.num_devices:
+    if comm.size != (manifest.world_size or manifest.num_devices):
         raise RunError(
-            f"the bundle was compiled for {manifest.num_devices} devices (strategy '{manifest.strategy}') "
-            f"but the run has {comm.size} ranks"
+            f"the bundle was compiled for {manifest.world_size or manifest.num_devices} devices (strategy "
+            f"'{manifest.strategy}') but the run has {comm.size} ranks"
         )
+    if manifest.ranks is not None:  # the strategy leaves some ranks idle: they run nothing
+        if comm.rank not in manifest.ranks:
+            return RunResult(idle=True)
+        idle = idle_ranks(manifest.ranks, comm.size)
+        comm = RankSubset(comm, manifest.ranks)  # the working ranks' own numbering, 0..K-1
+        if comm.rank == 0 and not quiet:
+            print(f"rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the strategy runs on "
+                  f"rank{'s' if comm.size > 1 else ''} {','.join(map(str, manifest.ranks))}", flush=True)
     places = rank_places(comm, device)
     program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph, places)
     plan, gather = program.plan, program.gather
