@@ -268,3 +268,27 @@ def test_the_emulated_side_stream_runs_its_work_when_the_plan_joins_it():
     side()
     device.download(device.alloc(4), (1,), np.float32)  # a download waits for every stream
     assert done == [0, 0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["[0,1]: dp=2 comm=ps consistency=bsp", "[0,1]: dp=2 comm=hybrid consistency=bsp"])
+def test_parameter_server_workers_on_gpus_log_the_cpu_workers_losses(tmp_path, strategy):
+    """`--servers 1 --device cuda`: the workers run the worker's GPU program (the state pulled on
+    the host, uploaded each step; the gradients downloaded and pushed), the server on the host."""
+    ctr, logs = os.path.join(EXAMPLES, "ctr.py"), {}
+    for device in ("cpu", "cuda"):
+        logs[device] = tmp_path / f"{device}.jsonl"
+        run_cli("hspmd", "run", "-n", "2", "--servers", "1", "--strategy", strategy, ctr, "--steps", "3",
+                "--device", device, "--log", str(logs[device]), check=True, timeout=600, env=EMULATE)
+    losses = {d: [json.loads(line)["loss"] for line in open(p) if '"loss"' in line] for d, p in logs.items()}
+    assert len(losses["cuda"]) == 3
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-6)
+
+
+def test_parameter_servers_with_gpu_and_cpu_workers_are_refused_in_one_line():
+    proc = run_cli("hspmd", "run", "-n", "2", "--servers", "1", "--strategy", "[0,1]: dp=2 comm=ps consistency=bsp",
+                   os.path.join(EXAMPLES, "ctr.py"), "--device", "cuda,cpu", env=EMULATE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "hspmd: error: --servers needs one device kind for every worker (got --device cuda,cpu); the servers run "
+        "on the host"]
