@@ -47,7 +47,7 @@ if [ "${1:-}" = ranks ]; then
 fi
 echo "== gpu-marked tests"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_cuda.py tests/test_gpu_precision.py tests/test_gpu_profile.py \
-  tests/test_flash_attention.py 2>&1 | tail -25
+  tests/test_flash_attention.py tests/test_multi_tensor.py tests/test_embedding_grad_kernel.py 2>&1 | tail -25
 echo "== hspmd run --device cuda (20 steps) against --device cpu"
 t=$(mktemp -d)
 timeout 120 python3 -m hspmd.cli.main run -n 1 examples/gpt.py --device cpu --steps 20 --log "$t/cpu.jsonl" >"$t/cpu.out" 2>&1

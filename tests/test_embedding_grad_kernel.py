@@ -50,3 +50,22 @@ def test_the_sort_takes_a_pass_per_step_of_a_bitonic_network():
     sorts = [n1 for _, name, _, n1 in op.launch_list if name.endswith("_sort")]
     assert len(sorts) == 28 and len(set(sorts)) == 28
     assert op.scratch_sizes == (128 * 2,)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_sorted_scatter_gives_the_numpy_scatters_bits():
+    from hspmd.codegen import cupy_backend
+
+    ok, why = cupy_backend.gpu_status()
+    if not ok:
+        pytest.skip(f"needs CuPy and a CUDA GPU: {why}")
+    import cupy
+
+    rng = np.random.default_rng(0)
+    for ids_shape, vocab, dim in (((3, 37), 50, 16), ((8, 1024), 50257, 64)):
+        _, op = _program(ids_shape, vocab, dim)
+        ids = rng.integers(0, vocab, ids_shape)
+        ids[0, :8] = 3  # a run of one id
+        dy = rng.standard_normal((*ids_shape, dim)).astype(np.float32)
+        got = cupy_backend.kernel_for(op)(cupy.asarray(ids), cupy.asarray(dy))
+        np.testing.assert_array_equal(cupy.asnumpy(got), numpy_call(op)(ids, dy))

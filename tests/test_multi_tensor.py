@@ -108,3 +108,13 @@ def test_the_multi_tensor_kernels_compile_with_nvrtc():
         pytest.skip(f"NVRTC is not available here: {why}")
     *_, together = _programs("gpt-adam")
     assert all(size > 0 for size in check_module(together).values())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_multi_tensor_launch_gives_the_bits_of_the_launches_it_replaces(gpu):
+    script, compiled, apart, together = _programs("gpt-adam")
+    ref, ref_params = train_plan(build_device_plan(train_step(apart), 0, gpu), script, compiled, 3)
+    got, params = train_plan(build_device_plan(train_step(together), 0, gpu), script, compiled, 3)
+    assert got == ref
+    for k in ref_params:
+        np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
