@@ -617,6 +617,10 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     if opt is None or any(name == "clip-grad-norm" for name, _ in opt.passes()):
         raise PassError(f"{script.path}: comm={group.comm} applies the optimizer on the servers, one parameter "
                         "range each; gradient-norm clipping needs every gradient at once and is not supported there")
+    if isinstance(loss_scale(script), DynamicScaling):
+        raise PassError(f"{script.path}: comm={group.comm} applies the optimizer on the servers, one parameter "
+                        "range each; loss_scale='dynamic' skips a step on any non-finite gradient, which needs every "
+                        "gradient at once and is not supported there (use a static loss_scale)")
     workers = group.dp
     local = _WorkerRows(script.path, script.module, script.config)
     local.workers = workers

@@ -16,14 +16,16 @@ import pytest
 
 from conftest import EXAMPLES, run_cli, train_plan, train_step
 from hspmd.codegen import cpu_compile
-from hspmd.compiler import compile_script, write_bundle
-from hspmd.dialects.context import module_text
+from hspmd.compiler import compile_ps, compile_script, run_passes, write_bundle
+from hspmd.dialects import graph, optim
+from hspmd.dialects.context import IRTextError, module_text, parse_module
 from hspmd.frontend.script import ScriptError, load_script, loss_scale, parse_overrides, set_config
 from hspmd.ir.loss_scaling import GOOD_STEPS_STATE, SCALE_STATE, DynamicScaling, next_scale
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.cuda.emulated import EmulatedDevice
 from hspmd.runtime.cuda.plan import build_device_plan
 from hspmd.runtime.plan import build_plan
+from hspmd.transforms.util import PassError
 from hspmd.runtime.worker import CheckpointOptions, train
 
 GPT = os.path.join(EXAMPLES, "gpt.py")
@@ -127,6 +129,22 @@ def test_two_ranks_skip_the_same_steps_and_give_the_one_device_losses(strategy):
         np.testing.assert_allclose(rank_losses, losses, rtol=1e-3)
 
 
+def test_a_pipeline_skips_the_same_steps(tmp_path):
+    """Two stages (their stacked layers cut, each stage's gradients summed into the total) give
+    the one-device decisions and losses."""
+    one = _train(_bundle(tmp_path, **CLEAR)[0], steps=6)[0]
+    staged = _train(_bundle(tmp_path, "[0,1]: pp=2", 2, microbatches=2, **CLEAR)[0], n=2, steps=6)[0]
+    for name in (SCALE_STATE, GOOD_STEPS_STATE, "opt.step"):
+        assert _scalar(staged, name) == _scalar(one, name), name
+    np.testing.assert_allclose(staged.losses, one.losses, rtol=1e-3)
+
+
+def test_parameter_servers_refuse_dynamic_scaling_in_one_line():
+    script = load_script(os.path.join(EXAMPLES, "mlp.py"), {"loss_scale": "dynamic"})
+    with pytest.raises(PassError, match="loss_scale='dynamic' skips a step on any non-finite gradient"):
+        compile_ps(script, "[0,1]: dp=2 comm=ps", 1)
+
+
 def test_tensor_parallel_ranks_agree_where_one_rank_alone_could_overflow():
     """Near float16's limit (the scale at 2**17 overflows on some steps only) each rank holds a piece
     of a split gradient, and the ranks still take one decision: the global sum of squares."""
@@ -212,3 +230,59 @@ def test_a_bad_setting_on_the_command_line_is_one_line():
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "hspmd: error: config loss_scale_growth_interval=0: expected a whole number in [1, 16777216]"]
+
+
+# ----------------------------------------------------------------------------- the IR
+
+
+STEP = """
+builtin.module {
+  func.func @train_step() {
+    %w = graph.parameter "w" {init = "ones"} : tensor<4x3xf32>
+    %x = graph.input "x" : tensor<4x3xf32>
+    %p = graph.mul %w, %x : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x3xf32>
+    %l = graph.reduce_sum %p {dims = array<i64: 0, 1>} : (tensor<4x3xf32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+}
+"""
+
+
+def _step(spec: str):
+    module = parse_module(STEP)
+    run_passes(module, spec)
+    return module
+
+
+def test_the_passes_print_parse_and_guard_every_update():
+    module = _step("autodiff{loss_scale=8.0 dynamic_scale=true},dynamic-loss-scale{growth_interval=3},"
+                   "clip-grad-norm{max_norm=1.0},adam")
+    text = str(module)
+    assert str(parse_module(text)) == text
+    assert 'graph.parameter "opt.loss_scale" {init = "full:8.0"}' in text
+    assert "growth_interval = 3" in text
+    guarded = {op.tensor_name.data for op in module.walk() if isinstance(op, graph.AssignOp)
+               and isinstance(op.value.owner, optim.WhereFiniteOp)}
+    assert guarded == {"w", "opt.m.w", "opt.v.w", "opt.step", "opt.beta1_pow", "opt.beta2_pow"}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("autodiff,dynamic-loss-scale", "no 0-d state 'opt.loss_scale'; run 'autodiff{dynamic_scale=true}' first"),
+    ("autodiff{dynamic_scale=true},adam,dynamic-loss-scale", "no gradient outputs"),
+    ("autodiff{dynamic_scale=true},dynamic-loss-scale,dynamic-loss-scale", "already has a dynamic loss scale update"),
+    ("autodiff{dynamic_scale=true},dynamic-loss-scale{backoff_factor=1.0}", r"backoff_factor=1.0: expected a number in \(0, 1\)"),
+    ("autodiff{dynamic_scale=true},dynamic-loss-scale{growth_interval=0}", "growth_interval=0"),
+    ("autodiff{dynamic_scale=true loss_scale=-2.0}", "loss_scale=-2.0 must be a finite number > 0"),
+])
+def test_the_passes_refuse_misuse(spec, message):
+    with pytest.raises(PassError, match=message):
+        _step(spec)
+
+
+def test_the_update_op_verifies_its_settings():
+    body = ("%0, %1 = optim.update_loss_scale %s, %s, %t {growth_factor = 0.5 : f64, backoff_factor = 0.5 : f64,"
+            " growth_interval = 2 : i64} : (tensor<f32>, tensor<f32>, tensor<f64>) -> (tensor<f32>, tensor<f32>)")
+    with pytest.raises(IRTextError, match="growth_factor=0.5: expected a finite number > 1"):
+        parse_module(f"builtin.module {{\n  func.func @f(%s: tensor<f32>, %t: tensor<f64>) {{\n    {body}\n"
+                     "    func.return\n  }\n}\n")

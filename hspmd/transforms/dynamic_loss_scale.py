@@ -48,10 +48,10 @@ class DynamicLossScale(ModulePass):
         except ValueError as err:
             raise PassError(f"{self.name}: option {err}") from None
         b = OptimizerBuilder(op, self.name)
-        if any(isinstance(o, graph.AssignOp) for o in b.block.ops):
-            raise PassError(f"{self.name}: the step already has updates; run it before the optimizer pass")
         if b.finite_total is not None:
             raise PassError(f"{self.name}: the step already has a dynamic loss scale update")
+        if any(isinstance(o, graph.AssignOp) for o in b.block.ops):
+            raise PassError(f"{self.name}: the step already has updates; run it before the optimizer pass")
         scale = b.leaves.get(SCALE_STATE)
         if not isinstance(scale, graph.ParameterOp) or graph.tensor_shape(scale.result) != ():
             raise PassError(f"{self.name}: the step has no 0-d state '{SCALE_STATE}'; run "
