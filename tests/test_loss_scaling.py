@@ -13,20 +13,31 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import EXAMPLES, run_cli, train_plan, train_step
+
 from hspmd.codegen import cpu_compile
 from hspmd.compiler import compile_ps, compile_script, run_passes, write_bundle
 from hspmd.dialects import graph, optim
 from hspmd.dialects.context import IRTextError, module_text, parse_module
-from hspmd.frontend.script import ScriptError, load_script, loss_scale, parse_overrides, set_config
-from hspmd.ir.loss_scaling import GOOD_STEPS_STATE, SCALE_STATE, DynamicScaling, next_scale
+from hspmd.frontend.script import (
+    ScriptError,
+    load_script,
+    loss_scale,
+    parse_overrides,
+    set_config,
+)
+from hspmd.ir.loss_scaling import (
+    GOOD_STEPS_STATE,
+    SCALE_STATE,
+    DynamicScaling,
+    next_scale,
+)
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.cuda.emulated import EmulatedDevice
 from hspmd.runtime.cuda.plan import build_device_plan
 from hspmd.runtime.plan import build_plan
-from hspmd.transforms.util import PassError
 from hspmd.runtime.worker import CheckpointOptions, train
+from hspmd.transforms.util import PassError
 
 GPT = os.path.join(EXAMPLES, "gpt.py")
 TINY = ["model.d_model=32", "model.seq_len=16", "model.layers=2", "data.batch_size=4", "optim.warmup=2",

@@ -1,12 +1,13 @@
-"""The `optim` dialect: fused optimizer updates and gradient-clipping pieces.
+"""The `optim` dialect: fused optimizer updates, gradient-clipping and loss-scaling pieces.
 
-The optimizer passes (`sgd`, `adam`, `clip-grad-norm`, `dynamic-loss-scale`) write these ops into the logical step
-after `autodiff`. Each update op reads a parameter, its gradient, its optimizer state and the
-per-step scalars, and returns the new parameter and state, which the pass stores with
-`graph.assign`. The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`,
-`torch.nn.utils.clip_grad_norm_`, `torch.amp.GradScaler`'s skip and scale update). Each op carries its facts (`dialects/interfaces.py`): its
-sharding rule, its NumPy kernel (PyTorch's formulas on local pieces) and, for the elementwise
-updates, its fused CUDA C expression. They are written by the optimizer passes, after autodiff:
+The optimizer passes (`sgd`, `adam`, `clip-grad-norm`, `dynamic-loss-scale`) write these ops
+into the logical step after `autodiff`. Each update op reads a parameter, its gradient, its
+optimizer state and the per-step scalars, and returns the new parameter and state, which the
+pass stores with `graph.assign`. The formulas are PyTorch's (`torch.optim.SGD`, `Adam`,
+`AdamW`, `torch.nn.utils.clip_grad_norm_`, `torch.amp.GradScaler`'s skip and scale update).
+Each op carries its facts (`dialects/interfaces.py`): its sharding rule, its NumPy kernel
+(PyTorch's formulas on local pieces) and, for the elementwise updates, its fused CUDA C
+expression. They are written by the optimizer passes, after autodiff:
 no op of this dialect is differentiated, and none has a frontend function.
 
 Arrays are computed in the parameter's dtype; the 0-d scalar operands (lr, bias corrections,

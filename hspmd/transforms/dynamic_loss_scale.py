@@ -27,8 +27,14 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, optim
-from hspmd.ir.loss_scaling import BACKOFF_FACTOR, GOOD_STEPS_STATE, GROWTH_FACTOR, GROWTH_INTERVAL, SCALE_STATE, \
-    check_settings
+from hspmd.ir.loss_scaling import (
+    BACKOFF_FACTOR,
+    GOOD_STEPS_STATE,
+    GROWTH_FACTOR,
+    GROWTH_INTERVAL,
+    SCALE_STATE,
+    check_settings,
+)
 from hspmd.transforms.optimizer import SCALAR, OptimizerBuilder
 from hspmd.transforms.util import PassError
 

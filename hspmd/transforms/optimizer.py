@@ -11,8 +11,9 @@ those outputs by `graph.assign "NAME"` of the updated value. Optimizer state is 
 
 Each state is written back with `graph.assign`, so checkpoints (which save every parameter)
 hold the optimizer state too. After `dynamic-loss-scale` every such assign stores
-`optim.where_finite(old, new, total)`: a step whose gradients hold an inf or nan changes nothing. The learning rate is a 0-d f64 tensor: a `graph.constant`, or
-with `lr_input` the step input `graph.input "lr"` that the runtime feeds from the schedule.
+`optim.where_finite(old, new, total)`: a step whose gradients hold an inf or nan changes
+nothing. The learning rate is a 0-d f64 tensor: a `graph.constant`, or with `lr_input` the
+step input `graph.input "lr"` that the runtime feeds from the schedule.
 The passes run after `autodiff`, which therefore never sees these states.
 """
 

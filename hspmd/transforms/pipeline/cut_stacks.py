@@ -47,10 +47,10 @@ __all__ = ["LAYER_STAGE_ATTR", "CutStackedLayers", "cut_stacks"]
 LAYER_STAGE_ATTR = "pipeline.layer_stage"
 
 #: ops that work slice by slice along a stack's leading dim (one op per piece after the cut): the
-#: updates, casts and all-reduces of stacked values, and the sum making a per-layer counter
-#: (`broadcast(step) + graph.iota`, a broadcast of a value that is not a stack)
-_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, optim.WhereFiniteOp, graph.CastOp, comm.AllReduceOp, graph.AddOp,
-              graph.BroadcastOp)
+#: updates (kept or not: `where_finite`), casts and all-reduces of stacked values, and the sum
+#: making a per-layer counter (`broadcast(step) + graph.iota`, a broadcast of a value that is not a stack)
+_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, optim.WhereFiniteOp, graph.CastOp, comm.AllReduceOp,
+              graph.AddOp, graph.BroadcastOp)
 
 Pieces = list[tuple[int, int]]  # (start, stop) of each piece, in the stack's slice numbers
 
