@@ -276,6 +276,7 @@ def test_the_passes_print_parse_and_guard_every_update():
     guarded = {op.tensor_name.data for op in module.walk() if isinstance(op, graph.AssignOp)
                and isinstance(op.value.owner, optim.WhereFiniteOp)}
     assert guarded == {"w", "opt.m.w", "opt.v.w", "opt.step", "opt.beta1_pow", "opt.beta2_pow"}
+    assert sum(isinstance(op, optim.SumSquaresOp) for op in module.walk()) == 1  # clipping reuses the total
 
 
 @pytest.mark.parametrize("spec, message", [
