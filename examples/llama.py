@@ -13,7 +13,7 @@ config = {
     "data": {"batch_size": 16},
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
     "precision": "float32",  # or bfloat16 / float16 (float32 master weights)
-    "loss_scale": None,  # static; None: 1024 for float16, else 1
+    "loss_scale": None,  # a static scale (None: 1024 for float16, else 1) or "dynamic" (GradScaler)
     "tf32": False,  # float32 products on TF32 tensor cores (a GPU run only)
     "microbatches": 1,  # with pp > 1: micro-batches per step, gradients summed
     "pipeline_schedule": "gpipe",  # or 1f1b

@@ -41,12 +41,14 @@ from hspmd.frontend.script import (
 )
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
+from hspmd.ir.loss_scaling import DynamicScaling
 from hspmd.ir.strategy import RECOMPUTE_MODES, StrategyError, StrategyRecord, parse_strategy
 from hspmd.codegen import bundle
 from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
 from hspmd.transforms.apply_strategy import ApplyStrategy
 from hspmd.transforms.autodiff import Autodiff
+from hspmd.transforms.dynamic_loss_scale import DynamicLossScale
 from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
 from hspmd.transforms.device_kernels import device_module
 from hspmd.transforms.flash_attention import flash_attention_module
@@ -174,17 +176,23 @@ def _verified(module: ModuleOp, verify, what: str) -> ModuleOp:
     return module
 
 
-def training_passes(optimizer: Optimizer | None, scale: float = 1.0, stack: bool = False,
+def training_passes(optimizer: Optimizer | None, scale: float | DynamicScaling = 1.0, stack: bool = False,
                     recompute: str = "none") -> list[ModulePass]:
     """Return the passes that turn a traced forward step into a training step: with `stack`,
     stack-layers (repeated layers as one `graph.scan` over stacked parameters), with `recompute`
     (`block` or `selective`) the layer functions marked for activation recompute, autodiff (with
-    loss scale `scale`), then the optimizer's clipping and update (none without an optimizer)."""
+    static loss scale `scale`, or dynamic loss scaling: autodiff seeded by the scale state, then
+    dynamic-loss-scale), then the optimizer's clipping and update (none without an optimizer)."""
     registry = get_all_passes()
     update = [registry[name]()(**options) for name, options in optimizer.passes()] if optimizer else []
     marks = [Recompute(mode=recompute)] if recompute != "none" else []
-    return [*([StackLayers()] if stack else []), *marks, Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff(),
-            *update]
+    if isinstance(scale, DynamicScaling):
+        backward = [Autodiff(loss_scale=scale.init_scale, dynamic_scale=True),
+                    DynamicLossScale(growth_factor=scale.growth_factor, backoff_factor=scale.backoff_factor,
+                                     growth_interval=scale.growth_interval)]
+    else:
+        backward = [Autodiff(loss_scale=scale) if scale != 1.0 else Autodiff()]
+    return [*([StackLayers()] if stack else []), *marks, *backward, *update]
 
 
 def recompute_mode(records: list[StrategyRecord]) -> str:
@@ -611,6 +619,10 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     if opt is None or any(name == "clip-grad-norm" for name, _ in opt.passes()):
         raise PassError(f"{script.path}: comm={group.comm} applies the optimizer on the servers, one parameter "
                         "range each; gradient-norm clipping needs every gradient at once and is not supported there")
+    if isinstance(loss_scale(script), DynamicScaling):
+        raise PassError(f"{script.path}: comm={group.comm} applies the optimizer on the servers, one parameter "
+                        "range each; loss_scale='dynamic' skips a step on any non-finite gradient, which needs every "
+                        "gradient at once and is not supported there (use a static loss_scale)")
     workers = group.dp
     local = _WorkerRows(script.path, script.module, script.config)
     local.workers = workers

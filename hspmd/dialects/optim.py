@@ -1,12 +1,13 @@
-"""The `optim` dialect: fused optimizer updates and gradient-clipping pieces.
+"""The `optim` dialect: fused optimizer updates, gradient-clipping and loss-scaling pieces.
 
-The optimizer passes (`sgd`, `adam`, `clip-grad-norm`) write these ops into the logical step
-after `autodiff`. Each update op reads a parameter, its gradient, its optimizer state and the
-per-step scalars, and returns the new parameter and state, which the pass stores with
-`graph.assign`. The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`,
-`torch.nn.utils.clip_grad_norm_`). Each op carries its facts (`dialects/interfaces.py`): its
-sharding rule, its NumPy kernel (PyTorch's formulas on local pieces) and, for the elementwise
-updates, its fused CUDA C expression. They are written by the optimizer passes, after autodiff:
+The optimizer passes (`sgd`, `adam`, `clip-grad-norm`, `dynamic-loss-scale`) write these ops
+into the logical step after `autodiff`. Each update op reads a parameter, its gradient, its
+optimizer state and the per-step scalars, and returns the new parameter and state, which the
+pass stores with `graph.assign`. The formulas are PyTorch's (`torch.optim.SGD`, `Adam`,
+`AdamW`, `torch.nn.utils.clip_grad_norm_`, `torch.amp.GradScaler`'s skip and scale update).
+Each op carries its facts (`dialects/interfaces.py`): its sharding rule, its NumPy kernel
+(PyTorch's formulas on local pieces) and, for the elementwise updates, its fused CUDA C
+expression. They are written by the optimizer passes, after autodiff:
 no op of this dialect is differentiated, and none has a frontend function.
 
 Arrays are computed in the parameter's dtype; the 0-d scalar operands (lr, bias corrections,
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
-from xdsl.dialects.builtin import BoolAttr, Float64Type, FloatAttr, IntegerAttr, TensorType, i1
+from xdsl.dialects.builtin import BoolAttr, Float64Type, FloatAttr, IntegerAttr, TensorType, i1, i64
 from xdsl.ir import Attribute, Dialect, Operation, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
@@ -534,4 +535,131 @@ class MulScalarOp(_OptimOp):
         put(stmts, t, out[0], f"{a[0]} * ({t})({a[1]})")
 
 
-Optim = Dialect("optim", [SGDOp, AdamOp, SumSquaresOp, ClipCoefOp, MulScalarOp], [])
+def _is_finite(x: str) -> str:
+    """Return a C test that double expression `x` is finite (no -ffast-math in any build)."""
+    return f"(({x}) - ({x}) == 0.0)"
+
+
+@irdl_op_definition
+class WhereFiniteOp(_OptimOp):
+    """`new` where the 0-d `total` is finite, else `old`: a step's update kept or skipped.
+
+    Dynamic loss scaling (`dynamic-loss-scale`) passes every state an optimizer writes
+    through it, with `total` the gradients' global sum of squares: one inf or nan element
+    anywhere makes it non-finite, and the step leaves parameters and optimizer state as they
+    were (as `GradScaler.step` skips `optimizer.step()`). Elementwise over `old`'s dims, of
+    any element type (`opt.step` is an integer); `total` replicated.
+    """
+
+    name = "optim.where_finite"
+    OUT_FACTS: ClassVar[OutFacts] = FIRST
+    old = operand_def(TensorType)
+    new = operand_def(TensorType)
+    total = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, old: SSAValue, new: SSAValue, total: SSAValue):
+        super().__init__(operands=[old, new, total], result_types=[old.type])
+
+    def verify_(self) -> None:
+        _like(self, self.old, new=self.new, result=self.result)
+        _scalar(self, "the total", self.total)
+
+    def sharding_rule(self) -> OpRule:
+        return _elementwise_rule(self.old, 2, 1, 1)
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        def where_finite(old, new, total, out=None):
+            keep = new if math.isfinite(float(total)) else old
+            if out is None:
+                return np.array(keep, copy=True)
+            if out is not keep:
+                np.copyto(out, keep)
+            return out
+
+        return _update(where_finite)
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        put(stmts, t, out[0], f"{_is_finite(f'(double)({a[2]})')} ? ({t})({a[1]}) : ({t})({a[0]})")
+
+
+@irdl_op_definition
+class UpdateLossScaleOp(_OptimOp):
+    """Dynamic loss scaling's update (`torch.amp.GradScaler.update`):
+    `scale, good_steps, total -> scale', good_steps'` (0-d tensors).
+
+        found_inf = total is inf or nan         (total: the gradients' global sum of squares)
+        found_inf:  scale' = scale * backoff_factor, good_steps' = 0
+        else:       good = good_steps + 1
+                    good >= growth_interval: scale' = scale * growth_factor (if finite, else scale), good_steps' = 0
+                    else:                    scale' = scale, good_steps' = good
+    """
+
+    name = "optim.update_loss_scale"
+    scale = operand_def(TensorType)
+    good_steps = operand_def(TensorType)
+    total = operand_def(TensorType)
+    new_scale = result_def(TensorType)
+    new_good_steps = result_def(TensorType)
+    growth_factor = prop_def(FloatAttr)
+    backoff_factor = prop_def(FloatAttr)
+    growth_interval = prop_def(IntegerAttr)
+    traits = traits_def(Pure())
+
+    def __init__(self, scale: SSAValue, good_steps: SSAValue, total: SSAValue, growth_factor: float,
+                 backoff_factor: float, growth_interval: int):
+        super().__init__(
+            operands=[scale, good_steps, total],
+            result_types=[scale.type, scale.type],
+            properties={
+                "growth_factor": f64_attr(growth_factor),
+                "backoff_factor": f64_attr(backoff_factor),
+                "growth_interval": IntegerAttr(int(growth_interval), i64),
+            },
+        )
+
+    def verify_(self) -> None:
+        from hspmd.ir.loss_scaling import check_settings
+
+        _scalar(self, "the scale", self.scale)
+        _like(self, self.scale, **{"good steps": self.good_steps, "new scale": self.new_scale,
+                                   "new good steps": self.new_good_steps})
+        _scalar(self, "the total", self.total)
+        try:
+            check_settings(1.0, _f(self, "growth_factor"), _f(self, "backoff_factor"), self._interval())
+        except ValueError as err:
+            raise VerifyException(f"'{self.name}': {err}") from None
+
+    def _interval(self) -> int:
+        return int(self.growth_interval.value.data)
+
+    def sharding_rule(self) -> OpRule:
+        return OpRule(((), (), ()), ((), ()))
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        from hspmd.ir.loss_scaling import next_scale
+
+        growth, backoff, interval = _f(self, "growth_factor"), _f(self, "backoff_factor"), self._interval()
+        dtype = np.dtype(dtype_name(self.scale.type))
+
+        def update_loss_scale(scale, good_steps, total):
+            s, g = next_scale(float(scale), float(good_steps), math.isfinite(float(total)), growth, backoff,
+                              interval, dtype.type)
+            return np.asarray(s, dtype), np.asarray(g, dtype)
+
+        return update_loss_scale
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        growth, backoff, interval = prop(self, "growth_factor"), prop(self, "backoff_factor"), self._interval()
+        s, r = f"(double)({a[0]})", out[0]
+        stmts.append(f"const bool {r}_inf = !{_is_finite(f'(double)({a[2]})')};")
+        stmts.append(f"const double {r}_good = (double)({a[1]}) + 1.0;")
+        stmts.append(f"const bool {r}_grow = {r}_good >= {float(interval)!r};")
+        stmts.append(f"const double {r}_up = (double)({t})({s} * {growth!r});")
+        put(stmts, t, r, f"{r}_inf ? ({t})({s} * {backoff!r}) : "
+                         f"(({r}_grow && {_is_finite(f'{r}_up')}) ? ({t}){r}_up : ({t})({s}))")
+        put(stmts, t, out[1], f"({r}_inf || {r}_grow) ? ({t})0.0 : ({t}){r}_good")
+
+
+Optim = Dialect("optim", [SGDOp, AdamOp, SumSquaresOp, ClipCoefOp, MulScalarOp, WhereFiniteOp, UpdateLossScaleOp], [])

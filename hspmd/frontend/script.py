@@ -38,6 +38,7 @@ from hspmd.frontend.nn import Module, bind_parameters
 from hspmd.dialects.graph.arithmetic import cast
 from hspmd.dialects.traced import REDUCED_PRECISION
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
+from hspmd.ir.loss_scaling import DynamicScaling
 from hspmd.ir.types import element_type
 
 REQUIRED = ("config", "model", "loss", "batches")
@@ -112,8 +113,17 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
     return ModelScript(os.path.abspath(path), module, config)
 
 
+#: the config keys of dynamic loss scaling's settings, and the DynamicScaling field each sets
+DYNAMIC_SCALE_KEYS = {
+    "loss_scale_init": "init_scale",
+    "loss_scale_growth_factor": "growth_factor",
+    "loss_scale_backoff_factor": "backoff_factor",
+    "loss_scale_growth_interval": "growth_interval",
+}
+
+
 #: top-level config keys `--set` takes even where a script does not declare them
-OPTIONAL_KEYS = ("tf32", "flash_attention")
+OPTIONAL_KEYS = ("tf32", "flash_attention", "loss_scale", *DYNAMIC_SCALE_KEYS)
 
 
 def set_config(config: dict, key: str, value) -> None:
@@ -133,7 +143,8 @@ def set_config(config: dict, key: str, value) -> None:
     old = node[last]
     if isinstance(old, dict):
         raise ScriptError(f"--set {key}: '{key}' is a section; set one of its keys ({', '.join(sorted(old))})")
-    if isinstance(old, (int, float)) and not isinstance(old, bool) and isinstance(value, str):
+    if isinstance(old, (int, float)) and not isinstance(old, bool) and isinstance(value, str) and (
+        key, value) != ("loss_scale", "dynamic"):
         raise ScriptError(f"--set {key}={value}: expected a number")
     node[last] = value
 
@@ -219,7 +230,8 @@ def precision(script: ModelScript) -> str | None:
 
     Parameters stay float32 master weights; the forward and backward compute in the reduced
     dtype, with softmax, norms and the loss in float32. `loss_scale` (default 1024 for float16,
-    1 otherwise) multiplies the loss before the backward and divides the gradients after.
+    1 otherwise) multiplies the loss before the backward and divides the gradients after;
+    `loss_scale="dynamic"` makes it PyTorch's GradScaler (see `loss_scale`).
     """
     value = script.config.get("precision", "float32")
     if value in (None, "float32"):
@@ -256,11 +268,30 @@ def flash_attention(config: dict) -> bool:
     return config_flag(config, "flash_attention", True)
 
 
-def loss_scale(script: ModelScript) -> float:
-    """Return the static loss scale of the script's config (see `precision`)."""
-    default = 1024.0 if script.config.get("precision") == "float16" else 1.0
+def loss_scale(script: ModelScript) -> float | DynamicScaling:
+    """Return the loss scale of the script's config (see `precision`): a static scale (a
+    positive number; default 1024 for float16, else 1), or with `loss_scale="dynamic"` the
+    settings of dynamic loss scaling (PyTorch's GradScaler; its defaults, or the config's
+    `loss_scale_init`, `loss_scale_growth_factor`, `loss_scale_backoff_factor`,
+    `loss_scale_growth_interval`). ScriptError for anything else."""
     value = script.config.get("loss_scale")
+    given = {key: script.config[key] for key in DYNAMIC_SCALE_KEYS if script.config.get(key) is not None}
+    if value == "dynamic":
+        for key, setting in given.items():
+            if isinstance(setting, bool) or not isinstance(setting, (int, float)):
+                raise ScriptError(f"config {key}={setting!r}: expected a number")
+            if key == "loss_scale_growth_interval" and isinstance(setting, float) and setting.is_integer():
+                given[key] = int(setting)
+        try:
+            return DynamicScaling(**{DYNAMIC_SCALE_KEYS[k]: v for k, v in given.items()})
+        except ValueError as err:
+            key = next(k for k, f in DYNAMIC_SCALE_KEYS.items() if str(err).startswith(f + "="))
+            raise ScriptError(f"config {key}{str(err)[len(DYNAMIC_SCALE_KEYS[key]):]}") from None
+    if given:
+        raise ScriptError(f"config {next(iter(given))}: applies to loss_scale='dynamic' only, "
+                          f"and loss_scale is {value!r}")
+    default = 1024.0 if script.config.get("precision") == "float16" else 1.0
     value = default if value is None else value
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ScriptError(f"config loss_scale={value!r}: expected a positive number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+        raise ScriptError(f"config loss_scale={value!r}: expected a positive number or 'dynamic'")
     return float(value)

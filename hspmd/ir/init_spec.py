@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = {"zeros": 0, "ones": 0, "normal": 1, "uniform": 2}
+KINDS = {"zeros": 0, "ones": 0, "full": 1, "normal": 1, "uniform": 2}
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,10 @@ class InitSpec:
 
 
 def parse_init_spec(text: str) -> InitSpec:
-    """Return the InitSpec that `text` spells (`zeros`, `ones`, `normal:STD`, `uniform:LO:HI`)."""
+    """Return the InitSpec that `text` spells (`zeros`, `ones`, `full:VALUE`, `normal:STD`, `uniform:LO:HI`)."""
     kind, *raw = text.split(":")
     if kind not in KINDS:
-        raise ValueError(f"unknown initialiser '{text}': expected one of zeros, ones, normal:STD, uniform:LO:HI")
+        raise ValueError(f"unknown initialiser '{text}': expected one of zeros, ones, full:VALUE, normal:STD, uniform:LO:HI")
     if len(raw) != KINDS[kind]:
         raise ValueError(f"initialiser '{text}' takes {KINDS[kind]} number(s) after '{kind}'")
     try:
@@ -50,7 +50,7 @@ def initial_value(spec: InitSpec | str, shape: tuple[int, ...], dtype, name: str
 
     if isinstance(spec, str):
         spec = parse_init_spec(spec)
-    if is_stacked(name) and spec.kind not in ("zeros", "ones"):
+    if is_stacked(name) and spec.kind not in ("zeros", "ones", "full"):
         names = layer_names(name)
         if not shape or shape[0] != len(names):
             raise ValueError(f"stacked parameter '{name}' holds {len(names)} layers but has shape {list(shape)}")
@@ -59,6 +59,8 @@ def initial_value(spec: InitSpec | str, shape: tuple[int, ...], dtype, name: str
         return np.zeros(shape, dtype)
     if spec.kind == "ones":
         return np.ones(shape, dtype)
+    if spec.kind == "full":
+        return np.full(shape, spec.args[0], dtype)
     key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
     rng = np.random.default_rng(key)
     if spec.kind == "normal":

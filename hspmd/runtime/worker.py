@@ -42,6 +42,7 @@ from hspmd.runtime.kernel_exec import BACKENDS, select_program
 from hspmd.runtime.comm.base import CommError, Communicator
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of
+from hspmd.ir.loss_scaling import SCALE_STATE
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
@@ -143,6 +144,12 @@ def step_inputs(step: int, config: dict, input_names) -> dict[str, np.ndarray]:
     if "step" in input_names:
         out["step"] = np.asarray(step, dtype=np.int64)
     return out
+
+
+def _loss_scale(state: dict) -> float | None:
+    """Return the dynamic loss scale this rank's `state` holds (host or device array), or None."""
+    value = state.get(SCALE_STATE)
+    return None if value is None else float(np.asarray(value).reshape(-1)[0])
 
 
 def train(
@@ -317,6 +324,7 @@ def train(
             ahead = None
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
+            scale = _loss_scale(state) if log_file and comm.rank == 0 else None
             start = time.perf_counter()
             if overlap and step < steps:
                 def make_next(step=step + 1):  # the host makes the next batch while the GPU runs this step
@@ -342,6 +350,8 @@ def train(
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
+                    if scale is not None:  # dynamic loss scaling: the scale this step's loss was multiplied by
+                        record["loss_scale"] = scale
                     if len(programs) > 1:
                         record["strategy"] = current
                     if switched is not None:

@@ -19,6 +19,7 @@ _PASSES = {
     "sgd": "hspmd.transforms.sgd:SGD",
     "adam": "hspmd.transforms.adam:Adam",
     "clip-grad-norm": "hspmd.transforms.clip_grad_norm:ClipGradNorm",
+    "dynamic-loss-scale": "hspmd.transforms.dynamic_loss_scale:DynamicLossScale",
     "apply-strategy": "hspmd.transforms.apply_strategy:ApplyStrategy",
     "apply-annotations": "hspmd.transforms.apply_annotations:ApplyAnnotations",
     "shard-optimizer-state": "hspmd.transforms.shard_optimizer_state:ShardOptimizerState",

@@ -5,26 +5,33 @@ reverse, and appends the backward ops before `func.return`. The gradient of each
 becomes `graph.output "grad:NAME"`, which an optimizer pass consumes. Values used several
 times get their gradient contributions summed with `graph.add`. With `loss_scale` S the
 backward starts from S instead of 1 and each parameter's gradient is divided by S (static
-loss scaling for float16).
+loss scaling for float16). With `dynamic_scale` too, S is only the initial value of the
+0-d float32 state `opt.loss_scale` (`graph.parameter {init = "full:S"}`, never differentiated)
+that this pass adds: the backward starts from its value and each gradient is multiplied by its
+reciprocal (`optim.mul_scalar`); the `dynamic-loss-scale` pass that follows updates it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, TensorType, f32
 from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
-from hspmd.dialects import graph
+from hspmd.dialects import graph, optim
+from hspmd.ir.loss_scaling import SCALE_STATE
 from hspmd.transforms.util import PassError, step_function, terminator
 from hspmd.transforms.call_vjp import CallDifferentiator, is_float
 from hspmd.transforms.scan_vjp import ScanDifferentiator
 from hspmd.transforms.vjp_rules import Emitter, vjp
 
 GRAD_PREFIX = "grad:"
+#: the type of dynamic loss scaling's state (a float32 scalar, as GradScaler's)
+SCALE_TYPE = TensorType(f32, ())
 
 
 def grad_name(param: str) -> str:
@@ -91,6 +98,7 @@ class Autodiff(ModulePass):
     name = "autodiff"
     loss: str = "loss"
     loss_scale: float = 1.0
+    dynamic_scale: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         fn = step_function(op)
@@ -112,16 +120,31 @@ class Autodiff(ModulePass):
                 needs.update(r for r in fop.results if is_float(r))
         calls = CallDifferentiator(op, reverse_sweep)
         scans = ScanDifferentiator(calls)
-        seed = graph.ConstantOp(self.loss_scale, loss.type)  # a scaled loss keeps float16 gradients in range
-        block.insert_op_before(seed, terminator(fn))
-        grads = reverse_sweep(forward, {loss: seed.result}, needs, terminator(fn), calls, scans)
+        params = [o for o in block.ops if isinstance(o, graph.ParameterOp)]
         emit = Emitter(terminator(fn))
-        for param in [o for o in block.ops if isinstance(o, graph.ParameterOp)]:
+        seed, unscale = self._seed(params, loss, emit)  # a scaled loss keeps float16 gradients in range
+        grads = reverse_sweep(forward, {loss: seed}, needs, terminator(fn), calls, scans)
+        for param in params:
             g = grads.get(param.result)
             if g is None:
                 g = emit(graph.ConstantOp(0.0, param.result.type))
+            elif unscale is not None:
+                g = emit(optim.MulScalarOp(g, unscale))
             elif self.loss_scale != 1.0:
                 g = emit(graph.ScaleOp(g, 1.0 / self.loss_scale))
             block.insert_op_before(graph.OutputOp(grad_name(param.tensor_name.data), g), terminator(fn))
         calls.drop_unused()
         scans.finish(op)
+
+    def _seed(self, params: list[graph.ParameterOp], loss: SSAValue, emit: Emitter) -> tuple[SSAValue, SSAValue | None]:
+        """Return the backward's seed and, under dynamic scaling, the reciprocal of the scale
+        that multiplies the gradients (None: the static scale divides them, if not 1)."""
+        if not self.dynamic_scale:
+            return emit(graph.ConstantOp(self.loss_scale, loss.type)), None
+        if not (self.loss_scale > 0 and math.isfinite(self.loss_scale)):
+            raise PassError(f"autodiff: option loss_scale={self.loss_scale} must be a finite number > 0")
+        if any(p.tensor_name.data == SCALE_STATE for p in params):
+            raise PassError(f"autodiff: the step already has a parameter named '{SCALE_STATE}'")
+        scale = emit(graph.ParameterOp(SCALE_STATE, f"full:{self.loss_scale!r}", SCALE_TYPE))
+        seed = scale if scale.type == loss.type else emit(graph.CastOp(scale, loss.type))
+        return seed, emit(graph.DivOp(emit(graph.ConstantOp(1.0, SCALE_TYPE)), scale))

@@ -9,7 +9,8 @@ between `backward()` and `step()`. For gradients g_i (the `graph.output "grad:NA
 
 and each `grad:NAME` output is moved to the end of the step and now outputs g_i'. Under data
 parallelism each gradient is all-reduced once, before `sum_squares` (which is not linear);
-`mul_scalar` and the optimizer's update share that reduced value.
+`mul_scalar` and the optimizer's update share that reduced value. After `dynamic-loss-scale`
+the total is that pass's (the same sum of the same squares), not computed twice.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ class ClipGradNorm(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         check_option(self.name, "max_norm", self.max_norm, 0.0, open_lo=True)
         b = OptimizerBuilder(op, self.name)
-        total = None
-        for _, grad in b.gradients:
-            sq = b.value(optim.SumSquaresOp(grad, SCALAR))
-            total = sq if total is None else b.value(graph.AddOp(total, sq))
+        total = b.finite_total  # dynamic loss scaling summed the same squares already
+        if total is None:
+            for _, grad in b.gradients:
+                sq = b.value(optim.SumSquaresOp(grad, SCALAR))
+                total = sq if total is None else b.value(graph.AddOp(total, sq))
         assert total is not None
         coef = b.value(optim.ClipCoefOp(total, self.max_norm))
         for out, (_, grad) in zip(b.outputs, b.gradients):

@@ -10,8 +10,10 @@ those outputs by `graph.assign "NAME"` of the updated value. Optimizer state is 
   bias corrections without a pow op.
 
 Each state is written back with `graph.assign`, so checkpoints (which save every parameter)
-hold the optimizer state too. The learning rate is a 0-d f64 tensor: a `graph.constant`, or
-with `lr_input` the step input `graph.input "lr"` that the runtime feeds from the schedule.
+hold the optimizer state too. After `dynamic-loss-scale` every such assign stores
+`optim.where_finite(old, new, total)`: a step whose gradients hold an inf or nan changes
+nothing. The learning rate is a 0-d f64 tensor: a `graph.constant`, or with `lr_input` the
+step input `graph.input "lr"` that the runtime feeds from the schedule.
 The passes run after `autodiff`, which therefore never sees these states.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 from xdsl.dialects.builtin import Float64Type, ModuleOp, TensorType, f64, i64
 from xdsl.ir import Operation, SSAValue
 
-from hspmd.dialects import graph
+from hspmd.dialects import graph, optim
 from hspmd.transforms.autodiff import GRAD_PREFIX
 from hspmd.transforms.util import PassError, step_function, terminator
 
@@ -41,7 +43,8 @@ class OptimizerBuilder:
 
     `gradients` lists (parameter op, gradient value) for every `grad:NAME` output, in the
     order autodiff wrote them; `consume_gradients()` removes those outputs once the updates
-    are written.
+    are written. `finite_total` is the gradients' sum of squares of `dynamic-loss-scale`'s
+    update, where the step has one (None otherwise): `assign` keeps the old value unless it is finite.
     """
 
     def __init__(self, module: ModuleOp, pass_name: str) -> None:
@@ -61,6 +64,8 @@ class OptimizerBuilder:
             if not isinstance(param, graph.ParameterOp):
                 raise PassError(f"{pass_name}: gradient of unknown parameter '{name}'")
             self.gradients.append((param, out.value))
+        scalers = [o for o in ops if isinstance(o, optim.UpdateLossScaleOp)]
+        self.finite_total: SSAValue | None = scalers[0].total if scalers else None
 
     def emit(self, op: Operation) -> Operation:
         """Insert `op` before the return and return it."""
@@ -81,7 +86,10 @@ class OptimizerBuilder:
         return op.result
 
     def assign(self, name: str, value: SSAValue) -> None:
-        """Store `value` into parameter `name` at the end of the step."""
+        """Store `value` into parameter `name` at the end of the step (under dynamic loss scaling,
+        only where the step's gradients are finite)."""
+        if self.finite_total is not None:
+            value = self.value(optim.WhereFiniteOp(self.leaves[name].results[0], value, self.finite_total))
         self.emit(graph.AssignOp(name, value))
 
     def constant(self, value: float, typ: TensorType = SCALAR) -> SSAValue:

@@ -53,7 +53,7 @@ __all__ = [
 class ParameterOp(IRDLOperation):
     """A trainable parameter, named after its place in the module tree (`fc1.weight`).
 
-    `init` says how the runtime creates its initial value (`zeros`, `ones`,
+    `init` says how the runtime creates its initial value (`zeros`, `ones`, `full:VALUE`,
     `normal:STD`, `uniform:LO:HI`); `global_type` is set at the physical level, where the
     result type is the local piece, and records the annotated type (global shape + layout).
     """

@@ -10,7 +10,7 @@ counts, else ranges balanced by forward cost) and cuts every stacked value at th
                                                                         "blocks.[5:8].w" : tensor<3x...>
     %x = graph.scan @Block_0_fwd(%w, %x0) {length = 8}              ->  a scan of 5 layers, then one of 3
     %g = graph.scan @Block_0_bwd(...) {length = 8, reverse}         ->  the 3 layers' backward, then the 5's
-    optim.adam / mul_scalar / comm.all_reduce / graph.cast of a stack ->  one per piece
+    optim.adam / mul_scalar / where_finite / comm.all_reduce / graph.cast of a stack -> one per piece
     a collective along another dim than 0 (comm.local_split, ...)   ->  one per piece
     optim.sum_squares of a stack                                    ->  one per piece, added in order
     graph.iota (a per-layer counter)                                ->  one per piece, from its first layer's
@@ -47,10 +47,10 @@ __all__ = ["LAYER_STAGE_ATTR", "CutStackedLayers", "cut_stacks"]
 LAYER_STAGE_ATTR = "pipeline.layer_stage"
 
 #: ops that work slice by slice along a stack's leading dim (one op per piece after the cut): the
-#: updates, casts and all-reduces of stacked values, and the sum making a per-layer counter
-#: (`broadcast(step) + graph.iota`, a broadcast of a value that is not a stack)
-_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, graph.CastOp, comm.AllReduceOp, graph.AddOp,
-              graph.BroadcastOp)
+#: updates (kept or not: `where_finite`), casts and all-reduces of stacked values, and the sum
+#: making a per-layer counter (`broadcast(step) + graph.iota`, a broadcast of a value that is not a stack)
+_SLICEWISE = (optim.AdamOp, optim.SGDOp, optim.MulScalarOp, optim.WhereFiniteOp, graph.CastOp, comm.AllReduceOp,
+              graph.AddOp, graph.BroadcastOp)
 
 Pieces = list[tuple[int, int]]  # (start, stop) of each piece, in the stack's slice numbers
 
