@@ -4,7 +4,7 @@ Issue 28's done-when: `--strategy auto` over one GPU rank and one CPU rank choos
 10% of the best of a sweep. This script profiles the two ranks (`hspmd profile -n 2 --device
 cuda,cpu`), asks the planner (`hspmd plan --profile`), then times `hspmd run -n 2` under the
 planner's strategy and under `[0]: dp=1 device=cuda share=a | [1]: dp=1 device=cpu share=b` for
-each a:b of the sweep (the median step time of the steps after the first two), and prints the
+each a:b of the sweep (and the GPU rank alone, the CPU rank idle, which the planner may choose) (the median step time of the steps after the first two), and prints the
 sweep, the planner's choice, and last the ratio of the planner's step time to the sweep's best.
 
 On the GPU machine (`benchmarks/gpu_check.sh` sets up its environment):
@@ -46,7 +46,8 @@ def main() -> int:
     p.add_argument("--script", default=os.path.join(ROOT, "examples", "gpt.py"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config overrides (default: data.batch_size=64)")
-    p.add_argument("--shares", default="1:1,3:1,7:1,15:1,31:1,63:1", help="the sweep, GPU:CPU")
+    p.add_argument("--shares", default="1:0,1:1,3:1,7:1,15:1,31:1,63:1",
+                   help="the sweep, GPU:CPU (1:0: the GPU rank alone, the CPU rank idle)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--timeout", type=float, default=240)
     args = p.parse_args()
@@ -59,11 +60,12 @@ def main() -> int:
         return 1
     out = hspmd("plan", args.script, "-n", "2", "--profile", profile, "--top", "3", *sets, timeout=args.timeout)
     lines = out.stdout.strip().splitlines()
-    if out.returncode or not lines or not lines[-2].startswith("strategy"):
+    at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("strategy")), None)
+    if out.returncode or at is None or at + 1 >= len(lines):
         print(f"plan failed: {(out.stdout + out.stderr)[-800:]}")
         return 1
-    planned = lines[-1].strip()
-    print("\n".join(lines[-6:-2]))
+    planned = lines[at + 1].strip()
+    print("\n".join(lines[max(0, at - 5):at]))
 
     def timed(strategy: str, name: str) -> float | None:
         log = os.path.join(work, f"{name}.jsonl")
@@ -78,7 +80,8 @@ def main() -> int:
     print(f"{'GPU:CPU':>8}  {'step ms':>8}  strategy")
     for pair in args.shares.split(","):
         a, b = (int(x) for x in pair.split(":"))
-        strategy = f"[0]: dp=1 device=cuda share={a} | [1]: dp=1 device=cpu share={b}"
+        strategy = (f"[0]: dp=1 device=cuda share={a} | [1]: dp=1 device=cpu share={b}" if b
+                    else "[0]: dp=1 device=cuda")  # rank 1 idle (docs/planning.md, "Idle ranks")
         ms = timed(strategy, f"sweep-{a}-{b}")
         if ms is not None:
             sweep[pair] = ms
