@@ -61,148 +61,15 @@ from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph, kernel
-from hspmd.dialects.cuda_c import float_kind
 from hspmd.dialects.graph.attention import (
     MAX_HEAD_DIM,
     FlashAttentionGradOp,
     FlashAttentionOp,
 )
-from hspmd.dialects.graph.base import int_attr, whole_piece
+from hspmd.dialects.graph.base import int_attr
 from hspmd.dialects.graph.scan import stacked_type
+from hspmd.transforms import kernel_chains as kc
 from hspmd.transforms.device_kernels import give_kernels, module_namer
-
-
-def _members(op: Operation | None) -> list[Operation]:
-    """Return the ops a kernel computes (its body), or [op] for an op that is not a kernel."""
-    if op is None:
-        return []
-    if isinstance(op, kernel.FusedOp):
-        return [o for o in op.body.block.ops if not isinstance(o, kernel.YieldOp)]
-    return [op]
-
-
-def _owner(v: SSAValue) -> Operation | None:
-    return v.owner if isinstance(v.owner, Operation) else None
-
-
-def _chain(op: Operation | None, names: list[str]) -> list[Operation] | None:
-    """Return the member ops of `op` where it is a one-input, one-output kernel (or a lone op)
-    computing a chain of ops named `names` (in this order, each reading the last), else None."""
-    if op is None or len(op.results) != 1:
-        return None
-    ms = _members(op)
-    if [m.name for m in ms] != names:
-        return None
-    if isinstance(op, kernel.FusedOp):
-        if len(op.operands) != 1:
-            return None
-        prev: SSAValue = op.body.block.args[0]
-        for m in ms:
-            if m.operands[0] is not prev or any(o is not prev for o in m.operands[1:]):
-                return None
-            prev = m.results[0]
-        if op.body.block.last_op.operands[0] is not prev:  # type: ignore[union-attr]
-            return None
-    return ms
-
-
-def _swapped(v: SSAValue) -> SSAValue | None:
-    """Return x where `v` is x with its last two dims swapped (a transpose, or a kernel of one)."""
-    op = _owner(v)
-    ms = _chain(op, ["graph.transpose"])
-    if not ms:
-        return None
-    perm = list(ms[0].perm.get_values())  # type: ignore[attr-defined]
-    n = len(perm)
-    return op.operands[0] if n >= 2 and perm == [*range(n - 2), n - 1, n - 2] else None  # type: ignore[union-attr]
-
-
-def _dropout(v: SSAValue) -> tuple[SSAValue, SSAValue, graph.DropoutOp] | None:
-    """Return (x, step, the dropout) where `v` is a dropout kernel's result: rate > 0, the whole
-    tensor on the rank (its mask's indices are the tensor's own), not a micro-batch's."""
-    op = _owner(v)
-    if op is None or len(op.results) != 1 or [m.name for m in _members(op)] != ["graph.dropout"]:
-        return None
-    (d,) = _members(op)
-    assert isinstance(d, graph.DropoutOp)
-    if d.rate.value.data <= 0.0 or d.microbatches is not None or not whole_piece(d):
-        return None
-    if isinstance(op, kernel.FusedOp) and [o for o in d.operands] != list(op.body.block.args):
-        return None
-    return op.operands[0], op.operands[1], d
-
-
-def _same_dropout(a: graph.DropoutOp | None, b: graph.DropoutOp | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return all(getattr(a, k).value.data == getattr(b, k).value.data for k in ("rate", "seed", "salt"))
-
-
-def _is_matmul(op: Operation | None) -> bool:
-    return op is not None and op.name == "graph.matmul"
-
-
-def _shape(v: SSAValue) -> tuple[int, ...]:
-    return tuple(v.type.get_shape())  # type: ignore[attr-defined]
-
-
-#: the storage types whose chains the pass fuses (the kernels compute in float32 for all)
-_FLOAT_KINDS = ("f32", "bf16", "f16")
-
-
-def _kind(v: SSAValue) -> str | None:
-    """Return "f32", "bf16" or "f16" for a tensor of that element type, else None."""
-    kind = float_kind(v.type, reduced=True)
-    return kind if kind in _FLOAT_KINDS else None
-
-
-def _kernel_links(op: Operation, allowed: tuple[str, ...]) -> list[Operation] | None:
-    """Return the member ops of `op` where it is a one-input, one-output kernel (or a lone op)
-    whose ops each read the last (a chain) and are all named in `allowed`, else None."""
-    if op is None or len(op.results) != 1 or len(op.operands) != 1:
-        return None
-    ms = _members(op)
-    if not ms or any(m.name not in allowed for m in ms):
-        return None
-    return _chain(op, [m.name for m in ms])
-
-
-def _peel_casts(v: SSAValue) -> tuple[SSAValue, list[Operation]]:
-    """Return (x, the cast kernels) where `v` is float value x cast (once or more) between float
-    types, each cast read by the next only: a 16-bit program's softmax and its gradient compute
-    in float32 between casts from and to the 16-bit type; (v, []) where it is not a cast."""
-    casts: list[Operation] = []
-    while (op := _owner(v)) is not None and _kernel_links(op, ("graph.cast",)) is not None \
-            and _kind(op.operands[0]) is not None and (not casts or len(list(v.uses)) == 1):
-        casts.append(op)
-        v = op.operands[0]
-    return v, casts
-
-
-def _run_back(v: SSAValue, allowed: tuple[str, ...]) -> tuple[SSAValue, list[Operation], list[Operation]]:
-    """Walk back from `v` through chain kernels of ops in `allowed` (and casts), each read only by
-    the next; return (the first one's input, the kernels in program order, their member ops)."""
-    kernels: list[Operation] = []
-    while (op := _owner(v)) is not None and _kernel_links(op, (*allowed, "graph.cast")) is not None \
-            and (not kernels or len(list(v.uses)) == 1):
-        kernels.insert(0, op)
-        v = op.operands[0]
-    return v, kernels, [m for k in kernels for m in _members(k)]
-
-
-def _run_forward(v: SSAValue, allowed: tuple[str, ...]) -> tuple[SSAValue, list[Operation], list[Operation]]:
-    """Walk on from `v` through chain kernels of ops in `allowed` (and casts), each the only
-    reader of the last's result; return (the last one's result, the kernels, their member ops)."""
-    kernels: list[Operation] = []
-    while (user := _single_use(v)) is not None and _kernel_links(user, (*allowed, "graph.cast")) is not None:
-        kernels.append(user)
-        v = user.results[0]
-    return v, kernels, [m for k in kernels for m in _members(k)]
-
-
-def _named(ms: list[Operation]) -> list[str]:
-    """Return the names of member ops `ms`, the casts left out."""
-    return [m.name for m in ms if m.name != "graph.cast"]
 
 
 @dataclass
@@ -230,48 +97,48 @@ def _softmax_facts(p: SSAValue) -> tuple[float, bool, SSAValue, list[Operation]]
     """Return (scale, causal, the scores, the kernels) where `p` is the scores' kernels' result:
     scale, causal mask of -inf, softmax over the last dim (one kernel in a float32 program; in a
     16-bit one casts to float32 and back between kernels of them)."""
-    s, kernels, ms = _run_back(p, ("graph.scale", "graph.causal_mask", "graph.softmax"))
-    if not kernels or _members(kernels[-1])[-1].name != "graph.softmax":
+    s, kernels, ms = kc.run_back(p, ("graph.scale", "graph.causal_mask", "graph.softmax"))
+    if not kernels or kc.members(kernels[-1])[-1].name != "graph.softmax":
         return None
     for names, causal in ((["graph.scale", "graph.causal_mask", "graph.softmax"], True),
                           (["graph.causal_mask", "graph.scale", "graph.softmax"], True),
                           (["graph.scale", "graph.softmax"], False)):
-        if _named(ms) != names:
+        if kc.named(ms) != names:
             continue
         scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
         mask = [m for m in ms if m.name == "graph.causal_mask"]
         if mask and mask[0].value.value.data != float("-inf"):  # type: ignore[attr-defined]
             return None
         soft = ms[-1]
-        if soft.dim.value.data != len(_shape(soft.results[0])) - 1:  # type: ignore[attr-defined]
+        if soft.dim.value.data != len(kc.shape(soft.results[0])) - 1:  # type: ignore[attr-defined]
             return None
         return float(scale), causal, s, kernels
     return None
 
 
 def _match_forward(fn: func.FuncOp, pv: Operation) -> _Forward | None:
-    if not _is_matmul(pv):
+    if not kc.is_matmul(pv):
         return None
     pd, v = pv.operands
-    dropped = _dropout(pd)
+    dropped = kc.dropout(pd)
     p, step, dropout = (dropped[0], dropped[1], dropped[2]) if dropped else (pd, None, None)
-    p, casts = _peel_casts(p)  # a 16-bit program's softmax computes in float32: p is that
+    p, casts = kc.peel_casts(p)  # a 16-bit program's softmax computes in float32: p is that
     facts = _softmax_facts(p)
     if facts is None:
         return None
     s = facts[2]
-    qk = _owner(s)
-    if not _is_matmul(qk) or len(list(s.uses)) != 1:
+    qk = kc.owner(s)
+    if not kc.is_matmul(qk) or len(list(s.uses)) != 1:
         return None
     q, kt = qk.operands  # type: ignore[union-attr]
-    shape = _shape(q)
-    if len(shape) < 3 or shape[-1] > MAX_HEAD_DIM or _shape(v) != shape or _shape(kt) != (*shape[:-2], shape[-1], shape[-2]):
+    shape = kc.shape(q)
+    if len(shape) < 3 or shape[-1] > MAX_HEAD_DIM or kc.shape(v) != shape or kc.shape(kt) != (*shape[:-2], shape[-1], shape[-2]):
         return None
-    kind = _kind(q)
-    if kind is None or any(_kind(x) != kind for x in (kt, v, pd, pv.results[0])) or _kind(p) not in (kind, "f32"):
+    kind = kc.kind(q)
+    if kind is None or any(kc.kind(x) != kind for x in (kt, v, pd, pv.results[0])) or kc.kind(p) not in (kind, "f32"):
         return None
-    k = _swapped(kt)
-    return _Forward(fn, qk, facts[3], casts, _owner(pd) if dropped else None, pv, q, kt, k if k is not None else kt,  # type: ignore[arg-type]
+    k = kc.swapped(kt)
+    return _Forward(fn, qk, facts[3], casts, kc.owner(pd) if dropped else None, pv, q, kt, k if k is not None else kt,  # type: ignore[arg-type]
                     k is None, v, p, pd, step, dropout, facts[0], facts[1])
 
 
@@ -356,11 +223,6 @@ class _Backward:
     first: Operation
 
 
-def _single_use(v: SSAValue) -> Operation | None:
-    uses = list(v.uses)
-    return uses[0].operation if len(uses) == 1 else None
-
-
 def _same_step(fwd: _Forward, step: SSAValue | None, link: _Link | None) -> bool:
     """Return whether the backward's dropout step `step` is the forward's: the same value, the
     forward's as a residual, or arguments that the callers feed with one value in the same way."""
@@ -394,13 +256,13 @@ def _match_backward(fwd: _Forward, fn: func.FuncOp, link: _Link | None) -> _Back
 
 def _chain_two(sg: Operation) -> Operation | None:
     """Return the softmax_grad of kernel `sg` (two inputs y, dy; one output; over the last dim)."""
-    ms = _members(sg)
+    ms = kc.members(sg)
     if [m.name for m in ms] != ["graph.softmax_grad"] or len(sg.results) != 1 or len(sg.operands) != 2:
         return None
     (m,) = ms
     if isinstance(sg, kernel.FusedOp) and list(m.operands) != list(sg.body.block.args):
         return None
-    if m.dim.value.data != len(_shape(m.results[0])) - 1:  # type: ignore[attr-defined]
+    if m.dim.value.data != len(kc.shape(m.results[0])) - 1:  # type: ignore[attr-defined]
         return None
     return m
 
@@ -411,31 +273,31 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
     ops = [sg]
     if len(list(dp.uses)) != 1:
         return None
-    dp, casts = _peel_casts(dp)  # a 16-bit program's softmax_grad computes in float32
+    dp, casts = kc.peel_casts(dp)  # a 16-bit program's softmax_grad computes in float32
     ops += casts
     step = None
     if fwd.dropout is not None:
-        dropped = _dropout(dp)
-        if dropped is None or not _same_dropout(dropped[2], fwd.dropout) or len(list(dp.uses)) != 1:
+        dropped = kc.dropout(dp)
+        if dropped is None or not kc.same_dropout(dropped[2], fwd.dropout) or len(list(dp.uses)) != 1:
             return None
         dpd, step, _ = dropped
-        ops.append(_owner(dp))  # type: ignore[arg-type]
+        ops.append(kc.owner(dp))  # type: ignore[arg-type]
     else:
         dpd = dp
-    mm = _owner(dpd)
-    if not _is_matmul(mm) or len(list(dpd.uses)) != 1 or _swapped(mm.operands[1]) is not v:  # type: ignore[union-attr]
+    mm = kc.owner(dpd)
+    if not kc.is_matmul(mm) or len(list(dpd.uses)) != 1 or kc.swapped(mm.operands[1]) is not v:  # type: ignore[union-attr]
         return None
     do = mm.operands[0]  # type: ignore[union-attr]
     ops.append(mm)  # type: ignore[arg-type]
     # dv = matmul(pd^T, do)
-    dv_op = next((u.operation for u in do.uses if _is_matmul(u.operation) and u.index == 1
-                  and _swapped(u.operation.operands[0]) is pd), None)
+    dv_op = next((u.operation for u in do.uses if kc.is_matmul(u.operation) and u.index == 1
+                  and kc.swapped(u.operation.operands[0]) is pd), None)
     if dv_op is None:
         return None
     ops.append(dv_op)
-    dsc, scaled, ms = _run_forward(sg.results[0], ("graph.scale", "graph.causal_mask"))
+    dsc, scaled, ms = kc.run_forward(sg.results[0], ("graph.scale", "graph.causal_mask"))
     names = (["graph.causal_mask", "graph.scale"], ["graph.scale", "graph.causal_mask"]) if fwd.causal else (["graph.scale"],)
-    if _named(ms) not in names:
+    if kc.named(ms) not in names:
         return None
     scale = next(m for m in ms if m.name == "graph.scale").factor.value.data  # type: ignore[attr-defined]
     mask = [m for m in ms if m.name == "graph.causal_mask"]
@@ -445,13 +307,13 @@ def _match_from_softmax_grad(fwd: _Forward, fn: func.FuncOp, sg: Operation, pd: 
     uses = list(dsc.uses)
     if len(uses) != 2:
         return None
-    dq_op = next((u.operation for u in uses if _is_matmul(u.operation) and u.index == 0
-                  and _swapped(u.operation.operands[1]) is kt), None)
-    dk_op = next((u.operation for u in uses if _is_matmul(u.operation) and u.index == 1
-                  and _swapped(u.operation.operands[0]) is q), None)
+    dq_op = next((u.operation for u in uses if kc.is_matmul(u.operation) and u.index == 0
+                  and kc.swapped(u.operation.operands[1]) is kt), None)
+    dk_op = next((u.operation for u in uses if kc.is_matmul(u.operation) and u.index == 1
+                  and kc.swapped(u.operation.operands[0]) is q), None)
     if dq_op is None or dk_op is None:
         return None
-    if any(_kind(x) != _kind(q) for x in (do, dq_op.results[0], dk_op.results[0], dv_op.results[0])):
+    if any(kc.kind(x) != kc.kind(q) for x in (do, dq_op.results[0], dk_op.results[0], dv_op.results[0])):
         return None
     ops += [dq_op, dk_op]
     block = fn.body.block
@@ -571,7 +433,7 @@ def _erase_dead(ops: list[Operation]) -> None:
             continue
         if not (isinstance(op, kernel.FusedOp) or op.name in ("graph.matmul", "graph.transpose")):
             continue
-        feeders = [_owner(x) for x in op.operands]
+        feeders = [kc.owner(x) for x in op.operands]
         op.detach()
         op.erase()
         work += [f for f in feeders if f is not None]
@@ -583,20 +445,20 @@ def _heads_inside_residual(o: SSAValue, fwd: _Forward, link: _Link, block: Block
     heads moved inside ([B, T, H, D], or that merged into [B, T, H * D], which the layer keeps for
     its projection's weight gradient), seen as [B, T, H, D] (a view put before `before`); None
     where there is no such residual."""
-    shape = _shape(o)
+    shape = kc.shape(o)
     if len(shape) != 4:
         return None
     b, h, t, d = shape
     for use in o.uses:
-        ms = _chain(use.operation, ["graph.transpose"])
+        ms = kc.chain(use.operation, ["graph.transpose"])
         if not ms or list(ms[0].perm.get_values()) != [0, 2, 1, 3]:  # type: ignore[attr-defined]
             continue
         moved = use.operation.results[0]
         for x in (moved, *(u.operation.results[0] for u in moved.uses if u.operation.name == "graph.reshape")):
             seen = _image(x, fwd, link)
-            if seen is None or _shape(seen) not in ((b, t, h, d), (b, t, h * d)):
+            if seen is None or kc.shape(seen) not in ((b, t, h, d), (b, t, h * d)):
                 continue
-            if _shape(seen) == (b, t, h, d):
+            if kc.shape(seen) == (b, t, h, d):
                 return seen
             view = graph.ReshapeOp(seen, TensorType(o.type.element_type, [b, t, h, d]))  # type: ignore[attr-defined]
             block.insert_op_before(view, before)
@@ -629,12 +491,12 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
     made: list[tuple[func.FuncOp, Operation]] = [(fwd.fn, flash), (bwd.fn, grad)]
     bwd.dq.replace_all_uses_with(grad.dq)
     bwd.dv.replace_all_uses_with(grad.dv)
-    user = _single_use(bwd.dkt)
-    if user is not None and _swapped(user.results[0]) is bwd.dkt and len(user.results) == 1:
+    user = kc.single_use(bwd.dkt)
+    if user is not None and kc.swapped(user.results[0]) is bwd.dkt and len(user.results) == 1:
         user.results[0].replace_all_uses_with(grad.dk)  # dk^T written out as dk: dk itself
         bwd.ops.append(user)
     else:
-        n = len(_shape(grad.dk))
+        n = len(kc.shape(grad.dk))
         back = graph.TransposeOp(grad.dk, [*range(n - 2), n - 1, n - 2], bwd.dkt.type)
         block.insert_op_after(back, grad)
         bwd.dkt.replace_all_uses_with(back.result)
@@ -650,7 +512,7 @@ def _rewrite(module: ModuleOp, fwd: _Forward, bwd: _Backward, link: _Link | None
     if link is not None:
         _drop_unused_args(link, [bwd.kt, *p_pd])
         _drop_unused_results(fwd.fn, link, [fwd.p, fwd.pd, fwd.kt])
-    kt_op = _owner(fwd.kt)
+    kt_op = kc.owner(fwd.kt)
     _erase_dead(fwd_ops + ([kt_op] if kt_op is not None and kt_op.parent is not None else []))
     return made
 
@@ -663,7 +525,7 @@ def flash_attention_module(module: ModuleOp) -> int:
     n = 0
     for fn in list(funcs.values()):
         for op in list(fn.body.block.ops):
-            if op.parent is None or not _is_matmul(op):
+            if op.parent is None or not kc.is_matmul(op):
                 continue
             fwd = _match_forward(fn, op)
             if fwd is None:
