@@ -327,6 +327,23 @@ def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
     return out
 
 
+def compile_working(script, text: str, n: int, **kwargs):
+    """Return (`text` compiled for the ranks it names, those ranks of a run of `n`): a strategy
+    naming every rank compiles as it is; one naming some of them (`[0]: dp=1` on `-n 2`)
+    renumbered onto 0..K-1 (`working_strategy`). `kwargs` go to `compile_script`; a strategy
+    that does not parse, or names ranks the run lacks, raises the compiler's usual error."""
+    from hspmd.runtime.idle import working_strategy
+
+    try:
+        parsed = parse_strategy(text)
+    except StrategyError:
+        return compile_script(script, text, n, **kwargs), tuple(range(n))  # raises the parser's error
+    working, ranks = working_strategy(parsed, n)
+    if len(ranks) == n:
+        return compile_script(script, text, n, **kwargs), ranks
+    return compile_script(script, str(working), len(ranks), **kwargs), ranks
+
+
 def compile_script(
     script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True,
     microbatches: int | None = None, pipeline_schedule: str | None = None, stack_layers: bool | None = None,

@@ -12,7 +12,7 @@ import pytest
 from conftest import EXAMPLES, run_cli
 
 from hspmd.codegen.bundle import read_manifest
-from hspmd.compiler import compile_script, write_bundle
+from hspmd.compiler import compile_script, compile_working, write_bundle
 from hspmd.frontend.script import load_script
 from hspmd.ir.strategy import StrategyError, parse_strategy
 from hspmd.runtime.checkpoint.gathered import load_checkpoint
@@ -20,7 +20,6 @@ from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.base import CommError
 from hspmd.runtime.idle import (
     RankSubset,
-    compile_working,
     mark_working_ranks,
     working_strategy,
 )

@@ -249,7 +249,8 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
                 f"(strategy '{manifest.strategy}') but -n is {n}"
             )
         return args.script
-    from hspmd.runtime.idle import compile_working, mark_working_ranks
+    from hspmd.compiler import compile_working
+    from hspmd.runtime.idle import mark_working_ranks
 
     script = load_script(args.script, parse_overrides(args.set))
     ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)

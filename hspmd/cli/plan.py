@@ -84,7 +84,7 @@ def _compile(script, candidate, n: int):
     """Return ((the candidate compiled, the ranks it works on), None), or (None, the compiler's
     message) when it does not compile (a candidate leaving ranks idle compiles for the others)."""
     from hspmd.compiler import InternalError
-    from hspmd.runtime.idle import compile_working
+    from hspmd.compiler import compile_working
     from hspmd.dialects.sharding import ShardingError
     from hspmd.ir.layout import LayoutError
     from hspmd.ir.strategy import StrategyError

@@ -4,7 +4,8 @@
 rank is so slow that the step is faster without it: `[0]: dp=1 device=cuda` beside a CPU rank
 1) runs S on the ranks it names and leaves the others idle:
 
-* the compiler sees S renumbered onto 0..K-1 in rank order (`working_strategy`), so the
+* the compiler sees S renumbered onto 0..K-1 in rank order (`working_strategy`;
+  `hspmd.compiler.compile_working`), so the
   program, its checkpoints and its log are those of a K-rank run; the bundle's manifest keeps
   which ranks of the run work (`Manifest.ranks`, `Manifest.world_size`);
 * each working rank talks to the others through `RankSubset`, a communicator over the working
@@ -23,7 +24,7 @@ import numpy as np
 from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup
 from hspmd.runtime.comm.base import CommError, Communicator, Group, Request
 
-__all__ = ["RankSubset", "compile_working", "idle_ranks", "mark_working_ranks", "working_strategy"]
+__all__ = ["RankSubset", "idle_ranks", "mark_working_ranks", "working_strategy"]
 
 
 def working_strategy(strategy: Strategy, n: int) -> tuple[Strategy, tuple[int, ...]]:
@@ -131,24 +132,6 @@ class RankSubset(Communicator):
     def close(self) -> None:
         """Return nothing: the world communicator is its owner's to close."""
 
-
-
-def compile_working(script, text: str, n: int, **kwargs):
-    """Return (`text` compiled for the ranks it names, those ranks of a run of `n`): a strategy
-    naming every rank compiles as it is; one naming some of them (`[0]: dp=1` on `-n 2`)
-    renumbered onto 0..K-1 (`working_strategy`). `kwargs` go to `compile_script`; a strategy
-    that does not parse, or names ranks the run lacks, raises the compiler's usual error."""
-    from hspmd.compiler import compile_script
-    from hspmd.ir.strategy import StrategyError, parse_strategy
-
-    try:
-        parsed = parse_strategy(text)
-    except StrategyError:
-        return compile_script(script, text, n, **kwargs), tuple(range(n))  # raises the parser's error
-    working, ranks = working_strategy(parsed, n)
-    if len(ranks) == n:
-        return compile_script(script, text, n, **kwargs), ranks
-    return compile_script(script, str(working), len(ranks), **kwargs), ranks
 
 
 def mark_working_ranks(bundle: str, ranks: Sequence[int], n: int) -> None:
