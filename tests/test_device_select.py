@@ -90,10 +90,12 @@ def test_hspmd_run_refuses_a_device_against_the_strategy_in_one_line():
     one_line_error(proc, "--device puts rank 0 on 'cpu' but its strategy group says device=cuda")
 
 
-def test_hspmd_run_keeps_refusing_cuda_with_elastic(tmp_path):
+def test_hspmd_run_refuses_gpu_and_cpu_ranks_with_elastic(tmp_path):
+    """`--elastic` over GPU ranks alone runs (tests/test_gpu_ranks.py); over two kinds a restart
+    would not know which kind each rank left is."""
     proc = run_cli("hspmd", "run", "-n", "2", MLP, "--device", "cuda,cpu", "--elastic", "--checkpoint-dir",
                    str(tmp_path / "c"), "--steps", "1", env={EMULATION: "1"}, timeout=60)
-    one_line_error(proc, "--device cuda does not go together with parameter servers or --elastic yet")
+    one_line_error(proc, "--elastic needs one device kind for every rank (got --device cuda,cpu)")
 
 
 def test_compile_writes_gpu_programs_for_the_cuda_groups_only(tmp_path):
