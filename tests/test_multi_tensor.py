@@ -59,15 +59,22 @@ def test_the_updates_of_all_parameters_are_one_launch(case):
         assert launch[2] == sum(-(-n // multi_tensor.CHUNK) for n in op.pieces.get_values())
 
 
-@pytest.mark.parametrize("team", [1, 4])
-def test_the_multi_tensor_launch_gives_the_bits_of_the_launches_it_replaces(case, team):
-    _, (script, compiled, apart, together) = case
-    ref, ref_params = train_plan(build_device_plan(train_step(apart), 0, EmulatedDevice(team)), script, compiled, 3)
-    plan = build_device_plan(train_step(together), 0, EmulatedDevice(team))
-    got, params = train_plan(plan, script, compiled, 3)
+def _same_bits(script, compiled, apart, together, team: int, steps: int) -> None:
+    ref, ref_params = train_plan(build_device_plan(train_step(apart), 0, EmulatedDevice(team)), script, compiled, steps)
+    got, params = train_plan(build_device_plan(train_step(together), 0, EmulatedDevice(team)), script, compiled, steps)
     assert got == ref
     for k in ref_params:
         np.testing.assert_array_equal(params[k], ref_params[k], err_msg=k)
+
+
+def test_the_multi_tensor_launch_gives_the_bits_of_the_launches_it_replaces(case):
+    _, programs = case
+    _same_bits(*programs, team=1, steps=3)
+
+
+def test_with_blocks_of_several_threads_each_piece_strides_over_its_chunk():
+    """Blocks of 4 emulated threads (threadIdx striding a chunk, as on a GPU): the same bits."""
+    _same_bits(*_programs("mlp-sgd"), team=4, steps=2)
 
 
 def test_the_updates_stay_in_place(case):
