@@ -102,6 +102,7 @@ class DevicePlan:
     _steps_run: int = 0
     #: the inputs `run`'s `ahead` uploaded for the next step
     _staged: dict | None = None
+    _uploads_ahead: bool | None = None
 
     def initial_state(self, seed: int) -> dict[str, DeviceArray]:
         """Return this rank's pieces of every parameter's initial value, on the device."""
@@ -146,9 +147,13 @@ class DevicePlan:
     @property
     def uploads_ahead(self) -> bool:
         """Whether `run` can upload the next step's inputs while the step runs (`ahead`): no
-        output lives in an input's memory (that upload would overwrite it before it is read)."""
-        spans = [(a.ptr, a.ptr + a.nbytes) for a in self.input_arrays.values()]
-        return not any(lo < b.ptr + b.nbytes and b.ptr < hi for b in self.output_arrays.values() for lo, hi in spans)
+        output lives in an input's memory (that upload would overwrite it before it is read).
+        Found once: the places are fixed when the plan is built."""
+        if self._uploads_ahead is None:
+            spans = [(a.ptr, a.ptr + a.nbytes) for a in self.input_arrays.values()]
+            self._uploads_ahead = not any(lo < b.ptr + b.nbytes and b.ptr < hi
+                                          for b in self.output_arrays.values() for lo, hi in spans)
+        return self._uploads_ahead
 
     def run(self, state: dict, inputs: dict[str, np.ndarray], tracer: Tracer | None = None,
             ahead: Callable[[], dict[str, np.ndarray] | None] | None = None) -> dict[str, np.ndarray]:
