@@ -210,9 +210,7 @@ def trace_torch_script(script: ModelScript, first: dict) -> ModuleOp:
     imported through `torch.export`; the imported program (weights, aliases) is kept on the script."""
     from hspmd.frontend.torch_import import from_torch
 
-    if precision(script):
-        raise ScriptError(f"{script.path}: config precision={script.config.get('precision')!r}: an imported "
-                          "PyTorch model computes in its own dtype (convert the module instead)")
+    compute = precision(script)
     try:
         module = script.module.torch_model(script.config)
     except Exception as err:  # the user's code
@@ -220,7 +218,7 @@ def trace_torch_script(script: ModelScript, first: dict) -> ModuleOp:
     plan = getattr(script.module, "tp_plan", None)
     if callable(plan):
         plan = plan(script.config)
-    program = from_torch(module, first, getattr(script.module, "torch_loss", None), plan)
+    program = from_torch(module, first, getattr(script.module, "torch_loss", None), plan, precision=compute)
     script.imported = program
     return program.module
 

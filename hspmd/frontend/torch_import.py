@@ -49,6 +49,10 @@ __all__ = ["TP_SPLIT_ATTR", "TorchImportError", "TorchProgram", "default_tp_plan
 _PREFIX = "model."
 
 
+#: the dtypes a concrete tensor keeps when it enters the program (others become float32)
+_LITERAL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
+
+
 class TorchImportError(TraceError):
     """A PyTorch model the importer cannot translate; the message names the op, the module and the line."""
 
@@ -124,6 +128,7 @@ class _Importer:
         self.param_nodes: dict = {}  # placeholder node -> program parameter name
         self.repeats: dict[str, list[str]] = {}  # exported block -> the blocks called as it is, in order
         self.made: dict[str, tuple] = {}  # block path -> (signature, output nodes) of the blocks called
+        self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
 
     # -- values
     def lift(self, tracer: Tracer, value, dtype: str | None) -> Tensor:
@@ -136,12 +141,11 @@ class _Importer:
             raise aten.Unsupported(f"a {type(value).__name__} where a tensor is needed")
         arr = value.detach().cpu()
         if arr.dtype == torch.bool:
-            arr = arr.to(torch.float32 if dtype is None else getattr(torch, dtype))
-        arr = arr.numpy()
-        if dtype is not None:
-            arr = arr.astype(dtype)
-        if arr.dtype not in (np.float32, np.float64, np.int64, np.int32, np.float16):
-            arr = arr.astype(np.float32)
+            arr = arr.to(torch.float32 if dtype in (None, "bool") else getattr(torch, dtype))
+        source = str(arr.dtype).replace("torch.", "")
+        arr = (arr.float() if arr.dtype == torch.bfloat16 else arr).numpy()
+        want = source if dtype in (None, "bool") else dtype
+        arr = arr.astype(np.dtype(want) if want in _LITERAL_DTYPES else np.float32)
         flat = arr.reshape(-1)
         if flat.size and np.all(flat == flat[0]) and np.isfinite(flat[0]) or flat.size == 0:
             return tracer.constant(float(flat[0]) if flat.size else 0.0, arr.shape, arr.dtype.name)
@@ -184,7 +188,12 @@ class _Importer:
         translate = aten.TRANSLATORS.get(name)
         if translate is None:
             raise TorchImportError(where(node, f"the ATen op {name} is not supported by the importer"))
-        cx = aten.Context(tracer, lambda v, dtype: self.lift(tracer, v, dtype), node.meta.get("val"))
+        meta = node.meta.get("val")
+        if self.autocast is not None:  # PyTorch's autocast decides the op's dtypes
+            under = self.autocast.result(node.target, args, kwargs)
+            meta = meta if under is None else under
+            args, kwargs = self.autocast.cast_inputs(meta, args, kwargs)
+        cx = aten.Context(tracer, lambda v, dtype: self.lift(tracer, v, dtype), meta)
         try:
             out = translate(cx, *args, **kwargs)
         except aten.Unsupported as err:
@@ -194,6 +203,8 @@ class _Importer:
         except TraceError as err:
             raise TorchImportError(where(node, f"{name}: {err}")) from None
         self.check(node, out)
+        if isinstance(out, Tensor) and str(getattr(meta, "dtype", "")) == "torch.bool":
+            out = out if aten.is_bool(out) else aten.as_bool(Tensor(out.value, out.tracer))
         return out
 
     def evaluate(self, node, args, kwargs):
@@ -476,7 +487,8 @@ def _default_loss(model, batch):
 
 
 def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
-               tp_plan: Mapping[str, str] | None = None, repeat_blocks: bool = True) -> TorchProgram:
+               tp_plan: Mapping[str, str] | None = None, repeat_blocks: bool = True,
+               precision: str | None = None) -> TorchProgram:
     """Import `loss_fn(module, batch)` (default: `module(**batch)`'s loss) as a logical program.
 
     `example_batch` is a dict of arrays or tensors (the global batch the program is compiled
@@ -484,7 +496,9 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` of alike
     blocks is exported with its first two only and the others called as the second is
     (`repeatable_lists`), so the import's time, as the rest of the compile's, does not grow with
-    the depth. See the module docstring.
+    the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does
+    under `torch.autocast` in that dtype (`hspmd.frontend.autocast`), on float32 master weights.
+    See the module docstring.
     """
     import torch
 
@@ -492,10 +506,10 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     lists = repeatable_lists(module) if repeat_blocks else {}
     if lists:
         try:
-            return _import(module, batch, loss_fn or _default_loss, tp_plan, lists)
+            return _import(module, batch, loss_fn or _default_loss, tp_plan, lists, precision)
         except _NotRepeatable:
             pass  # the blocks' graphs differ after all: export every one
-    return _import(module, batch, loss_fn or _default_loss, tp_plan, {})
+    return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
 
 
 class _NotRepeatable(Exception):
@@ -536,7 +550,8 @@ def _block_key(block) -> str:
     return repr(parts)
 
 
-def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, int]) -> TorchProgram:
+def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, int],
+            precision: str | None = None) -> TorchProgram:
     import torch
 
     class _Step(torch.nn.Module):
@@ -576,7 +591,8 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
         used |= {f"{m}.{u}" for m in more for u in own}
     tracer = Tracer()
     values = dict(module.named_parameters())
-    params = {name: Parameter(tuple(values[name].shape), "zeros", _dtype(values[name])) for name in values
+    master = (lambda t: "float32" if precision and _dtype(t) in ("float16", "bfloat16") else _dtype(t))
+    params = {name: Parameter(tuple(values[name].shape), "zeros", master(values[name])) for name in values
               if name in used}
     blocks: dict[str, _Block] = {}
     root = _tree(module, "", params, blocks, {}, False)
@@ -584,12 +600,18 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
         p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
     importer = _Importer(ep, params, canonical, tracer)
     importer.blocks, importer.repeats = blocks, repeats
+    if precision:
+        from hspmd.frontend.autocast import Autocast
+
+        importer.autocast = Autocast(precision)
     for b in blocks.values():
         b._importer = importer
     importer.inputs = {k: tracer.input(k, tuple(v.shape), _dtype(v)) for k, v in batch.items()}
     try:
         _check_padding_rows(module, ep)
         loss = importer.import_graph(list(batch))
+        if loss.dtype in ("float16", "bfloat16"):
+            loss = aten.cast(loss, "float32")
         tracer.output("loss", loss)
     finally:
         for p in params.values():
@@ -599,8 +621,16 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
     splits = tp_splits(module, plan, used)
     if splits:
         record_tp_splits(program, splits)
-    weights = {n: values[n].detach().cpu().numpy().astype(np.dtype(_dtype(values[n])), copy=True) for n in params}
+    weights = {n: _numpy(values[n], params[n].dtype) for n in params}
     return TorchProgram(program, weights, {a: n for a, n in aliases.items() if n in used}, splits)
+
+
+def _numpy(t, dtype: str) -> np.ndarray:
+    """Return a copy of tensor `t`'s values as a NumPy array of `dtype` (bfloat16 through float32)."""
+    import torch
+
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().astype(np.dtype(dtype), copy=True)
 
 
 def _dtype(t) -> str:
