@@ -129,6 +129,7 @@ class _Importer:
         self.repeats: dict[str, list[str]] = {}  # exported block -> the blocks called as it is, in order
         self.made: dict[str, tuple] = {}  # block path -> (signature, output nodes) of the blocks called
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
+        self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
 
     # -- values
     def lift(self, tracer: Tracer, value, dtype: str | None) -> Tensor:
@@ -257,11 +258,47 @@ class _Importer:
                 return p
         return None
 
-    def signature(self, path: str, run: list, users_outside) -> tuple[list, list, str]:
-        """Return (dynamic inputs, outputs, signature) of a block's run of nodes."""
+    def gradient_free(self, node) -> bool:
+        """Return whether `node` is a top-level value computed from integer tensors of the batch and
+        constants alone (a padding mask, positions): no gradient reaches it."""
+        known = self.free.get(node)
+        if known is None:
+            value = self.env.get(node)
+            known = (node.op == "call_function" and isinstance(value, Tensor) and self.block_path(node) is None
+                     and all(self.gradient_free(a) or not self.is_traced(self.env.get(a)) or
+                             (isinstance(self.env.get(a), Tensor) and self.env[a].dtype.startswith("int"))
+                             for a in node.all_input_nodes if a in self.env))
+            known = known and all(a in self.env for a in node.all_input_nodes)
+            self.free[node] = known
+        return known
+
+    def sunk(self, run: list) -> list:
+        """Return the top-level nodes a block's run reads that are gradient-free, with those they
+        read in turn (in graph order): the block computes them again from the integer tensors they
+        come from, so no float value that needs no gradient crosses into its function (autodiff
+        would give every float argument of a function a gradient, a mask's per layer)."""
+        inside, found = set(run), set()
+
+        def collect(x) -> None:
+            if x in inside or x in found or not self.gradient_free(x):
+                return
+            found.add(x)
+            for a in x.all_input_nodes:
+                if self.is_traced(self.env.get(a)):
+                    collect(a)
+
+        for n in run:
+            for a in n.all_input_nodes:
+                collect(a)
+        return [n for n in self.ep.graph.nodes if n in found]
+
+    def signature(self, path: str, run: list, users_outside) -> tuple[list, list, str, list]:
+        """Return (dynamic inputs, outputs, signature, nodes) of a block's run of nodes (the nodes:
+        those the block computes again, `sunk`, then the run)."""
         import torch
 
-        local = {n: i for i, n in enumerate(run)}
+        nodes = self.sunk(run) + run
+        local = {n: i for i, n in enumerate(nodes)}
         inputs: list = []
         parts = []
         own = path + "."
@@ -285,11 +322,11 @@ class _Importer:
                 return tuple(sorted((k, ref(v)) for k, v in x.items()))
             return repr(x)
 
-        for n in run:
+        for n in nodes:
             parts.append((aten.aten_name(n.target), ref(n.args), ref(n.kwargs)))
         outputs = [n for n in run if any(u not in local for u in n.users) or n in users_outside]
         parts.append(("out", tuple(local[n] for n in outputs)))
-        return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+        return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16], nodes
 
     def repeat(self, path: str, inputs: list, args: list, results: tuple) -> tuple:
         """Call the blocks `self.repeats[path]` in turn, each on the one before's result where
@@ -316,8 +353,8 @@ class _Importer:
         run, inputs, outputs = self.runs[id(block)]
         tracer = args[0].tracer if args else self.tracer
         env = dict(self.env)  # concrete values and parameters of the top level
-        for n, a in zip(inputs, args):
-            env[n] = a
+        for n, a in zip(inputs, args):  # a mask from the batch stays a boolean inside the function
+            env[n] = aten.as_bool(a) if aten.is_bool(self.env.get(n)) else a
         for n, pname in self.param_nodes.items():
             p = self.params.get(pname)
             if p is not None and p._traced is not None and p._traced.tracer is tracer:
@@ -365,13 +402,13 @@ class _Importer:
                 continue
             path, run = item
             block = self.blocks[path]
-            inputs, outputs, sig_text = self.signature(path, run, outside)
+            inputs, outputs, sig_text, nodes = self.signature(path, run, outside)
             if not outputs or any(not self.is_traced(self.env[x]) for x in inputs) or not inputs:
                 for n in run:  # nothing to call it with: inline
                     self.env[n] = self.run_node(n, self.env, self.tracer)
                 continue
             block.signature = sig_text
-            self.runs[id(block)] = (run, inputs, outputs)
+            self.runs[id(block)] = (nodes, inputs, outputs)
             self.made[path] = (sig_text, outputs)
             args = [self.env[x] for x in inputs]
             results = block(*args)
