@@ -18,6 +18,7 @@ config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128},
     "data": {"batch_size": 16},
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
+    "precision": "float32",  # or bfloat16 / float16: as under torch.autocast, float32 master weights
     "microbatches": 1,  # with pp > 1: micro-batches per step, gradients summed
     "pipeline_schedule": "gpipe",  # or 1f1b
     "steps": 200,

@@ -508,6 +508,8 @@ def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = 
     gpu = _gpu_programs(compiled, device)
     imported = compiled.script.imported  # a PyTorch model's weights, and its tied parameters' other names
     extra = {"torch_aliases": imported.aliases} if imported is not None and imported.aliases else {}
+    if imported is not None and imported.hf is not None:  # a transformers model: `checkpoint export --hf`
+        extra["hf"] = imported.hf
     bundle.write_bundle(
         directory, script=compiled.script.path,
         config={**compiled.script.config, "lr_schedule": compiled.lr_schedule, **extra},

@@ -5,7 +5,7 @@
     hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT ...] [--switch-every K] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
     hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
-    hspmd checkpoint info|export D [--to FILE]
+    hspmd checkpoint info|export D [--to FILE | --hf DIR]
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
@@ -399,13 +399,18 @@ def cmd_run(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    from hspmd.runtime.checkpoint.tools import checkpoint_info, export_checkpoint
+    from hspmd.runtime.checkpoint.tools import checkpoint_info, export_checkpoint, export_hugging_face
 
     if args.action == "info":
         sys.stdout.write(checkpoint_info(args.path, verify=not args.no_verify))
+    elif args.hf:
+        if args.to or args.optimizer:
+            raise SystemExit("hspmd: error: checkpoint export --hf DIR writes a model directory: it takes "
+                             "neither --to nor --optimizer")
+        print(export_hugging_face(args.path, args.hf))
     else:
         if not args.to:
-            raise SystemExit("hspmd: error: checkpoint export needs --to FILE.safetensors")
+            raise SystemExit("hspmd: error: checkpoint export needs --to FILE.safetensors (or --hf DIR)")
         print(export_checkpoint(args.path, args.to, include_optimizer=args.optimizer))
     return 0
 
@@ -507,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="info: steps, tensors, strategy, sizes, checksums; export: one file of global tensors")
     k.add_argument("path", help="a checkpoint directory (its newest step) or one D/step-<k>")
     k.add_argument("--to", metavar="FILE", help="export: the .safetensors file to write (loads with safetensors.numpy.load_file)")
+    k.add_argument("--hf", metavar="DIR", help="export: a Hugging Face model directory (config.json, "
+                   "model.safetensors) that transformers' from_pretrained loads (docs/torch-import.md)")
     k.add_argument("--optimizer", action="store_true", help="export: include the optimizer states (opt.*)")
     k.add_argument("--no-verify", action="store_true", help="info: skip reading every piece to check its checksum")
     k.set_defaults(func=cmd_checkpoint)

@@ -65,6 +65,8 @@ class TorchProgram:
     weights: dict[str, np.ndarray]  # the module's values of the program's parameters
     aliases: dict[str, str] = field(default_factory=dict)  # a tied parameter's other name -> its name
     tp_split: dict[str, int] = field(default_factory=dict)  # parameter -> the dim tp splits
+    #: a transformers model's `config.json` and what `save_pretrained` leaves out (`hugging_face`), else None
+    hf: dict | None = None
 
 
 # ----------------------------------------------------------------------------- the module tree
@@ -659,7 +661,35 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
     if splits:
         record_tp_splits(program, splits)
     weights = {n: _numpy(values[n], params[n].dtype) for n in params}
-    return TorchProgram(program, weights, {a: n for a, n in aliases.items() if n in used}, splits)
+    aliases = {a: n for a, n in aliases.items() if n in used}
+    return TorchProgram(program, weights, aliases, splits, hugging_face(module, set(params), aliases))
+
+
+def hugging_face(module, params: set[str], aliases: dict[str, str]) -> dict | None:
+    """Return what `hspmd checkpoint export --hf` needs of a transformers model (None for another
+    module): `config`, its `config.json` (`architectures` naming its class); `tied`, the tied
+    weights `save_pretrained` leaves out (transformers ties them again on loading); `absent`, the
+    other entries of its state_dict the program does not hold (parameters the loss does not use,
+    persistent buffers), which the export cannot write."""
+    import json
+
+    config = getattr(module, "config", None)
+    if not hasattr(module, "save_pretrained") or not hasattr(config, "to_json_string"):
+        return None
+    described = json.loads(config.to_json_string(use_diff=False))
+    described["architectures"] = [type(module).__name__]
+    declared = getattr(module, "all_tied_weights_keys", None)
+    tied = sorted(aliases) if declared is None else sorted(t for t, src in declared.items() if _same(module, t, src))
+    absent = [k for k in module.state_dict() if k not in params and k not in aliases and k not in tied]
+    return {"config": described, "tied": tied, "absent": absent}
+
+
+def _same(module, a: str, b: str) -> bool:
+    """Return whether parameters `a` and `b` of `module` are one tensor (tied)."""
+    try:
+        return module.get_parameter(a) is module.get_parameter(b)
+    except AttributeError:
+        return False
 
 
 def _numpy(t, dtype: str) -> np.ndarray:

@@ -6,6 +6,7 @@ Both run in one process and read every piece (checking each CRC-32); training ru
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
@@ -17,7 +18,7 @@ from hspmd.runtime.checkpoint.manifest import (
 )
 from hspmd.runtime.checkpoint.reader import OPTIMIZER_PREFIX, assemble, PieceFiles, verify_piece
 
-__all__ = ["checkpoint_info", "export_checkpoint", "global_tensors"]
+__all__ = ["checkpoint_info", "export_checkpoint", "export_hugging_face", "global_tensors"]
 
 
 def _size(n: float) -> str:
@@ -85,19 +86,21 @@ def global_tensors(path: str, include_optimizer: bool = False) -> tuple[Manifest
     return manifest, out
 
 
-def export_checkpoint(path: str, to: str, include_optimizer: bool = False) -> str:
-    """Write the global tensors of checkpoint `path` to one safetensors file `to` (named as the
-    model tree, with `crc32/<name>` and the step in its metadata), atomically; return a summary."""
+def _state_dict(path: str, include_optimizer: bool = False) -> tuple[Manifest, dict[str, np.ndarray]]:
+    """Return the manifest and global tensors of checkpoint `path`, an imported PyTorch model's tied
+    parameters (GPT-2's lm_head.weight is transformer.wte.weight) under each of their names, as
+    the module's state_dict has them."""
     manifest, tensors = global_tensors(path, include_optimizer)
     if not tensors:
         raise CheckpointError(f"{path}: holds no tensors to export")
-    # an imported PyTorch model's tied parameters (GPT-2's lm_head.weight is transformer.wte.weight):
-    # under each of their names, as the module's state_dict has them
     for alias, name in (manifest.config.get("torch_aliases") or {}).items():
         if name in tensors:
             tensors[alias] = tensors[name].copy()
-    meta = {"format": "hspmd-global", "step": str(manifest.step), "strategy": manifest.strategy}
-    meta.update({f"crc32/{k}": str(zlib.crc32(np.ascontiguousarray(v).data)) for k, v in tensors.items()})
+    return manifest, tensors
+
+
+def _save_atomically(tensors: dict[str, np.ndarray], to: str, meta: dict[str, str]) -> None:
+    """Write `tensors` to safetensors file `to` by a rename, once on disk."""
     os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
     tmp = f"{to}.tmp{os.getpid()}"
     try:
@@ -108,5 +111,50 @@ def export_checkpoint(path: str, to: str, include_optimizer: bool = False) -> st
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def export_checkpoint(path: str, to: str, include_optimizer: bool = False) -> str:
+    """Write the global tensors of checkpoint `path` to one safetensors file `to` (named as the
+    model tree, with `crc32/<name>` and the step in its metadata), atomically; return a summary."""
+    manifest, tensors = _state_dict(path, include_optimizer)
+    meta = {"format": "hspmd-global", "step": str(manifest.step), "strategy": manifest.strategy}
+    meta.update({f"crc32/{k}": str(zlib.crc32(np.ascontiguousarray(v).data)) for k, v in tensors.items()})
+    _save_atomically(tensors, to, meta)
     nbytes = sum(v.nbytes for v in tensors.values())
     return f"wrote {len(tensors)} tensors ({_size(nbytes)}) of step {manifest.step} to {to}"
+
+
+def export_hugging_face(path: str, directory: str) -> str:
+    """Write checkpoint `path` of a transformers model (a script whose `torch_model` returned one)
+    as `save_pretrained` would: `directory/config.json` (the model's config, its dtype the
+    weights') and `directory/model.safetensors` (its state_dict, tied weights once, under the
+    name transformers loads them by), so `from_pretrained(directory)` loads it with no key missing
+    or unexpected. Return a summary."""
+    manifest, tensors = _state_dict(path)
+    hf = manifest.config.get("hf")
+    if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
+        raise CheckpointError(f"{path}: not a Hugging Face model's checkpoint (its script's torch_model did not "
+                              "return a transformers model); export it with --to FILE.safetensors instead")
+    if hf.get("absent"):
+        names = ", ".join(hf["absent"][:5]) + (", ..." if len(hf["absent"]) > 5 else "")
+        raise CheckpointError(f"{path}: the checkpoint lacks {len(hf['absent'])} entr"
+                              f"{'y' if len(hf['absent']) == 1 else 'ies'} of the model's state_dict ({names}): "
+                              "parameters the loss does not use or buffers are not trained, so not saved")
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32 if v.dtype.name == "bfloat16" else v.dtype)
+               for k, v in tensors.items() if k not in set(hf.get("tied") or ())}
+    dtypes = {v.dtype.name for v in tensors.values() if v.dtype.kind == "f"}
+    config = dict(hf["config"])
+    if len(dtypes) == 1:
+        config["dtype"] = next(iter(dtypes))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: exists and is not a directory")
+    os.makedirs(directory, exist_ok=True)
+    _save_atomically(tensors, os.path.join(directory, "model.safetensors"), {"format": "pt"})
+    tmp = os.path.join(directory, f"config.json.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, os.path.join(directory, "config.json"))
+    nbytes = sum(v.nbytes for v in tensors.values())
+    return (f"wrote {len(tensors)} tensors ({_size(nbytes)}) of step {manifest.step} and the config of "
+            f"{', '.join(config.get('architectures') or ['the model'])} to {directory}")
