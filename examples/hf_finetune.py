@@ -12,7 +12,8 @@ the importer translates). Left empty, the example makes one itself, so nothing i
 small LLaMA (transformers' `LlamaForCausalLM`, from the `model` settings) saved with
 `save_pretrained` under the temporary directory, once per setting. The data are the English text
 of `examples/gpt.py` as bytes: each example is a prompt and its continuation, of random lengths,
-right-padded to `seq_len`; only the continuation is learned (`labels` -100 elsewhere).
+padded to `seq_len` (on the right; `--set data.padding=left` for the left); only the
+continuation is learned (`labels` -100 elsewhere).
 """
 
 import hashlib
@@ -28,7 +29,7 @@ from hspmd.runtime.data import pydoc_text_bytes
 config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "kv_heads": 2, "d_model": 128, "d_ff": 256},
     "pretrained": "",  # a save_pretrained directory; "" makes a small LLaMA (see above)
-    "data": {"batch_size": 16, "min_prompt": 8, "min_answer": 8},
+    "data": {"batch_size": 16, "min_prompt": 8, "min_answer": 8, "padding": "right"},  # or left
     "optim": {"lr": 1e-3, "weight_decay": 0.0, "warmup": 10, "clip": 1.0},
     "precision": "float32",  # or bfloat16 / float16: as torch.autocast computes, float32 master weights
     "microbatches": 1,
@@ -70,8 +71,13 @@ def pretrained_dir(config) -> str:
 
 def torch_model(config):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
-    return AutoModelForCausalLM.from_pretrained(pretrained_dir(config))
+    path = pretrained_dir(config)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"pretrained={path!r}: not a save_pretrained directory (no config.json there)")
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
 
 
 def torch_loss(model, batch):
@@ -87,7 +93,8 @@ def optimizer(config):
 
 
 def batches(config):
-    """Yield SFT batches: a prompt and its continuation from the text, right-padded to seq_len."""
+    """Yield SFT batches: a prompt and its continuation from the text, padded to seq_len (on the
+    right, or with `padding` "left" on the left)."""
     text = np.frombuffer(pydoc_text_bytes(), dtype=np.uint8)
     b, t, d = config["data"]["batch_size"], config["model"]["seq_len"], config["data"]
     rng = np.random.default_rng(config["seed"])
@@ -102,4 +109,7 @@ def batches(config):
             ids[row, :length] = text[start:start + length]
             mask[row, :length] = 1
             labels[row, prompt:length] = ids[row, prompt:length]
+            if d["padding"] == "left":
+                for a in (ids, mask, labels):
+                    a[row] = np.roll(a[row], t - length)
         yield {"input_ids": ids, "attention_mask": mask, "labels": labels}

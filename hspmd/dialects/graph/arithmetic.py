@@ -57,7 +57,8 @@ class AddOp(_Arithmetic):
     """Elementwise `lhs + rhs` (same shapes; broadcast first with `graph.broadcast`)."""
 
     name = "graph.add"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.add.Tensor", "aten.add.Scalar",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.add.Tensor", "aten.add.Scalar", "aten.bitwise_not.default",
+                                       "aten.logical_not.default",)
     C_OPERATOR: ClassVar[str] = "+"
     UFUNC: ClassVar[np.ufunc] = np.add
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__add__",)
@@ -76,7 +77,8 @@ class SubOp(_Arithmetic):
     """Elementwise `lhs - rhs`."""
 
     name = "graph.sub"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",
+                                       "aten.__or__.Tensor", "aten.bitwise_or.Tensor", "aten.logical_or.default",)
     C_OPERATOR: ClassVar[str] = "-"
     UFUNC: ClassVar[np.ufunc] = np.subtract
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__sub__",)
@@ -100,6 +102,9 @@ class MulOp(_Arithmetic):
         "aten.mul.Scalar",
         "aten.where.self",
         "aten.masked_fill.Scalar",
+        "aten.__and__.Tensor",
+        "aten.bitwise_and.Tensor",
+        "aten.logical_and.default",
     )
     C_OPERATOR: ClassVar[str] = "*"
     UFUNC: ClassVar[np.ufunc] = np.multiply
@@ -176,6 +181,7 @@ class CastOp(UnaryOp):
         "aten.to.dtype_layout",
         "aten._to_copy.default",
         "aten.type_as.default",
+        "aten.to.device",
     )
     FRONTEND: ClassVar[tuple[str, ...]] = ("cast",)
 

@@ -233,7 +233,7 @@ class ConcatOp(TensorOp):
     """The operands joined along `dim` (same shapes elsewhere)."""
 
     name = "graph.concat"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default", "aten.pad.default", "aten.constant_pad_nd.default",)
     inputs = var_operand_def(TensorType)
     result = result_def(TensorType)
     dim = prop_def(IntegerAttr[I64])
