@@ -574,7 +574,7 @@ def _finite(value, dtype: str):
     (a blend by a 0/1 mask multiplies both sides)."""
     import torch
 
-    info = np.finfo(np.float32 if dtype in ("bfloat16", "float16") else dtype)
+    info = torch.finfo(getattr(torch, dtype))
     t = torch.as_tensor(value, dtype=torch.float64)
     if bool(torch.isnan(t).any()):
         raise Unsupported("where() with a NaN")
@@ -636,6 +636,7 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.cross_entropy_loss.default": _cross_entropy,
     "aten.where.self": where, "aten.masked_fill.Scalar": masked_fill,
     "operator.getitem": getitem,
+    "aten.where.ScalarOther": where, "aten.where.ScalarSelf": where, "aten.where.Scalar": where,
     # masks and labels from the batch
     "aten.to.device": to_dtype,
     "aten.__and__.Tensor": logical_and, "aten.bitwise_and.Tensor": logical_and, "aten.logical_and.default": logical_and,

@@ -261,18 +261,19 @@ class _Importer:
         return None
 
     def gradient_free(self, node) -> bool:
-        """Return whether `node` is a top-level value computed from integer tensors of the batch and
+        """Return whether `node` is a top-level tensor computed from integer tensors of the batch and
         constants alone (a padding mask, positions): no gradient reaches it."""
-        known = self.free.get(node)
-        if known is None:
-            value = self.env.get(node)
-            known = (node.op == "call_function" and isinstance(value, Tensor) and self.block_path(node) is None
-                     and all(self.gradient_free(a) or not self.is_traced(self.env.get(a)) or
-                             (isinstance(self.env.get(a), Tensor) and self.env[a].dtype.startswith("int"))
-                             for a in node.all_input_nodes if a in self.env))
-            known = known and all(a in self.env for a in node.all_input_nodes)
-            self.free[node] = known
-        return known
+        if node not in self.free:
+            self.free[node] = (node.op == "call_function" and isinstance(self.env.get(node), Tensor)
+                               and self.block_path(node) is None
+                               and all(a in self.env and self._free_operand(a) for a in node.all_input_nodes))
+        return self.free[node]
+
+    def _free_operand(self, node) -> bool:
+        value = self.env[node]
+        if not self.is_traced(value) or isinstance(value, Tensor) and value.dtype.startswith("int"):
+            return True
+        return self.gradient_free(node)
 
     def sunk(self, run: list) -> list:
         """Return the top-level nodes a block's run reads that are gradient-free, with those they
