@@ -20,6 +20,7 @@ Instead of `model` and `loss`, a script may define `torch_model(config)`, return
 default: the module's own loss) and `tp_plan` (module-name patterns to `colwise`/`rowwise`/
 `vocab`, or a function of the config returning them): the loss is imported through
 `torch.export` (`hspmd.frontend.torch_import`), and training starts from the module's weights.
+`precision` applies to it as PyTorch's `torch.autocast` would (`hspmd.frontend.autocast`).
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def trace_script(script: ModelScript) -> ModuleOp:
 
 def trace_torch_script(script: ModelScript, first: dict) -> ModuleOp:
     """Return the logical IR of a script's PyTorch model (`torch_model`, `torch_loss`, `tp_plan`),
-    imported through `torch.export`; the imported program (weights, aliases) is kept on the script."""
+    imported through `torch.export` (with `precision`, computing as under `torch.autocast`); the
+    imported program (weights, aliases, a transformers model's config) is kept on the script."""
     from hspmd.frontend.torch_import import from_torch
 
     compute = precision(script)
