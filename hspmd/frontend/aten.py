@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hspmd.dialects import graph
-from hspmd.dialects.graph.arithmetic import cast, divide, power
+from hspmd.dialects.graph.arithmetic import divide, power
 from hspmd.dialects.graph.activations import erf, exp, gelu, log, relu, rsqrt, sigmoid, silu, sqrt, tanh
 from hspmd.dialects.graph.embedding import embedding
 from hspmd.dialects.graph.losses import cross_entropy
@@ -42,7 +42,8 @@ IDENTITY = frozenset({
 })
 #: ATen ops that check metadata only and make no value
 ASSERTS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-                     "aten.sym_constrain_range_for_size.default"})
+                     "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg",
+                     "aten._assert_async.default", "aten._functional_assert_async.msg"})
 
 
 class Unsupported(Exception):
@@ -175,18 +176,6 @@ def expand(cx: Context, x, sizes, implicit=False):
     return x.broadcast_to(cx.shape)
 
 
-def to_dtype(cx: Context, x, *args, **kwargs):
-    """`Tensor.to(dtype)`, `.float()`, `type_as`: a cast where the dtype changes."""
-    want = cx.dtype
-    if want == x.dtype:
-        return x
-    if want.startswith("int") and x.dtype.startswith("int"):  # hspmd's integer ops take any width
-        return x
-    if want == "bool" or x.dtype == "bool":
-        raise Unsupported(f"a cast from {x.dtype} to {want} (hspmd has no boolean tensors)")
-    return cast(x, want)
-
-
 def _dropout(cx: Context, x, p, train=True):
     return dropout(x, float(p)) if train and p > 0 else x
 
@@ -286,13 +275,9 @@ def unary(fn: Callable) -> Callable:
     return lambda cx, x: fn(x)
 
 
-def _slice(cx: Context, x, dim=0, start=None, end=None, step=1):
-    dim = dim % x.ndim
-    n = x.shape[dim]
-    begin, stop, stride = slice(start, end, step).indices(n)
-    if stride != 1:
-        raise Unsupported(f"a slice with step {stride}")
-    if begin == 0 and stop == n:
+def slice_step1(cx: Context, x, dim: int, begin: int, stop: int):
+    """`x[begin:stop]` along `dim` (strided slices: `aten_index.strided_slice`)."""
+    if begin == 0 and stop == x.shape[dim]:
         return x
     return take(x, dim, begin, max(begin, stop))
 
@@ -415,8 +400,6 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.div.Tensor": _binary(_div), "aten.div.Scalar": _binary(_div),
     "aten.neg.default": neg,
     "aten.pow.Tensor_Scalar": pow_scalar,
-    "aten.to.dtype": to_dtype, "aten.to.dtype_layout": to_dtype, "aten._to_copy.default": to_dtype,
-    "aten.type_as.default": to_dtype,
     "aten.relu.default": unary(relu), "aten.exp.default": unary(exp), "aten.log.default": unary(log),
     "aten.sqrt.default": unary(sqrt), "aten.rsqrt.default": unary(rsqrt), "aten.tanh.default": unary(tanh),
     "aten.sigmoid.default": unary(sigmoid), "aten.silu.default": unary(silu), "aten.erf.default": unary(erf),
@@ -427,7 +410,7 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.unsqueeze.default": reshape, "aten.squeeze.dim": reshape, "aten.squeeze.dims": reshape,
     "aten.squeeze.default": reshape, "aten.flatten.using_ints": reshape, "aten.unflatten.int": reshape,
     "aten.permute.default": permute, "aten.transpose.int": transpose, "aten.t.default": t,
-    "aten.slice.Tensor": _slice, "aten.select.int": select,
+    "aten.select.int": select,
     "aten.split.Tensor": _split, "aten.split_with_sizes.default": _split,
     "aten.cat.default": _cat,
     "aten.expand.default": expand,

@@ -15,7 +15,6 @@ from hspmd.dialects.graph.base import (
     ElementwiseOp,
     UnaryGradOp,
     UnaryOp,
-    check_float,
     check_same_shape,
     float_attr,
     result_dtype,
@@ -95,12 +94,7 @@ class MulOp(_Arithmetic):
     """Elementwise `lhs * rhs`."""
 
     name = "graph.mul"
-    ATEN: ClassVar[tuple[str, ...]] = (
-        "aten.mul.Tensor",
-        "aten.mul.Scalar",
-        "aten.where.self",
-        "aten.masked_fill.Scalar",
-    )
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.mul.Tensor", "aten.mul.Scalar")
     C_OPERATOR: ClassVar[str] = "*"
     UFUNC: ClassVar[np.ufunc] = np.multiply
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__mul__",)
@@ -119,7 +113,8 @@ class DivOp(_Arithmetic):
     """Elementwise `lhs / rhs` (same shapes)."""
 
     name = "graph.div"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.div.Tensor", "aten.div.Scalar",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode",
+                                       "aten.div.Scalar_mode")
     C_OPERATOR: ClassVar[str] = "/"
     UFUNC: ClassVar[np.ufunc] = np.divide
     FRONTEND: ClassVar[tuple[str, ...]] = ("divide",)
@@ -168,7 +163,8 @@ class ScaleOp(UnaryOp):
 
 @irdl_op_definition
 class CastOp(UnaryOp):
-    """Elementwise conversion to the result type's element type (same shape)."""
+    """Elementwise conversion to the result type's element type (same shape; a float becomes an
+    integer rounded toward zero)."""
 
     name = "graph.cast"
     ATEN: ClassVar[tuple[str, ...]] = (
@@ -179,9 +175,8 @@ class CastOp(UnaryOp):
     )
     FRONTEND: ClassVar[tuple[str, ...]] = ("cast",)
 
-    def verify_(self) -> None:
+    def verify_(self) -> None:  # between floats, and from and to integers (toward zero, as PyTorch)
         check_same_shape(self, self.input, self.result)
-        check_float(self, self.input, self.result)
 
     def sharding_rule(self) -> OpRule:
         return elementwise_rule(self, frozenset({0}))
@@ -225,7 +220,7 @@ class PowOp(ElementwiseOp):
     """Elementwise `x ** exponent` for a compile-time constant exponent."""
 
     name = "graph.pow"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.pow.Tensor_Scalar",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.pow.Tensor_Scalar", "aten.reciprocal.default")
     exponent = prop_def(FloatAttr)
     FRONTEND: ClassVar[tuple[str, ...]] = ("power",)
 

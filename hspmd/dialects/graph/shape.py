@@ -233,7 +233,8 @@ class ConcatOp(TensorOp):
     """The operands joined along `dim` (same shapes elsewhere)."""
 
     name = "graph.concat"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default", "aten.slice_scatter.default",
+                                       "aten.select_scatter.default", "aten.constant_pad_nd.default")
     inputs = var_operand_def(TensorType)
     result = result_def(TensorType)
     dim = prop_def(IntegerAttr[I64])
