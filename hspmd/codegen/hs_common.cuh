@@ -87,9 +87,9 @@ __device__ __forceinline__ float hs_pow(float x, float p) { return powf(x, p); }
 __device__ __forceinline__ double hs_pow(double x, double p) { return pow(x, p); }
 // the elementary functions of graph's `elementary` family (`dialects/graph/elementary.py`)
 #ifndef HS_MATH1
-#define HS_MATH1(name, f) \
-  __device__ __forceinline__ float hs_##name(float x) { return f##f(x); } \
-  __device__ __forceinline__ double hs_##name(double x) { return f(x); }
+#define HS_MATH1(name, fn) \
+  __device__ __forceinline__ float hs_##name(float x) { return fn##f(x); } \
+  __device__ __forceinline__ double hs_##name(double x) { return fn(x); }
 #endif
 HS_MATH1(sin, sin) HS_MATH1(cos, cos) HS_MATH1(tan, tan) HS_MATH1(asin, asin) HS_MATH1(acos, acos)
 HS_MATH1(atan, atan) HS_MATH1(sinh, sinh) HS_MATH1(cosh, cosh) HS_MATH1(asinh, asinh) HS_MATH1(acosh, acosh)
