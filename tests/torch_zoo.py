@@ -36,7 +36,17 @@ SIZES = {
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "first_k_dense_replace": 1, "rotary_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16, "qk_head_dim": 16,
+    **dict.fromkeys(("emb_dim", "attention_hidden_size", "pronunciation_embed_dim", "shape_embed_dim", "ple_embed_dim"),
+                    D),
+    **dict.fromkeys(("dim_ff", "dff", "intermediate_size_mlp", "expert_ffn_hidden_size", "router_hidden_size"), FF),
+    **dict.fromkeys(("dim_head", "swa_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim",
+                     "index_head_dim", "hidden_size_per_layer_input", "attention_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size", "pronunciation_vocab_size",
+                     "shape_vocab_size"), VOCAB),
+    "zero_expert_num": 1,
 }
+#: the settings that name a count of layers (per-layer lists of that length are cut to LAYERS)
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 #: the multi-modal models of the mapping: their text models are in it too
 MULTIMODAL = ("ForConditionalGeneration",)
 
@@ -51,10 +61,15 @@ def zoo() -> dict[str, str]:
 def small_config(model_type: str):
     """Return `model_type`'s default config made small (the settings above it has, kv heads
     fewer than heads where the default has fewer, dropout 0, special tokens inside the
-    vocabulary)."""
+    vocabulary; the same for each of its sub-configs, a text model's for instance)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type).to_dict()
+    return AutoConfig.for_model(model_type, **_small(default))
+
+
+def _small(default: dict) -> dict:
+    """Return the settings that make a config (as a dict) small."""
     kw = {k: v for k, v in SIZES.items() if k in default and not isinstance(default[k], (dict, list))}
     if "q_lora_rank" in default and default["q_lora_rank"] is not None:
         kw["q_lora_rank"] = 16
@@ -69,8 +84,21 @@ def small_config(model_type: str):
             kw[k] = VOCAB - 1
         if k.endswith("token_id") and isinstance(v, list):
             kw[k] = [min(t, VOCAB - 1) for t in v]
-    kw.update({"tie_word_embeddings": default.get("tie_word_embeddings", False)} if "tie_word_embeddings" in default else {})
-    return AutoConfig.for_model(model_type, **kw)
+    if "qk_rope_head_dim" in default:  # multi-head latent attention: its head dims go together
+        kw["head_dim"] = kw["qk_rope_head_dim"] if "head_dim" in default else None
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if "qk_head_dim" in default:
+            kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
+    layers = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
+    for k, v in default.items():  # per-layer settings: those of the first layers
+        if isinstance(v, list) and layers and len(v) == layers and k not in kw:
+            kw[k] = v[:LAYERS]
+        if k == "per_layer_config" and isinstance(v, dict):
+            kw[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
+    for k, v in default.items():  # sub-configs (a text model's, a vision model's)
+        if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):
+            kw[k] = {**v, **_small(v)}
+    return kw
 
 
 def build(model_type: str, seed: int = 0):
@@ -82,8 +110,6 @@ def build(model_type: str, seed: int = 0):
     if zoo()[model_type].endswith(MULTIMODAL):
         raise NotInZoo("a multi-modal model (its text model is an entry of its own)")
     config = small_config(model_type)
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotInZoo("an encoder-decoder model")
     with torch.device("meta"):  # count first: a setting the small config missed must not fill the memory
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
