@@ -124,6 +124,7 @@ from hspmd.frontend.ops import (  # noqa: E402
     sign,
     sin,
     sinh,
+    stop_gradient,
     take,
     take_along,
     take_along_grad,
@@ -136,4 +137,4 @@ from hspmd.frontend.ops import (  # noqa: E402
 
 __all__ += ["abs", "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "compare", "cos", "cosh",
             "cumsum", "expm1", "floor", "log1p", "log2", "log10", "maximum", "minimum", "round", "sign", "sin",
-            "sinh", "take", "take_along", "take_along_grad", "take_grad", "tan", "topk", "trunc", "where"]
+            "sinh", "stop_gradient", "take", "take_along", "take_along_grad", "take_grad", "tan", "topk", "trunc", "where"]

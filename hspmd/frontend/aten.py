@@ -37,8 +37,8 @@ from hspmd.frontend.tracing import Tensor
 
 #: ATen ops that change nothing a program of values sees (the importer passes their input on)
 IDENTITY = frozenset({
-    "aten.alias.default", "aten.clone.default", "aten.contiguous.default", "aten.detach.default",
-    "aten.detach_.default", "aten.lift_fresh_copy.default", "aten.to.device",
+    "aten.alias.default", "aten.clone.default", "aten.contiguous.default",
+    "aten.lift_fresh_copy.default", "aten.to.device",
 })
 #: ATen ops that check metadata only and make no value
 ASSERTS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",

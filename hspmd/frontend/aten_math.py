@@ -283,6 +283,24 @@ def var(cx: Context, x, dims=None, *args, correction=None, keepdim=False, unbias
     return ((dev * dev).sum(dims) * (1.0 / max(n - c, 0.0) if n > c else math.inf)).reshape(cx.shape)
 
 
+def native_layer_norm(cx: Context, x, shape, weight=None, bias=None, eps=1e-5):
+    """(layer_norm(x), mean, 1 / std) over the last dim, the statistics kept as [..., 1]."""
+    from hspmd.frontend import aten
+
+    out = aten.TRANSLATORS["aten.layer_norm.default"](cx_first(cx), x, shape, weight, bias, eps)
+    kept = (*x.shape[:-1], 1)
+    mu = x.mean([x.ndim - 1]).reshape(kept)
+    dev = x - mu.broadcast_to(x.shape)
+    rstd = power((dev * dev).mean([x.ndim - 1]).reshape(kept) + float(eps), -0.5)
+    return out, mu, rstd
+
+
+def cx_first(cx: Context) -> Context:
+    """Return `cx` for the first result of a node of several (its shape and dtype)."""
+    meta = cx.meta[0] if isinstance(cx.meta, (tuple, list)) else cx.meta
+    return Context(cx.tracer, cx.lift, meta)
+
+
 # ----------------------------------------------------------------------------- made from a shape alone
 
 
@@ -301,6 +319,13 @@ def fill(cx: Context, x, value):
 def copy(cx: Context, dst, src, non_blocking=False):
     """`dst.copy_(src)` as a value: `src` in `dst`'s dtype and shape."""
     return operand(cx, src, cx.dtype if cx.dtype != "bool" else BOOL, cx.shape)
+
+
+def detach(cx: Context, x):
+    """The values without their gradient (`graph.stop_gradient`; integers have none anyway)."""
+    from hspmd.dialects.graph.shape import stop_gradient
+
+    return stop_gradient(x) if is_float(x.dtype) else x
 
 
 def native_dropout(cx: Context, x, p, train=True):
@@ -330,9 +355,12 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.logical_xor.default": logical_xor, "aten.logical_not.default": logical_not,
     "aten.bitwise_and.Tensor": logical_and, "aten.bitwise_or.Tensor": logical_or,
     "aten.bitwise_xor.Tensor": logical_xor, "aten.bitwise_not.default": logical_not,
+    "aten.bitwise_and.Scalar": logical_and, "aten.bitwise_or.Scalar": logical_or,
+    "aten.bitwise_xor.Scalar": logical_xor, "aten.native_layer_norm.default": native_layer_norm,
     "aten.where.self": where, "aten.masked_fill.Scalar": masked_fill, "aten.masked_fill.Tensor": masked_fill,
     "aten.any.default": any_, "aten.any.dim": any_, "aten.any.dims": any_,
     "aten.amin.default": amin, "aten.var.correction": var, "aten.var.dim": var,
     "aten.full_like.default": full_like, "aten.fill.Scalar": fill, "aten.fill.Tensor": fill,
-    "aten.copy.default": copy, "aten.native_dropout.default": native_dropout,
+    "aten.copy.default": copy, "aten.native_dropout.default": native_dropout, "aten.detach.default": detach,
+    "hspmd.stop_gradient.default": detach,
 }

@@ -54,6 +54,10 @@ NOT_TRANSLATED: dict[str, str] = {
                      "aten.sym_stride.int"),
                     "memory layout or symbolic sizes: concrete at import (evaluated by PyTorch), never "
                     "of a traced value in a static graph"),
+    **dict.fromkeys(("aten.arange.start_step", "aten.full.default", "aten.scalar_tensor.default"),
+                    "made from numbers alone: PyTorch evaluates it when the model is imported"),
+    **dict.fromkeys(("aten.prod.default", "aten.prod.dim_int"),
+                    "a product reduction: hspmd reduces by sums and maxima"),
     "aten.masked_scatter.default": "its positions depend on the data (a mask of the batch picks how many "
                                    "values it takes)",
     "aten.atan2.out": "an out= variant (export gives the functional op)",
@@ -88,5 +92,128 @@ def decomposition_table() -> dict:
 
 
 def decompose(ep):
-    """Return the exported program `ep` in Core ATen and the kept ops (`run_decompositions`)."""
+    """Return the exported program `ep` in Core ATen and the kept ops (`run_decompositions`), its
+    higher-order ops inlined first and where it stops gradients marked (`keep_gradient_stops`)."""
+    keep_gradient_stops(ep)
     return ep.run_decompositions(decomposition_table())
+
+
+# ----------------------------------------------------------------------------- where gradients stop
+
+#: the operator that marks a value whose gradient PyTorch does not compute (`torch.ops.hspmd.stop_gradient`)
+STOP_GRADIENT = "hspmd.stop_gradient.default"
+
+
+class HigherOrderOpError(Exception):
+    """The export holds a higher-order op the importer does not inline (the message names it)."""
+
+
+def _define_stop_gradient() -> None:
+    """Define `torch.ops.hspmd.stop_gradient` once: the values, no gradient."""
+    import torch
+
+    if hasattr(torch.ops, "hspmd") and hasattr(torch.ops.hspmd, "stop_gradient"):
+        return
+
+    @torch.library.custom_op("hspmd::stop_gradient", mutates_args=(), schema="(Tensor x) -> Tensor")
+    def stop_gradient(x):
+        return x.clone()
+
+    @stop_gradient.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    torch.library.register_autograd("hspmd::stop_gradient", lambda ctx, g: None)
+
+
+def keep_gradient_stops(ep) -> None:
+    """Rewrite `ep`'s graph in place so that PyTorch's decompositions keep where it stops
+    gradients: `detach` becomes `hspmd.stop_gradient` (the decompositions would make it an
+    alias), a region under `torch.no_grad()` (`wrap_with_set_grad_enabled(False, ...)`) is
+    inlined with its results marked so, one under `torch.enable_grad()` or `autocast` is inlined
+    as it is, and a `cond` whose predicate is a constant is its branch. Any other higher-order op
+    raises `HigherOrderOpError` naming it."""
+    import torch
+
+    gm = ep.graph_module
+    graph = gm.graph
+    stop = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if node.target is torch.ops.aten.detach.default:
+            stop = stop or _stop_op()
+            node.target = stop
+            continue
+        if not name.startswith("higher_order.") and not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        hop = getattr(node.target, "__name__", name)
+        if hop == "wrap_with_set_grad_enabled":
+            enabled, sub, *args = node.args
+            _inline(gm, node, getattr(gm, sub.target), args, stop=None if enabled else (stop := stop or _stop_op()))
+        elif hop == "wrap_with_autocast":
+            *_, sub = node.args[:5]
+            _inline(gm, node, getattr(gm, sub.target), node.args[5:], stop=None)
+        elif hop == "cond" and isinstance(node.args[0], bool):
+            branch = node.args[1] if node.args[0] else node.args[2]
+            _inline(gm, node, getattr(gm, branch.target), list(node.args[3]), stop=None)
+        else:
+            raise HigherOrderOpError(f"the exported graph holds the higher-order op {hop} "
+                                     f"(a submodule {'with a condition computed from the batch ' if hop == 'cond' else ''}"
+                                     "that hspmd cannot inline)")
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _stop_op():
+    import torch
+
+    _define_stop_gradient()
+    return torch.ops.hspmd.stop_gradient.default
+
+
+def _inline(gm, node, sub, args, stop) -> None:
+    """Put the nodes of submodule `sub` (called with `args`) in place of `node`; its results
+    (through `stop`, where given, for the float ones) replace `node`'s (a tuple: its getitems)."""
+    import torch
+
+    graph = gm.graph
+    env = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for p, a in zip(placeholders, args):
+        env[p] = a
+    results = None
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                results = torch.fx.node.map_arg(n.args[0], lambda x: env[x])
+                continue
+            if n.op == "get_attr":  # a constant of the submodule: move it to the parent
+                value = getattr(sub, n.target)
+                target = f"_inlined_{id(sub)}_{n.target}".replace(".", "_")
+                setattr(gm, target, value)
+                env[n] = graph.get_attr(target)
+                env[n].meta = dict(n.meta)
+                continue
+            env[n] = graph.node_copy(n, lambda x: env[x])
+        outs = list(results) if isinstance(results, (list, tuple)) else [results]
+        if stop is not None:
+            outs = [graph.call_function(stop, (o,)) if _is_float(o) else o for o in outs]
+            for o, src in zip(outs, results if isinstance(results, (list, tuple)) else [results]):
+                if o is not src:
+                    o.meta = dict(src.meta)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is __import__("operator").getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        node.replace_all_uses_with(outs[0] if len(outs) == 1 else outs)
+    graph.erase_node(node)
+
+
+def _is_float(node) -> bool:
+    val = getattr(node, "meta", {}).get("val")
+    return getattr(val, "is_floating_point", lambda: False)()

@@ -517,7 +517,8 @@ class SelectOp(TensorOp):
                                        "aten.logical_not.default", "aten.logical_xor.default",
                                        "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
                                        "aten.bitwise_not.default", "aten.bitwise_xor.Tensor",
-                                       "aten.leaky_relu.default")
+                                       "aten.leaky_relu.default", "aten.bitwise_and.Scalar",
+                                       "aten.bitwise_or.Scalar", "aten.bitwise_xor.Scalar")
     cond = operand_def(TensorType)
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
