@@ -96,3 +96,45 @@ __all__ = [
     "binary_cross_entropy_with_logits",
 ]
 __version__ = "0.1.0"
+
+# elementary functions, comparisons and indexing with tensors (`dialects/graph/elementary.py`,
+# `indexing.py`: what the PyTorch importer translates Core ATen into, usable as any hs function)
+from hspmd.frontend.ops import (  # noqa: E402
+    abs,
+    acos,
+    acosh,
+    asin,
+    asinh,
+    atan,
+    atan2,
+    atanh,
+    ceil,
+    compare,
+    cos,
+    cosh,
+    cumsum,
+    expm1,
+    floor,
+    log1p,
+    log2,
+    log10,
+    maximum,
+    minimum,
+    round,
+    sign,
+    sin,
+    sinh,
+    stop_gradient,
+    take,
+    take_along,
+    take_along_grad,
+    take_grad,
+    tan,
+    topk,
+    trunc,
+    where,
+)
+
+__all__ += ["abs", "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "compare", "cos", "cosh",
+            "cumsum", "expm1", "floor", "log1p", "log2", "log10", "maximum", "minimum", "round", "sign", "sin",
+            "sinh", "stop_gradient", "take", "take_along", "take_along_grad", "take_grad", "tan", "topk", "trunc", "where"]

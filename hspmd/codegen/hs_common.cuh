@@ -85,6 +85,18 @@ __device__ __forceinline__ float hs_erf(float x) { return erff(x); }
 __device__ __forceinline__ double hs_erf(double x) { return erf(x); }
 __device__ __forceinline__ float hs_pow(float x, float p) { return powf(x, p); }
 __device__ __forceinline__ double hs_pow(double x, double p) { return pow(x, p); }
+// the elementary functions of graph's `elementary` family (`dialects/graph/elementary.py`)
+#ifndef HS_MATH1
+#define HS_MATH1(name, fn) \
+  __device__ __forceinline__ float hs_##name(float x) { return fn##f(x); } \
+  __device__ __forceinline__ double hs_##name(double x) { return fn(x); }
+#endif
+HS_MATH1(sin, sin) HS_MATH1(cos, cos) HS_MATH1(tan, tan) HS_MATH1(asin, asin) HS_MATH1(acos, acos)
+HS_MATH1(atan, atan) HS_MATH1(sinh, sinh) HS_MATH1(cosh, cosh) HS_MATH1(asinh, asinh) HS_MATH1(acosh, acosh)
+HS_MATH1(atanh, atanh) HS_MATH1(abs, fabs) HS_MATH1(floor, floor) HS_MATH1(ceil, ceil) HS_MATH1(rint, rint)
+HS_MATH1(trunc, trunc) HS_MATH1(log1p, log1p) HS_MATH1(expm1, expm1) HS_MATH1(log2, log2) HS_MATH1(log10, log10)
+__device__ __forceinline__ float hs_atan2(float y, float x) { return atan2f(y, x); }
+__device__ __forceinline__ double hs_atan2(double y, double x) { return atan2(y, x); }
 // max(a, b) that propagates NaN like NumPy's maximum
 template <class T> __device__ __forceinline__ T hs_max(T a, T b) { return (a > b || a != a) ? a : b; }
 // NumPy's overflow-free logistic function

@@ -38,12 +38,13 @@ from hspmd.frontend.tracing import Tensor
 
 #: ATen ops that change nothing a program of values sees (the importer passes their input on)
 IDENTITY = frozenset({
-    "aten.alias.default", "aten.clone.default", "aten.contiguous.default", "aten.detach.default",
-    "aten.detach_.default", "aten.lift_fresh_copy.default",
+    "aten.alias.default", "aten.clone.default", "aten.contiguous.default",
+    "aten.lift_fresh_copy.default", "aten.to.device",
 })
 #: ATen ops that check metadata only and make no value
 ASSERTS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-                     "aten.sym_constrain_range_for_size.default"})
+                     "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg",
+                     "aten._assert_async.default", "aten._functional_assert_async.msg"})
 
 
 class Unsupported(Exception):
@@ -176,31 +177,6 @@ def expand(cx: Context, x, sizes, implicit=False):
     return x.broadcast_to(cx.shape)
 
 
-def to_dtype(cx: Context, x, *args, **kwargs):
-    """`Tensor.to(dtype)`, `.float()`, `type_as`, `.to(device, dtype)`: a cast where the dtype changes.
-    A boolean (a mask from the batch) is a tensor of 0.0 and 1.0 here (`is_bool`): an integer
-    tensor becomes one as `x != 0`, and one becomes floats as it is."""
-    want = cx.dtype
-    if want == "bool":
-        if is_bool(x):
-            return x
-        if x.dtype.startswith("int"):
-            return as_bool(_not_equal(x, 0))
-        raise Unsupported(f"a cast of a {x.dtype} tensor computed from the batch or the parameters to bool "
-                          "(hspmd makes booleans of integer tensors only)")
-    if is_bool(x):
-        if want not in FLOAT_DTYPES:
-            raise Unsupported(f"a cast from bool to {want} of a mask computed from the batch")
-        return cast(x, want) if want != x.dtype else Tensor(x.value, x.tracer)
-    if want == x.dtype:
-        return x
-    if want.startswith("int") and x.dtype.startswith("int"):  # hspmd's integer ops take any width
-        return x
-    if want not in FLOAT_DTYPES or x.dtype not in FLOAT_DTYPES:
-        raise Unsupported(f"a cast from {x.dtype} to {want}")
-    return cast(x, want)
-
-
 def _dropout(cx: Context, x, p, train=True):
     return dropout(x, float(p)) if train and p > 0 else x
 
@@ -300,13 +276,9 @@ def unary(fn: Callable) -> Callable:
     return lambda cx, x: fn(x)
 
 
-def _slice(cx: Context, x, dim=0, start=None, end=None, step=1):
-    dim = dim % x.ndim
-    n = x.shape[dim]
-    begin, stop, stride = slice(start, end, step).indices(n)
-    if stride != 1:
-        raise Unsupported(f"a slice with step {stride}")
-    if begin == 0 and stop == n:
+def slice_step1(cx: Context, x, dim: int, begin: int, stop: int):
+    """`x[begin:stop]` along `dim` (strided slices: `aten_index.strided_slice`)."""
+    if begin == 0 and stop == x.shape[dim]:
         return x
     return take(x, dim, begin, max(begin, stop))
 
@@ -335,10 +307,9 @@ def _cat(cx: Context, xs, dim=0):
 def where(cx: Context, cond, a, b):
     """`where(cond, a, b)` with a concrete condition: `a * m + b * (1 - m)` where both are tensors,
     `a * m + literal(where(cond, 0, b))` where `b` is concrete (exact, -inf included, for finite a)."""
-    if is_bool(cond):
-        return where_mask(cx, cond, a, b)
     if isinstance(cond, Tensor):
-        raise Unsupported(f"where() with a {cond.dtype} condition (a mask must be a boolean)")
+        raise Unsupported("where() with a condition computed from the batch or the parameters "
+                          "(hspmd has no boolean tensors)")
     import torch
 
     cond = cond.broadcast_to(cx.shape)
@@ -412,12 +383,24 @@ def _masked_attention(scores: Tensor, mask: Tensor, v: Tensor, dropout_p: float)
     bias = (keep + -1.0) * float(np.finfo(np.float32).max)
     att = softmax(s32 + bias, -1)
     any_kept = reduce_max(mask, [mask.ndim - 1]).reshape((*mask.shape[:-1], 1))
-    att = att * any_kept.broadcast_to((*scores.shape[:-1], 1)).broadcast_to(scores.shape)
+    att = att * any_kept.broadcast_to(scores.shape)
     if low != "float32":
         att = cast(att, low)
     if dropout_p:
         att = dropout(att, float(dropout_p))
     return _matmul(att, v)
+
+
+def is_bool(x) -> bool:
+    """Return whether `x` is a traced boolean: a float tensor of 0.0 and 1.0 standing for a bool
+    tensor of the exported graph (the importer marks the values PyTorch types bool, `as_bool`)."""
+    return isinstance(x, Tensor) and getattr(x, "boolean", False)
+
+
+def as_bool(x: Tensor) -> Tensor:
+    """Return `x` (0.0/1.0 floats) marked as a boolean."""
+    x.boolean = True
+    return x
 
 
 def _repeat_heads(x: Tensor, heads: int) -> Tensor:
@@ -438,163 +421,6 @@ def _cross_entropy(cx: Context, logits, target, weight=None, reduction=1, ignore
     return cross_entropy(logits, target, ignore_index=int(ignore_index))
 
 
-# ----------------------------------------------------------------------------- masks from the batch
-#
-# hspmd has no boolean tensors: a boolean the graph computes from the batch (a padding mask built
-# from `attention_mask`) is a float32 tensor of 0.0 and 1.0, marked `boolean` (the importer marks
-# every node PyTorch types bool). Logical ops are products and sums of those; a mask reaches
-# attention as a bias (`sdpa`), and `where` blends its two sides by it.
-
-
-def is_bool(x) -> bool:
-    """Return whether `x` is a traced boolean (0.0/1.0 floats standing for a bool tensor)."""
-    return isinstance(x, Tensor) and getattr(x, "boolean", False)
-
-
-def as_bool(x: Tensor) -> Tensor:
-    """Return `x` (0.0/1.0 floats) marked as a boolean."""
-    x.boolean = True
-    return x
-
-
-def _not_equal(x: Tensor, value: int) -> Tensor:
-    """`x != value` of an integer tensor, as 0.0/1.0 float32."""
-    return x.tracer.emit(graph.LabelMaskOp(x.value, int(value), _float32(x.shape)))
-
-
-def _float32(shape: Sequence[int]):
-    from xdsl.dialects.builtin import Float32Type, TensorType
-
-    return TensorType(Float32Type(), list(shape))
-
-
-def _mask_operand(cx: Context, x) -> Tensor:
-    """A logical op's operand as 0.0/1.0 float32 of the result's shape."""
-    import torch
-
-    if isinstance(x, Tensor):
-        if not is_bool(x):
-            raise Unsupported(f"a logical op on a {x.dtype} tensor (hspmd takes masks built from integer tensors)")
-        return x.broadcast_to(cx.shape)
-    return cx.lift(torch.as_tensor(x).to(torch.bool).expand(cx.shape), "float32")
-
-
-def logical_and(cx: Context, a, b):
-    return as_bool(_mask_operand(cx, a) * _mask_operand(cx, b))
-
-
-def logical_or(cx: Context, a, b):
-    """`a | b` = `a + b - a b` on 0/1."""
-    a, b = _mask_operand(cx, a), _mask_operand(cx, b)
-    return as_bool(a + b - a * b)
-
-
-def logical_not(cx: Context, x):
-    return as_bool((_mask_operand(cx, x) * -1.0) + 1.0)
-
-
-def compare_scalar(equal: bool) -> Callable:
-    """`x == v` / `x != v` of an integer tensor and an integer."""
-    def translate(cx: Context, x, value):
-        if not x.dtype.startswith("int") or float(value) != int(value):
-            raise Unsupported(f"a comparison of a {x.dtype} tensor with {value!r} (hspmd compares integers)")
-        ne = _not_equal(x, int(value))
-        return as_bool((ne * -1.0) + 1.0 if equal else ne)
-    return translate
-
-
-def index_tensor(cx: Context, x, indices):
-    """`x[i0, i1, ...]` with concrete integer index tensors (broadcast together) for x's leading
-    dims. Indices that are ranges along axes of their own (`x[arange(B)[:, None], arange(T)[None]]`,
-    as transformers' mask builder gathers `attention_mask`) are a reshape; others gather through
-    `graph.embedding` over x's rows (gradients add up where an index repeats, as in PyTorch)."""
-    import torch
-
-    if any(i is None for i in indices) or any(isinstance(i, Tensor) for i in indices) or len(indices) > x.ndim:
-        raise Unsupported("indexing with tensors computed from the batch, or with slices between the indices")
-    idx = [torch.as_tensor(i) for i in indices]
-    if any(i.dtype == torch.bool for i in idx):
-        raise Unsupported("indexing with a boolean mask (the result's shape would depend on the values)")
-    shape = tuple(torch.broadcast_shapes(*(i.shape for i in idx)))
-    rest = x.shape[len(idx):]
-    axes = [_arange_axis(i, len(shape), n) for i, n in zip(idx, x.shape)]
-    if all(a is not None for a in axes) and axes == sorted(set(axes)):
-        placed = [1] * len(shape)
-        for a, n in zip(axes, x.shape):
-            placed[a] = n
-        return x.reshape((*placed, *rest))
-    flat = torch.zeros(shape, dtype=torch.int64)
-    for i, n in zip(idx, x.shape):
-        if bool(((i < -n) | (i >= n)).any()):
-            raise Unsupported(f"an index out of range for a dim of size {n}")
-        flat = flat * n + (i % n)
-    rows = int(np.prod(x.shape[:len(idx)], dtype=np.int64))
-    width = int(np.prod(rest, dtype=np.int64))
-    table = x.reshape((rows, width))
-    return embedding(table, cx.lift(flat, "int64")).reshape((*shape, *rest))
-
-
-def _arange_axis(index, ndim: int, n: int) -> int | None:
-    """Return the axis along which `index` (padded to `ndim` dims) is `arange(n)`, every other axis
-    of size 1; None if it is not."""
-    import torch
-
-    full = index.reshape((1,) * (ndim - index.ndim) + tuple(index.shape))
-    long = [a for a, s in enumerate(full.shape) if s != 1]
-    if len(long) > 1 or (not long and n != 1):
-        return None
-    axis = long[0] if long else ndim - 1
-    return axis if full.numel() == n and torch.equal(full.reshape(-1), torch.arange(n)) else None
-
-
-def constant_pad(cx: Context, x, pad, mode="constant", value=None):
-    """`F.pad(x, pad, value=value)` (constant mode, pads of zero or more): x between blocks of
-    `value` (transformers pads the labels with -100 before shifting them)."""
-    if mode != "constant":
-        raise Unsupported(f"pad mode {mode!r} (hspmd pads with a constant)")
-    if any(p < 0 for p in pad):
-        raise Unsupported("a negative pad")
-    fill = 0.0 if value is None else float(value)
-    y = x
-    for k in range(len(pad) // 2):
-        dim = x.ndim - 1 - k
-        parts = []
-        for size, before in ((pad[2 * k], True), (pad[2 * k + 1], False)):
-            if size:
-                shape = list(y.shape)
-                shape[dim] = size
-                parts.append((before, y.tracer.constant(fill, tuple(shape), y.dtype)))
-        if parts:
-            y = concat([p for b, p in parts if b] + [y] + [p for b, p in parts if not b], dim)
-    return y
-
-
-def _finite(value, dtype: str):
-    """A number or concrete tensor with -inf/+inf as the dtype's lowest/highest finite number
-    (a blend by a 0/1 mask multiplies both sides)."""
-    import torch
-
-    info = torch.finfo(getattr(torch, dtype))
-    t = torch.as_tensor(value, dtype=torch.float64)
-    if bool(torch.isnan(t).any()):
-        raise Unsupported("where() with a NaN")
-    return t.clamp(float(info.min), float(info.max))
-
-
-def where_mask(cx: Context, cond: Tensor, a, b):
-    """`where(cond, a, b)` for a boolean `cond` from the batch: `a * cond + b * (1 - cond)`, with
-    an infinite side as the lowest/highest finite float (what a masked score then gives, 0 after
-    softmax, is the same)."""
-    keep = cond.broadcast_to(cx.shape)
-    if cx.dtype != "float32":
-        keep = cast(keep, cx.dtype) if cx.dtype in FLOAT_DTYPES else None
-    if keep is None:
-        raise Unsupported(f"where() of {cx.dtype} values by a mask from the batch")
-    sides = [x.broadcast_to(cx.shape) if isinstance(x, Tensor) else cx.lift(_finite(x, cx.dtype).expand(cx.shape), cx.dtype)
-             for x in (a, b)]
-    return sides[0] * keep + sides[1] * ((keep * -1.0) + 1.0)
-
-
 def getitem(cx: Context, xs, i):
     return xs[i]
 
@@ -608,8 +434,6 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.div.Tensor": _binary(_div), "aten.div.Scalar": _binary(_div),
     "aten.neg.default": neg,
     "aten.pow.Tensor_Scalar": pow_scalar,
-    "aten.to.dtype": to_dtype, "aten.to.dtype_layout": to_dtype, "aten._to_copy.default": to_dtype,
-    "aten.type_as.default": to_dtype,
     "aten.relu.default": unary(relu), "aten.exp.default": unary(exp), "aten.log.default": unary(log),
     "aten.sqrt.default": unary(sqrt), "aten.rsqrt.default": unary(rsqrt), "aten.tanh.default": unary(tanh),
     "aten.sigmoid.default": unary(sigmoid), "aten.silu.default": unary(silu), "aten.erf.default": unary(erf),
@@ -620,7 +444,7 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.unsqueeze.default": reshape, "aten.squeeze.dim": reshape, "aten.squeeze.dims": reshape,
     "aten.squeeze.default": reshape, "aten.flatten.using_ints": reshape, "aten.unflatten.int": reshape,
     "aten.permute.default": permute, "aten.transpose.int": transpose, "aten.t.default": t,
-    "aten.slice.Tensor": _slice, "aten.select.int": select,
+    "aten.select.int": select,
     "aten.split.Tensor": _split, "aten.split_with_sizes.default": _split,
     "aten.cat.default": _cat,
     "aten.expand.default": expand,
@@ -636,15 +460,6 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.cross_entropy_loss.default": _cross_entropy,
     "aten.where.self": where, "aten.masked_fill.Scalar": masked_fill,
     "operator.getitem": getitem,
-    "aten.where.ScalarOther": where, "aten.where.ScalarSelf": where, "aten.where.Scalar": where,
-    # masks and labels from the batch
-    "aten.to.device": to_dtype,
-    "aten.__and__.Tensor": logical_and, "aten.bitwise_and.Tensor": logical_and, "aten.logical_and.default": logical_and,
-    "aten.__or__.Tensor": logical_or, "aten.bitwise_or.Tensor": logical_or, "aten.logical_or.default": logical_or,
-    "aten.bitwise_not.default": logical_not, "aten.logical_not.default": logical_not,
-    "aten.eq.Scalar": compare_scalar(True), "aten.ne.Scalar": compare_scalar(False),
-    "aten.index.Tensor": index_tensor,
-    "aten.pad.default": constant_pad, "aten.constant_pad_nd.default": constant_pad,
 }
 
 

@@ -40,7 +40,9 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
-from hspmd.frontend import aten
+from hspmd.frontend import aten, aten_math, translators
+from hspmd.frontend.decompose import decompose
+from hspmd.frontend.torch_experts import experts_as_moe_ops
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 
@@ -182,13 +184,13 @@ class _Importer:
         else translated into ops of `tracer`'s trace."""
         name = aten.aten_name(node.target)
         args, kwargs = self.value(node.args, env), self.value(node.kwargs, env)
-        if name in aten.ASSERTS:
+        if name in translators.ASSERTS:
             return None
         if not self.is_traced(args) and not self.is_traced(kwargs):
             return self.evaluate(node, args, kwargs)
-        if name in aten.IDENTITY:
+        if name in translators.IDENTITY:
             return args[0]
-        translate = aten.TRANSLATORS.get(name)
+        translate = translators.TRANSLATORS.get(name)
         if translate is None:
             raise TorchImportError(where(node, f"the ATen op {name} is not supported by the importer"))
         meta = node.meta.get("val")
@@ -205,6 +207,7 @@ class _Importer:
             raise
         except TraceError as err:
             raise TorchImportError(where(node, f"{name}: {err}")) from None
+        out = aten_math.coerce(out, getattr(meta, "dtype", None))  # the dtype PyTorch (under autocast) gives it
         self.check(node, out)
         if isinstance(out, Tensor) and str(getattr(meta, "dtype", "")) == "torch.bool":
             out = out if aten.is_bool(out) else aten.as_bool(Tensor(out.value, out.tracer))
@@ -611,7 +614,9 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
             owner = module.get_submodule(parent) if parent else module
             saved[path] = (owner, key, owner._modules[key])
             owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:2])
-        ep = torch.export.export(_Step(), (batch,), strict=False)
+        with experts_as_moe_ops(module, _groups(batch)):
+            ep = torch.export.export(_Step(), (batch,), strict=False)
+        ep = decompose(ep)
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TorchImportError(f"torch.export of the model's loss failed: {type(err).__name__}: {first}") from None
@@ -701,6 +706,12 @@ def _numpy(t, dtype: str) -> np.ndarray:
 
     t = t.detach().cpu()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy().astype(np.dtype(dtype), copy=True)
+
+
+def _groups(batch: dict) -> int:
+    """Return the routing groups of an expert layer: the batch's sequences (its leading dim)."""
+    sizes = {int(v.shape[0]) for v in batch.values() if getattr(v, "ndim", 0) >= 1}
+    return sizes.pop() if len(sizes) == 1 else 1
 
 
 def _dtype(t) -> str:

@@ -1,8 +1,8 @@
 """Which parameters are expert weights, and how expert parallelism (`ep=`) lays them out.
 
 An expert weight is a parameter that reaches the right operand of a `graph.expert_matmul`
-(through casts, and through the arguments of the function blocks that a layer is traced
-into). Under a group with `ep > 1` it is split along its expert dim 0 over the ep ranks,
+(through casts, transposes that keep the expert dim first — a PyTorch weight stored
+[E, out, in] — and the arguments of the function blocks that a layer is traced into). Under a group with `ep > 1` it is split along its expert dim 0 over the ep ranks,
 replicated over dp, and split over tp as Megatron splits an MLP (expert tensor parallelism):
 the first expert matmul's weight `[E, D, F]` along its output dim 2 (column-parallel), the
 second's `[E, F, D]`, whose left operand comes from the first, along its input dim 1
@@ -27,9 +27,24 @@ from hspmd.transforms.util import PassError, callee_of, step_function
 
 
 def _source(v: SSAValue) -> SSAValue:
-    while isinstance(v.owner, graph.CastOp):
-        v = v.owner.input
-    return v
+    return _traced_back(v)[0]
+
+
+def _traced_back(v: SSAValue) -> tuple[SSAValue, list[int]]:
+    """Return the value `v` comes from through casts and transposes that keep the expert dim 0
+    first (an imported weight stored [E, out, in]), and the permutation from that value's dims
+    to v's (v's dim i is its dim perm[i])."""
+    perm = list(range(len(v.type.get_shape())))
+    while True:
+        op = v.owner
+        if isinstance(op, graph.CastOp):
+            v = op.input
+        elif isinstance(op, graph.TransposeOp) and op.perm.get_values()[0] == 0:
+            inner = list(op.perm.get_values())
+            perm = [inner[p] for p in perm]
+            v = op.input
+        else:
+            return v, perm
 
 
 def _follows_an_expert_matmul(v: SSAValue) -> bool:
@@ -59,8 +74,8 @@ def expert_tp_dims(module: ModuleOp) -> dict[str, int]:
     def visit(fn: func.FuncOp, args: dict[int, str], seen: frozenset[str]) -> None:
         for op in fn.body.block.ops:
             if isinstance(op, graph.ExpertMatmulOp):
-                rhs = _source(op.rhs)
-                dim = 1 if _follows_an_expert_matmul(op.lhs) else 2
+                rhs, perm = _traced_back(op.rhs)
+                dim = perm[1 if _follows_an_expert_matmul(op.lhs) else 2]
                 if isinstance(rhs, BlockArgument) and rhs.index in args:
                     names.setdefault(args[rhs.index], dim)
                 elif isinstance(rhs.owner, graph.ParameterOp):

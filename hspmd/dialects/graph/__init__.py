@@ -28,6 +28,8 @@ from hspmd.dialects.graph import (
     losses,
     positions,
     moe,
+    elementary,
+    indexing,
     scan,
 )
 from hspmd.dialects.graph.base import *  # noqa: F403
@@ -44,10 +46,12 @@ from hspmd.dialects.graph.embedding import *  # noqa: F403
 from hspmd.dialects.graph.losses import *  # noqa: F403
 from hspmd.dialects.graph.positions import *  # noqa: F403
 from hspmd.dialects.graph.moe import *  # noqa: F403
+from hspmd.dialects.graph.elementary import *  # noqa: F403
+from hspmd.dialects.graph.indexing import *  # noqa: F403
 from hspmd.dialects.graph.scan import *  # noqa: F403
 
 #: the op families, each a module of ops with everything hspmd knows of them
-FAMILIES = (leaves, arithmetic, activations, matmul, shape, reductions, softmax, attention, norms, embedding, losses, positions, moe, scan)
+FAMILIES = (leaves, arithmetic, activations, matmul, shape, reductions, softmax, attention, norms, embedding, losses, positions, moe, elementary, indexing, scan)
 
 
 def _ops_of(module) -> list[type[IRDLOperation]]:

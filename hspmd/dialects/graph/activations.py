@@ -103,7 +103,7 @@ class ExpOp(_UfuncOp):
     """Elementwise `exp(x)`."""
 
     name = "graph.exp"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.exp.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.exp.default", "aten.pow.Tensor_Tensor", "aten.pow.Scalar")
     UFUNC: ClassVar[np.ufunc] = np.exp
     C_FUNCTION: ClassVar[str] = "hs_exp"
     FRONTEND: ClassVar[tuple[str, ...]] = ("exp",)

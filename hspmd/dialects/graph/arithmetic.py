@@ -15,7 +15,6 @@ from hspmd.dialects.graph.base import (
     ElementwiseOp,
     UnaryGradOp,
     UnaryOp,
-    check_float,
     check_same_shape,
     float_attr,
     result_dtype,
@@ -57,8 +56,7 @@ class AddOp(_Arithmetic):
     """Elementwise `lhs + rhs` (same shapes; broadcast first with `graph.broadcast`)."""
 
     name = "graph.add"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.add.Tensor", "aten.add.Scalar", "aten.bitwise_not.default",
-                                       "aten.logical_not.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.add.Tensor", "aten.add.Scalar",)
     C_OPERATOR: ClassVar[str] = "+"
     UFUNC: ClassVar[np.ufunc] = np.add
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__add__",)
@@ -77,8 +75,7 @@ class SubOp(_Arithmetic):
     """Elementwise `lhs - rhs`."""
 
     name = "graph.sub"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",
-                                       "aten.__or__.Tensor", "aten.bitwise_or.Tensor", "aten.logical_or.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",)
     C_OPERATOR: ClassVar[str] = "-"
     UFUNC: ClassVar[np.ufunc] = np.subtract
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__sub__",)
@@ -97,18 +94,7 @@ class MulOp(_Arithmetic):
     """Elementwise `lhs * rhs`."""
 
     name = "graph.mul"
-    ATEN: ClassVar[tuple[str, ...]] = (
-        "aten.mul.Tensor",
-        "aten.mul.Scalar",
-        "aten.where.self",
-        "aten.where.ScalarOther",
-        "aten.where.ScalarSelf",
-        "aten.where.Scalar",
-        "aten.masked_fill.Scalar",
-        "aten.__and__.Tensor",
-        "aten.bitwise_and.Tensor",
-        "aten.logical_and.default",
-    )
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.mul.Tensor", "aten.mul.Scalar")
     C_OPERATOR: ClassVar[str] = "*"
     UFUNC: ClassVar[np.ufunc] = np.multiply
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.__mul__",)
@@ -127,7 +113,8 @@ class DivOp(_Arithmetic):
     """Elementwise `lhs / rhs` (same shapes)."""
 
     name = "graph.div"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.div.Tensor", "aten.div.Scalar",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode",
+                                       "aten.div.Scalar_mode")
     C_OPERATOR: ClassVar[str] = "/"
     UFUNC: ClassVar[np.ufunc] = np.divide
     FRONTEND: ClassVar[tuple[str, ...]] = ("divide",)
@@ -176,7 +163,8 @@ class ScaleOp(UnaryOp):
 
 @irdl_op_definition
 class CastOp(UnaryOp):
-    """Elementwise conversion to the result type's element type (same shape)."""
+    """Elementwise conversion to the result type's element type (same shape; a float becomes an
+    integer rounded toward zero)."""
 
     name = "graph.cast"
     ATEN: ClassVar[tuple[str, ...]] = (
@@ -184,13 +172,11 @@ class CastOp(UnaryOp):
         "aten.to.dtype_layout",
         "aten._to_copy.default",
         "aten.type_as.default",
-        "aten.to.device",
     )
     FRONTEND: ClassVar[tuple[str, ...]] = ("cast",)
 
-    def verify_(self) -> None:
+    def verify_(self) -> None:  # between floats, and from and to integers (toward zero, as PyTorch)
         check_same_shape(self, self.input, self.result)
-        check_float(self, self.input, self.result)
 
     def sharding_rule(self) -> OpRule:
         return elementwise_rule(self, frozenset({0}))
@@ -234,7 +220,7 @@ class PowOp(ElementwiseOp):
     """Elementwise `x ** exponent` for a compile-time constant exponent."""
 
     name = "graph.pow"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.pow.Tensor_Scalar",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.pow.Tensor_Scalar", "aten.reciprocal.default")
     exponent = prop_def(FloatAttr)
     FRONTEND: ClassVar[tuple[str, ...]] = ("power",)
 

@@ -111,7 +111,7 @@ class EmbeddingOp(TensorOp):
     """Row lookup `table[ids]`: table [V, D], integer ids [...] -> [..., D]."""
 
     name = "graph.embedding"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.embedding.default", "aten.index.Tensor",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.embedding.default",)
     table = operand_def(TensorType)
     ids = operand_def(TensorType)
     result = result_def(TensorType)

@@ -116,6 +116,8 @@ class ConstantOp(IRDLOperation):
     NO_VJP: ClassVar[str] = "a constant: no gradient"
     NO_KERNEL: ClassVar[str] = "the plan makes it once"
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tracer.constant",)
+    #: made from a traced tensor's shape alone
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.full_like.default", "aten.fill.Scalar", "aten.fill.Tensor")
     irdl_options = (ParsePropInAttrDict(),)
     value = prop_def(FloatAttr)
     result = result_def(TensorType)

@@ -300,7 +300,6 @@ class LabelMaskOp(UnaryOp):
     """1.0 where the integer `labels` differ from `ignore_index`, else 0.0 (a float result)."""
 
     name = "graph.label_mask"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.ne.Scalar", "aten.eq.Scalar")
     ignore_index = prop_def(IntegerAttr[I64])
     #: cross_entropy(..., ignore_index=i) counts the samples it keeps with it (so does vocab-parallel)
     FRONTEND: ClassVar[tuple[str, ...]] = ("cross_entropy",)

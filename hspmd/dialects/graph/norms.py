@@ -292,7 +292,7 @@ class LayerNormOp(TensorOp):
     x [..., n], weight [n], bias [n] -> [..., n]."""
 
     name = "graph.layer_norm"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.layer_norm.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.layer_norm.default", "aten.native_layer_norm.default")
     x = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = operand_def(TensorType)

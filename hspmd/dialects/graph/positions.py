@@ -254,7 +254,7 @@ class DropoutOp(TensorOp):
     q draws micro-batch i's mask as virtual device `microbatch_ranks[i * len(stage_ranks) + q]`."""
 
     name = "graph.dropout"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.dropout.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.dropout.default", "aten.native_dropout.default")
     input = operand_def(TensorType)
     step = operand_def(TensorType)
     result = result_def(TensorType)

@@ -51,12 +51,8 @@ class ReduceSumOp(_Reduce):
     """Sum over `dims` (removed from the shape)."""
 
     name = "graph.reduce_sum"
-    ATEN: ClassVar[tuple[str, ...]] = (
-        "aten.sum.dim_IntList",
-        "aten.sum.default",
-        "aten.mean.dim",
-        "aten.mean.default",
-    )
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim",
+                                       "aten.mean.default", "aten.var.correction", "aten.var.dim")
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.sum", "Tensor.mean")
 
     def sharding_rule(self) -> OpRule:
@@ -91,7 +87,7 @@ class BroadcastOp(UnaryOp):
     """Broadcasts to the result shape; input dim i becomes result dim `dims[i]` (size equal or 1)."""
 
     name = "graph.broadcast"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.expand.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.expand.default", "aten.copy.default", "aten.repeat.default")
     dims = prop_def(DenseArrayBase)
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.broadcast_to",)
 
@@ -163,7 +159,8 @@ class ReduceMaxOp(_Reduce):
     """Maximum over `dims` (removed from the shape)."""
 
     name = "graph.reduce_max"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.amax.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.amax.default", "aten.any.default", "aten.any.dim", "aten.any.dims",
+                                       "aten.amin.default")
     FRONTEND: ClassVar[tuple[str, ...]] = ("max", "Tensor.max")
 
     def sharding_rule(self) -> OpRule:  # a max of pieces is not a sum: reduced dims stay whole

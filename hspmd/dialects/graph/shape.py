@@ -50,6 +50,7 @@ __all__ = [
     "SliceOp",
     "SplitOp",
     "ConcatOp",
+    "StopGradientOp",
 ]
 
 
@@ -233,7 +234,8 @@ class ConcatOp(TensorOp):
     """The operands joined along `dim` (same shapes elsewhere)."""
 
     name = "graph.concat"
-    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default", "aten.pad.default", "aten.constant_pad_nd.default",)
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.cat.default", "aten.slice_scatter.default",
+                                       "aten.select_scatter.default", "aten.constant_pad_nd.default")
     inputs = var_operand_def(TensorType)
     result = result_def(TensorType)
     dim = prop_def(IntegerAttr[I64])
@@ -437,3 +439,36 @@ def concat(xs: Sequence, dim: int = 0):
     shape = list(first.shape)
     shape[d] = sum(x.shape[d] for x in xs)
     return first.tracer.emit(ConcatOp([x.value for x in xs], d, typed(first, shape)))
+
+
+@irdl_op_definition
+class StopGradientOp(UnaryOp):
+    """The same values, with no gradient flowing back through them (PyTorch's `detach`)."""
+
+    name = "graph.stop_gradient"
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.detach.default",)
+    STOPS_GRADIENT: ClassVar[bool] = True
+    FRONTEND: ClassVar[tuple[str, ...]] = ("stop_gradient",)
+
+    def verify_(self) -> None:
+        if self.input.type != self.result.type:
+            raise VerifyException(f"'{self.name}' keeps its operand's type")
+
+    def sharding_rule(self) -> OpRule:
+        d = factors("d", len(tensor_shape(self.input)))
+        return OpRule((d,), (d,), frozenset({0}))
+
+    def vjp(self, gs, emit):
+        return [None]
+
+    def numpy_kernel(self, ctx: KernelContext) -> Kernel:
+        return lambda x: x
+
+    def cuda_expr(self, a: list[str], t: str, stmts: list[str], out: list[str]) -> None:
+        stmts.append(f"const {t} {out[0]} = {a[0]};")
+
+
+def stop_gradient(x):
+    """Return x's values with no gradient flowing back through them (`torch.detach`)."""
+    x = as_tensor(x, "stop_gradient")
+    return x.tracer.emit(StopGradientOp(x.value))

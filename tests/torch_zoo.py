@@ -1,0 +1,224 @@
+"""transformers' causal LMs from small configs: the zoo `tests/test_torch_zoo.py` imports.
+
+`zoo()` lists the entries of transformers' causal-LM auto mapping; `small_config(model_type)`
+makes one of them small (hidden size 64, 2 layers, 4 heads, a vocabulary of 256, 4 experts of
+which 2 per token, dropout 0) from its default config by the settings it has, and
+`build(model_type)` returns the model and its loss function on a batch `{"x", "y"}` of token ids
+(cross-entropy of the logits, computed outside the model so every head is treated alike), or
+the one-line reason it does not build as a decoder-only model from input ids alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+D, FF, MOE_FF, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 64, 128, 32, 2, 4, 2, 16, 256, 64
+BATCH, SEQ = 2, 16
+#: a small config's model has fewer parameters than this, or is not built
+MAX_PARAMETERS = 3_000_000
+
+#: every spelling of a size, in transformers' configs, and its small value
+SIZES = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "model_dim", "n_embed"), D),
+    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
+                     "inner_hidden_size", "d_inner", "ffn_intermediate_size", "dense_intermediate_size"), FF),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
+                     "moe_ffn_hidden_size", "moe_dim", "expert_dim"), MOE_FF),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), LAYERS),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads"), HEADS),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "head_size"), HEAD_DIM),
+    **dict.fromkeys(("vocab_size", "n_vocab"), VOCAB),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
+                     "max_sequence_length"), POSITIONS),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
+    **dict.fromkeys(("n_group", "topk_group"), 1),
+    "first_k_dense_replace": 1, "rotary_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 16, "qk_head_dim": 16,
+    **dict.fromkeys(("emb_dim", "attention_hidden_size", "pronunciation_embed_dim", "shape_embed_dim", "ple_embed_dim"),
+                    D),
+    **dict.fromkeys(("dim_ff", "dff", "intermediate_size_mlp", "expert_ffn_hidden_size", "router_hidden_size"), FF),
+    **dict.fromkeys(("dim_head", "swa_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim",
+                     "index_head_dim", "hidden_size_per_layer_input", "attention_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size", "pronunciation_vocab_size",
+                     "shape_vocab_size"), VOCAB),
+    "zero_expert_num": 1,
+}
+#: the settings that name a count of layers (per-layer lists of that length are cut to LAYERS)
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+#: the multi-modal models of the mapping: their text models are in it too
+MULTIMODAL = ("ForConditionalGeneration",)
+
+
+def zoo() -> dict[str, str]:
+    """Return transformers' causal-LM auto mapping: {model type: class name}."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def small_config(model_type: str):
+    """Return `model_type`'s default config made small (the settings above it has, kv heads
+    fewer than heads where the default has fewer, dropout 0, special tokens inside the
+    vocabulary; the same for each of its sub-configs, a text model's for instance)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type).to_dict()
+    return AutoConfig.for_model(model_type, **_small(default))
+
+
+def _small(default: dict) -> dict:
+    """Return the settings that make a config (as a dict) small."""
+    kw = {k: v for k, v in SIZES.items() if k in default and not isinstance(default[k], (dict, list))}
+    if "q_lora_rank" in default and default["q_lora_rank"] is not None:
+        kw["q_lora_rank"] = 16
+    for k in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"):
+        if isinstance(default.get(k), int):
+            heads = next((default[h] for h in ("num_attention_heads", "n_head", "n_heads") if h in default), None)
+            kw[k] = KV_HEADS if heads and default[k] < heads else HEADS
+    for k, v in default.items():
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or k.endswith("_drop")):
+            kw[k] = 0.0
+        if k.endswith("token_id") and isinstance(v, int) and v >= VOCAB:
+            kw[k] = VOCAB - 1
+        if k.endswith("token_id") and isinstance(v, list):
+            kw[k] = [min(t, VOCAB - 1) for t in v]
+    if "qk_rope_head_dim" in default:  # multi-head latent attention: its head dims go together
+        kw["head_dim"] = kw["qk_rope_head_dim"] if "head_dim" in default else None
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if "qk_head_dim" in default:
+            kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
+    layers = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
+    for k, v in default.items():  # per-layer settings: those of the first layers
+        if isinstance(v, list) and layers and len(v) == layers and k not in kw:
+            kw[k] = v[:LAYERS]
+        if k == "per_layer_config" and isinstance(v, dict):
+            kw[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
+    for k, v in default.items():  # sub-configs (a text model's, a vision model's)
+        if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):
+            kw[k] = {**v, **_small(v)}
+    return kw
+
+
+def build(model_type: str, seed: int = 0):
+    """Return (model, loss_fn) of `model_type` from its small config; raise `NotInZoo` with the
+    reason where it is not a decoder-only model of input ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if zoo()[model_type].endswith(MULTIMODAL):
+        raise NotInZoo("a multi-modal model (its text model is an entry of its own)")
+    config = small_config(model_type)
+    with torch.device("meta"):  # count first: a setting the small config missed must not fill the memory
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise NotInZoo(f"its small config still has {size:,} parameters (a size setting of its own)")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()  # no dropout anywhere (hspmd's random masks are not PyTorch's)
+    return model, loss
+
+
+def loss(model, batch):
+    """Return the mean cross-entropy of `model`'s logits of `batch["x"]` against `batch["y"]`."""
+    import torch
+
+    logits = model(input_ids=torch.as_tensor(batch["x"]).long(), use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             torch.as_tensor(batch["y"]).long().reshape(-1))
+
+
+def batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """Return a batch of token ids {"x": [B, T], "y": [B, T]} (the next tokens)."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1), dtype=np.int64)
+    return {"x": w[:, :-1], "y": w[:, 1:]}
+
+
+class NotInZoo(Exception):
+    """A model of the mapping that is not a decoder-only language model of input ids."""
+
+
+# ----------------------------------------------------------------------------- one architecture through hspmd
+
+ZOO_SCRIPT = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)),
+                                        "torch_scripts", "zoo_model.py")
+
+
+def rel(a, b) -> float:
+    """Return ||a - b|| / ||b||."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
+
+
+def _run(script, bundle: str, strategy: str, n: int, steps: int, optimizer: bool):
+    from hspmd.compiler import compile_script, write_bundle
+    from hspmd.runtime.comm import run_spmd
+    from hspmd.runtime.worker import train
+
+    write_bundle(compile_script(script, strategy, n, optimizer=optimizer), bundle)
+    return run_spmd(n, lambda comm: train(bundle, comm, steps=steps, quiet=True, keep_outputs=True))[0]
+
+
+def check(arch: str, workdir: str, tp: bool = True) -> dict:
+    """Return the zoo's row of `arch`: {"arch", "status" ("imported", "refused", "not in zoo",
+    "differs"), "reason", "loss", "grad", "adamw", "tp"} (relative errors against PyTorch; "tp"
+    the largest relative difference of two tp=2 losses from one device's, None without a plan)."""
+    import os
+
+    import torch
+
+    from hspmd.frontend.script import load_script
+
+    row = {"arch": arch, "status": "", "reason": "", "loss": None, "grad": None, "adamw": None, "tp": None}
+    try:
+        model, _ = build(arch)
+    except NotInZoo as err:
+        return {**row, "status": "not in zoo", "reason": str(err)}
+    except Exception as err:  # noqa: BLE001 - transformers' own code fails on the small config
+        return {**row, "status": "not in zoo", "reason": f"does not build from a small config: {_line(err)}"}
+    script = load_script(ZOO_SCRIPT, {"arch": arch})
+    try:
+        first = _run(script, os.path.join(workdir, f"{arch}-grad"), "[0]: dp=1", 1, 1, False)
+    except Exception as err:  # noqa: BLE001 - the import's one line
+        return {**row, "status": "refused", "reason": _line(err)}
+    b = {k: torch.as_tensor(v) for k, v in batch(0).items()}
+    theirs = loss(model, b)
+    theirs.backward()
+    row["loss"] = rel(first.losses[0], theirs.item())
+    grads = []
+    for name, p in model.named_parameters():
+        ours = first.outputs[0].get(f"grad:{name}")
+        if p.grad is None or ours is None:
+            continue
+        g = p.grad.numpy()
+        grads.append(0.0 if np.abs(g).max() < 1e-9 and np.abs(ours).max() < 1e-9 else rel(ours, g))
+    row["grad"] = max(grads, default=0.0)
+    trained = _run(script, os.path.join(workdir, f"{arch}-adamw"), "[0]: dp=1", 1, 1, True)
+    model, _ = build(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=script.config["optim"]["lr"],
+                            weight_decay=script.config["optim"]["weight_decay"])
+    loss(model, b).backward()
+    opt.step()
+    row["adamw"] = max((rel(trained.params[n], p.detach().numpy()) for n, p in model.named_parameters()
+                        if n in trained.params), default=0.0)
+    if tp and first_plan(model):
+        one = _run(script, os.path.join(workdir, f"{arch}-one"), "[0]: dp=1", 1, 2, True).losses
+        two = _run(script, os.path.join(workdir, f"{arch}-tp"), "[0,1]: tp=2", 2, 2, True).losses
+        row["tp"] = max(abs(a - c) / abs(c) for a, c in zip(two, one))
+    ok = row["loss"] <= 1e-5 and row["grad"] <= 1e-4 and (row["tp"] is None or row["tp"] <= 1e-4)
+    row["status"] = "imported" if ok else "differs"
+    return row
+
+
+def first_plan(model) -> dict:
+    """Return the model's own tp plan ({} where it defines none)."""
+    from hspmd.frontend.torch_import import default_tp_plan
+
+    return default_tp_plan(model)
+
+
+def _line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
