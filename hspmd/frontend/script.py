@@ -169,15 +169,32 @@ def script_optimizer(script: ModelScript):
     return opt
 
 
+def user_call(script: ModelScript, what: str, fn, *args):
+    """Return `fn(*args)`, a function of the user's script; an exception it raises becomes one
+    ScriptError naming the script's innermost line in the traceback, `what` and the exception
+    (hspmd's own checks of a config, called from the script, included). StopIteration passes."""
+    try:
+        return fn(*args)
+    except (ScriptError, TraceError, StopIteration):
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's code: its line and its message
+        import traceback
+
+        tb = traceback.extract_tb(err.__traceback__)
+        where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb)
+                      if os.path.abspath(f.filename) == os.path.abspath(script.path)), script.path)
+        raise ScriptError(f"{where}: {what} failed: {type(err).__name__}: {err}") from None
+
+
 def trace_script(script: ModelScript) -> ModuleOp:
     """Return the logical IR of the script's forward step: parameters, inputs, `graph.output "loss"`."""
     try:
-        first = next(script.batches())
+        first = user_call(script, "batches(config)", lambda: next(script.batches()))
     except StopIteration:
         raise ScriptError(f"{script.path}: batches(config) yields no batch") from None
     if script.is_torch:
         return trace_torch_script(script, first)
-    model = script.module.model(script.config)
+    model = user_call(script, "model(config)", script.module.model, script.config)
     if not isinstance(model, Module):
         raise ScriptError(f"{script.path}: model(config) must return an hspmd.nn.Module, got {type(model).__name__}")
     compute = precision(script)
@@ -213,10 +230,7 @@ def trace_torch_script(script: ModelScript, first: dict) -> ModuleOp:
     from hspmd.frontend.torch_import import from_torch
 
     compute = precision(script)
-    try:
-        module = script.module.torch_model(script.config)
-    except Exception as err:  # the user's code
-        raise ScriptError(f"{script.path}: torch_model(config) failed: {type(err).__name__}: {err}") from None
+    module = user_call(script, "torch_model(config)", script.module.torch_model, script.config)
     plan = getattr(script.module, "tp_plan", None)
     if callable(plan):
         plan = plan(script.config)

@@ -30,9 +30,16 @@ from and the source line.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
+import io
+import logging
+import os
 import re
+import sys
+import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -41,7 +48,7 @@ from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten, aten_math, translators
-from hspmd.frontend.decompose import decompose
+from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
@@ -614,15 +621,22 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
             owner = module.get_submodule(parent) if parent else module
             saved[path] = (owner, key, owner._modules[key])
             owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:2])
-        with experts_as_moe_ops(module, _groups(batch)):
+        with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
             ep = torch.export.export(_Step(), (batch,), strict=False)
-        ep = decompose(ep)
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TorchImportError(f"torch.export of the model's loss failed: {type(err).__name__}: {first}") from None
+        raise TorchImportError(f"{failing_frame(err)}torch.export of the model's loss failed: "
+                               f"{type(err).__name__}: {_first_line(err)}") from None
     finally:
         for owner, key, full in saved.values():
             owner._modules[key] = full
+    try:
+        with quiet_torch():
+            ep = decompose(ep)
+    except HigherOrderOpError as err:
+        raise TorchImportError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - PyTorch's own decompositions failed on this graph
+        raise TorchImportError(f"PyTorch's decompositions of the exported graph failed: {type(err).__name__}: "
+                               f"{_first_line(err)}") from None
     names = {}  # id(tensor) -> first name
     canonical, aliases = {}, {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -706,6 +720,48 @@ def _numpy(t, dtype: str) -> np.ndarray:
 
     t = t.detach().cpu()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy().astype(np.dtype(dtype), copy=True)
+
+
+@contextlib.contextmanager
+def quiet_torch():
+    """Within the block, PyTorch's loggers (the export's guards, graphs and hints) say nothing and
+    its warnings are ignored: a failure is reported as one hspmd line instead."""
+    names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in {"torch", *names}]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    sys.stderr.flush()
+    saved = os.dup(2)  # PyTorch's handlers hold the stream they were made with: silence the file itself
+    try:
+        with tempfile.TemporaryFile() as sink, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            os.dup2(sink.fileno(), 2)
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def failing_frame(err: BaseException) -> str:
+    """Return "file:line: " of the innermost frame of `err`'s traceback in the model's own code
+    (outside PyTorch and hspmd), or ""."""
+    import traceback
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if f"{os.sep}torch{os.sep}" not in path and not path.startswith(here + os.sep) and "<" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: "
+    return ""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _groups(batch: dict) -> int:

@@ -45,14 +45,22 @@ class GPTConfig:
         return GPTConfig(**known, extra={k: v for k, v in values.items() if k not in names})
 
     def check(self) -> None:
-        """Raise ValueError naming the setting when the sizes do not fit together."""
+        """Raise ValueError naming the setting when a size is not a positive integer or the sizes
+        do not fit together (each setting is checked on its own before any is divided by)."""
+        for name in ("vocab_size", "seq_len", "layers", "heads", "d_model", *(("d_ff",) if self.d_ff is not None else ())):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} must be an integer of at least 1, got {value!r}")
+        for name, low, high in (("dropout", 0.0, 1.0), ("init_std", 0.0, None), ("eps", 0.0, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or \
+                    (high is not None and value >= high) or (name != "dropout" and value <= low):
+                bound = f"in [{low}, {high})" if high is not None else f"above {low}"
+                raise ValueError(f"model.{name} must be a number {bound}, got {value!r}")
         if self.d_model % self.heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
         if (self.d_model // self.heads) % 2:
             raise ValueError(f"the head size {self.d_model // self.heads} must be even (rotary embeddings)")
-        for name in ("vocab_size", "seq_len", "layers", "heads", "d_model"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be at least 1, got {getattr(self, name)}")
 
 
 class CausalSelfAttention(Module):
