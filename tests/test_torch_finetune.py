@@ -137,6 +137,10 @@ def test_pretrained_weights_in_and_out_under_tp(tmp_path):
     out = tmp_path / "tuned"
     assert "LlamaForCausalLM" in export_hugging_face(os.path.join(ck, "step-4"), str(out))
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    from safetensors.numpy import load_file
+
+    written = load_file(str(out / "model.safetensors"))
+    assert "model.embed_tokens.weight" in written and "lm_head.weight" not in written  # tied: once
     tuned, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not any(info.values()), info
     assert tuned.lm_head.weight is tuned.model.embed_tokens.weight
@@ -173,19 +177,16 @@ def test_export_hf_error_paths_are_one_line(tmp_path, cli):
         compile_script(script, "[0]: dp=1", 1)
 
 
-def test_what_save_pretrained_leaves_out_is_recorded(tmp_path):
-    """The import records the model's config.json, its tied weights (written once), and the
-    state_dict entries the program lacks: a head the loss does not use."""
+def test_what_the_program_lacks_of_a_state_dict_is_recorded(tmp_path):
+    """The import records the model's config.json, and the state_dict entries the program lacks
+    (a head the loss does not use), which `export --hf` then refuses to leave out silently (the
+    tied weights it leaves out on purpose: `test_pretrained_weights_in_and_out_under_tp`)."""
     from transformers import AutoModelForCausalLM
 
-    batch = {"input_ids": np.zeros((2, 8), np.int64)}
-    tied = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "tied"))
-    program = hs.from_torch(tied, batch, lambda m, b: m(input_ids=b["input_ids"], labels=b["input_ids"],
-                                                        use_cache=False).loss)
-    assert program.hf["config"]["architectures"] == ["LlamaForCausalLM"] and not program.hf["absent"]
-    assert program.hf["tied"] == ["lm_head.weight"] and program.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     untied = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "untied", tie=False))
+    batch = {"input_ids": np.zeros((2, 8), np.int64)}
     body = hs.from_torch(untied, batch, lambda m, b: m.model(input_ids=b["input_ids"]).last_hidden_state.pow(2).mean())
+    assert body.hf["config"]["architectures"] == ["LlamaForCausalLM"] and body.hf["config"]["hidden_size"] == 32
     assert body.hf["absent"] == ["lm_head.weight"] and not body.hf["tied"]
 
 
