@@ -80,10 +80,16 @@ def _dims(d, ndim: int) -> list[int]:
 
 
 def _as_operand(cx: Context, x, dtype: str):
-    """A binary op's operand: a tensor stays, a Python number stays (the op lifts it), a concrete
-    tensor enters the program in the result's dtype."""
-    if isinstance(x, Tensor) or isinstance(x, (int, float)):
+    """A binary op's operand: a tensor (in the result's dtype, as PyTorch promotes it), a Python
+    number (the op lifts it), a concrete tensor in the result's dtype."""
+    if isinstance(x, Tensor):
+        if x.dtype != dtype and dtype != "bool":
+            from hspmd.frontend.aten_math import cast_to
+
+            return cast_to(x, dtype)
         return x
+    if isinstance(x, (int, float)):
+        return cx.tracer.constant(float(x), (), dtype) if dtype.startswith("int") else x
     if getattr(x, "ndim", None) == 0:
         return float(x.item())
     return cx.lift(x, dtype)
@@ -357,9 +363,14 @@ def sdpa(cx: Context, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         if mask is not None:
             scores = scores + cx.lift(mask, scores.dtype).broadcast_to(scores.shape)
     elif attn_mask is not None:
-        if not attn_mask.dtype.startswith("float"):
-            raise Unsupported("scaled_dot_product_attention with a boolean mask computed from the batch (give "
-                              "an additive float mask, 0 to keep and -inf to drop)")
+        if getattr(attn_mask, "boolean", False):  # a mask from the batch, 1.0 to keep: 0 and -inf added
+            from hspmd.dialects.graph.elementary import where as select
+
+            keep = attn_mask.broadcast_to(scores.shape)
+            attn_mask = select(keep, cx.tracer.constant(0.0, scores.shape, scores.dtype),
+                               cx.tracer.constant(float("-inf"), scores.shape, scores.dtype))
+        elif not attn_mask.dtype.startswith("float"):
+            raise Unsupported("scaled_dot_product_attention with an integer mask computed from the batch")
         scores = scores + attn_mask.broadcast_to(scores.shape)
     if causal:
         scores = causal_mask(scores)

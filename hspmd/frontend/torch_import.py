@@ -183,6 +183,9 @@ class _Importer:
         """Compute `node`'s value in `env`: evaluated with PyTorch where its inputs are all concrete,
         else translated into ops of `tracer`'s trace."""
         name = aten.aten_name(node.target)
+        for arg in node.all_input_nodes:  # PyTorch's booleans (also a function block's arguments) are masks
+            if isinstance(env.get(arg), Tensor) and str(getattr(arg.meta.get("val"), "dtype", "")) == "torch.bool":
+                env[arg].boolean = True
         args, kwargs = self.value(node.args, env), self.value(node.kwargs, env)
         if name in translators.ASSERTS:
             return None
