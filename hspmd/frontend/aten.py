@@ -81,10 +81,16 @@ def _dims(d, ndim: int) -> list[int]:
 
 
 def _as_operand(cx: Context, x, dtype: str):
-    """A binary op's operand: a tensor stays, a Python number stays (the op lifts it), a concrete
-    tensor enters the program in the result's dtype."""
-    if isinstance(x, Tensor) or isinstance(x, (int, float)):
+    """A binary op's operand: a tensor (in the result's dtype, as PyTorch promotes it), a Python
+    number (the op lifts it), a concrete tensor in the result's dtype."""
+    if isinstance(x, Tensor):
+        if x.dtype != dtype and dtype != "bool":
+            from hspmd.frontend.aten_math import cast_to
+
+            return cast_to(x, dtype)
         return x
+    if isinstance(x, (int, float)):
+        return cx.tracer.constant(float(x), (), dtype) if dtype.startswith("int") else x
     if getattr(x, "ndim", None) == 0:
         return float(x.item())
     return cx.lift(x, dtype)
@@ -333,8 +339,8 @@ def sdpa(cx: Context, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
     A concrete boolean mask that keeps everything is no mask; one that is the lower triangle
     (broadcast over the batch and heads) is `graph.causal_mask`, as `is_causal` is; any other
-    concrete mask is added as a literal of 0 and -inf; a mask computed from the batch must be
-    additive (float).
+    concrete mask is added as a literal of 0 and -inf; a boolean mask computed from the batch
+    drops scores as `_masked_attention` says, an additive float one is added.
     """
     import torch
 
@@ -361,8 +367,8 @@ def sdpa(cx: Context, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         return _masked_attention(scores, attn_mask, v, dropout_p)
     elif attn_mask is not None:
         if attn_mask.dtype not in FLOAT_DTYPES:
-            raise Unsupported(f"scaled_dot_product_attention with a {attn_mask.dtype} mask (give a boolean one, "
-                              "or an additive float mask, 0 to keep and -inf to drop)")
+            raise Unsupported(f"scaled_dot_product_attention with an {attn_mask.dtype} mask computed from the batch "
+                              "(give a boolean one, or an additive float mask, 0 to keep and -inf to drop)")
         scores = scores + attn_mask.broadcast_to(scores.shape)
     if causal:
         scores = causal_mask(scores)

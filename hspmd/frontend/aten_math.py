@@ -33,8 +33,8 @@ def is_float(dtype: str) -> bool:
 
 
 def cast_to(x: Tensor, dtype: str) -> Tensor:
-    """Return tensor `x` in `dtype` (`graph.cast` where it differs; integer widths aside)."""
-    if x.dtype == dtype or not is_float(x.dtype) and not is_float(dtype):
+    """Return tensor `x` in `dtype` (`graph.cast` where it differs)."""
+    if x.dtype == dtype:
         return x
     from xdsl.dialects.builtin import TensorType
 
@@ -48,12 +48,17 @@ def coerce(x, torch_dtype) -> object:
         return x
     want = str(torch_dtype).replace("torch.", "")
     if want == "bool":
-        return x if is_float(x.dtype) else cast_to(x, BOOL)
-    if want.startswith("int") and x.dtype.startswith("int"):
+        x = x if is_float(x.dtype) else cast_to(x, BOOL)
+        x.boolean = True  # PyTorch's value is a boolean: a mask of 0/1, not numbers to add (`is_boolean`)
         return x
     if want not in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
         return x
     return cast_to(x, want)
+
+
+def is_boolean(x) -> bool:
+    """Return whether translated tensor `x` stands for a boolean tensor of PyTorch's (0.0/1.0)."""
+    return bool(getattr(x, "boolean", False))
 
 
 def operand(cx: Context, x, dtype: str, shape) -> Tensor:

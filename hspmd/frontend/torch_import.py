@@ -190,6 +190,9 @@ class _Importer:
         """Compute `node`'s value in `env`: evaluated with PyTorch where its inputs are all concrete,
         else translated into ops of `tracer`'s trace."""
         name = aten.aten_name(node.target)
+        for arg in node.all_input_nodes:  # PyTorch's booleans (also a function block's arguments) are masks
+            if isinstance(env.get(arg), Tensor) and str(getattr(arg.meta.get("val"), "dtype", "")) == "torch.bool":
+                env[arg].boolean = True
         args, kwargs = self.value(node.args, env), self.value(node.kwargs, env)
         if name in translators.ASSERTS:
             return None
@@ -216,8 +219,11 @@ class _Importer:
             raise TorchImportError(where(node, f"{name}: {err}")) from None
         out = aten_math.coerce(out, getattr(meta, "dtype", None))  # the dtype PyTorch (under autocast) gives it
         self.check(node, out)
-        if isinstance(out, Tensor) and str(getattr(meta, "dtype", "")) == "torch.bool":
-            out = out if aten.is_bool(out) else aten.as_bool(Tensor(out.value, out.tracer))
+        boolean = str(getattr(meta, "dtype", "")) == "torch.bool"
+        if isinstance(out, Tensor) and boolean != aten.is_bool(out):  # a value of its own, marked as PyTorch types it
+            out = Tensor(out.value, out.tracer)
+            if boolean:
+                aten.as_bool(out)
         return out
 
     def evaluate(self, node, args, kwargs):
@@ -366,8 +372,8 @@ class _Importer:
         run, inputs, outputs = self.runs[id(block)]
         tracer = args[0].tracer if args else self.tracer
         env = dict(self.env)  # concrete values and parameters of the top level
-        for n, a in zip(inputs, args):  # a mask from the batch stays a boolean inside the function
-            env[n] = aten.as_bool(a) if aten.is_bool(self.env.get(n)) else a
+        for n, a in zip(inputs, args):
+            env[n] = a
         for n, pname in self.param_nodes.items():
             p = self.params.get(pname)
             if p is not None and p._traced is not None and p._traced.tracer is tracer:
