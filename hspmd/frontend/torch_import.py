@@ -349,6 +349,8 @@ class _Importer:
             node = placeholders[spec.arg.name]
             if spec.kind == InputKind.PARAMETER:
                 name = self.canonical[spec.target]
+                if name not in self.params:  # the loss does not use it (cross-attention without an encoder)
+                    continue
                 self.param_nodes[node] = name
                 self.env[node] = self.params[name].traced("parameter")
             elif spec.kind == InputKind.BUFFER:
