@@ -149,6 +149,9 @@ def _cases(rng):
         ("aten.flip.default", [n(3, 4)], lambda x, i: A.flip.default(x[0], [0, 1])),
         ("aten.diagonal.default", [n(4, 5)], lambda x, i: A.diagonal.default(x[0], 1)),
         ("aten.cat.default", [n(3, 4), n(2, 4)], lambda x, i: A.cat.default(x, 0)),
+        ("aten.convolution.default", [n(2, 4, 7), n(4, 1, 3), n(4), n(6, 2, 2)],  # depthwise, padded; grouped
+         lambda x, i: torch.cat([A.convolution.default(x[0], x[1], x[2], [1], [2], [1], False, [0], 4).flatten(),
+                                 A.convolution.default(x[0], x[3], None, [2], [1], [2], False, [0], 2).flatten()])),
         ("aten.split_with_sizes.default", [n(3, 5)], lambda x, i: A.split_with_sizes.default(x[0], [2, 3], 1)[1]),
         ("aten.permute.default", [n(2, 3, 4)], lambda x, i: A.permute.default(x[0], [2, 0, 1])),
         ("aten.expand.default", [n(3, 1)], lambda x, i: A.expand.default(x[0], [2, 3, 4])),

@@ -35,6 +35,7 @@ from hspmd.dialects.graph.shape import concat, slice as take, split
 from hspmd.dialects.graph.softmax import causal_mask, softmax
 from hspmd.dialects.traced import FLOAT_DTYPES
 from hspmd.frontend.tracing import Tensor
+from hspmd.ir.types import element_type
 
 #: ATen ops that change nothing a program of values sees (the importer passes their input on)
 IDENTITY = frozenset({
@@ -80,13 +81,20 @@ def _dims(d, ndim: int) -> list[int]:
     return sorted(x % ndim for x in d)
 
 
+def cast_to(x: Tensor, dtype: str) -> Tensor:
+    """Return tensor `x` in `dtype` (`graph.cast` where it differs)."""
+    if x.dtype == dtype:
+        return x
+    from xdsl.dialects.builtin import TensorType
+
+    return x.tracer.emit(graph.CastOp(x.value, TensorType(element_type(dtype), x.shape)))
+
+
 def _as_operand(cx: Context, x, dtype: str):
     """A binary op's operand: a tensor (in the result's dtype, as PyTorch promotes it), a Python
     number (the op lifts it), a concrete tensor in the result's dtype."""
     if isinstance(x, Tensor):
         if x.dtype != dtype and dtype != "bool":
-            from hspmd.frontend.aten_math import cast_to
-
             return cast_to(x, dtype)
         return x
     if isinstance(x, (int, float)):

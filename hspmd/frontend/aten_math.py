@@ -21,7 +21,7 @@ from hspmd.dialects.graph.activations import exp, log
 from hspmd.dialects.graph.arithmetic import divide, power
 from hspmd.dialects.graph.positions import dropout
 from hspmd.dialects.graph.reductions import max as reduce_max
-from hspmd.frontend.aten import Context, Unsupported
+from hspmd.frontend.aten import Context, Unsupported, cast_to
 from hspmd.frontend.tracing import Tensor
 from hspmd.ir.types import element_type
 
@@ -30,15 +30,6 @@ BOOL = "float32"  # the dtype a boolean tensor of the exported graph has in the 
 
 def is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
-
-
-def cast_to(x: Tensor, dtype: str) -> Tensor:
-    """Return tensor `x` in `dtype` (`graph.cast` where it differs)."""
-    if x.dtype == dtype:
-        return x
-    from xdsl.dialects.builtin import TensorType
-
-    return x.tracer.emit(graph.CastOp(x.value, TensorType(element_type(dtype), x.shape)))
 
 
 def coerce(x, torch_dtype) -> object:

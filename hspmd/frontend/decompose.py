@@ -33,7 +33,6 @@ NOT_TRANSLATED: dict[str, str] = {
         "aten._native_batch_norm_legit.default", "aten._native_batch_norm_legit.no_stats",
         "aten._native_batch_norm_legit_no_training.default", "aten.native_group_norm.default",
     ), "an image op (pooling, padding modes, resampling, batch and group norms): hspmd has no image ops"),
-    "aten.convolution.default": "a convolution: hspmd has no convolution op",
     **dict.fromkeys(("aten._fft_c2r.default", "aten._fft_r2c.default"),
                     "a Fourier transform: hspmd has no complex tensors"),
     **dict.fromkeys(("aten._cdist_forward.default", "aten._pdist_forward.default", "aten._embedding_bag.default"),

@@ -381,8 +381,8 @@ class _Importer:
         for n in run:
             env[n] = self.run_node(n, env, tracer)
         outs = tuple(env[n] for n in outputs)
-        if not all(isinstance(o, Tensor) for o in outs):
-            raise TorchImportError(f"block '{run[0]}' returns a value that is not a tensor")
+        if not all(isinstance(o, Tensor) and o.tracer is tracer for o in outs):
+            raise _Inline(block)  # it hands on a value that is not a tensor it computed: no function
         return outs
 
     def import_graph(self, batch_names: list[str]) -> Tensor:
@@ -432,7 +432,14 @@ class _Importer:
             self.runs[id(block)] = (nodes, inputs, outputs)
             self.made[path] = (sig_text, outputs)
             args = [self.env[x] for x in inputs]
-            results = block(*args)
+            try:
+                results = block(*args)
+            except _Inline:
+                if path in self.repeats:
+                    raise _NotRepeatable(path) from None
+                for n in run:
+                    self.env[n] = self.run_node(n, self.env, self.tracer)
+                continue
             results = results if isinstance(results, tuple) else (results,)
             if path in self.repeats:  # the blocks left out of the export: called as this one is
                 results = self.repeat(path, inputs, args, results)
@@ -568,6 +575,10 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
         except _NotRepeatable:
             pass  # the blocks' graphs differ after all: export every one
     return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
+
+
+class _Inline(Exception):
+    """A block that cannot be a function (it hands on a value other than a tensor it computed)."""
 
 
 class _NotRepeatable(Exception):

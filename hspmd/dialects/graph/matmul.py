@@ -52,13 +52,8 @@ class MatmulOp(MatmulBase):
     name = "graph.matmul"
     #: on a GPU a cuBLAS (strided batched) GEMM computes it, transposes as flags (`runtime/cuda/`)
     CUDA_GEMM: ClassVar[bool] = True
-    ATEN: ClassVar[tuple[str, ...]] = (
-        "aten.linear.default",
-        "aten.addmm.default",
-        "aten.mm.default",
-        "aten.bmm.default",
-        "aten.matmul.default",
-    )
+    ATEN: ClassVar[tuple[str, ...]] = ("aten.linear.default", "aten.addmm.default", "aten.mm.default",
+                                       "aten.bmm.default", "aten.matmul.default", "aten.convolution.default")
     OUT_FACTS: ClassVar[OutFacts] = OUT
     FRONTEND: ClassVar[tuple[str, ...]] = ("matmul", "Tensor.__matmul__")
 
