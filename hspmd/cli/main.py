@@ -6,6 +6,7 @@
     hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
     hspmd checkpoint info|export D [--to FILE]
+    hspmd data prepare FILES... --tokenizer byte|bpe:VOCAB|PATH.json -o DIR;  hspmd data info DIR
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
 
@@ -49,11 +50,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.cli.plot import PlotError
     from hspmd.ir.switch_plan import SwitchError
     from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.data.errors import DataError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
         FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError, DeviceError,
+        DataError,
     )
 
 
@@ -516,11 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", default="loss.png", help="the image to write (default: loss.png)")
     g.set_defaults(func=cmd_plot)
 
+    from hspmd.cli.data import add_data_parser
     from hspmd.cli.plan import add_plan_parser
     from hspmd.cli.profile import add_profile_parser
 
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_data_parser(sub)
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser
 
