@@ -14,8 +14,9 @@ from hspmd.frontend.transformer import GPT, GPTConfig, lm_loss
 config = {
     # vocab_size: of the pydoc bytes; with data.path the dataset's vocabulary is used instead
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128, "dropout": 0.0},
-    # path: a directory from `hspmd data prepare` (None: pydoc's text); prefetch: batches made ahead
-    "data": {"batch_size": 16, "path": None, "prefetch": 2},
+    # path: a directory from `hspmd data prepare` (None: pydoc's text); prefetch: batches made ahead;
+    # packed: whole documents packed into the windows, attention kept within each (HetSeq, docs/data.md)
+    "data": {"batch_size": 16, "path": None, "prefetch": 2, "packed": False},
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
     "precision": "float32",  # or bfloat16 / float16 (float32 master weights)
     "loss_scale": None,  # a static scale (None: 1024 for float16, else 1) or "dynamic" (GradScaler)
@@ -33,8 +34,13 @@ def vocab_size(config):
     return hs.data.vocab_size(path) if path else config["model"]["vocab_size"]
 
 
+def packed(config):
+    return str(config["data"]["packed"]).lower() == "true"
+
+
 def model(config):
-    return GPT(GPTConfig.from_dict({**config["model"], "vocab_size": vocab_size(config)}))
+    return GPT(GPTConfig.from_dict({**config["model"], "vocab_size": vocab_size(config),
+                                    "document_mask": packed(config)}))
 
 
 def loss(model, batch):
@@ -48,7 +54,8 @@ def optimizer(config):
 
 
 def dataset(config):
-    """Windows of seq_len + 1 tokens (rows ids and targets), shuffled each epoch by the seed."""
+    """Windows of seq_len + 1 tokens (rows ids and targets; packed: and segments), shuffled each epoch by the seed."""
     path = config["data"]["path"]
     corpus = hs.data.TokenDataset(path) if path else hs.data.tokens(pydoc_text_bytes(), vocab_size=256)
-    return corpus.windows(config["model"]["seq_len"] + 1, vocab_size=vocab_size(config))
+    view = corpus.packed if packed(config) else corpus.windows
+    return view(config["model"]["seq_len"] + 1, vocab_size=vocab_size(config))

@@ -39,9 +39,9 @@ def dataset(tmp_path_factory):
     return out
 
 
-def _bundle(tmp_path, dataset: str, strategy: str, n: int) -> str:
-    path = tmp_path / ("b-" + "".join(c for c in strategy if c.isalnum()))
-    script = load_script(GPT, parse_overrides(SMALL + [f"data.path={dataset}"]))
+def _bundle(tmp_path, dataset: str, strategy: str, n: int, extra: tuple[str, ...] = ()) -> str:
+    path = tmp_path / ("b-" + "".join(c for c in strategy + "".join(extra) if c.isalnum()))
+    script = load_script(GPT, parse_overrides(SMALL + [f"data.path={dataset}", *extra]))
     write_bundle(compile_script(script, strategy, n), str(path))
     return str(path)
 
@@ -67,6 +67,13 @@ def one_device(dataset, tmp_path_factory):
 def test_every_strategy_trains_on_the_dataset_as_one_device(tmp_path, dataset, one_device, strategy, n):
     np.testing.assert_allclose(_losses(_bundle(tmp_path, dataset, strategy, n), n), one_device, rtol=1e-5)
     assert one_device[-1] < one_device[0]
+
+
+def test_packed_documents_train_under_dp_as_on_one_device(tmp_path, dataset):
+    packed = ("data.packed=true",)
+    one = _losses(_bundle(tmp_path, dataset, "[0]: dp=1", 1, packed), 1, steps=4)
+    np.testing.assert_allclose(_losses(_bundle(tmp_path, dataset, "[0,1]: dp=2", 2, packed), 2, steps=4), one,
+                               rtol=1e-5)
 
 
 def test_a_resume_on_another_device_count_continues_with_the_same_batches(tmp_path, dataset, one_device):

@@ -109,8 +109,9 @@ class TokenCorpus:
         """Return the dataset of documents packed into windows of `length` tokens (HetSeq, Megatron's
         packed sequences): each window holds whole documents in order while they fit (a longer one is
         cut into window-sized pieces), padded at its end; rows `ids`, `targets` (`ignore_index` where
-        no next token of the same document exists) and `segments` (which document of the window a
-        position belongs to, -1 for padding), for a model that keeps attention within documents."""
+        no next token of the same document exists) and `segments` (float32: which document of the
+        window a position belongs to, -1 for padding), for a model that keeps attention within
+        documents (`GPTConfig.document_mask`)."""
         from hspmd.data.views import Packed
 
         return Packed(self, length, vocab_size, ignore_index)
@@ -197,6 +198,25 @@ class TokenDataset(TokenCorpus):
                 raise DataError(f"{os.path.join(self.path, name)}: ends at byte {offset + done}, before the index "
                                 "says it does (truncated while in use?)")
             done += n
+
+    def read_rows(self, starts: np.ndarray, length: int, limit: int | None = None) -> np.ndarray:
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if starts.size and (starts.min() < 0 or starts.max() + length > self.num_tokens):
+            raise DataError(f"tokens {starts.min()}..{starts.max() + length} are outside the corpus of "
+                            f"{self.num_tokens} tokens")
+        out = np.empty((len(starts), length), self.dtype)
+        shards = np.searchsorted(self._starts, starts, "right") - 1
+        ends = self._starts[shards + 1]
+        item = self.dtype.itemsize
+        for r, (s, k, end) in enumerate(zip(starts.tolist(), shards.tolist(), ends.tolist())):
+            if s + length <= end:  # the usual case: the row lies in one shard
+                self._pread(self.index.shards[k].file, out[r], (s - int(self._starts[k])) * item)
+            else:
+                self._read(s, out[r])
+        with self._lock:
+            self.bytes_read += out.nbytes
+        self.check_ids(out, starts, limit)
+        return out
 
     def _read(self, start: int, out: np.ndarray) -> None:
         k = int(np.searchsorted(self._starts, start, "right")) - 1

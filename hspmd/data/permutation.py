@@ -10,6 +10,8 @@ needs, so a global batch k is a pure function of (seed, epoch, k) that any rank 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 __all__ = ["permute"]
@@ -37,8 +39,15 @@ def _round_keys(key, count: int) -> np.ndarray:
     """Return `count` round keys for `key` = (seed, stream...): the state of NumPy's
     `SeedSequence(seed, spawn_key=stream)`, child `stream` of the seed (how NumPy derives
     independent streams from one seed; its output is fixed across versions and machines)."""
-    seed, *stream = (int(k) for k in key)
-    return np.random.SeedSequence(seed, spawn_key=tuple(stream)).generate_state(count, np.uint64)
+    return _keys(tuple(int(k) for k in key), count)
+
+
+@lru_cache(maxsize=64)  # a pure function's memo: an epoch's batches share their keys (0.1 ms to derive)
+def _keys(key: tuple[int, ...], count: int) -> np.ndarray:
+    seed, *stream = key
+    keys = np.random.SeedSequence(seed, spawn_key=tuple(stream)).generate_state(count, np.uint64)
+    keys.flags.writeable = False
+    return keys
 
 
 def permute(positions, n: int, key) -> np.ndarray:

@@ -102,7 +102,7 @@ class Packed:
             raise DataError(f"a packed window of {length} tokens holds no next-token pair (at least 2)")
         self.corpus, self.length, self.ignore_index = corpus, int(length), ignore_index
         self.vocab_size = _model_vocab(corpus, vocab_size)
-        self.pad = {"ids": 0, "targets": ignore_index, "segments": -1}
+        self.pad = {"ids": 0, "targets": ignore_index, "segments": -1.0}
         self._pieces, self._first = self._pack(corpus)
         if len(self._first) < 2:
             raise DataError("the corpus has no tokens to pack")
@@ -158,4 +158,4 @@ class Packed:
         targets = tokens[:, 1:].copy()
         targets[(segment[:, 1:] != segment[:, :-1]) | (segment[:, 1:] < 0)] = self.ignore_index
         return {"ids": np.ascontiguousarray(tokens[:, :-1]), "targets": targets,
-                "segments": np.ascontiguousarray(segment[:, :-1])}
+                "segments": segment[:, :-1].astype(np.float32)}  # float: a model computes its mask from them
