@@ -521,7 +521,7 @@ def strategy_chooser(manifest, full: list[int], switch_every: int | None, order:
         return lambda step, batch: 0
 
     def choose(step: int, batch) -> int:
-        index = pick(batch.full(), manifest.config)
+        index = pick(batch.full() if hasattr(batch, "full") else batch, manifest.config)  # a feed's batch, or a dict
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < count:
             raise RunError(f"step {step}: the script's strategy_for returned {index!r}; the run has strategies "
                            f"0..{count - 1}")
