@@ -106,9 +106,84 @@ def test_row_kernels_with_blocks_of_several_threads_give_the_same_losses(program
 
 def test_a_replayed_step_equals_a_step_run_call_by_call(programs):
     script, compiled, _, device = programs["gpt-dropout"]
-    a = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=True), script, compiled, 3)[0]
-    b = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=False), script, compiled, 3)[0]
-    assert a == b
+    graph = build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=True)
+    calls = build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=False)
+    assert train_plan(graph, script, compiled, 3)[0] == train_plan(calls, script, compiled, 3)[0]
+    assert (graph.graphs_captured, graph.capture_failures, calls.graphs_captured) == (1, [], 0)
+    assert graph.replay_text() == ", split into 1 CUDA graph to capture after step 1"
+
+
+def _side_calls(device: EmulatedDevice, bucket: int, log: list):
+    """A bucket's fork, side-stream work and join on `device`, as the plan marks them."""
+    from hspmd.runtime.cuda.plan import _bucket_side
+
+    return [_bucket_side(device.prepare_fork(), bucket),
+            _bucket_side(device.prepare_on_side(lambda stream: log.append(f"sum{bucket}")), bucket),
+            _bucket_side(device.prepare_join(), bucket)]
+
+
+def _plan_of(device, calls):
+    from hspmd.runtime.cuda.plan import DevicePlan
+
+    plan = DevicePlan(0, device, [], [], [], [])
+    plan.calls = list(calls)
+    return plan
+
+
+def test_the_emulated_device_refuses_the_captures_cuda_refuses():
+    """What CUDA's stream capture checks of the side stream: a fork joined in its own capture."""
+    from hspmd.runtime.cuda.device import CaptureError
+    from hspmd.runtime.cuda.plan import _host_call
+
+    device, log = EmulatedDevice(), []
+    fork, work, join = _side_calls(device, 0, log)
+    device.capture([fork, work, join])()
+    assert log == ["sum0"]
+    with pytest.raises(CaptureError, match="cudaErrorStreamCaptureUnjoined"):
+        device.capture([fork, work])
+    with pytest.raises(CaptureError, match="cudaErrorStreamCaptureIsolation"):
+        device.capture([join])
+    with pytest.raises(CaptureError, match="forked outside this capture"):
+        device.capture([work, join])
+    with pytest.raises(CaptureError, match="runs between graphs"):
+        device.capture([_host_call(lambda: None)])
+
+
+def test_a_host_call_between_a_fork_and_its_join_takes_them_out_of_the_graphs():
+    """A bucket's fork, sum and join stay in one graph: where a host call falls between them
+    (another bucket's MPI poll, a host-staged collective) they run between the graphs, and so does
+    a bucket whose span then holds them; the rest is captured, nothing is refused."""
+    from hspmd.runtime.cuda.plan import _host_call
+
+    device, log = EmulatedDevice(), []
+    k = [device.prepare_copy(device.alloc(4), device.alloc(4), 4) for _ in range(4)]
+    a, b = _side_calls(device, 0, log), _side_calls(device, 1, log)
+    host = _host_call(lambda: log.append("host"))
+    # b forks inside a's span; a is split by the host call, then b's span holds a's join
+    calls = [k[0], *a[:2], *b[:2], k[1], host, k[2], a[2], b[2], k[3], *_side_calls(device, 2, log)]
+    plan = _plan_of(device, calls)
+    parts = plan.graph_parts()
+    assert [(captured, len(c)) for captured, c in parts] == [(True, 1), *[(False, 1)] * 4, (True, 1), (False, 1),
+                                                              (True, 1), (False, 1), (False, 1), (True, 4)]
+    plan._graph = plan._captured()
+    assert (plan.graphs_captured, plan.capture_failures) == (4, [])
+    assert plan.replay_text() == (", split into 4 CUDA graphs to capture after step 1 between 1 host-staged and 6 NCCL calls")
+    for part in plan._graph:
+        part()
+    assert log == ["host", "sum0", "sum1", "sum2"]
+
+
+def test_a_refused_capture_is_counted_said_and_run_call_by_call(capsys):
+    device, log = EmulatedDevice(), []
+    fork, work, _ = _side_calls(device, 0, log)
+    plan = _plan_of(device, [fork, work])  # never joined: no graph can hold it
+    parts = plan._captured()
+    assert plan.graphs_captured == 0 and len(plan.capture_failures) == 1
+    assert "1 of 1 parts of the step could not be captured" in capsys.readouterr().err
+    for part in parts:
+        part()
+    device.synchronize()
+    assert log == ["sum0"]
 
 
 def test_every_gpu_kernel_compiles_with_nvrtc(programs):
@@ -214,7 +289,8 @@ def test_hspmd_run_device_cuda_on_the_emulated_device_logs_the_cpu_losses(tmp_pa
     out = run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cuda", "--steps", "4", "--log",
                   str(tmp_path / "gpu.jsonl"), "--dump-dir", str(tmp_path / "bundle"), *sets, check=True, timeout=600,
                   env=env)
-    assert "plan: on an emulated GPU" in out.stdout and "one CUDA graph" in out.stdout
+    assert "plan: on an emulated GPU" in out.stdout and "split into 1 CUDA graph to capture after step 1" in out.stdout
+    assert "could not be captured" not in out.stderr
     assert os.path.isfile(tmp_path / "bundle" / "device_group0.mlir")
     np.testing.assert_allclose(_log(tmp_path / "gpu.jsonl"), _log(tmp_path / "cpu.jsonl"), rtol=1e-4)
     again = run_cli("hspmd", "run", "-n", "1", str(tmp_path / "bundle"), "--kernels", "cuda", "--steps", "2",
