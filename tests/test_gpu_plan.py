@@ -325,3 +325,77 @@ def test_checkpoints_move_between_the_emulated_gpu_and_the_cpu(tmp_path):
         run_cli("hspmd", "run", "-n", "1", mlp, "--device", second, "--steps", "5", "--resume", str(d), "--log",
                 str(log), check=True, timeout=600, env=emulate)
         np.testing.assert_allclose(_log(log), ref[2:], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- finding libcublas
+
+
+def _fake_pathfinder(monkeypatch, found: str | None):
+    """Make `cuda.pathfinder.load_nvidia_dynamic_lib("cublas")` find `found` (None: raise as it
+    does where it finds none)."""
+    import sys
+    import types
+
+    module = types.ModuleType("cuda.pathfinder")
+    asked: list[str] = []
+
+    def load_nvidia_dynamic_lib(name):
+        asked.append(name)
+        if found is None:
+            raise RuntimeError(f"{name} not found")  # its DynamicLibNotFoundError is a RuntimeError
+        return types.SimpleNamespace(abs_path=found, found_via="site-packages")
+
+    module.load_nvidia_dynamic_lib = load_nvidia_dynamic_lib
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", module)
+    return asked
+
+
+def _fake_places(tmp_path, monkeypatch):
+    """A toolkit with libcublas.so.13 and a site directory holding CUDA 13's and CUDA 12's wheels."""
+    import sys
+
+    toolkit = tmp_path / "cuda" / "lib64"
+    cu13, cu12 = (tmp_path / "site" / "nvidia" / d / "lib" for d in ("cu13", "cublas"))
+    for d, name in ((toolkit, "libcublas.so.13"), (cu13, "libcublas.so.13"), (cu12, "libcublas.so.12")):
+        d.mkdir(parents=True)
+        (d / name).write_bytes(b"")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    return str(toolkit / "libcublas.so.13"), str(cu13 / "libcublas.so.13"), str(cu12 / "libcublas.so.12")
+
+
+def test_libcublas_is_looked_for_through_cuda_pathfinder_first(tmp_path, monkeypatch):
+    from hspmd.runtime.cuda import cublas
+
+    toolkit, cu13, cu12 = _fake_places(tmp_path, monkeypatch)
+    asked = _fake_pathfinder(monkeypatch, "/wheels/nvidia/cu13/lib/libcublas.so.13")
+    got = cublas.library_candidates()
+    assert asked == ["cublas"] and got[0] == "/wheels/nvidia/cu13/lib/libcublas.so.13"
+    assert got.index(toolkit) < got.index(cu13) < got.index(cu12) < got.index("libcublas.so.12")
+    assert got[-4:] == ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    tried: list[str] = []
+
+    def load(name):  # only CUDA 12's wheel and the bare names would load: the first that loads wins
+        tried.append(name)
+        if name != cu12 and not name.startswith("libcublas"):
+            raise OSError(name)
+
+    monkeypatch.setattr(cublas.ctypes, "CDLL", load)
+    assert cublas.find_library() == cu12 and tried == got[:got.index(cu12) + 1]
+
+
+@pytest.mark.parametrize("pathfinder", ["finds none", "absent"])
+def test_libcublas_without_cuda_pathfinder_comes_from_the_toolkit_then_the_wheels(tmp_path, monkeypatch, pathfinder):
+    import sys
+
+    from hspmd.runtime.cuda import cublas
+
+    toolkit, cu13, cu12 = _fake_places(tmp_path, monkeypatch)
+    if pathfinder == "absent":
+        monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # import raises ImportError
+    else:
+        _fake_pathfinder(monkeypatch, None)
+    assert cublas.library_candidates()[:3] == [toolkit, cu13, cu12]
+    monkeypatch.setattr(cublas.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    with pytest.raises(OSError, match="libcublas not found"):
+        cublas.find_library()
