@@ -399,3 +399,25 @@ def test_libcublas_without_cuda_pathfinder_comes_from_the_toolkit_then_the_wheel
     monkeypatch.setattr(cublas.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
     with pytest.raises(OSError, match="libcublas not found"):
         cublas.find_library()
+
+
+# ----------------------------------------------------------------------------- the GPU machine's script
+
+
+def test_the_gpu_checks_stage_timeouts_fit_the_machines_minutes():
+    """`benchmarks/gpu_check.sh budget`: each part's stage timeouts add up to under its bound, and
+    the two parts' run timeouts with a start-up of 2 minutes fit the 15 minutes the machine is lent."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["bash", os.path.join(os.path.dirname(EXAMPLES), "benchmarks", "gpu_check.sh"), "budget"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    parts = {m[0]: (int(m[1]), int(m[2]), int(m[3])) for m in
+             re.findall(r"^(\w[\w ]*): the stage timeouts add up to (\d+) s \(bound (\d+) s; run with timeout_s=(\d+)\)",
+                        out.stdout, re.M)}
+    assert set(parts) == {"part 1", "part 2", "flash"}, out.stdout
+    for total, bound, run_timeout in parts.values():
+        assert total <= bound < run_timeout
+    assert 120 + parts["part 1"][2] + parts["part 2"][2] <= 15 * 60
+    assert parts["part 1"][1] <= 6 * 60 and parts["part 2"][1] <= 4 * 60

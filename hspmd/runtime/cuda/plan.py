@@ -53,10 +53,9 @@ uploads the sums back.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import sys
 
 import numpy as np
 from xdsl.dialects import func
