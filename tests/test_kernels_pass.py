@@ -205,6 +205,23 @@ def test_nvrtc_missing_is_said_in_one_line(monkeypatch):
         nvrtc_check.nvrtc.cache_clear()
 
 
+def test_nvrtc_is_looked_for_where_cupys_loader_finds_it_first(tmp_path, monkeypatch):
+    """cuda.pathfinder's libnvrtc (CuPy 14's: the check and CuPy then share one NVRTC and its
+    builtins) comes first where it is of the major asked for, then the wheels' directories."""
+    from hspmd.codegen import nvrtc_check
+
+    found = tmp_path / "cuda" / "lib64" / "libnvrtc.so.13"
+    wheel = tmp_path / "site" / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"
+    for f in (found, wheel):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"")
+    monkeypatch.setattr(nvrtc_check, "_pathfinder_nvrtc", lambda: str(found))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    assert nvrtc_check.library_candidates(13)[0] == str(found)
+    assert nvrtc_check.library_candidates(12)[:1] == [str(wheel)] and str(found) not in nvrtc_check.library_candidates(12)
+
+
 def test_kernels_are_checked_with_nvrtc_12_for_sm80_and_nvrtc_13_for_sm90(monkeypatch):
     """The test extra installs CUDA 12's NVRTC and CUDA 13's (the GPU machine's) side by side,
     each loaded by its own path: a module's check compiles sm_80 with 12 and sm_90 with 13."""

@@ -10,7 +10,8 @@ compile per arch. NVRTC comes from the `nvidia-cuda-nvrtc-cu12` and
 `nvidia-cuda-nvrtc` (13) wheels of the `test` extra, which install side by side
 (`nvidia/cuda_nvrtc/lib/libnvrtc.so.12`, `nvidia/cu13/lib/libnvrtc.so.13`); each is loaded by its
 own path through ctypes, so neither hides the other (a loader that picks "the" libnvrtc would
-take one for both). `nvrtc_status()` says which load.
+take one for both), the one `cuda.pathfinder` picks first where it is of the major asked for (on
+a GPU machine: CuPy's own, with the same builtins). `nvrtc_status()` says which load.
 """
 
 from __future__ import annotations
@@ -93,12 +94,26 @@ class Nvrtc:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def _pathfinder_nvrtc() -> str | None:
+    """Return the path of the libnvrtc `cuda.pathfinder` loads (CuPy 14's loader: where CuPy is
+    installed, the check then compiles with CuPy's own NVRTC and its builtins), or None."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError:
+        return None
+    try:
+        return load_nvidia_dynamic_lib("nvrtc").abs_path or None
+    except Exception:  # noqa: BLE001 - not found: the other places are tried
+        return None
+
+
 def library_candidates(major: int) -> list[str]:
-    """Return where `libnvrtc.so.<major>` is looked for, in order: the wheel's directory under
-    each `sys.path` entry, the toolkit's (`$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`), then the
-    bare name the loader resolves."""
+    """Return where `libnvrtc.so.<major>` is looked for, in order: the one `cuda.pathfinder`
+    loads where it is of that major, the wheel's directory under each `sys.path` entry, the
+    toolkit's (`$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`), then the bare name the loader resolves."""
     name = f"libnvrtc.so.{major}"
-    found = [os.path.join(site or ".", *WHEEL_DIRS[major], name) for site in sys.path]
+    found = [p for p in [_pathfinder_nvrtc()] if p and os.path.basename(p) == name]
+    found += [os.path.join(site or ".", *WHEEL_DIRS[major], name) for site in sys.path]
     found += [os.path.join(base, "lib64", name) for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if base]
     return [*dict.fromkeys(p for p in found if os.path.isfile(p)), name]
 
