@@ -151,6 +151,7 @@ def run_config(size: str, precision: str, compile_at: set, args) -> float:
 
     from hspmd.frontend.script import load_script
 
+    began = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     script = load_script(os.path.join(ROOT, "examples", "gpt.py"),
@@ -191,7 +192,7 @@ def run_config(size: str, precision: str, compile_at: set, args) -> float:
         ratios["memory"] = h.held_bytes / 2**20 / peak_eager
     else:
         line += f"; hspmd: {why}"
-    print(line, flush=True)
+    print(f"{line} [{time.perf_counter() - began:.0f} s with the plans and compiles]", flush=True)
     for what, most in {**TARGETS.get((size, precision), {}), "memory": 1.0}.items():
         got = ratios.get(what)
         verdict = "not measured" if got is None else f"{got:.3f} {'met' if got <= most else 'MISSED'}"
