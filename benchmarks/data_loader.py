@@ -181,6 +181,8 @@ def main() -> int:
     parser.add_argument("--big-tokens", type=float, default=1e9)
     parser.add_argument("--small-tokens", type=float, default=1e7)
     parser.add_argument("--resume-at", type=int, default=100_000)
+    parser.add_argument("--parts", default="bytes,memory,resume,step",
+                        help="which measurements (default all: bytes,memory,resume,step)")
     parser.add_argument("--child-memory", nargs=2, metavar=("DIR", "BATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_memory:
@@ -191,24 +193,29 @@ def main() -> int:
     try:
         small, big = os.path.join(work, "small"), os.path.join(work, "big")
         start = time.perf_counter()
+        parts = set(args.parts.split(","))
         make_corpus(small, int(args.small_tokens), 1)
-        make_corpus(big, int(args.big_tokens), 2)
+        if parts & {"memory", "resume"}:
+            make_corpus(big, int(args.big_tokens), 2)
         print(f"corpora: {int(args.small_tokens):,} and {int(args.big_tokens):,} random tokens (vocabulary {VOCAB}, "
               f"uint16) written in {time.perf_counter() - start:.1f} s; load average {os.getloadavg()[0]:.1f}")
 
-        mine, whole = bytes_read(small)
-        bytes_ratio = mine / whole
-        print(f"bytes read per rank, dp=4: {mine:,} of the global batches' {whole:,} (rank 0 of 4): {bytes_ratio:.3f}")
+        if "bytes" in parts:
+            mine, whole = bytes_read(small)
+            print(f"bytes read per rank, dp=4: {mine:,} of the global batches' {whole:,} (rank 0 of 4): {mine / whole:.3f}")
+        if "memory" in parts:
+            small_mib, big_mib = peak_memory(small), peak_memory(big)
+            print(f"peak resident memory of a loader process: {big_mib:.1f} MiB over 10^{np.log10(args.big_tokens):.0f} "
+                  f"tokens, {small_mib:.1f} MiB over 10^{np.log10(args.small_tokens):.0f}: {big_mib / small_mib:.3f}")
 
-        small_mib, big_mib = peak_memory(small), peak_memory(big)
-        print(f"peak resident memory of a loader process: {big_mib:.1f} MiB over 10^{np.log10(args.big_tokens):.0f} "
-              f"tokens, {small_mib:.1f} MiB over 10^{np.log10(args.small_tokens):.0f}: {big_mib / small_mib:.3f}")
+        if "resume" in parts:
+            restore, today, on_disk = resume_times(big, args.resume_at)
+            print(f"resume at step {args.resume_at:,}: {restore:.4f} s from nothing to the first batch (sampler "
+                  f"state); replay: {today:.2f} s today (lm_windows in memory), {on_disk:.1f} s drawing and reading "
+                  f"them from disk again; restore / today's replay {restore / today:.4f}")
 
-        restore, today, on_disk = resume_times(big, args.resume_at)
-        print(f"resume at step {args.resume_at:,}: {restore:.4f} s from nothing to the first batch (sampler state); "
-              f"replay: {today:.2f} s today (lm_windows in memory), {on_disk:.1f} s drawing and reading them from disk again; "
-              f"restore / today's replay {restore / today:.4f}")
-
+        if "step" not in parts:
+            return 0
         memory_script = os.path.join(work, "gpt_in_memory.py")
         open(memory_script, "w").write(MEMORY_SCRIPT.format(gpt=os.path.join(ROOT, "examples", "gpt.py")))
         disk_script = os.path.join(ROOT, "examples", "gpt.py")

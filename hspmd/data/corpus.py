@@ -207,12 +207,19 @@ class TokenDataset(TokenCorpus):
         out = np.empty((len(starts), length), self.dtype)
         shards = np.searchsorted(self._starts, starts, "right") - 1
         ends = self._starts[shards + 1]
-        item = self.dtype.itemsize
+        item, nbytes = self.dtype.itemsize, length * self.dtype.itemsize
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fds: dict[int, int] = {}
         for r, (s, k, end) in enumerate(zip(starts.tolist(), shards.tolist(), ends.tolist())):
-            if s + length <= end:  # the usual case: the row lies in one shard
-                self._pread(self.index.shards[k].file, out[r], (s - int(self._starts[k])) * item)
-            else:
+            if s + length > end:  # the row runs on into the next shard
                 self._read(s, out[r])
+                continue
+            fd = fds.get(k)
+            if fd is None:
+                fd = fds[k] = self._fd(self.index.shards[k].file)
+            offset = (s - int(self._starts[k])) * item
+            if os.preadv(fd, [view[r * nbytes:(r + 1) * nbytes]], offset) != nbytes:  # the usual case: one read
+                self._pread(self.index.shards[k].file, out[r], offset)
         with self._lock:
             self.bytes_read += out.nbytes
         self.check_ids(out, starts, limit)
