@@ -559,8 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_parser(sub)
     add_plan_parser(sub)
-    # TEMP-REDUCE
+    from hspmd.cli.compare import add_compare_parser
+    from hspmd.cli.reduce import add_reduce_parser
 
+    add_reduce_parser(sub)
+    add_compare_parser(sub)
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser
 
