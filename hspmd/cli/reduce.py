@@ -12,6 +12,7 @@ step that the test still finds interesting (`hspmd.transforms.reduce_steps`):
 - annotated IR: the strategy made smaller (a device group dropped, fewer pipeline stages, tp,
   dp or ep cut, ZeRO, recompute and sp off, one micro-batch): the program's layouts stripped and
   annotated again under it;
+- calls of layer functions inlined (all, then one at a time);
 - ops dropped, in halves, then quarters, ... then one by one (delta debugging): a dropped op's
   results are replaced by an operand of the same type or a constant, and what then feeds
   nothing goes with it;
@@ -121,6 +122,27 @@ class _Reducer:
                     break
         return improved
 
+    def calls(self) -> bool:
+        """Inline the calls of layer functions: all at once, else one at a time."""
+        from xdsl.dialects import func
+
+        from hspmd.transforms.reduce_steps import inline_calls
+
+        def count() -> int:
+            return sum(1 for op in self.best.walk() if isinstance(op, func.CallOp))
+
+        if not count():
+            return False
+        if self.attempt(_or_none(inline_calls, self.best, None), "inlined every call"):
+            return True
+        improved, i = False, 0
+        while i < count():
+            if self.attempt(_or_none(inline_calls, self.best, [i]), "inlined a call"):
+                improved = True
+                continue
+            i += 1
+        return improved
+
     def ops(self) -> bool:
         """Drop ops in chunks, halving the chunk down to one op (delta debugging)."""
         from hspmd.transforms.reduce_steps import count_ops, drop_ops, droppable_ops
@@ -165,10 +187,19 @@ class _Reducer:
     def run(self) -> None:
         while True:
             progress = self.strategies() if self.level == "annotated" else False
+            progress = self.calls() or progress
             progress = self.ops() or progress
             progress = self.shapes() or progress
             if not progress:
                 return
+
+
+def _or_none(step, *args):
+    """Return `step(*args)`, or None where it cannot be made."""
+    try:
+        return step(*args)
+    except Exception:  # noqa: BLE001 - a candidate that cannot be made is not one
+        return None
 
 
 def reduce_ir(module, interesting: Callable[[object, str], bool], log: Callable[[str], None] | None = None,

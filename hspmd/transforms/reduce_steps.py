@@ -4,6 +4,9 @@
   result read elsewhere is replaced by an operand of the same type, else by a `graph.constant` of
   its type (1.0 everywhere); then what no longer feeds an output, an assign or a collective goes
   (`dead_code`), and private functions nothing calls (`unused_functions`).
+- `inline_calls(module, picks)`: a copy with the calls at positions `picks` of the program's
+  `func.call`s replaced by their callee's body (a layer function), so that what a layer needs
+  can be dropped op by op.
 - `shrink_dim(text, size, to)`: the program's text with every tensor dim of `size` made `to`
   (a batch, a width, a sequence); whatever no longer fits fails the verifier, and the step is not
   taken.
@@ -30,8 +33,8 @@ from hspmd.dialects.dist import module_strategies
 from hspmd.dialects.levels import physical_groups
 from hspmd.ir.strategy import Strategy, StrategyError, StrategyGroup, StrategyRecord
 
-__all__ = ["count_ops", "dead_code", "droppable_ops", "drop_ops", "level_of", "shrink_dim", "smaller_strategies",
-           "tensor_dims", "unused_functions"]
+__all__ = ["count_ops", "dead_code", "droppable_ops", "drop_ops", "inline_calls", "level_of", "shrink_dim",
+           "smaller_strategies", "tensor_dims", "unused_functions"]
 
 _STRUCTURE = ("builtin.module", "func.func", "func.return")
 #: ops kept however unused: their effect is not a result (collectives must match across ranks)
@@ -82,6 +85,34 @@ def drop_ops(module: ModuleOp, picks: list[int]) -> ModuleOp:
             r.replace_all_uses_with(same)
         op.detach()
         op.erase(safe_erase=False)
+    dead_code(out)
+    unused_functions(out)
+    return out
+
+
+def inline_calls(module: ModuleOp, picks: list[int] | None = None) -> ModuleOp:
+    """Return a copy of `module` with the `func.call`s at positions `picks` (None: all) of its calls,
+    in program order, replaced by their callees' bodies (calls of functions with one block)."""
+    out = module.clone()
+    functions = {f.sym_name.data: f for f in out.walk() if isinstance(f, func.FuncOp) and not f.is_declaration}
+    calls = [op for op in out.walk() if isinstance(op, func.CallOp)]
+    for i, call in enumerate(calls):
+        callee = functions.get(call.callee.root_reference.data)
+        if (picks is not None and i not in picks) or callee is None or len(callee.body.blocks) != 1:
+            continue
+        values = dict(zip(callee.body.block.args, call.operands))
+        results = list(call.operands)
+        for op in callee.body.block.ops:
+            if isinstance(op, func.ReturnOp):
+                results = [values.get(v, v) for v in op.operands]
+                break
+            copy = op.clone(value_mapper=values)
+            call.parent_block().insert_op_before(copy, call)
+            values.update(zip(op.results, copy.results))
+        for r, v in zip(call.results, results):
+            r.replace_all_uses_with(v)
+        call.detach()
+        call.erase(safe_erase=False)
     dead_code(out)
     unused_functions(out)
     return out
@@ -188,8 +219,10 @@ def smaller_strategies(record: StrategyRecord) -> list[StrategyRecord]:
         cuts += [{"sp": 0}] if g.sp else []
         cuts += [{"share": 1}] if g.share != 1 and len(groups) > 1 else []
         for change in cuts:
-            try:
-                options.append(groups[:i] + [replace(g, **change)] + groups[i + 1:])
+            degrees = {k: change.get(k, getattr(g, k)) for k in ("dp", "tp", "pp", "ep")}
+            devices = tuple(range(degrees["dp"] * degrees["tp"] * degrees["pp"] * degrees["ep"]))
+            try:  # numbered 0.. for now: `_renumbered` places the groups one after another
+                options.append(groups[:i] + [replace(g, **change, devices=devices)] + groups[i + 1:])
             except StrategyError:
                 continue
     out = []
