@@ -32,10 +32,12 @@ def add_pass_arguments(parser: argparse.ArgumentParser, *, watch: bool = True, p
     g = parser.add_argument_group("passes: your own, and watching them run (docs/your-own-pass.md)")
     g.add_argument("--load-pass", action="append", default=[], metavar="FILE|MODULE",
                    help="load the ModulePass classes a Python file or module defines (repeatable)")
-    g.add_argument("--pass-after", action="append", default=[], metavar="NAME=PASS[{OPTIONS}]",
+    # one list for both flags: the insertions apply in the order given (a later one may name an earlier one's pass)
+    g.add_argument("--pass-after", action="append", dest="pass_insertions", type=lambda t: (True, t),
+                   metavar="NAME=PASS[{OPTIONS}]",
                    help="run PASS after every pass NAME of the pipeline, e.g. lower-reshard=my-pass (repeatable)")
-    g.add_argument("--pass-before", action="append", default=[], metavar="NAME=PASS[{OPTIONS}]",
-                   help="run PASS before every pass NAME of the pipeline (repeatable)")
+    g.add_argument("--pass-before", action="append", dest="pass_insertions", type=lambda t: (False, t),
+                   metavar="NAME=PASS[{OPTIONS}]", help="run PASS before every pass NAME of the pipeline (repeatable)")
     g.add_argument("--pipeline", metavar="TEXT|@FILE",
                    help="replace the pipeline's levels: 'LEVEL: PASSES' lines (as --print-pipeline prints them), "
                         "or a bare pass list for the level --level names (physical by default)")
@@ -73,10 +75,12 @@ def _names(text: str | None) -> frozenset[str]:
 def _pipeline_text(value: str) -> str:
     if not value.startswith("@"):
         return value
+    from hspmd.transforms.pass_pipeline import PipelineTextError
+
     try:
         return open(value[1:]).read()
     except OSError as err:
-        raise SystemExit(f"hspmd: error: --pipeline {value}: {err.strerror}") from None
+        raise PipelineTextError(f"--pipeline {value}: {err.strerror}") from None
 
 
 def pass_manager(args, level: str | None = None):
@@ -87,11 +91,11 @@ def pass_manager(args, level: str | None = None):
     from hspmd.transforms.pass_pipeline import Insertion, PipelineEdits, parse_pipeline_text
 
     loads = getattr(args, "load_pass", None) or []
-    after, before = getattr(args, "pass_after", None) or [], getattr(args, "pass_before", None) or []
+    placed = getattr(args, "pass_insertions", None) or []
     pipeline = getattr(args, "pipeline", None)
     printing = (getattr(args, "print_ir_after_all", False), getattr(args, "print_ir_after", None),
                 getattr(args, "print_ir_before", None), getattr(args, "pass_timing", False))
-    if not (loads or after or before or pipeline or any(printing)):
+    if not (loads or placed or pipeline or any(printing)):
         return None
     user, sources = {}, []
     for source in loads:
@@ -105,7 +109,7 @@ def pass_manager(args, level: str | None = None):
         from hspmd.transforms.pass_pipeline import passes_text
 
         replace = {lv: passes_text(ps) for lv, ps in texts.items()}
-    insertions = tuple([Insertion.parse(t, True) for t in after] + [Insertion.parse(t, False) for t in before])
+    insertions = tuple(Insertion.parse(text, after) for after, text in placed)
     return PassManager(edits=PipelineEdits(user, replace, insertions), print_after_all=printing[0],
                        print_after=_names(printing[1]), print_before=_names(printing[2]),
                        dump_dir=getattr(args, "dump_dir", None), timing=printing[3], sources=tuple(sources))

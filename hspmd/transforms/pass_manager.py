@@ -144,7 +144,9 @@ class PassManager:
 
     def pipeline(self, default: Pipeline) -> Pipeline:
         """Return `default` with the user's edits applied; PipelineTextError where an edit, or a pass
-        named to print before or after, does not fit it."""
+        named to print before or after, does not fit it. A compile starts here: the user passes a
+        previous compile ran are forgotten (`blame` looks at this compile's)."""
+        self.user_ran.clear()
         pipeline = self.edits.apply(default) if self.edits else default
         self.check_names(pipeline.names())
         return pipeline
