@@ -143,10 +143,7 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
     passes = build_passes(passes) if isinstance(passes, str) else list(passes)
 
     def apply(p: ModulePass) -> None:
-        if manager is None:
-            p.apply(ctx, module)
-        else:
-            manager.apply(p, ctx, module, level)
+        _apply(p, ctx, module, manager, level)
 
     start, snapshot = 0, None
     for i, p in enumerate(passes):

@@ -125,7 +125,7 @@ class HspmdOptMain(xDSLOptMain):
         manager = PassManager(edits=PipelineEdits(self._user_passes), print_after_all=self.args.print_ir_after_all,
                               print_after=frozenset(n.strip() for n in names),
                               print_before=frozenset(n.strip() for n in before), dump_dir=self.args.dump_dir,
-                              timing=self.args.pass_timing)
+                              timing=self.args.pass_timing, user_raises_are_errors=False)
         manager.check_names(p.name for p in self.pipeline.passes)
         return manager
 

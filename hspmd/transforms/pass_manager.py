@@ -13,7 +13,8 @@ A `PassManager` is handed to the compiler (`compile_script(..., passes=manager)`
 - for a pass named in `user_names` (the user's own, `--load-pass`): verifies the IR after it
   (every operand defined in the module, the ops' verifiers), and when the pass raises or leaves the
   IR broken, writes the IR before and after it to files and raises `UserPassError`, one line
-  naming the pass and the failing op.
+  naming the pass and the failing op (`hspmd-opt` reports a pass that raises as a bug of that
+  pass instead: `user_raises_are_errors=False`).
 
 The edits to the pipeline (`PipelineEdits`) travel with it: `pipeline(default)` applies them.
 """
@@ -127,6 +128,9 @@ class PassManager:
     out: TextIO | None = None
     timing: bool = False
     sources: tuple[UserPassSource, ...] = ()
+    #: whether a user pass that raises is a UserPassError (the compiler's view: the user's code
+    #: failed); `hspmd-opt` says False and reports it as a bug of that pass, as it does any pass's
+    user_raises_are_errors: bool = True
     rows: list[TimingRow] = field(default_factory=list)
     #: the user passes that have run (their names, in order): a later failure is theirs to look at
     user_ran: list[str] = field(default_factory=list)
@@ -184,7 +188,7 @@ class PassManager:
         try:
             p.apply(ctx, module)
         except Exception as err:
-            if not user:
+            if not user or not self.user_raises_are_errors:
                 raise
             lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
             raise self._failure(p.name, f"raised {type(err).__name__}" + (f": {lines[0]}" if lines else ""),
