@@ -214,6 +214,7 @@ def train(
             print(f"rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the strategy runs on "
                   f"rank{'s' if comm.size > 1 else ''} {','.join(map(str, manifest.ranks))}", flush=True)
     places = rank_places(comm, device)
+    cuda_graph = cuda_graph and trace is None  # traced steps run call by call: nothing is captured
     program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph, places)
     plan, gather = program.plan, program.gather
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph,
@@ -555,19 +556,10 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
               f"parameters, optimizer states, inputs and buffers {plan.buffer_bytes / 2**20:.1f} MiB reused by "
               f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
-              f"{len(plan.calls)} calls a step{_graphs_text(plan) if cuda_graph else ''}"
+              f"{len(plan.calls)} calls a step{plan.replay_text() if cuda_graph else ''}"
               f"{', float32 products on TF32 tensor cores' if use_tf32 else ''}", flush=True)
     return RankProgram(plan, _gatherer(bundle, manifest, group_module, plan, comm), group_module,
                        tuple(sorted(d for g in manifest.groups for d in g.devices)))
-
-
-def _graphs_text(plan) -> str:
-    """Return how a GPU plan's step replays: one CUDA graph, or graphs between host-staged calls."""
-    staged = sum(1 for c in plan.calls if getattr(c, "host_staged", False))
-    nccl = sum(1 for c in plan.calls if getattr(c, "uncaptured", False)) - staged
-    if not staged and not nccl:
-        return ", one CUDA graph"
-    return f", CUDA graphs between {staged} host-staged{f' and {nccl} NCCL' if nccl else ''} collective calls"
 
 
 def _group_program(path: str, rank: int, verify: bool = False):

@@ -6,13 +6,14 @@ compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build te
 chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
 copies. Uploads go through pinned host buffers (one per destination, made once, with an event
 after its last copy), so the next batch's copy is queued behind the running step without
-waiting for it. A traced step times its calls with CUDA events. `capture` records a step into one CUDA graph and replays it;
-where a capture fails it says so once and the run goes on call by call.
+waiting for it. A traced step times its calls with CUDA events. `capture` records a run of a
+step's calls into one CUDA graph (`Stream.begin_capture`/`end_capture`) and replays it; where
+the capture fails it raises `CaptureError` with CUDA's reason, the capture ended, and the plan
+counts and says it (`DevicePlan.capture_failures`).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ from hspmd.codegen.cupy_backend import gpu_status, launch_config
 from hspmd.codegen.nvrtc_check import GPU_OPTIONS, gpu_text
 from hspmd.dialects import kernel
 from hspmd.runtime.cuda.cublas import WORKSPACE_BYTES, Cublas
-from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceError, KernelSet
+from hspmd.runtime.cuda.device import ALIGN, CaptureError, Call, Device, DeviceError, KernelSet
 from hspmd.runtime.cuda.gemm import Gemm
 
 
@@ -146,15 +147,20 @@ class CupyDevice(Device):
         self.stream.synchronize()
         try:
             stream.begin_capture()
-            try:
-                for call in calls:
-                    call()
-            finally:
-                graph = stream.end_capture()  # a failed capture must still end it
-        except Exception as err:  # noqa: BLE001 - any refusal of capture: run uncaptured
-            print(f"hspmd: the step could not be captured as a CUDA graph ({type(err).__name__}: {err}); "
-                  "running it call by call", file=sys.stderr)
-            return super().capture(calls)
+        except Exception as err:  # noqa: BLE001 - CUDARuntimeError and the like: say why
+            raise CaptureError(f"the capture did not begin ({type(err).__name__}: {err})") from None
+        failed: Exception | None = None
+        try:
+            for call in calls:
+                call()
+        except Exception as err:  # noqa: BLE001 - a call refused under capture
+            failed = err
+        try:
+            graph = stream.end_capture()  # always: a failed capture must still end it
+        except Exception as err:  # noqa: BLE001 - cudaErrorStreamCaptureUnjoined, ...Invalidated, ...
+            failed = failed or err
+        if failed is not None:
+            raise CaptureError(f"{type(failed).__name__}: {failed}")
 
         def replay() -> None:
             graph.launch(stream)

@@ -29,6 +29,10 @@ class DeviceError(Exception):
     """A device is missing, or refused what the plan asked of it."""
 
 
+class CaptureError(DeviceError):
+    """A run of calls could not be captured as one CUDA graph (the message says why)."""
+
+
 class Device(ABC):
     """A device the GPU plan runs on (see the module docstring). Pointers are integers."""
 
@@ -94,7 +98,8 @@ class Device(ABC):
         return copy
 
     def capture(self, calls: Sequence[Call]) -> Call:
-        """Return one call running `calls` in order (a CUDA graph of them, where the device has graphs)."""
+        """Return one call running `calls` in order: a CUDA graph of them, where the device has
+        graphs; CaptureError where they cannot be captured (the stream is left as it was)."""
         calls = list(calls)
 
         def run() -> None:
