@@ -56,10 +56,6 @@ class UserPassSource:
     sha256: str
     passes: tuple[str, ...]
 
-    def describe(self) -> str:
-        """Return `a, b (from FILE, sha256 1234abcd5678)`."""
-        return f"{', '.join(self.passes)} (from {self.source}, sha256 {self.sha256[:12]})"
-
 
 @dataclass(frozen=True)
 class TimingRow:
@@ -203,12 +199,6 @@ class PassManager:
             self.rows.append(TimingRow(p.name, level, seconds, ops_before, _count_ops(module)))
         if self.print_after_all or p.name in self.print_after:
             self._print(module, p.name, level, before=False)
-
-    def run(self, passes: Iterable[ModulePass], ctx: Context, module: ModuleOp, level: str = "") -> ModuleOp:
-        """Apply `passes` in order (as `apply` does each); return `module`."""
-        for p in passes:
-            self.apply(p, ctx, module, level)
-        return module
 
     def blame(self, pass_name: str, message: str, ir_path: str | None) -> UserPassError | None:
         """Return the error of hspmd's pass `pass_name` failing (`message`) on IR a user pass changed

@@ -33,10 +33,8 @@ from hspmd.transforms.util import PassError
 __all__ = ["LEVELS", "Insertion", "Pipeline", "PipelineEdits", "PipelineTextError", "parse_pipeline_text",
            "passes_text"]
 
-#: the levels of a compile, in the order they run
+#: the levels of a compile, in the order they run (kernel and device: once per device group's module)
 LEVELS = ("logical", "annotated", "physical", "kernel", "device")
-#: the levels whose passes run once per device group's module
-PER_GROUP_LEVELS = ("kernel", "device")
 
 _LEVEL_LINE = re.compile(r"^\s*(" + "|".join(LEVELS) + r")\s*:(.*)$")
 
