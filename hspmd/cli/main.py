@@ -8,6 +8,7 @@
     hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
     hspmd checkpoint info|export D [--to FILE]
+    hspmd data prepare FILES... --tokenizer byte|bpe:VOCAB|PATH.json -o DIR;  hspmd data info DIR
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
     hspmd reduce FILE --test CMD [-o OUT]   (shrink IR while CMD still fails on it)
@@ -53,12 +54,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.cli.plot import PlotError
     from hspmd.ir.switch_plan import SwitchError
     from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.data.errors import DataError
     from hspmd.cli.opt import LoadPassError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
         FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError, DeviceError,
+        DataError,
         LoadPassError,
     )
 
@@ -554,11 +557,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", default="loss.png", help="the image to write (default: loss.png)")
     g.set_defaults(func=cmd_plot)
 
+    from hspmd.cli.data import add_data_parser
     from hspmd.cli.plan import add_plan_parser
     from hspmd.cli.profile import add_profile_parser
 
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_data_parser(sub)
+
     from hspmd.cli.compare import add_compare_parser
     from hspmd.cli.reduce import add_reduce_parser
 

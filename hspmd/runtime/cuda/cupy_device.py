@@ -6,7 +6,8 @@ compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build te
 chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
 copies. Uploads go through pinned host buffers (one per destination, made once, with an event
 after its last copy), so the next batch's copy is queued behind the running step without
-waiting for it. A traced step times its calls with CUDA events. `capture` records a run of a
+waiting for it; a batch the data feed made in `host_buffer` memory (page-locked already) is
+copied from where it lies. A traced step times its calls with CUDA events. `capture` records a run of a
 step's calls into one CUDA graph (`Stream.begin_capture`/`end_capture`) and replays it; where
 the capture fails it raises `CaptureError` with CUDA's reason, the capture ended, and the plan
 counts and says it (`DevicePlan.capture_failures`).
@@ -46,6 +47,7 @@ class CupyDevice(Device):
         self.side = cupy.cuda.Stream(non_blocking=True)  # collectives overlapping the plan's stream
         self._memory: list = []  # the allocations, alive with the device
         self._pinned: dict[tuple[int, int], tuple[np.ndarray, object]] = {}  # buffer, event after its copy
+        self._host: dict[int, tuple[object, int]] = {}  # `host_buffer`s by address: memory, bytes
         self._events: dict[int, list] = {}  # a traced step's CUDA events, by the number of calls
         self.cublas = Cublas(self.stream.ptr, self.alloc(WORKSPACE_BYTES))
 
@@ -55,8 +57,19 @@ class CupyDevice(Device):
         self.cupy.cuda.runtime.memsetAsync(mem.ptr, 0, max(int(nbytes), 1) + ALIGN, self.stream.ptr)
         return mem.ptr + (-mem.ptr) % ALIGN
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        mem = self.cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+        buffer = np.frombuffer(mem, np.uint8, int(nbytes))
+        self._host[buffer.ctypes.data] = (mem, int(nbytes))
+        return buffer
+
     def upload(self, ptr: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
+        rt = self.cupy.cuda.runtime
+        host = self._host.get(array.ctypes.data)
+        if host is not None and array.nbytes <= host[1]:  # page-locked already: the DMA reads it directly
+            rt.memcpyAsync(ptr, array.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            return
         key = (ptr, array.nbytes)
         known = self._pinned.get(key)
         if known is None:
@@ -66,7 +79,6 @@ class CupyDevice(Device):
             known[1].synchronize()  # the previous copy from this buffer has finished (not the work after it)
         staging, copied = known
         np.copyto(staging, array.reshape(-1).view(np.uint8))
-        rt = self.cupy.cuda.runtime
         rt.memcpyAsync(ptr, staging.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
         copied.record(self.stream)
 

@@ -47,6 +47,14 @@ class Device(ABC):
     def upload(self, ptr: int, array: np.ndarray) -> None:
         """Copy a host array into device memory at `ptr`."""
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Return `nbytes` of host memory (uint8) that `upload` copies from directly: page-locked
+        under CUDA, so that the copy is a DMA queued on the plan's stream with no staging copy
+        first (the data feed makes batches into these, `runtime/cuda/staging.py`). The caller
+        keeps a buffer unchanged until the step after the one its upload was queued in has run.
+        Here: ordinary memory."""
+        return np.empty(max(int(nbytes), 1), np.uint8)[:nbytes]
+
     @abstractmethod
     def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         """Return a host copy of the array of `shape` and `dtype` at `ptr` (after the work queued so far)."""
