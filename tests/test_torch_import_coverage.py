@@ -142,6 +142,8 @@ def _cases(rng):
          lambda x, i: A.scatter_reduce.two(x[0], 1, i["along"], x[1], "sum")),
         ("aten.select.int", [n(3, 4)], lambda x, i: A.select.int(x[0], 1, -1)),
         ("aten.slice.Tensor", [n(3, 9)], lambda x, i: A.slice.Tensor(x[0], 1, 1, 8, 3)),
+        ("aten.slice.Tensor", [n(3, 4)],  # an empty piece, dropped by cat (Phi-3's rotary pass-through)
+         lambda x, i: A.cat.default([A.slice.Tensor(x[0], 1, 0, 4), A.slice.Tensor(x[0], 1, 4, 9)], 1)),
         ("aten.slice_scatter.default", [n(3, 8), n(3, 3)], lambda x, i: A.slice_scatter.default(x[0], x[1], 1, 1, 8, 3)),
         ("aten.select_scatter.default", [n(3, 4), n(4)], lambda x, i: A.select_scatter.default(x[0], x[1], 0, 1)),
         ("aten.constant_pad_nd.default", [n(3, 4)], lambda x, i: A.constant_pad_nd.default(x[0], [1, -1, 2, 0], 0.5)),

@@ -221,3 +221,54 @@ def first_plan(model) -> dict:
 def _line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def table(rows: list[dict]) -> str:
+    """Return the zoo's rows as a Markdown table: architecture, status, the errors or the reason."""
+
+    def num(x):
+        return "" if x is None else f"{x:.1e}"
+
+    lines = ["| architecture | status | loss | gradients | AdamW step | tp=2 | reason |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        reason = r["reason"].replace("|", "\\|")
+        lines.append(f"| {r['arch']} | {r['status']} | {num(r['loss'])} | {num(r['grad'])} | {num(r['adamw'])} "
+                     f"| {num(r['tp'])} | {reason} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """`python tests/torch_zoo.py [ARCH ...] [--json FILE]`: check every architecture of the zoo (or
+    those named), print each row as it is found and the table at the end; `--json` appends the rows."""
+    import json
+    import tempfile
+    import time
+
+    out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for arch in argv or sorted(zoo()):
+            start = time.perf_counter()
+            try:
+                row = check(arch, work)
+            except Exception as err:  # noqa: BLE001 - a row, not the end of the table
+                row = {"arch": arch, "status": "differs", "reason": f"the check failed: {_line(err)}",
+                       "loss": None, "grad": None, "adamw": None, "tp": None}
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
+    main(sys.argv[1:])

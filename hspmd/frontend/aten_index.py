@@ -365,6 +365,12 @@ def slice_any_step(cx: Context, x, dim=0, start=None, end=None, step=1):
 
     d = dim % x.ndim
     begin, stop, stride = slice(start, end, step).indices(x.shape[d])
+    if len(range(begin, stop, stride)) == 0:  # an empty piece (Phi-3's rotary pass-through of none):
+        import torch  # a concrete empty tensor, which `cat` drops and PyTorch evaluates at import
+
+        shape = list(x.shape)
+        shape[d] = 0
+        return torch.empty(shape, dtype=getattr(torch, x.dtype))
     if stride == 1:
         return aten.slice_step1(cx, x, d, begin, stop)
     return strided_slice(cx, x, d, begin, stop, stride)
