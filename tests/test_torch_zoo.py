@@ -2,10 +2,11 @@
 imported and checked against PyTorch: the step-1 loss (1e-5), every gradient (1e-4), the loss
 after one AdamW step (1e-4) and, where the model defines a tp plan, tp=2 against one device.
 
-The whole mapping (about 200 entries) takes an hour on two cores, so each run samples: one
+The whole mapping (about 200 entries) is too long for CI, so each run samples: one
 architecture of those the importer must take (the decoders issue 39 names, each of which once
-stopped at one op or already matched), with tp=2, and one entry of the whole mapping, which must
-import with PyTorch's numbers or be refused in one line (never import with other numbers). The
+stopped at one op or already matched), with an AdamW step and tp=2; one entry of the whole
+mapping, which must import with PyTorch's loss and gradients or be refused in one line (never
+import with other numbers); and one expert layer (Mixtral's or Qwen-MoE's) under ep=2. The
 seed varies from run to run (`HSPMD_TEST_SEED` fixes it) and is printed.
 `python tests/torch_zoo.py [ARCH ...]` prints the table (`docs/torch-import.md` holds one).
 """
@@ -59,7 +60,7 @@ def test_a_named_architecture_imports_and_equals_pytorch_under_tp(tmp_path):
 
 
 def test_an_entry_of_the_mapping_imports_with_pytorchs_numbers_or_is_refused_in_one_line(tmp_path):
-    row = torch_zoo.check(OTHER, str(tmp_path), tp=False)
+    row = torch_zoo.check(OTHER, str(tmp_path), tp=False, adamw=False)
     print(torch_zoo.table([row]))
     assert row["status"] in ("imported", "refused", "not in zoo"), row
     if row["status"] != "imported":
