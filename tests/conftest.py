@@ -11,6 +11,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
+#: this run's seed for the tests that sample a large sweep (`HSPMD_TEST_SEED` fixes it)
+RUN_SEED = int(os.environ.get("HSPMD_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
+
+
+def sampled(items, k: int, salt: str) -> list:
+    """Return `k` of `items` (sorted), chosen by this run's seed and `salt` (a test file's name), so that
+    every run checks another part of a sweep too long to run whole; the test ids name them."""
+    import random
+
+    items = sorted(items)
+    return sorted(random.Random(f"{RUN_SEED}:{salt}").sample(items, min(k, len(items))))
+
+
+def pytest_report_header(config):
+    return f"HSPMD_TEST_SEED={RUN_SEED} (the sampled sweeps of this run)"
 BIN = os.path.dirname(sys.executable)
 
 

@@ -7,17 +7,15 @@ architecture of those the importer must take (the decoders issue 39 names, each 
 stopped at one op or already matched), with an AdamW step and tp=2; one entry of the whole
 mapping, which must import with PyTorch's loss and gradients or be refused in one line (never
 import with other numbers); and one expert layer (Mixtral's or Qwen-MoE's) under ep=2. The
-seed varies from run to run (`HSPMD_TEST_SEED` fixes it) and is printed.
+seed varies from run to run (`HSPMD_TEST_SEED` fixes it; pytest's header prints it).
 `python tests/torch_zoo.py [ARCH ...]` prints the table (`docs/torch-import.md` holds one).
 """
 
 from __future__ import annotations
 
-import os
-import time
-
-import numpy as np
 import pytest
+
+from conftest import sampled
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[torch]')")
@@ -32,45 +30,38 @@ from hspmd.runtime.worker import train  # noqa: E402
 #: decoder-only architectures that import and equal PyTorch (tp=2 too, where they have a plan)
 MUST_IMPORT = ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "phi", "gemma", "gemma2", "stablelm",
                "gpt_bigcode", "olmo", "gpt_neox", "gptj", "codegen", "phi3", "bloom", "falcon", "mixtral")
-
-
-def _sample() -> tuple[str, str]:
-    seed = int(os.environ.get("HSPMD_TEST_SEED", time.time_ns() % 100_000))
-    rng = np.random.default_rng(seed)
-    named = str(rng.choice(MUST_IMPORT))
-    others = sorted(set(torch_zoo.zoo()) - set(MUST_IMPORT))
-    other = str(rng.choice(others))
-    moe = str(rng.choice(MOE))
-    print(f"seed {seed} (HSPMD_TEST_SEED={seed} repeats it): {named}, {other}, {moe}")
-    return named, other, moe
-
-
 #: transformers' mixture-of-experts decoders (Mixtral-style and Qwen-MoE-style routing)
 MOE = ("mixtral", "qwen2_moe")
-NAMED, OTHER, MOE_ARCH = _sample()
+#: this run's sample (the seed: `HSPMD_TEST_SEED`, printed in pytest's header; the test ids name them)
+NAMED = sampled(MUST_IMPORT, 1, "zoo-named")
+OTHER = sampled(set(torch_zoo.zoo()) - set(MUST_IMPORT), 1, "zoo-other")
+MOE_ARCH = sampled(MOE, 1, "zoo-moe")
 
 
-def test_a_named_architecture_imports_and_equals_pytorch_under_tp(tmp_path):
-    row = torch_zoo.check(NAMED, str(tmp_path))
+@pytest.mark.parametrize("arch", NAMED)
+def test_a_named_architecture_imports_and_equals_pytorch_under_tp(tmp_path, arch):
+    row = torch_zoo.check(arch, str(tmp_path))
     print(torch_zoo.table([row]))
     assert row["status"] == "imported", row
     assert row["loss"] <= 1e-5 and row["grad"] <= 1e-4 and row["adamw"] <= 1e-4, row
-    if torch_zoo.first_plan(torch_zoo.build(NAMED)[0]):
+    if torch_zoo.first_plan(torch_zoo.build(arch)[0]):
         assert row["tp"] is not None and row["tp"] <= 1e-4, row
 
 
-def test_an_entry_of_the_mapping_imports_with_pytorchs_numbers_or_is_refused_in_one_line(tmp_path):
-    row = torch_zoo.check(OTHER, str(tmp_path), tp=False, adamw=False)
+@pytest.mark.parametrize("arch", OTHER)
+def test_an_entry_of_the_mapping_imports_with_pytorchs_numbers_or_is_refused_in_one_line(tmp_path, arch):
+    row = torch_zoo.check(arch, str(tmp_path), tp=False, adamw=False)
     print(torch_zoo.table([row]))
     assert row["status"] in ("imported", "refused", "not in zoo"), row
     if row["status"] != "imported":
         assert row["reason"] and "\n" not in row["reason"] and "Traceback" not in row["reason"], row
 
 
-def test_an_imported_expert_layer_splits_its_experts_under_ep(tmp_path):
+@pytest.mark.parametrize("arch", MOE_ARCH)
+def test_an_imported_expert_layer_splits_its_experts_under_ep(tmp_path, arch):
     """transformers' expert layer is exported through hspmd's MoE ops (dropless): under
     `[0,1]: ep=2` the experts split and the tokens move by all-to-all, with one device's losses."""
-    script = load_script(torch_zoo.ZOO_SCRIPT, {"arch": MOE_ARCH})
+    script = load_script(torch_zoo.ZOO_SCRIPT, {"arch": arch})
     losses = {}
     for n, strategy in ((1, "[0]: dp=1"), (2, "[0,1]: ep=2")):
         compiled = compile_script(script, strategy, n)
