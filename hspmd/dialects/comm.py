@@ -1,8 +1,11 @@
-"""The `comm` dialect: collectives and point-to-point transfers over explicit rank groups.
+"""The `comm` dialect: collectives and point-to-point transfers over rank groups.
 
-`groups` lists disjoint tuples of global ranks; every rank of the program takes part in the
-one tuple that holds it, and its position in that tuple is its chunk index. The program text
-is the same on every rank (SPMD): a rank finds its own group and offsets at run time.
+`groups` holds disjoint, equal groups of global ranks (`#dist.groups<"[8192,8]<=[65536]">`, XLA's
+iota form; IR written before ranges lists them, `[array<i64: 0, 1>, ...]`, and still reads);
+every rank of the program takes part in the one group that holds it, and its position in that
+group is its chunk index. The program text is the same on every rank (SPMD) and does not list
+the ranks where a mesh axis names them: a rank finds its own group and position from its id at
+run time (`RankGroups.group_of`).
 
 At the annotated level these ops carry layouts in their types (global shapes); after
 specialisation the types are the local pieces.
@@ -26,11 +29,12 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.dist import LayoutAttr
+from hspmd.dialects.dist import LayoutAttr, RankGroupsAttr
 from hspmd.dialects.graph.base import i64_array, tensor_shape
+from hspmd.ir.devices import DeviceSetError, RankGroups
 from hspmd.ir.layout import Layout
 
-__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "talks_with"]
+__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "pairs_attr", "talks_with"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -40,13 +44,21 @@ Groups = tuple[tuple[int, ...], ...]
 COALESCE_ATTR = "coalesce"
 
 
-def groups_attr(groups: Sequence[Sequence[int]]) -> ArrayAttr:
-    """Return `[array<i64: 0, 1>, ...]` for a list of rank groups."""
-    return ArrayAttr([i64_array(g) for g in groups])
+def groups_attr(groups: Sequence[Sequence[int]] | RankGroups) -> RankGroupsAttr:
+    """Return `#dist.groups<"...">` for rank groups (a RankGroups, or a list of equal disjoint groups)."""
+    return RankGroupsAttr(RankGroups.of(groups))
 
 
-def groups_of(attr: ArrayAttr) -> Groups:
-    """Return the rank groups an ArrayAttr of i64 arrays holds."""
+def pairs_attr(pairs: Sequence[Sequence[int]]) -> ArrayAttr:
+    """Return `[array<i64: 0, 2>, ...]` for a send's or receive's [src, dst] pairs."""
+    return ArrayAttr([i64_array(g) for g in pairs])
+
+
+def groups_of(attr: Attribute) -> Groups | RankGroups:
+    """Return the rank groups an attribute holds: a RankGroups for `#dist.groups`, tuples for an
+    ArrayAttr of i64 arrays (a send's pairs, or a collective's groups in IR written before ranges)."""
+    if isinstance(attr, RankGroupsAttr):
+        return attr.data
     return tuple(tuple(g.get_values()) for g in attr.data)  # type: ignore[union-attr]
 
 
@@ -66,34 +78,37 @@ class _Collective(_CommOp):
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
     result = result_def(TensorType)
-    groups = prop_def(ArrayAttr)
+    groups = prop_def(RankGroupsAttr | ArrayAttr)
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
-    def __init__(self, input: SSAValue, groups: Sequence[Sequence[int]], result_type: Attribute, **props: int):
+    def __init__(self, input: SSAValue, groups: Sequence[Sequence[int]] | RankGroups, result_type: Attribute,
+                 **props: int):
         properties: dict[str, Attribute] = {"groups": groups_attr(groups)}
         properties.update({k: IntegerAttr(v, i64) for k, v in props.items()})
         super().__init__(operands=[input], result_types=[result_type], properties=properties)
 
     @property
-    def rank_groups(self) -> Groups:
-        """The rank groups of this collective as tuples."""
-        return groups_of(self.groups)
+    def rank_groups(self) -> RankGroups:
+        """The rank groups of this collective (computed from their range, not listed)."""
+        groups = self.groups
+        if isinstance(groups, RankGroupsAttr):
+            return groups.data
+        return RankGroups.of(groups_of(groups))  # IR written before ranges: listed
 
     def group_size(self) -> int:
-        return len(self.rank_groups[0])
+        return self.rank_groups.size
 
     def verify_(self) -> None:
-        if not all(isinstance(g, DenseArrayBase) for g in self.groups.data):
-            raise VerifyException(f"'{self.name}' groups must be a list of array<i64: ...>")
-        seen: set[int] = set()
-        sizes = set()
-        for g in self.rank_groups:
-            if seen & set(g) or len(set(g)) != len(g):
-                raise VerifyException(f"'{self.name}' groups {self.rank_groups} overlap")
-            seen |= set(g)
-            sizes.add(len(g))
-        if len(sizes) != 1:
-            raise VerifyException(f"'{self.name}' groups {self.rank_groups} differ in size")
+        if isinstance(self.groups, ArrayAttr):  # IR written before ranges: each group listed
+            if not all(isinstance(g, DenseArrayBase) for g in self.groups.data):
+                raise VerifyException(f"'{self.name}' groups must be a list of array<i64: ...>")
+            listed = groups_of(self.groups)
+            try:
+                RankGroups.of(listed)
+            except DeviceSetError:
+                sizes = {len(g) for g in listed}
+                what = "differ in size" if len(sizes) != 1 else "overlap"
+                raise VerifyException(f"'{self.name}' groups {listed} {what}") from None
         if self.input.type.element_type != self.result.type.element_type:  # type: ignore[attr-defined]
             raise VerifyException(f"'{self.name}' keeps the element type")
         self.verify_shapes(tensor_shape(self.input), tensor_shape(self.result))
@@ -210,7 +225,7 @@ class AllToAllOp(_Collective):
 
 def _message_properties(pairs: Sequence[Sequence[int]], tag: int) -> dict[str, Attribute]:
     """Return the properties of a send or receive: its pairs, and its tag unless it is 0."""
-    props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
+    props: dict[str, Attribute] = {"pairs": pairs_attr(pairs)}
     if tag:
         props["tag"] = IntegerAttr(tag, i64)
     return props
@@ -338,7 +353,7 @@ def talks_with(op: Operation) -> frozenset[int]:
     if isinstance(op, (LocalSplitOp, LocalZeroOp)):
         return frozenset()
     if isinstance(op, _Collective):
-        return frozenset(r for g in op.rank_groups for r in g)
+        return frozenset(op.rank_groups.members)
     if isinstance(op, (SendOp, RecvOp)):
         return frozenset(r for pair in groups_of(op.pairs) for r in pair)
     if isinstance(op, ExchangeOp):

@@ -5,7 +5,7 @@
 // sends and receives between the stages, and the forward's stash passed to the backward.
 
 builtin.module {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
     func.func @train_step() {
       %w = graph.parameter "w" {init = "normal:0.1", global_type = tensor<4x4xf32, #dist.layout<"[0]: dup=1">>} : tensor<4x4xf32>
       %x = graph.input "x@mb" {global_type = tensor<2x3x4xf32, #dist.layout<"[0]: dup=1">>} : tensor<2x3x4xf32>
