@@ -3,6 +3,8 @@
     python tools/gpu_paper_plan.py                      # both models, 8 and 16 GPUs (a few minutes)
     python tools/gpu_paper_plan.py --models gpt2-small --no-plan
     python tools/gpu_paper_plan.py --write-profiles DIR # h100x8.json, h100x16.json for --profile
+    python tools/gpu_paper_plan.py --write-profiles DIR --gpus 16384 --slow-nodes 0.333
+                                                        # h100x16384.json and h100x16384-slow.json
 
 Nothing here runs on a GPU. It writes down, as hspmd's own `DeviceProfile` data, what
 `hspmd profile` would measure on (a) one node of 8 H100 SXM GPUs joined by NVLink 4 through
@@ -68,6 +70,7 @@ from hspmd.ir.device_profile import (
     Link,
     MatmulPoint,
     RankRates,
+    Topology,
 )
 
 __all__ = [
@@ -115,6 +118,13 @@ class H100Node:
     nvlink_p2p_s: float = 6e-6
     ib_p2p_s: float = 10e-6
     tree_eff: float = 0.80
+    #: nodes under one set of leaf switches (a DGX SuperPOD scalable unit: 32 nodes, 256 GPUs); a
+    #: ring step between pods crosses the spine, `pod_step_s` more
+    pod_nodes: int = 32
+    pod_step_s: float = 2e-6
+    #: the nodes (the last ones) whose GPUs compute at `slow_speed` of the others (0: none)
+    slow_nodes: int = 0
+    slow_speed: float = 0.5
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -136,54 +146,25 @@ class H100Node:
         what = f"{self.gpus_per_node} H100 SXM over NVLink/NVSwitch"
         if self.nodes > 1:
             what = f"{self.nodes} nodes x {what}, InfiniBand NDR 400 Gb/s, one NIC per GPU"
+        if self.nodes > self.pod_nodes:
+            what += f", rail-optimised, pods of {self.pod_nodes} nodes"
+        if self.slow_nodes:
+            what += f"; the last {self.slow_nodes} nodes at {self.slow_speed:g}x speed"
         return what
 
-
-def _layout(hw: H100Node, group: Sequence[int]) -> tuple[int, int]:
-    """Return (nodes the group spans, fewest members on one of them)."""
-    per: dict[int, int] = {}
-    for r in group:
-        per[hw.node_of(r)] = per.get(hw.node_of(r), 0) + 1
-    return len(per), min(per.values())
-
-
-def _ring_allreduce(hw: H100Node, n: int, nodes: int, g: int, nbytes: float) -> float:
-    busbw = hw.nvlink_busbw if nodes == 1 else min(hw.nvlink_busbw, g * hw.nic_bw)
-    step = hw.nvlink_step_s if nodes == 1 else hw.ib_step_s
-    return hw.start_s + 2 * (n - 1) * step + 2 * (n - 1) / n * nbytes / busbw
+    def topology(self) -> Topology:
+        """Return the profile's topology: nodes, pods, NVLink inside a node, a NIC per GPU between
+        nodes, and NCCL's algorithms over them (`hspmd.ir.device_profile.Topology`)."""
+        return Topology(self.gpus_per_node, self.pod_nodes, self.start_s, self.nvlink_step_s, self.ib_step_s,
+                        self.pod_step_s, self.nvlink_busbw, self.nic_bw, Link(self.nvlink_p2p_s, self.nvlink_busbw),
+                        Link(self.ib_p2p_s, self.nic_bw), self.tree_eff)
 
 
 def collective_seconds(hw: H100Node, kind: str, group: Sequence[int], nbytes: float) -> tuple[float, str]:
     """Return (seconds, algorithm) of collective `kind` over `group` for a rank's buffer of
-    `nbytes` (all_gather: the result), the fastest of NCCL's algorithms (module docstring)."""
-    n = len(set(group))
-    if n <= 1:
-        return 0.0, "none"
-    nodes, g = _layout(hw, group)
-    intra = nodes == 1
-    busbw = hw.nvlink_busbw if intra else min(hw.nvlink_busbw, g * hw.nic_bw)
-    step = hw.nvlink_step_s if intra else hw.ib_step_s
-    if kind == "all_reduce":
-        options = [(_ring_allreduce(hw, n, nodes, g, nbytes), "ring")]
-        if not intra:
-            depth = math.ceil(math.log2(nodes))
-            tree = (hw.start_s + 2 * ((g - 1) * hw.nvlink_step_s + depth * hw.ib_step_s)
-                    + 2 * nbytes / (hw.tree_eff * busbw))
-            options.append((tree, "tree"))
-            if g > 1:  # reduce-scatter in the node, all-reduce of 1/g between nodes, all-gather in the node
-                inside = hw.start_s + (g - 1) * hw.nvlink_step_s + (g - 1) / g * nbytes / hw.nvlink_busbw
-                between = hw.start_s + 2 * (nodes - 1) * hw.ib_step_s + 2 * (nodes - 1) / nodes * (nbytes / g) / hw.nic_bw
-                options.append((2 * inside + between, "hierarchical"))
-        return min(options)
-    if kind in ("all_gather", "reduce_scatter"):
-        return hw.start_s + (n - 1) * step + (n - 1) / n * nbytes / busbw, "ring"
-    if kind == "broadcast":
-        return hw.start_s + (n - 1) * step + nbytes / busbw, "ring"
-    if kind == "all_to_all":
-        near = (g - 1) / n * nbytes / hw.nvlink_busbw
-        far = 0.0 if intra else (n - g) / n * nbytes / hw.nic_bw
-        return hw.start_s + (n - 1) * step + max(near, far), "pairwise"
-    raise ValueError(f"unknown collective kind {kind!r}")
+    `nbytes` (all_gather: the result), the fastest of NCCL's algorithms (module docstring):
+    `Topology.seconds` of the machine's topology, the formulas hspmd's profiles carry."""
+    return hw.topology().seconds(kind, group, nbytes)
 
 
 def regular_groups(n: int) -> list[tuple[int, ...]]:
@@ -206,13 +187,28 @@ def regular_groups(n: int) -> list[tuple[int, ...]]:
 SIZES = tuple(float(2 ** (10 + k / 2)) for k in range(45))
 
 
+#: above this many GPUs a profile carries its topology (nodes, pods, formulas) instead of every
+#: link and a fit per regular group, and its ranks as classes
+TOPOLOGY_ABOVE = 16
+
+
 def make_profile(hw: H100Node) -> DeviceProfile:
-    """Return the synthetic `DeviceProfile` of `hw`: every GPU alike, links by node, collective
-    fits of NCCL's algorithms for every regular group."""
+    """Return the synthetic `DeviceProfile` of `hw`: every GPU alike (but `slow_nodes`), links by
+    node, collective fits of NCCL's algorithms for every regular group; above `TOPOLOGY_ABOVE`
+    GPUs the topology itself (its formulas are the fits' source), ranks as classes."""
     points = tuple(MatmulPoint(f, t * 1e3, (0, 0, 0)) for f, t in hw.matmul_table)
     rates = RankRates(points, hw.hbm_bps * hw.elementwise_eff, hw.hbm_bps * hw.fused_eff)
     nv = Link(hw.nvlink_p2p_s, hw.nvlink_busbw)
     ib = Link(hw.ib_p2p_s, hw.nic_bw)
+    if hw.n > TOPOLOGY_ABOVE:
+        slow = rates.scaled(hw.slow_speed)
+        first_slow = (hw.nodes - hw.slow_nodes) * hw.gpus_per_node
+        return DeviceProfile(
+            tuple(rates if r < first_slow else slow for r in range(hw.n)), ib, topology=hw.topology(),
+            source=f"synthetic (tools/gpu_paper_plan.py): {hw.describe()}; published peaks x assumed efficiencies",
+            meta={"hosts": [], "devices": "NVIDIA H100 SXM5 80GB (assumed)", "nodes": hw.nodes,
+                  "gpus_per_node": hw.gpus_per_node},
+            bucket_overlap=1.0)
     links = {(a, b): (nv if hw.node_of(a) == hw.node_of(b) else ib)
              for a in range(hw.n) for b in range(hw.n) if a != b}
     fits = []
@@ -416,6 +412,27 @@ def format_table(rows: list[list[str]], markdown: bool = False) -> str:
                      for x in (HEADER, *rows)) + "\n"
 
 
+def machine_for(n: int, slow_nodes: int = 0, slow_speed: float = 0.5) -> H100Node:
+    """Return `n` H100s: one node of n up to 8, else nodes of 8."""
+    return H100Node(nodes=max(1, n // 8), gpus_per_node=min(8, n), slow_nodes=slow_nodes, slow_speed=slow_speed)
+
+
+def write_profiles(directory: str, gpus: Sequence[int], slow_fraction: float = 0.0, slow_speed: float = 0.5) -> int:
+    """Write `DIR/h100xN.json` for each N (and `h100xN-slow.json`, its last `slow_fraction` of
+    the nodes at `slow_speed`, where asked); print what each holds."""
+    os.makedirs(directory, exist_ok=True)
+    for n in gpus:
+        variants = [(f"h100x{n}.json", 0)]
+        if slow_fraction > 0:
+            variants.append((f"h100x{n}-slow.json", max(1, round(slow_fraction * max(1, n // 8)))))
+        for name, slow in variants:
+            hw = machine_for(n, slow, slow_speed)
+            path = os.path.join(directory, name)
+            make_profile(hw).save(path)
+            print(f"wrote {path}: {hw.describe()} ({os.path.getsize(path):,} bytes)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2-small,gpt-1.3b", help=f"comma list of {', '.join(MODELS)}")
@@ -423,18 +440,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plan", action="store_true", help="skip the planner")
     ap.add_argument("--gaps", action="store_true", help=f"also price {KERNEL_GAP_S * 1e6:g} us per kernel (launch gaps)")
     ap.add_argument("--markdown", action="store_true", help="tables as markdown")
-    ap.add_argument("--write-profiles", metavar="DIR", help="write h100x8.json / h100x16.json there")
+    ap.add_argument("--write-profiles", metavar="DIR",
+                    help="write h100xN.json there for each N of --gpus (and h100xN-slow.json with --slow-nodes), "
+                         "then stop")
+    ap.add_argument("--slow-nodes", type=float, default=0.0, metavar="F",
+                    help="with --write-profiles: also write a profile whose last F of the nodes (a fraction, e.g. "
+                         "0.333) compute at --slow-speed")
+    ap.add_argument("--slow-speed", type=float, default=0.5, help="the slow nodes' speed (default 0.5)")
     args = ap.parse_args(argv)
+    if args.write_profiles:
+        return write_profiles(args.write_profiles, [int(x) for x in args.gpus.split(",")], args.slow_nodes,
+                              args.slow_speed)
     from hspmd.transforms.util import PassError
 
     start = time.perf_counter()
     machines = {}
     for n in (int(x) for x in args.gpus.split(",")):
-        hw = H100Node(nodes=max(1, n // 8), gpus_per_node=min(8, n))
+        hw = machine_for(n)
         machines[n] = (hw, make_profile(hw))
-        if args.write_profiles:
-            os.makedirs(args.write_profiles, exist_ok=True)
-            machines[n][1].save(os.path.join(args.write_profiles, f"h100x{n}.json"))
     print("collectives (one rank's buffer; the algorithm NCCL's tuner would pick by this model):")
     for n, (hw, _) in machines.items():
         for label, group in (("all ranks", tuple(range(n))), ("tp=8 (one node)", tuple(range(8))),

@@ -29,12 +29,12 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.dist import LayoutAttr, RankGroupsAttr
+from hspmd.dialects.dist import LayoutAttr, RankGroupsAttr, RankPairsAttr
 from hspmd.dialects.graph.base import i64_array, tensor_shape
-from hspmd.ir.devices import DeviceSetError, RankGroups
+from hspmd.ir.devices import DeviceRange, DeviceSetError, RankGroups, RankPairs
 from hspmd.ir.layout import Layout
 
-__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "pairs_attr", "talks_with"]
+__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "members", "pair_partner", "pairs_attr", "talks_with"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -49,15 +49,44 @@ def groups_attr(groups: Sequence[Sequence[int]] | RankGroups) -> RankGroupsAttr:
     return RankGroupsAttr(RankGroups.of(groups))
 
 
-def pairs_attr(pairs: Sequence[Sequence[int]]) -> ArrayAttr:
-    """Return `[array<i64: 0, 2>, ...]` for a send's or receive's [src, dst] pairs."""
-    return ArrayAttr([i64_array(g) for g in pairs])
+def pairs_attr(pairs: Sequence[Sequence[int]] | RankPairs) -> RankPairsAttr:
+    """Return `#dist.pairs<"0-3->4-7">` for a send's or receive's [src, dst] pairs."""
+    return RankPairsAttr(RankPairs.of(pairs))
 
 
-def groups_of(attr: Attribute) -> Groups | RankGroups:
-    """Return the rank groups an attribute holds: a RankGroups for `#dist.groups`, tuples for an
-    ArrayAttr of i64 arrays (a send's pairs, or a collective's groups in IR written before ranges)."""
-    if isinstance(attr, RankGroupsAttr):
+def pair_partner(pairs: Attribute, rank: int, role: str) -> int | None:
+    """Return the rank `rank` sends to (`role` "src") or receives from ("dst") along `pairs`, found
+    from its id (None: it takes no part in that role)."""
+    found = groups_of(pairs)
+    if isinstance(found, RankPairs):
+        return found.partner(rank, role)
+    if role == "src":
+        return next((d for s, d in found if s == rank), None)
+    return next((s for s, d in found if d == rank), None)
+
+
+def members(op: Operation) -> tuple[DeviceRange, ...] | None:
+    """Return the ranks communication op `op` involves (`talks_with`), as ranges where it has them
+    (a collective's groups' members; a transfer's sources and destinations; an exchange's members);
+    None for local ops and ops outside this dialect."""
+    if isinstance(op, (LocalSplitOp, LocalZeroOp)):
+        return None
+    if isinstance(op, _Collective):
+        return (op.rank_groups.members,)
+    if isinstance(op, (SendOp, RecvOp)):
+        found = groups_of(op.pairs)
+        if isinstance(found, RankPairs):
+            return (found.src, found.dst)
+        return (DeviceRange.of(sorted({r for pair in found for r in pair})),)
+    if isinstance(op, ExchangeOp):
+        return (DeviceRange.of(op.members()),)
+    return None
+
+
+def groups_of(attr: Attribute) -> Groups | RankGroups | RankPairs:
+    """Return the rank groups an attribute holds: a RankGroups for `#dist.groups`, RankPairs for
+    `#dist.pairs`, tuples for an ArrayAttr of i64 arrays (IR written before ranges)."""
+    if isinstance(attr, (RankGroupsAttr, RankPairsAttr)):
         return attr.data
     return tuple(tuple(g.get_values()) for g in attr.data)  # type: ignore[union-attr]
 
@@ -223,7 +252,7 @@ class AllToAllOp(_Collective):
             raise VerifyException(f"'{self.name}' cannot turn {list(src)} into {list(dst)}")
 
 
-def _message_properties(pairs: Sequence[Sequence[int]], tag: int) -> dict[str, Attribute]:
+def _message_properties(pairs: Sequence[Sequence[int]] | RankPairs, tag: int) -> dict[str, Attribute]:
     """Return the properties of a send or receive: its pairs, and its tag unless it is 0."""
     props: dict[str, Attribute] = {"pairs": pairs_attr(pairs)}
     if tag:
@@ -247,11 +276,11 @@ class SendOp(_CommOp):
     name = "comm.send"
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
-    pairs = prop_def(ArrayAttr)
+    pairs = prop_def(RankPairsAttr | ArrayAttr)
     tag = opt_prop_def(IntegerAttr)
     assembly_format = "$input attr-dict `:` type($input)"
 
-    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]], tag: int = 0):
+    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]] | RankPairs, tag: int = 0):
         super().__init__(operands=[input], properties=_message_properties(pairs, tag))
 
     @property
@@ -270,11 +299,11 @@ class RecvOp(_CommOp):
     name = "comm.recv"
     irdl_options = (ParsePropInAttrDict(),)
     result = result_def(TensorType)
-    pairs = prop_def(ArrayAttr)
+    pairs = prop_def(RankPairsAttr | ArrayAttr)
     tag = opt_prop_def(IntegerAttr)
     assembly_format = "attr-dict `:` type($result)"
 
-    def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute, tag: int = 0):
+    def __init__(self, pairs: Sequence[Sequence[int]] | RankPairs, result_type: Attribute, tag: int = 0):
         super().__init__(result_types=[result_type], properties=_message_properties(pairs, tag))
 
     @property
@@ -350,15 +379,8 @@ def talks_with(op: Operation) -> frozenset[int]:
     """Return the ranks communication op `op` involves: a collective's groups, a transfer's
     pairs, an exchange's members; none for local ops (`local_split`, `local_zero`) and for ops
     outside this dialect."""
-    if isinstance(op, (LocalSplitOp, LocalZeroOp)):
-        return frozenset()
-    if isinstance(op, _Collective):
-        return frozenset(op.rank_groups.members)
-    if isinstance(op, (SendOp, RecvOp)):
-        return frozenset(r for pair in groups_of(op.pairs) for r in pair)
-    if isinstance(op, ExchangeOp):
-        return frozenset(op.members())
-    return frozenset()
+    found = members(op)
+    return frozenset() if found is None else frozenset(r for part in found for r in part)
 
 
 Comm = Dialect(

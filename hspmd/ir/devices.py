@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DeviceRange", "DeviceSetError", "RankGroups", "concat", "iota_members", "parse_devices", "parse_rank_groups"]
+__all__ = ["DeviceRange", "DeviceSetError", "RankGroups", "RankPairs", "concat", "iota_members", "parse_devices",
+           "parse_rank_groups", "parse_rank_pairs"]
 
 
 
@@ -331,6 +332,16 @@ class DeviceRange(Sequence[int]):
 
     # ------------------------------------------------------------------ composition
 
+    def positions(self, sub: DeviceRange) -> DeviceRange:
+        """Return the position in this set of each id of `sub` (`[self.index(d) for d in sub]`),
+        computed where this set is a run or a strided run and `sub` a range on it, else listed."""
+        if self.ids is None and len(self.shape) <= 1 and sub.ids is None:
+            step = self.strides[0] if self.shape else 1
+            if (sub.start - self.start) % step == 0 and all(t % step == 0 for t in sub.strides) \
+                    and sub.issubset(self):
+                return DeviceRange.box((sub.start - self.start) // step, sub.shape, [t // step for t in sub.strides])
+        return DeviceRange.of([self.index(d) for d in sub])
+
     def take(self, indices: DeviceRange) -> DeviceRange:
         """Return `[self[i] for i in indices]`, as a range where the two compose (no carries), else a list."""
         if not isinstance(indices, DeviceRange):
@@ -368,10 +379,10 @@ class DeviceRange(Sequence[int]):
             last = self.start + (len(self) - 1) * self.strides[0]
             return f"{self.start}-{last}" + (f":{self.strides[0]}" if self.strides[0] != 1 else "")
         text = _iota_text((len(self),), self.start, self.shape, self.strides)
-        if text is None and len(self.shape) == 2:  # rows of a strided run each (a sub-mesh with gaps)
+        if text is None and len(self.shape) == 2 and self.shape[0] <= 4:  # a few rows of a strided run each
             text = ",".join(str(DeviceRange.span(self.start + c * self.strides[0], self.shape[1], self.strides[1]))
                             for c in range(self.shape[0]))
-        return text
+        return text or _box_text((len(self),), self.start, self.shape, self.strides)
 
 
 def _list_text(ids: Sequence[int]) -> str:
@@ -455,6 +466,12 @@ def _compose(devs: DeviceRange, idx: DeviceRange) -> DeviceRange | None:
     if any(s < 1 for s in strides2) or not _nested(shape2, strides2):
         return None
     return DeviceRange(start, shape2, strides2)
+
+
+def _box_text(dims: tuple[int, ...], start: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+    """Return `[dims]<=[shape]@[strides]+start`: the box's ids read row-major, cut into `dims`."""
+    return ("[" + ",".join(map(str, dims)) + "]<=[" + ",".join(map(str, shape)) + "]@["
+            + ",".join(map(str, strides)) + "]" + (f"+{start}" if start else ""))
 
 
 def _iota_text(dims: tuple[int, ...], start: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
@@ -559,6 +576,9 @@ class RankGroups(Sequence[DeviceRange]):
     def __iter__(self) -> Iterator[DeviceRange]:
         return (self[g] for g in range(len(self)))
 
+    def __lt__(self, other: object) -> bool:  # as the listed groups order
+        return self.as_tuples() < tuple(tuple(g) for g in other)  # type: ignore[union-attr]
+
     def group_of(self, rank: int) -> tuple[int, int] | None:
         """Return (group index, position in it) of `rank`, or None when no group holds it."""
         if rank not in self.members:
@@ -579,7 +599,10 @@ class RankGroups(Sequence[DeviceRange]):
         """Return the canonical text, the shorter of XLA's iota form (`[2,4]<=[8]`) and the list's
         (`{0,2},{1,3}`; ties go to the list)."""
         m = self.members
-        text = _iota_text((len(self), self.size), m.start, m.shape, m.strides) if m.ids is None and m.shape else None
+        text = None
+        if m.ids is None and m.shape:
+            dims = (len(self), self.size)
+            text = _iota_text(dims, m.start, m.shape, m.strides) or _box_text(dims, m.start, m.shape, m.strides)
         if len(m) <= 32 or text is None:
             listed = ",".join("{" + str(g) + "}" for g in self)
             if text is None or len(listed) <= len(text):
@@ -591,10 +614,90 @@ def _groups_list_text(groups: Sequence[Sequence[int]]) -> str:
     return ",".join("{" + _list_text(tuple(g)) + "}" for g in groups[:8]) + (",..." if len(groups) > 8 else "")
 
 
+@dataclass(frozen=True, eq=False)
+class RankPairs(Sequence[tuple[int, int]]):
+    """The [src, dst] pairs of a send or receive: `src[i]` sends to `dst[i]`, both ranges.
+
+    Text `0-2047->2048-4095` (each side a device set). A rank finds its partner from its id
+    (`partner`), not by a search through the pairs.
+
+    >>> p = RankPairs(DeviceRange.iota(4, 4), DeviceRange.iota(4))
+    >>> str(p), p.partner(5, "src"), p.partner(1, "dst"), p.partner(1, "src"), list(p)[0]
+    ('4-7->0-3', 1, 5, None, (4, 0))
+    """
+
+    src: DeviceRange
+    dst: DeviceRange
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src", DeviceRange.of(self.src))
+        object.__setattr__(self, "dst", DeviceRange.of(self.dst))
+        if len(self.src) != len(self.dst):
+            raise DeviceSetError(f"pairs need as many sources as destinations, got {len(self.src)} and {len(self.dst)}")
+
+    @staticmethod
+    def of(pairs: Iterable[Sequence[int]]) -> RankPairs:
+        """Return the pairs of an explicit list of [src, dst] pairs."""
+        if isinstance(pairs, RankPairs):
+            return pairs
+        listed = [tuple(p) for p in pairs]
+        if not listed or any(len(p) != 2 for p in listed):
+            raise DeviceSetError(f"pairs {listed[:8]} are not [src, dst] pairs")
+        return RankPairs(DeviceRange.of([p[0] for p in listed]), DeviceRange.of([p[1] for p in listed]))
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(*i.indices(len(self))))
+        return self.src[i], self.dst[i]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.src, self.dst)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankPairs):
+            return (self.src, self.dst) == (other.src, other.dst)
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(tuple(a) == tuple(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __lt__(self, other: object) -> bool:  # as the listed pairs order (events sort by them)
+        return tuple(self) < tuple(other)  # type: ignore[arg-type]
+
+    def partner(self, rank: int, role: str) -> int | None:
+        """Return whom `rank` sends to (`role` "src") or receives from ("dst"); None when it is not one."""
+        mine, theirs = (self.src, self.dst) if role == "src" else (self.dst, self.src)
+        return theirs[mine.index(rank)] if rank in mine else None
+
+    def members(self) -> DeviceRange:
+        """Return every rank of the pairs, the sources first."""
+        return concat([self.src, self.dst]) if self.src.isdisjoint(self.dst) else DeviceRange.of(
+            sorted(set(self.src) | set(self.dst)))
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+def parse_rank_pairs(text: str) -> RankPairs:
+    """Return the pairs `text` names: `0-3->4-7`."""
+    body = re.sub(r"\s+", "", text)
+    if body.count("->") != 1:
+        raise DeviceSetError(f"pairs '{text}': expected SOURCES->DESTINATIONS, e.g. 0-3->4-7")
+    src, dst = body.split("->")
+    return RankPairs(parse_devices(src), parse_devices(dst))
+
+
 # ---------------------------------------------------------------------------- parsing
 
 _IOTA = re.compile(r"^\[(?P<dims>\d+(?:,\d+)*)\]<=\[(?P<reshape>\d+(?:,\d+)*)\]"
                    r"(?:T\((?P<perm>\d+(?:,\d+)*)\))?(?:\*(?P<step>\d+))?(?:\+(?P<start>\d+))?$")
+_BOX = re.compile(r"^\[(?P<dims>\d+(?:,\d+)*)\]<=\[(?P<shape>\d+(?:,\d+)*)\]@\[(?P<strides>\d+(?:,\d+)*)\]"
+                  r"(?:\+(?P<start>\d+))?$")
 _ITEM = re.compile(r"^(?P<a>\d+)(?:-(?P<b>\d+)(?::(?P<s>\d+))?)?$")
 
 
@@ -606,7 +709,13 @@ def _iota(text: str) -> tuple[list[int], DeviceRange] | None:
     """Return (dims, the members in row-major order of dims) of an iota expression, or None if `text` is not one."""
     m = _IOTA.match(text)
     if m is None:
-        return None
+        b = _BOX.match(text)
+        if b is None:
+            return None
+        dims, shape, strides = _ints(b["dims"]), _ints(b["shape"]), _ints(b["strides"])
+        if len(shape) != len(strides) or math.prod(dims) != math.prod(shape) or 0 in dims:
+            raise DeviceSetError(f"box '{text}': needs one stride per dim and dims that hold its devices")
+        return dims, DeviceRange.box(int(b["start"] or 0), shape, strides)
     reshape = _ints(m["reshape"])
     return iota_members(_ints(m["dims"]), reshape, _ints(m["perm"]) if m["perm"] else None,
                         int(m["step"] or 1), int(m["start"] or 0), text)

@@ -39,7 +39,7 @@ def _group_of(groups: RankGroups, rank: int, op: Operation) -> tuple[int, ...]:
 def comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
     """Return the call that performs collective `op` for `rank`."""
     if isinstance(op, comm.SendOp):  # non-blocking: the plan's last step waits for its sends
-        dest = {s: d for s, d in comm.groups_of(op.pairs)}.get(rank)
+        dest = comm.pair_partner(op.pairs, rank, "src")
         tag = op.tag_value
         pending: list = []
 
@@ -50,7 +50,7 @@ def comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callabl
         send.pending = pending  # type: ignore[attr-defined]
         return send
     if isinstance(op, comm.RecvOp):
-        src = {d: s for s, d in comm.groups_of(op.pairs)}.get(rank)
+        src = comm.pair_partner(op.pairs, rank, "dst")
         shape, dtype, tag = op.result.type.get_shape(), dtype_name(op.result.type), op.tag_value
         return lambda: communicator.recv(np.empty(shape, dtype), src, tag)
     if isinstance(op, comm.ExchangeOp):

@@ -30,11 +30,11 @@ builtin.module {
 // CHECK:         %[[G0:.*]] = comm.all_reduce %[[SUM0]] {groups = #dist.groups<"{0,2}">} : tensor<4x4xf32> -> tensor<4x4xf32>
 // CHECK:         optim.sgd %w0, %[[G0]]
 // CHECK:       func.func private @pipeline_forward
-// CHECK:         comm.send %r {pairs = [array<i64: 0, 1>], tag = {{[0-9]+}} : i64} : tensor<3x4xf32>
+// CHECK:         comm.send %r {pairs = #dist.pairs<"0->1">, tag = {{[0-9]+}} : i64} : tensor<3x4xf32>
 // CHECK:       builtin.module @group1 attributes {hspmd.devices = #dist.devices<"1">, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         %[[LOSSES:.*]], %[[SUM1:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
 // CHECK-NEXT:    %[[LOSS:.*]] = comm.all_reduce %[[LOSSES]] {groups = #dist.groups<"{1,2}">} : tensor<f32> -> tensor<f32>
-// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = [array<i64: 1, 0>], tag = {{[0-9]+}} : i64} : tensor<f32>
+// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = #dist.pairs<"1->0">, tag = {{[0-9]+}} : i64} : tensor<f32>
 // CHECK:         %[[G1:.*]] = comm.all_reduce %[[SUM1]] {groups = #dist.groups<"{1,2}">} : tensor<4x3xf32> -> tensor<4x3xf32>
 // CHECK:       builtin.module @group2 attributes {hspmd.devices = #dist.devices<"2">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
 // CHECK:           graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<2x4xf32>

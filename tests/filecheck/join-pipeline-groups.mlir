@@ -15,9 +15,9 @@ builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=
     func.func @train_step() {
       %w0 = graph.parameter "layers.0.weight" {init = "normal:0.1", global_type = tensor<4x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=dup">>} : tensor<4x4xf32>
       %0 = graph.input "x@mb" {global_type = tensor<1x8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(1), shares=3:1">>} : tensor<1x6x4xf32>
-      %1 = comm.recv {pairs = [array<i64: 1, 0>], tag = 2 : i64} : tensor<6x4xf32>
+      %1 = comm.recv {pairs = #dist.pairs<"1->0">, tag = 2 : i64} : tensor<6x4xf32>
       %2 = pipeline.run @pipeline_forward, @pipeline_backward(%w0, %1) (%0) {schedule = "gpipe", stage = 0 : i64, stages = 2 : i64, microbatches = 1 : i64, stash = 1 : i64} : (tensor<4x4xf32>, tensor<6x4xf32>) (tensor<1x6x4xf32>) -> (tensor<4x4xf32>)
-      %3 = comm.recv {pairs = [array<i64: 1, 0>], tag = 1 : i64} : tensor<f32>
+      %3 = comm.recv {pairs = #dist.pairs<"1->0">, tag = 1 : i64} : tensor<f32>
       graph.output "loss", %3 : tensor<f32>
       %4 = graph.parameter "opt.step" {init = "zeros", global_type = tensor<i64, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=dup">>} : tensor<i64>
       %5 = graph.constant {value = 1.000000e+00 : f64} : tensor<i64>
@@ -31,7 +31,7 @@ builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=
     func.func private @pipeline_forward(%0: tensor<4x4xf32>, %1: tensor<6x4xf32>, %2: tensor<6x4xf32>) -> tensor<6x4xf32> {
       %h = graph.matmul %2, %0 : (tensor<6x4xf32>, tensor<4x4xf32>) -> tensor<6x4xf32>
       %r = graph.relu %h : (tensor<6x4xf32>) -> tensor<6x4xf32>
-      comm.send %r {pairs = [array<i64: 0, 1>], tag = 3 : i64} : tensor<6x4xf32>
+      comm.send %r {pairs = #dist.pairs<"0->1">, tag = 3 : i64} : tensor<6x4xf32>
       func.return %h : tensor<6x4xf32>
     }
     func.func private @pipeline_backward(%0: tensor<4x4xf32>, %1: tensor<6x4xf32>, %2: tensor<6x4xf32>, %3: tensor<6x4xf32>) -> tensor<4x4xf32> {
@@ -50,9 +50,9 @@ builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=
       %2 = graph.scale %1 {factor = 1.250000e-01 : f64} : (tensor<f32>) -> tensor<f32>
       %3 = graph.broadcast %2 {dims = array<i64>} : (tensor<f32>) -> tensor<6x3xf32>
       %4 = graph.matmul %3, %0 : (tensor<6x3xf32>, tensor<3x4xf32>) -> tensor<6x4xf32>
-      comm.send %4 {pairs = [array<i64: 1, 0>], tag = 2 : i64} : tensor<6x4xf32>
+      comm.send %4 {pairs = #dist.pairs<"1->0">, tag = 2 : i64} : tensor<6x4xf32>
       %5, %6 = pipeline.run @pipeline_forward, @pipeline_backward(%w1, %3) () {schedule = "gpipe", stage = 1 : i64, stages = 2 : i64, microbatches = 1 : i64, stash = 1 : i64} : (tensor<4x3xf32>, tensor<6x3xf32>) () -> (tensor<f32>, tensor<4x3xf32>)
-      comm.send %5 {pairs = [array<i64: 1, 0>], tag = 1 : i64} : tensor<f32>
+      comm.send %5 {pairs = #dist.pairs<"1->0">, tag = 1 : i64} : tensor<f32>
       graph.output "loss", %5 : tensor<f32>
       %7 = graph.parameter "opt.step" {init = "zeros", global_type = tensor<i64, #dist.layout<"[1]: dup=1 | [2]: dup=1 ; hetero=dup">>} : tensor<i64>
       %8 = graph.constant {value = 1.000000e+00 : f64} : tensor<i64>
@@ -64,7 +64,7 @@ builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=
       func.return
     }
     func.func private @pipeline_forward(%0: tensor<4x3xf32>, %1: tensor<6x3xf32>) -> (tensor<6x4xf32>, tensor<f32>) {
-      %2 = comm.recv {pairs = [array<i64: 0, 1>], tag = 3 : i64} : tensor<6x4xf32>
+      %2 = comm.recv {pairs = #dist.pairs<"0->1">, tag = 3 : i64} : tensor<6x4xf32>
       %y = graph.matmul %2, %0 : (tensor<6x4xf32>, tensor<4x3xf32>) -> tensor<6x3xf32>
       %s = graph.reduce_sum %y {dims = array<i64: 0, 1>} : (tensor<6x3xf32>) -> tensor<f32>
       %l = graph.scale %s {factor = 1.250000e-01 : f64} : (tensor<f32>) -> tensor<f32>

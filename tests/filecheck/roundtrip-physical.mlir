@@ -16,8 +16,8 @@ builtin.module {
       %ls = comm.local_split %g {groups = #dist.groups<"[2,2]<=[4]">, dim = 1 : i64} : tensor<8x6xf32> -> tensor<8x3xf32>
       %z = comm.local_zero %ls {groups = #dist.groups<"{0-3}">} : tensor<8x3xf32> -> tensor<8x3xf32>
       %t = comm.all_to_all %z {groups = #dist.groups<"[2,2]<=[4]">, split_dim = 0 : i64, concat_dim = 1 : i64} : tensor<8x3xf32> -> tensor<4x6xf32>
-      comm.send %t {pairs = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<4x6xf32>
-      %r = comm.recv {pairs = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<4x6xf32>
+      comm.send %t {pairs = #dist.pairs<"0,1->2,3">} : tensor<4x6xf32>
+      %r = comm.recv {pairs = #dist.pairs<"0,1->2,3">} : tensor<4x6xf32>
       %s = graph.add %t, %r : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
       graph.assign "w", %a : tensor<8x6xf32>
       func.return
@@ -43,8 +43,8 @@ builtin.module {
 // CHECK-NEXT:      %ls = comm.local_split %g {groups = #dist.groups<"[2,2]<=[4]">, dim = 1 : i64} : tensor<8x6xf32> -> tensor<8x3xf32>
 // CHECK-NEXT:      %z = comm.local_zero %ls {groups = #dist.groups<"{0-3}">} : tensor<8x3xf32> -> tensor<8x3xf32>
 // CHECK-NEXT:      %t = comm.all_to_all %z {groups = #dist.groups<"[2,2]<=[4]">, split_dim = 0 : i64, concat_dim = 1 : i64} : tensor<8x3xf32> -> tensor<4x6xf32>
-// CHECK-NEXT:      comm.send %t {pairs = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<4x6xf32>
-// CHECK-NEXT:      %r = comm.recv {pairs = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<4x6xf32>
+// CHECK-NEXT:      comm.send %t {pairs = #dist.pairs<"0,1->2,3">} : tensor<4x6xf32>
+// CHECK-NEXT:      %r = comm.recv {pairs = #dist.pairs<"0,1->2,3">} : tensor<4x6xf32>
 // CHECK-NEXT:      %s = graph.add %t, %r : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
 // CHECK-NEXT:      graph.assign "w", %a : tensor<8x6xf32>
 // CHECK-NEXT:      func.return

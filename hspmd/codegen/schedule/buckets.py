@@ -137,7 +137,7 @@ def _marked_runs(flat: Flat, candidates: list[_Candidate]) -> list[tuple[list[_C
         if c.run is not None:
             runs.setdefault(c.run, []).append(c)
     talking = [i for i, node in enumerate(flat.nodes)  # the sends' wait at the end of the step too
-               if node.kind == "wait-sends" or (node.op is not None and comm.talks_with(node.op))]
+               if node.kind == "wait-sends" or (node.op is not None and comm.members(node.op) is not None)]
     out = []
     for run in runs.values():
         own = {m.position for m in run}
