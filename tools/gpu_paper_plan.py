@@ -378,6 +378,128 @@ def model_facts_for(shape: ModelShape, max_devices: int = 16):
     return model_facts(_script(shape), max_devices)
 
 
+# ---------------------------------------------------------------------------------------------
+# next to Megatron-LM's Table 1 (GPT-3 family, 32 to 3,072 A100)
+
+
+def a100_node(nodes: int) -> H100Node:
+    """Return `nodes` nodes of 8 A100 SXM 80 GB as Selene has them (the paper's section 5): the
+    H100 machine's assumptions with the A100's published peaks: bfloat16 312 TFLOP/s dense (the
+    matmul table scaled by 312/989, so the same 71 % at the largest products), HBM2e 2.04 TB/s,
+    NVLink 3 600 GB/s per GPU both ways (300 each way), one HDR 200 Gb/s (25 GB/s) NIC per GPU."""
+    scale = 312e12 / 989.4e12
+    return replace(H100Node(nodes=nodes), bf16_peak_flops=312e12,
+                   matmul_table=tuple((f, t * scale) for f, t in H100Node().matmul_table),
+                   hbm_bps=2.039e12, nvlink_bps=300e9, nic_bps=25e9)
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    """One row of Narayanan et al. 2021 (SC'21), Table 1: the model, its parallelism and what they measured."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float  # achieved, counting activation recomputation's extra forward
+    peak_percent: int
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    def shape(self) -> ModelShape:
+        return ModelShape(f"GPT {self.params_b:g}B", self.layers, self.hidden, self.heads, 2048, self.batch, vocab=51200)
+
+
+#: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+#: Megatron-LM", SC'21, Table 1 (weak scaling, sequence 2048, vocabulary 51,200, A100 80 GB on
+#: Selene): the paper's numbers, as published
+MEGATRON_TABLE1 = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    MegatronRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    MegatronRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+
+
+def megatron_flops(shape: ModelShape) -> float:
+    """Return a step's FLOPs as the paper counts them (its equation 3, with recomputation's extra
+    forward): 96 B s l h^2 (1 + s/(6h) + V/(16 l h))."""
+    b, s, l, h, v = shape.batch, shape.seq_len, shape.layers, shape.d_model, shape.vocab
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+@dataclass(frozen=True)
+class MegatronComparison:
+    """hspmd's planner on one Table 1 row's GPUs and batch, beside the paper's measurement."""
+
+    row: MegatronRow
+    chosen: str  # the planner's strategy and settings
+    step_s: float  # its predicted step (the planner's price)
+    theirs_priced_s: float  # Megatron's own tp/pp/dp priced by the same cost model (nan: does not fit or run)
+    mfu: float  # model FLOPs (no recomputation) / (step x GPUs x peak)
+    tflops_per_gpu: float  # the paper's FLOP count / (step x GPUs): what the paper would have reported
+
+    @property
+    def ratio(self) -> float:
+        return self.tflops_per_gpu / self.row.tflops_per_gpu
+
+
+def compare_megatron(row: MegatronRow, memory: float = MEMORY_PER_GPU) -> MegatronComparison:
+    """Return the planner's choice for `row`'s model on its GPUs (A100 nodes) and batch."""
+    from hspmd.planner import Machine, plan
+    from hspmd.planner.cost import GroupConfig
+    from hspmd.planner.search import MICROBATCHES, _price
+
+    hw = a100_node(row.gpus // 8)
+    machine = Machine(make_profile(hw), op_overhead=KERNEL_GAP_S)
+    shape = row.shape()
+    facts = model_facts_for(shape, row.gpus)
+    fits, _ = plan(facts, machine, memory)
+    best = fits[0]
+    theirs = math.nan
+    config = GroupConfig(tuple(range(row.gpus)), row.dp, row.tp, row.pp, recompute="block")
+    for m in (MICROBATCHES if row.pp > 1 else (1,)):
+        c = _price(facts, machine, (config,), m)
+        if c is not None and c.memory_bytes <= memory and not c.step_s >= theirs:
+            theirs = c.step_s
+    step = best.step_s
+    return MegatronComparison(row, " ".join([best.strategy(), *best.settings()]), step, theirs,
+                              model_flops(shape) / (step * row.gpus * hw.bf16_peak_flops),
+                              megatron_flops(shape) / (step * row.gpus) / 1e12)
+
+
+def megatron_table(rows: Sequence[MegatronRow] = MEGATRON_TABLE1, markdown: bool = False) -> str:
+    """Return the comparison of every row as a table (markdown or plain)."""
+    head = ["model", "GPUs", "batch", "paper t/p/d", "paper TFLOP/s/GPU", "hspmd's choice", "step s",
+            "Megatron's t/p/d priced, s", "MFU", "TFLOP/s/GPU (paper's count)", "ratio"]
+    body = []
+    for row in rows:
+        c = compare_megatron(row)
+        body.append([f"{row.params_b:g}B", f"{row.gpus:,}", f"{row.batch:,}", f"{row.tp}/{row.pp}/{row.dp}",
+                     f"{row.tflops_per_gpu:g} ({row.peak_percent} %)", c.chosen, f"{c.step_s:.2f}",
+                     "-" if math.isnan(c.theirs_priced_s) else f"{c.theirs_priced_s:.2f}", f"{c.mfu * 100:.0f} %",
+                     f"{c.tflops_per_gpu:.0f}", f"{c.ratio:.2f}"])
+        print(f"  {row.params_b:g}B on {row.gpus}: {c.chosen}, {c.step_s:.2f} s, ratio {c.ratio:.2f}", file=sys.stderr,
+              flush=True)
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(r) + " |" for r in body]) + "\n"
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in (head, *body)) + "\n"
+
+
 def plan_choice(facts, profile: DeviceProfile, memory: float = MEMORY_PER_GPU):
     """Return the planner's candidates under `memory` on `profile`, best first (`hspmd plan`'s
     search), with GPU kernel gaps for its per-kernel cost."""
@@ -447,7 +569,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --write-profiles: also write a profile whose last F of the nodes (a fraction, e.g. "
                          "0.333) compute at --slow-speed")
     ap.add_argument("--slow-speed", type=float, default=0.5, help="the slow nodes' speed (default 0.5)")
+    ap.add_argument("--megatron", action="store_true",
+                    help="only the comparison with Megatron-LM's Table 1 (GPT-3 family, 32 to 3,072 A100): hspmd's "
+                         "planner on the same GPUs and batches")
+    ap.add_argument("--megatron-rows", default=None, metavar="LIST",
+                    help="with --megatron: the rows to run, by model size in billions (e.g. 1.7,18.4)")
     args = ap.parse_args(argv)
+    if args.megatron:
+        rows = MEGATRON_TABLE1 if args.megatron_rows is None else tuple(
+            r for r in MEGATRON_TABLE1 if f"{r.params_b:g}" in args.megatron_rows.split(","))
+        start = time.perf_counter()
+        print(megatron_table(rows, args.markdown))
+        print(f"({time.perf_counter() - start:.0f} s)")
+        return 0
     if args.write_profiles:
         return write_profiles(args.write_profiles, [int(x) for x in args.gpus.split(",")], args.slow_nodes,
                               args.slow_speed)

@@ -151,7 +151,8 @@ def cmd_plan(args) -> int:
     choice = choose_strategy(script, args.n, args.profile, memory, print)
     chosen, fits, over, facts, machine = choice.chosen, choice.fits, choice.over, choice.facts, choice.machine
     read, searched = choice.read_s, choice.search_s
-    where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
+    where = (f"profile {args.profile}" + ("" if machine.measured else ", synthetic") if args.profile
+             else "no profile: every rank assumed alike (hspmd profile measures them)")
     print(f"planning {args.script} for {args.n} devices ({where})")
     print(f"model: {facts.rows} rows per step, {facts.layers} layer{'s' if facts.layers != 1 else ''}, "
           f"{facts.matmul_flops / 1e9:.2f} GFLOP of matmuls, {_mib(facts.param_bytes)} of parameters "

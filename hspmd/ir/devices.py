@@ -269,6 +269,17 @@ class DeviceRange(Sequence[int]):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
+    def __add__(self, other: object) -> tuple[int, ...]:
+        """Return the ids and `other`'s as a tuple (as a tuple of ids would; O(len))."""
+        if isinstance(other, (tuple, list, DeviceRange)):
+            return (*self, *other)
+        return NotImplemented
+
+    def __radd__(self, other: object) -> tuple[int, ...]:
+        if isinstance(other, (tuple, list)):
+            return (*other, *self)
+        return NotImplemented
+
     def __hash__(self) -> int:
         # the hash of the tuple of ids, as equality with tuples asks (computed once: O(len))
         try:

@@ -17,6 +17,7 @@ describes an impossible layout raises `LayoutError`.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 from lark import Lark, Token, Tree
@@ -36,6 +37,7 @@ devitem: INT             -> dev
        | INT "-" INT     -> devrange
        | INT "-" INT ":" INT -> devstride
 iota: "<=" "[" intlist "]" perm? scale? offset?
+    | "<=" "[" intlist "]" "@" "[" intlist "]" offset? -> box
 perm: "T" "(" intlist ")"
 scale: "*" INT
 offset: "+" INT
@@ -161,10 +163,20 @@ def devices_of(tree: Tree, text: str, error: Callable[[str, Token, str, str | No
 
 
 def _iota_devices(devlist: Tree, iota: Tree, text: str, error) -> DeviceRange:
-    """Return the devices of `[n]<=[r...]T(p)*s+o`."""
+    """Return the devices of `[n]<=[r...]T(p)*s+o` or of the box `[n]<=[shape]@[strides]+o`."""
     first = devlist.children[0].children[0]
     if len(devlist.children) != 1 or devlist.children[0].data != "dev":
         raise error(text, first, "an iota expression takes one dim, its number of devices ([n]<=[...])", "[n]")
+    if iota.data == "box":
+        shape, strides = ([int(t) for t in c.children] for c in iota.children[:2])
+        start = int(iota.children[2].children[0]) if len(iota.children) > 2 else 0
+        if len(shape) != len(strides) or math.prod(shape) != int(first) or 0 in shape:
+            raise error(text, first, f"a box of {int(first)} devices needs a shape that holds them and one stride "
+                        "per dim", "[n]<=[shape]@[strides]")
+        try:
+            return DeviceRange.box(start, shape, strides)
+        except DeviceSetError as err:
+            raise error(text, first, str(err), None) from None
     parts = {c.data: [int(t) for t in (c.children[0].children if c.data == "perm" else c.children)]
              for c in iota.children[1:]}
     reshape = [int(t) for t in iota.children[0].children]
