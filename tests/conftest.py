@@ -14,6 +14,22 @@ EXAMPLES = os.path.join(ROOT, "examples")
 BIN = os.path.dirname(sys.executable)
 
 
+
+def pytest_assertrepr_compare(op, left, right):
+    """A failed `==` of two long byte strings (arrays' `tobytes()`) explained in three lines: pytest's
+    own explanation diffs their reprs line by line, which takes minutes for a few megabytes."""
+    if op != "==" or not (isinstance(left, bytes) and isinstance(right, bytes)) or max(len(left), len(right)) <= 256:
+        return None
+    import numpy as np
+
+    n = min(len(left), len(right))
+    a, b = np.frombuffer(left, np.uint8, n), np.frombuffer(right, np.uint8, n)
+    differ = np.flatnonzero(a != b)
+    first = int(differ[0]) if differ.size else n
+    return [f"{len(left)} bytes == {len(right)} bytes",
+            f"{differ.size} of the first {n} bytes differ; the first at byte {first}",
+            f"left[{first}:{first + 8}] = {left[first:first + 8]!r}, right[{first}:{first + 8}] = {right[first:first + 8]!r}"]
+
 def run_cli(
     *args: str, timeout: float = 120, check: bool = False, cwd: str | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
@@ -55,7 +71,9 @@ def gpt_cpu_step(overrides: dict):
 
 
 def train_plan(plan, script, compiled, steps: int = 3):
-    """Run `steps` training steps of `plan` from its initial state; return (losses, parameters)."""
+    """Run `steps` training steps of `plan` from its initial state; return (losses, parameters).
+    A GPU plan's step must have been captured without a refusal (`DevicePlan.capture_failures`:
+    the emulated device refuses what CUDA's stream capture refuses)."""
     import numpy as np
 
     from hspmd.runtime.worker import step_inputs
@@ -64,6 +82,7 @@ def train_plan(plan, script, compiled, steps: int = 3):
     state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
     losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
               for n in range(1, steps + 1)]
+    assert not getattr(plan, "capture_failures", None), plan.capture_failures
     return losses, {k: np.array(v) for k, v in state.items()}
 
 
