@@ -689,8 +689,8 @@ class _WorkerRows(ModelScript):
 
     workers: int = 1
 
-    def batches(self):
-        for batch in super().batches():
+    def batches(self, shapes_only: bool = False):
+        for batch in super().batches(shapes_only):
             rows = {len(v) for v in batch.values() if getattr(v, "ndim", 0)}
             if len(rows) != 1 or next(iter(rows)) % self.workers:
                 raise PassError(f"{self.path}: a parameter-server run splits each batch's rows over "
@@ -787,7 +787,7 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     from hspmd.codegen.report import tensor_nbytes
 
     homes = assign_by_bytes([(name, tensor_nbytes(typ)) for name, _, typ in served], servers)
-    rows = len(next(iter(next(script.batches()).values())))
+    rows = len(next(iter(next(script.batches(shapes_only=True)).values())))
     plan = PSPlan(workers=workers, servers=servers, comm=group.comm, consistency=group.consistency,
                   bound=group.staleness_bound, cache_rows=group.cache_rows,
                   cache_bound=group.cache_bound or 0, homes=homes,

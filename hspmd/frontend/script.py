@@ -71,9 +71,11 @@ class ModelScript:
         """Return whether the script imports a PyTorch model (`torch_model`)."""
         return hasattr(self.module, "torch_model")
 
-    def batches(self):
+    def batches(self, shapes_only: bool = False):
         """Return an iterator over the script's global batches (its `batches(config)`, or its
-        `dataset(config)` read in the sampler's order)."""
+        `dataset(config)` read in the sampler's order). `shapes_only`: for a caller that needs a
+        batch's shapes and dtypes only (tracing): a dataset smaller than one batch gives a padded
+        batch rather than an error."""
         from hspmd.data.errors import DataError
         from hspmd.data.script import has_dataset, script_batches
 
@@ -82,7 +84,7 @@ class ModelScript:
 
         def read():
             try:
-                yield from script_batches(self.module, self.config)
+                yield from script_batches(self.module, self.config, shapes_only)
             except DataError as err:
                 raise ScriptError(str(err)) from None
 
@@ -191,7 +193,7 @@ def script_optimizer(script: ModelScript):
 def trace_script(script: ModelScript) -> ModuleOp:
     """Return the logical IR of the script's forward step: parameters, inputs, `graph.output "loss"`."""
     try:
-        first = next(script.batches())
+        first = next(script.batches(shapes_only=True))
     except StopIteration:
         raise ScriptError(f"{script.path}: batches(config) yields no batch") from None
     if script.is_torch:
