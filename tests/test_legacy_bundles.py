@@ -1,6 +1,7 @@
 """Bundles and checkpoints written before device sets were ranges still load and train alike.
 
-`tests/fixtures/main-2efd235/` holds what main wrote at commit 2efd235 (`make.py` made them): two
+`tests/fixtures/main-2efd235/` holds what main wrote at commit 2efd235 (`make.py` made them, from
+the `gpt.py` beside them: examples/gpt.py as it was, before it read an `hs.data` dataset): two
 bundles of a small GPT (`[0-3]: dp=2 tp=2` and `[0,1]: dp=2 share=3 | [2]: dp=1 share=1`), whose
 manifests and physical programs list every device (`"devices": [0, 1]`, `hspmd.devices =
 array<i64: ...>`, `groups = [array<i64: ...>, ...]`), a checkpoint of the first after 2 steps, and
@@ -17,7 +18,6 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES
 from hspmd.codegen.bundle import read_manifest
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
@@ -28,18 +28,19 @@ from hspmd.runtime.worker import CheckpointOptions, train
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "main-2efd235")
 LOSSES = json.load(open(os.path.join(HERE, "losses.json")))
+GPT = os.path.join(HERE, "gpt.py")  # examples/gpt.py at 2efd235 (its data: lm_windows)
 SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "model.layers=2", "data.batch_size=8",
          "optim.warmup=2", "steps=4"]
 
 
 def _copy(tmp_path, name: str) -> str:
-    """Return a copy of fixture bundle `name` whose manifest names this checkout's examples/gpt.py
-    (the fixture names the path it was made at; nothing else changes)."""
+    """Return a copy of fixture bundle `name` whose manifest names the fixture's gpt.py (the bundle
+    names the path it was made at; nothing else changes)."""
     dest = tmp_path / name
     shutil.copytree(os.path.join(HERE, name), dest)
     manifest = dest / "manifest.json"
     raw = json.loads(manifest.read_text())
-    raw["script"] = os.path.join(EXAMPLES, "gpt.py")
+    raw["script"] = GPT
     manifest.write_text(json.dumps(raw, indent=2))
     return str(dest)
 
@@ -71,7 +72,7 @@ def test_an_old_checkpoint_resumes_under_the_old_bundle_and_a_new_one(tmp_path):
     assert old.first_step == 3
     np.testing.assert_allclose(old.losses, want, rtol=1e-6)
     new = str(tmp_path / "new")
-    write_bundle(compile_script(load_script(os.path.join(EXAMPLES, "gpt.py"), parse_overrides(SMALL)),
+    write_bundle(compile_script(load_script(GPT, parse_overrides(SMALL)),
                                 "[0,1]: tp=2", 2), new)
     resharded = _train(new, 2, resume=ck)
     np.testing.assert_allclose(resharded.losses, want, rtol=1e-4)
