@@ -491,8 +491,7 @@ def megatron_table(rows: Sequence[MegatronRow] = MEGATRON_TABLE1, markdown: bool
                      f"{row.tflops_per_gpu:g} ({row.peak_percent} %)", c.chosen, f"{c.step_s:.2f}",
                      "-" if math.isnan(c.theirs_priced_s) else f"{c.theirs_priced_s:.2f}", f"{c.mfu * 100:.0f} %",
                      f"{c.tflops_per_gpu:.0f}", f"{c.ratio:.2f}"])
-        print(f"  {row.params_b:g}B on {row.gpus}: {c.chosen}, {c.step_s:.2f} s, ratio {c.ratio:.2f}", file=sys.stderr,
-              flush=True)
+        print("  | " + " | ".join(body[-1]) + " |", file=sys.stderr, flush=True)  # each row as it is done
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                          + ["| " + " | ".join(r) + " |" for r in body]) + "\n"
