@@ -130,3 +130,27 @@ def test_a100_nodes_are_slower_than_h100_nodes():
     assert DeviceProfile.from_json(a100.to_json()).num_ranks == 32
     x = 1 << 28
     assert a100.time("all_reduce", tuple(range(32)), x) > h100.time("all_reduce", tuple(range(32)), x)
+
+
+def test_a_megatron_row_nothing_fits_is_a_row_of_dashes(monkeypatch):
+    """A row where no candidate fits the memory (the 145.6B on 1,536 GPUs with at most 8
+    micro-batches) says so and which candidate came nearest, instead of failing the table."""
+    import hspmd.planner as planner
+
+    g = tool()
+
+    class Lean:
+        memory_bytes = 90 * 2**30
+
+        def strategy(self):
+            return "[0-31]: dp=4 tp=8"
+
+        def settings(self):
+            return ["microbatches=8"]
+
+    monkeypatch.setattr(g, "model_facts_for", lambda shape, n: None)
+    monkeypatch.setattr(planner, "plan", lambda facts, machine, memory: ([], [Lean()]))
+    text = g.megatron_table(g.MEGATRON_TABLE1[:1], markdown=True)
+    row = text.splitlines()[2].split(" | ")
+    assert "none fits in 72 GiB" in row[5] and "90 GiB: [0-31]: dp=4 tp=8 microbatches=8" in row[5]
+    assert row[6:10] == ["-", "-", "-", "-"] and row[10] == "- |"

@@ -466,7 +466,12 @@ def compare_megatron(row: MegatronRow, memory: float = MEMORY_PER_GPU) -> Megatr
     machine = Machine(make_profile(hw), op_overhead=KERNEL_GAP_S)
     shape = row.shape()
     facts = model_facts_for(shape, row.gpus)
-    fits, _ = plan(facts, machine, memory)
+    fits, over = plan(facts, machine, memory)
+    if not fits:  # the search's micro-batches (at most MICROBATCHES[-1]) leave too many activations per stage
+        lean = min(over, key=lambda c: c.memory_bytes)
+        chosen = (f"none fits in {memory / 2**30:.0f} GiB with at most {MICROBATCHES[-1]} micro-batches; the leanest "
+                  f"needs {lean.memory_bytes / 2**30:.0f} GiB: {' '.join([lean.strategy(), *lean.settings()])}")
+        return MegatronComparison(row, chosen, math.nan, math.nan, math.nan, math.nan)
     best = fits[0]
     theirs = math.nan
     config = GroupConfig(tuple(range(row.gpus)), row.dp, row.tp, row.pp, recompute="block")
@@ -487,10 +492,13 @@ def megatron_table(rows: Sequence[MegatronRow] = MEGATRON_TABLE1, markdown: bool
     body = []
     for row in rows:
         c = compare_megatron(row)
+        def num(x: float, text: str) -> str:
+            return "-" if math.isnan(x) else text
+
         body.append([f"{row.params_b:g}B", f"{row.gpus:,}", f"{row.batch:,}", f"{row.tp}/{row.pp}/{row.dp}",
-                     f"{row.tflops_per_gpu:g} ({row.peak_percent} %)", c.chosen, f"{c.step_s:.2f}",
-                     "-" if math.isnan(c.theirs_priced_s) else f"{c.theirs_priced_s:.2f}", f"{c.mfu * 100:.0f} %",
-                     f"{c.tflops_per_gpu:.0f}", f"{c.ratio:.2f}"])
+                     f"{row.tflops_per_gpu:g} ({row.peak_percent} %)", c.chosen, num(c.step_s, f"{c.step_s:.2f}"),
+                     num(c.theirs_priced_s, f"{c.theirs_priced_s:.2f}"), num(c.mfu, f"{c.mfu * 100:.0f} %"),
+                     num(c.tflops_per_gpu, f"{c.tflops_per_gpu:.0f}"), num(c.ratio, f"{c.ratio:.2f}")])
         print("  | " + " | ".join(body[-1]) + " |", file=sys.stderr, flush=True)  # each row as it is done
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
