@@ -25,6 +25,14 @@ user, which every rank would meet again) is no device loss: the run ends with th
 losses than `--max-restarts` allows end the run with an error naming the newest checkpoint, where
 the same command goes on from. With `--dump-dir B`, restart `i` keeps its bundle in `B-restart-i`.
 
+What it needs from the launcher: MPICH's Hydra `mpiexec` (the `mpich` wheel's), started by hspmd
+itself, for `-disable-auto-cleanup` (the other ranks live on when one dies, so that the guards
+can tell which one did) and for starting the ranks of each restart. Where hspmd cannot restart
+ranks itself it refuses in one line before starting: an `mpiexec` that is not Hydra
+(`HSPMD_MPIEXEC`), and `hspmd run` inside a job that `srun` or `mpirun` started
+(`hspmd.cli.outside`; such a job is restarted by its launcher, e.g. Slurm's `--requeue`, and goes
+on from the newest checkpoint). docs/clusters.md says the same for users.
+
 Not covered: when a rank's guard or a host's process manager (`hydra_pmi_proxy`: a host lost in a
 multi-host run) is killed, Hydra ends the whole run itself, killing every rank, and nothing tells
 which device was lost. That run ends with mpiexec's non-zero code; the same command, run again
@@ -152,6 +160,12 @@ def _check(args) -> None:
     from hspmd.ir.strategy import parse_strategy
     from hspmd.runtime.fault import FaultSpecError, parse_faults
 
+    from hspmd.runtime.launch import find_mpiexec, is_hydra
+
+    mpiexec = find_mpiexec()
+    if not is_hydra(mpiexec):
+        raise LaunchError(f"--elastic restarts ranks with MPICH's Hydra mpiexec (the mpich wheel's), which keeps the "
+                          f"others alive when one dies; {mpiexec} is not Hydra (docs/clusters.md)")
     if os.path.isdir(args.script):
         raise LaunchError(f"--elastic needs a model script, which it compiles again for the ranks that are left; "
                           f"{args.script} is a compiled bundle")

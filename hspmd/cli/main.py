@@ -355,6 +355,11 @@ def cmd_run(args) -> int:
     from hspmd.runtime.cuda.device import DeviceError
     from hspmd.runtime.launch import launch
 
+    from hspmd.runtime.outside import outside_job
+
+    job = outside_job()  # a rank of a job srun / mpirun / mpiexec started (docs/clusters.md)
+    if args.n is None:
+        args.n = job.size if job is not None else 1
     _one_strategy(args)
     check_run_options(args)
     try:
@@ -380,6 +385,10 @@ def cmd_run(args) -> int:
 
         if args.servers is not None or uses_servers(args.strategy):
             return run_parameter_servers(args)
+    if job is not None:
+        from hspmd.cli.outside import run_outside
+
+        return run_outside(args, job, compile_for_run, worker_arguments)
     if args.elastic:
         from hspmd.cli.elastic import run_elastic
 
@@ -447,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="train a model script or a compiled bundle on N ranks")
-    r.add_argument("-n", type=int, default=1, help="number of ranks (MPI processes)")
+    r.add_argument("-n", type=int, help="number of ranks (MPI processes; default 1, or inside a job srun, mpirun "
+                                        "or mpiexec started, the job's ranks: docs/clusters.md)")
     r.add_argument("script", help="a model script (.py) or a bundle directory from 'hspmd compile --dump-dir'")
     _add_script_options(r)
     r.add_argument("--steps", type=int, help="training steps (default: the script's config)")

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["LaunchError", "LaunchTimeout", "YIELDING_WAITS", "find_mpiexec", "launch", "mpiexec_command",
+__all__ = ["LaunchError", "LaunchTimeout", "YIELDING_WAITS", "find_mpiexec", "is_hydra", "launch", "mpiexec_command",
            "rank_environment", "ranks_share_cores"]
 
 _NAMES = ("mpiexec", "mpiexec.hydra")
@@ -92,6 +92,17 @@ def find_mpiexec() -> str:
         "no mpiexec found: install the 'mpich' wheel (pip install mpich) into this "
         "environment, put mpiexec on PATH, or set HSPMD_MPIEXEC"
     )
+
+
+def is_hydra(mpiexec: str) -> bool:
+    """Return whether `mpiexec` is MPICH's Hydra (what `--elastic` needs: `-disable-auto-cleanup`
+    keeps the other ranks alive when one dies, so that the launcher learns which one did), from
+    what `mpiexec --version` prints."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in (out.stdout + out.stderr).upper()
 
 
 def mpiexec_command(n: int, python_args: Sequence[str], hosts: str | None = None,
