@@ -219,6 +219,9 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
     if args.max_restarts < 0:
         raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+    from hspmd.cli.elastic import parse_redundancy
+
+    args.redundancy = parse_redundancy(args.redundancy, args.elastic)  # K of --redundancy peer:K
     if args.cpu_bind and args.elastic:
         raise SystemExit("hspmd: error: --cpu-bind names a core per rank and cannot follow --elastic's restarts")
     if args.cpu_bind:
@@ -480,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --elastic: a strategy to use when ranks are lost (repeat; the first that fits is used, "
                          "else data parallelism over what is left)")
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
+    el.add_argument("--redundancy", metavar="peer[:K]",
+                    help="with --elastic: every K steps (default 1) keep each rank's training state in host memory, "
+                         "the pieces no other rank holds also on a buddy rank of another host; a lost rank then "
+                         "costs at most K steps, not all since the last checkpoint (docs/checkpoints.md)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
     r.add_argument("--servers", type=int, metavar="K",

@@ -23,7 +23,7 @@ import os
 import sys
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +52,8 @@ from hspmd.runtime.idle import RankSubset, idle_ranks
 from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
+from hspmd.runtime.standby import StandbyDismissed
+from hspmd.runtime.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -170,6 +172,8 @@ def train(
     leave_at: tuple[int, int] | None = None,
     device: str = "cpu",
     cuda_graph: bool = True,
+    peer: PeerOptions | None = None,
+    standby=None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -198,6 +202,10 @@ def train(
     step k under strategy `strategy_order[k - 1]`; the state moves in memory
     (`hspmd.runtime.switch`). A bundle with strategies on fewer ranks lets a rank leave
     gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
+
+    `peer` (`hspmd.runtime.peer`): keep in-memory copies of the state for an elastic restart, start
+    from such copies, and write the restart's `--log` line. `standby` (a standby rank,
+    `hspmd.runtime.standby`): called once the program is built, it returns where to start from.
     """
     manifest = read_manifest(bundle)
     if comm.size != (manifest.world_size or manifest.num_devices):
@@ -214,7 +222,9 @@ def train(
             print(f"rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the strategy runs on "
                   f"rank{'s' if comm.size > 1 else ''} {','.join(map(str, manifest.ranks))}", flush=True)
     places = rank_places(comm, device)
-    program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph, places)
+    # a standby rank (hspmd.runtime.standby) says nothing of its plan: it may never train
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet or standby is not None, device, cuda_graph,
+                                places)
     plan, gather = program.plan, program.gather
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph,
                                             places)
@@ -231,7 +241,13 @@ def train(
             f"steps={steps}: a run trains at least 1 step (--steps, or the script's config 'steps')")
     seed = int(config.get("seed", 0))
     state = plan.initial_state(seed)
-    ck = checkpoints or CheckpointOptions()
+    ck, peer = checkpoints or CheckpointOptions(), peer or PeerOptions()
+    if standby is not None:  # ready: wait here for where this attempt starts from
+        orders = standby()
+        ck = replace(ck, resume=orders.get("resume"))
+        peer = replace(peer, directory=orders.get("peer_dir"), restore=orders.get("peer_restore"),
+                       restart=orders.get("restart_record"))
+        log_append = bool(orders.get("log_append", log_append))
     done = 0  # steps already trained (by the run a checkpoint comes from)
     try:  # what every rank finds alike: rank 0 says it
         where = resolve_checkpoint(ck.resume) if ck.resume else None
@@ -245,7 +261,11 @@ def train(
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
-        if where and saved:
+        if peer.restore:  # a restart from the peer copies in host memory (hspmd.runtime.peer)
+            state, done, _position = restore_from_peers(peer.restore, plan.params, comm)
+            if comm.rank == 0 and not quiet:
+                print(f"resumed from the peer copies of step {done} (in host memory)", flush=True)
+        elif where and saved:
             state = stacked(load_state(where, saved, layer_leaves(plan.params), comm.rank, comm), plan.params)
             done = saved.step
             if comm.rank == 0 and not quiet:
@@ -258,6 +278,9 @@ def train(
         raise QuietRunError(str(err)) from None
     except CheckpointError as err:
         raise AgreedRunError(str(err)) from None
+    except PeerRestoreError as err:
+        raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
+    copies = start_copies(peer, comm, plan.params, manifest.strategy) if len(programs) == 1 else None
     batches = load_batches(manifest.script, config)
     for _ in range(done):  # the data position: the batches the checkpointed steps consumed
         next(batches, None)
@@ -347,6 +370,8 @@ def train(
                 if progress is not None:
                     progress.step(step, loss, elapsed, items)
                 if log_file:
+                    if peer.restart is not None and step == done + 1:  # beside the first step after a restart
+                        log_file.write(restart_line(peer.restart) + "\n")
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
@@ -363,8 +388,12 @@ def train(
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
                 writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None)
+            if copies is not None:
+                copies.after_step(step, state, {"data_position": step})
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
+        if copies is not None:
+            copies.close()
         if writer is not None:
             with traced(tracer, "checkpoint.wait", "checkpoint"):
                 writer.close()
@@ -638,6 +667,11 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or one of them per rank (cuda,cuda,cpu)")
     parser.add_argument("--cuda-graph", choices=("on", "off"), default="on")
+    parser.add_argument("--peer-dir", help="keep in-memory peer copies, their index here (hspmd.runtime.peer)")
+    parser.add_argument("--peer-every", type=int, help="a peer copy after every K-th step (default 1)")
+    parser.add_argument("--peer-restore", help="start from this recovery of the peer copies")
+    parser.add_argument("--restart-record", help="the restart's facts (JSON), for the --log line beside the first step")
+    parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.standby)")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
@@ -648,12 +682,20 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
 
         bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
+    peer = PeerOptions.from_args(args.peer_dir, args.peer_every, args.peer_restore, args.restart_record)
+    standby = None
+    if args.standby:
+        from hspmd.runtime.standby import wait_for_orders
+
+        standby = lambda: wait_for_orders(args.standby)  # noqa: E731
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
               progress_bar=args.progress == "bar", switch_every=args.switch_every,
               device=worker_device(args.device, comm.rank),
-              cuda_graph=args.cuda_graph == "on")
+              cuda_graph=args.cuda_graph == "on", peer=peer, standby=standby)
+    except StandbyDismissed:  # a standby rank the run did not need
+        return 0
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:

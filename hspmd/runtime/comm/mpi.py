@@ -469,6 +469,21 @@ class MPICommunicator(Communicator):
             np.copyto(out, target)
         return out
 
+    def irecv(self, out, source, tag=0):
+        """Post the receive at once (MPI's Irecv) into ``out`` itself where it is C-contiguous."""
+        source = self._check_peer(source, "irecv")
+        target = self._recv_target(out)
+        status = self._MPI.Status()
+        req = self._p2p.Irecv(_bytes(target), source=source, tag=int(tag))
+
+        def finish() -> np.ndarray:
+            self._check_count(status, target, source, tag)
+            if target is not out:
+                np.copyto(out, target)
+            return out
+
+        return _MPIRequest(req, finish, status)
+
     def sendrecv(self, buf, dest, out, source, sendtag=0, recvtag=0):
         buf = as_buffer(buf, "sendrecv")
         dest = self._check_peer(dest, "sendrecv")
@@ -497,16 +512,16 @@ class MPICommunicator(Communicator):
 class _MPIRequest(Request):
     """A started MPI collective: its MPI request and the local work that completes it."""
 
-    def __init__(self, req: Any, finish: Any) -> None:
+    def __init__(self, req: Any, finish: Any, status: Any = None) -> None:
         super().__init__()
-        self._req, self._finish, self._done = req, finish, False
+        self._req, self._finish, self._done, self._status = req, finish, False, status
 
     def test(self) -> bool:
         return self._done or bool(self._req.Test())
 
     def wait(self) -> np.ndarray:
         if not self._done:
-            self._req.Wait()
+            self._req.Wait() if self._status is None else self._req.Wait(self._status)
             self._result = self._finish()
             self._done = True
         return self._result  # type: ignore[return-value]
