@@ -366,6 +366,11 @@ def train(
             result.losses.append(loss)
             if keep_outputs:  # per layer, as the parameters are named (a stacked gradient: each layer's)
                 result.outputs.append(per_layer(outputs))
+            copy_s = None
+            if copies is not None and copies.due(step):  # before the log says the step is done
+                copy_s = time.perf_counter()
+                copies.after_step(step, state, {"data_position": step})
+                copy_s = time.perf_counter() - copy_s
             if comm.rank == 0:
                 if progress is not None:
                     progress.step(step, loss, elapsed, items)
@@ -373,6 +378,8 @@ def train(
                     if peer.restart is not None and step == done + 1:  # beside the first step after a restart
                         log_file.write(restart_line(peer.restart) + "\n")
                     record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
+                    if copy_s is not None:  # the training thread's part of the peer copies
+                        record["copy_s"] = copy_s
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
                     if scale is not None:  # dynamic loss scaling: the scale this step's loss was multiplied by
@@ -388,8 +395,6 @@ def train(
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
                 writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None)
-            if copies is not None:
-                copies.after_step(step, state, {"data_position": step})
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if copies is not None:

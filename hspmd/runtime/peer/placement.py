@@ -7,13 +7,13 @@ a run to survive the loss of any one rank with nothing read from disk, every reg
 any one rank:
 
 * a region with two or more holders is kept by two of them (`keepers`), in their own hosts'
-  memory; no copy crosses the network, since another rank already holds it;
-* a region with one holder is kept by it and *copied* to its buddy, a rank on another host where
-  there is one (`buddies`: a ring over the hosts, then over the ranks of a host).
+  memory, on two hosts where its holders are on several; no copy crosses the network, since
+  another rank already holds it;
+* a region with one holder, or whose holders are all on one host of several, is kept by one of
+  them and *copied* to its buddy, a rank on another host where there is one (`buddies`: a ring
+  over the hosts, then over the ranks of a host).
 
-The two keepers of a replicated region are on different hosts where its holders are, and a
-buddy is on another host where there is one, so the loss of a whole host loses no region either
-(while another host is left). Everything here is pure: every rank computes the same answer from
+So the loss of a whole host loses no region either (while another host is left). Everything here is pure: every rank computes the same answer from
 the layouts and the ranks' host names.
 
     >>> buddies(["a", "a", "b", "b"])
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from hspmd.codegen.schedule.model import Leaf
 
-__all__ = ["KeptPiece", "buddies", "holders", "keepers", "kept_pieces", "wards"]
+__all__ = ["KeptPiece", "buddies", "holders", "keepers", "kept_pieces", "needs_copy", "wards"]
 
 Region = tuple[tuple[int, int], ...]
 
@@ -75,14 +75,21 @@ def holders(leaf: Leaf) -> dict[Region, tuple[int, ...]]:
     return {region: tuple(ds) for region, ds in out.items()}
 
 
+def needs_copy(devices: Sequence[int], hosts: Sequence[str]) -> bool:
+    """Return whether a region held by `devices` goes to a buddy: no other rank holds it, or all
+    its holders are on one host while the run has others (a host lost would take it along)."""
+    on = {hosts[d] for d in devices}
+    return len(devices) == 1 or (len(on) == 1 and len(set(hosts)) > 1)
+
+
 def keepers(name: str, devices: Sequence[int], hosts: Sequence[str]) -> tuple[int, ...]:
-    """Return the holders of a region that keep it: the only one, or two of several (the first
-    by a hash of the tensor's `name`, so that replicas share the keeping; the second the next
-    holder on another host, else the next holder)."""
-    if len(devices) == 1:
-        return (devices[0],)
+    """Return the holders of a region that keep it: one where it goes to a buddy (`needs_copy`),
+    else two (the first by a hash of the tensor's `name`, so that replicas share the keeping; the
+    second the next holder on another host)."""
     start = zlib.crc32(name.encode()) % len(devices)
     first = devices[start]
+    if needs_copy(devices, hosts):
+        return (first,)
     after = [devices[(start + k) % len(devices)] for k in range(1, len(devices))]
     elsewhere = [d for d in after if hosts[d] != hosts[first]]
     return (first, (elsewhere or after)[0])
@@ -128,6 +135,6 @@ def kept_pieces(leaves: Iterable[Leaf], rank: int, hosts: Sequence[str]) -> list
         devices = holders(leaf)[mine]
         if rank not in keepers(leaf.name, devices, hosts):
             continue
-        piece = KeptPiece(leaf.name, mine, tuple(leaf.global_shape), leaf.dtype, len(devices) == 1)
+        piece = KeptPiece(leaf.name, mine, tuple(leaf.global_shape), leaf.dtype, needs_copy(devices, hosts))
         (copied if piece.copied else kept).append(piece)
     return copied + kept
