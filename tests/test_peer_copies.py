@@ -69,6 +69,18 @@ def test_every_region_outlives_any_one_rank_and_any_one_host(layouts, hosts):
                 assert left or saved, (leaf.layout, region, gone)
 
 
+def test_a_cover_takes_overlapping_pieces_each_adding_something():
+    from hspmd.runtime.peer.recovery import cover
+
+    whole, top, bottom = ((0, 8), (0, 4)), ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    # hetero dup: one group holds the tensor whole, another in halves; the whole one lost
+    assert cover([8, 4], [(top, "a"), (bottom, "b")]) == [(top, "a"), (bottom, "b")]
+    assert cover([8, 4], [(whole, "w"), (top, "a"), (bottom, "b")]) == [(whole, "w")]
+    assert cover([8, 4], [(top, "a"), (whole, "w"), (bottom, "b")]) == [(top, "a"), (whole, "w")]
+    assert cover([8, 4], [(top, "a")]) is None
+    assert cover([], [((), "s")]) == [((), "s")] and cover([], []) is None
+
+
 # -- copies, recovery and restore on in-process ranks -------------------------------------------
 
 def _bundle(tmp, strategy: str, n: int, name: str) -> str:
@@ -140,7 +152,7 @@ def test_a_lost_rank_is_recovered_from_its_buddy_and_training_goes_on_bit_for_bi
 def test_the_loss_of_a_rank_and_its_buddy_is_said_in_one_line(copied):
     _, _, _, peer_dir, _ = copied
     recovery, why = plan_recovery(peer_dir, {0, 2})  # 0's buddy is 2 (hosts a, a, b)
-    assert recovery is None and "and the buddy keeping its copy were lost" in why
+    assert recovery is None and "and the buddy keeping a copy were lost" in why
 
 
 def test_pieces_on_another_host_are_fetched_from_a_rank_there(copied):

@@ -2,8 +2,9 @@
 
 `plan_recovery(peer_dir, lost)` reads the run's index (`rank-<r>.json`, written by every rank's
 `PeerCopies` at the start) and the slots' stamps, and returns the newest step c at which every
-region of every tensor is in a slot that outlives the loss: a keeper's own slot (a rank that is
-left), or, for a lost rank's unreplicated piece, its buddy's copy (if the buddy is left). The
+tensor is covered by pieces in slots that outlive the loss: a keeper's own slot (a rank that is
+left), or, for a lost rank's copied piece, its buddy's copy (if the buddy is left); own slots
+are preferred, and pieces may overlap (`cover`). The
 result (`Recovery`) is what the restarted ranks read (`restore.load_peer_state`): each region's
 host, file, offset and the step c's data position.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from hspmd.runtime.peer.slots import SLOTS, read_stamp
 
-__all__ = ["Recovery", "plan_recovery", "read_recovery", "write_recovery"]
+__all__ = ["Recovery", "cover", "plan_recovery", "read_recovery", "write_recovery"]
 
 
 @dataclass
@@ -87,53 +88,88 @@ def _key(piece: dict) -> tuple[str, tuple]:
     return piece["name"], tuple(tuple(r) for r in piece["region"])
 
 
+def _cells(shape: list[int], regions: list[tuple]) -> list[tuple]:
+    """Return the cells of the grid the regions' bounds cut a tensor of `shape` into (each cell lies
+    wholly inside or wholly outside every region)."""
+    cuts = [sorted({0, s, *(r[d][0] for r in regions), *(r[d][1] for r in regions)}) for d, s in enumerate(shape)]
+    cells: list[tuple] = [()]
+    for d in range(len(shape)):
+        cells = [c + ((a, b),) for c in cells for a, b in zip(cuts[d], cuts[d][1:]) if a < b]
+    return cells
+
+
+def _inside(cell: tuple, region: tuple) -> bool:
+    return all(r0 <= c0 and c1 <= r1 for (c0, c1), (r0, r1) in zip(cell, region))
+
+
+def cover(shape: list[int], available: list[tuple[tuple, object]]) -> list[tuple[tuple, object]] | None:
+    """Return pieces of `available` ((region, source), in order of preference) that together cover a
+    tensor of `shape`, each one adding something; None where they do not cover it. Pieces may
+    overlap: hetero `dup` layouts hold a tensor whole in one group and sliced in another."""
+    cells = _cells(shape, [r for r, _ in available])
+    left, chosen = set(cells), []
+    for region, source in available:
+        inside = {c for c in left if _inside(c, region)}
+        if inside:
+            chosen.append((region, source))
+            left -= inside
+    return None if left else chosen
+
+
 def plan_recovery(peer_dir: str, lost: set[int]) -> tuple[Recovery | None, str]:
-    """Return (the recovery at the newest step every region survives `lost` at, "") or (None, why not)."""
+    """Return (the recovery at the newest step every tensor survives `lost` at, "") or (None, why not)."""
     index = read_index(peer_dir)
     if not index:
         return None, f"no complete index of peer copies in {peer_dir}"
     own = {r: _slot_steps(peer_dir, f"rank-{r}.own") for r in index if r not in lost}
     copies = {(r, int(w)): _slot_steps(peer_dir, f"rank-{r}.copy-{w}") for r, d in index.items()
               if r not in lost for w in d["copies"] if int(w) in lost}
-    regions: dict[tuple, dict] = {}  # (name, region) -> the piece
+    tensors: dict[str, dict] = {}  # name -> its shape and dtype
     for d in index.values():
         for p in d["own"]["pieces"]:
-            regions.setdefault(_key(p), p)
-    # the sources of each region at a step: (step -> [(host, file, offset, kind)])
-    sources: dict[tuple, dict[int, list]] = {k: {} for k in regions}
+            tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"]})
+    # the pieces to be had at each step: step -> name -> [(region, (host, file, offset, kind))], own first
+    at: dict[int, dict[str, list]] = {}
     for r, steps in own.items():
         d = index[r]
         for step, (slot, _) in steps.items():
             for p in d["own"]["pieces"]:
-                sources[_key(p)].setdefault(step, []).append((d["host"], d["own"]["files"][slot], p["offset"], "own"))
+                at.setdefault(step, {}).setdefault(p["name"], []).append(
+                    (_key(p)[1], (d["host"], d["own"]["files"][slot], p["offset"], "own")))
     for (r, w), steps in copies.items():
         d = index[r]
         entry = d["copies"][str(w)]
         for step, (slot, _) in steps.items():
             for p in entry["pieces"]:
-                sources[_key(p)].setdefault(step, []).append((d["host"], entry["files"][slot], p["offset"], "buddy"))
-    candidates = sorted({s for per in sources.values() for s in per}, reverse=True)
-    for c in candidates:
-        if all(c in per for per in sources.values()):
-            return _recovery(c, regions, sources, own, index), ""
-    missing = [k for k, per in sources.items() if not per]
-    if missing:
-        name, _ = missing[0]
-        holders = sorted(lost)
-        return None, (f"no rank left holds a copy of '{name}' (rank{'s' if len(holders) > 1 else ''} "
-                      f"{', '.join(map(str, holders))} and the buddy keeping its copy were lost)")
-    return None, "the peer copies left hold no step in common"
+                at.setdefault(step, {}).setdefault(p["name"], []).append(
+                    (_key(p)[1], (d["host"], entry["files"][slot], p["offset"], "buddy")))
+    short = None
+    for c in sorted(at, reverse=True):
+        chosen = {}
+        for name, t in tensors.items():
+            pieces = sorted(at[c].get(name, []), key=lambda x: x[1][3] != "own")
+            chosen[name] = cover(t["shape"], pieces)
+            if chosen[name] is None:
+                short = short or name
+                break
+        else:
+            return _recovery(c, tensors, chosen, own, index), ""
+    name = short or next(iter(tensors), "?")
+    who = sorted(lost)
+    return None, (f"no step of the peer copies left holds all of '{name}' (rank{'s' if len(who) > 1 else ''} "
+                  f"{', '.join(map(str, who))} and the buddy keeping a copy were lost)")
 
 
-def _recovery(step: int, regions: dict, sources: dict, own: dict, index: dict) -> Recovery:
-    tensors: dict[str, dict] = {}
+def _recovery(step: int, tensors: dict, chosen: dict, own: dict, index: dict) -> Recovery:
+    out: dict[str, dict] = {}
     counts = {"own": 0, "buddy": 0}
-    for key, piece in regions.items():
-        host, file, offset, kind = sorted(sources[key][step], key=lambda s: s[3] != "own")[0]
-        counts[kind] += 1
-        t = tensors.setdefault(piece["name"], {"shape": piece["shape"], "dtype": piece["dtype"], "pieces": []})
-        t["pieces"].append({"region": piece["region"], "host": host, "file": file, "offset": offset})
-    stamp = next(s for steps in own.values() for c, (_, s) in steps.items() if c == step)
+    for name, t in tensors.items():
+        pieces = []
+        for region, (host, file, offset, kind) in chosen[name]:
+            counts[kind] += 1
+            pieces.append({"region": [list(r) for r in region], "host": host, "file": file, "offset": offset})
+        out[name] = {"shape": t["shape"], "dtype": t["dtype"], "pieces": pieces}
+    stamp = next((s for steps in own.values() for c, (_, s) in steps.items() if c == step), {"data_position": step})
     position = {k: v for k, v in stamp.items() if k != "step"}
     strategy = next(iter(index.values())).get("info", {}).get("strategy", "")
-    return Recovery(step, position, tensors, counts, strategy)
+    return Recovery(step, position, out, counts, strategy)

@@ -75,13 +75,15 @@ def load_peer_state(recovery: Recovery, leaves: Sequence[Leaf], comm: Communicat
                                        f"{leaf.dtype}{list(leaf.global_shape)} in this program")
             want = region_of(leaf, comm.rank)
             value = out[leaf.name] = np.empty(tuple(b - a for a, b in want), dtype=leaf.dtype)
-            covered = 0
+            filled = np.zeros(value.shape, dtype=bool)  # pieces may overlap (recovery.cover): each read once
             for i, piece in enumerate(entry["pieces"]):
                 inter = _overlap(want, [tuple(r) for r in piece["region"]])
                 if inter is None:
                     continue
                 dst = tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
-                covered += int(np.prod([b - a for a, b in inter], dtype=np.int64))
+                if filled[dst].all():
+                    continue
+                filled[dst] = True
                 if piece["host"] == here:
                     value[dst] = _read(piece, leaf.dtype, inter)
                 elif piece["host"] in first:
@@ -91,9 +93,9 @@ def load_peer_state(recovery: Recovery, leaves: Sequence[Leaf], comm: Communicat
                 else:
                     raise PeerRestoreError(f"'{leaf.name}': its piece at {piece['region']} is on host "
                                            f"{piece['host']}, where no rank of the run is now")
-            if covered != value.size:
-                raise PeerRestoreError(f"'{leaf.name}': the peer copies cover {covered} of the {value.size} "
-                                       f"elements this rank needs")
+            if not filled.all():
+                raise PeerRestoreError(f"'{leaf.name}': the peer copies cover {int(filled.sum())} of the "
+                                       f"{value.size} elements this rank needs")
     except PeerRestoreError as err:
         problem = str(err)
     if len(set(hosts)) > 1:
