@@ -49,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from hspmd.runtime.heartbeat import clear_beats
 from hspmd.runtime.launch import LaunchError
 
 #: seconds to wait, once a rank died, for a checkpoint in flight to be completed
@@ -244,6 +245,8 @@ class _Run:
         self.record: dict | None = None  # the restart's facts for the --log line
         self.recovery: str | None = None  # the peer copies' recovery the next attempt starts from
         self.standby = None
+        self.silenced: list[int] = []  # the ranks this attempt killed for their silence
+        self.watched_dir = self.status_dir  # where the guards of the attempt watched record its ranks' ends
         if self.every:
             _clear_peer(self.peer_root)
 
@@ -255,6 +258,8 @@ class _Run:
         out = ["--log-append"] if self.append and self.args.log else []
         if self.every:
             out += ["--peer-every", str(self.every)]
+        if self.args.silent_after:
+            out += ["--heartbeat", self.status_dir]
         return out
 
     def attempt(self):
@@ -264,6 +269,8 @@ class _Run:
         args, peer_dir = self.args, self._peer_dir()
         record = json.dumps(self.record) if self.record is not None and args.log else None
         standby, self.standby = self.standby, None
+        clear_beats(self.status_dir)
+        self.silenced = []
         if standby is not None and standby.n == self.n and standby.ready(wait=STANDBY_WAIT_S):
             _clear_pids(self.status_dir)
             proc, status_dir = standby.promote(self.resume, self.recovery, peer_dir, self.record), standby.status_dir
@@ -280,7 +287,35 @@ class _Run:
             status_dir = self.status_dir
         if self.every and self.n > 1 and self.restart < args.max_restarts:
             self._prepare_standby()
-        return watch_started(proc, status_dir, before_stop=lambda _ends: wait_for_checkpoints(self.directory))
+        self.watched_dir = status_dir
+        return watch_started(proc, status_dir, before_stop=lambda _ends: wait_for_checkpoints(self.directory),
+                             check=self._silent if args.silent_after else None)
+
+    def _silent(self) -> tuple:
+        """Return the ends of the ranks silent for `--silent-after` seconds, killed here (on this host)."""
+        import signal
+        import socket
+
+        from hspmd.runtime.heartbeat import silent_ranks
+        from hspmd.runtime.watch import RankEnd, read_rank_ends
+
+        out = []
+        ended = {e.rank for e in read_rank_ends(self.watched_dir)}  # an end said is no silence
+        for rank in silent_ranks(self.status_dir, self.n, self.args.silent_after):
+            if rank in ended or rank in self.silenced:
+                continue
+            host, pid = socket.gethostname(), -1
+            try:
+                with open(os.path.join(self.status_dir, f"rank-{rank}.pid"), encoding="utf-8") as f:
+                    host, pid_text = f.read().split()
+                pid = int(pid_text)
+                if host == socket.gethostname():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass  # on another host: stopping the run ends it there
+            self.silenced.append(rank)
+            out.append(RankEnd(rank, host, pid, -signal.SIGKILL, False))
+        return tuple(out)
 
     def _prepare_standby(self) -> None:
         from hspmd.cli.standby import StandbyWorld
@@ -290,6 +325,7 @@ class _Run:
         attempt = _attempt_args(self.args, n, strategy, None, None, self.restart + 1)
         env = {k: v for k, v in self.env.items() if k != FAULT_VARIABLE}
         extra = (["--log-append"] if self.args.log else []) + ["--peer-every", str(self.every)]
+        extra += ["--heartbeat", self.status_dir] if self.args.silent_after else []
         self.standby = StandbyWorld(attempt, n, strategy, self.directory, self.restart + 1, env,
                                     self.compile_for_run, self.worker_arguments, extra)
 
@@ -300,6 +336,11 @@ class _Run:
         args = self.args
         last, last_at = last_logged_step(args.log), _modified(args.log)
         died = describe_losses(lost, None if last is None else last + 1)
+        if self.silenced and len(self.silenced) == len(lost):
+            who = ", ".join(map(str, self.silenced))
+            step = "" if last is None else f" at step ~{last + 1}"
+            died = f"rank{'s' if len(self.silenced) > 1 else ''} {who} fell silent{step} (no heartbeat for " \
+                   f"{self.args.silent_after:g} s: killed)"
         newest = latest_checkpoint(self.directory)
         left = self.n - len(lost)
         if left < 1:

@@ -494,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slow-worker", metavar="R:SECONDS", help=argparse.SUPPRESS)
     r.add_argument("--slow-bursts", metavar="F:SEED", help=argparse.SUPPRESS)  # runtime/ps/bursts.py
     r.add_argument("--silent-after", type=float, metavar="S",
-                   help="with --servers: count a worker silent for S seconds as lost (default 10)")
+                   help="with --servers: count a worker silent for S seconds as lost (default 10); with "
+                        "--elastic: kill a rank whose heartbeat stopped for S seconds and restart without it")
     r.add_argument("--seconds", type=float, metavar="S", help="with --servers: stop starting steps after S seconds")
     r.add_argument("--cpu-bind", metavar="LIST",
                    help="pin rank r to core LIST[r], e.g. 0,0,1 (ranks of unequal speed on one machine)")

@@ -52,6 +52,7 @@ from hspmd.runtime.idle import RankSubset, idle_ranks
 from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
+from hspmd.runtime.heartbeat import Heartbeat
 from hspmd.runtime.standby import StandbyDismissed
 from hspmd.runtime.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
 from hspmd.dialects.pipeline import STAGE_ATTR
@@ -208,6 +209,7 @@ def train(
     `hspmd.runtime.standby`): called once the program is built, it returns where to start from.
     """
     manifest = read_manifest(bundle)
+    world_rank = comm.rank  # the launcher's numbering (idle ranks aside, the working ranks get their own)
     if comm.size != (manifest.world_size or manifest.num_devices):
         raise RunError(
             f"the bundle was compiled for {manifest.world_size or manifest.num_devices} devices (strategy "
@@ -248,6 +250,7 @@ def train(
         peer = replace(peer, directory=orders.get("peer_dir"), restore=orders.get("peer_restore"),
                        restart=orders.get("restart_record"))
         log_append = bool(orders.get("log_append", log_append))
+    beat = Heartbeat(peer.heartbeat, world_rank) if peer.heartbeat else None  # hspmd.runtime.heartbeat
     done = 0  # steps already trained (by the run a checkpoint comes from)
     try:  # what every rank finds alike: rank 0 says it
         where = resolve_checkpoint(ck.resume) if ck.resume else None
@@ -405,7 +408,7 @@ def train(
             result.checkpoint_stall_s = writer.stall_s
     except CheckpointError as err:
         raise RunError(str(err)) from None
-    finally:
+    finally:  # the heartbeat beats on until the process ends (its guard's end record then speaks for it)
         if progress is not None:
             progress.close()
         if log_file:
@@ -676,6 +679,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--peer-every", type=int, help="a peer copy after every K-th step (default 1)")
     parser.add_argument("--peer-restore", help="start from this recovery of the peer copies")
     parser.add_argument("--restart-record", help="the restart's facts (JSON), for the --log line beside the first step")
+    parser.add_argument("--heartbeat", metavar="DIR", help="beat in DIR for --silent-after (hspmd.runtime.heartbeat)")
     parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.standby)")
     args = parser.parse_args(argv)
     if comm is None:
@@ -687,7 +691,8 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
 
         bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
-    peer = PeerOptions.from_args(args.peer_dir, args.peer_every, args.peer_restore, args.restart_record)
+    peer = PeerOptions.from_args(args.peer_dir, args.peer_every, args.peer_restore, args.restart_record,
+                                 args.heartbeat)
     standby = None
     if args.standby:
         from hspmd.runtime.standby import wait_for_orders

@@ -30,11 +30,13 @@ class PeerOptions:
     every: int = 1  # a copy after every K-th step
     restore: str | None = None  # start from this recovery (`recovery.write_recovery`)
     restart: dict | None = None  # the restart's facts from the launcher, for the --log line
+    heartbeat: str | None = None  # beat in this directory (hspmd.runtime.heartbeat)
 
     @staticmethod
-    def from_args(directory: str | None, every: int | None, restore: str | None, record: str | None) -> PeerOptions:
+    def from_args(directory: str | None, every: int | None, restore: str | None, record: str | None,
+                  heartbeat: str | None = None) -> PeerOptions:
         """Return the options from the worker's command line (`record`: JSON)."""
-        return PeerOptions(directory, int(every or 1), restore, json.loads(record) if record else None)
+        return PeerOptions(directory, int(every or 1), restore, json.loads(record) if record else None, heartbeat)
 
 
 def restore(path: str, leaves, comm: Communicator) -> tuple[dict[str, np.ndarray], int, dict]:
