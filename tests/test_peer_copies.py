@@ -255,3 +255,19 @@ def test_a_rank_silent_past_silent_after_is_killed_and_counted_as_lost(tmp_path)
     (restart,) = [r for r in _rows(log) if r.get("event") == "restart"]
     assert restart["lost_ranks"] == [1] and restart["source"] == "peer" and restart["steps_redone"] <= 1
     assert sorted(_losses(log)) == list(range(1, 7))
+
+
+def test_the_planner_counts_the_copies_host_memory():
+    from types import SimpleNamespace
+
+    from hspmd.planner.cost import GroupConfig
+    from hspmd.planner.redundancy import copies_bytes
+
+    facts = SimpleNamespace(param_bytes=600.0, state_bytes=1200.0)
+    group = lambda **kw: GroupConfig(devices=tuple(range(kw.pop("n"))), **kw)  # noqa: E731
+    # dp=3: everything replicated, kept by 2 of 3 ranks, copied nowhere: 2 slots x 2/3 x 1800
+    assert copies_bytes(facts, group(n=3, dp=3, tp=1, pp=1)) == 2 * 2 / 3 * 1800
+    # zero=1: the states held alone (kept and copied to the buddy), the parameters replicated
+    assert copies_bytes(facts, group(n=3, dp=3, tp=1, pp=1, zero=1)) == 2 * (2 * 400 + 2 * 600 / 3)
+    # tp=3: every piece held alone: two slots of its own third and two of its ward's
+    assert copies_bytes(facts, group(n=3, dp=1, tp=3, pp=1)) == 2 * 2 * 600

@@ -40,6 +40,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--profile", metavar="P", help="a device profile from 'hspmd profile' (default: all ranks alike)")
     p.add_argument("--memory-per-rank", metavar="SIZE", help="drop candidates that need more, e.g. 2GiB")
     p.add_argument("--top", type=int, default=5, help="candidates to show (default 5)")
+    p.add_argument("--redundancy", metavar="peer[:K]",
+                   help="count the host memory of in-memory peer copies (hspmd run --elastic --redundancy peer)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
     p.set_defaults(func=cmd_plan)
 
@@ -115,7 +117,7 @@ class Choice:
 
 
 def choose_strategy(script, n: int, profile: str | None = None, memory: float | None = None,
-                    report=None) -> Choice:
+                    report=None, redundancy: bool = False) -> Choice:
     """Return the planner's choice for `script` on `n` devices: the fastest candidate under
     `memory` that compiles. `report(line)` hears about candidates that do not compile."""
     from hspmd.planner import PlanError, model_facts, plan
@@ -125,7 +127,7 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
     facts = model_facts(script, n)
     read = time.perf_counter() - start
     start = time.perf_counter()
-    fits, over = plan(facts, machine, memory)
+    fits, over = plan(facts, machine, memory, redundancy)
     searched = time.perf_counter() - start
     if not fits:
         lean = min(over, key=lambda c: c.memory_bytes)
@@ -148,7 +150,8 @@ def cmd_plan(args) -> int:
         raise SystemExit("hspmd: error: --top must be at least 1")
     memory = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     script = load_script(args.script, parse_overrides(args.set))
-    choice = choose_strategy(script, args.n, args.profile, memory, print)
+    redundancy = _redundancy(args)
+    choice = choose_strategy(script, args.n, args.profile, memory, print, redundancy)
     chosen, fits, over, facts, machine = choice.chosen, choice.fits, choice.over, choice.facts, choice.machine
     read, searched = choice.read_s, choice.search_s
     where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
@@ -160,20 +163,26 @@ def cmd_plan(args) -> int:
     shown = ([chosen] + [c for c in fits if c is not chosen])[: args.top]
     shown_over = over[: max(0, args.top - len(shown))]
     idle = any(c.idle_ranks for c in shown + shown_over)  # a column saying which ranks a candidate leaves idle
-    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", "compute", "bubble",
-             "tp", "pp", "dp", "why not"]]
+    copies = (["copies/rank"] if redundancy else [])
+    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", *copies, "compute",
+             "bubble", "tp", "pp", "dp", "why not"]]
     for i, c in enumerate(shown, 1):
         p = c.parts()
         rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
-                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), *([_mib(c.copies_bytes)] if redundancy else []),
                      f"{p['compute'] * 1e3:.1f}", f"{p['pipeline bubble'] * 1e3:.1f}", f"{p['tp collectives'] * 1e3:.1f}",
                      f"{p['pipeline sends'] * 1e3:.1f}",
                      f"{(p['dp gradient sync'] + p['gradient sum across groups']) * 1e3:.1f}", _why(c, chosen)])
     for c in shown_over:
         rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
-                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), "", "", "", "", "",
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), *([_mib(c.copies_bytes)] if redundancy else []),
+                     "", "", "", "", "",
                      f"over --memory-per-rank {_mib(memory or 0)}"])
     print(_table(rows))
+    if redundancy:
+        print(f"peer copies (--redundancy peer): {_mib(chosen.copies_bytes)} of host memory per rank for the chosen "
+              f"strategy (two copies of what a rank keeps, two of its buddy's unreplicated pieces), counted in "
+              f"memory/rank on CPU ranks")
     for line in idle_lines(chosen, fits, machine):
         print(line)
     made = what_made_it_fit(chosen, fits + over, memory)
@@ -184,6 +193,17 @@ def cmd_plan(args) -> int:
     print("strategy:")
     print(chosen.strategy())
     return 0
+
+
+def _redundancy(args) -> bool:
+    """Return whether `hspmd plan --redundancy` asks for the peer copies (SystemExit for a bad spelling)."""
+    text = getattr(args, "redundancy", None)
+    if text is None:
+        return False
+    kind, sep, every = text.partition(":")
+    if kind != "peer" or (sep and (not every.isdigit() or int(every) < 1)):
+        raise SystemExit(f"hspmd: error: --redundancy {text}: expected peer or peer:K (K >= 1)")
+    return True
 
 
 def _idle(c: Candidate, machine: Machine) -> str:
@@ -230,7 +250,7 @@ def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: flo
 def auto_strategy(args, script, n: int) -> tuple[Compiled, tuple[int, ...]]:
     """Return the program `--strategy auto` runs (planned, compiled) and the ranks it works on
     (the others stay idle), the choice said in one line."""
-    choice = choose_strategy(script, n, getattr(args, "profile", None))
+    choice = choose_strategy(script, n, getattr(args, "profile", None), redundancy=bool(getattr(args, "redundancy", None)))
     chosen = choice.chosen
     settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
     idle = chosen.idle_ranks
