@@ -183,7 +183,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from", "cpu_bind", "trace", "progress", "switch_every", "device", "cuda_graph")
+                  "init_from", "cpu_bind", "trace", "progress", "switch_every", "device", "cuda_graph", "ranks_per_node")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -210,6 +210,8 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --resume and --init-from exclude each other")
     if args.switch_every is not None and args.switch_every < 1:
         raise SystemExit("hspmd: error: --switch-every must be at least 1")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise SystemExit("hspmd: error: --ranks-per-node must be at least 1")
     if len(getattr(args, "strategies", None) or []) > 1 and (args.elastic or args.checkpoint_dir or args.resume or args.init_from):
         raise SystemExit("hspmd: error: several --strategy (graph switching) do not go together with checkpoints "
                          "or --elastic yet")
@@ -506,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--switch-every", type=int, metavar="K",
                    help="with several --strategy: switch to the next one every K steps, moving parameters and "
                         "optimizer states in memory (docs/switching.md)")
+    r.add_argument("--ranks-per-node", type=int, metavar="K",
+                   help="treat every K ranks as one node (simulated nodes on one machine; default: the ranks' host "
+                        "names): all-reduces over several nodes run in two tiers, inside each node, then once "
+                        "across (docs/runtime.md)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--device", default="auto", metavar="cpu|cuda|auto[,...]",
                    help="where the step runs: cuda (a GPU per rank, by local rank; ranks beyond the GPUs share "

@@ -52,6 +52,7 @@ from hspmd.runtime.idle import RankSubset, idle_ranks
 from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
+from hspmd.runtime.comm.nodes import node_aware
 from hspmd.runtime.heartbeat import Heartbeat
 from hspmd.runtime.standby import StandbyDismissed
 from hspmd.runtime.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
@@ -175,6 +176,7 @@ def train(
     cuda_graph: bool = True,
     peer: PeerOptions | None = None,
     standby=None,
+    ranks_per_node: int | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -224,6 +226,8 @@ def train(
             print(f"rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the strategy runs on "
                   f"rank{'s' if comm.size > 1 else ''} {','.join(map(str, manifest.ranks))}", flush=True)
     places = rank_places(comm, device)
+    # ranks on several nodes (hosts, or simulated: ranks_per_node): all-reduces across them in two tiers
+    comm = node_aware(comm, [p.host for p in places] if places else None, ranks_per_node)
     # a standby rank (hspmd.runtime.standby) says nothing of its plan: it may never train
     program = load_rank_program(bundle, manifest, comm, kernels, quiet or standby is not None, device, cuda_graph,
                                 places)
@@ -679,6 +683,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--peer-every", type=int, help="a peer copy after every K-th step (default 1)")
     parser.add_argument("--peer-restore", help="start from this recovery of the peer copies")
     parser.add_argument("--restart-record", help="the restart's facts (JSON), for the --log line beside the first step")
+    parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of K ranks (hspmd.runtime.comm.nodes)")
     parser.add_argument("--heartbeat", metavar="DIR", help="beat in DIR for --silent-after (hspmd.runtime.heartbeat)")
     parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.standby)")
     args = parser.parse_args(argv)
@@ -703,7 +708,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
               progress_bar=args.progress == "bar", switch_every=args.switch_every,
               device=worker_device(args.device, comm.rank),
-              cuda_graph=args.cuda_graph == "on", peer=peer, standby=standby)
+              cuda_graph=args.cuda_graph == "on", peer=peer, standby=standby, ranks_per_node=args.ranks_per_node)
     except StandbyDismissed:  # a standby rank the run did not need
         return 0
     except QuietRunError:  # every rank knows; the one that found it has said why
