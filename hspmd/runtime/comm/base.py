@@ -174,7 +174,10 @@ class Request:
         self._result = result
 
     def test(self) -> bool:
-        """Return whether the operation has completed (and let it progress if not)."""
+        """Return whether the operation has completed (and let it progress if not). A request whose
+        last step is itself a collective (MPI's sum of more than two members by pieces: its
+        all-gather) says so only once `wait` ran it, since members must reach collectives in the
+        same order: call `wait` where the program needs the result, on every member alike."""
         return True
 
     def wait(self) -> np.ndarray:

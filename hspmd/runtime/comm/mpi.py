@@ -307,7 +307,7 @@ class MPICommunicator(Communicator):
                 return out
             return flat.reshape(buf.shape)
 
-        return _MPIRequest(req, finish)
+        return _MPIRequest(req, finish, collective_finish=True)
 
     def all_gather(self, buf, group, axis, out=None, sizes: Sequence[int] | None = None):
         """Return the concatenation of the members' ``buf`` along ``axis``, in group order.
@@ -510,14 +510,25 @@ class MPICommunicator(Communicator):
 
 
 class _MPIRequest(Request):
-    """A started MPI collective: its MPI request and the local work that completes it."""
+    """A started MPI collective: its MPI request and the local work that completes it.
 
-    def __init__(self, req: Any, finish: Any, status: Any = None) -> None:
+    Where that work is itself a collective (`collective_finish`: the all-gather after an all-to-all),
+    `test` lets the first part progress but never says done: the rest must run at `wait`, which
+    every member calls at the same point of its program, since MPI matches collectives on a
+    communicator by their order. (Finished from `test`, where the first part happened to complete
+    early on one member, two buckets in flight ran their all-gathers in different orders on
+    different members, and the run hung.)"""
+
+    def __init__(self, req: Any, finish: Any, status: Any = None, collective_finish: bool = False) -> None:
         super().__init__()
         self._req, self._finish, self._done, self._status = req, finish, False, status
+        self._collective_finish = collective_finish
 
     def test(self) -> bool:
-        return self._done or bool(self._req.Test())
+        if self._done:
+            return True
+        complete = bool(self._req.Test())
+        return complete and not self._collective_finish
 
     def wait(self) -> np.ndarray:
         if not self._done:
