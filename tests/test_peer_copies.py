@@ -271,3 +271,36 @@ def test_the_planner_counts_the_copies_host_memory():
     assert copies_bytes(facts, group(n=3, dp=3, tp=1, pp=1, zero=1)) == 2 * (2 * 400 + 2 * 600 / 3)
     # tp=3: every piece held alone: two slots of its own third and two of its ward's
     assert copies_bytes(facts, group(n=3, dp=1, tp=3, pp=1)) == 2 * 2 * 600
+
+
+def test_no_room_for_the_copies_is_one_error_on_every_rank(tmp_path, monkeypatch):
+    import errno
+
+    from hspmd.runtime.worker import RunError
+
+    bundle = _bundle(tmp_path, "[0,1]: tp=2", 2, "b")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    errors = []
+
+    def run(comm):
+        from hspmd.runtime.worker import train
+
+        try:
+            train(bundle, comm, steps=1, quiet=True, peer=PeerOptions(directory=str(tmp_path / "gen-0")))
+        except RunError as err:
+            errors.append(str(err))
+
+    from hspmd.runtime.comm.inprocess import InProcessCommunicator
+
+    comms = InProcessCommunicator.create_world(2)
+    threads = [threading.Thread(target=run, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 2 and all("--redundancy peer: rank" in e and "No space left on device" in e for e in errors)
+    remove_shm(str(tmp_path / "gen-0"))

@@ -60,8 +60,11 @@ class StandbyWorld:
     def ready(self, wait: float = 0.0) -> bool:
         """Return whether the standby ranks were started and none of them ended (waiting up to
         `wait` seconds for the start)."""
+        from hspmd.runtime.watch import read_rank_ends
+
         self._thread.join(wait)
-        return not self._thread.is_alive() and self.proc is not None and self.proc.poll() is None
+        return (not self._thread.is_alive() and self.proc is not None and self.proc.poll() is None
+                and not read_rank_ends(self.status_dir))  # none of its ranks ended while waiting
 
     def promote(self, resume: str | None, peer_restore: str | None, peer_dir: str | None,
                 record: dict | None) -> subprocess.Popen:

@@ -55,6 +55,7 @@ from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.runtime.comm.nodes import node_aware
 from hspmd.runtime.heartbeat import Heartbeat
 from hspmd.runtime.standby import StandbyDismissed
+from hspmd.runtime.peer.copier import PeerCopyError
 from hspmd.runtime.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
@@ -287,7 +288,10 @@ def train(
         raise AgreedRunError(str(err)) from None
     except PeerRestoreError as err:
         raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
-    copies = start_copies(peer, comm, plan.params, manifest.strategy) if len(programs) == 1 else None
+    try:
+        copies = start_copies(peer, comm, plan.params, manifest.strategy) if len(programs) == 1 else None
+    except PeerCopyError as err:
+        raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
     batches = load_batches(manifest.script, config)
     for _ in range(done):  # the data position: the batches the checkpointed steps consumed
         next(batches, None)

@@ -35,13 +35,21 @@ from hspmd.runtime.peer.placement import KeptPiece, buddies, kept_pieces, wards
 from hspmd.runtime.peer.slots import SLOTS, SlotFile, SlotLayout, remove_stamp, shm_directory, write_stamp
 from hspmd.runtime.stacked import layer_leaves, per_layer
 
-__all__ = ["HOSTS_VARIABLE", "PeerCopies", "gather_hosts", "host_name"]
+__all__ = ["HOSTS_VARIABLE", "PeerCopies", "PeerCopyError", "gather_hosts", "host_name"]
 
 #: point-to-point tags of the peer copies (apart from a plan's own sends)
 TAG_PIECES, TAG_LENGTH, TAG_COPY = 29101, 29102, 29103
 
 #: a test switch: comma-separated host names, one per rank, standing in for the real ones
 HOSTS_VARIABLE = "HSPMD_HOSTS"
+
+
+class PeerCopyError(Exception):
+    """A rank cannot make its peer copies (the message says why); `elsewhere`: another rank says why."""
+
+    def __init__(self, message: str, elsewhere: bool = False) -> None:
+        super().__init__(message)
+        self.elsewhere = elsewhere
 
 
 def host_name(rank: int) -> str:
@@ -93,14 +101,28 @@ class PeerCopies:
         self.copied = [p for p in self.pieces if p.copied]
         shm = shm_directory(peer_dir)
         layout = SlotLayout.of(self.pieces)
-        self.own = [SlotFile(os.path.join(shm, f"rank-{rank}.own-{i}"), layout) for i in range(SLOTS)]
         pending = _send_json(comm, [p.to_json() for p in self.copied], self.buddy) if comm.size > 1 else []
-        self.copies: dict[int, list[SlotFile]] = {}
-        for w in self.wards:
-            theirs = SlotLayout.of([KeptPiece.from_json(d) for d in _recv_json(comm, w)])
-            self.copies[w] = [SlotFile(os.path.join(shm, f"rank-{rank}.copy-{w}-{i}"), theirs) for i in range(SLOTS)]
+        theirs = {w: SlotLayout.of([KeptPiece.from_json(d) for d in _recv_json(comm, w)]) for w in self.wards}
         for req in pending:
             req.wait()
+        problem = None
+        self.own: list[SlotFile] = []
+        self.copies: dict[int, list[SlotFile]] = {}
+        try:  # every rank agrees before any goes on (a rank short of memory would leave the others waiting)
+            self.own = [SlotFile(os.path.join(shm, f"rank-{rank}.own-{i}"), layout) for i in range(SLOTS)]
+            for w, lay in theirs.items():
+                self.copies[w] = [SlotFile(os.path.join(shm, f"rank-{rank}.copy-{w}-{i}"), lay) for i in range(SLOTS)]
+        except OSError as err:
+            need = SLOTS * (layout.nbytes + sum(lay.nbytes for lay in theirs.values()))
+            problem = (f"--redundancy peer: rank {rank} cannot keep its copies ({need / 2**20:.1f} MiB) in {shm} on "
+                       f"{self.hosts[rank]}: {err.strerror or err}")
+        flags = np.array([problem is not None], np.int64)
+        if comm.size > 1:
+            flags = comm.all_reduce(flags, tuple(range(comm.size)))
+        if problem is not None:
+            raise PeerCopyError(problem)
+        if int(flags[0]):
+            raise PeerCopyError("another rank cannot keep its peer copies (it says why)", elsewhere=True)
         for i in range(SLOTS):
             remove_stamp(peer_dir, self._own_name(i))
             for w in self.wards:

@@ -87,8 +87,8 @@ class SlotFile:
     def __init__(self, path: str, layout: SlotLayout) -> None:
         self.path, self.layout = path, layout
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.truncate(layout.nbytes)
+        with open(path, "wb") as f:  # the pages reserved now: a full /dev/shm is an error here, not a
+            os.posix_fallocate(f.fileno(), 0, layout.nbytes)  # SIGBUS at the first copy
         self.data = np.memmap(path, dtype=np.uint8, mode="r+", shape=(layout.nbytes,))
         self.views = [self.data[o:o + int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize]
                       .view(p.dtype).reshape(p.shape) for p, o in zip(layout.pieces, layout.offsets)]
