@@ -49,8 +49,14 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
-        """Stop beating."""
+        """Stop beating, and remove the beat file: the rank's training is over, its end is near (the
+        process's exit may take a while: no silence to see in it)."""
         self._stop.set()
+        self._thread.join()
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def clear_beats(directory: str) -> None:

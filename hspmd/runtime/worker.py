@@ -416,7 +416,9 @@ def train(
             result.checkpoint_stall_s = writer.stall_s
     except CheckpointError as err:
         raise RunError(str(err)) from None
-    finally:  # the heartbeat beats on until the process ends (its guard's end record then speaks for it)
+    finally:
+        if beat is not None:  # training is over, on this rank: its end is near, not a silence
+            beat.stop()
         if progress is not None:
             progress.close()
         if log_file:
