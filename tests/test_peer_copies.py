@@ -304,3 +304,29 @@ def test_no_room_for_the_copies_is_one_error_on_every_rank(tmp_path, monkeypatch
         t.join()
     assert len(errors) == 2 and all("--redundancy peer: rank" in e and "No space left on device" in e for e in errors)
     remove_shm(str(tmp_path / "gen-0"))
+
+
+def test_a_rank_and_its_buddy_lost_go_back_to_the_disk_in_one_line(copied, tmp_path, capsys, monkeypatch):
+    import argparse
+    import shutil
+    import signal
+
+    from hspmd.cli.elastic import _Run
+    from hspmd.runtime.watch import RankEnd
+
+    _, _, _, peer_dir, _ = copied
+    d = tmp_path / "D"
+    (d / "step-2").mkdir(parents=True)
+    (d / "step-2" / "manifest.json").write_text("{}")  # a checkpoint of step 2 (its step: below)
+    args = argparse.Namespace(checkpoint_dir=str(d), log=None, max_restarts=3, fallback_strategy=[], n=3,
+                              strategy="[0-2]: tp=3", resume=None, init_from=None, redundancy=1, silent_after=None,
+                              hosts=None, hostfile=None)
+    run = _Run(args, None, None)
+    shutil.copytree(peer_dir, d / ".peer" / "gen-0")
+    lost = (RankEnd(0, "a", 1, -signal.SIGKILL, False), RankEnd(2, "b", 2, -signal.SIGKILL, False))
+    monkeypatch.setattr("hspmd.cli.elastic.checkpoint_step", {str(d / "step-2"): 2}.__getitem__)
+    run.after_loss(lost)
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hspmd run: ")]
+    assert line.startswith("hspmd run: ranks 0, 2 died (SIGKILL); no step of the peer copies left holds all of '")
+    assert f"(ranks 0, 2 and the buddy keeping a copy were lost): resuming from {d / 'step-2'} on 1 rank" in line
+    assert run.record["source"] == "disk" and run.record["resumed_from_step"] == 2 and run.recovery is None
