@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--redundancy", metavar="peer[:K]",
                     help="with --elastic: every K steps (default 1) keep each rank's training state in host memory, "
                          "the pieces no other rank holds also on a buddy rank of another host; a lost rank then "
-                         "costs at most K steps, not all since the last checkpoint (docs/checkpoints.md)")
+                         "costs at most 2K - 1 steps (one for K = 1), not all since the last checkpoint (docs/checkpoints.md)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
     r.add_argument("--servers", type=int, metavar="K",
