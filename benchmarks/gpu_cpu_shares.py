@@ -92,6 +92,8 @@ def main() -> int:
         return 1
     best = min(sweep, key=sweep.get)  # type: ignore[arg-type]
     print(f"planned: {planned}: {auto:.2f} ms; best of the sweep {best}: {sweep[best]:.2f} ms")
+    speed = sweep[best] / auto  # the planner's shares' speed as a fraction of the sweep's best
+    print(f"target: the planner's shares at >= 0.9 of the sweep's best: {speed:.3f} {'met' if speed >= 0.9 else 'MISSED'}")
     print(f"planned step time / best of the sweep: {auto / sweep[best]:.3f}")
     return 0
 

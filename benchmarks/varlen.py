@@ -58,7 +58,7 @@ def bundle(buckets: list[int], strategies: list[str], n: int, documents: int) ->
 
 def epoch(config: dict) -> list[dict]:
     """Return one epoch of the script's batches under `config`."""
-    from hspmd.runtime.data import token_budget_batches
+    from hspmd.data.text import token_budget_batches
 
     module = load_script_module(SCRIPT)
     d = config["data"]

@@ -1,16 +1,22 @@
-"""A byte-level GPT trained on English text that ships with Python (pydoc's help topics).
+"""A GPT trained on English text that ships with Python (pydoc's help topics, as bytes), or on a
+token dataset prepared from your own text (docs/data.md):
 
     hspmd run -n 1 examples/gpt.py --steps 200 --log gpt.jsonl
     hspmd compile examples/gpt.py --set model.layers=48 --dump-dir /tmp/gpt48
+    hspmd data prepare corpus/*.txt --tokenizer bpe:8192 -o ds
+    hspmd run -n 2 examples/gpt.py --set data.path=ds       # the vocabulary is the dataset's
 """
 
 import hspmd as hs
+from hspmd.data.text import pydoc_text_bytes
 from hspmd.frontend.transformer import GPT, GPTConfig, lm_loss
-from hspmd.runtime.data import lm_windows, pydoc_text_bytes
 
 config = {
+    # vocab_size: of the pydoc bytes; with data.path the dataset's vocabulary is used instead
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128, "dropout": 0.0},
-    "data": {"batch_size": 16},
+    # path: a directory from `hspmd data prepare` (None: pydoc's text); prefetch: batches made ahead;
+    # packed: whole documents packed into the windows, attention kept within each (HetSeq, docs/data.md)
+    "data": {"batch_size": 16, "path": None, "prefetch": 2, "packed": False},
     "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup": 20, "clip": 1.0},
     "precision": "float32",  # or bfloat16 / float16 (float32 master weights)
     "loss_scale": None,  # a static scale (None: 1024 for float16, else 1) or "dynamic" (GradScaler)
@@ -22,8 +28,19 @@ config = {
 }
 
 
+def vocab_size(config):
+    """The model's vocabulary: the prepared dataset's (data.path), else model.vocab_size."""
+    path = config["data"]["path"]
+    return hs.data.vocab_size(path) if path else config["model"]["vocab_size"]
+
+
+def packed(config):
+    return str(config["data"]["packed"]).lower() == "true"
+
+
 def model(config):
-    return GPT(GPTConfig.from_dict(config["model"]))
+    return GPT(GPTConfig.from_dict({**config["model"], "vocab_size": vocab_size(config),
+                                    "document_mask": packed(config)}))
 
 
 def loss(model, batch):
@@ -36,5 +53,9 @@ def optimizer(config):
     return hs.optim.AdamW(o["lr"], weight_decay=o["weight_decay"], clip_grad_norm=o["clip"], schedule=schedule)
 
 
-def batches(config):
-    return lm_windows(pydoc_text_bytes(), config["data"]["batch_size"], config["model"]["seq_len"], config["seed"])
+def dataset(config):
+    """Windows of seq_len + 1 tokens (rows ids and targets; packed: and segments), shuffled each epoch by the seed."""
+    path = config["data"]["path"]
+    corpus = hs.data.TokenDataset(path) if path else hs.data.tokens(pydoc_text_bytes(), vocab_size=256)
+    view = corpus.packed if packed(config) else corpus.windows
+    return view(config["model"]["seq_len"] + 1, vocab_size=vocab_size(config))

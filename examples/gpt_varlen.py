@@ -13,7 +13,7 @@ import numpy as np
 
 import hspmd as hs
 from hspmd.frontend.transformer import GPT, GPTConfig
-from hspmd.runtime.data import stdlib_documents, token_budget_batches
+from hspmd.data.text import stdlib_documents, token_budget_batches
 
 config = {
     # seq_len is the context: a bucket's program uses the first L positions

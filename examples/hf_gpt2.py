@@ -12,7 +12,7 @@ it through `torch.export` (`docs/torch-import.md`), with the parameters' PyTorch
 """
 
 import hspmd as hs
-from hspmd.runtime.data import lm_windows, pydoc_text_bytes
+from hspmd.data.text import lm_windows, pydoc_text_bytes
 
 config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128},

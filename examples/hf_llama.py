@@ -11,7 +11,7 @@ With no `tp_plan` in the script, tensor parallelism follows the model's own plan
 """
 
 import hspmd as hs
-from hspmd.runtime.data import lm_windows, pydoc_text_bytes
+from hspmd.data.text import lm_windows, pydoc_text_bytes
 
 config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "kv_heads": 2, "d_model": 128, "d_ff": 256},

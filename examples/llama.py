@@ -6,7 +6,7 @@
 
 import hspmd as hs
 from hspmd.frontend.transformer import LLaMA, GPTConfig, lm_loss
-from hspmd.runtime.data import lm_windows, pydoc_text_bytes
+from hspmd.data.text import lm_windows, pydoc_text_bytes
 
 config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128, "dropout": 0.0, "eps": 1e-6},

@@ -11,7 +11,7 @@ same numbers as one device.
 
 import hspmd as hs
 from hspmd.frontend.transformer import GPTConfig, MoEGPT, moe_lm_loss
-from hspmd.runtime.data import lm_windows, pydoc_text_bytes
+from hspmd.data.text import lm_windows, pydoc_text_bytes
 
 config = {
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 64, "d_ff": 128,

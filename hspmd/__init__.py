@@ -14,6 +14,7 @@ import os as _os
 # the environment is kept.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "8")
 
+from hspmd import data
 from hspmd.frontend import nn
 from hspmd.frontend import optim
 from hspmd.frontend.ops import (
@@ -56,6 +57,7 @@ from hspmd.frontend.torch_import import TorchImportError, from_torch
 
 __all__ = [
     "Tensor",
+    "data",
     "checkpoint",
     "TorchImportError",
     "TraceError",

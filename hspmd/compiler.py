@@ -14,7 +14,9 @@
 
 `apply-strategy` is the one pass that takes the strategy as an option; every later pass reads
 the strategy the module records. `hspmd compile`, `hspmd run` and the Python API all come
-through here; the pass lists are plain Python lists, so a user can insert a pass of their own.
+through here. `compile_pipeline` gives the whole list by level (`hspmd compile --print-pipeline`
+prints it); a `PassManager` (`hspmd.transforms.pass_manager`, the `passes=` argument) edits it
+with the user's own passes and prints, times and checks the passes as they run.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from hspmd.transforms.dynamic_loss_scale import DynamicLossScale
 from hspmd.transforms.coalesce_group_sums import CoalesceGroupSums
 from hspmd.transforms.device_kernels import device_module
 from hspmd.transforms.flash_attention import flash_attention_module
-from hspmd.transforms.fuse_kernels import fuse_module
+from hspmd.transforms.fuse_kernels import FuseKernels, fuse_module
 from hspmd.transforms.multi_tensor import multi_tensor_module
 from hspmd.transforms.insert_reshard import InsertReshard
 from hspmd.transforms.reuse_resharded_residuals import ReuseReshardedResiduals
@@ -66,16 +68,19 @@ from hspmd.transforms.shard_optimizer_state import ShardOptimizerState
 from hspmd.transforms.shard_parameters import ShardParameters
 from hspmd.transforms.specialize_groups import SpecializeGroups
 from hspmd.transforms.stack_layers import StackLayers
+from hspmd.transforms.pass_pipeline import Pipeline
 from hspmd.transforms.util import PassError, StrategyLimitError, module_strategy
 
 if TYPE_CHECKING:
     from xdsl.dialects.builtin import TensorType
 
+    from hspmd.transforms.pass_manager import PassManager
+
     from hspmd.ir.ps_plan import PSPlan
 
-__all__ = ["Compiled", "InternalError", "annotate", "annotate_passes", "annotate_with_provenance", "compile_script", "compile_strategies",
-           "default_strategy", "kernel_level", "physical_passes", "run_passes", "to_physical", "training_passes",
-           "write_bundle"]
+__all__ = ["Compiled", "InternalError", "annotate", "annotate_passes", "annotate_with_provenance", "compile_pipeline",
+           "compile_script", "compile_strategies", "default_strategy", "kernel_level", "physical_passes", "run_passes",
+           "script_pipelines", "to_physical", "training_passes", "write_bundle"]
 
 
 class InternalError(Exception):
@@ -115,7 +120,7 @@ def _internal_error(pass_name: str, cause: BaseException, before) -> InternalErr
 
 
 def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | None = None,
-               checked: bool = False) -> ModuleOp:
+               checked: bool = False, manager: PassManager | None = None, level: str = "") -> ModuleOp:
     """Run `passes` (pass objects, or pass-spec text as `hspmd-opt -p` reads it) on `module` in place,
     verify it, and return it.
 
@@ -127,26 +132,37 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
     `InternalError` naming the pass, with the IR the pass was given written to a file. That IR is
     made again only on failure (the passes since the first checked one, rerun on a copy of their
     input), so a compile that succeeds pays one copy of the module per call.
+
+    `manager` (a `PassManager`, of the level named `level`) applies each pass: it prints and times
+    them as asked, and checks the user's own passes (their failures are `UserPassError`s, the
+    user's; a failure of a pass of hspmd after a user pass ran is too: `PassManager.blame`).
     """
+    from hspmd.transforms.pass_manager import UserPassError
+
     ctx = ctx or make_context()
     passes = build_passes(passes) if isinstance(passes, str) else list(passes)
+
+    def apply(p: ModulePass) -> None:
+        _apply(p, ctx, module, manager, level)
+
     start, snapshot = 0, None
     for i, p in enumerate(passes):
         if getattr(p, "checks_input", False):
-            p.apply(ctx, module)
+            apply(p)
             checked = True
             continue
         if not checked:
-            p.apply(ctx, module)
+            apply(p)
             continue
         if snapshot is None:
             start, snapshot = i, module.clone()
         try:
-            p.apply(ctx, module)
-        except StrategyLimitError:
-            raise  # the user's strategy, refused where lowering shows what it asks for
+            apply(p)
+        except (StrategyLimitError, UserPassError):
+            raise  # the user's strategy, refused where lowering shows what it asks for; the user's pass
         except Exception as err:
-            raise _internal_error(p.name, err, lambda: _replay(snapshot, passes[start:i], ctx)) from err
+            raise _blamed(_internal_error(p.name, err, lambda: _replay(snapshot, passes[start:i], ctx)),
+                          manager) from err
     if not checked:
         module.verify()
         return module
@@ -154,8 +170,14 @@ def run_passes(module: ModuleOp, passes: list[ModulePass] | str, ctx: Context | 
         module.verify()
     except Exception as err:
         last = passes[-1].name if passes else "the input"
-        raise _internal_error(f"the verifier after {last}", err, lambda: module) from err
+        raise _blamed(_internal_error(f"the verifier after {last}", err, lambda: module), manager) from err
     return module
+
+
+def _blamed(err: InternalError, manager: PassManager | None) -> Exception:
+    """Return `err`, or where a user pass changed the IR before, the user's error saying so."""
+    text = str(err).removeprefix(f"internal error in {err.pass_name}: ")
+    return (manager.blame(err.pass_name, text, err.ir_path) if manager is not None else None) or err
 
 
 def _replay(snapshot: ModuleOp, passes: list[ModulePass], ctx: Context) -> ModuleOp:
@@ -166,13 +188,13 @@ def _replay(snapshot: ModuleOp, passes: list[ModulePass], ctx: Context) -> Modul
     return module
 
 
-def _verified(module: ModuleOp, verify, what: str) -> ModuleOp:
+def _verified(module: ModuleOp, verify, what: str, manager: PassManager | None = None) -> ModuleOp:
     """Run the level verifier `verify` on `module`, past the strategy checks: its failure is the
-    compiler's (`InternalError` named `what`)."""
+    compiler's (`InternalError` named `what`), or where a user pass ran, the user's."""
     try:
         verify(module)
     except Exception as err:
-        raise _internal_error(what, err, lambda: module) from err
+        raise _blamed(_internal_error(what, err, lambda: module), manager) from err
     return module
 
 
@@ -250,18 +272,52 @@ def physical_passes(record: StrategyRecord) -> list[ModulePass]:
     return passes
 
 
-def annotate(module: ModuleOp, strategy: str | StrategyRecord) -> ModuleOp:
-    """Annotate logical `module` in place under `strategy` (text: one strategy, id 0, no micro-batches)."""
+def annotate(module: ModuleOp, strategy: str | StrategyRecord, passes: list[ModulePass] | None = None,
+             manager: PassManager | None = None) -> ModuleOp:
+    """Annotate logical `module` in place under `strategy` (text: one strategy, id 0, no micro-batches)
+    with `passes` (default: `annotate_passes`) applied through `manager` (see `run_passes`)."""
     record = strategy if isinstance(strategy, StrategyRecord) else StrategyRecord(0, parse_strategy(strategy))
-    run_passes(module, annotate_passes(record))
-    return _verified(module, verify_annotated, "verify-annotated")
+    run_passes(module, annotate_passes(record) if passes is None else passes, manager=manager, level="annotated")
+    return _verified(module, verify_annotated, "verify-annotated", manager)
 
 
-def to_physical(module: ModuleOp, strategy_id: int | None = None) -> ModuleOp:
+def to_physical(module: ModuleOp, strategy_id: int | None = None, passes: list[ModulePass] | None = None,
+                manager: PassManager | None = None) -> ModuleOp:
     """Lower annotated `module` in place to physical IR under the strategy it records (`strategy_id`:
-    which one, when it records several)."""
-    run_passes(module, physical_passes(module_strategy(module, strategy_id, "to_physical")), checked=True)
-    return _verified(module, verify_physical, "verify-physical")
+    which one, when it records several) with `passes` (default: `physical_passes`) applied
+    through `manager` (see `run_passes`)."""
+    if passes is None:
+        passes = physical_passes(module_strategy(module, strategy_id, "to_physical"))
+    run_passes(module, passes, checked=True, manager=manager, level="physical")
+    return _verified(module, verify_physical, "verify-physical", manager)
+
+
+def device_passes(flash: bool = True) -> list[ModulePass]:
+    """Return the passes that make a group's GPU program from its kernel level: `device-kernels`,
+    then `flash-attention` unless `flash` is False, then `multi-tensor`."""
+    from hspmd.transforms.device_kernels import DeviceKernels
+    from hspmd.transforms.flash_attention import FlashAttention
+    from hspmd.transforms.multi_tensor import MultiTensor
+
+    return [DeviceKernels(), *([FlashAttention()] if flash else []), MultiTensor()]
+
+
+def compile_pipeline(script: ModelScript, record: StrategyRecord, optimizer: Optimizer | bool = True,
+                     stack: bool | None = None, recompute: str | None = None) -> Pipeline:
+    """Return, by level, the passes `compile_script` runs for `script` under `record` (stack-layers and
+    recompute as for that record alone, unless `stack` and `recompute` say): the pipeline
+    `hspmd compile --print-pipeline` prints. The kernel and device levels run on each device
+    group's module (the device level for the groups that run on GPUs)."""
+    opt = script_optimizer(script) if optimizer is True else optimizer or None
+    stack = stacks_layers([record]) if stack is None else stack
+    recompute = recompute_mode([record]) if recompute is None else recompute
+    return Pipeline({
+        "logical": tuple(training_passes(opt, loss_scale(script), stack, recompute)),
+        "annotated": tuple(annotate_passes(record)),
+        "physical": tuple(physical_passes(record)),
+        "kernel": (FuseKernels(),),
+        "device": tuple(device_passes(flash_attention(script.config))),
+    })
 
 
 def default_strategy(n: int) -> str:
@@ -281,13 +337,17 @@ class Compiled:
     physical: ModuleOp
     # the learning-rate schedule the runtime feeds as input "lr" (hspmd.ir.lr_schedule spec)
     lr_schedule: dict | None = None
+    # the passes it was compiled with, by level (None: the defaults), and the PassManager that ran them
+    pipeline: Pipeline | None = None
+    manager: PassManager | None = field(default=None, repr=False)
     _kernel_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
     _device_groups: list[tuple[tuple[int, ...], ModuleOp]] | None = field(default=None, repr=False)
 
     def kernel_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
         """Return each device group's kernel level: its physical module fused by `fuse-kernels`."""
         if self._kernel_groups is None:
-            self._kernel_groups = kernel_level(self.physical)
+            passes = self.pipeline.level("kernel") if self.pipeline is not None else None
+            self._kernel_groups = kernel_level(self.physical, passes, self.manager)
         return self._kernel_groups
 
     def device_groups(self) -> list[tuple[tuple[int, ...], ModuleOp]]:
@@ -295,34 +355,72 @@ class Compiled:
         (every op a kernel, a GEMM or a view). PassError names an op that has no GPU kernel."""
         if self._device_groups is None:
             # attention as flash-style kernels unless the script's `flash_attention` is false
-            self._device_groups = device_level(self.kernel_groups(), flash=flash_attention(self.script.config))
+            flash = flash_attention(self.script.config)
+            passes = self.pipeline.level("device") if self.pipeline is not None else None
+            self._device_groups = device_level(self.kernel_groups(), flash, passes, self.manager)
         return self._device_groups
 
+    @property
+    def user_passes(self) -> dict | None:
+        """Return what the bundle records of the user's passes it was compiled with (None: none)."""
+        return self.manager.record() if self.manager is not None else None
 
-def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]],
-                 flash: bool = True) -> list[tuple[tuple[int, ...], ModuleOp]]:
-    """Return (devices, a copy after `device-kernels`, then `flash-attention` unless `flash` is
-    False, then `multi-tensor`) for each group's kernel level."""
+
+def device_level(kernel_groups: list[tuple[tuple[int, ...], ModuleOp]], flash: bool = True,
+                 passes: list[ModulePass] | None = None,
+                 manager: PassManager | None = None) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, a copy after `passes`) for each group's kernel level; by default
+    `device-kernels`, then `flash-attention` unless `flash` is False, then `multi-tensor`
+    (`device_passes`). Their PassError (an op with no GPU kernel) is the user's to see."""
     out = []
-    for devices, fused in kernel_groups:
+    ctx = make_context()
+    for gi, (devices, fused) in enumerate(kernel_groups):
         program = fused.clone()
-        device_module(program)
-        if flash:
-            flash_attention_module(program)
-        multi_tensor_module(program)
+        if passes is None and manager is None:
+            device_module(program)
+            if flash:
+                flash_attention_module(program)
+            multi_tensor_module(program)
+        else:
+            for p in device_passes(flash) if passes is None else passes:
+                _apply(p, ctx, program, manager, f"device.group{gi}")
         out.append((devices, program))
     return out
 
 
-def kernel_level(physical: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
-    """Return (devices, fused copy) for each device group of `physical` (`fuse-kernels`)."""
+def _apply(p: ModulePass, ctx: Context, module: ModuleOp, manager: PassManager | None, level: str) -> None:
+    if manager is None:
+        p.apply(ctx, module)
+    else:
+        manager.apply(p, ctx, module, level)
+
+
+def kernel_level(physical: ModuleOp, passes: list[ModulePass] | None = None,
+                 manager: PassManager | None = None) -> list[tuple[tuple[int, ...], ModuleOp]]:
+    """Return (devices, a copy after `passes`: by default `fuse-kernels`) for each device group of
+    `physical`, applied through `manager` (see `run_passes`)."""
+    from hspmd.transforms.pass_manager import UserPassError
+
     out = []
-    for devices, module in physical_groups(physical):
+    ctx = make_context()
+    for gi, (devices, module) in enumerate(physical_groups(physical)):
         fused = module.clone()
-        try:
-            fuse_module(fused)
-        except Exception as err:  # past the strategy checks: the compiler's failure
-            raise _internal_error("fuse-kernels", err, lambda m=module: m) from err
+        if passes is None and manager is None:
+            try:
+                fuse_module(fused)
+            except Exception as err:  # past the strategy checks: the compiler's failure
+                raise _internal_error("fuse-kernels", err, lambda m=module: m) from err
+            out.append((devices, fused))
+            continue
+        for i, p in enumerate([FuseKernels()] if passes is None else passes):
+            try:
+                _apply(p, ctx, fused, manager, f"kernel.group{gi}")
+            except UserPassError:
+                raise
+            except Exception as err:  # past the strategy checks: the compiler's failure (or after a user pass)
+                done = ([FuseKernels()] if passes is None else passes)[:i]
+                raise _blamed(_internal_error(p.name, err, lambda m=module, d=done: _replay(m, d, ctx)),
+                              manager) from err
         out.append((devices, fused))
     return out
 
@@ -347,6 +445,7 @@ def compile_working(script, text: str, n: int, **kwargs):
 def compile_script(
     script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True,
     microbatches: int | None = None, pipeline_schedule: str | None = None, stack_layers: bool | None = None,
+    passes: PassManager | None = None,
 ) -> Compiled:
     """Return the logical, annotated and physical IR of the script's training step.
 
@@ -361,15 +460,34 @@ def compile_script(
 
     `stack_layers` (default: where the strategy allows, `stacks_layers`) runs `stack-layers`:
     repeated layers become one scan over stacked parameters.
+
+    `passes` (a `PassManager`): the user's edits of the pipeline (`compile_pipeline`: their own
+    passes inserted, levels replaced), and the passes printed, timed and checked as it asks.
     """
     record = _record(script, strategy, 0, num_devices, microbatches, pipeline_schedule)
-    logical, opt = _training_step(script, optimizer, stacks_layers([record]) if stack_layers is None else stack_layers,
-                                  recompute_mode([record]))
-    return _lower(script, record, logical, opt)
+    stack = stacks_layers([record]) if stack_layers is None else stack_layers
+    pipeline = _edited(compile_pipeline(script, record, optimizer, stack, recompute_mode([record])), passes)
+    logical, opt = _training_step(script, optimizer, stack, recompute_mode([record]), pipeline, passes)
+    return _lower(script, record, logical, opt, pipeline, passes)
+
+
+def script_pipelines(script: ModelScript, strategies: list[str], num_devices: int | None = None,
+                     passes: PassManager | None = None) -> list[Pipeline]:
+    """Return the pipeline (`compile_pipeline`, with `passes`' edits) that compiling `script` under
+    `strategies` runs for each: `compile_script`'s for one, `compile_strategies`' for several."""
+    records = [_record(script, s, i, num_devices if i == 0 else None, None, None) for i, s in enumerate(strategies)]
+    stack, recompute = stacks_layers(records), recompute_mode(records)
+    pipelines = [compile_pipeline(script, r, True, stack, recompute) for r in records]
+    return [passes.pipeline(p) for p in pipelines] if passes is not None else pipelines
+
+
+def _edited(pipeline: Pipeline, manager: PassManager | None) -> Pipeline | None:
+    """Return `pipeline` with `manager`'s edits (None without a manager: every level its default)."""
+    return manager.pipeline(pipeline) if manager is not None else None
 
 
 def compile_strategies(script: ModelScript, strategies: list[str], num_devices: int | None = None,
-                       configs: list[dict] | None = None) -> list[Compiled]:
+                       configs: list[dict] | None = None, passes: PassManager | None = None) -> list[Compiled]:
     """Return the script's training step compiled under each of `strategies` (ids 0, 1, ...) from one
     logical program: traced and differentiated once, annotated and lowered once per distinct
     strategy text (a repeated text shares the first one's `Compiled`). Graph switching
@@ -380,6 +498,8 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
     traced again under that config (one logical program per distinct config), e.g. a sequence
     length bucket's batch shape (`data.bucket=64`); every `Compiled` keeps the run's own
     script and config, which the runtime reads for the data and the schedule.
+
+    `passes`: as for `compile_script`, the same edits for every strategy.
     """
     if num_devices is None and strategies:
         num_devices = parse_strategy(strategies[0]).num_devices
@@ -397,14 +517,15 @@ def compile_strategies(script: ModelScript, strategies: list[str], num_devices: 
     recompute = recompute_mode(records)
     first: dict[tuple[str, str], Compiled] = {}
     out = []
-    for record, overrides in zip(records, configs):
+    pipelines = [_edited(compile_pipeline(script, r, True, stack, recompute), passes) for r in records]
+    for record, overrides, pipeline in zip(records, configs, pipelines):
         ckey = repr(sorted(overrides.items()))
         if ckey not in traced:
-            traced[ckey] = _training_step(_specialised(script, overrides), True, stack, recompute)
+            traced[ckey] = _training_step(_specialised(script, overrides), True, stack, recompute, pipeline, passes)
         key = (str(record.strategy), ckey)
         if key not in first:
             logical, opt = traced[ckey]
-            first[key] = _lower(script, record, logical, opt)
+            first[key] = _lower(script, record, logical, opt, pipeline, passes)
         out.append(first[key])
     return out
 
@@ -437,24 +558,33 @@ def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | Non
         raise PassError(str(err)) from None
 
 
-def _training_step(script: ModelScript, optimizer: Optimizer | bool,
-                   stack: bool = False, recompute: str = "none") -> tuple[ModuleOp, Optimizer | None]:
+def _training_step(script: ModelScript, optimizer: Optimizer | bool, stack: bool = False, recompute: str = "none",
+                   pipeline: Pipeline | None = None,
+                   manager: PassManager | None = None) -> tuple[ModuleOp, Optimizer | None]:
     """Return the script's logical training step (traced, [layers stacked,] [marked for recompute,]
-    differentiated, updated) and its optimizer."""
+    differentiated, updated: `pipeline`'s logical level, by default `training_passes`) and its optimizer."""
     tf32(script.config)  # checked here, read by a GPU run's plan
     flash_attention(script.config)  # checked here, read when the GPU programs are made
     logical = trace_script(script)
     opt = script_optimizer(script) if optimizer is True else optimizer or None
-    run_passes(logical, training_passes(opt, loss_scale(script), stack, recompute))
-    verify_logical(logical)
+    passes = pipeline.level("logical") if pipeline is not None else training_passes(opt, loss_scale(script), stack,
+                                                                                     recompute)
+    run_passes(logical, passes, manager=manager, level="logical")
+    if manager is not None and manager.user_ran:
+        _verified(logical, verify_logical, "verify-logical", manager)
+    else:
+        verify_logical(logical)
     return logical, opt
 
 
-def _lower(script: ModelScript, record: StrategyRecord, logical: ModuleOp, opt: Optimizer | None) -> Compiled:
-    """Return `logical` annotated and lowered to physical IR under `record` (`logical` is left as it is)."""
-    annotated = annotate(logical.clone(), record)
-    physical = to_physical(annotated.clone())
-    return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None)
+def _lower(script: ModelScript, record: StrategyRecord, logical: ModuleOp, opt: Optimizer | None,
+           pipeline: Pipeline | None = None, manager: PassManager | None = None) -> Compiled:
+    """Return `logical` annotated and lowered to physical IR under `record` (`logical` is left as it
+    is), with `pipeline`'s annotated and physical levels (None: the defaults)."""
+    annotated = annotate(logical.clone(), record, pipeline.level("annotated") if pipeline else None, manager)
+    physical = to_physical(annotated.clone(), None, pipeline.level("physical") if pipeline else None, manager)
+    return Compiled(script, record, logical, annotated, physical, opt.schedule_spec() if opt is not None else None,
+                    pipeline, manager)
 
 
 def write_bundle(compiled: Compiled | list[Compiled], directory: str, device: bool | Sequence[str] = False) -> str:
@@ -515,7 +645,7 @@ def _write_one(compiled: Compiled, directory: str, variants: list[str] | None = 
         strategy=str(compiled.strategy.strategy), logical=compiled.logical, annotated=compiled.annotated,
         groups=[(devices, module, fused, program) for (devices, module), (_, fused), program
                 in zip(physical_groups(compiled.physical), compiled.kernel_groups(), gpu)],
-        variants=variants or [],
+        variants=variants or [], user_passes=compiled.user_passes,
     )
 
 
@@ -528,7 +658,8 @@ def annotate_with_provenance(compiled: Compiled):
     module = compiled.logical.clone()
     ctx = make_context()
     provenance = {}
-    for p in annotate_passes(compiled.strategy):
+    passes = compiled.pipeline.level("annotated") if compiled.pipeline is not None else annotate_passes(compiled.strategy)
+    for p in passes:
         if isinstance(p, PropagateLayouts):
             provenance = propagate(module)
         else:

@@ -55,7 +55,9 @@ def gpt_cpu_step(overrides: dict):
 
 
 def train_plan(plan, script, compiled, steps: int = 3):
-    """Run `steps` training steps of `plan` from its initial state; return (losses, parameters)."""
+    """Run `steps` training steps of `plan` from its initial state; return (losses, parameters).
+    A GPU plan's step must have been captured without a refusal (`DevicePlan.capture_failures`:
+    the emulated device refuses what CUDA's stream capture refuses)."""
     import numpy as np
 
     from hspmd.runtime.worker import step_inputs
@@ -64,6 +66,7 @@ def train_plan(plan, script, compiled, steps: int = 3):
     state, names, batches = plan.initial_state(0), {leaf.name for leaf in plan.inputs}, script.batches()
     losses = [float(plan.run(state, plan.local_batch({**next(batches), **step_inputs(n, config, names)}))["loss"])
               for n in range(1, steps + 1)]
+    assert not getattr(plan, "capture_failures", None), plan.capture_failures
     return losses, {k: np.array(v) for k, v in state.items()}
 
 

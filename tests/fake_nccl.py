@@ -6,6 +6,10 @@ it with the same id and size and distinct ranks, call the same collectives in th
 the same counts and data types (else `FakeNcclError`), and a receive must match its send's count
 and data type. Sends and receives between `groupStart` and `groupEnd` run at `groupEnd`, sends
 first, as NCCL pairs them; `calls` records every call, for tests that check what went to NCCL.
+
+Its API is CuPy 14's (the GPU machine's): `get_unique_id()` returns the id as 128 `bytes` and
+`NcclCommunicator(ndev, commId, rank)` takes `bytes` only (a tuple is a TypeError, as CuPy's
+typed argument makes it). `FakeNccl13` is CuPy 13's: a tuple of 128 signed chars both ways.
 """
 
 from __future__ import annotations
@@ -57,26 +61,32 @@ class FakeNccl:
                 setattr(self, name, value)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._cliques: dict[tuple[int, ...], _Clique] = {}
+        self._cliques: dict[bytes, _Clique] = {}
         self._local = threading.local()
         self.calls: list[tuple] = []  # (global id of the clique, rank, call name, count, datatype)
         self.ids_made = 0
 
-    def get_unique_id(self) -> tuple[int, ...]:
+    def get_unique_id(self) -> bytes:
         with self._lock:
             self.ids_made += 1
             k = next(self._ids)
-        return tuple(((k >> (8 * i)) & 0xFF) - 128 if i < 8 else 0 for i in range(128))
+        # the count in the first 8 bytes (NULs among them), then bytes over 127 (negative as C chars)
+        return bytes((k >> (8 * i)) & 0xFF if i < 8 else 0x80 + i for i in range(128))
 
-    def NcclCommunicator(self, ndev: int, commId: tuple[int, ...], rank: int) -> _Comm:
+    def NcclCommunicator(self, ndev: int, commId: bytes, rank: int) -> _Comm:
+        if not isinstance(commId, bytes):  # CuPy 14: `bytes commId`, a typed argument
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
         if len(commId) != 128:
-            raise FakeNcclError(f"an id of {len(commId)} bytes")
+            raise ValueError(f"commId length {len(commId)} != 128.")
+        return self._join(ndev, bytes(commId), rank)
+
+    def _join(self, ndev: int, key: bytes, rank: int) -> _Comm:
         with self._lock:
-            clique = self._cliques.setdefault(tuple(commId), _Clique(ndev))
+            clique = self._cliques.setdefault(key, _Clique(ndev))
             if clique.n != ndev or rank in clique.ranks or not 0 <= rank < ndev:
-                raise FakeNcclError(f"communicator {commId[:2]}: rank {rank} of {ndev} does not fit")
+                raise FakeNcclError(f"communicator {key[:2]!r}: rank {rank} of {ndev} does not fit")
             clique.ranks.add(rank)
-        return _Comm(self, clique, tuple(commId[:8]), rank)
+        return _Comm(self, clique, tuple(key[:8]), rank)
 
     def groupStart(self) -> None:
         self._local.depth = getattr(self._local, "depth", 0) + 1
@@ -95,6 +105,19 @@ class FakeNccl:
             self._local.pending.append((kind, run))
         else:
             run()
+
+
+class FakeNccl13(FakeNccl):
+    """CuPy 13's `cupy.cuda.nccl`: the unique id a tuple of 128 signed chars, both ways."""
+
+    def get_unique_id(self) -> tuple[int, ...]:
+        return tuple(b - 256 if b > 127 else b for b in super().get_unique_id())
+
+    def NcclCommunicator(self, ndev: int, commId: tuple[int, ...], rank: int) -> _Comm:
+        if not isinstance(commId, tuple):  # CuPy 13: `tuple commId`
+            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(commId).__name__})")
+        assert len(commId) == 128
+        return self._join(ndev, bytes(int(b) & 0xFF for b in commId), rank)
 
 
 class _Comm:

@@ -16,7 +16,7 @@ from hspmd.runtime.comm.nccl import NcclCommunicator, nccl_dtype
 from hspmd.runtime.cuda.device import DeviceArray
 from hspmd.runtime.cuda.emulated import EmulatedDevice
 
-from fake_nccl import FakeNccl, FakeNcclError
+from fake_nccl import FakeNccl, FakeNccl13, FakeNcclError
 
 
 def device_array(device, values) -> DeviceArray:
@@ -192,6 +192,68 @@ def test_bad_buffers_and_peers_are_one_line_errors():
         comm.all_reduce(a, (0,))
 
 
+@pytest.mark.parametrize("module", [FakeNccl, FakeNccl13])
+def test_unique_ids_reach_the_communicator_in_the_form_cupy_takes(module):
+    """CuPy 14 makes and takes the id as bytes (the GPU machine's CuPy), CuPy 13 as a tuple of
+    signed chars: the members of a group join one communicator with either; the id crosses the
+    host communicator as its 128 bytes (NULs and bytes over 127 among them)."""
+    nccl = module()
+
+    def rank(host):
+        dev = EmulatedDevice()
+        with NcclCommunicator(host, nccl=nccl) as comm:
+            return np.asarray(comm.all_reduce(device_array(dev, data(host.rank)), (0, 1, 2)))
+
+    res = run_spmd(3, rank, timeout=30)
+    for r in range(3):
+        np.testing.assert_array_equal(res[r], sum(data(q) for q in range(3)))
+    assert nccl.ids_made == 1 and len(nccl._cliques) == 1
+    (key,) = nccl._cliques
+    assert 0 in key and max(key) > 127
+
+
+def test_id_bytes_takes_both_forms_and_checks_the_length():
+    from hspmd.runtime.comm.nccl import id_bytes
+
+    raw = FakeNccl().get_unique_id()
+    assert isinstance(raw, bytes) and id_bytes(raw) == raw
+    assert id_bytes(FakeNccl13().get_unique_id()) == raw
+    with pytest.raises(CommError, match="an NCCL unique id of 3 bytes"):
+        id_bytes(b"abc")
+
+
+def test_an_id_the_module_takes_in_neither_form_is_not_called_a_gpu_per_rank():
+    class Picky(FakeNccl):
+        def NcclCommunicator(self, ndev, commId, rank):
+            raise TypeError("Argument 'commId' has incorrect type (expected list, got bytes)")
+
+    (host,) = InProcessCommunicator.create_world(1)
+    with pytest.raises(CommError, match="takes the unique id of group \\(0,\\) neither as bytes") as err:
+        NcclCommunicator(host, nccl=Picky()).communicator((0,))
+    assert "GPU of its own" not in str(err.value)
+
+
+def test_a_failure_other_than_two_ranks_on_a_gpu_is_not_called_one():
+    class Broken(FakeNccl):
+        def NcclCommunicator(self, ndev, commId, rank):
+            raise FakeNcclError("NCCL_ERROR_SYSTEM_ERROR: unhandled system error")
+
+    (host,) = InProcessCommunicator.create_world(1)
+    with pytest.raises(CommError, match="NCCL refused a communicator .*SYSTEM_ERROR") as err:
+        NcclCommunicator(host, nccl=Broken()).communicator((0,))
+    assert "GPU of its own" not in str(err.value)
+
+
+def test_cupy_without_nccl_is_said_when_a_group_needs_it():
+    nccl = FakeNccl()
+    nccl.available = False  # `cupy.cuda.nccl` where CuPy found no NCCL library
+    (host,) = InProcessCommunicator.create_world(1)
+    comm = NcclCommunicator(host, nccl=nccl)  # made: runs whose groups all go through the host never ask
+    with pytest.raises(CommError, match="NCCL is not available to CuPy here"):
+        comm.communicator((0,))
+    assert nccl.ids_made == 0
+
+
 def test_a_refused_communicator_says_why_in_one_line():
     class Refusing(FakeNccl):
         def NcclCommunicator(self, ndev, commId, rank):
@@ -244,4 +306,4 @@ def test_unique_ids_go_over_mpi_from_each_groups_first_rank(tmp_path):
         maker = g[0]
         assert all(m[0] == len(g) for m in made)
         assert [m[2] for m in made] == list(range(len(g)))  # NCCL rank = position in the group
-        assert all(m[1] == [(maker * 7 + i) % 256 - 128 for i in range(128)] for m in made)  # the first rank's id
+        assert all(m[1] == [(maker * 7 + i) % 256 for i in range(128)] for m in made)  # the first rank's id, as bytes

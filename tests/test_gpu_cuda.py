@@ -119,11 +119,41 @@ def test_training_steps_on_the_gpu_equal_the_cpu_backend(gpu, name):
 
 
 def test_a_cuda_graph_replays_the_calls(gpu):
+    """The step captured as one CUDA graph after step 1 (counted: a refused capture would run
+    the calls one by one and still give their numbers) and replayed: the calls' numbers."""
     script, compiled = _compiled("gpt-dropout")
     ((_, device),) = compiled.device_groups()
-    graph = train_plan(build_device_plan(train_step(device), 0, gpu, cuda_graph=True), script, compiled, 4)[0]
-    calls = train_plan(build_device_plan(train_step(device), 0, gpu, cuda_graph=False), script, compiled, 4)[0]
+    graph_plan = build_device_plan(train_step(device), 0, gpu, cuda_graph=True)
+    graph = train_plan(graph_plan, script, compiled, 4)[0]
+    assert graph_plan.capture_failures == [] and graph_plan.graphs_captured == 1
+    calls_plan = build_device_plan(train_step(device), 0, gpu, cuda_graph=False)
+    calls = train_plan(calls_plan, script, compiled, 4)[0]
+    assert calls_plan.graphs_captured == 0
     np.testing.assert_array_equal(graph, calls)
+
+
+def test_a_bucket_on_the_side_stream_is_captured_with_its_fork_and_join(gpu):
+    """The side stream's fork, a sum queued there and its join, captured in one graph with a
+    kernel-free copy before and after (what a bucket summed through NCCL makes): CUDA accepts the
+    capture (no cudaErrorStreamCaptureUnjoined) and a replay gives the calls' result."""
+    from hspmd.runtime.cuda.plan import DevicePlan, _bucket_side
+
+    x = np.arange(64, dtype=np.float32)
+    src, mid, dst = (gpu.alloc(x.nbytes) for _ in range(3))
+    gpu.upload(src, x)
+    rt = gpu.cupy.cuda.runtime
+
+    def on_side(stream):  # the bucket's "sum": a copy queued on the side stream
+        rt.memcpyAsync(dst, mid, x.nbytes, rt.memcpyDeviceToDevice, stream)
+
+    plan = DevicePlan(0, gpu, [], [], [], [])
+    plan.calls = [gpu.prepare_copy(mid, src, x.nbytes), _bucket_side(gpu.prepare_fork(), 0),
+                  _bucket_side(gpu.prepare_on_side(on_side), 0), _bucket_side(gpu.prepare_join(), 0)]
+    parts = plan._captured()
+    assert (plan.graphs_captured, plan.capture_failures) == (1, [])
+    for part in parts:
+        part()
+    np.testing.assert_array_equal(gpu.download(dst, x.shape, x.dtype), x)
 
 
 def _log(path) -> list[float]:

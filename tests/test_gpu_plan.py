@@ -106,9 +106,84 @@ def test_row_kernels_with_blocks_of_several_threads_give_the_same_losses(program
 
 def test_a_replayed_step_equals_a_step_run_call_by_call(programs):
     script, compiled, _, device = programs["gpt-dropout"]
-    a = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=True), script, compiled, 3)[0]
-    b = train_plan(build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=False), script, compiled, 3)[0]
-    assert a == b
+    graph = build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=True)
+    calls = build_device_plan(train_step(device), 0, EmulatedDevice(), cuda_graph=False)
+    assert train_plan(graph, script, compiled, 3)[0] == train_plan(calls, script, compiled, 3)[0]
+    assert (graph.graphs_captured, graph.capture_failures, calls.graphs_captured) == (1, [], 0)
+    assert graph.replay_text() == ", split into 1 CUDA graph to capture after step 1"
+
+
+def _side_calls(device: EmulatedDevice, bucket: int, log: list):
+    """A bucket's fork, side-stream work and join on `device`, as the plan marks them."""
+    from hspmd.runtime.cuda.plan import _bucket_side
+
+    return [_bucket_side(device.prepare_fork(), bucket),
+            _bucket_side(device.prepare_on_side(lambda stream: log.append(f"sum{bucket}")), bucket),
+            _bucket_side(device.prepare_join(), bucket)]
+
+
+def _plan_of(device, calls):
+    from hspmd.runtime.cuda.plan import DevicePlan
+
+    plan = DevicePlan(0, device, [], [], [], [])
+    plan.calls = list(calls)
+    return plan
+
+
+def test_the_emulated_device_refuses_the_captures_cuda_refuses():
+    """What CUDA's stream capture checks of the side stream: a fork joined in its own capture."""
+    from hspmd.runtime.cuda.device import CaptureError
+    from hspmd.runtime.cuda.plan import _host_call
+
+    device, log = EmulatedDevice(), []
+    fork, work, join = _side_calls(device, 0, log)
+    device.capture([fork, work, join])()
+    assert log == ["sum0"]
+    with pytest.raises(CaptureError, match="cudaErrorStreamCaptureUnjoined"):
+        device.capture([fork, work])
+    with pytest.raises(CaptureError, match="cudaErrorStreamCaptureIsolation"):
+        device.capture([join])
+    with pytest.raises(CaptureError, match="forked outside this capture"):
+        device.capture([work, join])
+    with pytest.raises(CaptureError, match="runs between graphs"):
+        device.capture([_host_call(lambda: None)])
+
+
+def test_a_host_call_between_a_fork_and_its_join_takes_them_out_of_the_graphs():
+    """A bucket's fork, sum and join stay in one graph: where a host call falls between them
+    (another bucket's MPI poll, a host-staged collective) they run between the graphs, and so does
+    a bucket whose span then holds them; the rest is captured, nothing is refused."""
+    from hspmd.runtime.cuda.plan import _host_call
+
+    device, log = EmulatedDevice(), []
+    k = [device.prepare_copy(device.alloc(4), device.alloc(4), 4) for _ in range(4)]
+    a, b = _side_calls(device, 0, log), _side_calls(device, 1, log)
+    host = _host_call(lambda: log.append("host"))
+    # b forks inside a's span; a is split by the host call, then b's span holds a's join
+    calls = [k[0], *a[:2], *b[:2], k[1], host, k[2], a[2], b[2], k[3], *_side_calls(device, 2, log)]
+    plan = _plan_of(device, calls)
+    parts = plan.graph_parts()
+    assert [(captured, len(c)) for captured, c in parts] == [(True, 1), *[(False, 1)] * 4, (True, 1), (False, 1),
+                                                              (True, 1), (False, 1), (False, 1), (True, 4)]
+    plan._graph = plan._captured()
+    assert (plan.graphs_captured, plan.capture_failures) == (4, [])
+    assert plan.replay_text() == (", split into 4 CUDA graphs to capture after step 1 between 1 host-staged and 6 NCCL calls")
+    for part in plan._graph:
+        part()
+    assert log == ["host", "sum0", "sum1", "sum2"]
+
+
+def test_a_refused_capture_is_counted_said_and_run_call_by_call(capsys):
+    device, log = EmulatedDevice(), []
+    fork, work, _ = _side_calls(device, 0, log)
+    plan = _plan_of(device, [fork, work])  # never joined: no graph can hold it
+    parts = plan._captured()
+    assert plan.graphs_captured == 0 and len(plan.capture_failures) == 1
+    assert "1 of 1 parts of the step could not be captured" in capsys.readouterr().err
+    for part in parts:
+        part()
+    device.synchronize()
+    assert log == ["sum0"]
 
 
 def test_every_gpu_kernel_compiles_with_nvrtc(programs):
@@ -214,7 +289,8 @@ def test_hspmd_run_device_cuda_on_the_emulated_device_logs_the_cpu_losses(tmp_pa
     out = run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cuda", "--steps", "4", "--log",
                   str(tmp_path / "gpu.jsonl"), "--dump-dir", str(tmp_path / "bundle"), *sets, check=True, timeout=600,
                   env=env)
-    assert "plan: on an emulated GPU" in out.stdout and "one CUDA graph" in out.stdout
+    assert "plan: on an emulated GPU" in out.stdout and "split into 1 CUDA graph to capture after step 1" in out.stdout
+    assert "could not be captured" not in out.stderr
     assert os.path.isfile(tmp_path / "bundle" / "device_group0.mlir")
     np.testing.assert_allclose(_log(tmp_path / "gpu.jsonl"), _log(tmp_path / "cpu.jsonl"), rtol=1e-4)
     again = run_cli("hspmd", "run", "-n", "1", str(tmp_path / "bundle"), "--kernels", "cuda", "--steps", "2",
@@ -249,3 +325,99 @@ def test_checkpoints_move_between_the_emulated_gpu_and_the_cpu(tmp_path):
         run_cli("hspmd", "run", "-n", "1", mlp, "--device", second, "--steps", "5", "--resume", str(d), "--log",
                 str(log), check=True, timeout=600, env=emulate)
         np.testing.assert_allclose(_log(log), ref[2:], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- finding libcublas
+
+
+def _fake_pathfinder(monkeypatch, found: str | None):
+    """Make `cuda.pathfinder.load_nvidia_dynamic_lib("cublas")` find `found` (None: raise as it
+    does where it finds none)."""
+    import sys
+    import types
+
+    module = types.ModuleType("cuda.pathfinder")
+    asked: list[str] = []
+
+    def load_nvidia_dynamic_lib(name):
+        asked.append(name)
+        if found is None:
+            raise RuntimeError(f"{name} not found")  # its DynamicLibNotFoundError is a RuntimeError
+        return types.SimpleNamespace(abs_path=found, found_via="site-packages")
+
+    module.load_nvidia_dynamic_lib = load_nvidia_dynamic_lib
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", module)
+    return asked
+
+
+def _fake_places(tmp_path, monkeypatch):
+    """A toolkit with libcublas.so.13 and a site directory holding CUDA 13's and CUDA 12's wheels."""
+    import sys
+
+    toolkit = tmp_path / "cuda" / "lib64"
+    cu13, cu12 = (tmp_path / "site" / "nvidia" / d / "lib" for d in ("cu13", "cublas"))
+    for d, name in ((toolkit, "libcublas.so.13"), (cu13, "libcublas.so.13"), (cu12, "libcublas.so.12")):
+        d.mkdir(parents=True)
+        (d / name).write_bytes(b"")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    return str(toolkit / "libcublas.so.13"), str(cu13 / "libcublas.so.13"), str(cu12 / "libcublas.so.12")
+
+
+def test_libcublas_is_looked_for_through_cuda_pathfinder_first(tmp_path, monkeypatch):
+    from hspmd.runtime.cuda import cublas
+
+    toolkit, cu13, cu12 = _fake_places(tmp_path, monkeypatch)
+    asked = _fake_pathfinder(monkeypatch, "/wheels/nvidia/cu13/lib/libcublas.so.13")
+    got = cublas.library_candidates()
+    assert asked == ["cublas"] and got[0] == "/wheels/nvidia/cu13/lib/libcublas.so.13"
+    assert got.index(toolkit) < got.index(cu13) < got.index(cu12) < got.index("libcublas.so.12")
+    assert got[-4:] == ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    tried: list[str] = []
+
+    def load(name):  # only CUDA 12's wheel and the bare names would load: the first that loads wins
+        tried.append(name)
+        if name != cu12 and not name.startswith("libcublas"):
+            raise OSError(name)
+
+    monkeypatch.setattr(cublas.ctypes, "CDLL", load)
+    assert cublas.find_library() == cu12 and tried == got[:got.index(cu12) + 1]
+
+
+@pytest.mark.parametrize("pathfinder", ["finds none", "absent"])
+def test_libcublas_without_cuda_pathfinder_comes_from_the_toolkit_then_the_wheels(tmp_path, monkeypatch, pathfinder):
+    import sys
+
+    from hspmd.runtime.cuda import cublas
+
+    toolkit, cu13, cu12 = _fake_places(tmp_path, monkeypatch)
+    if pathfinder == "absent":
+        monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # import raises ImportError
+    else:
+        _fake_pathfinder(monkeypatch, None)
+    assert cublas.library_candidates()[:3] == [toolkit, cu13, cu12]
+    monkeypatch.setattr(cublas.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    with pytest.raises(OSError, match="libcublas not found"):
+        cublas.find_library()
+
+
+# ----------------------------------------------------------------------------- the GPU machine's script
+
+
+def test_the_gpu_checks_stage_timeouts_fit_the_machines_minutes():
+    """`benchmarks/gpu_check.sh budget`: each part's stage timeouts add up to under its bound, and
+    the two parts' run timeouts with a start-up of 2 minutes fit the 15 minutes the machine is lent."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["bash", os.path.join(os.path.dirname(EXAMPLES), "benchmarks", "gpu_check.sh"), "budget"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    parts = {m[0]: (int(m[1]), int(m[2]), int(m[3])) for m in
+             re.findall(r"^(\w[\w ]*): the stage timeouts add up to (\d+) s \(bound (\d+) s; run with timeout_s=(\d+)\)",
+                        out.stdout, re.M)}
+    assert set(parts) == {"part 1", "part 2", "flash"}, out.stdout
+    for total, bound, run_timeout in parts.values():
+        assert total <= bound < run_timeout
+    assert 120 + parts["part 1"][2] + parts["part 2"][2] <= 15 * 60
+    assert parts["part 1"][1] <= 6 * 60 and parts["part 2"][1] <= 4 * 60

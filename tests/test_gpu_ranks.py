@@ -125,13 +125,14 @@ def test_a_checkpoint_of_two_gpu_ranks_resumes_on_cpus_under_another_strategy_an
 
 def test_gpu_ranks_switch_strategies_in_memory_and_trace_every_rank(tmp_path):
     """Graph switching (dp=2 <-> tp=2 every 2 steps) from device arrays: the CPU run's losses;
-    `--trace` holds both ranks' calls."""
+    `--trace` holds both ranks' calls (traced steps run call by call: the plan lines say no graphs)."""
     gpt, sets = os.path.join(EXAMPLES, "gpt.py"), _sets(SMALL)
     switching = ["--strategy", "[0,1]: dp=2", "--strategy", "[0,1]: tp=2", "--switch-every", "2", "--steps", "5"]
     run_cli("hspmd", "run", "-n", "2", gpt, *switching, "--device", "cpu", "--log", str(tmp_path / "cpu.jsonl"),
             *sets, check=True, timeout=600)
-    run_cli("hspmd", "run", "-n", "2", gpt, *switching, "--device", "cuda", "--log", str(tmp_path / "gpu.jsonl"),
-            "--trace", str(tmp_path / "trace.json"), *sets, check=True, timeout=600, env=EMULATE)
+    out = run_cli("hspmd", "run", "-n", "2", gpt, *switching, "--device", "cuda", "--log", str(tmp_path / "gpu.jsonl"),
+                  "--trace", str(tmp_path / "trace.json"), *sets, check=True, timeout=600, env=EMULATE)
+    assert "calls a step" in out.stdout and "CUDA graph" not in out.stdout
     got = [json.loads(line) for line in open(tmp_path / "gpu.jsonl").read().splitlines()]
     assert [g["strategy"] for g in got] == [0, 0, 1, 1, 0]
     np.testing.assert_allclose(_log(tmp_path / "gpu.jsonl"), _log(tmp_path / "cpu.jsonl"), rtol=1e-5)
@@ -150,7 +151,10 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
     through `NcclCommunicator` on the device arrays (buckets in their place on the side stream,
     which the emulated device runs late, at the join; all-reduces, leading-dim gathers and
     scatters, all-to-alls), the rest host-staged; the losses of the host-staged run. Where NCCL
-    allows capture (`capture`) its calls are in the step's graphs, else between them."""
+    allows capture (`capture`) its calls are in the step's graphs, else between them. Buckets of
+    8 KiB make several per step: under capture each fork of the side stream is joined in the
+    graph it was forked in (the emulated device refuses a capture that leaves one unjoined, as
+    CUDA does), so dp captures one graph, and every run of calls between host calls is captured."""
     from fake_nccl import FakeNccl
 
     from hspmd.runtime.comm.inprocess import run_spmd
@@ -162,6 +166,7 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
     ((_, device),) = compiled.device_groups()
     fake = FakeNccl()
     monkeypatch.setattr(NcclCommunicator, "captures", property(lambda self: capture))
+    monkeypatch.setenv("HSPMD_BUCKET_BYTES", "8192")
     through: list[str] = []
     if "ep=" in strategy:  # the experts' tokens go through NCCL's all-to-all
         real = NcclCommunicator.all_to_all
@@ -178,12 +183,19 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
                                  transport=(lambda g: "nccl") if through_nccl else None)
         losses, _ = train_plan(plan, script, compiled, 3)
         calls = (sum(1 for c in plan.calls if getattr(c, "uncaptured", False) and not getattr(c, "host_staged", False)))
-        return losses, calls
+        runs = sum(1 for captured, _ in plan.graph_parts() if captured)
+        return losses, calls, len(plan.buckets), (plan.graphs_captured, runs), plan.capture_failures
 
     staged = run_spmd(2, lambda host: rank(host, False), timeout=300)
     nccl = run_spmd(2, lambda host: rank(host, True), timeout=300)
     assert staged[0][1] == 0 and (nccl[0][1] == 0 if capture else nccl[0][1] > 0) and nccl[1][1] == nccl[0][1]
     np.testing.assert_allclose(nccl[0][0], staged[0][0], rtol=1e-6)
+    assert [r[4] for r in staged] == [[], []]  # MPI's buckets: polls between the graphs, every capture taken
+    for _, _, buckets, graphs, failures in nccl:
+        assert failures == []
+        if strategy == "[0,1]: dp=2":  # the gradients in several buckets, all in the one graph
+            assert buckets > 2 and (graphs[0] == 1 or not capture)
+        assert graphs[0] == graphs[1]  # every run between calls left out of the graphs: captured
     assert ("all_to_all" in through) == ("ep=" in strategy)
 
 

@@ -194,13 +194,56 @@ def test_nvrtc_reports_a_bad_kernel_with_its_log():
 def test_nvrtc_missing_is_said_in_one_line(monkeypatch):
     from hspmd.codegen import nvrtc_check
 
-    nvrtc_check._nvrtc.cache_clear()
-    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    nvrtc_check.nvrtc.cache_clear()
+    monkeypatch.setattr(nvrtc_check, "library_candidates", lambda major: [f"/nowhere/libnvrtc.so.{major}"])
     try:
         ok, why = nvrtc_check.nvrtc_status()
-        assert not ok and "NVRTC is not available" in why and "\n" not in why
+        assert not ok and "NVRTC is not available (no libnvrtc.so.12 or libnvrtc.so.13)" in why and "\n" not in why
+        with pytest.raises(nvrtc_check.NvrtcError, match="NVRTC is not available"):
+            nvrtc_check.check_source("HS_KERNEL void k(float* x, long n0, long n1) {}")
     finally:
-        nvrtc_check._nvrtc.cache_clear()
+        nvrtc_check.nvrtc.cache_clear()
+
+
+def test_nvrtc_is_looked_for_where_cupys_loader_finds_it_first(tmp_path, monkeypatch):
+    """cuda.pathfinder's libnvrtc (CuPy 14's: the check and CuPy then share one NVRTC and its
+    builtins) comes first where it is of the major asked for, then the wheels' directories."""
+    from hspmd.codegen import nvrtc_check
+
+    found = tmp_path / "cuda" / "lib64" / "libnvrtc.so.13"
+    wheel = tmp_path / "site" / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"
+    for f in (found, wheel):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"")
+    monkeypatch.setattr(nvrtc_check, "_pathfinder_nvrtc", lambda: str(found))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    assert nvrtc_check.library_candidates(13)[0] == str(found)
+    assert nvrtc_check.library_candidates(12)[:1] == [str(wheel)] and str(found) not in nvrtc_check.library_candidates(12)
+
+
+def test_kernels_are_checked_with_nvrtc_12_for_sm80_and_nvrtc_13_for_sm90(monkeypatch):
+    """The test extra installs CUDA 12's NVRTC and CUDA 13's (the GPU machine's) side by side,
+    each loaded by its own path: a module's check compiles sm_80 with 12 and sm_90 with 13."""
+    from hspmd.codegen import nvrtc_check
+
+    ok, why = nvrtc_check.nvrtc_status()
+    assert ok, why
+    assert [n.version[0] for n in nvrtc_check.available()] == [12, 13], why
+    assert nvrtc_check.nvrtc(12).path != nvrtc_check.nvrtc(13).path
+    used = []
+    real = nvrtc_check.Nvrtc.compile
+
+    def compile(self, text, arch, name):
+        used.append((self.version[0], arch))
+        return real(self, text, arch, name)
+
+    monkeypatch.setattr(nvrtc_check.Nvrtc, "compile", compile)
+    source = "HS_KERNEL void k(float* x, long n0, long n1) { HS_FOR(i, n0) x[i] = hs_exp(x[i]); }"
+    assert all(nvrtc_check.check_source(source, arch) > 0 for arch in nvrtc_check.ARCHS)
+    assert used == [(12, "sm_80"), (13, "sm_90")]
+    with pytest.raises(nvrtc_check.NvrtcError, match="(?s)sm_90, NVRTC 13.0.*undefined"):
+        nvrtc_check.check_source(source.replace("hs_exp(x[i])", "nope"), "sm_90")
 
 
 # ----------------------------------------------------------------------------- CPU build

@@ -14,9 +14,9 @@ import pytest
 
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
-from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
+from hspmd.runtime.data.batching import BatchError, compiled_batch_shapes, pad_batch
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.data import lm_epochs
+from hspmd.data.text import lm_epochs
 from hspmd.runtime.worker import train
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "mpi_scripts", "gpt_epochs.py")

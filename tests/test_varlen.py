@@ -17,7 +17,7 @@ from conftest import EXAMPLES
 from hspmd.compiler import compile_strategies, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.runtime.comm.inprocess import run_spmd
-from hspmd.runtime.data import bucket_of, stdlib_documents, token_budget_batches
+from hspmd.data.text import bucket_of, stdlib_documents, token_budget_batches
 from hspmd.runtime.worker import train
 
 VARLEN = os.path.join(EXAMPLES, "gpt_varlen.py")

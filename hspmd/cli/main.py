@@ -1,13 +1,18 @@
 """`hspmd`: compile model scripts through the three IR levels and run them on N ranks.
 
     hspmd compile SCRIPT [--strategy TEXT] [--dump-dir DIR] [--level L] [--report] [--explain] [--set K=V ...]
+    hspmd compile SCRIPT [--strategy TEXT] --print-pipeline [--level L]
+    hspmd compile|run ... [--load-pass F] [--pass-after NAME=PASS] [--print-ir-after-all] [--pass-timing]
     hspmd compile SCRIPT [--strategy TEXT] [-n N] --cost [--profile P]
     hspmd run -n N SCRIPT|BUNDLE [--strategy TEXT ...] [--switch-every K] [--steps K] [--log FILE] [--checkpoint FILE] [--trace FILE]
     hspmd plot LOG.jsonl [MORE.jsonl ...] [-o loss.png]
     hspmd plan SCRIPT -n N [--profile P] [--memory-per-rank SIZE] [--top K]
     hspmd checkpoint info|export D [--to FILE]
+    hspmd data prepare FILES... --tokenizer byte|bpe:VOCAB|PATH.json -o DIR;  hspmd data info DIR
     hspmd profile -n N [-o profile.json] [--cpu-bind LIST]
     hspmd opt FILE [-p PASSES] ...          (the same as hspmd-opt)
+    hspmd reduce FILE --test CMD [-o OUT]   (shrink IR while CMD still fails on it)
+    hspmd compare FILE [--strategy TEXT]    (N ranks against 1 device on an IR file)
 
 Errors a user can cause end in one message on stderr and exit code 1, never a traceback. A pass
 failing after the strategy checks is the compiler's bug: `hspmd: internal error in <pass>: ...`,
@@ -49,11 +54,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.cli.plot import PlotError
     from hspmd.ir.switch_plan import SwitchError
     from hspmd.runtime.cuda.device import DeviceError
+    from hspmd.data.errors import DataError
+    from hspmd.cli.opt import LoadPassError
 
     return (
         ScriptError, StrategyError, TraceError, IRTextError, LayoutError, LayoutSyntaxError, LevelError,
         BundleError, LaunchError, PlanError, RunError, PassError, ShardingError, LarkError, OSError, CheckpointError,
         FaultSpecError, PlannerError, ProfileError, ProfileRunError, CostError, PlotError, SwitchError, DeviceError,
+        DataError,
+        LoadPassError,
     )
 
 
@@ -95,9 +104,10 @@ def _load_and_compile(args, n: int):
     from hspmd.frontend.script import load_script, parse_overrides
 
     script = load_script(args.script, parse_overrides(args.set))
+    passes = getattr(args, "passes", None)
     if len(args.strategies or []) > 1:
-        return compile_strategies(script, args.strategies, n)
-    return compile_script(script, args.strategy or default_strategy(n), n)
+        return compile_strategies(script, args.strategies, n, passes=passes)
+    return compile_script(script, args.strategy or default_strategy(n), n, passes=passes)
 
 
 def _memory_before_after(args, compiled, n: int) -> str:
@@ -116,7 +126,8 @@ def _memory_before_after(args, compiled, n: int) -> str:
     from hspmd.compiler import compile_script
 
     before = compile_script(compiled.script, str(base), n, microbatches=compiled.strategy.microbatches,
-                            pipeline_schedule=compiled.strategy.schedule)
+                            pipeline_schedule=compiled.strategy.schedule,
+                            passes=compiled.manager.quiet() if compiled.manager is not None else None)
     return format_memory_rows(memory_rows(before.physical), f"planned memory per rank before zero/recompute, "
                               f"under '{base}':") + text
 
@@ -130,13 +141,22 @@ def cmd_compile(args) -> int:
         raise SystemExit("hspmd: error: --emit kernels needs --dump-dir")
     _one_strategy(args)
     n = args.n or (parse_strategy(args.strategy).num_devices if args.strategy else 1)
+    if args.print_pipeline:
+        from hspmd.cli.pass_flags import print_pipeline
+
+        return print_pipeline(args, n)
+    from hspmd.cli.pass_flags import finish_passes, pass_manager
+
+    args.passes = pass_manager(args, args.level)
+    level = args.level or "physical"
     compiled = _load_and_compile(args, n)
     if isinstance(compiled, list):  # several strategies: a switching bundle, or each one's level
         if args.report or args.explain or args.cost or args.emit:
             raise SystemExit("hspmd: error: --report, --explain, --cost and --emit take one --strategy")
         if not args.dump_dir:
             for i, c in enumerate(compiled):
-                sys.stdout.write(f"// strategy {i}: {c.strategy.strategy}\n{module_text(getattr(c, args.level))}")
+                sys.stdout.write(f"// strategy {i}: {c.strategy.strategy}\n{module_text(getattr(c, level))}")
+            finish_passes(args.passes)
             return 0
     if args.dump_dir:
         write_bundle(compiled, args.dump_dir)  # groups saying device=cuda get their GPU programs
@@ -167,7 +187,8 @@ def cmd_compile(args) -> int:
     elif args.profile:
         raise SystemExit("hspmd: error: --profile needs --cost")
     if not (args.dump_dir or args.report or args.explain or args.cost):
-        sys.stdout.write(module_text(getattr(compiled, args.level)))
+        sys.stdout.write(module_text(getattr(compiled, level)))
+    finish_passes(args.passes)
     return 0
 
 
@@ -242,9 +263,14 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     from hspmd.compiler import compile_script, default_strategy
     from hspmd.frontend.script import load_script, parse_overrides
 
+    from hspmd.cli.pass_flags import finish_passes, pass_manager, say_user_passes
+
     if os.path.isdir(args.script):
         if strategy or args.set:
             raise SystemExit("hspmd: error: a bundle is already compiled; --strategy and --set apply to scripts only")
+        if pass_manager(args) is not None:
+            raise SystemExit("hspmd: error: a bundle is already compiled; --load-pass, --pass-after, --pass-before, "
+                             "--pipeline and the IR printing flags apply to scripts only")
         manifest = read_manifest(args.script)
         if (manifest.world_size or manifest.num_devices) != n:
             from hspmd.runtime.worker import RunError
@@ -253,24 +279,26 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
                 f"bundle {args.script} was compiled for {manifest.world_size or manifest.num_devices} devices "
                 f"(strategy '{manifest.strategy}') but -n is {n}"
             )
+        say_user_passes(manifest.user_passes, f"bundle {args.script}")
         return args.script
     from hspmd.compiler import compile_working
     from hspmd.runtime.idle import mark_working_ranks
 
     script = load_script(args.script, parse_overrides(args.set))
+    passes = pass_manager(args)
     ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)
     if len(getattr(args, "strategies", None) or []) > 1:
         from hspmd.compiler import compile_strategies
 
-        compiled = compile_strategies(script, args.strategies, n)
+        compiled = compile_strategies(script, args.strategies, n, passes=passes)
     elif strategy == "auto":
         from hspmd.cli.plan import auto_strategy
 
-        compiled, ranks = auto_strategy(args, script, n)
+        compiled, ranks = auto_strategy(args, script, n, passes)
     elif strategy:
-        compiled, ranks = compile_working(script, strategy, n)
+        compiled, ranks = compile_working(script, strategy, n, passes=passes)
     else:
-        compiled = compile_script(script, default_strategy(n), n)
+        compiled = compile_script(script, default_strategy(n), n, passes=passes)
     bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
     from hspmd.runtime.cuda.select import rank_device
 
@@ -279,6 +307,9 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
     kinds = [rank_device(getattr(args, "device", "cpu"), r) for r in ranks]
     write_bundle(compiled, bundle, device=kinds)  # GPU programs for the groups of GPU ranks
     mark_working_ranks(bundle, ranks, n)
+    finish_passes(passes)
+    first = compiled[0] if isinstance(compiled, list) else compiled
+    say_user_passes(first.user_passes, f"the program of {args.script}")
     return bundle
 
 
@@ -389,6 +420,11 @@ def cmd_run(args) -> int:
         from hspmd.cli.ps import run_parameter_servers, uses_servers
 
         if args.servers is not None or uses_servers(args.strategy):
+            from hspmd.cli.pass_flags import pass_manager
+
+            if pass_manager(args) is not None:
+                raise SystemExit("hspmd: error: the pass flags (--load-pass, --pass-after, ...) do not go together "
+                                 "with parameter servers yet")
             return run_parameter_servers(args)
     if job is not None:
         from hspmd.cli.outside import run_outside
@@ -438,6 +474,8 @@ def cmd_opt(rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hspmd.cli.pass_flags import add_pass_arguments
+
     parser = argparse.ArgumentParser(prog="hspmd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -448,8 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-dir", help="write logical.mlir, annotated.mlir, physical_group*.mlir and a manifest")
     c.add_argument("--emit", choices=("kernels",),
                    help="with --dump-dir: also write the kernel level (kernel_group*.mlir, kernels/*.cu)")
-    c.add_argument("--level", choices=("logical", "annotated", "physical"), default="physical",
-                   help="level to print when no --dump-dir, --report or --explain is given")
+    c.add_argument("--level", choices=("logical", "annotated", "physical"),
+                   help="level to print when no --dump-dir, --report or --explain is given (default: physical); "
+                        "with --print-pipeline, the level whose passes to print")
     c.add_argument("--report", action="store_true",
                    help="print every collective of the physical program per device group, with bytes per rank per step")
     c.add_argument("--explain", action="store_true",
@@ -458,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the predicted step time per rank (compute, communication, bubbles, peak memory)")
     c.add_argument("--profile", metavar="P",
                    help="with --cost: the device profile to use (from hspmd profile; default: a synthetic CPU profile)")
+    add_pass_arguments(c, print_pipeline=True)
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="train a model script or a compiled bundle on N ranks")
@@ -524,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kernels", choices=("cpu", "numpy", "cuda"), default="cpu",
                    help="on the CPU: fused C++ kernels built from their CUDA source (cpu, the default) or NumPy per "
                         "op (numpy); cuda is a spelling of --device cuda (docs/kernels.md)")
+    add_pass_arguments(r)
     r.set_defaults(func=cmd_run)
 
     k = sub.add_parser("checkpoint", help="inspect or export a sharded checkpoint (docs/checkpoints.md)")
@@ -540,11 +581,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", default="loss.png", help="the image to write (default: loss.png)")
     g.set_defaults(func=cmd_plot)
 
+    from hspmd.cli.data import add_data_parser
     from hspmd.cli.plan import add_plan_parser
     from hspmd.cli.profile import add_profile_parser
 
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_data_parser(sub)
+
+    from hspmd.cli.compare import add_compare_parser
+    from hspmd.cli.reduce import add_reduce_parser
+
+    add_reduce_parser(sub)
+    add_compare_parser(sub)
     sub.add_parser("opt", help="hspmd-opt: run passes over an IR file (see hspmd-opt --help)", add_help=False)
     return parser
 

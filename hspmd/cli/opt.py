@@ -2,6 +2,8 @@
 
     hspmd-opt FILE [-p pass1,pass2{opt=v}] [--print-between-passes] [-o OUT]
     hspmd-opt FILE --load-pass my_passes.py -p my-pass
+    hspmd-opt FILE -p PASSES [--print-ir-after-all | --print-ir-after A,B | --print-ir-before A,B]
+                   [--dump-dir D] [--pass-timing]
 
 Built on xDSL's `xDSLOptMain`: hspmd's dialects and passes are added to xDSL's own (cse,
 dce, canonicalize, ...). `--load-pass` loads every `ModulePass` subclass defined in a Python
@@ -9,6 +11,11 @@ file or an importable module, under the pass's `name`. Errors are one located me
 1). A pass failing on an exception that no pass raises for bad input (not a PassError, nor a
 verifier's) is a bug in that pass: `hspmd-opt: internal error in <pass>: ...`, the IR it was given
 written to a file whose path is printed, a request to report it, exit code 3.
+
+The flags that watch the passes are `hspmd compile`'s (`hspmd.transforms.pass_manager`): the IR
+after every pass, or after/before the passes named, to `D/passes/NN-NAME.mlir` or stdout; a table
+of the passes' wall times and op counts on stderr. A pass loaded with `--load-pass` is checked as
+in `hspmd compile`: the IR verified after it, one line naming it and the failing op otherwise.
 """
 
 from __future__ import annotations
@@ -105,6 +112,22 @@ class HspmdOptMain(xDSLOptMain):
     def __init__(self, args: Sequence[str] | None, user_passes: dict[str, type[ModulePass]]):
         self._user_passes = user_passes
         super().__init__(description="hspmd IR optimizer driver", args=args)
+        self.manager = self._pass_manager()
+
+    def _pass_manager(self):
+        """Return the PassManager that applies the pipeline's passes: the user's checked, printing and
+        timing as the flags ask."""
+        from hspmd.transforms.pass_manager import PassManager
+        from hspmd.transforms.pass_pipeline import PipelineEdits
+
+        names = [n for n in (self.args.print_ir_after or "").split(",") if n.strip()]
+        before = [n for n in (self.args.print_ir_before or "").split(",") if n.strip()]
+        manager = PassManager(edits=PipelineEdits(self._user_passes), print_after_all=self.args.print_ir_after_all,
+                              print_after=frozenset(n.strip() for n in names),
+                              print_before=frozenset(n.strip() for n in before), dump_dir=self.args.dump_dir,
+                              timing=self.args.pass_timing, user_raises_are_errors=False)
+        manager.check_names(p.name for p in self.pipeline.passes)
+        return manager
 
     def register_all_dialects(self) -> None:
         super().register_all_dialects()
@@ -133,7 +156,7 @@ class HspmdOptMain(xDSLOptMain):
             callback(None, prog, passes[0] if passes else None)
         for i, p in enumerate(passes):
             try:
-                p.apply(self.ctx, prog)
+                self.manager.apply(p, self.ctx, prog)
             except _input_errors():
                 raise
             except Exception as err:
@@ -158,6 +181,15 @@ class HspmdOptMain(xDSLOptMain):
             metavar="FILE_OR_MODULE",
             help="load ModulePass subclasses from a Python file or module (repeatable)",
         )
+        arg_parser.add_argument("--print-ir-after-all", action="store_true",
+                                help="print the module after every pass: D/passes/NN-NAME.mlir with --dump-dir, "
+                                     "else stdout")
+        arg_parser.add_argument("--print-ir-after", metavar="NAME,...", help="print the module after the passes named")
+        arg_parser.add_argument("--print-ir-before", metavar="NAME,...",
+                                help="print the module before the passes named")
+        arg_parser.add_argument("--dump-dir", metavar="D", help="where --print-ir-* write their files (D/passes/)")
+        arg_parser.add_argument("--pass-timing", action="store_true",
+                                help="print each pass's wall time, share and op counts before and after (stderr)")
 
 
 def _pre_scan_load_pass(argv: list[str]) -> list[str]:
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             user.update(load_user_passes(source))
         tool = HspmdOptMain(argv, user)
         tool.run()
+        if tool.manager.timing:
+            sys.stderr.write(tool.manager.timing_table())
     except LoadPassError as err:
         print(f"hspmd-opt: error: {err}", file=sys.stderr)
         return 1

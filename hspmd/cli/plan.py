@@ -43,6 +43,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--redundancy", metavar="peer[:K]",
                    help="count the host memory of in-memory peer copies (hspmd run --elastic --redundancy peer)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
+    from hspmd.cli.pass_flags import add_pass_arguments
+
+    add_pass_arguments(p, watch=False)
     p.set_defaults(func=cmd_plan)
 
 
@@ -82,7 +85,7 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _compile(script, candidate, n: int):
+def _compile(script, candidate, n: int, passes=None):
     """Return ((the candidate compiled, the ranks it works on), None), or (None, the compiler's
     message) when it does not compile (a candidate leaving ranks idle compiles for the others)."""
     from hspmd.compiler import InternalError
@@ -94,7 +97,7 @@ def _compile(script, candidate, n: int):
 
     try:
         return compile_working(script, candidate.strategy(), n, microbatches=candidate.microbatches,
-                               pipeline_schedule=candidate.schedule), None
+                               pipeline_schedule=candidate.schedule, passes=passes), None
     except (PassError, StrategyError, ShardingError, LayoutError) as err:
         return None, str(err).splitlines()[0]
     except InternalError as err:  # a compiler bug on this candidate: said as such, the search goes on
@@ -117,9 +120,10 @@ class Choice:
 
 
 def choose_strategy(script, n: int, profile: str | None = None, memory: float | None = None,
-                    report=None, redundancy: bool = False) -> Choice:
+                    report=None, passes=None, redundancy: bool = False) -> Choice:
     """Return the planner's choice for `script` on `n` devices: the fastest candidate under
-    `memory` that compiles. `report(line)` hears about candidates that do not compile."""
+    `memory` that compiles (with the user's passes of `passes`, a `PassManager`, where given).
+    `report(line)` hears about candidates that do not compile."""
     from hspmd.planner import PlanError, model_facts, plan
 
     machine = load_machine(profile, n)
@@ -135,7 +139,7 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
                         f"candidates, '{lean.strategy()}'{' with ' + ' '.join(lean.settings()) if lean.settings() else ''}"
                         f", needs {_mib(lean.memory_bytes)} per rank (more devices, ZeRO or a smaller batch need less)")
     for c in fits[:8]:
-        done, problem = _compile(script, c, n)
+        done, problem = _compile(script, c, n, passes)
         if done is not None:
             return Choice(c, *done, fits, over, facts, machine, read, searched)
         if report:
@@ -150,8 +154,10 @@ def cmd_plan(args) -> int:
         raise SystemExit("hspmd: error: --top must be at least 1")
     memory = parse_bytes(args.memory_per_rank) if args.memory_per_rank else None
     script = load_script(args.script, parse_overrides(args.set))
-    redundancy = _redundancy(args)
-    choice = choose_strategy(script, args.n, args.profile, memory, print, redundancy)
+    from hspmd.cli.pass_flags import pass_manager
+
+    choice = choose_strategy(script, args.n, args.profile, memory, print, pass_manager(args), _redundancy(args))
+    redundancy = bool(getattr(args, "redundancy", None))
     chosen, fits, over, facts, machine = choice.chosen, choice.fits, choice.over, choice.facts, choice.machine
     read, searched = choice.read_s, choice.search_s
     where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
@@ -247,10 +253,11 @@ def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: flo
     return "\n".join(lines) or None
 
 
-def auto_strategy(args, script, n: int) -> tuple[Compiled, tuple[int, ...]]:
-    """Return the program `--strategy auto` runs (planned, compiled) and the ranks it works on
-    (the others stay idle), the choice said in one line."""
-    choice = choose_strategy(script, n, getattr(args, "profile", None), redundancy=bool(getattr(args, "redundancy", None)))
+def auto_strategy(args, script, n: int, passes=None) -> tuple[Compiled, tuple[int, ...]]:
+    """Return the program `--strategy auto` runs (planned, compiled with `passes`, a `PassManager`,
+    where given) and the ranks it works on (the others stay idle), the choice said in one line."""
+    choice = choose_strategy(script, n, getattr(args, "profile", None), passes=passes,
+                             redundancy=bool(getattr(args, "redundancy", None)))
     chosen = choice.chosen
     settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
     idle = chosen.idle_ranks

@@ -10,7 +10,9 @@ compiler writes it (`write_bundle`), the runtime reads it (`read_manifest`). A m
 written before bundles held kernel-level IR has no `kernels` entries: such a bundle runs its
 physical programs (NumPy per op). A program imported from PyTorch (`hspmd.frontend.torch_import`)
 also holds its module's weights, `weights.safetensors` (global tensors named as the parameters),
-which a run starts from unless it resumes or is given `--init-from`.
+which a run starts from unless it resumes or is given `--init-from`. A bundle compiled with the
+user's own passes (`--load-pass`, `--pass-after`, ...) records them, `user_passes`: each file or
+module with the SHA-256 of its text and the passes it defines, and the flags that placed them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Manifest:
     # rank of the run works and the devices are its ranks
     ranks: list[int] | None = None
     world_size: int | None = None
+    # the user's passes it was compiled with: {"ran": [names], "placed": [flags], "sources": [{"source",
+    # "sha256", "passes"}]}; None: hspmd's passes alone
+    user_passes: dict | None = None
 
     def group_for(self, rank: int) -> GroupEntry:
         """Return the group entry whose devices include `rank`."""
@@ -84,6 +89,8 @@ def write_manifest(directory: str, manifest: Manifest) -> str:
     if raw.get("ranks") is None:  # a bundle whose every rank works says nothing of idle ones
         raw.pop("ranks", None)
         raw.pop("world_size", None)
+    if raw.get("user_passes") is None:  # compiled by hspmd's passes alone
+        raw.pop("user_passes", None)
     atomic_write_text(path, json.dumps(raw, indent=2) + "\n")
     return path
 
@@ -115,7 +122,8 @@ def atomic_write_text(path: str, text: str) -> None:
 
 def write_bundle(directory: str, *, script: str, config: dict, strategy: str, logical: ModuleOp,
                  annotated: ModuleOp, groups: Sequence[tuple[Sequence[int], ModuleOp, ModuleOp, ModuleOp | None]],
-                 variants: Sequence[str] = (), weights: dict | None = None) -> Manifest:
+                 variants: Sequence[str] = (), weights: dict | None = None,
+                 user_passes: dict | None = None) -> Manifest:
     """Write a bundle into `directory` and return its manifest.
 
     `groups` holds, per device group, its devices, its physical program, the same program at
@@ -123,7 +131,7 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
     GPU program (None: the bundle runs on CPUs only); `variants`, the sub-bundles of a
     switching run's other strategies (`Manifest.variants`); `weights`, the initial values of
     the parameters (name -> global array), where they are not the initialisers' (an imported
-    PyTorch module's).
+    PyTorch module's); `user_passes`, the user's passes it was compiled with (`Manifest.user_passes`).
     """
     os.makedirs(directory, exist_ok=True)
     atomic_write_text(os.path.join(directory, "logical.mlir"), module_text(logical))
@@ -152,6 +160,6 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
         os.replace(tmp, os.path.join(directory, weights_file))
     manifest = Manifest(script=script, config=config, strategy=strategy,
                         num_devices=sum(len(g.devices) for g in entries), groups=entries, variants=list(variants),
-                        weights=weights_file)
+                        weights=weights_file, user_passes=user_passes)
     write_manifest(directory, manifest)
     return manifest

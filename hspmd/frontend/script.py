@@ -8,6 +8,10 @@ A model script is a Python file that defines:
   values, data order) are read by hspmd itself;
 - `model(config)`: returns an `hspmd.nn.Module`;
 - `loss(model, batch)`: given the model and a dict of input tensors, returns a scalar loss;
+- `dataset(config)`: returns a dataset of `hspmd.data` (`hs.data.TokenDataset(path).windows(T + 1)`,
+  docs/data.md), batched by `config["data"]["batch_size"]` in an order that does not depend on the
+  strategy; each rank reads only its rows. Optionally `collate(rows, config)` (row by row) and
+  `sampler(config, dataset)`. Or, instead:
 - `batches(config)`: yields global batches, dicts of NumPy arrays with fixed shapes, the
   same sequence on every call (the runtime gives each rank its piece of each batch);
 - optionally `optimizer(config)`: returns an optimizer of `hspmd.optim` (default: plain SGD
@@ -44,6 +48,8 @@ from hspmd.ir.types import element_type
 REQUIRED = ("config", "model", "loss", "batches")
 #: what a script importing a PyTorch model defines instead (`torch_loss` optional)
 REQUIRED_TORCH = ("config", "torch_model", "batches")
+#: a script may give `dataset` (hspmd.data) where these lists say `batches`
+DATA_ALTERNATIVE = {"batches": "dataset"}
 
 
 class ScriptError(Exception):
@@ -66,8 +72,21 @@ class ModelScript:
         return hasattr(self.module, "torch_model")
 
     def batches(self):
-        """Return an iterator over the script's global batches."""
-        return iter(self.module.batches(self.config))
+        """Return an iterator over the script's global batches (its `batches(config)`, or its
+        `dataset(config)` read in the sampler's order)."""
+        from hspmd.data.errors import DataError
+        from hspmd.data.script import has_dataset, script_batches
+
+        if not has_dataset(self.module):
+            return iter(self.module.batches(self.config))
+
+        def read():
+            try:
+                yield from script_batches(self.module, self.config)
+            except DataError as err:
+                raise ScriptError(str(err)) from None
+
+        return read()
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -101,12 +120,13 @@ def load_script(path: str, overrides: dict | None = None) -> ModelScript:
         where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if f.filename == path), path)
         raise ScriptError(f"{where}: loading the script failed: {type(err).__name__}: {err}") from None
     required = REQUIRED_TORCH if hasattr(module, "torch_model") else REQUIRED
-    missing = [n for n in required if not hasattr(module, n)]
+    missing = [n for n in required if not hasattr(module, n) and not hasattr(module, DATA_ALTERNATIVE.get(n, n))]
     if missing and required is REQUIRED_TORCH:
         raise ScriptError(f"{path}: a model script with torch_model must define {', '.join(REQUIRED_TORCH)}; "
                           f"missing {', '.join(missing)}")
     if missing:
-        raise ScriptError(f"{path}: a model script must define {', '.join(REQUIRED)}; missing {', '.join(missing)}")
+        raise ScriptError(f"{path}: a model script must define {', '.join(REQUIRED)} (or dataset instead of batches); "
+                          f"missing {', '.join(missing)}")
     config = copy.deepcopy(dict(module.config))
     for key, value in (overrides or {}).items():
         set_config(config, key, value)

@@ -35,6 +35,9 @@ class GPTConfig:
     init_std: float = 0.02
     eps: float = 1e-5
     rope_base: float = 10000.0
+    #: attention stays within documents where the batch says which position is in which
+    #: (`segments` [B, T], as `hs.data`'s packed windows give them; `lm_loss` passes them)
+    document_mask: bool = False
     extra: dict = field(default_factory=dict)
 
     @staticmethod
@@ -80,7 +83,8 @@ class CausalSelfAttention(Module):
             self.qkv = Linear(d, 3 * d, init=f"normal:{std!r}")
             self.proj = Linear(d, d, init=proj_std)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """`bias` [B, 1, T, T] (optional) is added to the attention scores before the causal mask."""
         b, t, d = x.shape
         h = self.heads
         hd = d // h
@@ -92,6 +96,8 @@ class CausalSelfAttention(Module):
             q, k = ops.rope(q, self.rope_base), ops.rope(k, self.rope_base)
         q, k, v = (z.transpose((0, 2, 1, 3)) for z in (q, k, v))  # [B, H, T, hd]
         scores = (q @ k.transpose((0, 1, 3, 2))) * (1.0 / math.sqrt(hd))
+        if bias is not None:
+            scores = scores + (bias if bias.dtype == scores.dtype else ops.cast(bias, scores.dtype))
         att = ops.softmax(ops.causal_mask(scores), -1)
         if self.dropout:
             att = ops.dropout(att, self.dropout)
@@ -138,9 +144,22 @@ class Block(Module):
         self.ln2 = norm()
         self.mlp = MLP(cfg, swiglu=llama)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        x = x + (self.attn(self.ln1(x)) if bias is None else self.attn(self.ln1(x), bias))
         return x + self.mlp(self.ln2(x))
+
+
+#: the score added where a query and a key lie in different documents: exp(-6321) is 0 after softmax
+_OTHER_DOCUMENT = -1.0e4
+
+
+def document_bias(segments: Tensor) -> Tensor:
+    """Return [B, 1, T, T]: 0 where query t and key s lie in one document (`segments` [B, T], float,
+    equal), at most -6321 elsewhere (10^4 * (exp(-d^2) - 1) for segment numbers d apart: exactly 0
+    for d = 0, and a weight of 0 after softmax for any other integer d)."""
+    b, t = segments.shape
+    d = segments.reshape((b, 1, t, 1)) - segments.reshape((b, 1, 1, t))
+    return (ops.exp(d * d * -1.0) - 1.0) * -_OTHER_DOCUMENT
 
 
 class GPT(Module):
@@ -155,14 +174,16 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.d_model, cfg.eps)
         self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False, init=f"normal:{cfg.init_std!r}")
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
+        """`segments` [B, T] (with `document_mask`): attention stays within each document."""
         t = ids.shape[1]
         pos = self.wpe.traced("wpe") if t == self.cfg.seq_len else ops.slice(self.wpe.traced("wpe"), 0, 0, t)
         x = self.wte(ids) + pos
         if self.cfg.dropout:
             x = ops.dropout(x, self.cfg.dropout)
+        bias = document_bias(segments) if segments is not None and self.cfg.document_mask else None
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if bias is None else block(x, bias)
         return self.head(self.ln_f(x))
 
 
@@ -242,6 +263,13 @@ def moe_lm_loss(model: MoEGPT, batch: dict) -> Tensor:
     return loss + aux * model.aux_weight
 
 
-def lm_loss(model: Module, batch: dict) -> Tensor:
-    """Return the next-token cross-entropy of `model` on `batch["ids"]` against `batch["targets"]`."""
-    return ops.cross_entropy(model(batch["ids"]), batch["targets"])
+def lm_loss(model: Module, batch: dict, ignore_index: int = -100) -> Tensor:
+    """Return the next-token cross-entropy of `model` on `batch["ids"]` against `batch["targets"]`
+    A batch with `segments` (`hs.data`'s packed windows) has targets equal to `ignore_index` that
+    count for nothing, and a model with `document_mask` gets the segments, so that its attention
+    stays within documents."""
+    if "segments" not in batch:
+        return ops.cross_entropy(model(batch["ids"]), batch["targets"])
+    if getattr(getattr(model, "cfg", None), "document_mask", False):
+        return ops.cross_entropy(model(batch["ids"], batch["segments"]), batch["targets"], ignore_index=ignore_index)
+    return ops.cross_entropy(model(batch["ids"]), batch["targets"], ignore_index=ignore_index)

@@ -31,7 +31,9 @@ from hspmd.dialects.context import IRTextError, parse_module
 from hspmd.dialects.levels import LevelError, physical_groups, verify_physical
 from hspmd.codegen.bundle import BundleError, read_manifest
 from hspmd.codegen.schedule.model import Leaf
-from hspmd.runtime.batching import BatchError, compiled_batch_shapes, pad_batch
+from hspmd.data.errors import DataError
+from hspmd.runtime.data.batching import BatchError, split_microbatches  # noqa: F401  (worker.split_microbatches)
+from hspmd.runtime.data.feed import DataElsewhere, open_feed, verify_data
 from hspmd.runtime.checkpoint import gather_parameters, save_checkpoint
 from hspmd.runtime.stacked import layer_leaves, per_layer, stacked
 from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest as read_checkpoint_manifest, resolve_checkpoint
@@ -46,7 +48,7 @@ from hspmd.ir.loss_scaling import SCALE_STATE
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
-from hspmd.runtime.progress import Progress, batch_items
+from hspmd.runtime.progress import Progress
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
 from hspmd.runtime.idle import RankSubset, idle_ranks
 from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
@@ -122,8 +124,12 @@ def load_script_module(script: str):
 
 
 def load_batches(script: str, config: dict):
-    """Return the batch iterator of the model script at `script` (its `batches(config)`)."""
-    return iter(load_script_module(script).batches(config))
+    """Return the global batches of the model script at `script` (its `batches(config)`, or its
+    `dataset(config)` read batch by batch)."""
+    from hspmd.data.script import has_dataset, script_batches
+
+    module = load_script_module(script)
+    return script_batches(module, config) if has_dataset(module) else iter(module.batches(config))
 
 
 def _quiet_unless(speak: bool):
@@ -229,6 +235,7 @@ def train(
     places = rank_places(comm, device)
     # ranks on several nodes (hosts, or simulated: ranks_per_node): all-reduces across them in two tiers
     comm = node_aware(comm, [p.host for p in places] if places else None, ranks_per_node)
+    cuda_graph = cuda_graph and trace is None  # traced steps run call by call: nothing is captured
     # a standby rank (hspmd.runtime.standby) says nothing of its plan: it may never train
     program = load_rank_program(bundle, manifest, comm, kernels, quiet or standby is not None, device, cuda_graph,
                                 places)
@@ -257,6 +264,7 @@ def train(
         log_append = bool(orders.get("log_append", log_append))
     beat = Heartbeat(peer.heartbeat, world_rank) if peer.heartbeat else None  # hspmd.runtime.heartbeat
     done = 0  # steps already trained (by the run a checkpoint comes from)
+    peer_position: dict | None = None  # what the peer copies recorded beside the state (hspmd.runtime.peer)
     try:  # what every rank finds alike: rank 0 says it
         where = resolve_checkpoint(ck.resume) if ck.resume else None
         saved = read_checkpoint_manifest(where) if where else None
@@ -270,7 +278,7 @@ def train(
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
         if peer.restore:  # a restart from the peer copies in host memory (hspmd.runtime.peer)
-            state, done, _position = restore_from_peers(peer.restore, plan.params, comm)
+            state, done, peer_position = restore_from_peers(peer.restore, plan.params, comm)
             if comm.rank == 0 and not quiet:
                 print(f"resumed from the peer copies of step {done} (in host memory)", flush=True)
         elif where and saved:
@@ -292,14 +300,20 @@ def train(
         copies = start_copies(peer, comm, plan.params, manifest.strategy) if len(programs) == 1 else None
     except PeerCopyError as err:
         raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
-    batches = load_batches(manifest.script, config)
-    for _ in range(done):  # the data position: the batches the checkpointed steps consumed
-        next(batches, None)
+    try:  # the data: this rank's rows of each batch, at the checkpoint's data position (runtime/data/feed.py)
+        feed = open_feed(load_script_module(manifest.script), config, comm.rank,
+                         plan if len(programs) == 1 else None, staging=_staging(plan, device, config))
+        verify_data(feed, comm)
+        # the loader's position saved with the checkpoint, or with the peer copies (their stamp's "data")
+        feed.restore(saved.data if saved else (peer_position or {}).get("data"), done)
+    except DataElsewhere as err:
+        raise QuietRunError(str(err)) from None
+    except DataError as err:
+        raise RunError(str(err)) from None
     if len(programs) > 1 and (writer is not None or where or ck.init_from):
         raise AgreedRunError("checkpoints (--checkpoint-dir, --resume, --init-from) and several strategies "
                              "(graph switching) do not go together yet")
     current, pinned = 0, False  # pinned: after a rank left, the run stays on the strategy without it
-    pad = config.get("data", {}).get("pad") if isinstance(config.get("data"), dict) else None
     result = RunResult()
     if keep_outputs:
         result.initial_params = gather(state)
@@ -308,21 +322,21 @@ def train(
     every = ck.every or steps
     progress = Progress(steps, done, progress_bar) if comm.rank == 0 and not quiet else None
 
-    def next_batch(step: int) -> dict:
+    def next_batch(step: int):
         try:
-            return next(batches)
+            return feed.next(step)
         except StopIteration:
             raise RunError(f"the script's batches ran out after {step - 1} steps") from None
-
-    def step_batch(step: int, batch: dict, plan) -> tuple[dict, dict]:
-        """Return (the step's scalar inputs, this rank's piece of the step's whole batch)."""
-        names = {leaf.name: leaf.global_shape for leaf in plan.inputs}
-        scalars = step_inputs(step, config, names)
-        try:  # an epoch's last batch may be short: padded rows count for nothing (batching.py)
-            batch = pad_batch({**batch, **scalars}, compiled_batch_shapes(names.items()), pad)
-        except BatchError as err:
+        except DataError as err:
             raise RunError(f"step {step}: {err}") from None
-        return scalars, plan.local_batch(split_microbatches(batch, names))
+
+    def step_batch(step: int, batch, plan) -> tuple[dict, dict]:
+        """Return (the step's scalar inputs, this rank's piece of the step's global batch)."""
+        scalars = step_inputs(step, config, {leaf.name: leaf.global_shape for leaf in plan.inputs})
+        try:  # an epoch's last batch may be short: padded rows count for nothing (data/batching.py)
+            return scalars, batch.local(plan, scalars)
+        except (BatchError, DataError) as err:
+            raise RunError(f"step {step}: {err}") from None
 
     # a GPU plan on its own (no switching, no leaving) uploads the next batch during a step
     overlap = len(programs) == 1 and leave is None and getattr(plan, "uploads_ahead", False)
@@ -343,11 +357,12 @@ def train(
             if tracer is not None:
                 tracer.step, step_start = step, tracer.clock()
             switched = None
+            waited = time.perf_counter()
             if ahead is not None and ahead[0] == step:  # made and uploaded during the last step
                 _, items, scalars, local = ahead
             else:
                 batch = next_batch(step)
-                items = batch_items(batch) if progress is not None else None
+                items = batch.items
                 chosen = current if pinned else choose(step, batch)
                 if chosen != current:
                     state, switched = switcher.switch(state, current, chosen)
@@ -355,7 +370,7 @@ def train(
                     current = chosen
                     plan, gather = programs[current].plan, programs[current].gather
                 scalars, local = step_batch(step, batch, plan)
-            ahead = None
+            ahead, waited = None, time.perf_counter() - waited
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
             scale = _loss_scale(state) if log_file and comm.rank == 0 else None
@@ -365,7 +380,7 @@ def train(
                     nonlocal ahead
                     batch = next_batch(step)
                     scalars, local = step_batch(step, batch, plan)
-                    ahead = (step, batch_items(batch) if progress is not None else None, scalars, local)
+                    ahead = (step, batch.items, scalars, local)
                     return local
 
                 outputs = plan.run(state, local, tracer, ahead=make_next)
@@ -380,7 +395,7 @@ def train(
             copy_s = None
             if copies is not None and copies.due(step):  # before the log says the step is done
                 copy_s = time.perf_counter()
-                copies.after_step(step, state, {"data_position": step})
+                copies.after_step(step, state, {"data_position": step, "data": feed.state_dict()})
                 copy_s = time.perf_counter() - copy_s
             if comm.rank == 0:
                 if progress is not None:
@@ -388,7 +403,7 @@ def train(
                 if log_file:
                     if peer.restart is not None and step == done + 1:  # beside the first step after a restart
                         log_file.write(restart_line(peer.restart) + "\n")
-                    record = {"step": step, "loss": loss, "time_s": elapsed, "ranks": comm.size}
+                    record = {"step": step, "loss": loss, "time_s": elapsed, "data_s": waited, "ranks": comm.size}
                     if copy_s is not None:  # the training thread's part of the peer copies
                         record["copy_s"] = copy_s
                     if "lr" in scalars:
@@ -405,7 +420,8 @@ def train(
                     log_file.write(json.dumps(record) + "\n")
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
-                writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None)
+                writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None,
+                            data=feed.state_dict())
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if copies is not None:
@@ -419,6 +435,7 @@ def train(
     finally:
         if beat is not None:  # training is over, on this rank: its end is near, not a silence
             beat.stop()
+        feed.close()
         if progress is not None:
             progress.close()
         if log_file:
@@ -436,6 +453,17 @@ def train(
             except OSError as err:
                 raise RunError(f"--trace {trace}: {err.strerror or err}") from None
     return result
+
+
+def _staging(plan, device: str, config: dict):
+    """Return how a made batch goes into the device's host buffers (page-locked memory that a GPU
+    plan uploads from directly), or None on the CPU."""
+    if device != "cuda" or getattr(plan, "device", None) is None:
+        return None
+    from hspmd.runtime.cuda.staging import HostStaging
+
+    section = config.get("data") if isinstance(config.get("data"), dict) else {}
+    return HostStaging(plan.device, int(section.get("prefetch", 2) or 0))
 
 
 @dataclass
@@ -543,29 +571,13 @@ def strategy_chooser(manifest, full: list[int], switch_every: int | None, order:
         return lambda step, batch: 0
 
     def choose(step: int, batch) -> int:
-        index = pick(batch, manifest.config)
+        index = pick(batch.full() if hasattr(batch, "full") else batch, manifest.config)  # a feed's batch, or a dict
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < count:
             raise RunError(f"step {step}: the script's strategy_for returned {index!r}; the run has strategies "
                            f"0..{count - 1}")
         return int(index)
 
     return choose
-
-
-def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
-    """Add input `NAME@mb` (NAME's rows as m equal micro-batches, `[m, rows / m, ...]`, m from the
-    compiled shape) for each such name the program reads."""
-    out = dict(batch)
-    for name, shape in names.items():
-        base, sep, rest = name.rpartition("@mb")
-        if not sep or rest or base not in batch:
-            continue
-        value = np.asarray(batch[base])
-        m = shape[0]
-        if value.ndim == 0 or value.shape[0] % m:
-            raise RunError(f"input '{base}' of shape {value.shape}: {m} micro-batches need a batch dim divisible by {m}")
-        out[name] = value.reshape(m, value.shape[0] // m, *value.shape[1:])
-    return out
 
 
 def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet: bool,
@@ -602,19 +614,10 @@ def _load_device_program(bundle: str, manifest, entry, comm: Communicator, quiet
         print(f"plan: on {gpu.name}, {plan.peak_bytes / 2**20:.1f} MiB of device memory per rank (allocated once: "
               f"parameters, optimizer states, inputs and buffers {plan.buffer_bytes / 2**20:.1f} MiB reused by "
               f"liveness), {sum(1 for o in group_module.walk() if o.name == 'kernel.fused')} kernels, "
-              f"{len(plan.calls)} calls a step{_graphs_text(plan) if cuda_graph else ''}"
+              f"{len(plan.calls)} calls a step{plan.replay_text() if cuda_graph else ''}"
               f"{', float32 products on TF32 tensor cores' if use_tf32 else ''}", flush=True)
     return RankProgram(plan, _gatherer(bundle, manifest, group_module, plan, comm), group_module,
                        tuple(sorted(d for g in manifest.groups for d in g.devices)))
-
-
-def _graphs_text(plan) -> str:
-    """Return how a GPU plan's step replays: one CUDA graph, or graphs between host-staged calls."""
-    staged = sum(1 for c in plan.calls if getattr(c, "host_staged", False))
-    nccl = sum(1 for c in plan.calls if getattr(c, "uncaptured", False)) - staged
-    if not staged and not nccl:
-        return ", one CUDA graph"
-    return f", CUDA graphs between {staged} host-staged{f' and {nccl} NCCL' if nccl else ''} collective calls"
 
 
 def _group_program(path: str, rank: int, verify: bool = False):

@@ -40,6 +40,7 @@ _PASSES = {
     "flash-attention": "hspmd.transforms.flash_attention:FlashAttention",
     "multi-tensor": "hspmd.transforms.multi_tensor:MultiTensor",
     "coalesce-group-sums": "hspmd.transforms.coalesce_group_sums:CoalesceGroupSums",
+    "strip-layouts": "hspmd.transforms.strip_layouts:StripLayouts",
 }
 
 

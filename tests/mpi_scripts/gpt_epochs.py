@@ -6,7 +6,7 @@ in the last batch of an epoch are all padding: it contributes nothing that step.
 
 import hspmd as hs
 from hspmd.frontend.transformer import GPT, GPTConfig
-from hspmd.runtime.data import lm_epochs, pydoc_text_bytes
+from hspmd.data.text import lm_epochs, pydoc_text_bytes
 
 IGNORE = -100
 

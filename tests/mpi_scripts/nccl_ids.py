@@ -22,9 +22,11 @@ class Recording(FakeNccl):
         self.rank, self.made = rank, []
 
     def get_unique_id(self):
-        return tuple((self.rank * 7 + i) % 256 - 128 for i in range(128))  # differs by maker
+        return bytes((self.rank * 7 + i) % 256 for i in range(128))  # differs by maker (bytes, as CuPy 14's)
 
     def NcclCommunicator(self, ndev, commId, rank):
+        if not isinstance(commId, bytes):
+            raise TypeError(f"expected bytes, got {type(commId).__name__}")
         self.made.append((ndev, list(commId), rank))
         return self
 

@@ -6,6 +6,7 @@ pieces rank r wrote) and `manifest.json`, written last:
     {"format": "hspmd-checkpoint", "version": 1, "step": 10, "data_position": 10,
      "seed": 0, "lr": 0.0029, "strategy": "[0,1]: dp=2", "num_devices": 2,
      "script": "examples/gpt.py", "config": {...}, "rng": {...},
+     "data": {"format": "hspmd-sampler", "epoch": 0, "offset": 160, ...},
      "tensors": {"wte.weight": {"shape": [256, 128], "dtype": "float32",
                                 "layout": "[0,1]: dup=2",
                                 "pieces": [{"file": "rank-00000.safetensors",
@@ -16,6 +17,9 @@ pieces rank r wrote) and `manifest.json`, written last:
 
 A piece's `region` is the global index range it holds, `[start, stop)` per dim; a tensor's pieces
 are disjoint and together cover it. `crc32` is zlib's CRC-32 of the piece's bytes (C order).
+`data` is the position of a `dataset(config)` script's data (`hspmd.data.Loader.state_dict`: the
+sampler's cursor, two integers, and what it is a cursor in), restored in O(1) on resume; `{}` for
+a `batches(config)` script, whose position is `data_position` batches drawn.
 The directory appears under its name by one rename once everything in it is on disk, so a
 `step-<k>` directory with a manifest is complete; one still being written is `step-<k>.tmp`.
 """
@@ -86,6 +90,8 @@ class Manifest:
     lr: float | None = None
     rng: dict = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
+    #: the data loader's position (`hspmd.data.Loader.state_dict`), {} where the script has none
+    data: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Return the manifest as JSON text."""
@@ -93,7 +99,7 @@ class Manifest:
         # takes the pure-Python one, about 10x slower, holding the GIL in the writer thread)
         head = {"format": FORMAT, "version": VERSION, "step": self.step, "data_position": self.data_position,
                 "seed": self.seed, "lr": self.lr, "strategy": self.strategy, "num_devices": self.num_devices,
-                "script": self.script, "config": self.config, "rng": self.rng, "files": self.files}
+                "script": self.script, "config": self.config, "rng": self.rng, "data": self.data, "files": self.files}
         tensors = ",\n".join(
             f"  {json.dumps(name)}: " + json.dumps(
                 {"shape": list(t.shape), "dtype": t.dtype, "layout": t.layout,
@@ -126,7 +132,7 @@ class Manifest:
             return Manifest(int(d["step"]), int(d["data_position"]), int(d["seed"]), str(d["strategy"]),
                             int(d["num_devices"]), str(d["script"]), dict(d["config"]), tensors,
                             None if d.get("lr") is None else float(d["lr"]), dict(d.get("rng", {})),
-                            {str(k): int(v) for k, v in d.get("files", {}).items()})
+                            {str(k): int(v) for k, v in d.get("files", {}).items()}, dict(d.get("data") or {}))
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as err:

@@ -138,8 +138,10 @@ class CheckpointWriter:
         if comm is not None and comm.size > 1:
             comm.barrier()
 
-    def save(self, step: int, state: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
-        """Start writing checkpoint `step` of `state` (this rank's pieces) in the background."""
+    def save(self, step: int, state: dict[str, np.ndarray], data_position: int, lr: float | None,
+             data: dict | None = None) -> None:
+        """Start writing checkpoint `step` of `state` (this rank's pieces) in the background; `data`:
+        the data loader's position (`Manifest.data`)."""
         start = time.perf_counter()
         traced = self.tracer.clock() if self.tracer is not None else 0
         self.wait()
@@ -147,7 +149,7 @@ class CheckpointWriter:
         if self.tracer is not None:
             self.tracer.complete("checkpoint.snapshot", "checkpoint", traced, self.tracer.clock(), MAIN,
                                  {"bytes": sum(int(b.nbytes) for b in snapshot.values())})
-        thread = threading.Thread(target=self._guarded, args=(self._write, step, snapshot, data_position, lr),
+        thread = threading.Thread(target=self._guarded, args=(self._write, step, snapshot, data_position, lr, data),
                                   name=f"checkpoint-{step}", daemon=True)
         self._thread = thread
         thread.start()
@@ -181,12 +183,14 @@ class CheckpointWriter:
         except BaseException as err:  # reported by the training thread at its next save or close
             self._error = err
 
-    def _write(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
+    def _write(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None,
+               data: dict | None = None) -> None:
         with traced(self.tracer, "checkpoint.write", "checkpoint", CHECKPOINT, step=step,
                     bytes=sum(int(b.nbytes) for b in snapshot.values())):
-            self._write_pieces(step, snapshot, data_position, lr)
+            self._write_pieces(step, snapshot, data_position, lr, data)
 
-    def _write_pieces(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None) -> None:
+    def _write_pieces(self, step: int, snapshot: dict[str, np.ndarray], data_position: int, lr: float | None,
+                      loader_state: dict | None = None) -> None:
         tmp = os.path.join(self.directory, f"step-{step}.tmp")
         os.makedirs(tmp, exist_ok=True)
         file = f"rank-{self.rank:05d}.safetensors"
@@ -207,7 +211,7 @@ class CheckpointWriter:
         _write_json(os.path.join(tmp, f"rank-{self.rank:05d}.json"), json.dumps(index))
         if self.rank == 0:
             with traced(self.tracer, "checkpoint.manifest", "checkpoint", CHECKPOINT, step=step):
-                self._finish(step, tmp, data_position, lr)
+                self._finish(step, tmp, data_position, lr, loader_state)
 
     def _indices(self, tmp: str) -> list[dict]:
         """Return every rank's index of checkpoint directory `tmp`, waiting for them to appear."""
@@ -223,7 +227,7 @@ class CheckpointWriter:
                 out.append(json.load(f))
         return out
 
-    def _finish(self, step: int, tmp: str, data_position: int, lr: float | None) -> None:
+    def _finish(self, step: int, tmp: str, data_position: int, lr: float | None, data: dict | None = None) -> None:
         tensors: dict[str, TensorEntry] = {}
         files: dict[str, int] = {}
         for index in self._indices(tmp):
@@ -238,7 +242,7 @@ class CheckpointWriter:
         manifest = Manifest(step, data_position, info.seed, info.strategy, info.num_devices, info.script, info.config,
                             dict(sorted(tensors.items())), lr,
                             {"dropout": "counter-based: a mask is a hash of (seed, op salt, step, element)",
-                             "seed": info.seed, "step": step}, files)
+                             "seed": info.seed, "step": step}, files, dict(data or {}))
         _write_json(os.path.join(tmp, MANIFEST), manifest.to_json())
         fsync_path(tmp)
         final = os.path.join(self.directory, f"step-{step}")

@@ -9,11 +9,13 @@ group's NCCL communicator, and the order of the tuple is the order of the chunks
 reduce-scatter, all-to-all). A group's NCCL communicator is made on first use (or by
 `open_groups`), collectively over its members: the group's first rank makes the unique id and
 sends it to the others through the host communicator (`MPICommunicator` in a run, over mpi4py),
-tagged with the group's size and checksum, so members that open groups in different orders get a `CommError`
-instead of a wrong communicator. Point-to-point traffic (pipeline sends) runs on the
-communicator of the pair (or of a group the caller names), and several sends and receives go
-as one grouped call (`exchange`: `groupStart` ... `groupEnd`), which is how NCCL pairs them
-without deadlock; all-to-all is such a group of sends and receives.
+tagged with the group's size and checksum, so members that open groups in different orders get
+a `CommError` instead of a wrong communicator. The id is `bytes`, as CuPy 14's `get_unique_id`
+makes it and its `NcclCommunicator(ndev, commId, rank)` takes it (CuPy 13's tuple of ints is
+accepted too). Point-to-point traffic (pipeline sends) runs on the communicator of the pair (or
+of a group the caller names), and several sends and receives go as one grouped call
+(`exchange`: `groupStart` ... `groupEnd`), which is how NCCL pairs them without deadlock;
+all-to-all is such a group of sends and receives.
 
 Buffers are arrays in device memory: `hspmd.runtime.cuda.device.DeviceArray`s (or anything
 with a pointer `ptr`, a `shape` and a `dtype`), contiguous; every call is queued on a CUDA
@@ -37,7 +39,7 @@ import numpy as np
 
 from .base import CommError, Communicator, Group, normalize_group
 
-__all__ = ["NcclCommunicator", "nccl_dtype", "ID_TAG"]
+__all__ = ["NcclCommunicator", "nccl_dtype", "id_bytes", "ID_TAG"]
 
 #: the host-communicator tag of the messages that carry a group's NCCL unique id
 ID_TAG = 0x6E63
@@ -59,6 +61,20 @@ def nccl_dtype(nccl: Any, dtype: Any, summed: bool = False) -> int:
     if name not in _DTYPES or (summed and name == "bool") or not hasattr(nccl, _DTYPES[name]):
         raise CommError(f"NCCL cannot {'sum' if summed else 'move'} arrays of {name}")
     return int(getattr(nccl, _DTYPES[name]))
+
+
+def id_bytes(uid: Any) -> bytes:
+    """Return an NCCL unique id as its `ID_BYTES` bytes: `get_unique_id` gives bytes from CuPy
+    14 on, a tuple of signed chars before (CommError for an id of another length)."""
+    raw = bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes(int(b) & 0xFF for b in uid)
+    if len(raw) != ID_BYTES:
+        raise CommError(f"an NCCL unique id of {len(raw)} bytes (expected {ID_BYTES})")
+    return raw
+
+
+def _signed_chars(uid: bytes) -> tuple[int, ...]:
+    """Return id `uid` as CuPy 13's `NcclCommunicator` takes it: a tuple of signed chars."""
+    return tuple(b - 256 if b > 127 else b for b in uid)
 
 
 def _count(a: Any) -> int:
@@ -121,26 +137,39 @@ class NcclCommunicator:
         g = group if type(group) is tuple and group in self._comms else normalize_group(group, self.rank, self.size)
         comm = self._comms.get(g)
         if comm is None:
-            uid = self._unique_id(g)
-            try:
-                comm = self.nccl.NcclCommunicator(len(g), uid, g.index(self.rank))
-            except Exception as err:  # noqa: BLE001 - NcclError (cupy.cuda.nccl), most often two ranks on one GPU
-                raise CommError(f"NCCL refused a communicator for group {g} ({type(err).__name__}: {err}); "
-                                "NCCL needs a GPU of its own per rank (ranks sharing a GPU exchange through "
-                                "the host)") from None
+            if not getattr(self.nccl, "available", True):  # CuPy found no NCCL library (`cupy.cuda.nccl.available`)
+                raise CommError(f"NCCL is not available to CuPy here: group {g} cannot sum on the GPUs (install "
+                                "NCCL for CUDA, e.g. the nvidia-nccl wheel of the CUDA version CuPy was built for)")
+            comm = self._open(g, self._unique_id(g))
             self._comms[g] = comm
         return comm
 
-    def _unique_id(self, g: Group) -> tuple[int, ...]:
+    def _open(self, g: Group, uid: bytes) -> Any:
+        """Return the caller's NCCL communicator of group `g` with unique id `uid`. CuPy 14 on
+        takes the id as `bytes` (what its `get_unique_id` returns), CuPy 13 as a tuple of 128
+        signed chars: the id goes as bytes, and as the tuple where the module refuses bytes."""
+        rank = g.index(self.rank)
+        try:
+            try:
+                return self.nccl.NcclCommunicator(len(g), uid, rank)
+            except TypeError:  # CuPy 13 (`tuple commId`): a typed argument refused before NCCL is called
+                return self.nccl.NcclCommunicator(len(g), _signed_chars(uid), rank)
+        except TypeError as err:
+            raise CommError(f"cupy.cuda.nccl.NcclCommunicator takes the unique id of group {g} neither as bytes "
+                            f"nor as a tuple of {ID_BYTES} ints ({err})") from None
+        except Exception as err:  # noqa: BLE001 - NcclError (cupy.cuda.nccl)
+            hint = ("; NCCL needs a GPU of its own per rank (ranks sharing a GPU exchange through the host)"
+                    if "INVALID_USAGE" in str(err) else "")
+            raise CommError(f"NCCL refused a communicator for group {g} ({type(err).__name__}: {err}){hint}") from None
+
+    def _unique_id(self, g: Group) -> bytes:
         """Return the unique id of group `g`'s communicator: made by `g[0]`, sent to the others
         with the group's size and checksum, so that a member expecting another group finds out."""
         message = np.empty(2 + ID_BYTES, np.int64)
         mark = (len(g), zlib.crc32(np.array(g, np.int64).tobytes()))
         if self.rank == g[0]:
-            uid = tuple(int(b) for b in self.nccl.get_unique_id())
-            if len(uid) != ID_BYTES:
-                raise CommError(f"an NCCL unique id of {len(uid)} bytes (expected {ID_BYTES})")
-            message[:2], message[2:] = mark, uid
+            uid = id_bytes(self.nccl.get_unique_id())
+            message[:2], message[2:] = mark, np.frombuffer(uid, np.uint8)
             for member in g[1:]:
                 self.host.send(message, member, tag=ID_TAG)
             return uid
@@ -148,7 +177,7 @@ class NcclCommunicator:
         if tuple(int(v) for v in got[:2]) != mark:
             raise CommError(f"rank {self.rank} opened NCCL group {g} but rank {g[0]} sent the id of another group "
                             f"(of {int(got[0])} ranks): members must open the groups they share in one order")
-        return tuple(int(b) for b in got[2:])
+        return np.asarray(got[2:], np.int64).astype(np.uint8).tobytes()
 
     def close(self) -> None:
         """Destroy every NCCL communicator (idempotent)."""

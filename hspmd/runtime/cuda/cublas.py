@@ -28,21 +28,44 @@ _DATA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0}
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 68, 77, -1
 
 
-def find_library() -> str:
-    """Return the path of libcublas: the CUDA toolkit's, or the one an `nvidia-cublas` wheel brings."""
-    candidates = ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+def _pathfinder_cublas() -> str | None:
+    """Return the path of the libcublas `cuda.pathfinder` loads (a dependency of CuPy 14 and of
+    cuda-bindings: the CUDA wheels of the environment, CUDA 13's `nvidia/cu13/lib` among them, then
+    the toolkit), or None where it is not installed or finds none."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError:
+        return None
+    try:
+        return load_nvidia_dynamic_lib("cublas").abs_path or None
+    except Exception:  # noqa: BLE001 - DynamicLibNotFoundError and the like: the other places are tried
+        return None
+
+
+def library_candidates() -> list[str]:
+    """Return where libcublas is looked for, in order: `cuda.pathfinder`'s, the toolkit's
+    (`$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`), an nvidia wheel's on `sys.path` (CUDA 13's
+    `nvidia/cu13/lib`, CUDA 12's `nvidia/cublas/lib`), then the bare names the loader resolves."""
+    candidates = [path for path in [_pathfinder_cublas()] if path]
     for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
         if base:
             candidates += sorted(glob.glob(os.path.join(base, "lib64", "libcublas.so*")))
     for site in sys.path:
-        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cublas", "lib", "libcublas.so*")))
-    for name in candidates:
+        for wheel in (("cu13", "lib"), ("cublas", "lib")):
+            candidates += sorted(glob.glob(os.path.join(site or ".", "nvidia", *wheel, "libcublas.so*")))
+    candidates += ["libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    return list(dict.fromkeys(candidates))
+
+
+def find_library() -> str:
+    """Return the path (or name) of the first libcublas of `library_candidates` that loads."""
+    for name in library_candidates():
         try:
             ctypes.CDLL(name)
             return name
         except OSError:
             continue
-    raise OSError("libcublas not found (the CUDA toolkit's lib64, or an nvidia-cublas wheel)")
+    raise OSError("libcublas not found (cuda.pathfinder, the CUDA toolkit's lib64, an nvidia cuBLAS wheel)")
 
 
 class CublasError(RuntimeError):

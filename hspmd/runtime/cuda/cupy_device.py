@@ -6,13 +6,15 @@ compiled once per program by CuPy's NVRTC, from the same CUDA C the CPU build te
 chooses them), GEMMs through cuBLAS's C API on a handle bound to that stream (`cublas.py`),
 copies. Uploads go through pinned host buffers (one per destination, made once, with an event
 after its last copy), so the next batch's copy is queued behind the running step without
-waiting for it. A traced step times its calls with CUDA events. `capture` records a step into one CUDA graph and replays it;
-where a capture fails it says so once and the run goes on call by call.
+waiting for it; a batch the data feed made in `host_buffer` memory (page-locked already) is
+copied from where it lies. A traced step times its calls with CUDA events. `capture` records a run of a
+step's calls into one CUDA graph (`Stream.begin_capture`/`end_capture`) and replays it; where
+the capture fails it raises `CaptureError` with CUDA's reason, the capture ended, and the plan
+counts and says it (`DevicePlan.capture_failures`).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +24,7 @@ from hspmd.codegen.cupy_backend import gpu_status, launch_config
 from hspmd.codegen.nvrtc_check import GPU_OPTIONS, gpu_text
 from hspmd.dialects import kernel
 from hspmd.runtime.cuda.cublas import WORKSPACE_BYTES, Cublas
-from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceError, KernelSet
+from hspmd.runtime.cuda.device import ALIGN, CaptureError, Call, Device, DeviceError, KernelSet
 from hspmd.runtime.cuda.gemm import Gemm
 
 
@@ -45,6 +47,7 @@ class CupyDevice(Device):
         self.side = cupy.cuda.Stream(non_blocking=True)  # collectives overlapping the plan's stream
         self._memory: list = []  # the allocations, alive with the device
         self._pinned: dict[tuple[int, int], tuple[np.ndarray, object]] = {}  # buffer, event after its copy
+        self._host: dict[int, tuple[object, int]] = {}  # `host_buffer`s by address: memory, bytes
         self._events: dict[int, list] = {}  # a traced step's CUDA events, by the number of calls
         self.cublas = Cublas(self.stream.ptr, self.alloc(WORKSPACE_BYTES))
 
@@ -54,8 +57,19 @@ class CupyDevice(Device):
         self.cupy.cuda.runtime.memsetAsync(mem.ptr, 0, max(int(nbytes), 1) + ALIGN, self.stream.ptr)
         return mem.ptr + (-mem.ptr) % ALIGN
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        mem = self.cupy.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+        buffer = np.frombuffer(mem, np.uint8, int(nbytes))
+        self._host[buffer.ctypes.data] = (mem, int(nbytes))
+        return buffer
+
     def upload(self, ptr: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
+        rt = self.cupy.cuda.runtime
+        host = self._host.get(array.ctypes.data)
+        if host is not None and array.nbytes <= host[1]:  # page-locked already: the DMA reads it directly
+            rt.memcpyAsync(ptr, array.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            return
         key = (ptr, array.nbytes)
         known = self._pinned.get(key)
         if known is None:
@@ -65,7 +79,6 @@ class CupyDevice(Device):
             known[1].synchronize()  # the previous copy from this buffer has finished (not the work after it)
         staging, copied = known
         np.copyto(staging, array.reshape(-1).view(np.uint8))
-        rt = self.cupy.cuda.runtime
         rt.memcpyAsync(ptr, staging.ctypes.data, array.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
         copied.record(self.stream)
 
@@ -146,15 +159,20 @@ class CupyDevice(Device):
         self.stream.synchronize()
         try:
             stream.begin_capture()
-            try:
-                for call in calls:
-                    call()
-            finally:
-                graph = stream.end_capture()  # a failed capture must still end it
-        except Exception as err:  # noqa: BLE001 - any refusal of capture: run uncaptured
-            print(f"hspmd: the step could not be captured as a CUDA graph ({type(err).__name__}: {err}); "
-                  "running it call by call", file=sys.stderr)
-            return super().capture(calls)
+        except Exception as err:  # noqa: BLE001 - CUDARuntimeError and the like: say why
+            raise CaptureError(f"the capture did not begin ({type(err).__name__}: {err})") from None
+        failed: Exception | None = None
+        try:
+            for call in calls:
+                call()
+        except Exception as err:  # noqa: BLE001 - a call refused under capture
+            failed = err
+        try:
+            graph = stream.end_capture()  # always: a failed capture must still end it
+        except Exception as err:  # noqa: BLE001 - cudaErrorStreamCaptureUnjoined, ...Invalidated, ...
+            failed = failed or err
+        if failed is not None:
+            raise CaptureError(f"{type(failed).__name__}: {failed}")
 
         def replay() -> None:
             graph.launch(stream)

@@ -29,6 +29,10 @@ class DeviceError(Exception):
     """A device is missing, or refused what the plan asked of it."""
 
 
+class CaptureError(DeviceError):
+    """A run of calls could not be captured as one CUDA graph (the message says why)."""
+
+
 class Device(ABC):
     """A device the GPU plan runs on (see the module docstring). Pointers are integers."""
 
@@ -42,6 +46,14 @@ class Device(ABC):
     @abstractmethod
     def upload(self, ptr: int, array: np.ndarray) -> None:
         """Copy a host array into device memory at `ptr`."""
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Return `nbytes` of host memory (uint8) that `upload` copies from directly: page-locked
+        under CUDA, so that the copy is a DMA queued on the plan's stream with no staging copy
+        first (the data feed makes batches into these, `runtime/cuda/staging.py`). The caller
+        keeps a buffer unchanged until the step after the one its upload was queued in has run.
+        Here: ordinary memory."""
+        return np.empty(max(int(nbytes), 1), np.uint8)[:nbytes]
 
     @abstractmethod
     def download(self, ptr: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -94,7 +106,8 @@ class Device(ABC):
         return copy
 
     def capture(self, calls: Sequence[Call]) -> Call:
-        """Return one call running `calls` in order (a CUDA graph of them, where the device has graphs)."""
+        """Return one call running `calls` in order: a CUDA graph of them, where the device has
+        graphs; CaptureError where they cannot be captured (the stream is left as it was)."""
         calls = list(calls)
 
         def run() -> None:

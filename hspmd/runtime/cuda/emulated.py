@@ -11,6 +11,13 @@ queued and runs when the plan's stream joins it (or at a download), so a step th
 the side stream writes before joining it reads wrong numbers here. `team` > 1 runs row launches with that
 many emulated threads per block (real barriers and warp shuffles: the GPU algorithm as written).
 
+`capture` checks what CUDA's stream capture checks of the side stream, and refuses (a
+`CaptureError` naming CUDA's error) where a GPU's capture would fail: a fork of the side stream
+not joined back before the capture ends (`cudaErrorStreamCaptureUnjoined`: a graph split
+between a bucket's start and its wait), a join of a side stream forked outside the capture (a
+wait on an event recorded outside it), work queued on a side stream not in the capture, or a
+call that runs between graphs (host-staged) inside one. The captured calls then run in order.
+
 It is a test device: `hspmd run --device cuda` never falls back to it.
 """
 
@@ -24,7 +31,7 @@ from xdsl.ir import Operation
 
 from hspmd.codegen import cpu_compile
 from hspmd.runtime.cpu import native
-from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceError, KernelSet
+from hspmd.runtime.cuda.device import ALIGN, CaptureError, Call, Device, DeviceError, KernelSet
 from hspmd.runtime.cuda.gemm import Gemm, numpy_gemm
 from hspmd.runtime.kernel_exec import build_program
 
@@ -39,12 +46,41 @@ class EmulatedDevice(Device):
         self._blocks: list[np.ndarray] = []  # the memory handed out, kept alive with the device
         self._side: list = []  # the side stream's work, run when the plan's stream joins it
 
+    def prepare_fork(self) -> Call:
+        return _role(lambda: None, "fork")
+
     def prepare_on_side(self, work) -> Call:
         side = self._side
-        return lambda: side.append(work)
+        return _role(lambda: side.append(work), "work")
 
     def prepare_join(self) -> Call:
-        return lambda: self._run_side()
+        return _role(lambda: self._run_side(), "join")
+
+    def capture(self, calls: Sequence[Call]) -> Call:
+        """Check `calls` as CUDA's stream capture checks the side stream (see the module
+        docstring: CaptureError where a GPU's capture fails), then return them run in order."""
+        calls = list(calls)
+        forked = unjoined = False  # the side stream is in this capture / has work (or a fork) not joined back
+        for i, call in enumerate(calls):
+            role = getattr(call, "emulated_role", None)
+            if getattr(call, "uncaptured", False):
+                raise CaptureError(f"call {i} of {len(calls)} runs between graphs (a host call) but is in a capture")
+            if role == "fork":
+                forked = unjoined = True
+            elif role == "work" and not forked:
+                raise CaptureError(f"call {i} of {len(calls)} queues work on the side stream, which was forked "
+                                   "outside this capture: it would run once, at the capture, not at each replay")
+            elif role == "work":
+                unjoined = True
+            elif role == "join" and not forked:
+                raise CaptureError(f"cudaErrorStreamCaptureIsolation: call {i} of {len(calls)} joins the side stream, "
+                                   "forked outside this capture (a wait on an event recorded outside it)")
+            elif role == "join":
+                unjoined = False
+        if unjoined:
+            raise CaptureError("cudaErrorStreamCaptureUnjoined: the side stream forked in this capture is not "
+                               f"joined back before its end ({len(calls)} calls: a graph split between a fork and its join)")
+        return super().capture(calls)
 
     def _run_side(self) -> None:
         """Run the side stream's work queued so far (late, as a GPU may: a step that reads a
@@ -124,3 +160,9 @@ class EmulatedDevice(Device):
     def prepare_copy(self, dst: int, src: int, nbytes: int) -> Call:
         to, frm = self._memory(dst, nbytes), self._memory(src, nbytes)
         return lambda: np.copyto(to, frm)
+
+
+def _role(call: Call, role: str) -> Call:
+    """Mark `call` as the emulated device's fork, side-stream work or join (what `capture` checks)."""
+    call.emulated_role = role  # type: ignore[attr-defined]
+    return call

@@ -13,6 +13,10 @@ their parameters, and downloads the outputs. While the device runs a step, the h
 the next batch and queues its upload behind the step (`DevicePlan.run`'s `ahead`). The state (`initial_state`, and what `run`
 updates) is `DeviceArray`s in the arena: parameters never leave the device unless read.
 
+The captures are counted (`graphs_captured`); a capture the device refuses (`CaptureError`) is
+counted with its reason (`capture_failures`), said once on stderr, and its calls run one by
+one, so a run goes on and a test or the GPU check sees it.
+
 Over several ranks, the collectives and a pipeline's sends and receives are *host-staged*:
 such a call (`host_staged`) downloads its operands, runs the op's NumPy collective over the
 rank's `Communicator` (MPI, as on the CPU: the way ranks that share a GPU, or GPU and CPU
@@ -34,7 +38,11 @@ A bucket summed through NCCL runs on the device's side stream: its start forks t
 from the plan's (an event), queues the all-reduce there, and its wait joins it back, so the sum
 overlaps the rest of the backward. Where NCCL allows capture (2.9.6 on) its calls, forks and
 joins are captured in the step's graph with the rest (the side stream a parallel branch);
-otherwise they run between the graphs.
+otherwise they run between the graphs. A graph must join every fork it holds (else
+`cudaErrorStreamCaptureUnjoined`), so a bucket's fork, all-reduce and join are never split
+across graphs: buckets summed through NCCL get no poll steps (host calls, which split graphs;
+NCCL progresses on its own), and where another host call falls between a bucket's fork and its
+join, the three run between the graphs too (`DevicePlan.graph_parts`).
 
 The all-reduce buckets are the CPU plan's (`codegen/schedule/buckets.py`: the same buckets,
 so a GPU group and a CPU group make the same collectives): a bucket's flat buffer has a place in
@@ -45,6 +53,7 @@ uploads the sums back.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,7 +65,7 @@ from hspmd.codegen.schedule import build_schedule
 from hspmd.codegen.schedule.model import Destination, Leaf, Schedule, ScheduleError, Step, nbytes
 from hspmd.dialects import comm, kernel
 from hspmd.ir.init_spec import initial_value
-from hspmd.runtime.cuda.device import ALIGN, Call, Device, DeviceArray, KernelSet
+from hspmd.runtime.cuda.device import ALIGN, CaptureError, Call, Device, DeviceArray, KernelSet
 from hspmd.runtime.buckets import Bucket, poller
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.comm_kernels import CommKernelError, comm_kernel
@@ -98,6 +107,9 @@ class DevicePlan:
     output_arrays: dict[str, DeviceArray] = field(default_factory=dict)
     #: capture the step as one graph after the first step (where the device has graphs)
     use_graph: bool = True
+    #: the CUDA graphs captured, and why each refused capture failed (its calls run one by one)
+    graphs_captured: int = 0
+    capture_failures: list[str] = field(default_factory=list)
     _graph: list[Call] | None = None
     _steps_run: int = 0
     #: the inputs `run`'s `ahead` uploaded for the next step
@@ -193,21 +205,68 @@ class DevicePlan:
         for name, array in self.input_arrays.items():
             self.device.upload(array.ptr, np.asarray(inputs[name], dtype=array.dtype))
 
-    def _captured(self) -> list[Call]:
-        """Return the step as graphs and the calls left out of them (host-staged, NCCL): each run
-        of device calls between two such calls captured as one graph (`Device.capture`)."""
-        parts: list[Call] = []
-        run: list[Call] = []
-        for call in self.calls:
-            if getattr(call, "uncaptured", False):
-                if run:
-                    parts.append(self.device.capture(run))
-                    run = []
-                parts.append(call)
+    def graph_parts(self) -> list[tuple[bool, list[Call]]]:
+        """Return the step's calls in order as (True, a run to capture as one graph) and (False,
+        a call run between graphs: host-staged, or NCCL where NCCL is not captured). A bucket's
+        fork, all-reduce and join (`bucket_side`) stay in one graph: where a call run between
+        graphs falls between them, they run between graphs too (a graph joins every fork it holds)."""
+        between = [bool(getattr(c, "uncaptured", False)) for c in self.calls]
+        sides: dict[int, list[int]] = {}
+        for i, call in enumerate(self.calls):
+            side = getattr(call, "bucket_side", None)
+            if side is not None:
+                sides.setdefault(side, []).append(i)
+        changed = True
+        while changed:  # a bucket moved out of the graphs may split another bucket's span
+            changed = False
+            for members in sides.values():
+                inside = set(range(members[0], members[-1] + 1)) - set(members)
+                if not all(between[i] for i in members) and any(between[i] for i in inside):
+                    for i in members:
+                        between[i] = True
+                    changed = True
+        parts: list[tuple[bool, list[Call]]] = []
+        for call, out in zip(self.calls, between):
+            if not out and parts and parts[-1][0]:
+                parts[-1][1].append(call)
             else:
-                run.append(call)
-        if run:
-            parts.append(self.device.capture(run))
+                parts.append((not out, [call]))
+        return parts
+
+    def replay_text(self) -> str:
+        """Return how the step is split for CUDA graphs, for the plan line (the captures happen
+        after the first step: `graphs_captured` counts them)."""
+        parts = self.graph_parts()
+        graphs = sum(1 for captured, _ in parts if captured)
+        between = [calls[0] for captured, calls in parts if not captured]
+        staged = sum(1 for c in between if getattr(c, "host_staged", False))
+        text = f", split into {graphs} CUDA graph{'s' if graphs != 1 else ''} to capture after step 1"
+        if between:
+            nccl = len(between) - staged
+            text += f" between {staged} host-staged{f' and {nccl} NCCL' if nccl else ''} calls"
+        return text
+
+    def _captured(self) -> list[Call]:
+        """Return the step as graphs and the calls run between them (`graph_parts`), each run
+        captured by the device (`Device.capture`); a refused capture is counted and said, and
+        its calls run one by one."""
+        parts: list[Call] = []
+        runs = 0
+        for captured, calls in self.graph_parts():
+            if not captured:
+                parts.extend(calls)
+                continue
+            runs += 1
+            try:
+                parts.append(self.device.capture(calls))
+                self.graphs_captured += 1
+            except CaptureError as err:
+                self.capture_failures.append(str(err))
+                parts.extend(calls)
+        if self.capture_failures:
+            print(f"hspmd: rank {self.rank}: {len(self.capture_failures)} of {runs} parts of the step could not be "
+                  f"captured as CUDA graphs; they run call by call (first: {self.capture_failures[0]})",
+                  file=sys.stderr, flush=True)
         return parts
 
     def _run_traced(self, tracer: Tracer) -> None:
@@ -381,16 +440,17 @@ class _Binder:
         producers wrote elsewhere, then the host-staged start), poll, or wait (the sums uploaded;
         its results are views of its place)."""
         device = self.device
-        if step.kind == "poll":
-            return [_host_call(poller([self.buckets[b] for b in step.polls]))]
+        if step.kind == "poll":  # MPI's transfers progress when polled; NCCL's need no poll (a host call)
+            staged = [self.buckets[b] for b in step.polls if not self._through_nccl(self.buckets[b])]
+            return [_host_call(poller(staged))] if staged else []
         assert step.bucket is not None
         bucket, at = self.buckets[step.bucket], self.bucket_at[step.bucket]
-        on_device = self.nccl is not None and self.transport(bucket.group) == "nccl"
+        on_device = self._through_nccl(bucket)
         if step.kind == "bucket-wait":
             for k, o in enumerate(step.outs):
                 self.where[o] = at + self._member_offset(step.bucket, k)
             if on_device:  # summed in place on the side stream by its start: the plan's stream joins it
-                return [self._nccl(device.prepare_join())]
+                return [self._nccl(_bucket_side(device.prepare_join(), step.bucket))]
 
             def wait() -> None:
                 bucket.wait()
@@ -407,13 +467,18 @@ class _Binder:
             flat = DeviceArray(device, at, bucket.buffer.shape, bucket.dtype)
             nccl, group = self.nccl, bucket.group
             side = device.prepare_on_side(lambda stream: nccl.all_reduce(flat, group, stream=stream))
-            return [*calls, self._nccl(device.prepare_fork()), self._nccl(side)]
+            return [*calls, self._nccl(_bucket_side(device.prepare_fork(), step.bucket)),
+                    self._nccl(_bucket_side(side, step.bucket))]
 
         def start() -> None:
             np.copyto(bucket.buffer, device.download(at, bucket.buffer.shape, bucket.dtype))
             bucket.start(*bucket.views)
 
         return [*calls, _host_call(start)]
+
+    def _through_nccl(self, bucket: Bucket) -> bool:
+        """Return whether `bucket` is summed through NCCL on the device (its group on distinct GPUs)."""
+        return self.nccl is not None and self.transport(bucket.group) == "nccl"
 
     def nccl_call(self, op: Operation, step: Step) -> list[Call] | None:
         """Return the calls of collective `op` through NCCL on the device arrays, or None where
@@ -552,6 +617,13 @@ def _host_call(call: Call) -> Call:
     """Mark `call` as one the host runs between device calls (never captured in a graph)."""
     call.host_staged = True  # type: ignore[attr-defined]
     return _uncaptured(call)
+
+
+def _bucket_side(call: Call, bucket: int) -> Call:
+    """Mark `call` as part of bucket `bucket`'s sum on the side stream (its fork, all-reduce or
+    join), which one graph holds whole or none does (`DevicePlan.graph_parts`)."""
+    call.bucket_side = bucket  # type: ignore[attr-defined]
+    return call
 
 
 def _uncaptured(call: Call) -> Call:

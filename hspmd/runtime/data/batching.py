@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["BatchError", "compiled_batch_shapes", "pad_batch"]
+__all__ = ["BatchError", "compiled_batch_shapes", "pad_batch", "split_microbatches"]
 
 
 class BatchError(ValueError):
@@ -68,3 +68,19 @@ def compiled_batch_shapes(inputs: Iterable[tuple[str, tuple[int, ...]]]) -> list
         else:
             out.setdefault(name, tuple(shape))
     return list(out.items())
+
+
+def split_microbatches(batch: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
+    """Add input `NAME@mb` (NAME's rows as m equal micro-batches, `[m, rows / m, ...]`, m from the
+    compiled shape) for each such name the program reads (`names`: input name -> compiled shape)."""
+    out = dict(batch)
+    for name, shape in names.items():
+        base, sep, rest = name.rpartition("@mb")
+        if not sep or rest or base not in batch:
+            continue
+        value = np.asarray(batch[base])
+        m = shape[0]
+        if value.ndim == 0 or value.shape[0] % m:
+            raise BatchError(f"input '{base}' of shape {value.shape}: {m} micro-batches need a batch dim divisible by {m}")
+        out[name] = value.reshape(m, value.shape[0] // m, *value.shape[1:])
+    return out

@@ -1,4 +1,4 @@
-"""Data for model scripts: text that ships with Python, cut into language-model batches."""
+"""Text that ships with Python (no download), and the batch generators scripts wrote before `dataset(config)`."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def lm_epochs(data: np.ndarray, batch_size: int, seq_len: int, epochs: int | Non
 
     Each epoch walks the windows `data[i*T : i*T + T + 1]` in order; its last batch holds the
     windows that are left, so it may have fewer than `batch_size` rows (see
-    `hspmd.runtime.batching.pad_batch`, which pads it). `epochs=None` repeats forever.
+    `hspmd.runtime.data.batching.pad_batch`, which pads it). `epochs=None` repeats forever.
     """
     if limit is not None:
         data = data[:limit]

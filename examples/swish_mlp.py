@@ -1,0 +1,49 @@
+"""An MLP with swish activations written as papers write them, `x * sigmoid(x)`, on the handwritten
+digits that scikit-learn ships: the model of docs/your-own-pass.md, whose pass `fuse-silu`
+(examples/passes/fuse_silu.py) turns each such product into one `graph.silu`.
+
+    hspmd run -n 2 examples/swish_mlp.py
+    hspmd run -n 2 examples/swish_mlp.py --load-pass examples/passes/fuse_silu.py --pass-before autodiff=fuse-silu
+"""
+
+import numpy as np
+
+import hspmd as hs
+
+config = {"batch_size": 64, "hidden": 128, "lr": 0.3, "steps": 200, "seed": 0}
+
+
+class SwishMLP(hs.nn.Module):
+    def __init__(self, sizes):
+        self.layers = [hs.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = x * hs.sigmoid(x)  # swish, as the paper writes it
+        return x
+
+
+def model(config):
+    return SwishMLP([64, config["hidden"], config["hidden"], 10])
+
+
+def loss(model, batch):
+    return hs.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def batches(config):
+    """Yield shuffled global batches forever (an epoch's remainder is dropped)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int32)
+    rng = np.random.default_rng(config["seed"])
+    b = config["batch_size"]
+    while True:
+        order = rng.permutation(len(x))
+        for start in range(0, len(x) - b + 1, b):
+            idx = order[start : start + b]
+            yield {"x": x[idx], "y": y[idx]}
