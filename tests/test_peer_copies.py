@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 
@@ -330,3 +331,33 @@ def test_a_rank_and_its_buddy_lost_go_back_to_the_disk_in_one_line(copied, tmp_p
     assert line.startswith("hspmd run: ranks 0, 2 died (SIGKILL); no step of the peer copies left holds all of '")
     assert f"(ranks 0, 2 and the buddy keeping a copy were lost): resuming from {d / 'step-2'} on 1 rank" in line
     assert run.record["source"] == "disk" and run.record["resumed_from_step"] == 2 and run.recovery is None
+
+
+@pytest.mark.parametrize("text, elastic, message", [
+    ("peer", False, "--redundancy needs --elastic (the copies are what its restarts resume from)"),
+    ("peer:0", True, "--redundancy peer:0: expected peer or peer:K"),
+    ("peer:x", True, "--redundancy peer:x: expected peer or peer:K"),
+    ("disk", True, "--redundancy disk: expected peer or peer:K"),
+])
+def test_a_bad_redundancy_is_refused(text, elastic, message):
+    from hspmd.cli.elastic import parse_redundancy
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        parse_redundancy(text, elastic)
+
+
+def test_redundancy_spellings():
+    from hspmd.cli.elastic import parse_redundancy
+
+    assert parse_redundancy(None, False) is None
+    assert parse_redundancy("peer", True) == 1 and parse_redundancy("peer:3", True) == 3
+
+
+def test_a_bad_redundancy_from_the_command_line_is_one_line(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli("hspmd", "run", "-n", "2", MLP, "--steps", "1", "--elastic", "--checkpoint-dir",
+                   str(tmp_path / "ck"), "--redundancy", "peer:0", timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--redundancy peer:0: expected peer or peer:K" in lines[0], proc.stderr
