@@ -14,6 +14,22 @@ EXAMPLES = os.path.join(ROOT, "examples")
 BIN = os.path.dirname(sys.executable)
 
 
+
+def pytest_assertrepr_compare(op, left, right):
+    """A failed `==` of two long byte strings (arrays' `tobytes()`) explained in three lines: pytest's
+    own explanation diffs their reprs line by line, which takes minutes for a few megabytes."""
+    if op != "==" or not (isinstance(left, bytes) and isinstance(right, bytes)) or max(len(left), len(right)) <= 256:
+        return None
+    import numpy as np
+
+    n = min(len(left), len(right))
+    a, b = np.frombuffer(left, np.uint8, n), np.frombuffer(right, np.uint8, n)
+    differ = np.flatnonzero(a != b)
+    first = int(differ[0]) if differ.size else n
+    return [f"{len(left)} bytes == {len(right)} bytes",
+            f"{differ.size} of the first {n} bytes differ; the first at byte {first}",
+            f"left[{first}:{first + 8}] = {left[first:first + 8]!r}, right[{first}:{first + 8}] = {right[first:first + 8]!r}"]
+
 def run_cli(
     *args: str, timeout: float = 120, check: bool = False, cwd: str | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ import pytest
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
 from hspmd.runtime.cpu.batch_split import BatchSplit, small_batched
+from hspmd.runtime.cpu.blas_threads import OneThreadBits, same_bits
 from hspmd.runtime.cpu.triangular_matmul import triangular_matmul
 
 
@@ -25,7 +26,8 @@ def _blas_threads() -> int:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_halves_give_the_bits_of_one_call(threads):
     """The scores q @ k^T and the block product att @ v, into a transposed out= as the schedule
-    lays attention's output out, split or not: the bits of `np.matmul`; BLAS's count restored."""
+    lays attention's output out, split or not: the bits of `np.matmul` on the same BLAS threads;
+    BLAS's count restored; split exactly where one thread keeps the bits (`OneThreadBits`)."""
     rng = np.random.default_rng(0)
     q, kt, v = _attention_operands(rng)
     att = np.tril(rng.random((16, 4, 128, 128), dtype=np.float32))
@@ -33,11 +35,37 @@ def test_halves_give_the_bits_of_one_call(threads):
     with threadpool_limits(threads, user_api="blas"):
         before = _blas_threads()
         scores = split.wrap(np.matmul)(q, kt)
+        assert split.last_split == (before > 1 and _one_thread_keeps_bits(np.matmul, q, kt))
         out = np.empty((16, 128, 4, 64), np.float32).transpose(0, 2, 1, 3)
-        assert split.wrap(triangular_matmul("lhs-lower"))(att, v, out=out) is out
+        product = triangular_matmul("lhs-lower")
+        assert split.wrap(product)(att, v, out=out) is out
         assert _blas_threads() == before
-    np.testing.assert_array_equal(scores, np.matmul(q, kt))
-    np.testing.assert_array_equal(out, np.matmul(att, v))
+        whole_scores = np.matmul(q, kt)
+        whole = np.empty_like(out)
+        product(att, v, out=whole)
+    np.testing.assert_array_equal(scores, whole_scores)
+    np.testing.assert_array_equal(out, whole)
+
+
+def _one_thread_keeps_bits(kernel, a, b) -> bool:
+    threads = _blas_threads()
+    with threadpool_limits(1, user_api="blas"):
+        one = kernel(a, b)
+    with threadpool_limits(threads, user_api="blas"):
+        return same_bits(one, kernel(a, b))
+
+
+def test_a_call_whose_bits_change_on_one_thread_runs_whole(monkeypatch):
+    """Where one BLAS thread would give other bits (as OpenBLAS does on some CPUs and shapes), the
+    batch is not split: the call runs whole on BLAS's threads."""
+    monkeypatch.setattr(OneThreadBits, "same", lambda self, kernel, args, out, threads: False)
+    rng = np.random.default_rng(1)
+    q, kt, _ = _attention_operands(rng)
+    split = BatchSplit()
+    with threadpool_limits(2, user_api="blas"):
+        scores = split.wrap(np.matmul)(q, kt)
+        assert not split.last_split
+        np.testing.assert_array_equal(scores, np.matmul(q, kt))
 
 
 def test_a_kernel_error_restores_blas_threads():

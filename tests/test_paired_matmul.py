@@ -31,7 +31,8 @@ def _backward_operands(rng, m=2048, k=256, n=1024):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_pair_gives_the_bits_of_the_two_calls(threads):
-    """GPT-tiny's MLP shapes (256 x 1024): dx = dy @ w^T and dw = x^T dy, paired or not."""
+    """GPT-tiny's MLP shapes (256 x 1024): dx = dy @ w^T and dw = x^T dy, paired or not: the bits
+    of the two calls on the same BLAS threads (paired only where one thread keeps them)."""
     rng = np.random.default_rng(0)
     x, w, dy, dx, dw = _backward_operands(rng)
     assert product_size("graph.matmul", dy.shape, w.T.shape) >= PAIR_PRODUCT
@@ -43,8 +44,9 @@ def test_a_pair_gives_the_bits_of_the_two_calls(threads):
             assert launch(dy, w.T, **first_kw) is dx
             assert join(x, dy, **second_kw) is dw
             assert _blas_threads() == threads
-    np.testing.assert_array_equal(dx, matmul(dy, w.T))
-    np.testing.assert_array_equal(dw, matmul_rhs_grad(x, dy))
+        whole_dx, whole_dw = matmul(dy, w.T), matmul_rhs_grad(x, dy)  # on the same BLAS threads
+    np.testing.assert_array_equal(dx, whole_dx)
+    np.testing.assert_array_equal(dw, whole_dw)
 
 
 def test_a_second_result_over_the_first_operands_runs_after_it():

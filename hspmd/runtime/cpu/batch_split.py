@@ -9,13 +9,12 @@ thread (OpenBLAS's thread count is set to 1 for the call and restored after it).
 the GIL inside BLAS, so the two halves run on two cores.
 
 Values are those of the whole call: each product is the same BLAS call, and OpenBLAS splits a
-product over threads by rows and columns of the result, never along the sum. The bits are the
-whole call's on attention's shapes (`tests/test_batch_split.py`, `tests/test_triangular.py`);
-for other shapes OpenBLAS may pick another kernel when it runs on one thread (the 33 x 1000 @
-1000 x 65 product of `blas_threads`), so the last bits can differ there
-(`build_plan(split_batches=False)` keeps the calls as they were). Nothing is split where
-BLAS has one thread already (an MPI rank given one core, `blas_threads="auto"` choosing one),
-or where the batch's leading dim is 1.
+product over threads by rows and columns of the result, never along the sum. But on some shapes
+and CPUs OpenBLAS picks another kernel when it runs on one thread (the 33 x 1000 @ 1000 x 65
+product of `blas_threads`; attention's products on an AMD EPYC), so each kind of call is first
+checked once both ways (`blas_threads.OneThreadBits`) and runs whole where the bits differ.
+Nothing is split where BLAS has one thread already (an MPI rank given one core,
+`blas_threads="auto"` choosing one), or where the batch's leading dim is 1.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hspmd.runtime.cpu.blas_threads import BlasCount
+from hspmd.runtime.cpu.blas_threads import BlasCount, OneThreadBits
 
 #: products of at most this many multiply-adds (m * n * k) count as small
 SMALL_PRODUCT = 1 << 21
@@ -45,17 +44,24 @@ class BatchSplit:
 
     def __init__(self) -> None:
         self._blas = BlasCount()
+        self._bits = OneThreadBits(self._blas)
         self._pool: ThreadPoolExecutor | None = None
+        #: whether the latest call ran by halves
+        self.last_split = False
 
     def wrap(self, kernel: Callable) -> Callable:
         """Return `kernel(a, b, out=None)` (an `out=` product over a batch) run by halves."""
 
         def split(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
             threads = self._blas.get()
+            self.last_split = False
             if threads < 2 or a.shape[0] < 2:
                 return kernel(a, b, out=out)
             if out is None:
                 out = np.empty(a.shape[:-1] + b.shape[-1:], np.result_type(a, b))
+            if not self._bits.same(kernel, (a, b), out, threads):
+                return kernel(a, b, out=out)
+            self.last_split = True
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hspmd-batch")
             h = a.shape[0] // 2

@@ -23,8 +23,10 @@ bits; tests/test_blas_threads.py). So the choice is opt-in (`build_plan(blas_thr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+import numpy as np
 
 class BlasCount:
     """BLAS's thread count in this process, read and set per call (the libraries found once).
@@ -45,6 +47,54 @@ class BlasCount:
         """Set every loaded BLAS library's thread count to `n`."""
         for lib in self._libs:
             lib.set_num_threads(n)
+
+
+def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    """Return whether two arrays hold the same bits (NaNs and signed zeros included)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.dtype.itemsize in (1, 2, 4, 8) and x.dtype.kind in "fiub":
+        ints = np.dtype(f"u{x.dtype.itemsize}")
+        return bool(np.array_equal(x.view(ints), y.view(ints)))
+    return np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
+
+
+class OneThreadBits:
+    """Whether a product kernel gives the same bits on one BLAS thread as on `threads`, per call.
+
+    OpenBLAS splits a product over its threads by rows and columns of the result, so on most
+    shapes one thread gives the whole call's bits; but which kernel it runs can depend on the
+    thread count and the CPU (on an AMD EPYC, OpenBLAS 0.3.31 multiplies GPT-tiny's attention
+    products to other last bits on one thread than on two). The runtime's paths that run
+    products on one thread each (`batch_split`, `paired_matmul`) ask this first: each call's
+    kind (the kernel, its operands' shapes, strides and dtypes, the result's layout, the thread
+    count) is checked once, on the call's own operands, by running it both ways; a kind whose
+    bits differ keeps the whole call."""
+
+    def __init__(self, blas: BlasCount) -> None:
+        self._blas = blas
+        self._known: dict[tuple, bool] = {}
+
+    @staticmethod
+    def _kind(kernel: Callable, args: tuple[np.ndarray, ...], out: np.ndarray, threads: int) -> tuple:
+        return (kernel, threads, out.shape, out.strides, out.dtype.str,
+                tuple((a.shape, a.strides, a.dtype.str) for a in args))
+
+    def same(self, kernel: Callable, args: tuple[np.ndarray, ...], out: np.ndarray, threads: int) -> bool:
+        """Return whether `kernel(*args, out=out)` gives the same bits on one BLAS thread as on
+        `threads` (BLAS's count at the call, restored after a check)."""
+        kind = self._kind(kernel, args, out, threads)
+        known = self._known.get(kind)
+        if known is None:
+            whole, one = np.empty_like(out), np.empty_like(out)
+            kernel(*args, out=whole)
+            self._blas.set(1)
+            try:
+                kernel(*args, out=one)
+            finally:
+                self._blas.set(threads)
+            known = self._known[kind] = same_bits(whole, one)
+        return known
 
 
 #: the running choice is re-measured against the other when a step takes this much longer than its best

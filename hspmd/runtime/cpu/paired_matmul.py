@@ -13,10 +13,11 @@ one core (a pair took twice as long as the two products one after the other), so
 keeps itself off the caller's CPU, as the runtime's parallel loop does (`native/parallel.cpp`).
 
 Values: OpenBLAS splits a product over its threads by rows and columns of the result, never
-along the sum, so a product on one thread is the whole call's (the same bits on GPT's shapes,
-`tests/test_paired_matmul.py`; on other shapes a one-thread OpenBLAS may pick another kernel,
-as `batch_split` says, and then the last bits can differ). A pair is run one after the other
-instead where BLAS has one thread at the time of the call (a rank given one core,
+along the sum, so a product on one thread is mostly the whole call's; on some shapes and CPUs a
+one-thread OpenBLAS picks another kernel, as `batch_split` says, so each product's kind of call
+is checked once both ways (`blas_threads.OneThreadBits`), and a pair runs one after the other
+where either product's bits differ (`tests/test_paired_matmul.py`). A pair is run one after the
+other also where BLAS has one thread at the time of the call (a rank given one core,
 `blas_threads="auto"` choosing one) or where the second product's result shares memory with
 the first's operands (a buffer the schedule reuses).
 """
@@ -30,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from hspmd.runtime.cpu.blas_threads import BlasCount
+from hspmd.runtime.cpu.blas_threads import BlasCount, OneThreadBits
 
 #: products of at least this many multiply-adds (m * n * k) each are paired: smaller ones
 #: (GPT-tiny's 2048 x 256 x 256) ran slower on one thread each than one after the other
@@ -53,6 +54,7 @@ class ProductPairs:
 
     def __init__(self) -> None:
         self._blas = BlasCount()
+        self._bits = OneThreadBits(self._blas)
         self._pool: ThreadPoolExecutor | None = None
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self._avoid = -1  # the CPU the helper keeps off (it alone reads and writes this)
@@ -76,12 +78,15 @@ class ProductPairs:
         that run both products at once. Both steps write into preallocated results (`out=`), and
         the second does not read the first's result (the caller checks)."""
         pending: list[tuple[Future, int]] = []
+        second_same: list[bool | None] = [None]  # whether the second keeps its bits on one thread
 
         def launch(*args: np.ndarray, **kw) -> np.ndarray:
             threads = self._blas.get()
             out = kw["out"]
             later = second_kw.get("out")
             if threads < 2 or later is None or any(np.may_share_memory(later, a) for a in (*args, out)):
+                return first(*args, **kw)
+            if second_same[0] is False or not self._bits.same(first, args, out, threads):
                 return first(*args, **kw)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hspmd-pair")
@@ -97,6 +102,15 @@ class ProductPairs:
             if not pending:
                 return second(*args, **kw)
             other, threads = pending.pop()
+            if second_same[0] is None:
+                # the second's bits on one thread not yet checked: the first finishes, BLAS's
+                # count is restored, the check runs, and the second runs whole
+                try:
+                    other.result()
+                finally:
+                    self._blas.set(threads)
+                second_same[0] = self._bits.same(second, args, kw["out"], threads)
+                return second(*args, **kw)
             try:
                 return second(*args, **kw)
             finally:
