@@ -90,7 +90,7 @@ def main() -> int:
     latency_us, rate = (float(v) for v in args.link.split(":"))
     if args.child:
         return child(args.mib, latency_us * 1e-6, rate * 1e9)
-    from hspmd.runtime.launch import mpiexec_command
+    from hspmd.runtime.launcher.launch import mpiexec_command
 
     cmd = mpiexec_command(4, [os.path.abspath(__file__), "--child", "--mib", str(args.mib), "--link", args.link])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -1,7 +1,7 @@
 """Elastic runs (`hspmd run --elastic`, docs/checkpoints.md): a rank dies, the run goes on from the
 newest checkpoint on the ranks left, and ends with the parameters of a run switched by hand.
 
-The watching machinery (`hspmd.runtime.watch`, the rank guard) is tested on a stand-in worker
+The watching machinery (`hspmd.runtime.launcher.watch`, the rank guard) is tested on a stand-in worker
 (tests/mpi_scripts/watch_ranks.py); the elastic launcher on examples/gpt.py with two layers.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from hspmd.cli.elastic import choose_strategy, describe_losses, last_logged_step
-from hspmd.runtime.fault import FaultSpecError, parse_faults
-from hspmd.runtime.watch import RankEnd, WatchedRun, launch_watched
+from hspmd.runtime.launcher.fault import FaultSpecError, parse_faults
+from hspmd.runtime.launcher.watch import RankEnd, WatchedRun, launch_watched
 
 from conftest import BIN, ROOT
 

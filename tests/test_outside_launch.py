@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from conftest import EXAMPLES, run_cli
-from hspmd.runtime.launch import find_mpiexec, is_hydra
-from hspmd.runtime.outside import OutsideJob, outside_job
+from hspmd.runtime.launcher.launch import find_mpiexec, is_hydra
+from hspmd.runtime.launcher.outside import OutsideJob, outside_job
 
 MLP = os.path.join(EXAMPLES, "mlp.py")
 

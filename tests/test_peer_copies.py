@@ -1,4 +1,4 @@
-"""In-memory peer copies (`--elastic --redundancy peer[:K]`, hspmd.runtime.peer).
+"""In-memory peer copies (`--elastic --redundancy peer[:K]`, hspmd.runtime.launcher.peer).
 
 Who keeps what (a property over layouts: any one rank, or any one host while another is left, can
 be lost without losing a region); the copies made by in-process ranks, a recovery planned from
@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from conftest import BIN, EXAMPLES, ROOT
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.ir.layout_text import parse_layout
-from hspmd.runtime.peer.placement import buddies, holders, kept_pieces, wards
-from hspmd.runtime.peer.recovery import plan_recovery, read_recovery, write_recovery
-from hspmd.runtime.peer.restore import PeerRestoreError, load_peer_state
-from hspmd.runtime.peer.session import PeerOptions, restart_line
-from hspmd.runtime.peer.slots import remove_shm, shm_directory
+from hspmd.runtime.launcher.peer.placement import buddies, holders, kept_pieces, wards
+from hspmd.runtime.launcher.peer.recovery import plan_recovery, read_recovery, write_recovery
+from hspmd.runtime.launcher.peer.restore import PeerRestoreError, load_peer_state
+from hspmd.runtime.launcher.peer.session import PeerOptions, restart_line
+from hspmd.runtime.launcher.peer.slots import remove_shm, shm_directory
 
 MLP = os.path.join(EXAMPLES, "mlp.py")
 
@@ -73,7 +73,7 @@ def test_every_region_outlives_any_one_rank_and_any_one_host(layouts, hosts):
 
 
 def test_a_cover_takes_overlapping_pieces_each_adding_something():
-    from hspmd.runtime.peer.recovery import cover
+    from hspmd.runtime.launcher.peer.recovery import cover
 
     whole, top, bottom = ((0, 8), (0, 4)), ((0, 4), (0, 4)), ((4, 8), (0, 4))
     # hetero dup: one group holds the tensor whole, another in halves; the whole one lost
@@ -346,7 +346,7 @@ def test_a_rank_and_its_buddy_lost_go_back_to_the_disk_in_one_line(copied, tmp_p
     import signal
 
     from hspmd.cli.elastic import _Run
-    from hspmd.runtime.watch import RankEnd
+    from hspmd.runtime.launcher.watch import RankEnd
 
     _, _, _, peer_dir, _ = copied
     d = tmp_path / "D"

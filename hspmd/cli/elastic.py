@@ -3,7 +3,7 @@
     hspmd run -n N SCRIPT --elastic --checkpoint-dir D [--checkpoint-every K]
               [--fallback-strategy S ...] [--max-restarts R] [--hosts H1,H2 | --hostfile F] ...
 
-Each attempt runs under :func:`hspmd.runtime.watch.launch_watched`, which tells how every rank
+Each attempt runs under :func:`hspmd.runtime.launcher.watch.launch_watched`, which tells how every rank
 ended. When ranks die by a signal (killed, crashed, out of memory; `HSPMD_FAULT` in tests), the
 launcher waits up to `CHECKPOINT_WAIT_S` for a checkpoint that is still being written, stops the
 other ranks, and starts again on the `n` ranks that are left:
@@ -49,8 +49,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from hspmd.runtime.heartbeat import clear_beats
-from hspmd.runtime.launch import LaunchError
+from hspmd.runtime.launcher.heartbeat import clear_beats
+from hspmd.runtime.launcher.launch import LaunchError
 
 #: seconds to wait, once a rank died, for a checkpoint in flight to be completed
 CHECKPOINT_WAIT_S = 5.0
@@ -63,7 +63,7 @@ CHECKPOINT_QUIET_S = 1.0
 #: (`rank-<r>.exit`, written by their guards) are, under the checkpoint directory
 RANKS_DIR = ".ranks"
 
-#: the environment variable of injected faults (`hspmd.runtime.fault`), dropped on restarts
+#: the environment variable of injected faults (`hspmd.runtime.launcher.fault`), dropped on restarts
 FAULT_VARIABLE = "HSPMD_FAULT"
 
 #: where the peer copies' index and stamps are (`gen-<restart>/`), under the checkpoint directory
@@ -166,9 +166,9 @@ def describe_losses(lost, step: int | None) -> str:
 def _check(args) -> None:
     """Raise for what would stop an elastic run later: said before the first attempt starts."""
     from hspmd.ir.strategy import parse_strategy
-    from hspmd.runtime.fault import FaultSpecError, parse_faults
+    from hspmd.runtime.launcher.fault import FaultSpecError, parse_faults
 
-    from hspmd.runtime.launch import find_mpiexec, is_hydra
+    from hspmd.runtime.launcher.launch import find_mpiexec, is_hydra
 
     mpiexec = find_mpiexec()
     if not is_hydra(mpiexec):
@@ -264,7 +264,7 @@ class _Run:
 
     def attempt(self):
         """Start the next attempt (the standby world where it is ready) and watch it to its end."""
-        from hspmd.runtime.watch import start_watched, watch_started
+        from hspmd.runtime.launcher.watch import start_watched, watch_started
 
         args, peer_dir = self.args, self._peer_dir()
         record = json.dumps(self.record) if self.record is not None and args.log else None
@@ -296,8 +296,8 @@ class _Run:
         import signal
         import socket
 
-        from hspmd.runtime.heartbeat import silent_ranks
-        from hspmd.runtime.watch import RankEnd, read_rank_ends
+        from hspmd.runtime.launcher.heartbeat import silent_ranks
+        from hspmd.runtime.launcher.watch import RankEnd, read_rank_ends
 
         out = []
         ended = {e.rank for e in read_rank_ends(self.watched_dir)}  # an end said is no silence
@@ -364,7 +364,7 @@ class _Run:
     def _source(self, lost: list[int], newest: str | None) -> tuple[str, int, str]:
         """Return (source, the step resumed from, what to say) for the next attempt: the peer copies
         where they survived the loss and are not older than the newest checkpoint, else the disk."""
-        from hspmd.runtime.peer.recovery import plan_recovery, write_recovery
+        from hspmd.runtime.launcher.peer.recovery import plan_recovery, write_recovery
 
         why = ""
         if self.every:
@@ -436,7 +436,7 @@ def _remove_generation(peer_root: str, gen: int) -> None:
     """Remove the peer copies of attempt `gen` (this host's memory; its index and stamps)."""
     import shutil
 
-    from hspmd.runtime.peer.slots import remove_shm
+    from hspmd.runtime.launcher.peer.slots import remove_shm
 
     path = os.path.join(peer_root, f"gen-{gen}")
     remove_shm(path)

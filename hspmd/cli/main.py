@@ -41,11 +41,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.ir.layout_text import LayoutSyntaxError
     from hspmd.dialects.levels import LevelError
     from hspmd.codegen.bundle import BundleError
-    from hspmd.runtime.launch import LaunchError
+    from hspmd.runtime.launcher.launch import LaunchError
     from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
     from hspmd.runtime.checkpoint.manifest import CheckpointError
-    from hspmd.runtime.fault import FaultSpecError
+    from hspmd.runtime.launcher.fault import FaultSpecError
     from hspmd.transforms.util import PassError
     from hspmd.planner import PlanError as PlannerError
     from hspmd.ir.device_profile import ProfileError
@@ -282,11 +282,11 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
         say_user_passes(manifest.user_passes, f"bundle {args.script}")
         return args.script
     from hspmd.compiler import compile_working
-    from hspmd.runtime.idle import mark_working_ranks
+    from hspmd.runtime.launcher.idle import mark_working_ranks
 
     script = load_script(args.script, parse_overrides(args.set))
     passes = pass_manager(args)
-    ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)
+    ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.launcher.idle)
     if len(getattr(args, "strategies", None) or []) > 1:
         from hspmd.compiler import compile_strategies
 
@@ -389,9 +389,9 @@ def strategy_device_keys(args) -> list[str | None]:
 
 def cmd_run(args) -> int:
     from hspmd.runtime.cuda.device import DeviceError
-    from hspmd.runtime.launch import launch
+    from hspmd.runtime.launcher.launch import launch
 
-    from hspmd.runtime.outside import outside_job
+    from hspmd.runtime.launcher.outside import outside_job
 
     job = outside_job()  # a rank of a job srun / mpirun / mpiexec started (docs/clusters.md)
     if args.n is None:
@@ -411,7 +411,7 @@ def cmd_run(args) -> int:
 
         resolve_checkpoint(args.resume)
     if os.environ.get("HSPMD_FAULT"):  # said here, not by every rank at its first step
-        from hspmd.runtime.fault import parse_faults
+        from hspmd.runtime.launcher.fault import parse_faults
 
         parse_faults(os.environ["HSPMD_FAULT"])
     if args.init_from and not os.path.isfile(args.init_from):

@@ -5,7 +5,7 @@
     mpirun --hostfile hosts -n 8 hspmd run examples/gpt.py
 
 Every rank runs this: rank 0 compiles the script and hands the bundle to the others
-(`hspmd.runtime.outside.share_bundle`), then every rank trains as that rank of the job. What
+(`hspmd.runtime.launcher.outside.share_bundle`), then every rank trains as that rank of the job. What
 would be said once by `hspmd run` is said once, by rank 0; the other ranks end with the same
 code, quietly.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hspmd.runtime.launch import LaunchError
-from hspmd.runtime.outside import OutsideJob
+from hspmd.runtime.launcher.launch import LaunchError
+from hspmd.runtime.launcher.outside import OutsideJob
 
 __all__ = ["check_outside_options", "run_outside"]
 
@@ -42,7 +42,7 @@ def run_outside(args, job: OutsideJob, compile_for_run: Callable, worker_argumen
     `compile_for_run` and `worker_arguments` are `hspmd.cli.main`'s (passed in, as to
     `hspmd.cli.elastic`). Errors found before training are raised on rank 0 (the CLI says them
     in one line) and end the other ranks with code 1, silently."""
-    from hspmd.runtime.outside import BundleNotShared, prepare_rank_environment, share_bundle
+    from hspmd.runtime.launcher.outside import BundleNotShared, prepare_rank_environment, share_bundle
 
     problem = check_outside_options(args, job)
     if problem is not None:

@@ -110,7 +110,7 @@ class Choice:
 
     chosen: Candidate
     compiled: Compiled  # the chosen strategy, compiled (checked before it is chosen)
-    ranks: tuple[int, ...]  # the ranks it works on (the others idle: hspmd.runtime.idle)
+    ranks: tuple[int, ...]  # the ranks it works on (the others idle: hspmd.runtime.launcher.idle)
     fits: list[Candidate]  # every candidate under the memory limit, best first
     over: list[Candidate]  # those over it
     facts: ModelFacts

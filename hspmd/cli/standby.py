@@ -2,7 +2,7 @@
 
 While an attempt of `hspmd run --elastic --redundancy peer` trains on n ranks, a thread of the
 launcher compiles the program for n - 1 ranks (the strategy `choose_strategy` would pick) and
-starts its ranks (`hspmd.runtime.standby`): they import, join their own MPI job, build their plan
+starts its ranks (`hspmd.runtime.launcher.standby`): they import, join their own MPI job, build their plan
 and wait for orders. After the loss of one rank the launcher gives them their orders (the peer
 copies' recovery, or a disk checkpoint) instead of compiling and starting processes; after the
 loss of more, or at the end of the run, it dismisses them.
@@ -42,7 +42,7 @@ class StandbyWorld:
         self._thread.start()
 
     def _prepare(self, attempt, env, compile_for_run, worker_arguments, extra) -> None:
-        from hspmd.runtime.watch import start_watched
+        from hspmd.runtime.launcher.watch import start_watched
 
         try:
             os.makedirs(os.path.dirname(self.orders), exist_ok=True)
@@ -60,7 +60,7 @@ class StandbyWorld:
     def ready(self, wait: float = 0.0) -> bool:
         """Return whether the standby ranks were started and none of them ended (waiting up to
         `wait` seconds for the start)."""
-        from hspmd.runtime.watch import read_rank_ends
+        from hspmd.runtime.launcher.watch import read_rank_ends
 
         self._thread.join(wait)
         return (not self._thread.is_alive() and self.proc is not None and self.proc.poll() is None
@@ -69,7 +69,7 @@ class StandbyWorld:
     def promote(self, resume: str | None, peer_restore: str | None, peer_dir: str | None,
                 record: dict | None) -> subprocess.Popen:
         """Return the standby's mpiexec process, its ranks told where to start from."""
-        from hspmd.runtime.standby import give_orders
+        from hspmd.runtime.launcher.standby import give_orders
 
         give_orders(self.orders, resume, peer_restore, peer_dir, record)
         assert self.proc is not None
@@ -77,8 +77,8 @@ class StandbyWorld:
 
     def dismiss(self) -> None:
         """End the standby ranks (told to; stopped if they do not end in `DISMISS_WAIT_S`)."""
-        from hspmd.runtime.standby import dismiss
-        from hspmd.runtime.watch import stop_started
+        from hspmd.runtime.launcher.standby import dismiss
+        from hspmd.runtime.launcher.watch import stop_started
 
         with self._lock:
             self._dismissed = True

@@ -1,7 +1,7 @@
 """The host memory of in-memory peer copies (`--redundancy peer`), per rank of a strategy group.
 
 A rank keeps, twice (the copy being written and the last complete one), the pieces of the state
-it keeps and its ward's pieces that no other rank holds (`hspmd.runtime.peer.placement`): a piece
+it keeps and its ward's pieces that no other rank holds (`hspmd.runtime.launcher.peer.placement`): a piece
 held by one rank (a zero, tp, pp or ep shard) is kept by it and copied to its buddy; a piece
 replicated over dp is kept by two of its dp holders and copied nowhere. With u the bytes a rank
 holds alone and r those replicated over dp > 1, a rank keeps u + 2 r / dp and receives its
@@ -20,7 +20,7 @@ from hspmd.planner.facts import ModelFacts
 
 __all__ = ["SLOTS", "copies_bytes"]
 
-#: the copies of every slot (`hspmd.runtime.peer.slots.SLOTS`)
+#: the copies of every slot (`hspmd.runtime.launcher.peer.slots.SLOTS`)
 SLOTS = 2
 
 

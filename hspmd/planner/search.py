@@ -10,7 +10,7 @@
    ...), the slower ones idle: an idle rank costs nothing, so where the slower ranks' compute
    and the gradient sum across groups (across kinds beside a GPU) cost more than their rows
    save, the strategy leaves them out (`[0]: dp=1 device=cuda` beside a slow CPU rank 1;
-   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.idle`).
+   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.launcher.idle`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
    where also pp = 1; each of them with and without activation recompute (`block`,
@@ -76,7 +76,7 @@ class Candidate:
 
     @property
     def idle_ranks(self) -> tuple[int, ...]:
-        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.idle`)."""
+        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.launcher.idle`)."""
         named = {d for g in self.groups for d in g.devices}
         return tuple(r for r in range(self.n) if r not in named)
 

@@ -9,7 +9,7 @@ rank records its events (`trace.Tracer`) and rank 0 gathers them into one trace 
 
 With a checkpoint directory each rank writes `D/.ranks/rank-<r>.pid` ("<host> <pid>") at
 start-up, for launchers and tests that watch or kill ranks (`hspmd run --elastic`), and the
-environment variable `HSPMD_FAULT=rank:step` kills that rank at that step (`hspmd.runtime.fault`).
+environment variable `HSPMD_FAULT=rank:step` kills that rank at that step (`hspmd.runtime.launcher.fault`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hspmd.runtime.stacked import layer_leaves, per_layer, stacked
 from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest as read_checkpoint_manifest, resolve_checkpoint
 from hspmd.runtime.checkpoint.reader import CheckpointElsewhere, load_global_file, load_state
 from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
-from hspmd.runtime.fault import fault_point
+from hspmd.runtime.launcher.fault import fault_point
 from hspmd.runtime.kernel_exec import BACKENDS, select_program
 from hspmd.runtime.comm.base import CommError, Communicator
 from hspmd.dialects import graph
@@ -50,15 +50,15 @@ from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
-from hspmd.runtime.idle import RankSubset, idle_ranks
-from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
+from hspmd.runtime.launcher.idle import RankSubset, idle_ranks
+from hspmd.runtime.launcher.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
 from hspmd.runtime.comm.nodes import node_aware
-from hspmd.runtime.heartbeat import Heartbeat
-from hspmd.runtime.standby import StandbyDismissed
-from hspmd.runtime.peer.copier import PeerCopyError
-from hspmd.runtime.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
+from hspmd.runtime.launcher.heartbeat import Heartbeat
+from hspmd.runtime.launcher.standby import StandbyDismissed
+from hspmd.runtime.launcher.peer.copier import PeerCopyError
+from hspmd.runtime.launcher.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -99,7 +99,7 @@ class RunResult:
     switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
     step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
     left: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, ranks that left before it)
-    idle: bool = False  # the strategy left this rank out: it ran no step (hspmd.runtime.idle)
+    idle: bool = False  # the strategy left this rank out: it ran no step (hspmd.runtime.launcher.idle)
 
 
 @dataclass(frozen=True)
@@ -211,11 +211,11 @@ def train(
     where the script's `strategy_for(batch, config)` names another, or, given `strategy_order`,
     step k under strategy `strategy_order[k - 1]`; the state moves in memory
     (`hspmd.runtime.switch`). A bundle with strategies on fewer ranks lets a rank leave
-    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
+    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.launcher.leave`).
 
-    `peer` (`hspmd.runtime.peer`): keep in-memory copies of the state for an elastic restart, start
+    `peer` (`hspmd.runtime.launcher.peer`): keep in-memory copies of the state for an elastic restart, start
     from such copies, and write the restart's `--log` line. `standby` (a standby rank,
-    `hspmd.runtime.standby`): called once the program is built, it returns where to start from.
+    `hspmd.runtime.launcher.standby`): called once the program is built, it returns where to start from.
     """
     manifest = read_manifest(bundle)
     world_rank = comm.rank  # the launcher's numbering (idle ranks aside, the working ranks get their own)
@@ -236,7 +236,7 @@ def train(
     # ranks on several nodes (hosts, or simulated: ranks_per_node): all-reduces across them in two tiers
     comm = node_aware(comm, [p.host for p in places] if places else None, ranks_per_node)
     cuda_graph = cuda_graph and trace is None  # traced steps run call by call: nothing is captured
-    # a standby rank (hspmd.runtime.standby) says nothing of its plan: it may never train
+    # a standby rank (hspmd.runtime.launcher.standby) says nothing of its plan: it may never train
     program = load_rank_program(bundle, manifest, comm, kernels, quiet or standby is not None, device, cuda_graph,
                                 places)
     plan, gather = program.plan, program.gather
@@ -262,9 +262,9 @@ def train(
         peer = replace(peer, directory=orders.get("peer_dir"), restore=orders.get("peer_restore"),
                        restart=orders.get("restart_record"))
         log_append = bool(orders.get("log_append", log_append))
-    beat = Heartbeat(peer.heartbeat, world_rank) if peer.heartbeat else None  # hspmd.runtime.heartbeat
+    beat = Heartbeat(peer.heartbeat, world_rank) if peer.heartbeat else None  # hspmd.runtime.launcher.heartbeat
     done = 0  # steps already trained (by the run a checkpoint comes from)
-    peer_position: dict | None = None  # what the peer copies recorded beside the state (hspmd.runtime.peer)
+    peer_position: dict | None = None  # what the peer copies recorded beside the state (hspmd.runtime.launcher.peer)
     try:  # what every rank finds alike: rank 0 says it
         where = resolve_checkpoint(ck.resume) if ck.resume else None
         saved = read_checkpoint_manifest(where) if where else None
@@ -277,7 +277,7 @@ def train(
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
-        if peer.restore:  # a restart from the peer copies in host memory (hspmd.runtime.peer)
+        if peer.restore:  # a restart from the peer copies in host memory (hspmd.runtime.launcher.peer)
             state, done, peer_position = restore_from_peers(peer.restore, plan.params, comm)
             if comm.rank == 0 and not quiet:
                 print(f"resumed from the peer copies of step {done} (in host memory)", flush=True)
@@ -688,13 +688,13 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or one of them per rank (cuda,cuda,cpu)")
     parser.add_argument("--cuda-graph", choices=("on", "off"), default="on")
-    parser.add_argument("--peer-dir", help="keep in-memory peer copies, their index here (hspmd.runtime.peer)")
+    parser.add_argument("--peer-dir", help="keep in-memory peer copies, their index here (hspmd.runtime.launcher.peer)")
     parser.add_argument("--peer-every", type=int, help="a peer copy after every K-th step (default 1)")
     parser.add_argument("--peer-restore", help="start from this recovery of the peer copies")
     parser.add_argument("--restart-record", help="the restart's facts (JSON), for the --log line beside the first step")
     parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of K ranks (hspmd.runtime.comm.nodes)")
-    parser.add_argument("--heartbeat", metavar="DIR", help="beat in DIR for --silent-after (hspmd.runtime.heartbeat)")
-    parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.standby)")
+    parser.add_argument("--heartbeat", metavar="DIR", help="beat in DIR for --silent-after (hspmd.runtime.launcher.heartbeat)")
+    parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.launcher.standby)")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
                                  args.heartbeat)
     standby = None
     if args.standby:
-        from hspmd.runtime.standby import wait_for_orders
+        from hspmd.runtime.launcher.standby import wait_for_orders
 
         standby = lambda: wait_for_orders(args.standby)  # noqa: E731
     try:

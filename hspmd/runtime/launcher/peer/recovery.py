@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from hspmd.runtime.peer.slots import SLOTS, read_stamp
+from hspmd.runtime.launcher.peer.slots import SLOTS, read_stamp
 
 __all__ = ["Recovery", "cover", "plan_recovery", "read_recovery", "write_recovery"]
 

@@ -1,9 +1,9 @@
 """Watching the ranks of a run: which ones died, and stopping the others cleanly.
 
-:func:`launch_watched` is :func:`hspmd.runtime.launch.launch` for elastic runs. It starts
+:func:`launch_watched` is :func:`hspmd.runtime.launcher.launch.launch` for elastic runs. It starts
 ``mpiexec -disable-auto-cleanup`` (MPICH's Hydra: when a rank dies the others are left running,
 instead of Hydra killing them at once) with every rank under a guard
-(:mod:`hspmd.runtime.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
+(:mod:`hspmd.runtime.launcher.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
 ends. The launcher polls those files. A rank that ends with a non-zero code before the
 launcher stops the run is a failure: killed by a signal, it is a lost device (``WatchedRun.lost``:
 killed from outside, crashed, out of memory); with an exit code, the program failed
@@ -33,8 +33,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hspmd.runtime import rank_guard
-from hspmd.runtime.launch import LaunchError, mpiexec_command, rank_environment
+from hspmd.runtime.launcher import rank_guard
+from hspmd.runtime.launcher.launch import LaunchError, mpiexec_command, rank_environment
 
 __all__ = ["RankEnd", "WatchedRun", "launch_watched", "read_rank_ends", "start_watched", "stop_started", "watch_started"]
 
@@ -185,7 +185,7 @@ def watch_started(
 ) -> WatchedRun:
     """Watch the run `start_watched` started until all its ranks end or one fails (see
     :func:`launch_watched`). `check`, called at every look, returns ends the launcher found
-    itself (a rank it killed for its silence, `hspmd.runtime.heartbeat`), counted as failures."""
+    itself (a rank it killed for its silence, `hspmd.runtime.launcher.heartbeat`), counted as failures."""
     failed: dict[int, RankEnd] = {}  # the ends that made the launcher stop the run
     try:
         while True:
@@ -236,7 +236,7 @@ def launch_watched(
     KeyboardInterrupt all are stopped and it propagates. ``stop_if`` (given an end) narrows which
     ends stop the run (a parameter-server run goes on without a lost worker); the others' are
     reported all the same. ``env``, ``hosts`` and ``hostfile`` are
-    as for :func:`hspmd.runtime.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
+    as for :func:`hspmd.runtime.launcher.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
     """
     proc = start_watched(n, python_args, status_dir, env, hosts, hostfile)
     return watch_started(proc, status_dir, before_stop, stop_if)

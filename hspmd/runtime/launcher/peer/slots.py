@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hspmd.runtime.peer.placement import KeptPiece
+from hspmd.runtime.launcher.peer.placement import KeptPiece
 
 __all__ = ["SLOTS", "SlotFile", "SlotLayout", "read_stamp", "remove_stamp", "shm_directory", "write_stamp"]
 

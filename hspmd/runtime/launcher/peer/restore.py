@@ -19,9 +19,9 @@ import numpy as np
 
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.runtime.comm.base import Communicator
-from hspmd.runtime.peer.copier import gather_hosts, host_name
-from hspmd.runtime.peer.placement import region_of
-from hspmd.runtime.peer.recovery import Recovery
+from hspmd.runtime.launcher.peer.copier import gather_hosts, host_name
+from hspmd.runtime.launcher.peer.placement import region_of
+from hspmd.runtime.launcher.peer.recovery import Recovery
 
 __all__ = ["PeerRestoreError", "load_peer_state"]
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.runtime.comm.base import Communicator, Request
-from hspmd.runtime.peer.placement import KeptPiece, buddies, kept_pieces, wards
-from hspmd.runtime.peer.slots import SLOTS, SlotFile, SlotLayout, remove_stamp, shm_directory, write_stamp
+from hspmd.runtime.launcher.peer.placement import KeptPiece, buddies, kept_pieces, wards
+from hspmd.runtime.launcher.peer.slots import SLOTS, SlotFile, SlotLayout, remove_stamp, shm_directory, write_stamp
 from hspmd.runtime.stacked import layer_leaves, per_layer
 
 __all__ = ["HOSTS_VARIABLE", "PeerCopies", "PeerCopyError", "gather_hosts", "host_name"]

@@ -75,11 +75,11 @@ def outside_job(env: Mapping[str, str] | None = None) -> OutsideJob | None:
 
 def prepare_rank_environment(job: OutsideJob) -> None:
     """Give this rank its share of its host's cores for its math libraries, before MPI starts
-    (what `hspmd.runtime.launch.rank_environment` gives the ranks `hspmd run` starts itself).
+    (what `hspmd.runtime.launcher.launch.rank_environment` gives the ranks `hspmd run` starts itself).
 
     Thread counts the environment sets already are kept; BLAS, loaded with NumPy before the
     command line is read, gets the share through threadpoolctl."""
-    from hspmd.runtime.launch import THREAD_VARIABLES, YIELDING_WAITS, usable_cores
+    from hspmd.runtime.launcher.launch import THREAD_VARIABLES, YIELDING_WAITS, usable_cores
 
     local = job.local_size or 1
     share = max(1, usable_cores() // local)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hspmd.runtime.comm.base import Communicator
-from hspmd.runtime.peer.copier import PeerCopies
-from hspmd.runtime.peer.recovery import read_recovery
-from hspmd.runtime.peer.restore import PeerRestoreError, load_peer_state
+from hspmd.runtime.launcher.peer.copier import PeerCopies
+from hspmd.runtime.launcher.peer.recovery import read_recovery
+from hspmd.runtime.launcher.peer.restore import PeerRestoreError, load_peer_state
 from hspmd.runtime.stacked import layer_leaves, stacked
 
 __all__ = ["PeerOptions", "PeerRestoreError", "restart_line", "restore", "start_copies"]
@@ -30,7 +30,7 @@ class PeerOptions:
     every: int = 1  # a copy after every K-th step
     restore: str | None = None  # start from this recovery (`recovery.write_recovery`)
     restart: dict | None = None  # the restart's facts from the launcher, for the --log line
-    heartbeat: str | None = None  # beat in this directory (hspmd.runtime.heartbeat)
+    heartbeat: str | None = None  # beat in this directory (hspmd.runtime.launcher.heartbeat)
 
     @staticmethod
     def from_args(directory: str | None, every: int | None, restore: str | None, record: str | None,
