@@ -1,4 +1,4 @@
-"""Idle ranks (`hspmd.runtime.idle`): a strategy naming some of a run's ranks runs on those, the
+"""Idle ranks (`hspmd.runtime.launcher.idle`): a strategy naming some of a run's ranks runs on those, the
 others run no step and exit cleanly; the log, the checkpoints and the result come from the
 working ranks, and match a run of the working ranks alone."""
 
@@ -19,7 +19,7 @@ from hspmd.runtime.checkpoint.gathered import load_checkpoint
 from hspmd.runtime.launch import THREAD_VARIABLES, usable_cores
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.base import CommError
-from hspmd.runtime.idle import (
+from hspmd.runtime.launcher.idle import (
     RankSubset,
     mark_working_ranks,
     working_strategy,
