@@ -16,7 +16,7 @@ from hspmd.compiler import compile_script, compile_working, write_bundle
 from hspmd.frontend.script import load_script
 from hspmd.ir.strategy import StrategyError, parse_strategy
 from hspmd.runtime.checkpoint.gathered import load_checkpoint
-from hspmd.runtime.launch import THREAD_VARIABLES, usable_cores
+from hspmd.runtime.launcher.launch import THREAD_VARIABLES, usable_cores
 from hspmd.runtime.comm import run_spmd
 from hspmd.runtime.comm.base import CommError
 from hspmd.runtime.launcher.idle import (
