@@ -71,7 +71,7 @@ class Manifest:
     # the file of global tensors the run starts from (relative to the bundle), or None: the
     # parameters' own initialisers
     weights: str | None = None
-    # idle ranks (`hspmd.runtime.idle`): the run's rank of each of the program's devices 0..K-1
+    # idle ranks (`hspmd.runtime.launcher.idle`): the run's rank of each of the program's devices 0..K-1
     # and the run's rank count, where the strategy names only some of its ranks; None: every
     # rank of the run works and the devices are its ranks
     ranks: list[int] | None = None

@@ -10,7 +10,7 @@
    ...), the slower ones idle: an idle rank costs nothing, so where the slower ranks' compute
    and the gradient sum across groups (across kinds beside a GPU) cost more than their rows
    save, the strategy leaves them out (`[0]: dp=1 device=cuda` beside a slow CPU rank 1;
-   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.idle`).
+   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.launcher.idle`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
    where also pp = 1; each of them with and without activation recompute (`block`,
@@ -79,10 +79,12 @@ class Candidate:
     # every rank's kind of device where some rank is a GPU (each group then says its `device=`)
     kinds: tuple[str, ...] | None = None
     n: int = 0  # the machine's ranks; those no group names are idle (0: every rank is in a group)
+    # per group, the host memory of each rank's peer copies (`--redundancy peer`; empty without)
+    copies: tuple[float, ...] = ()
 
     @property
     def idle_ranks(self) -> tuple[int, ...]:
-        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.idle`)."""
+        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.launcher.idle`)."""
         if sum(len(g.devices) for g in self.groups) >= self.n:
             return ()
         named = {d for g in self.groups for d in g.devices}
@@ -94,7 +96,16 @@ class Candidate:
 
     @property
     def memory_bytes(self) -> float:
-        return max(c.memory_bytes for c in self.costs)
+        """Return the most memory a rank needs: its step's, and on a CPU rank (whose memory is the
+        host's) its peer copies too."""
+        copies = self.copies or (0.0,) * len(self.costs)
+        return max(c.memory_bytes + (k if self.device(g) != "cuda" else 0.0)
+                   for c, k, g in zip(self.costs, copies, self.groups))
+
+    @property
+    def copies_bytes(self) -> float:
+        """Return the most host memory a rank's peer copies take (0 without `--redundancy peer`)."""
+        return max(self.copies, default=0.0)
 
     @property
     def schedule(self) -> str:
@@ -359,8 +370,10 @@ def _working_clusters(machine: Machine, facts: ModelFacts, parts: list[tuple[int
     return [sorted(fastest_first[:k], key=parts.index) for k in range(1, len(parts))]
 
 
-def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
+def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None,
+         redundancy: bool = False) -> tuple[list[Candidate], list[Candidate]]:
     """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
+    With `redundancy` (`--redundancy peer`), each rank's peer copies count too (`redundancy.py`).
 
     Raises PlanError when no candidate runs on these devices at all.
     """
@@ -374,6 +387,12 @@ def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = No
             key = (c.strategy(), c.microbatches if c.settings() else 1)
             if key not in seen or c.step_s < seen[key].step_s:
                 seen[key] = c
+    if redundancy:
+        from dataclasses import replace
+
+        from hspmd.planner.redundancy import copies_bytes
+
+        seen = {k: replace(c, copies=tuple(copies_bytes(facts, g) for g in c.groups)) for k, c in seen.items()}
     ranked = sorted(seen.values(), key=preference)
     if not ranked:
         raise PlanError(_nothing_fits(facts, machine.n))
