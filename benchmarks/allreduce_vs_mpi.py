@@ -3,7 +3,7 @@
     python benchmarks/allreduce_vs_mpi.py [--mib 4] [--reps 200]
 
 Started plainly, it starts itself on 2 ranks under the mpiexec of the mpich wheel
-(`hspmd.runtime.launch`). Each rank then times, alternately and after a barrier each:
+(`hspmd.runtime.launcher.launch`). Each rank then times, alternately and after a barrier each:
 
 * ours: the gradient-sync path of a plan, a `hspmd.runtime.buckets.Bucket` holding one
   float32 gradient of `--mib` MiB that its producer wrote into the bucket (as the plan
@@ -99,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         return child(args.mib, args.reps)
-    from hspmd.runtime.launch import mpiexec_command
+    from hspmd.runtime.launcher.launch import mpiexec_command
 
     cmd = mpiexec_command(2, [os.path.abspath(__file__), "--child", "--mib", str(args.mib), "--reps", str(args.reps)])
     return subprocess.run(cmd, timeout=1800).returncode

@@ -201,7 +201,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.io_child:
         return io_child(args.ranks, args.reps, args.io_child)
-    from hspmd.runtime.launch import mpiexec_command, rank_environment
+    from hspmd.runtime.launcher.launch import mpiexec_command, rank_environment
 
     directory = tempfile.mkdtemp(prefix="hspmd-ckbench-")
     try:

@@ -7,7 +7,7 @@ GPT at the GPT-2-small shape (12 layers, d_model 768, 12 heads, sequence 256, by
 vocabulary of 256, examples/gpt.py: AdamW with clipping), global batch 8, on 4 CPU ranks:
 
 * hspmd: `[0-3]: dp=4 zero=3 recompute=block` (and, for the recompute ratios, `[0-3]: dp=4 zero=3`),
-  each run as `hspmd run -n 4` runs it (`hspmd.runtime.launch`: mpiexec, its thread shares; each
+  each run as `hspmd run -n 4` runs it (`hspmd.runtime.launcher.launch`: mpiexec, its thread shares; each
   rank the loop of `worker.train`, without the gathering of the whole parameters onto rank 0 that
   `train` does after the last step to return them);
 * PyTorch: the same model as an `nn.Module` of blocks, built on the meta device (FSDP2's way for
@@ -129,7 +129,7 @@ def run_hspmd(script, strategy: str, ranks: int, steps: int, work: str) -> dict:
     """Compile and run `strategy`; return measured and planned numbers."""
     from hspmd.codegen.schedule.analysis import memory_rows
     from hspmd.compiler import compile_script, write_bundle
-    from hspmd.runtime.launch import launch
+    from hspmd.runtime.launcher.launch import launch
 
     compiled = compile_script(script, strategy, ranks)
     planned = memory_rows(compiled.physical)

@@ -12,7 +12,7 @@ from hspmd.data.text import pydoc_text_bytes
 from hspmd.frontend.transformer import GPT, GPTConfig, lm_loss
 
 config = {
-    # vocab_size: of the pydoc bytes; with data.path the dataset's vocabulary is used instead
+    # vocab_size: of the pydoc bytes (under 256: the bytes modulo it); with data.path the dataset's vocabulary is used instead
     "model": {"vocab_size": 256, "seq_len": 64, "layers": 2, "heads": 4, "d_model": 128, "dropout": 0.0},
     # path: a directory from `hspmd data prepare` (None: pydoc's text); prefetch: batches made ahead;
     # packed: whole documents packed into the windows, attention kept within each (HetSeq, docs/data.md)
@@ -53,9 +53,15 @@ def optimizer(config):
     return hs.optim.AdamW(o["lr"], weight_decay=o["weight_decay"], clip_grad_norm=o["clip"], schedule=schedule)
 
 
+def pydoc_tokens(vocab: int):
+    """The pydoc bytes as an in-memory corpus; a vocabulary under 256 takes them modulo its size."""
+    data = pydoc_text_bytes()
+    return hs.data.tokens(data % vocab if vocab < 256 else data, vocab_size=min(vocab, 256))
+
+
 def dataset(config):
     """Windows of seq_len + 1 tokens (rows ids and targets; packed: and segments), shuffled each epoch by the seed."""
     path = config["data"]["path"]
-    corpus = hs.data.TokenDataset(path) if path else hs.data.tokens(pydoc_text_bytes(), vocab_size=256)
+    corpus = hs.data.TokenDataset(path) if path else pydoc_tokens(config["model"]["vocab_size"])
     view = corpus.packed if packed(config) else corpus.windows
     return view(config["model"]["seq_len"] + 1, vocab_size=vocab_size(config))

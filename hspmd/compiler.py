@@ -44,7 +44,7 @@ from hspmd.frontend.script import (
 from hspmd.dialects.context import make_context
 from hspmd.dialects.levels import physical_groups, verify_annotated, verify_logical, verify_physical
 from hspmd.ir.loss_scaling import DynamicScaling
-from hspmd.ir.strategy import RECOMPUTE_MODES, StrategyError, StrategyRecord, parse_strategy
+from hspmd.ir.strategy import RECOMPUTE_MODES, Strategy, StrategyError, StrategyRecord, parse_strategy
 from hspmd.codegen import bundle
 from hspmd.transforms import build_passes, get_all_passes
 from hspmd.transforms.apply_annotations import ApplyAnnotations
@@ -425,25 +425,21 @@ def kernel_level(physical: ModuleOp, passes: list[ModulePass] | None = None,
     return out
 
 
-def compile_working(script, text: str, n: int, **kwargs):
+def compile_working(script, text: str | Strategy, n: int, **kwargs):
     """Return (`text` compiled for the ranks it names, those ranks of a run of `n`): a strategy
     naming every rank compiles as it is; one naming some of them (`[0]: dp=1` on `-n 2`)
-    renumbered onto 0..K-1 (`working_strategy`). `kwargs` go to `compile_script`; a strategy
-    that does not parse, or names ranks the run lacks, raises the compiler's usual error."""
-    from hspmd.runtime.idle import working_strategy
+    renumbered onto 0..K-1 (`working_strategy`). The text is parsed once, here (or given parsed).
+    `kwargs` go to `compile_script`; a strategy that does not parse, or names ranks the run
+    lacks, raises the compiler's usual error."""
+    from hspmd.runtime.launcher.idle import working_strategy
 
-    try:
-        parsed = parse_strategy(text)
-    except StrategyError:
-        return compile_script(script, text, n, **kwargs), tuple(range(n))  # raises the parser's error
+    parsed = parse_strategy(text) if isinstance(text, str) else text
     working, ranks = working_strategy(parsed, n)
-    if len(ranks) == n:
-        return compile_script(script, text, n, **kwargs), ranks
-    return compile_script(script, str(working), len(ranks), **kwargs), ranks
+    return compile_script(script, working, len(ranks), **kwargs), ranks
 
 
 def compile_script(
-    script: ModelScript, strategy: str, num_devices: int | None = None, optimizer: Optimizer | bool = True,
+    script: ModelScript, strategy: str | Strategy, num_devices: int | None = None, optimizer: Optimizer | bool = True,
     microbatches: int | None = None, pipeline_schedule: str | None = None, stack_layers: bool | None = None,
     passes: PassManager | None = None,
 ) -> Compiled:
@@ -540,10 +536,11 @@ def _specialised(script: ModelScript, overrides: dict) -> ModelScript:
     return ModelScript(script.path, script.module, config)
 
 
-def _record(script: ModelScript, strategy: str, sid: int, num_devices: int | None, microbatches: int | None,
-            pipeline_schedule: str | None) -> StrategyRecord:
-    """Return the strategy record `compile_script` annotates with (see its docstring)."""
-    parsed = parse_strategy(strategy)
+def _record(script: ModelScript, strategy: str | Strategy, sid: int, num_devices: int | None,
+            microbatches: int | None, pipeline_schedule: str | None) -> StrategyRecord:
+    """Return the strategy record `compile_script` annotates with (see its docstring); `strategy`
+    parsed here where it is text."""
+    parsed = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     if num_devices is not None:
         parsed.check_devices(num_devices)
     served = [g for g in parsed.groups if g.comm != "allreduce"]
@@ -691,8 +688,8 @@ class _WorkerRows(ModelScript):
 
     workers: int = 1
 
-    def batches(self):
-        for batch in super().batches():
+    def batches(self, shapes_only: bool = False):
+        for batch in super().batches(shapes_only):
             rows = {len(v) for v in batch.values() if getattr(v, "ndim", 0)}
             if len(rows) != 1 or next(iter(rows)) % self.workers:
                 raise PassError(f"{self.path}: a parameter-server run splits each batch's rows over "
@@ -789,7 +786,7 @@ def compile_ps(script: ModelScript, strategy: str, servers: int) -> CompiledPS:
     from hspmd.codegen.report import tensor_nbytes
 
     homes = assign_by_bytes([(name, tensor_nbytes(typ)) for name, _, typ in served], servers)
-    rows = len(next(iter(next(script.batches()).values())))
+    rows = len(next(iter(next(script.batches(shapes_only=True)).values())))
     plan = PSPlan(workers=workers, servers=servers, comm=group.comm, consistency=group.consistency,
                   bound=group.staleness_bound, cache_rows=group.cache_rows,
                   cache_bound=group.cache_bound or 0, homes=homes,

@@ -3,6 +3,7 @@ step on the fused CPU kernels (for tests comparing plan options bit for bit)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ def sampled(items, k: int, salt: str) -> list:
 
 def pytest_report_header(config):
     return f"HSPMD_TEST_SEED={RUN_SEED} (the sampled sweeps of this run)"
+
+
 BIN = os.path.dirname(sys.executable)
 
 
@@ -44,6 +47,48 @@ def pytest_assertrepr_compare(op, left, right):
     return [f"{len(left)} bytes == {len(right)} bytes",
             f"{differ.size} of the first {n} bytes differ; the first at byte {first}",
             f"left[{first}:{first + 8}] = {left[first:first + 8]!r}, right[{first}:{first + 8}] = {right[first:first + 8]!r}"]
+
+
+def numpy_sums_in_one_chain() -> bool:
+    """Whether `np.matmul` here (this CPU's BLAS on its current thread count) multiplies attention's
+    float32 products as one chain of fused multiply-adds in the sum's order, as the runtime's C++
+    small-products kernel does. OpenBLAS's kernels do on the CPUs the bit-for-bit tests of block
+    products and C++ products were written on; on an AMD EPYC (OpenBLAS 0.3.31, Haswell kernels)
+    they add in another order, and there those tests compare to rounding instead."""
+    from hspmd.runtime.cpu.blas_threads import BlasCount
+
+    return _sums_in_one_chain(BlasCount().get())
+
+
+@functools.cache
+def _sums_in_one_chain(threads: int) -> bool:
+    import numpy as np
+
+    from hspmd.runtime.cpu.blas_threads import same_bits
+    from hspmd.runtime.cpu.native import load
+    from hspmd.runtime.cpu.small_matmul import SmallMatmul
+
+    lib, _ = load()
+    if lib is None:
+        return False
+    kernel = SmallMatmul(lib.hs_small_matmul_f32, lambda: threads).kernel("", np.matmul)
+    rng = np.random.default_rng(0)
+    for m, k, n in ((128, 64, 128), (128, 128, 64), (40, 8, 40)):
+        a = rng.standard_normal((4, m, k)).astype(np.float32)
+        b = rng.standard_normal((4, k, n)).astype(np.float32)
+        if not same_bits(kernel(a, b), np.matmul(a, b)):
+            return False
+    return True
+
+
+def assert_bits_or_close(actual, desired, exact: bool, err_msg: str = "", rtol: float = 1e-4, atol: float = 1e-5):
+    """Assert the same bits where `exact`, else equality to rounding (`rtol`, `atol`)."""
+    import numpy as np
+
+    if exact:
+        np.testing.assert_array_equal(actual, desired, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(actual, desired, rtol=rtol, atol=atol, err_msg=err_msg)
 
 def run_cli(
     *args: str, timeout: float = 120, check: bool = False, cwd: str | None = None, env: dict | None = None

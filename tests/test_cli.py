@@ -22,7 +22,7 @@ def test_compile_dumps_three_levels_that_hspmd_opt_prints_unchanged(tmp_path):
         proc = run_cli("hspmd-opt", str(d / name), check=True)
         assert proc.stdout == text, f"{name} did not print back unchanged"
     physical = (d / "physical_group0.mlir").read_text()
-    assert "hspmd.devices = array<i64: 0, 1>" in physical
+    assert 'hspmd.devices = #dist.devices<"0,1">' in physical
     assert physical.count("comm.all_reduce") == 7  # the loss and six gradients
     # layouts survive only in global_type, for the runtime to cut its piece
     assert all("global_type" in line for line in physical.splitlines() if "#dist.layout" in line)
@@ -53,7 +53,7 @@ def test_opt_runs_a_pipeline_with_print_between_passes(tmp_path):
     assert "IR after specialize-groups" in proc.stdout
     lowered = out.read_text()
     assert "dist.reshard" not in lowered and lowered.count("comm.all_reduce") == 7
-    assert "builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>}" in lowered
+    assert 'builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">}' in lowered
 
 
 USER_PASS = textwrap.dedent(

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hspmd.runtime import launch as launch_mod
+from hspmd.runtime.launcher import launch as launch_mod
 from hspmd.runtime.comm import run_spmd
-from hspmd.runtime.launch import LaunchError, LaunchTimeout, find_mpiexec, launch, mpiexec_command
+from hspmd.runtime.launcher.launch import LaunchError, LaunchTimeout, find_mpiexec, launch, mpiexec_command
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "comm_check.py"
 TIMEOUT = 60
@@ -62,7 +62,7 @@ def test_inputs_make_summation_order_visible():
 
 def test_importing_comm_does_not_import_mpi4py():
     code = (
-        "import sys, hspmd.runtime.comm, hspmd.runtime.comm.mpi, hspmd.runtime.launch; "
+        "import sys, hspmd.runtime.comm, hspmd.runtime.comm.mpi, hspmd.runtime.launcher.launch; "
         "assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
@@ -176,7 +176,7 @@ def test_a_terminated_launcher_takes_its_ranks_with_it(tmp_path):
         f"open(os.path.join({str(tmp_path)!r}, f'pid{{MPI.COMM_WORLD.rank}}'), 'w')"
         ".write(str(os.getpid())); time.sleep(60)"
     )
-    launcher = f"from hspmd.runtime.launch import launch; launch(2, ['-c', {ranks!r}])"
+    launcher = f"from hspmd.runtime.launcher.launch import launch; launch(2, ['-c', {ranks!r}])"
     proc = subprocess.Popen([sys.executable, "-c", launcher])
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:

@@ -290,7 +290,7 @@ def test_unique_ids_go_over_mpi_from_each_groups_first_rank(tmp_path):
     import subprocess
     from pathlib import Path
 
-    from hspmd.runtime.launch import mpiexec_command
+    from hspmd.runtime.launcher.launch import mpiexec_command
 
     n = 3
     script = Path(__file__).parent / "mpi_scripts" / "nccl_ids.py"

@@ -261,3 +261,16 @@ def test_data_prepare_and_info_on_the_command_line(tmp_path, cli):
     shard.write_bytes(shard.read_bytes()[:-1])
     bad = cli("hspmd", "data", "info", str(tmp_path / "ds"))
     assert bad.returncode == 1 and "shard-00000.bin: truncated" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tracing_needs_a_batchs_shapes_not_a_dataset_that_fills_it():
+    """A batch larger than the dataset: tracing (compile, plan) gets a padded batch of the asked
+    rows; training on it still refuses in one line."""
+    from hspmd.frontend.script import ScriptError, load_script
+
+    script = load_script(os.path.join(os.path.dirname(__file__), "..", "examples", "gpt.py"),
+                         {"data.batch_size": 100000, "model.seq_len": 8})
+    first = next(script.batches(shapes_only=True))
+    assert {k: v.shape for k, v in first.items()} == {"ids": (100000, 8), "targets": (100000, 8)}
+    with pytest.raises(ScriptError, match="too few for one batch of 100000"):
+        next(script.batches())

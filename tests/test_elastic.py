@@ -1,7 +1,7 @@
 """Elastic runs (`hspmd run --elastic`, docs/checkpoints.md): a rank dies, the run goes on from the
 newest checkpoint on the ranks left, and ends with the parameters of a run switched by hand.
 
-The watching machinery (`hspmd.runtime.watch`, the rank guard) is tested on a stand-in worker
+The watching machinery (`hspmd.runtime.launcher.watch`, the rank guard) is tested on a stand-in worker
 (tests/mpi_scripts/watch_ranks.py); the elastic launcher on examples/gpt.py with two layers.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hspmd.cli.elastic import choose_strategy, describe_losses, last_logged_step, truncate_log
-from hspmd.runtime.fault import FaultSpecError, parse_faults
-from hspmd.runtime.watch import RankEnd, WatchedRun, launch_watched
+from hspmd.cli.elastic import choose_strategy, describe_losses, last_logged_step
+from hspmd.runtime.launcher.fault import FaultSpecError, parse_faults
+from hspmd.runtime.launcher.watch import RankEnd, WatchedRun, launch_watched
 
 from conftest import BIN, ROOT
 
@@ -46,7 +46,12 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def _steps(log: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    """Return the steps of the `--log` at `log` in the order logged (a step redone after a restart twice)."""
+    return [r["step"] for r in map(json.loads, log.read_text().splitlines()) if "event" not in r]
+
+
+def _events(log: Path) -> list[dict]:
+    return [r for r in map(json.loads, log.read_text().splitlines()) if "event" in r]
 
 
 def _said(proc: subprocess.CompletedProcess) -> list[str]:
@@ -77,16 +82,12 @@ def test_the_first_fallback_strategy_that_fits_is_chosen_else_data_parallel():
     assert choose_strategy([], 1) == "[0]: dp=1"
 
 
-def test_the_log_is_cut_back_to_the_step_resumed_from(tmp_path):
+def test_the_last_logged_step_skips_events_and_a_half_written_line(tmp_path):
     log = tmp_path / "l.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8))
+                   + json.dumps({"event": "restart", "resumed_from_step": 5}) + "\n" + '{"step": 8, "lo')
     assert last_logged_step(str(log)) == 7
-    truncate_log(str(log), 5)
-    assert _steps(log) == [1, 2, 3, 4, 5]
-    truncate_log(str(log), 0)
-    assert log.read_text() == ""
-    truncate_log(str(tmp_path / "absent.jsonl"), 3)  # no log yet: nothing to do
-    assert last_logged_step(None) is None
+    assert last_logged_step(str(tmp_path / "absent.jsonl")) is None and last_logged_step(None) is None
 
 
 def test_losses_are_described_in_words():
@@ -183,8 +184,13 @@ def test_rank_killed_at_step_7_run_finishes_on_two_ranks_as_switched_by_hand(tmp
                          env={"HSPMD_FAULT": "1:7"}))
     assert _said(proc) == [f"hspmd run: rank 1 died at step ~7 (SIGKILL); resuming from {tmp_path / 'D' / 'step-5'} "
                            f"on 2 ranks under '[0,1]: dp=2' (restart 1 of 3)"]
-    assert _steps(log) == list(range(1, 13))
-    assert [json.loads(line)["ranks"] for line in log.read_text().splitlines()] == [3] * 5 + [2] * 7
+    # the log is appended, not rewritten: step 6 twice, the restart line between
+    assert _steps(log) == [1, 2, 3, 4, 5, 6] + list(range(6, 13))
+    assert [r["ranks"] for r in map(json.loads, log.read_text().splitlines()) if "ranks" in r] == [3] * 6 + [2] * 7
+    (restart,) = _events(log)
+    assert {k: v for k, v in restart.items() if k != "restart_s"} == {
+        "event": "restart", "lost_ranks": [1], "resumed_from_step": 5, "steps_redone": 1, "source": "disk"}
+    assert restart["restart_s"] > 0
     _assert_same_parameters(tmp_path / "final.npz", by_hand / "final.npz")
 
 
@@ -211,7 +217,7 @@ def test_rank_killed_from_outside_by_its_pid(tmp_path):
     said = [line for line in err.splitlines() if line.startswith("hspmd run: ")]
     assert len(said) == 1 and said[0].startswith("hspmd run: rank 1 died at step ~") and "(SIGKILL)" in said[0]
     assert "on 2 ranks under '[0,1]: dp=2' (restart 1 of 3)" in said[0]
-    assert _steps(log) == list(range(1, 61))
+    assert sorted(set(_steps(log))) == list(range(1, 61)) and len(_events(log)) == 1
 
 
 @pytest.mark.mpi
@@ -224,6 +230,7 @@ def test_a_device_coming_back_resumes_on_more_ranks(tmp_path, by_hand):
     assert _said(proc) == [f"hspmd run: resuming from {d / 'step-12'} (the newest checkpoint in {d}) on 3 ranks "
                            f"under '[0-2]: dp=3'"]
     assert _steps(log) == [13, 14] and (d / "step-14").is_dir()
+    assert [(e["event"], e["resumed_from_step"], e["source"]) for e in _events(log)] == [("resume", 12, "disk")]
 
 
 @pytest.mark.mpi
@@ -234,7 +241,7 @@ def test_two_host_names_for_this_machine_through_mpiexec(tmp_path):
                          "--checkpoint-every", "2", "--log", str(log), "--hosts", f"localhost,{other}",
                          env={"HSPMD_FAULT": "1:4"}))
     assert len(_said(proc)) == 1 and "on 1 rank under '[0]: dp=1'" in _said(proc)[0]
-    assert _steps(log) == list(range(1, 7))
+    assert _steps(log) == [1, 2, 3, 3, 4, 5, 6]  # resumed from step 2, step 3 redone
 
 
 @pytest.mark.mpi

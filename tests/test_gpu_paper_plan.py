@@ -106,3 +106,51 @@ def test_model_flops_agree_with_the_ir():
     assert facts.matmul_flops == pytest.approx(g.model_flops(shape), rel=0.02)
     assert facts.param_bytes / 4 == pytest.approx(shape.params(), rel=0.01)  # float32 master weights
     assert g.model_flops(replace(shape, batch=2 * shape.batch)) == pytest.approx(2 * g.model_flops(shape))
+
+
+def test_megatron_rows_are_the_papers_models():
+    """Table 1's rows as typed in: each model's parameters by the paper's equation 2 (12 l h^2 (1 +
+    13/(12h) + (V+s)/(12lh))) its stated size to the paper's rounding (1.65 is its "1.7"), its tp * pp * dp its GPUs, its batch
+    divisible by dp; the paper's FLOP count (with recomputation) is 4/3 of the model's forward and
+    backward but for the logits."""
+    g = tool()
+    for row in g.MEGATRON_TABLE1:
+        shape = row.shape()
+        h, l, v, s = shape.d_model, shape.layers, shape.vocab, shape.seq_len
+        params = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+        assert abs(params / 1e9 - row.params_b) <= 0.05 + 1e-3 * row.params_b, row
+        assert row.tp * row.pp * row.dp == row.gpus and row.batch % row.dp == 0 and h % row.heads == 0, row
+        logits = 6 * shape.batch * s * h * v  # forward and backward of the output layer, never recomputed
+        assert g.megatron_flops(shape) - logits == pytest.approx(4 / 3 * (g.model_flops(shape) - logits), rel=1e-12)
+
+
+def test_a100_nodes_are_slower_than_h100_nodes():
+    g = tool()
+    a100, h100 = g.make_profile(g.a100_node(4)), g.make_profile(g.H100Node(nodes=4))
+    assert DeviceProfile.from_json(a100.to_json()).num_ranks == 32
+    x = 1 << 28
+    assert a100.time("all_reduce", tuple(range(32)), x) > h100.time("all_reduce", tuple(range(32)), x)
+
+
+def test_a_megatron_row_nothing_fits_is_a_row_of_dashes(monkeypatch):
+    """A row where no candidate fits the memory (the 145.6B on 1,536 GPUs with at most 8
+    micro-batches) says so and which candidate came nearest, instead of failing the table."""
+    import hspmd.planner as planner
+
+    g = tool()
+
+    class Lean:
+        memory_bytes = 90 * 2**30
+
+        def strategy(self):
+            return "[0-31]: dp=4 tp=8"
+
+        def settings(self):
+            return ["microbatches=8"]
+
+    monkeypatch.setattr(g, "model_facts_for", lambda shape, n: None)
+    monkeypatch.setattr(planner, "plan", lambda facts, machine, memory: ([], [Lean()]))
+    text = g.megatron_table(g.MEGATRON_TABLE1[:1], markdown=True)
+    row = text.splitlines()[2].split(" | ")
+    assert "none fits in 72 GiB" in row[5] and "90 GiB: [0-31]: dp=4 tp=8 microbatches=8" in row[5]
+    assert row[6:10] == ["-", "-", "-", "-"] and row[10] == "- |"

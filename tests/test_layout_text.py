@@ -55,7 +55,7 @@ def caret_column(err: LayoutSyntaxError) -> int:
     ("[0,1: dup=2", 1, 5, "',', '-' or ']'"),
     ("[0,1]: dup=2 |", 1, 15, "'['"),
     ("", 1, 1, "'['"),
-    ("[0,1] dup=2", 1, 7, "':'"),
+    ("[0,1] dup=2", 1, 7, "':' or '<='"),
     ("[0,1]: dup 2", 1, 12, "'(' or '='"),
     ("[0-3]: split(0)=2, dupe=2", 1, 20, "split(d), dup or partial"),
     ("[0-3]: split=4", 1, 8, "split(d)"),

@@ -179,7 +179,7 @@ def _plan(comm="ps", consistency="ssp:2", bound=2):
 
 
 def _end(rank, code, stopped=False):
-    from hspmd.runtime.watch import RankEnd
+    from hspmd.runtime.launcher.watch import RankEnd
 
     return RankEnd(rank, "host", 100 + rank, code, stopped)
 
@@ -197,7 +197,7 @@ def test_a_lost_worker_stops_only_runs_that_need_every_worker():
 
 def test_the_outcome_of_a_run_that_lost_a_rank():
     from hspmd.runtime.ps.faults import outcome
-    from hspmd.runtime.watch import WatchedRun
+    from hspmd.runtime.launcher.watch import WatchedRun
 
     survived = WatchedRun(137, (_end(0, 0), _end(1, -9), _end(2, 0)))
     assert outcome(_plan(), survived) == (0, None)

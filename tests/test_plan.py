@@ -156,7 +156,7 @@ def test_recursive_callee_is_refused():
     from hspmd.dialects.context import parse_module
 
     text = """
-builtin.module @group0 attributes {hspmd.devices = array<i64: 0>} {
+builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">} {
   func.func @train_step() {
     %0 = graph.constant {value = 1.0 : f64} : tensor<2xf32>
     %1 = func.call @f(%0) : (tensor<2xf32>) -> tensor<2xf32>

@@ -84,16 +84,16 @@ def test_gpt_tensor_parallel_collectives_inside_the_block_count_once_per_layer()
 
 NESTED = textwrap.dedent("""\
     builtin.module {
-      builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1, 2, 3>} {
+      builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0-3">} {
         func.func @train_step() {
           %0 = graph.input "x" {global_type = tensor<16x8xf32>} : tensor<4x8xf32>
           %1 = func.call @outer(%0) : (tensor<4x8xf32>) -> tensor<4x8xf32>
           %2 = func.call @outer(%1) : (tensor<4x8xf32>) -> tensor<4x8xf32>
-          %3 = comm.all_gather %2 {groups = [array<i64: 0, 1, 2, 3>], dim = 0 : i64} : tensor<4x8xf32> -> tensor<16x8xf32>
-          %4 = comm.reduce_scatter %3 {groups = [array<i64: 0, 1, 2, 3>], dim = 0 : i64} : tensor<16x8xf32> -> tensor<4x8xf32>
-          %5 = comm.all_to_all %4 {groups = [array<i64: 0, 1, 2, 3>], split_dim = 1 : i64, concat_dim = 0 : i64} : tensor<4x8xf32> -> tensor<16x2xf32>
-          %6 = comm.local_split %3 {groups = [array<i64: 0, 1, 2, 3>], dim = 0 : i64} : tensor<16x8xf32> -> tensor<4x8xf32>
-          %7 = comm.broadcast %6 {groups = [array<i64: 0, 1, 2, 3>], root = 0 : i64} : tensor<4x8xf32> -> tensor<4x8xf32>
+          %3 = comm.all_gather %2 {groups = #dist.groups<"{0-3}">, dim = 0 : i64} : tensor<4x8xf32> -> tensor<16x8xf32>
+          %4 = comm.reduce_scatter %3 {groups = #dist.groups<"{0-3}">, dim = 0 : i64} : tensor<16x8xf32> -> tensor<4x8xf32>
+          %5 = comm.all_to_all %4 {groups = #dist.groups<"{0-3}">, split_dim = 1 : i64, concat_dim = 0 : i64} : tensor<4x8xf32> -> tensor<16x2xf32>
+          %6 = comm.local_split %3 {groups = #dist.groups<"{0-3}">, dim = 0 : i64} : tensor<16x8xf32> -> tensor<4x8xf32>
+          %7 = comm.broadcast %6 {groups = #dist.groups<"{0-3}">, root = 0 : i64} : tensor<4x8xf32> -> tensor<4x8xf32>
           comm.send %7 {pairs = [array<i64: 0, 1>]} : tensor<4x8xf32>
           %8 = comm.recv {pairs = [array<i64: 0, 1>]} : tensor<4x8xf32>
           func.return
@@ -105,11 +105,11 @@ NESTED = textwrap.dedent("""\
           func.return %3 : tensor<4x8xf32>
         }
         func.func private @inner(%0 : tensor<4x8xf32>) -> tensor<4x8xf32> {
-          %1 = comm.all_reduce %0 {groups = [array<i64: 0, 1>, array<i64: 2, 3>]} : tensor<4x8xf32> -> tensor<4x8xf32>
+          %1 = comm.all_reduce %0 {groups = #dist.groups<"[2,2]<=[4]">} : tensor<4x8xf32> -> tensor<4x8xf32>
           func.return %1 : tensor<4x8xf32>
         }
         func.func private @unused(%0 : tensor<4x8xf32>) -> tensor<4x8xf32> {
-          %1 = comm.all_reduce %0 {groups = [array<i64: 0, 1, 2, 3>]} : tensor<4x8xf32> -> tensor<4x8xf32>
+          %1 = comm.all_reduce %0 {groups = #dist.groups<"{0-3}">} : tensor<4x8xf32> -> tensor<4x8xf32>
           func.return %1 : tensor<4x8xf32>
         }
       }

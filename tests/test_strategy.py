@@ -48,7 +48,7 @@ def test_round_trip(degrees, rnd):
     ("[0-3]: dp=2 tq=2", 1, 13, "dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache, recompute or device"),
     ("[0-3]: dp=2, dp=2", 1, 14, None),
     ("[0,1]: dp=0 tp=2", 1, 11, "a number >= 1"),
-    ("[0,1] dp=2", 1, 7, "':'"),
+    ("[0,1] dp=2", 1, 7, "':' or '<='"),
     ("[0,1]: dp=2,", 1, 13, "a key (dp, tp, pp, share, zero, sp, layers, ep, experts, comm, consistency, cache, recompute or device)"),
     ("[0,1]: dp=2 |\n [2 3]: dp=1", 2, 5, "',', '-' or ']'"),
     ("[0,1]: dp 2", 1, 11, "'='"),

@@ -171,7 +171,7 @@ def test_graceful_leave_in_process_equals_one_device(bundles, tmp_path):
 def test_leave_without_a_strategy_to_go_to(bundles, tmp_path):
     script = load_script(GPT, parse_overrides(SMALL + [f"steps={STEPS}"]))
     bundle = write_bundle(compile_strategies(script, ["[0-2]: dp=3", "[0]: dp=1"], 3), str(tmp_path))
-    from hspmd.runtime.leave import LeaveError
+    from hspmd.runtime.launcher.leave import LeaveError
 
     with pytest.raises(LeaveError, match=r"rank 2 asked to leave, but no strategy of the run runs on ranks \[0, 1\]"):
         run_spmd(3, lambda c: train(bundle, c, steps=STEPS, quiet=True, leave_at=(2, 3)), timeout=300)

@@ -3,6 +3,8 @@
     python tools/gpu_paper_plan.py                      # both models, 8 and 16 GPUs (a few minutes)
     python tools/gpu_paper_plan.py --models gpt2-small --no-plan
     python tools/gpu_paper_plan.py --write-profiles DIR # h100x8.json, h100x16.json for --profile
+    python tools/gpu_paper_plan.py --write-profiles DIR --gpus 16384 --slow-nodes 0.333
+                                                        # h100x16384.json and h100x16384-slow.json
 
 Nothing here runs on a GPU. It writes down, as hspmd's own `DeviceProfile` data, what
 `hspmd profile` would measure on (a) one node of 8 H100 SXM GPUs joined by NVLink 4 through
@@ -68,6 +70,7 @@ from hspmd.ir.device_profile import (
     Link,
     MatmulPoint,
     RankRates,
+    Topology,
 )
 
 __all__ = [
@@ -115,6 +118,13 @@ class H100Node:
     nvlink_p2p_s: float = 6e-6
     ib_p2p_s: float = 10e-6
     tree_eff: float = 0.80
+    #: nodes under one set of leaf switches (a DGX SuperPOD scalable unit: 32 nodes, 256 GPUs); a
+    #: ring step between pods crosses the spine, `pod_step_s` more
+    pod_nodes: int = 32
+    pod_step_s: float = 2e-6
+    #: the nodes (the last ones) whose GPUs compute at `slow_speed` of the others (0: none)
+    slow_nodes: int = 0
+    slow_speed: float = 0.5
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -136,54 +146,25 @@ class H100Node:
         what = f"{self.gpus_per_node} H100 SXM over NVLink/NVSwitch"
         if self.nodes > 1:
             what = f"{self.nodes} nodes x {what}, InfiniBand NDR 400 Gb/s, one NIC per GPU"
+        if self.nodes > self.pod_nodes:
+            what += f", rail-optimised, pods of {self.pod_nodes} nodes"
+        if self.slow_nodes:
+            what += f"; the last {self.slow_nodes} nodes at {self.slow_speed:g}x speed"
         return what
 
-
-def _layout(hw: H100Node, group: Sequence[int]) -> tuple[int, int]:
-    """Return (nodes the group spans, fewest members on one of them)."""
-    per: dict[int, int] = {}
-    for r in group:
-        per[hw.node_of(r)] = per.get(hw.node_of(r), 0) + 1
-    return len(per), min(per.values())
-
-
-def _ring_allreduce(hw: H100Node, n: int, nodes: int, g: int, nbytes: float) -> float:
-    busbw = hw.nvlink_busbw if nodes == 1 else min(hw.nvlink_busbw, g * hw.nic_bw)
-    step = hw.nvlink_step_s if nodes == 1 else hw.ib_step_s
-    return hw.start_s + 2 * (n - 1) * step + 2 * (n - 1) / n * nbytes / busbw
+    def topology(self) -> Topology:
+        """Return the profile's topology: nodes, pods, NVLink inside a node, a NIC per GPU between
+        nodes, and NCCL's algorithms over them (`hspmd.ir.device_profile.Topology`)."""
+        return Topology(self.gpus_per_node, self.pod_nodes, self.start_s, self.nvlink_step_s, self.ib_step_s,
+                        self.pod_step_s, self.nvlink_busbw, self.nic_bw, Link(self.nvlink_p2p_s, self.nvlink_busbw),
+                        Link(self.ib_p2p_s, self.nic_bw), self.tree_eff)
 
 
 def collective_seconds(hw: H100Node, kind: str, group: Sequence[int], nbytes: float) -> tuple[float, str]:
     """Return (seconds, algorithm) of collective `kind` over `group` for a rank's buffer of
-    `nbytes` (all_gather: the result), the fastest of NCCL's algorithms (module docstring)."""
-    n = len(set(group))
-    if n <= 1:
-        return 0.0, "none"
-    nodes, g = _layout(hw, group)
-    intra = nodes == 1
-    busbw = hw.nvlink_busbw if intra else min(hw.nvlink_busbw, g * hw.nic_bw)
-    step = hw.nvlink_step_s if intra else hw.ib_step_s
-    if kind == "all_reduce":
-        options = [(_ring_allreduce(hw, n, nodes, g, nbytes), "ring")]
-        if not intra:
-            depth = math.ceil(math.log2(nodes))
-            tree = (hw.start_s + 2 * ((g - 1) * hw.nvlink_step_s + depth * hw.ib_step_s)
-                    + 2 * nbytes / (hw.tree_eff * busbw))
-            options.append((tree, "tree"))
-            if g > 1:  # reduce-scatter in the node, all-reduce of 1/g between nodes, all-gather in the node
-                inside = hw.start_s + (g - 1) * hw.nvlink_step_s + (g - 1) / g * nbytes / hw.nvlink_busbw
-                between = hw.start_s + 2 * (nodes - 1) * hw.ib_step_s + 2 * (nodes - 1) / nodes * (nbytes / g) / hw.nic_bw
-                options.append((2 * inside + between, "hierarchical"))
-        return min(options)
-    if kind in ("all_gather", "reduce_scatter"):
-        return hw.start_s + (n - 1) * step + (n - 1) / n * nbytes / busbw, "ring"
-    if kind == "broadcast":
-        return hw.start_s + (n - 1) * step + nbytes / busbw, "ring"
-    if kind == "all_to_all":
-        near = (g - 1) / n * nbytes / hw.nvlink_busbw
-        far = 0.0 if intra else (n - g) / n * nbytes / hw.nic_bw
-        return hw.start_s + (n - 1) * step + max(near, far), "pairwise"
-    raise ValueError(f"unknown collective kind {kind!r}")
+    `nbytes` (all_gather: the result), the fastest of NCCL's algorithms (module docstring):
+    `Topology.seconds` of the machine's topology, the formulas hspmd's profiles carry."""
+    return hw.topology().seconds(kind, group, nbytes)
 
 
 def regular_groups(n: int) -> list[tuple[int, ...]]:
@@ -206,13 +187,28 @@ def regular_groups(n: int) -> list[tuple[int, ...]]:
 SIZES = tuple(float(2 ** (10 + k / 2)) for k in range(45))
 
 
+#: above this many GPUs a profile carries its topology (nodes, pods, formulas) instead of every
+#: link and a fit per regular group, and its ranks as classes
+TOPOLOGY_ABOVE = 16
+
+
 def make_profile(hw: H100Node) -> DeviceProfile:
-    """Return the synthetic `DeviceProfile` of `hw`: every GPU alike, links by node, collective
-    fits of NCCL's algorithms for every regular group."""
+    """Return the synthetic `DeviceProfile` of `hw`: every GPU alike (but `slow_nodes`), links by
+    node, collective fits of NCCL's algorithms for every regular group; above `TOPOLOGY_ABOVE`
+    GPUs the topology itself (its formulas are the fits' source), ranks as classes."""
     points = tuple(MatmulPoint(f, t * 1e3, (0, 0, 0)) for f, t in hw.matmul_table)
     rates = RankRates(points, hw.hbm_bps * hw.elementwise_eff, hw.hbm_bps * hw.fused_eff)
     nv = Link(hw.nvlink_p2p_s, hw.nvlink_busbw)
     ib = Link(hw.ib_p2p_s, hw.nic_bw)
+    if hw.n > TOPOLOGY_ABOVE:
+        slow = rates.scaled(hw.slow_speed)
+        first_slow = (hw.nodes - hw.slow_nodes) * hw.gpus_per_node
+        return DeviceProfile(
+            tuple(rates if r < first_slow else slow for r in range(hw.n)), ib, topology=hw.topology(),
+            source=f"synthetic (tools/gpu_paper_plan.py): {hw.describe()}; published peaks x assumed efficiencies",
+            meta={"hosts": [], "devices": "NVIDIA H100 SXM5 80GB (assumed)", "nodes": hw.nodes,
+                  "gpus_per_node": hw.gpus_per_node},
+            bucket_overlap=1.0)
     links = {(a, b): (nv if hw.node_of(a) == hw.node_of(b) else ib)
              for a in range(hw.n) for b in range(hw.n) if a != b}
     fits = []
@@ -382,6 +378,135 @@ def model_facts_for(shape: ModelShape, max_devices: int = 16):
     return model_facts(_script(shape), max_devices)
 
 
+# ---------------------------------------------------------------------------------------------
+# next to Megatron-LM's Table 1 (GPT-3 family, 32 to 3,072 A100)
+
+
+def a100_node(nodes: int) -> H100Node:
+    """Return `nodes` nodes of 8 A100 SXM 80 GB as Selene has them (the paper's section 5): the
+    H100 machine's assumptions with the A100's published peaks: bfloat16 312 TFLOP/s dense (the
+    matmul table scaled by 312/989, so the same 71 % at the largest products), HBM2e 2.04 TB/s,
+    NVLink 3 600 GB/s per GPU both ways (300 each way), one HDR 200 Gb/s (25 GB/s) NIC per GPU."""
+    scale = 312e12 / 989.4e12
+    return replace(H100Node(nodes=nodes), bf16_peak_flops=312e12,
+                   matmul_table=tuple((f, t * scale) for f, t in H100Node().matmul_table),
+                   hbm_bps=2.039e12, nvlink_bps=300e9, nic_bps=25e9)
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    """One row of Narayanan et al. 2021 (SC'21), Table 1: the model, its parallelism and what they measured."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float  # achieved, counting activation recomputation's extra forward
+    peak_percent: int
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    def shape(self) -> ModelShape:
+        return ModelShape(f"GPT {self.params_b:g}B", self.layers, self.hidden, self.heads, 2048, self.batch, vocab=51200)
+
+
+#: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+#: Megatron-LM", SC'21, Table 1 (weak scaling, sequence 2048, vocabulary 51,200, A100 80 GB on
+#: Selene): the paper's numbers, as published
+MEGATRON_TABLE1 = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    MegatronRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    MegatronRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+
+
+def megatron_flops(shape: ModelShape) -> float:
+    """Return a step's FLOPs as the paper counts them (its equation 3, with recomputation's extra
+    forward): 96 B s l h^2 (1 + s/(6h) + V/(16 l h))."""
+    b, s, l, h, v = shape.batch, shape.seq_len, shape.layers, shape.d_model, shape.vocab
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+@dataclass(frozen=True)
+class MegatronComparison:
+    """hspmd's planner on one Table 1 row's GPUs and batch, beside the paper's measurement."""
+
+    row: MegatronRow
+    chosen: str  # the planner's strategy and settings
+    step_s: float  # its predicted step (the planner's price)
+    theirs_priced_s: float  # Megatron's own tp/pp/dp priced by the same cost model (nan: does not fit or run)
+    mfu: float  # model FLOPs (no recomputation) / (step x GPUs x peak)
+    tflops_per_gpu: float  # the paper's FLOP count / (step x GPUs): what the paper would have reported
+
+    @property
+    def ratio(self) -> float:
+        return self.tflops_per_gpu / self.row.tflops_per_gpu
+
+
+def compare_megatron(row: MegatronRow, memory: float = MEMORY_PER_GPU) -> MegatronComparison:
+    """Return the planner's choice for `row`'s model on its GPUs (A100 nodes) and batch."""
+    from hspmd.planner import Machine, plan
+    from hspmd.planner.cost import GroupConfig
+    from hspmd.planner.search import MICROBATCHES, _price
+
+    hw = a100_node(row.gpus // 8)
+    machine = Machine(make_profile(hw), op_overhead=KERNEL_GAP_S)
+    shape = row.shape()
+    facts = model_facts_for(shape, row.gpus)
+    fits, over = plan(facts, machine, memory)
+    if not fits:  # the search's micro-batches (at most MICROBATCHES[-1]) leave too many activations per stage
+        lean = min(over, key=lambda c: c.memory_bytes)
+        chosen = (f"none fits in {memory / 2**30:.0f} GiB with at most {MICROBATCHES[-1]} micro-batches; the leanest "
+                  f"needs {lean.memory_bytes / 2**30:.0f} GiB: {' '.join([lean.strategy(), *lean.settings()])}")
+        return MegatronComparison(row, chosen, math.nan, math.nan, math.nan, math.nan)
+    best = fits[0]
+    theirs = math.nan
+    config = GroupConfig(tuple(range(row.gpus)), row.dp, row.tp, row.pp, recompute="block")
+    for m in (MICROBATCHES if row.pp > 1 else (1,)):
+        c = _price(facts, machine, (config,), m)
+        if c is not None and c.memory_bytes <= memory and not c.step_s >= theirs:
+            theirs = c.step_s
+    step = best.step_s
+    return MegatronComparison(row, " ".join([best.strategy(), *best.settings()]), step, theirs,
+                              model_flops(shape) / (step * row.gpus * hw.bf16_peak_flops),
+                              megatron_flops(shape) / (step * row.gpus) / 1e12)
+
+
+def megatron_table(rows: Sequence[MegatronRow] = MEGATRON_TABLE1, markdown: bool = False) -> str:
+    """Return the comparison of every row as a table (markdown or plain)."""
+    head = ["model", "GPUs", "batch", "paper t/p/d", "paper TFLOP/s/GPU", "hspmd's choice", "step s",
+            "Megatron's t/p/d priced, s", "MFU", "TFLOP/s/GPU (paper's count)", "ratio"]
+    body = []
+    for row in rows:
+        c = compare_megatron(row)
+        def num(x: float, text: str) -> str:
+            return "-" if math.isnan(x) else text
+
+        body.append([f"{row.params_b:g}B", f"{row.gpus:,}", f"{row.batch:,}", f"{row.tp}/{row.pp}/{row.dp}",
+                     f"{row.tflops_per_gpu:g} ({row.peak_percent} %)", c.chosen, num(c.step_s, f"{c.step_s:.2f}"),
+                     num(c.theirs_priced_s, f"{c.theirs_priced_s:.2f}"), num(c.mfu, f"{c.mfu * 100:.0f} %"),
+                     num(c.tflops_per_gpu, f"{c.tflops_per_gpu:.0f}"), num(c.ratio, f"{c.ratio:.2f}")])
+        print("  | " + " | ".join(body[-1]) + " |", file=sys.stderr, flush=True)  # each row as it is done
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(r) + " |" for r in body]) + "\n"
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in (head, *body)) + "\n"
+
+
 def plan_choice(facts, profile: DeviceProfile, memory: float = MEMORY_PER_GPU):
     """Return the planner's candidates under `memory` on `profile`, best first (`hspmd plan`'s
     search), with GPU kernel gaps for its per-kernel cost."""
@@ -416,6 +541,27 @@ def format_table(rows: list[list[str]], markdown: bool = False) -> str:
                      for x in (HEADER, *rows)) + "\n"
 
 
+def machine_for(n: int, slow_nodes: int = 0, slow_speed: float = 0.5) -> H100Node:
+    """Return `n` H100s: one node of n up to 8, else nodes of 8."""
+    return H100Node(nodes=max(1, n // 8), gpus_per_node=min(8, n), slow_nodes=slow_nodes, slow_speed=slow_speed)
+
+
+def write_profiles(directory: str, gpus: Sequence[int], slow_fraction: float = 0.0, slow_speed: float = 0.5) -> int:
+    """Write `DIR/h100xN.json` for each N (and `h100xN-slow.json`, its last `slow_fraction` of
+    the nodes at `slow_speed`, where asked); print what each holds."""
+    os.makedirs(directory, exist_ok=True)
+    for n in gpus:
+        variants = [(f"h100x{n}.json", 0)]
+        if slow_fraction > 0:
+            variants.append((f"h100x{n}-slow.json", max(1, round(slow_fraction * max(1, n // 8)))))
+        for name, slow in variants:
+            hw = machine_for(n, slow, slow_speed)
+            path = os.path.join(directory, name)
+            make_profile(hw).save(path)
+            print(f"wrote {path}: {hw.describe()} ({os.path.getsize(path):,} bytes)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2-small,gpt-1.3b", help=f"comma list of {', '.join(MODELS)}")
@@ -423,18 +569,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plan", action="store_true", help="skip the planner")
     ap.add_argument("--gaps", action="store_true", help=f"also price {KERNEL_GAP_S * 1e6:g} us per kernel (launch gaps)")
     ap.add_argument("--markdown", action="store_true", help="tables as markdown")
-    ap.add_argument("--write-profiles", metavar="DIR", help="write h100x8.json / h100x16.json there")
+    ap.add_argument("--write-profiles", metavar="DIR",
+                    help="write h100xN.json there for each N of --gpus (and h100xN-slow.json with --slow-nodes), "
+                         "then stop")
+    ap.add_argument("--slow-nodes", type=float, default=0.0, metavar="F",
+                    help="with --write-profiles: also write a profile whose last F of the nodes (a fraction, e.g. "
+                         "0.333) compute at --slow-speed")
+    ap.add_argument("--slow-speed", type=float, default=0.5, help="the slow nodes' speed (default 0.5)")
+    ap.add_argument("--megatron", action="store_true",
+                    help="only the comparison with Megatron-LM's Table 1 (GPT-3 family, 32 to 3,072 A100): hspmd's "
+                         "planner on the same GPUs and batches")
+    ap.add_argument("--megatron-rows", default=None, metavar="LIST",
+                    help="with --megatron: the rows to run, by model size in billions (e.g. 1.7,18.4)")
     args = ap.parse_args(argv)
+    if args.megatron:
+        rows = MEGATRON_TABLE1 if args.megatron_rows is None else tuple(
+            r for r in MEGATRON_TABLE1 if f"{r.params_b:g}" in args.megatron_rows.split(","))
+        start = time.perf_counter()
+        print(megatron_table(rows, args.markdown))
+        print(f"({time.perf_counter() - start:.0f} s)")
+        return 0
+    if args.write_profiles:
+        return write_profiles(args.write_profiles, [int(x) for x in args.gpus.split(",")], args.slow_nodes,
+                              args.slow_speed)
     from hspmd.transforms.util import PassError
 
     start = time.perf_counter()
     machines = {}
     for n in (int(x) for x in args.gpus.split(",")):
-        hw = H100Node(nodes=max(1, n // 8), gpus_per_node=min(8, n))
+        hw = machine_for(n)
         machines[n] = (hw, make_profile(hw))
-        if args.write_profiles:
-            os.makedirs(args.write_profiles, exist_ok=True)
-            machines[n][1].save(os.path.join(args.write_profiles, f"h100x{n}.json"))
     print("collectives (one rank's buffer; the algorithm NCCL's tuner would pick by this model):")
     for n, (hw, _) in machines.items():
         for label, group in (("all ranks", tuple(range(n))), ("tp=8 (one node)", tuple(range(8))),

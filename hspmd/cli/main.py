@@ -41,11 +41,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hspmd.ir.layout_text import LayoutSyntaxError
     from hspmd.dialects.levels import LevelError
     from hspmd.codegen.bundle import BundleError
-    from hspmd.runtime.launch import LaunchError
+    from hspmd.runtime.launcher.launch import LaunchError
     from hspmd.runtime.plan import PlanError
     from hspmd.runtime.worker import RunError
     from hspmd.runtime.checkpoint.manifest import CheckpointError
-    from hspmd.runtime.fault import FaultSpecError
+    from hspmd.runtime.launcher.fault import FaultSpecError
     from hspmd.transforms.util import PassError
     from hspmd.planner import PlanError as PlannerError
     from hspmd.ir.device_profile import ProfileError
@@ -204,7 +204,7 @@ def cost_text(compiled, n: int, profile_path: str | None) -> str:
 
 #: `hspmd run` options handed on to every rank (`hspmd.runtime.worker`), by their worker flag
 WORKER_OPTIONS = ("steps", "log", "checkpoint", "kernels", "checkpoint_dir", "checkpoint_every", "keep", "resume",
-                  "init_from", "cpu_bind", "trace", "progress", "switch_every", "device", "cuda_graph")
+                  "init_from", "cpu_bind", "trace", "progress", "switch_every", "device", "cuda_graph", "ranks_per_node")
 
 
 def worker_arguments(args, bundle: str) -> list[str]:
@@ -231,6 +231,8 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --resume and --init-from exclude each other")
     if args.switch_every is not None and args.switch_every < 1:
         raise SystemExit("hspmd: error: --switch-every must be at least 1")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise SystemExit("hspmd: error: --ranks-per-node must be at least 1")
     if len(getattr(args, "strategies", None) or []) > 1 and (args.elastic or args.checkpoint_dir or args.resume or args.init_from):
         raise SystemExit("hspmd: error: several --strategy (graph switching) do not go together with checkpoints "
                          "or --elastic yet")
@@ -240,6 +242,9 @@ def check_run_options(args) -> None:
         raise SystemExit("hspmd: error: --fallback-strategy and --max-restarts need --elastic")
     if args.max_restarts < 0:
         raise SystemExit("hspmd: error: --max-restarts must be at least 0")
+    from hspmd.cli.elastic import parse_redundancy
+
+    args.redundancy = parse_redundancy(args.redundancy, args.elastic)  # K of --redundancy peer:K
     if args.cpu_bind and args.elastic:
         raise SystemExit("hspmd: error: --cpu-bind names a core per rank and cannot follow --elastic's restarts")
     if args.cpu_bind:
@@ -277,11 +282,11 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
         say_user_passes(manifest.user_passes, f"bundle {args.script}")
         return args.script
     from hspmd.compiler import compile_working
-    from hspmd.runtime.idle import mark_working_ranks
+    from hspmd.runtime.launcher.idle import mark_working_ranks
 
     script = load_script(args.script, parse_overrides(args.set))
     passes = pass_manager(args)
-    ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.idle)
+    ranks = tuple(range(n))  # the ranks that work; the others stay idle (hspmd.runtime.launcher.idle)
     if len(getattr(args, "strategies", None) or []) > 1:
         from hspmd.compiler import compile_strategies
 
@@ -384,8 +389,13 @@ def strategy_device_keys(args) -> list[str | None]:
 
 def cmd_run(args) -> int:
     from hspmd.runtime.cuda.device import DeviceError
-    from hspmd.runtime.launch import launch
+    from hspmd.runtime.launcher.launch import launch
 
+    from hspmd.runtime.launcher.outside import outside_job
+
+    job = outside_job()  # a rank of a job srun / mpirun / mpiexec started (docs/clusters.md)
+    if args.n is None:
+        args.n = job.size if job is not None else 1
     _one_strategy(args)
     check_run_options(args)
     try:
@@ -401,7 +411,7 @@ def cmd_run(args) -> int:
 
         resolve_checkpoint(args.resume)
     if os.environ.get("HSPMD_FAULT"):  # said here, not by every rank at its first step
-        from hspmd.runtime.fault import parse_faults
+        from hspmd.runtime.launcher.fault import parse_faults
 
         parse_faults(os.environ["HSPMD_FAULT"])
     if args.init_from and not os.path.isfile(args.init_from):
@@ -416,6 +426,10 @@ def cmd_run(args) -> int:
                 raise SystemExit("hspmd: error: the pass flags (--load-pass, --pass-after, ...) do not go together "
                                  "with parameter servers yet")
             return run_parameter_servers(args)
+    if job is not None:
+        from hspmd.cli.outside import run_outside
+
+        return run_outside(args, job, compile_for_run, worker_arguments)
     if args.elastic:
         from hspmd.cli.elastic import run_elastic
 
@@ -492,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="train a model script or a compiled bundle on N ranks")
-    r.add_argument("-n", type=int, default=1, help="number of ranks (MPI processes)")
+    r.add_argument("-n", type=int, help="number of ranks (MPI processes; default 1, or inside a job srun, mpirun "
+                                        "or mpiexec started, the job's ranks: docs/clusters.md)")
     r.add_argument("script", help="a model script (.py) or a bundle directory from 'hspmd compile --dump-dir'")
     _add_script_options(r)
     r.add_argument("--steps", type=int, help="training steps (default: the script's config)")
@@ -515,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --elastic: a strategy to use when ranks are lost (repeat; the first that fits is used, "
                          "else data parallelism over what is left)")
     el.add_argument("--max-restarts", type=int, default=3, metavar="R", help="with --elastic: at most R restarts (3)")
+    el.add_argument("--redundancy", metavar="peer[:K]",
+                    help="with --elastic: every K steps (default 1) keep each rank's training state in host memory, "
+                         "the pieces no other rank holds also on a buddy rank of another host; a lost rank then "
+                         "costs at most 2K - 1 steps (one for K = 1), not all since the last checkpoint (docs/checkpoints.md)")
     el.add_argument("--hosts", help="passed to mpiexec: comma-separated host names")
     el.add_argument("--hostfile", help="passed to mpiexec: a file of host names")
     r.add_argument("--servers", type=int, metavar="K",
@@ -522,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slow-worker", metavar="R:SECONDS", help=argparse.SUPPRESS)
     r.add_argument("--slow-bursts", metavar="F:SEED", help=argparse.SUPPRESS)  # runtime/ps/bursts.py
     r.add_argument("--silent-after", type=float, metavar="S",
-                   help="with --servers: count a worker silent for S seconds as lost (default 10)")
+                   help="with --servers: count a worker silent for S seconds as lost (default 10); with "
+                        "--elastic: kill a rank whose heartbeat stopped for S seconds and restart without it")
     r.add_argument("--seconds", type=float, metavar="S", help="with --servers: stop starting steps after S seconds")
     r.add_argument("--cpu-bind", metavar="LIST",
                    help="pin rank r to core LIST[r], e.g. 0,0,1 (ranks of unequal speed on one machine)")
@@ -533,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--switch-every", type=int, metavar="K",
                    help="with several --strategy: switch to the next one every K steps, moving parameters and "
                         "optimizer states in memory (docs/switching.md)")
+    r.add_argument("--ranks-per-node", type=int, metavar="K",
+                   help="treat every K ranks as one node (simulated nodes on one machine; default: the ranks' host "
+                        "names): all-reduces over several nodes run in two tiers, inside each node, then once "
+                        "across (docs/runtime.md)")
     r.add_argument("--dump-dir", help="keep the compiled bundle in this directory")
     r.add_argument("--device", default="auto", metavar="cpu|cuda|auto[,...]",
                    help="where the step runs: cuda (a GPU per rank, by local rank; ranks beyond the GPUs share "

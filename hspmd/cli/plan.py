@@ -40,6 +40,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--profile", metavar="P", help="a device profile from 'hspmd profile' (default: all ranks alike)")
     p.add_argument("--memory-per-rank", metavar="SIZE", help="drop candidates that need more, e.g. 2GiB")
     p.add_argument("--top", type=int, default=5, help="candidates to show (default 5)")
+    p.add_argument("--redundancy", metavar="peer[:K]",
+                   help="count the host memory of in-memory peer copies (hspmd run --elastic --redundancy peer)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an entry of the script's config")
     from hspmd.cli.pass_flags import add_pass_arguments
 
@@ -108,7 +110,7 @@ class Choice:
 
     chosen: Candidate
     compiled: Compiled  # the chosen strategy, compiled (checked before it is chosen)
-    ranks: tuple[int, ...]  # the ranks it works on (the others idle: hspmd.runtime.idle)
+    ranks: tuple[int, ...]  # the ranks it works on (the others idle: hspmd.runtime.launcher.idle)
     fits: list[Candidate]  # every candidate under the memory limit, best first
     over: list[Candidate]  # those over it
     facts: ModelFacts
@@ -118,7 +120,7 @@ class Choice:
 
 
 def choose_strategy(script, n: int, profile: str | None = None, memory: float | None = None,
-                    report=None, passes=None) -> Choice:
+                    report=None, passes=None, redundancy: bool = False) -> Choice:
     """Return the planner's choice for `script` on `n` devices: the fastest candidate under
     `memory` that compiles (with the user's passes of `passes`, a `PassManager`, where given).
     `report(line)` hears about candidates that do not compile."""
@@ -129,7 +131,7 @@ def choose_strategy(script, n: int, profile: str | None = None, memory: float | 
     facts = model_facts(script, n)
     read = time.perf_counter() - start
     start = time.perf_counter()
-    fits, over = plan(facts, machine, memory)
+    fits, over = plan(facts, machine, memory, redundancy)
     searched = time.perf_counter() - start
     if not fits:
         lean = min(over, key=lambda c: c.memory_bytes)
@@ -154,10 +156,12 @@ def cmd_plan(args) -> int:
     script = load_script(args.script, parse_overrides(args.set))
     from hspmd.cli.pass_flags import pass_manager
 
-    choice = choose_strategy(script, args.n, args.profile, memory, print, pass_manager(args))
+    choice = choose_strategy(script, args.n, args.profile, memory, print, pass_manager(args), _redundancy(args))
+    redundancy = bool(getattr(args, "redundancy", None))
     chosen, fits, over, facts, machine = choice.chosen, choice.fits, choice.over, choice.facts, choice.machine
     read, searched = choice.read_s, choice.search_s
-    where = f"profile {args.profile}" if machine.measured else "no profile: every rank assumed alike (hspmd profile measures them)"
+    where = (f"profile {args.profile}" + ("" if machine.measured else ", synthetic") if args.profile
+             else "no profile: every rank assumed alike (hspmd profile measures them)")
     print(f"planning {args.script} for {args.n} devices ({where})")
     print(f"model: {facts.rows} rows per step, {facts.layers} layer{'s' if facts.layers != 1 else ''}, "
           f"{facts.matmul_flops / 1e9:.2f} GFLOP of matmuls, {_mib(facts.param_bytes)} of parameters "
@@ -166,20 +170,26 @@ def cmd_plan(args) -> int:
     shown = ([chosen] + [c for c in fits if c is not chosen])[: args.top]
     shown_over = over[: max(0, args.top - len(shown))]
     idle = any(c.idle_ranks for c in shown + shown_over)  # a column saying which ranks a candidate leaves idle
-    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", "compute", "bubble",
-             "tp", "pp", "dp", "why not"]]
+    copies = (["copies/rank"] if redundancy else [])
+    rows = [["#", "strategy", "settings", *(["idle"] if idle else []), "step ms", "memory/rank", *copies, "compute",
+             "bubble", "tp", "pp", "dp", "why not"]]
     for i, c in enumerate(shown, 1):
         p = c.parts()
         rows.append([str(i), c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
-                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes),
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), *([_mib(c.copies_bytes)] if redundancy else []),
                      f"{p['compute'] * 1e3:.1f}", f"{p['pipeline bubble'] * 1e3:.1f}", f"{p['tp collectives'] * 1e3:.1f}",
                      f"{p['pipeline sends'] * 1e3:.1f}",
                      f"{(p['dp gradient sync'] + p['gradient sum across groups']) * 1e3:.1f}", _why(c, chosen)])
     for c in shown_over:
         rows.append(["-", c.strategy(), " ".join(c.settings()) or "-", *([_idle(c, machine)] if idle else []),
-                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), "", "", "", "", "",
+                     f"{c.step_s * 1e3:.1f}", _mib(c.memory_bytes), *([_mib(c.copies_bytes)] if redundancy else []),
+                     "", "", "", "", "",
                      f"over --memory-per-rank {_mib(memory or 0)}"])
     print(_table(rows))
+    if redundancy:
+        print(f"peer copies (--redundancy peer): {_mib(chosen.copies_bytes)} of host memory per rank for the chosen "
+              f"strategy (two copies of what a rank keeps, two of its buddy's unreplicated pieces), counted in "
+              f"memory/rank on CPU ranks")
     for line in idle_lines(chosen, fits, machine):
         print(line)
     made = what_made_it_fit(chosen, fits + over, memory)
@@ -190,6 +200,17 @@ def cmd_plan(args) -> int:
     print("strategy:")
     print(chosen.strategy())
     return 0
+
+
+def _redundancy(args) -> bool:
+    """Return whether `hspmd plan --redundancy` asks for the peer copies (SystemExit for a bad spelling)."""
+    text = getattr(args, "redundancy", None)
+    if text is None:
+        return False
+    kind, sep, every = text.partition(":")
+    if kind != "peer" or (sep and (not every.isdigit() or int(every) < 1)):
+        raise SystemExit(f"hspmd: error: --redundancy {text}: expected peer or peer:K (K >= 1)")
+    return True
 
 
 def _idle(c: Candidate, machine: Machine) -> str:
@@ -236,7 +257,8 @@ def what_made_it_fit(chosen: Candidate, candidates: list[Candidate], memory: flo
 def auto_strategy(args, script, n: int, passes=None) -> tuple[Compiled, tuple[int, ...]]:
     """Return the program `--strategy auto` runs (planned, compiled with `passes`, a `PassManager`,
     where given) and the ranks it works on (the others stay idle), the choice said in one line."""
-    choice = choose_strategy(script, n, getattr(args, "profile", None), passes=passes)
+    choice = choose_strategy(script, n, getattr(args, "profile", None), passes=passes,
+                             redundancy=bool(getattr(args, "redundancy", None)))
     chosen = choice.chosen
     settings = f" with {' '.join('--set ' + s for s in chosen.settings())}" if chosen.settings() else ""
     idle = chosen.idle_ranks

@@ -1,6 +1,6 @@
 """`hspmd profile -n N [-o profile.json] [--cpu-bind LIST] [--device cpu|cuda[,...]]`: measure a device profile on N ranks.
 
-Starts N ranks of `hspmd.runtime.profiler` under mpiexec (`hspmd.runtime.launch`), which
+Starts N ranks of `hspmd.runtime.profiler` under mpiexec (`hspmd.runtime.launcher.launch`), which
 measure together and write the profile (`hspmd.ir.device_profile`); then prints its summary.
 `--cpu-bind 0,0,1` pins rank r to core LIST[r] (each rank calls `os.sched_setaffinity` when it
 starts), so ranks of unequal speed can be made on one machine; pinned ranks use one math
@@ -23,7 +23,7 @@ DEFAULT_PROFILE = "profile.json"
 def cmd_profile(args) -> int:
     """Run the profile on `args.n` ranks, write `args.output`, print its summary."""
     from hspmd.ir.device_profile import DeviceProfile
-    from hspmd.runtime.launch import THREAD_VARIABLES, LaunchError, launch, usable_cores
+    from hspmd.runtime.launcher.launch import THREAD_VARIABLES, LaunchError, launch, usable_cores
     from hspmd.runtime.profiler import parse_cpu_bind
 
     from hspmd.runtime.cuda.device import DeviceError

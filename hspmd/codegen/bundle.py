@@ -5,7 +5,9 @@ the same program at the kernel level (fused by the compiler) as `kernel_groupK.m
 GPU run its device program (`device-kernels`: every op a kernel, a GEMM or a view) as
 `device_groupK.mlir`, and
 `manifest.json`, which records what running needs: the model script that provides the data,
-its config, the strategy, the device count, and which programs each group runs. The
+its config, the strategy, the device count, and which programs each group runs (a group's
+devices as range text, `"0-65535"`, so the manifest does not grow with the device count; one
+written before ranges lists them, `[0, 1]`, and still reads). The
 compiler writes it (`write_bundle`), the runtime reads it (`read_manifest`). A manifest
 written before bundles held kernel-level IR has no `kernels` entries: such a bundle runs its
 physical programs (NumPy per op). A program imported from PyTorch (`hspmd.frontend.torch_import`)
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.dialects.context import module_text
+from hspmd.ir.devices import DeviceRange, DeviceSetError, parse_devices
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -40,10 +43,16 @@ class GroupEntry:
     program at the kernel level (None in bundles written before they held it) and the file of
     its GPU program (None where the bundle was not compiled for a GPU run)."""
 
-    devices: list[int]
+    devices: DeviceRange
     program: str
     kernels: str | None = None
     device: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, str):
+            self.devices = parse_devices(self.devices)
+        elif not isinstance(self.devices, DeviceRange):  # a list: a manifest written before ranges
+            self.devices = DeviceRange.of(self.devices)
 
 
 @dataclass
@@ -62,7 +71,7 @@ class Manifest:
     # the file of global tensors the run starts from (relative to the bundle), or None: the
     # parameters' own initialisers
     weights: str | None = None
-    # idle ranks (`hspmd.runtime.idle`): the run's rank of each of the program's devices 0..K-1
+    # idle ranks (`hspmd.runtime.launcher.idle`): the run's rank of each of the program's devices 0..K-1
     # and the run's rank count, where the strategy names only some of its ranks; None: every
     # rank of the run works and the devices are its ranks
     ranks: list[int] | None = None
@@ -83,8 +92,9 @@ def write_manifest(directory: str, manifest: Manifest) -> str:
     """Write `manifest.json` into `directory` atomically and return its path."""
     path = os.path.join(directory, MANIFEST)
     raw = asdict(manifest)
-    for group in raw["groups"]:  # a bundle for CPUs only says nothing of GPU programs
-        if group.get("device") is None:
+    for group, entry in zip(raw["groups"], manifest.groups):
+        group["devices"] = str(entry.devices)  # range text: "0-65535", not the list
+        if group.get("device") is None:  # a bundle for CPUs only says nothing of GPU programs
             group.pop("device", None)
     if raw.get("ranks") is None:  # a bundle whose every rank works says nothing of idle ones
         raw.pop("ranks", None)
@@ -106,7 +116,7 @@ def read_manifest(directory: str) -> Manifest:
             raise BundleError(f"{path}: bundle format {raw.get('format')} is not {FORMAT}; compile it again")
         raw["groups"] = [GroupEntry(**g) for g in raw["groups"]]
         return Manifest(**raw)
-    except (ValueError, TypeError, KeyError) as err:
+    except (ValueError, TypeError, KeyError, DeviceSetError) as err:
         raise BundleError(f"{path}: malformed manifest ({err})") from None
 
 
@@ -138,7 +148,7 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
     atomic_write_text(os.path.join(directory, "annotated.mlir"), module_text(annotated))
     entries = []
     for gi, (devices, physical, kernels, device) in enumerate(groups):
-        entry = GroupEntry(list(devices), f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir",
+        entry = GroupEntry(DeviceRange.of(devices), f"physical_group{gi}.mlir", f"kernel_group{gi}.mlir",
                            f"device_group{gi}.mlir" if device is not None else None)
         atomic_write_text(os.path.join(directory, entry.program), module_text(physical))
         atomic_write_text(os.path.join(directory, entry.kernels), module_text(kernels))

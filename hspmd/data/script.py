@@ -92,17 +92,24 @@ def script_dataset(module, config: dict):
     return ds
 
 
-def script_loader(module, config: dict, rows=None, finish=None, prefetch: int | None = None) -> Loader:
+def script_loader(module, config: dict, rows=None, finish=None, prefetch: int | None = None,
+                  shapes_only: bool = False) -> Loader:
     """Return the loader of a script's dataset: its sampler (the script's `sampler(config, dataset)`,
     else `Sampler` from the config), its `collate`, its settings; `rows`, `finish`, `prefetch` as
-    `Loader` takes them (prefetch default: none, for a caller that reads a batch or two)."""
+    `Loader` takes them (prefetch default: none, for a caller that reads a batch or two).
+
+    `shapes_only`: the caller needs a batch's shapes and dtypes, not its data (tracing, compiling,
+    planning): a dataset with fewer samples than one batch gives a padded batch instead of an error
+    (training on it still refuses)."""
     settings = data_settings(config)
     ds = script_dataset(module, config)
     where = getattr(module, "__file__", None) or "the model script"
     if callable(getattr(module, "sampler", None)):
         sampler = _user(lambda: module.sampler(config, ds), "sampler(config, dataset)", where)
     else:
-        sampler = Sampler(len(ds), settings.batch_size, settings.seed, settings.shuffle, settings.drop_last)
+        short = shapes_only and 0 < len(ds) < settings.batch_size
+        sampler = Sampler(len(ds), settings.batch_size, settings.seed, settings.shuffle,
+                          settings.drop_last and not short)
     collate = None
     if callable(getattr(module, "collate", None)):
         user_collate = module.collate
@@ -113,6 +120,7 @@ def script_loader(module, config: dict, rows=None, finish=None, prefetch: int | 
     return Loader(ds, sampler, collate, settings.pad, rows, finish, 0 if prefetch is None else prefetch)
 
 
-def script_batches(module, config: dict) -> Iterator[dict]:
-    """Yield a dataset script's global batches, as a `batches(config)` script would give them."""
-    yield from script_loader(module, config)
+def script_batches(module, config: dict, shapes_only: bool = False) -> Iterator[dict]:
+    """Yield a dataset script's global batches, as a `batches(config)` script would give them
+    (`shapes_only`: as `script_loader` says)."""
+    yield from script_loader(module, config, shapes_only=shapes_only)

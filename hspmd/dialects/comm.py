@@ -1,8 +1,11 @@
-"""The `comm` dialect: collectives and point-to-point transfers over explicit rank groups.
+"""The `comm` dialect: collectives and point-to-point transfers over rank groups.
 
-`groups` lists disjoint tuples of global ranks; every rank of the program takes part in the
-one tuple that holds it, and its position in that tuple is its chunk index. The program text
-is the same on every rank (SPMD): a rank finds its own group and offsets at run time.
+`groups` holds disjoint, equal groups of global ranks (`#dist.groups<"[8192,8]<=[65536]">`, XLA's
+iota form; IR written before ranges lists them, `[array<i64: 0, 1>, ...]`, and still reads);
+every rank of the program takes part in the one group that holds it, and its position in that
+group is its chunk index. The program text is the same on every rank (SPMD) and does not list
+the ranks where a mesh axis names them: a rank finds its own group and position from its id at
+run time (`RankGroups.group_of`).
 
 At the annotated level these ops carry layouts in their types (global shapes); after
 specialisation the types are the local pieces.
@@ -26,11 +29,12 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
-from hspmd.dialects.dist import LayoutAttr
+from hspmd.dialects.dist import LayoutAttr, RankGroupsAttr, RankPairsAttr
 from hspmd.dialects.graph.base import i64_array, tensor_shape
+from hspmd.ir.devices import DeviceRange, DeviceSetError, RankGroups, RankPairs
 from hspmd.ir.layout import Layout
 
-__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "talks_with"]
+__all__ = ["COALESCE_ATTR", "Comm", "groups_attr", "groups_of", "members", "pair_partner", "pairs_attr", "talks_with"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -40,13 +44,50 @@ Groups = tuple[tuple[int, ...], ...]
 COALESCE_ATTR = "coalesce"
 
 
-def groups_attr(groups: Sequence[Sequence[int]]) -> ArrayAttr:
-    """Return `[array<i64: 0, 1>, ...]` for a list of rank groups."""
-    return ArrayAttr([i64_array(g) for g in groups])
+def groups_attr(groups: Sequence[Sequence[int]] | RankGroups) -> RankGroupsAttr:
+    """Return `#dist.groups<"...">` for rank groups (a RankGroups, or a list of equal disjoint groups)."""
+    return RankGroupsAttr(RankGroups.of(groups))
 
 
-def groups_of(attr: ArrayAttr) -> Groups:
-    """Return the rank groups an ArrayAttr of i64 arrays holds."""
+def pairs_attr(pairs: Sequence[Sequence[int]] | RankPairs) -> RankPairsAttr:
+    """Return `#dist.pairs<"0-3->4-7">` for a send's or receive's [src, dst] pairs."""
+    return RankPairsAttr(RankPairs.of(pairs))
+
+
+def pair_partner(pairs: Attribute, rank: int, role: str) -> int | None:
+    """Return the rank `rank` sends to (`role` "src") or receives from ("dst") along `pairs`, found
+    from its id (None: it takes no part in that role)."""
+    found = groups_of(pairs)
+    if isinstance(found, RankPairs):
+        return found.partner(rank, role)
+    if role == "src":
+        return next((d for s, d in found if s == rank), None)
+    return next((s for s, d in found if d == rank), None)
+
+
+def members(op: Operation) -> tuple[DeviceRange, ...] | None:
+    """Return the ranks communication op `op` involves (`talks_with`), as ranges where it has them
+    (a collective's groups' members; a transfer's sources and destinations; an exchange's members);
+    None for local ops and ops outside this dialect."""
+    if isinstance(op, (LocalSplitOp, LocalZeroOp)):
+        return None
+    if isinstance(op, _Collective):
+        return (op.rank_groups.members,)
+    if isinstance(op, (SendOp, RecvOp)):
+        found = groups_of(op.pairs)
+        if isinstance(found, RankPairs):
+            return (found.src, found.dst)
+        return (DeviceRange.of(sorted({r for pair in found for r in pair})),)
+    if isinstance(op, ExchangeOp):
+        return (DeviceRange.of(op.members()),)
+    return None
+
+
+def groups_of(attr: Attribute) -> Groups | RankGroups | RankPairs:
+    """Return the rank groups an attribute holds: a RankGroups for `#dist.groups`, RankPairs for
+    `#dist.pairs`, tuples for an ArrayAttr of i64 arrays (IR written before ranges)."""
+    if isinstance(attr, (RankGroupsAttr, RankPairsAttr)):
+        return attr.data
     return tuple(tuple(g.get_values()) for g in attr.data)  # type: ignore[union-attr]
 
 
@@ -66,34 +107,37 @@ class _Collective(_CommOp):
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
     result = result_def(TensorType)
-    groups = prop_def(ArrayAttr)
+    groups = prop_def(RankGroupsAttr | ArrayAttr)
     assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
 
-    def __init__(self, input: SSAValue, groups: Sequence[Sequence[int]], result_type: Attribute, **props: int):
+    def __init__(self, input: SSAValue, groups: Sequence[Sequence[int]] | RankGroups, result_type: Attribute,
+                 **props: int):
         properties: dict[str, Attribute] = {"groups": groups_attr(groups)}
         properties.update({k: IntegerAttr(v, i64) for k, v in props.items()})
         super().__init__(operands=[input], result_types=[result_type], properties=properties)
 
     @property
-    def rank_groups(self) -> Groups:
-        """The rank groups of this collective as tuples."""
-        return groups_of(self.groups)
+    def rank_groups(self) -> RankGroups:
+        """The rank groups of this collective (computed from their range, not listed)."""
+        groups = self.groups
+        if isinstance(groups, RankGroupsAttr):
+            return groups.data
+        return RankGroups.of(groups_of(groups))  # IR written before ranges: listed
 
     def group_size(self) -> int:
-        return len(self.rank_groups[0])
+        return self.rank_groups.size
 
     def verify_(self) -> None:
-        if not all(isinstance(g, DenseArrayBase) for g in self.groups.data):
-            raise VerifyException(f"'{self.name}' groups must be a list of array<i64: ...>")
-        seen: set[int] = set()
-        sizes = set()
-        for g in self.rank_groups:
-            if seen & set(g) or len(set(g)) != len(g):
-                raise VerifyException(f"'{self.name}' groups {self.rank_groups} overlap")
-            seen |= set(g)
-            sizes.add(len(g))
-        if len(sizes) != 1:
-            raise VerifyException(f"'{self.name}' groups {self.rank_groups} differ in size")
+        if isinstance(self.groups, ArrayAttr):  # IR written before ranges: each group listed
+            if not all(isinstance(g, DenseArrayBase) for g in self.groups.data):
+                raise VerifyException(f"'{self.name}' groups must be a list of array<i64: ...>")
+            listed = groups_of(self.groups)
+            try:
+                RankGroups.of(listed)
+            except DeviceSetError:
+                sizes = {len(g) for g in listed}
+                what = "differ in size" if len(sizes) != 1 else "overlap"
+                raise VerifyException(f"'{self.name}' groups {listed} {what}") from None
         if self.input.type.element_type != self.result.type.element_type:  # type: ignore[attr-defined]
             raise VerifyException(f"'{self.name}' keeps the element type")
         self.verify_shapes(tensor_shape(self.input), tensor_shape(self.result))
@@ -208,9 +252,9 @@ class AllToAllOp(_Collective):
             raise VerifyException(f"'{self.name}' cannot turn {list(src)} into {list(dst)}")
 
 
-def _message_properties(pairs: Sequence[Sequence[int]], tag: int) -> dict[str, Attribute]:
+def _message_properties(pairs: Sequence[Sequence[int]] | RankPairs, tag: int) -> dict[str, Attribute]:
     """Return the properties of a send or receive: its pairs, and its tag unless it is 0."""
-    props: dict[str, Attribute] = {"pairs": groups_attr(pairs)}
+    props: dict[str, Attribute] = {"pairs": pairs_attr(pairs)}
     if tag:
         props["tag"] = IntegerAttr(tag, i64)
     return props
@@ -232,11 +276,11 @@ class SendOp(_CommOp):
     name = "comm.send"
     irdl_options = (ParsePropInAttrDict(),)
     input = operand_def(TensorType)
-    pairs = prop_def(ArrayAttr)
+    pairs = prop_def(RankPairsAttr | ArrayAttr)
     tag = opt_prop_def(IntegerAttr)
     assembly_format = "$input attr-dict `:` type($input)"
 
-    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]], tag: int = 0):
+    def __init__(self, input: SSAValue, pairs: Sequence[Sequence[int]] | RankPairs, tag: int = 0):
         super().__init__(operands=[input], properties=_message_properties(pairs, tag))
 
     @property
@@ -255,11 +299,11 @@ class RecvOp(_CommOp):
     name = "comm.recv"
     irdl_options = (ParsePropInAttrDict(),)
     result = result_def(TensorType)
-    pairs = prop_def(ArrayAttr)
+    pairs = prop_def(RankPairsAttr | ArrayAttr)
     tag = opt_prop_def(IntegerAttr)
     assembly_format = "attr-dict `:` type($result)"
 
-    def __init__(self, pairs: Sequence[Sequence[int]], result_type: Attribute, tag: int = 0):
+    def __init__(self, pairs: Sequence[Sequence[int]] | RankPairs, result_type: Attribute, tag: int = 0):
         super().__init__(result_types=[result_type], properties=_message_properties(pairs, tag))
 
     @property
@@ -335,15 +379,8 @@ def talks_with(op: Operation) -> frozenset[int]:
     """Return the ranks communication op `op` involves: a collective's groups, a transfer's
     pairs, an exchange's members; none for local ops (`local_split`, `local_zero`) and for ops
     outside this dialect."""
-    if isinstance(op, (LocalSplitOp, LocalZeroOp)):
-        return frozenset()
-    if isinstance(op, _Collective):
-        return frozenset(r for g in op.rank_groups for r in g)
-    if isinstance(op, (SendOp, RecvOp)):
-        return frozenset(r for pair in groups_of(op.pairs) for r in pair)
-    if isinstance(op, ExchangeOp):
-        return frozenset(op.members())
-    return frozenset()
+    found = members(op)
+    return frozenset() if found is None else frozenset(r for part in found for r in part)
 
 
 Comm = Dialect(

@@ -27,11 +27,13 @@ from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
 
 from hspmd.dialects.traced import as_tensor, fail
+from hspmd.ir.devices import (DeviceRange, DeviceSetError, RankGroups, RankPairs, parse_devices, parse_rank_groups,
+                               parse_rank_pairs)
 from hspmd.ir.layout import Layout, LayoutError
 from hspmd.ir.layout_text import LayoutSyntaxError, parse_layout
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 
-__all__ = ["AnnotateOp", "Dist", "LayoutAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
+__all__ = ["AnnotateOp", "DevicesAttr", "Dist", "LayoutAttr", "RankGroupsAttr", "RankPairsAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
            "layout_of", "module_strategies", "record_strategy", "with_layout", "without_layout"]
 
 # the mesh axes a strategy gives each device group, which `dist.annotate` may name per dim
@@ -53,6 +55,73 @@ class LayoutAttr(Data[Layout]):
                 return parse_layout(text)
             except (LayoutSyntaxError, LayoutError) as err:
                 parser.raise_error(f"bad layout: {err}", pos, parser.pos)
+
+    def print_parameter(self, printer: Printer) -> None:
+        with printer.in_angle_brackets():
+            printer.print_string_literal(str(self.data))
+
+
+@irdl_attr_definition
+class DevicesAttr(Data[DeviceRange]):
+    """`#dist.devices<"0-4095">`: a set of devices as a range (`hspmd.ir.devices.DeviceRange`): a
+    physical group module's devices (`hspmd.devices`), as short for 65,536 devices as for 4."""
+
+    name = "dist.devices"
+
+    @classmethod
+    def parse_parameter(cls, parser: AttrParser) -> DeviceRange:
+        with parser.in_angle_brackets():
+            pos = parser.pos
+            text = parser.parse_str_literal("device set")
+            try:
+                return parse_devices(text)
+            except DeviceSetError as err:
+                parser.raise_error(f"bad device set: {err}", pos, parser.pos)
+
+    def print_parameter(self, printer: Printer) -> None:
+        with printer.in_angle_brackets():
+            printer.print_string_literal(str(self.data))
+
+
+@irdl_attr_definition
+class RankGroupsAttr(Data[RankGroups]):
+    """`#dist.groups<"[8,2]<=[16]">`: the disjoint, equal rank groups of a collective, in XLA's iota
+    form (`[groups,size]<=[reshape]T(perm)`) or, where irregular or shorter, listed (`{0,2},{1,3}`);
+    a rank finds its group and its position in it from its id (`RankGroups.group_of`)."""
+
+    name = "dist.groups"
+
+    @classmethod
+    def parse_parameter(cls, parser: AttrParser) -> RankGroups:
+        with parser.in_angle_brackets():
+            pos = parser.pos
+            text = parser.parse_str_literal("rank groups")
+            try:
+                return parse_rank_groups(text)
+            except DeviceSetError as err:
+                parser.raise_error(f"bad rank groups: {err}", pos, parser.pos)
+
+    def print_parameter(self, printer: Printer) -> None:
+        with printer.in_angle_brackets():
+            printer.print_string_literal(str(self.data))
+
+
+@irdl_attr_definition
+class RankPairsAttr(Data[RankPairs]):
+    """`#dist.pairs<"0-2047->2048-4095">`: a send's or receive's [src, dst] pairs, sources and
+    destinations as two ranges (`src[i]` sends to `dst[i]`)."""
+
+    name = "dist.pairs"
+
+    @classmethod
+    def parse_parameter(cls, parser: AttrParser) -> RankPairs:
+        with parser.in_angle_brackets():
+            pos = parser.pos
+            text = parser.parse_str_literal("rank pairs")
+            try:
+                return parse_rank_pairs(text)
+            except DeviceSetError as err:
+                parser.raise_error(f"bad rank pairs: {err}", pos, parser.pos)
 
     def print_parameter(self, printer: Printer) -> None:
         with printer.in_angle_brackets():
@@ -318,4 +387,4 @@ def annotate(x, spec: Sequence[str | None] | str):
     return x.tracer.emit(AnnotateOp(x.value, axes))
 
 
-Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr, StrategyAttr])
+Dist = Dialect("dist", [ReshardOp, AnnotateOp], [LayoutAttr, StrategyAttr, DevicesAttr, RankGroupsAttr, RankPairsAttr])

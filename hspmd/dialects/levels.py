@@ -3,13 +3,19 @@
 - logical: `graph` ops on global shapes, no layout anywhere, no `dist`/`comm` op but `dist.annotate`;
 - annotated: every tensor value has a layout in its type's encoding; `dist.reshard` allowed;
 - physical: a `builtin.module` holding one nested module per device group (attribute
-  `hspmd.devices`), local shapes, no layouts except in `global_type` of parameters/inputs.
+  `hspmd.devices`, a range: `#dist.devices<"0-4095">`; IR written before ranges lists them,
+  `array<i64: 0, 1>`, and still reads), local shapes, no layouts except in `global_type` of
+  parameters/inputs.
 """
 
 from __future__ import annotations
 
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DenseArrayBase, ModuleOp, NoneAttr, TensorType, i64
+from xdsl.dialects.builtin import DenseArrayBase, ModuleOp, NoneAttr, TensorType
+from xdsl.ir import Attribute
+
+from hspmd.dialects.dist import DevicesAttr
+from hspmd.ir.devices import DeviceRange
 
 DEVICES_ATTR = "hspmd.devices"
 LEVELS = ("logical", "annotated", "physical")
@@ -66,23 +72,28 @@ def verify_annotated(module: ModuleOp) -> None:
             )
 
 
-def physical_groups(module: ModuleOp) -> list[tuple[tuple[int, ...], ModuleOp]]:
+def devices_of(attr: Attribute) -> DeviceRange:
+    """Return the devices an `hspmd.devices` attribute names (a range, or an old listed array)."""
+    if isinstance(attr, DevicesAttr):
+        return attr.data
+    assert isinstance(attr, DenseArrayBase)
+    return DeviceRange.of(attr.get_values())
+
+
+def physical_groups(module: ModuleOp) -> list[tuple[DeviceRange, ModuleOp]]:
     """Return (devices, group module) for each device group of a physical module."""
     groups = []
     for op in module.body.block.ops:
         if isinstance(op, ModuleOp) and DEVICES_ATTR in op.attributes:
-            attr = op.attributes[DEVICES_ATTR]
-            assert isinstance(attr, DenseArrayBase)
-            groups.append((tuple(attr.get_values()), op))
+            groups.append((devices_of(op.attributes[DEVICES_ATTR]), op))
     if not groups and DEVICES_ATTR in module.attributes:
-        attr = module.attributes[DEVICES_ATTR]
-        groups.append((tuple(attr.get_values()), module))  # type: ignore[union-attr]
+        groups.append((devices_of(module.attributes[DEVICES_ATTR]), module))
     return groups
 
 
-def devices_attr(devices) -> DenseArrayBase:
-    """Return the `hspmd.devices` attribute value for a device list."""
-    return DenseArrayBase.from_list(i64, list(devices))
+def devices_attr(devices) -> DevicesAttr:
+    """Return the `hspmd.devices` attribute value for a device set (a range where it is one)."""
+    return DevicesAttr(DeviceRange.of(devices))
 
 
 def verify_physical(module: ModuleOp) -> None:
@@ -90,11 +101,10 @@ def verify_physical(module: ModuleOp) -> None:
     groups = physical_groups(module)
     if not groups:
         raise LevelError(f"physical IR needs modules with a '{DEVICES_ATTR}' attribute")
-    seen: set[int] = set()
-    for devices, group in groups:
-        if seen & set(devices):
-            raise LevelError(f"device groups overlap on {sorted(seen & set(devices))}")
-        seen |= set(devices)
+    for i, (devices, group) in enumerate(groups):
+        for other, _ in groups[:i]:
+            if not devices.isdisjoint(other):
+                raise LevelError(f"device groups overlap on {sorted(set(other) & set(devices))}")
         for op in group.walk():
             if op.dialect_name() == "dist":
                 raise LevelError(f"physical IR cannot hold '{op.name}'; run lower-reshard")

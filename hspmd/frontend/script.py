@@ -72,9 +72,11 @@ class ModelScript:
         """Return whether the script imports a PyTorch model (`torch_model`)."""
         return hasattr(self.module, "torch_model")
 
-    def batches(self):
+    def batches(self, shapes_only: bool = False):
         """Return an iterator over the script's global batches (its `batches(config)`, or its
-        `dataset(config)` read in the sampler's order)."""
+        `dataset(config)` read in the sampler's order). `shapes_only`: for a caller that needs a
+        batch's shapes and dtypes only (tracing): a dataset smaller than one batch gives a padded
+        batch rather than an error."""
         from hspmd.data.errors import DataError
         from hspmd.data.script import has_dataset, script_batches
 
@@ -83,7 +85,7 @@ class ModelScript:
 
         def read():
             try:
-                yield from script_batches(self.module, self.config)
+                yield from script_batches(self.module, self.config, shapes_only)
             except DataError as err:
                 raise ScriptError(str(err)) from None
 
@@ -209,7 +211,7 @@ def user_call(script: ModelScript, what: str, fn, *args):
 def trace_script(script: ModelScript) -> ModuleOp:
     """Return the logical IR of the script's forward step: parameters, inputs, `graph.output "loss"`."""
     try:
-        first = user_call(script, "batches(config)", lambda: next(script.batches()))
+        first = user_call(script, "batches(config)", lambda: next(script.batches(shapes_only=True)))
     except StopIteration:
         raise ScriptError(f"{script.path}: batches(config) yields no batch") from None
     if script.is_torch:

@@ -12,16 +12,23 @@ A `DeviceProfile` is plain, frozen data about N ranks, in seconds and bytes:
   per second), `link(a, b)` falling back to the profile's `default_link`;
 * per collective kind (`COLLECTIVES`) and measured group, an alpha-beta fit
   (`CollectiveFit`): ``time = latency + nbytes / bandwidth`` for a rank's local buffer of
-  ``nbytes`` bytes.
+  ``nbytes`` bytes;
+* optionally a **topology** (`Topology`): ranks in nodes and nodes in pods, links inside a node
+  and between nodes, and NCCL's collective algorithms as formulas over a group's shape (ranks
+  per node times nodes). A profile of thousands of ranks describes its links and collectives
+  this way, not pair by pair and group by group, and its ranks as classes of alike ranks.
 
 `time(kind, group, nbytes)` is the model a planner reads: a fit measured over exactly that
-group if there is one; else the kind's fit over a measured group of the same size, slowed to
-the group's slowest link; else the usual ring algorithms over the slowest link of the group
-(`ring_seconds`). Everything is deterministic and pure: no I/O except `save`/`load`.
+group if there is one; else the topology's formula; else the kind's fit over a measured group
+of the same size, slowed to the group's slowest link; else the usual ring algorithms over the
+slowest link of the group (`ring_seconds`). Everything is deterministic and pure: no I/O except
+`save`/`load`.
 
 The JSON form (`to_json` / `from_json`, `save` / `load`) carries `"format":
 "hspmd-device-profile"` and `"version": 1`; a file that is not one, or is malformed, raises
-`ProfileError` with one line saying what is wrong.
+`ProfileError` with one line saying what is wrong. A profile with a topology writes its ranks
+as classes (`"rank_classes": [{"ranks": "0-10927", ...}]`, the ranks as a device range) and
+no links or fits; it reads ranks listed one by one too.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from hspmd.ir.devices import DeviceRange, DeviceSetError, parse_devices
+
 __all__ = [
     "COLLECTIVES", "DEFAULT_CPU", "FORMAT", "VERSION", "CollectiveFit", "DeviceProfile", "Link", "MatmulPoint", "ProfileError",
-    "RankRates", "ring_seconds",
+    "RankRates", "Topology", "ring_seconds",
 ]
 
 FORMAT = "hspmd-device-profile"
@@ -176,6 +185,123 @@ def ring_seconds(kind: str, n: int, nbytes: float, link: Link) -> float:
 
 
 @dataclass(frozen=True)
+class Topology:
+    """Ranks in nodes and nodes in pods, and NCCL's collectives over them as formulas.
+
+    Rank r is on node `r // per_node`; node k in pod `k // pod_nodes` (0: one pod). Inside a
+    node the ranks share a switch (NVLink through NVSwitch): a ring moves `intra_bps` per rank
+    (NCCL's bus bandwidth) at `intra_step_s` a step. Between nodes each rank has its own NIC of
+    `nic_bps` on a rail-optimised fabric (rank i of every node on rail i, non-blocking): NCCL
+    runs a ring per NIC, so a group with g ranks on each of its nodes moves min(intra, g x nic)
+    at `inter_step_s` a step, `pod_step_s` more where it crosses pods. All-reduce takes the
+    fastest of the ring, the double binary tree (`tree_eff` of the ring's bandwidth, logarithmic
+    latency) and the hierarchical form (reduce-scatter in the node, all-reduce of 1/g between
+    nodes, all-gather in the node), as NCCL's tuner picks by size.
+
+    >>> t = Topology(8, 32, 5e-6, 1e-6, 4e-6, 2e-6, 360e9, 40e9, Link(6e-6, 360e9), Link(10e-6, 40e9))
+    >>> t.shape(tuple(range(0, 64, 8)))   # one rank on each of 8 nodes, one pod
+    (8, 8, 1, 1)
+    >>> round(t.seconds("all_reduce", tuple(range(8)), 2**24)[0] * 1e6)   # 16 MiB in one node, us
+    101
+    """
+
+    per_node: int
+    pod_nodes: int
+    start_s: float
+    intra_step_s: float
+    inter_step_s: float
+    pod_step_s: float
+    intra_bps: float
+    nic_bps: float
+    intra_link: Link
+    inter_link: Link
+    tree_eff: float = 0.8
+    #: `shape` of each group asked about, by the group's range (a group's shape is found once)
+    _shapes: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def pod_of(self, rank: int) -> int:
+        return self.node_of(rank) // self.pod_nodes if self.pod_nodes else 0
+
+    def shape(self, group: Sequence[int]) -> tuple[int, int, int, int]:
+        """Return (ranks, nodes, fewest ranks on one of its nodes, pods) of `group` (once per range)."""
+        if isinstance(group, DeviceRange):
+            key = (group.start, group.shape, group.strides, group.ids)
+            found = self._shapes.get(key)
+            if found is None:
+                found = self._shapes[key] = self._shape(group)
+            return found
+        return self._shape(group)
+
+    def _shape(self, group: Sequence[int]) -> tuple[int, int, int, int]:
+        per: dict[int, int] = {}
+        pods = set()
+        for r in set(group):
+            per[self.node_of(r)] = per.get(self.node_of(r), 0) + 1
+            pods.add(self.pod_of(r))
+        return sum(per.values()), len(per), min(per.values(), default=0), len(pods)
+
+    def link(self, a: int, b: int) -> Link:
+        """Return the point-to-point link from a to b: inside a node or across nodes."""
+        if self.node_of(a) == self.node_of(b):
+            return self.intra_link
+        if self.pod_of(a) == self.pod_of(b):
+            return self.inter_link
+        return Link(self.inter_link.latency_s + self.pod_step_s, self.inter_link.bandwidth_bps)
+
+    def seconds(self, kind: str, group: Sequence[int], nbytes: float) -> tuple[float, str]:
+        """Return (seconds, algorithm) of collective `kind` over `group` for a rank's buffer of
+        `nbytes` (all_gather: the result), the fastest of NCCL's algorithms (class docstring)."""
+        return self.seconds_of(kind, self.shape(group), nbytes)
+
+    def seconds_of(self, kind: str, shape: tuple[int, int, int, int], nbytes: float) -> tuple[float, str]:
+        """Return `seconds` for a group of `shape` (`Topology.shape`)."""
+        n, nodes, g, pods = shape
+        if n <= 1:
+            return 0.0, "none"
+        intra = nodes == 1
+        busbw = self.intra_bps if intra else min(self.intra_bps, g * self.nic_bps)
+        step = self.intra_step_s if intra else self.inter_step_s + (self.pod_step_s if pods > 1 else 0.0)
+        if kind == "all_reduce":
+            options = [(self.start_s + 2 * (n - 1) * step + 2 * (n - 1) / n * nbytes / busbw, "ring")]
+            if not intra:
+                depth = math.ceil(math.log2(nodes))
+                tree = (self.start_s + 2 * ((g - 1) * self.intra_step_s + depth * step)
+                        + 2 * nbytes / (self.tree_eff * busbw))
+                options.append((tree, "tree"))
+                if g > 1:  # reduce-scatter in the node, all-reduce of 1/g between nodes, all-gather in the node
+                    inside = self.start_s + (g - 1) * self.intra_step_s + (g - 1) / g * nbytes / self.intra_bps
+                    between = self.start_s + 2 * (nodes - 1) * step + 2 * (nodes - 1) / nodes * (nbytes / g) / self.nic_bps
+                    options.append((2 * inside + between, "hierarchical"))
+            return min(options)
+        if kind in ("all_gather", "reduce_scatter"):
+            return self.start_s + (n - 1) * step + (n - 1) / n * nbytes / busbw, "ring"
+        if kind == "broadcast":
+            return self.start_s + (n - 1) * step + nbytes / busbw, "ring"
+        if kind == "all_to_all":
+            near = (g - 1) / n * nbytes / self.intra_bps
+            far = 0.0 if intra else (n - g) / n * nbytes / self.nic_bps
+            return self.start_s + (n - 1) * step + max(near, far), "pairwise"
+        raise ProfileError(f"unknown collective kind '{kind}' (known: {', '.join(COLLECTIVES)})")
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in ("per_node", "pod_nodes", "start_s", "intra_step_s", "inter_step_s",
+                                            "pod_step_s", "intra_bps", "nic_bps", "tree_eff")}
+        for k in ("intra_link", "inter_link"):
+            out[k] = {"latency_s": getattr(self, k).latency_s, "bandwidth_bps": getattr(self, k).bandwidth_bps}
+        return out
+
+    @staticmethod
+    def from_json(d: dict) -> Topology:
+        links = {k: Link(float(d[k]["latency_s"]), float(d[k]["bandwidth_bps"])) for k in ("intra_link", "inter_link")}
+        return Topology(int(d["per_node"]), int(d.get("pod_nodes", 0)), float(d["start_s"]), float(d["intra_step_s"]),
+                        float(d["inter_step_s"]), float(d.get("pod_step_s", 0.0)), float(d["intra_bps"]),
+                        float(d["nic_bps"]), links["intra_link"], links["inter_link"], float(d.get("tree_eff", 0.8)))
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """Compute and communication rates of `num_ranks` ranks (module docstring).
 
@@ -196,19 +322,26 @@ class DeviceProfile:
     #: (1: a transfer engine of its own, as NCCL on its stream; on CPU ranks the cores that move
     #: the bytes are the ones computing, so less: `hspmd profile` measures it)
     bucket_overlap: float = 1.0
+    #: nodes, pods and the collectives over them (None: links pair by pair, fits group by group)
+    topology: Topology | None = None
 
     def __post_init__(self) -> None:
         if not self.ranks:
             raise ProfileError("a device profile needs at least one rank")
+        # alike ranks share one RankRates: checked and sorted once per class, and kept shared
+        # (the planner prices classes of ranks, not ranks)
+        sorted_rates: dict[int, RankRates] = {}
         for r, rates in enumerate(self.ranks):
+            if id(rates) in sorted_rates:
+                continue
             if not rates.matmul:
                 raise ProfileError(f"rank {r} has no matmul rate")
             if any(p.gflops <= 0 or p.flops <= 0 for p in rates.matmul) or rates.elementwise_bps <= 0 or (
                     rates.fused_bps is not None and rates.fused_bps <= 0):
                 raise ProfileError(f"rank {r} has a rate that is not positive")
-        # the matmul table sorted by FLOPs, for the interpolation
-        object.__setattr__(self, "ranks", tuple(
-            replace(x, matmul=tuple(sorted(x.matmul, key=lambda p: p.flops))) for x in self.ranks))
+            # the matmul table sorted by FLOPs, for the interpolation
+            sorted_rates[id(rates)] = replace(rates, matmul=tuple(sorted(rates.matmul, key=lambda p: p.flops)))
+        object.__setattr__(self, "ranks", tuple(sorted_rates[id(x)] for x in self.ranks))
         n = len(self.ranks)
         for link in (self.default_link, *self.links.values()):
             if link.latency_s < 0 or link.bandwidth_bps <= 0:
@@ -275,10 +408,22 @@ class DeviceProfile:
                               f"measure one with hspmd profile)")
 
     def with_speed(self, speed: Sequence[float]) -> DeviceProfile:
-        """Return this profile with rank r's compute rates multiplied by `speed[r]`."""
+        """Return this profile with rank r's compute rates multiplied by `speed[r]` (alike ranks
+        at one speed stay one class)."""
         if len(speed) != self.num_ranks or any(s <= 0 for s in speed):
-            raise ProfileError(f"speed needs {self.num_ranks} positive factors, got {list(speed)}")
-        return replace(self, ranks=tuple(r.scaled(float(s)) for r, s in zip(self.ranks, speed)))
+            raise ProfileError(f"speed needs {self.num_ranks} positive factors, got {list(speed)[:8]}")
+        scaled: dict[tuple[int, float], RankRates] = {}
+        return replace(self, ranks=tuple(scaled.setdefault((id(r), float(s)), r.scaled(float(s)))
+                                         for r, s in zip(self.ranks, speed)))
+
+    def classes(self) -> list[tuple[RankRates, DeviceRange]]:
+        """Return the classes of alike ranks: (their rates, the ranks), in order of first rank."""
+        members: dict[int, list[int]] = {}
+        rates: dict[int, RankRates] = {}
+        for r, x in enumerate(self.ranks):
+            members.setdefault(id(x), []).append(r)
+            rates[id(x)] = x
+        return [(rates[k], DeviceRange.of(v)) for k, v in members.items()]
 
     def with_link(self, a: int, b: int, link: Link, both_ways: bool = True) -> DeviceProfile:
         """Return this profile with the link a -> b (and b -> a) replaced; collective fits over
@@ -338,8 +483,12 @@ class DeviceProfile:
         return nbytes / (rates.fused_bps or rates.elementwise_bps)
 
     def link(self, a: int, b: int) -> Link:
-        """Return the link from rank a to rank b (measured, else its reverse, else the default)."""
-        return self.links.get((a, b)) or self.links.get((b, a)) or self.default_link
+        """Return the link from rank a to rank b (measured, else its reverse, else the topology's,
+        else the default)."""
+        found = self.links.get((a, b)) or self.links.get((b, a))
+        if found is None and self.topology is not None:
+            return self.topology.link(a, b)
+        return found or self.default_link
 
     def p2p_seconds(self, a: int, b: int, nbytes: float) -> float:
         """Return the time of one message of `nbytes` bytes from a to b (0 when a == b)."""
@@ -348,6 +497,14 @@ class DeviceProfile:
     def slowest_link(self, group: Iterable[int]) -> Link:
         """Return the slowest link between members of `group` (by a 1 MiB message), or the default."""
         g = list(group)
+        if self.topology is not None and not self.links:  # by the group's nodes and pods, not pair by pair
+            if len(g) < 2:
+                return self.default_link
+            t, first = self.topology, g[0]
+            other = next((r for r in g if t.pod_of(r) != t.pod_of(first)), None)
+            if other is None:
+                other = next((r for r in g if t.node_of(r) != t.node_of(first)), g[1])
+            return t.link(first, other)
         pairs = [self.link(a, b) for a in g for b in g if a != b]
         return max(pairs, key=lambda lk: lk.seconds(2 ** 20), default=self.default_link)
 
@@ -365,12 +522,14 @@ class DeviceProfile:
         """
         if kind not in COLLECTIVES:
             raise ProfileError(f"unknown collective kind '{kind}' (known: {', '.join(COLLECTIVES)})")
-        n = len(set(group))
+        n = len(group) if isinstance(group, DeviceRange) else len(set(group))
         if n <= 1:
             return 0.0
-        exact = self.fit(kind, group)
+        exact = self.fit(kind, group) if self.collectives else None
         if exact is not None:
             return exact.seconds(nbytes)
+        if self.topology is not None:
+            return self.topology.seconds(kind, group, nbytes)[0]
         slow = self.slowest_link(group)
         same = [f for f in self.collectives if f.kind == kind and len(set(f.group)) == n]
         if same:
@@ -385,7 +544,7 @@ class DeviceProfile:
         `apart_s` seconds apart: `CollectiveFit.resync_s` in proportion to `apart_s` up to the
         compute it was measured after (the longer they compute apart, the likelier one is left
         behind), then all of it. The exact group's fit, else one of the same size's, else 0."""
-        if len(set(group)) <= 1 or apart_s <= 0:
+        if apart_s <= 0 or not self.collectives or len(set(group)) <= 1:
             return 0.0
         fit = self.fit(kind, group) or next((f for f in self.collectives if f.kind == kind
                                              and len(set(f.group)) == len(set(group))), None)
@@ -397,17 +556,21 @@ class DeviceProfile:
 
     def to_json(self) -> dict:
         """Return the profile as a JSON-ready dict (see the module docstring)."""
+        def rates(x: RankRates) -> dict:
+            return {"matmul": [{"shape": list(p.shape), "flops": p.flops, "gflops": p.gflops} for p in x.matmul],
+                    "elementwise_bps": x.elementwise_bps, "fused_bps": x.fused_bps}
+
+        if self.topology is not None:
+            ranks = {"rank_classes": [{"ranks": str(members), **rates(x)} for x, members in self.classes()],
+                     "topology": self.topology.to_json()}
+        else:
+            ranks = {"ranks": [{"rank": r, **rates(x)} for r, x in enumerate(self.ranks)]}
         return {
             "format": FORMAT,
             "version": VERSION,
             "source": self.source,
             "meta": dict(self.meta),
-            "ranks": [
-                {"rank": r, "matmul": [{"shape": list(p.shape), "flops": p.flops, "gflops": p.gflops}
-                                       for p in x.matmul],
-                 "elementwise_bps": x.elementwise_bps, "fused_bps": x.fused_bps}
-                for r, x in enumerate(self.ranks)
-            ],
+            **ranks,
             "default_link": {"latency_s": self.default_link.latency_s,
                              "bandwidth_bps": self.default_link.bandwidth_bps},
             "links": [{"src": a, "dst": b, "latency_s": lk.latency_s, "bandwidth_bps": lk.bandwidth_bps}
@@ -429,16 +592,26 @@ class DeviceProfile:
         if data.get("version") != VERSION:
             raise ProfileError(f"{where}: device profile version {data.get('version')!r} is not supported "
                                f"(this hspmd reads version {VERSION})")
-        try:
-            ranks = tuple(
-                RankRates(
-                    tuple(MatmulPoint(float(p["flops"]), float(p["gflops"]), tuple(int(d) for d in p.get("shape", (0, 0, 0))))
-                          for p in r["matmul"]),
-                    float(r["elementwise_bps"]),
-                    None if r.get("fused_bps") is None else float(r["fused_bps"]),
-                )
-                for r in data["ranks"]
+        def rates(r: dict) -> RankRates:
+            return RankRates(
+                tuple(MatmulPoint(float(p["flops"]), float(p["gflops"]), tuple(int(d) for d in p.get("shape", (0, 0, 0))))
+                      for p in r["matmul"]),
+                float(r["elementwise_bps"]),
+                None if r.get("fused_bps") is None else float(r["fused_bps"]),
             )
+
+        try:
+            if "rank_classes" in data:  # alike ranks as one class over a range of ranks
+                by_rank: dict[int, RankRates] = {}
+                for c in data["rank_classes"]:
+                    x = rates(c)
+                    by_rank.update((r, x) for r in parse_devices(str(c["ranks"])))
+                if sorted(by_rank) != list(range(len(by_rank))):
+                    raise ProfileError("its rank_classes do not cover ranks 0..n-1 once each")
+                ranks = tuple(by_rank[r] for r in range(len(by_rank)))
+            else:
+                ranks = tuple(rates(r) for r in data["ranks"])
+            topology = Topology.from_json(data["topology"]) if data.get("topology") else None
             dl = data["default_link"]
             links = {(int(x["src"]), int(x["dst"])): Link(float(x["latency_s"]), float(x["bandwidth_bps"]))
                      for x in data.get("links", [])}
@@ -449,12 +622,12 @@ class DeviceProfile:
                          for f in data.get("collectives", []))
             return DeviceProfile(ranks, Link(float(dl["latency_s"]), float(dl["bandwidth_bps"])), links, fits,
                                  str(data.get("source", "")), dict(data.get("meta", {})),
-                                 float(data.get("bucket_overlap", 1.0)))
+                                 float(data.get("bucket_overlap", 1.0)), topology)
         except ProfileError as err:
             raise ProfileError(f"{where}: {err}") from None
         except KeyError as err:
             raise ProfileError(f"{where}: malformed device profile: missing field {err}") from None
-        except (TypeError, ValueError, AttributeError) as err:
+        except (TypeError, ValueError, AttributeError, DeviceSetError) as err:
             raise ProfileError(f"{where}: malformed device profile: {err}") from None
 
     def save(self, path: str) -> None:
@@ -477,10 +650,16 @@ class DeviceProfile:
     def summary(self) -> str:
         """Return a short readable description: per rank, its rates; the links and collectives measured."""
         lines = [f"device profile: {self.num_ranks} ranks ({self.source})"]
-        for r, x in enumerate(self.ranks):
+        classes = self.classes() if self.topology is not None else [(x, [r]) for r, x in enumerate(self.ranks)]
+        for x, members in classes:
             mm = ", ".join(f"{p.gflops:.1f}" for p in x.matmul)
             fused = f", fused {x.fused_bps / 1e9:.2f} GB/s" if x.fused_bps else ""
-            lines.append(f"  rank {r}: matmul GFLOP/s {mm}; elementwise {x.elementwise_bps / 1e9:.2f} GB/s{fused}")
+            who = f"rank {members[0]}" if len(members) == 1 else f"ranks {members}"
+            lines.append(f"  {who}: matmul GFLOP/s {mm}; elementwise {x.elementwise_bps / 1e9:.2f} GB/s{fused}")
+        if self.topology is not None:
+            t = self.topology
+            lines.append(f"  topology: {t.per_node} ranks per node, {t.pod_nodes or 'all'} nodes per pod; "
+                         f"{t.intra_bps / 1e9:.0f} GB/s inside a node, {t.nic_bps / 1e9:.0f} GB/s per rank's NIC")
         for (a, b), lk in sorted(self.links.items()):
             lines.append(f"  link {a}->{b}: {lk.latency_s * 1e6:.1f} us, {lk.bandwidth_bps / 1e9:.2f} GB/s")
         for f in self.collectives:

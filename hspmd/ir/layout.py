@@ -13,13 +13,16 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from hspmd.ir.devices import DeviceRange, DeviceSetError, RankGroups, concat
+
 __all__ = [
     "LayoutError", "Axis", "split", "DUP", "PARTIAL", "DistributedStates", "Group", "Layout",
-    "apportion", "format_devices", "scatter", "gather",
+    "apportion", "format_devices", "scatter", "gather", "DeviceRange", "RankGroups",
 ]
 
 _KINDS = ("split", "dup", "partial")
@@ -74,11 +77,14 @@ def _as_shape(shape: Iterable[int]) -> tuple[int, ...]:
 
 
 def format_devices(devices: Sequence[int]) -> str:
-    """Return a device list as canonical text without brackets: runs of >= 3 as `a-b`.
+    """Return a device set as canonical text without brackets: a range as `a-b` (`a-b:s` strided,
+    XLA's `[n]<=[...]` for a mesh), else runs of >= 3 as `a-b`.
 
-    >>> format_devices((0, 1, 2, 3, 6, 7, 9))
-    '0-3,6,7,9'
+    >>> format_devices((0, 1, 2, 3, 6, 7, 9)), format_devices(DeviceRange.span(0, 4, 8))
+    ('0-3,6,7,9', '0-24:8')
     """
+    if isinstance(devices, DeviceRange):
+        return str(devices)
     parts: list[str] = []
     i = 0
     while i < len(devices):
@@ -234,6 +240,19 @@ class DistributedStates:
             return (index,)
         return tuple(self.index_of({**c, axis: v}) for v in range(self.degree(axis)))
 
+    def mesh_groups(self, axis: Axis) -> RankGroups:
+        """Return the group indices that differ only on `axis`, as rank groups over range(num_devices)
+        (computed, not listed: `subgroups` as a range; one group of each index when `axis` is absent).
+
+        >>> [list(g) for g in DistributedStates.of((split(0), 2), (DUP, 2)).mesh_groups(split(0))]
+        [[0, 2], [1, 3]]
+        """
+        degrees = [d for _, d in self.axes]
+        where = next((k for k, (a, _) in enumerate(self.axes) if a == axis), None)
+        if where is None:
+            return RankGroups(DeviceRange.iota(self.num_devices), 1)
+        return RankGroups.along(DeviceRange.iota(self.num_devices), degrees, where)
+
     def subgroups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
         """Return the partition of range(num_devices) into `subgroup`s along `axis`, by first element."""
         done: set[int] = set()
@@ -248,35 +267,74 @@ class DistributedStates:
 
 @dataclass(frozen=True)
 class Group:
-    """One SPMD group: its devices (listed by group index) and its states.
+    """One SPMD group: its devices (listed by group index, as a `DeviceRange`) and its states.
+
+    Any ids may be given; they are kept as a range where they form one, so the checks (distinct,
+    non-negative, as many as the degrees say) cost O(1) in the number of devices.
 
     >>> str(Group((0, 1, 2, 3), DistributedStates.of((split(0), 2), (DUP, 2))))
     '[0-3]: split(0)=2, dup=2'
     """
 
-    devices: tuple[int, ...]
+    devices: DeviceRange
     states: DistributedStates
 
     def __post_init__(self) -> None:
-        try:
-            devices = tuple(operator.index(d) for d in self.devices)
-        except TypeError:
-            raise LayoutError(f"group devices {self.devices!r} are not integers") from None
-        object.__setattr__(self, "devices", devices)
         if not isinstance(self.states, DistributedStates):
             raise LayoutError(f"group states {self.states!r} are not DistributedStates")
-        # the group's text is made only for a message (layouts are made by the thousand while compiling)
-        text = lambda: f"[{format_devices(devices)}]: {self.states}"  # noqa: E731
-        if any(d < 0 for d in devices):
-            raise LayoutError(f"group '{text()}' has a negative device id")
-        if len(set(devices)) != len(devices):
-            raise LayoutError(f"group '{text()}' lists a device more than once")
-        if len(devices) != self.states.num_devices:
-            raise LayoutError(
-                f"group '{text()}' lists {len(devices)} devices but its degrees multiply to {self.states.num_devices}")
+        if not isinstance(self.devices, DeviceRange):
+            try:
+                devices = DeviceRange.of(self.devices)
+            except DeviceSetError:
+                raise LayoutError(self._problem(self.devices)) from None
+            object.__setattr__(self, "devices", devices)
+        if len(self.devices) != self.states.num_devices:
+            raise LayoutError(f"group '{self}' lists {len(self.devices)} devices but its degrees multiply to "
+                              f"{self.states.num_devices}")
+
+    def _problem(self, devices: object) -> str:
+        """Return why `devices` are not a group's devices (for a message)."""
+        try:
+            ids = tuple(operator.index(d) for d in devices)  # type: ignore[attr-defined]
+        except TypeError:
+            return f"group devices {devices!r} are not integers"
+        text = f"[{format_devices(ids)}]: {self.states}"
+        if not ids:
+            return f"group '{text}' has no devices"
+        if any(d < 0 for d in ids):
+            return f"group '{text}' has a negative device id"
+        return f"group '{text}' lists a device more than once"
 
     def __str__(self) -> str:
-        return f"[{format_devices(self.devices)}]: {self.states}"
+        return f"{self.devices.bracketed()}: {self.states}"
+
+    def device_index(self, device: int) -> int | None:
+        """Return `device`'s index in the group (its mixed-radix coordinates' number), None if absent."""
+        return self.devices.index(device) if device in self.devices else None
+
+    def coords(self, device: int) -> dict[Axis, int]:
+        """Return `device`'s coordinate on each mesh axis, computed from its id (LayoutError if absent)."""
+        i = self.device_index(device)
+        if i is None:
+            raise LayoutError(f"device {device} is not in group '{self}'")
+        return self.states.coords(i)
+
+    def mesh_groups(self, axis: Axis) -> RankGroups:
+        """Return the devices that differ only on mesh axis `axis`, as rank groups (computed, not listed).
+
+        >>> str(Group(DeviceRange.iota(4096), DistributedStates.of((DUP, 256), (split(1), 16))).mesh_groups(DUP))
+        '[16,256]<=[256,16]T(1,0)'
+        """
+        groups = self.states.mesh_groups(axis)
+        return RankGroups(self.devices.take(groups.members), groups.size)
+
+    def subgroup(self, device: int, axis: Axis) -> DeviceRange:
+        """Return the devices that share every coordinate with `device` but the one on `axis`, by that coordinate."""
+        groups = self.mesh_groups(axis)
+        where = groups.group_of(device)
+        if where is None:
+            raise LayoutError(f"device {device} is not in group '{self}'")
+        return groups[where[0]]
 
 
 def apportion(total: int, shares: Sequence[int]) -> tuple[int, ...]:
@@ -326,13 +384,11 @@ class Layout:
         if not isinstance(self.hetero, Axis):
             raise LayoutError(f"hetero must be an Axis, got {self.hetero!r}")
         text = lambda: " | ".join(str(g) for g in groups)  # noqa: E731  (only for a message)
-        where: dict[int, tuple[int, int]] = {}
-        for gi, g in enumerate(groups):
-            for i, d in enumerate(g.devices):
-                if d in where:
-                    raise LayoutError(f"layout '{text()}' puts device {d} in groups {where[d][0]} and {gi}")
-                where[d] = (gi, i)
-        object.__setattr__(self, "_where", where)
+        for gi, g in enumerate(groups):  # pairwise: O(1) per pair of ranges
+            for gj in range(gi):
+                if not groups[gj].devices.isdisjoint(g.devices):
+                    d = next(d for d in g.devices if d in groups[gj].devices)
+                    raise LayoutError(f"layout '{text()}' puts device {d} in groups {gj} and {gi}")
         shares = self.shares
         if shares is not None:
             if self.hetero.kind != "split":
@@ -354,12 +410,12 @@ class Layout:
     @staticmethod
     def spmd(devices: Sequence[int], states: DistributedStates) -> Layout:
         """Return the one-group layout of `states` over `devices`."""
-        return Layout((Group(tuple(devices), states),))
+        return Layout((Group(DeviceRange.of(devices), states),))
 
     @staticmethod
     def replicated(devices: Sequence[int]) -> Layout:
         """Return the layout where every device in `devices` holds the whole tensor."""
-        devices = tuple(devices)
+        devices = DeviceRange.of(devices)
         return Layout.spmd(devices, DistributedStates(((DUP, len(devices)),)))
 
     def __str__(self) -> str:
@@ -370,21 +426,28 @@ class Layout:
                 text += ", shares=" + ":".join(str(s) for s in self.shares)
         return text
 
-    @property
-    def devices(self) -> tuple[int, ...]:
-        """Return all devices, group by group."""
-        return tuple(d for g in self.groups for d in g.devices)
+    @cached_property
+    def devices(self) -> DeviceRange:
+        """Return all devices, group by group (a range where they form one)."""
+        return concat([g.devices for g in self.groups])
 
     @property
     def num_devices(self) -> int:
         """Return the number of devices over all groups."""
-        return len(self._where)  # type: ignore[attr-defined]
+        return sum(len(g.devices) for g in self.groups)
+
+    def same_devices(self, other: Layout) -> bool:
+        """Return whether `other` lies on the same set of devices (in any order or grouping)."""
+        if [g.devices for g in self.groups] == [g.devices for g in other.groups]:
+            return True
+        return self.num_devices == other.num_devices and self.devices.same_set(other.devices)
 
     def _locate(self, device: int) -> tuple[int, int]:
-        try:
-            return self._where[device]  # type: ignore[attr-defined]
-        except KeyError:
-            raise LayoutError(f"device {device} is not in layout '{self}'") from None
+        """Return (group, index in the group) of `device`, from its id (O(groups))."""
+        for gi, g in enumerate(self.groups):
+            if device in g.devices:
+                return gi, g.devices.index(device)
+        raise LayoutError(f"device {device} is not in layout '{self}'")
 
     def group_index(self, device: int) -> int:
         """Return the index of the group holding `device`."""

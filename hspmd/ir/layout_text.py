@@ -4,8 +4,12 @@
     [0-3]: split(1)=4 | [4,5]: split(1)=2 ; hetero=dup      two replicas, TP4 and TP2
     [0,1]: dup=2 | [2]: dup=1 ; hetero=split(0), shares=3:1 batch split 3:1 over groups
 
-Device lists take numbers and ranges (`[0,1,4-5]`); whitespace is free. Printing is
-canonical (`str(layout)`): runs of three or more consecutive devices become `a-b`, the
+Device lists take numbers, runs and strided runs (`[0,1,4-5]`, `[3-65531:8]`), or XLA's iota
+form for a mesh read in another order (`[8]<=[2,4]T(1,0)`: devices 0,4,1,5,2,6,3,7; `*step` and
+`+start` scale and move it); whitespace is free. A group's devices are a `DeviceRange`
+(`hspmd.ir.devices`), so the text of a group of 65,536 devices is as short as that of 4.
+Printing is canonical (`str(layout)`): a range prints as `a-b`, `a-b:s` or the iota form, an
+irregular list with its runs of three or more consecutive devices as `a-b`; the
 hetero clause appears only with several groups, shares only with hetero split. Syntax errors
 raise `LayoutSyntaxError` (line, column, caret, what was expected); well-formed text that
 describes an impossible layout raises `LayoutError`.
@@ -13,21 +17,31 @@ describes an impossible layout raises `LayoutError`.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
+from hspmd.ir.devices import DeviceRange, DeviceSetError, concat, iota_members
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Group, Layout, LayoutError, split
 
 __all__ = ["LayoutSyntaxError", "LayoutError", "parse_layout", "parse_states", "format_layout",
            # shared with the strategy grammar
-           "DEVLIST_GRAMMAR", "caret_message", "terminal_words", "syntax_error", "devices_of"]
+           "DEVLIST_GRAMMAR", "caret_message", "terminal_words", "syntax_error", "devices_of", "parse_device_set"]
 
 DEVLIST_GRAMMAR = r"""
+devset: "[" devlist "]" iota?
 devlist: devitem ("," devitem)*
 devitem: INT             -> dev
        | INT "-" INT     -> devrange
+       | INT "-" INT ":" INT -> devstride
+iota: "<=" "[" intlist "]" perm? scale? offset?
+    | "<=" "[" intlist "]" "@" "[" intlist "]" offset? -> box
+perm: "T" "(" intlist ")"
+scale: "*" INT
+offset: "+" INT
+intlist: INT ("," INT)*
 %import common.INT
 %import common.WS
 %ignore WS
@@ -36,7 +50,7 @@ devitem: INT             -> dev
 _LAYOUT_GRAMMAR = r"""
 layout: group ("|" group)* hetero?
 states: axisdeg ("," axisdeg)*
-group: "[" devlist "]" ":" states
+group: devset ":" states
 axisdeg: axis "=" INT
 axis: NAME ("(" INT ")")?
 hetero: ";" "hetero" "=" axis ("," "shares" "=" shares)?
@@ -44,7 +58,7 @@ shares: INT (":" INT)*
 NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
 
-_PARSER = Lark(_LAYOUT_GRAMMAR, start=["layout", "states"], parser="lalr", maybe_placeholders=False)
+_PARSER = Lark(_LAYOUT_GRAMMAR, start=["layout", "states", "devset"], parser="lalr", maybe_placeholders=False)
 
 
 def caret_message(message: str, text: str, line: int, column: int, expected: str | None) -> str:
@@ -123,18 +137,55 @@ def _err(text: str, tok: Token, message: str, expected: str | None = None) -> La
                              text, tok.line, tok.column, expected)
 
 
-def devices_of(tree: Tree, text: str, error: Callable[[str, Token, str, str | None], ValueError]) -> tuple[int, ...]:
-    """Return the device ids of a `devlist` tree (ranges expanded, order kept)."""
-    out: list[int] = []
-    for item in tree.children:
+def devices_of(tree: Tree, text: str, error: Callable[[str, Token, str, str | None], ValueError]) -> DeviceRange:
+    """Return the devices of a `devset` tree (runs kept as ranges, order kept); a set that repeats
+    an id comes back as its tuple of ids, for its group to refuse."""
+    devlist, *iota = tree.children
+    if iota:
+        return _iota_devices(devlist, iota[0], text, error)
+    parts: list[DeviceRange] = []
+    for item in devlist.children:
         if item.data == "dev":
-            out.append(int(item.children[0]))
-        else:
-            lo, hi = item.children
-            if int(hi) < int(lo):
-                raise error(text, lo, f"range {lo}-{hi} runs backwards", "a range a-b with a <= b")
-            out.extend(range(int(lo), int(hi) + 1))
-    return tuple(out)
+            parts.append(DeviceRange(int(item.children[0])))
+            continue
+        lo, hi, *step = item.children
+        s = int(step[0]) if step else 1
+        if int(hi) < int(lo):
+            raise error(text, lo, f"range {lo}-{hi} runs backwards", "a range a-b with a <= b")
+        if s < 1 or (int(hi) - int(lo)) % s:
+            raise error(text, step[0], f"step {s} of {lo}-{hi} does not reach {hi} from {lo}",
+                        "a step >= 1 that divides b - a")
+        parts.append(DeviceRange.span(int(lo), (int(hi) - int(lo)) // s + 1, s))
+    try:
+        return concat(parts)
+    except DeviceSetError:  # repeated ids: the group (or strategy) that takes them says why, in its words
+        return tuple(d for p in parts for d in p)  # type: ignore[return-value]
+
+
+def _iota_devices(devlist: Tree, iota: Tree, text: str, error) -> DeviceRange:
+    """Return the devices of `[n]<=[r...]T(p)*s+o` or of the box `[n]<=[shape]@[strides]+o`."""
+    first = devlist.children[0].children[0]
+    if len(devlist.children) != 1 or devlist.children[0].data != "dev":
+        raise error(text, first, "an iota expression takes one dim, its number of devices ([n]<=[...])", "[n]")
+    if iota.data == "box":
+        shape, strides = ([int(t) for t in c.children] for c in iota.children[:2])
+        start = int(iota.children[2].children[0]) if len(iota.children) > 2 else 0
+        if len(shape) != len(strides) or math.prod(shape) != int(first) or 0 in shape:
+            raise error(text, first, f"a box of {int(first)} devices needs a shape that holds them and one stride "
+                        "per dim", "[n]<=[shape]@[strides]")
+        try:
+            return DeviceRange.box(start, shape, strides)
+        except DeviceSetError as err:
+            raise error(text, first, str(err), None) from None
+    parts = {c.data: [int(t) for t in (c.children[0].children if c.data == "perm" else c.children)]
+             for c in iota.children[1:]}
+    reshape = [int(t) for t in iota.children[0].children]
+    try:
+        _, members = iota_members([int(first)], reshape, parts.get("perm"), (parts.get("scale") or [1])[0],
+                                  (parts.get("offset") or [0])[0])
+    except DeviceSetError as err:
+        raise error(text, first, str(err), None) from None
+    return members
 
 
 def _axis(tree: Tree, text: str) -> Axis:
@@ -173,8 +224,8 @@ def parse_layout(text: str) -> Layout:
     groups, hetero, shares = [], DUP, None
     for child in tree.children:
         if child.data == "group":
-            devlist, states = child.children
-            groups.append(Group(devices_of(devlist, text, _err), _states(states, text)))
+            devset, states = child.children
+            groups.append(Group(devices_of(devset, text, _err), _states(states, text)))
         else:
             hetero = _axis(child.children[0], text)
             if len(child.children) > 1:
@@ -185,6 +236,12 @@ def parse_layout(text: str) -> Layout:
 def parse_states(text: str) -> DistributedStates:
     """Return the DistributedStates that `text` (e.g. `split(0)=2, dup=2`) describes."""
     return _states(_parse(text, "states"), text)
+
+
+def parse_device_set(text: str) -> DeviceRange:
+    """Return the devices that `text` names, in brackets as a group writes them: `[0-3]`, `[0-7:2]`,
+    `[8]<=[2,4]T(1,0)`."""
+    return devices_of(_parse(text, "devset"), text, _err)
 
 
 def format_layout(layout: Layout) -> str:

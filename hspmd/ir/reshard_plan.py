@@ -27,11 +27,13 @@ len(group) equal parts along dim, part p (the dim must divide evenly).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from hspmd.ir.devices import DeviceRange, RankGroups, concat
 from hspmd.ir.layout import DUP, PARTIAL, Axis, DistributedStates, Layout, split
 
 __all__ = ["CommStep", "KINDS", "exchange_step", "plan_transition", "simulate"]
@@ -52,15 +54,19 @@ class CommStep:
     """
 
     kind: str
-    groups: tuple[tuple[int, ...], ...]
+    groups: RankGroups
     dim: int = -1
     src_dim: int = -1
     transfers: tuple[Transfer, ...] = ()
     shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        groups = tuple(tuple(int(r) for r in g) for g in self.groups)
-        object.__setattr__(self, "groups", groups)
+        if not isinstance(self.groups, RankGroups):
+            try:
+                object.__setattr__(self, "groups", RankGroups.of(self.groups))
+            except ValueError:
+                raise ValueError(f"{self.kind} needs disjoint, non-empty rank groups, got {self.groups}") from None
+        groups = self.groups
         transfers = tuple((int(s), tuple((int(a), int(b)) for a, b in sr), int(d), tuple((int(a), int(b)) for a, b in dr))
                           for s, sr, d, dr in self.transfers)
         object.__setattr__(self, "transfers", transfers)
@@ -68,7 +74,7 @@ class CommStep:
         if (self.kind == "exchange") != bool(self.shapes) or (self.transfers and self.kind != "exchange"):
             raise ValueError(f"{self.kind}: only exchange takes transfers and shapes, and it needs shapes")
         if self.kind == "exchange":
-            members = set(r for g in groups for r in g)
+            members = set(groups.members)
             shaped = dict(self.shapes)
             for s_, sr, d, dr in transfers:
                 if s_ not in members or d not in shaped or len(dr) != len(shaped[d]) or len(sr) != len(dr) or \
@@ -77,9 +83,6 @@ class CommStep:
                     raise ValueError(f"exchange: bad transfer {(s_, sr, d, dr)}")
         if self.kind not in KINDS:
             raise ValueError(f"unknown comm step kind {self.kind!r}; expected one of {', '.join(KINDS)}")
-        ranks = [r for g in groups for r in g]
-        if not groups or not all(groups) or len(set(ranks)) != len(ranks):
-            raise ValueError(f"{self.kind} needs disjoint, non-empty rank groups, got {groups}")
         if (self.kind in _WITH_DIM) != (self.dim >= 0):
             raise ValueError(f"{self.kind} {'needs' if self.kind in _WITH_DIM else 'takes no'} dim, got dim={self.dim}")
         if (self.kind == "all_to_all") != (self.src_dim >= 0) or (self.kind == "all_to_all" and self.src_dim == self.dim):
@@ -150,12 +153,13 @@ def simulate(steps: Iterable[CommStep], pieces: Mapping[int, np.ndarray]) -> dic
 # Planner
 
 
-def _mesh_groups(devices: Sequence[int], ds: DistributedStates, j: int) -> tuple[tuple[int, ...], ...]:
-    """Return the device groups along mesh axis `j` of `ds` (members differ only in coordinate j)."""
-    return tuple(tuple(devices[i] for i in sg) for sg in ds.subgroups(ds.axes[j][0]))
+def _mesh_groups(devices: Sequence[int], ds: DistributedStates, j: int) -> RankGroups:
+    """Return the device groups along mesh axis `j` of `ds` (members differ only in coordinate j),
+    computed from the range of `devices`, not listed."""
+    return RankGroups.along(DeviceRange.of(devices), [d for _, d in ds.axes], j)
 
 
-def _axis_steps(src: Axis, dst: Axis, groups: tuple[tuple[int, ...], ...]) -> list[CommStep]:
+def _axis_steps(src: Axis, dst: Axis, groups: RankGroups) -> list[CommStep]:
     """Return the steps turning one mesh axis from role `src` into role `dst` (other axes untouched)."""
     if src == PARTIAL:
         if dst == DUP:
@@ -251,7 +255,26 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     partial axis that the destination replicates is all-reduced along it after the cuts and
     before the gathers (`... partial=2 -> split(1)=4, dup=2`); one that it splits is reduce-scattered where the
     plan read as dup cuts it.
+
+    The plan depends on the states only (`_refined_plan`, planned once per pair); each step's
+    rank groups are the devices' groups along one refined axis, computed from their range.
     """
+    plan = _refined_plan(sds, dds)
+    if plan is None:
+        return None
+    radix, skeleton = plan
+    devices = DeviceRange.of(devices)
+    return [CommStep(kind, RankGroups.along(devices, radix, j), dim=dim, src_dim=src_dim)
+            for kind, j, dim, src_dim in skeleton]
+
+
+#: a refined plan's step: (kind, refined axis, dim, src_dim)
+_Skeleton = tuple[tuple[str, int, int, int], ...]
+
+
+@functools.lru_cache(maxsize=512)
+def _refined_plan(sds: DistributedStates, dds: DistributedStates) -> tuple[tuple[int, ...], _Skeleton] | None:
+    """Return (the common refinement's degrees, the steps of `_refined` by refined axis), or None."""
     radix = _common_radix([d for _, d in sds.axes], [d for _, d in dds.axes])
     if radix is None:
         return None
@@ -266,11 +289,6 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
             return None  # read as dup, the partial axis would name dup twice
         sds, dds = (DistributedStates(tuple((DUP if a == PARTIAL else a, d) for a, d in ds.axes)) for ds in (sds, dds))
     roles, target = _refine(sds, radix), _refine(dds, radix)
-    strides = [int(np.prod(radix[j + 1:], dtype=np.int64)) for j in range(len(radix))]
-
-    def groups(j: int) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(devices[i + c * strides[j]] for c in range(radix[j]))
-                     for i in range(len(devices)) if (i // strides[j]) % radix[j] == 0)
 
     def inner(j: int, axis: Axis) -> bool:  # no more minor axis holds `axis` now
         return all(roles[k] != axis for k in range(j + 1, len(roles)))
@@ -278,12 +296,15 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
     def kind(j: int) -> str:
         return _axis_steps(roles[j], target[j], ((0,),))[0].kind
 
+    def skeleton(j: int, src: Axis, dst: Axis) -> list[tuple[str, int, int, int]]:
+        return [(st.kind, j, st.dim, st.src_dim) for st in _axis_steps(src, dst, ((0,),))]
+
     start = list(roles)
     # cheaper steps first; where that blocks (a cut that takes the dim a split still has to
     # leave by all-to-all), the all-to-alls first
     for moves_first in (False, True):
         roles = list(start)
-        steps: list[CommStep] = []
+        steps: list[tuple[str, int, int, int]] = []
         pending = [j for j in range(len(roles)) if roles[j] != target[j]]
         while pending:
             ready = [j for j in pending if (roles[j].kind != "split" or inner(j, roles[j]))
@@ -291,32 +312,57 @@ def _refined(devices: Sequence[int], sds: DistributedStates, dds: DistributedSta
             if not ready:
                 break
             j = min(ready, key=lambda j: (moves_first and kind(j) != "all_to_all", _RANK[kind(j)], j))
-            steps += _axis_steps(roles[j], target[j], groups(j))
+            steps += skeleton(j, roles[j], target[j])
             roles[j] = target[j]
             pending.remove(j)
         if not pending:
             break
     else:
         return None
-    moves = list(steps)
+    moves = tuple(steps)
     # a reduced axis: read as dup it was cut by a local_split (-> reduce_scatter) or left alone (-> all_reduce)
-    cut = {groups(k): k for k in reduce}
-    steps = [CommStep("reduce_scatter", st.groups, dim=st.dim) if st.kind == "local_split" and st.groups in cut else st
-             for st in steps]
-    at = next((i for i, st in enumerate(steps) if st.kind == "all_gather"), len(steps))  # after cuts, before gathers
-    steps[at:at] = [CommStep("all_reduce", groups(k)) for k in reduce if target[k] == DUP]
+    steps = [("reduce_scatter", j, dim, src) if kind_ == "local_split" and j in reduce else (kind_, j, dim, src)
+             for kind_, j, dim, src in steps]
+    at = next((i for i, st in enumerate(steps) if st[0] == "all_gather"), len(steps))  # after cuts, before gathers
+    steps[at:at] = [("all_reduce", k, -1, -1) for k in reduce if target[k] == DUP]
+    return (tuple(radix), tuple(steps)) if _moves_check(radix, start, target, moves, sds, dds) else None
+
+
+def _moves_check(radix: Sequence[int], roles: Sequence[Axis], target: Sequence[Axis], moves: _Skeleton,
+                 sds: DistributedStates, dds: DistributedStates) -> bool:
+    """Return whether `moves` (by refined axis) turn pieces laid out `sds` into pieces laid out `dds`,
+    by `simulate` on a small tensor. On a large mesh the check runs on the same plan over a mesh
+    whose refined axes are cut to at most 3 devices each: a step acts along one refined axis and
+    its chunks' order does not depend on that axis's size, only on the axes' order."""
     dims = 1 + max([a.dim for a, _ in (*sds.axes, *dds.axes) if a.kind == "split"], default=0)
-    n = len(devices)
-    if n ** dims > 1 << 16:
-        return None
-    shape = tuple(n if any(a == split(d) for a, _ in (*sds.axes, *dds.axes)) else 1 for d in range(dims))
+    n = math.prod(radix)
+    if n <= 64 and n ** dims <= 1 << 16:
+        shape = tuple(n if any(a == split(d) for a, _ in (*sds.axes, *dds.axes)) else 1 for d in range(dims))
+    else:  # a large mesh: the same plan over refined axes of at most 3, each dim as long as its cuts need
+        radix = [min(r, 3) for r in radix]
+        sds, dds = _states_over(roles, radix), _states_over(target, radix)
+        n = math.prod(radix)
+        shape = tuple(math.prod(r for r, a, b in zip(radix, roles, target) if split(d) in (a, b)) for d in range(dims))
     whole = np.arange(int(np.prod(shape))).reshape(shape)
+    index = DeviceRange.iota(n)
+    steps = [CommStep(kind, RankGroups.along(index, radix, j), dim=dim, src_dim=src) for kind, j, dim, src in moves]
     try:
-        got = simulate(moves, {devices[i]: whole[sds.slices(i, shape)] for i in range(n)})
+        got = simulate(steps, {i: whole[sds.slices(i, shape)] for i in range(n)})
     except ValueError:
-        return None
-    ok = all(np.array_equal(got[devices[i]], whole[dds.slices(i, shape)]) for i in range(n))
-    return steps if ok else None
+        return False
+    return all(np.array_equal(got[i], whole[dds.slices(i, shape)]) for i in range(n))
+
+
+def _states_over(roles: Sequence[Axis], radix: Sequence[int]) -> DistributedStates:
+    """Return the states whose axes take `roles` over refined axes of degrees `radix` (consecutive
+    refined axes of one role are one axis)."""
+    axes: list[list] = []
+    for role, r in zip(roles, radix):
+        if axes and axes[-1][0] == role:
+            axes[-1][1] *= r
+        else:
+            axes.append([role, r])
+    return DistributedStates(tuple((a, d) for a, d in axes))
 
 
 def _via_replicas(src: tuple[int, ...], sds: DistributedStates,
@@ -358,9 +404,10 @@ def plan_transition(src: Layout, dst: Layout, shape: Sequence[int] | None = None
     """
     if src == dst:
         return ()
-    if (len(src.groups) > 1 or len(dst.groups) > 1) and set(src.devices) == set(dst.devices):
+    same = src.same_devices(dst)
+    if (len(src.groups) > 1 or len(dst.groups) > 1) and same:
         return _hetero(src, dst, shape)
-    if len(src.groups) > 1 or len(dst.groups) > 1 or set(src.devices) != set(dst.devices):
+    if len(src.groups) > 1 or len(dst.groups) > 1 or not same:
         raise NotImplementedError(
             f"cannot plan '{src}' -> '{dst}': only single groups over the same devices are handled; "
             f"heterogeneous resharding is not supported yet")
@@ -421,11 +468,11 @@ def _hetero(src: Layout, dst: Layout, shape: Sequence[int] | None = None) -> tup
                 if n > 1 and g.states.axes != ((PARTIAL, n),):
                     to = DistributedStates(((PARTIAL, n),))
                     steps += plan_transition(Layout.spmd(g.devices, g.states), Layout.spmd(g.devices, to))
-            return (*steps, CommStep("all_reduce", (src.devices,)))
+            return (*steps, CommStep("all_reduce", RankGroups(src.devices, src.num_devices)))
         if src.hetero.kind == "split":
             d = src.hetero.dim
             if all(g.states.axes in ((), ((split(d), len(g.devices)),)) for g in src.groups):
-                return (CommStep("all_gather", (src.devices,), dim=d),)
+                return (CommStep("all_gather", RankGroups(src.devices, src.num_devices), dim=d),)
     if shape is not None:
         return (exchange_step(src, dst, tuple(shape)),)
     raise NotImplementedError(
@@ -443,8 +490,8 @@ def _merged(plans: list[tuple[CommStep, ...]]) -> list[CommStep] | None:
     """
     if len({tuple((st.kind, st.dim, st.src_dim, len(st.groups)) for st in p) for p in plans}) != 1:
         return None
-    return [CommStep(steps[0].kind, tuple(g for st in steps for g in st.groups), dim=steps[0].dim,
-                     src_dim=steps[0].src_dim) for steps in zip(*plans)]
+    return [CommStep(steps[0].kind, RankGroups(concat([st.groups.members for st in steps]), steps[0].groups.size),
+                     dim=steps[0].dim, src_dim=steps[0].src_dim) for steps in zip(*plans)]
 
 
 def _hierarchical(src: Layout, dst: Layout) -> tuple[CommStep, ...] | None:
@@ -473,7 +520,8 @@ def _hierarchical(src: Layout, dst: Layout) -> tuple[CommStep, ...] | None:
     if len(sizes) != 1 or len({g.states for g in src.groups}) != 1 or len({g.states for g in dst.groups}) != 1:
         return None
     (n,) = sizes
-    across = CommStep("all_reduce", tuple(tuple(g.devices[i] for g in src.groups) for i in range(n)))
+    # the devices at position i of every group, for each i: the stacked groups read along the group axis
+    across = CommStep("all_reduce", RankGroups.along(concat([g.devices for g in src.groups]), (len(src.groups), n), 0))
     inner = _merged([plan_transition(Layout.spmd(sg.devices, sg.states), Layout.spmd(dg.devices, dg.states))
                      for sg, dg in zip(src.groups, dst.groups)])
     if inner is None:

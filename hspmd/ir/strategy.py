@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from lark import Lark, Token
 from lark.exceptions import UnexpectedInput
 
+from hspmd.ir.devices import DeviceRange, DeviceSetError, concat
 from hspmd.ir.layout import apportion, format_devices
 from hspmd.ir.layout_text import DEVLIST_GRAMMAR, terminal_words, caret_message, devices_of, syntax_error
 
@@ -67,7 +68,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 _GRAMMAR = r"""
 strategy: sgroup ("|" sgroup)*
-sgroup: "[" devlist "]" ":" (kv (","? kv)*)?
+sgroup: devset ":" (kv (","? kv)*)?
 kv: NAME "=" (INT | NAME) (":" INT)*
 NAME: /[A-Za-z_][A-Za-z_0-9]*/
 """ + DEVLIST_GRAMMAR
@@ -89,8 +90,13 @@ class StrategyError(ValueError):
             super().__init__(caret_message(message, text, line, column, expected))
 
 
-def _describe(devices: tuple[int, ...]) -> str:
+def _describe(devices) -> str:
     """Return a short description of a device set: `0-3` when contiguous, else the sorted list."""
+    if isinstance(devices, DeviceRange):
+        devices = devices.sorted()
+        if devices.ids is None and devices.strides in ((), (1,)):
+            return f"{devices.min}-{devices.max}" if len(devices) > 1 else str(devices.min)
+        return str(devices)
     s = sorted(devices)
     if s and s == list(range(s[0], s[-1] + 1)):
         return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
@@ -109,7 +115,7 @@ class StrategyGroup:
     ('[0-3]: dp=1 tp=2 pp=2 share=2', '[4,5]: dp=2 zero=1')
     """
 
-    devices: tuple[int, ...]
+    devices: DeviceRange
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -126,7 +132,12 @@ class StrategyGroup:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+        if not isinstance(self.devices, DeviceRange):
+            try:
+                object.__setattr__(self, "devices", DeviceRange.of(self.devices))
+            except DeviceSetError:
+                ids = tuple(self.devices)
+                raise StrategyError(f"group '[{format_devices(ids)}]: ...' needs distinct device ids >= 0") from None
         text = str(self)
         self._check_communication(text)
         for key in (*_KEYS[:4], "ep"):
@@ -160,8 +171,6 @@ class StrategyGroup:
                                          or self.experts < 1 or self.experts % self.ep):
             raise StrategyError(f"group '{text}' has experts={self.experts!r}; a group's experts must be an integer "
                                 f">= 1 that its ep={self.ep} divides (each ep rank holds experts/ep of them)")
-        if not self.devices or any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
-            raise StrategyError(f"group '{text}' needs distinct device ids >= 0")
         n = self.dp * self.tp * self.pp * self.ep
         if n != len(self.devices):
             rest = self.tp * self.pp * self.ep
@@ -230,7 +239,7 @@ class StrategyGroup:
     def __str__(self) -> str:
         keys = " ".join(f"{k}={_value_text(getattr(self, k))}" for k in _PRINT_ORDER
                         if k == "dp" or getattr(self, k) != _DEFAULTS.get(k, 1))
-        return f"[{format_devices(self.devices)}]: {keys}"
+        return f"{self.devices.bracketed()}: {keys}"
 
 
 @dataclass(frozen=True)
@@ -251,12 +260,11 @@ class Strategy:
         object.__setattr__(self, "groups", groups)
         if not groups:
             raise StrategyError("a strategy needs at least one group")
-        seen: set[int] = set()
-        for g in groups:
-            both = seen.intersection(g.devices)
-            if both:
-                raise StrategyError(f"strategy '{self}' puts device {min(both)} in more than one group")
-            seen.update(g.devices)
+        for i, g in enumerate(groups):  # pairwise, O(1) for two ranges
+            for h in groups[:i]:
+                if not h.devices.isdisjoint(g.devices):
+                    both = set(h.devices) & set(g.devices)
+                    raise StrategyError(f"strategy '{self}' puts device {min(both)} in more than one group")
         given = [g.experts is not None for g in groups]
         if any(given) and not all(given):
             raise StrategyError(f"strategy '{self}' gives experts= for some groups only; give every group its "
@@ -272,22 +280,22 @@ class Strategy:
         return " | ".join(str(g) for g in self.groups)
 
     @property
-    def devices(self) -> tuple[int, ...]:
-        """Return all devices, group by group."""
-        return tuple(d for g in self.groups for d in g.devices)
+    def devices(self) -> DeviceRange:
+        """Return all devices, group by group (a range where they form one)."""
+        return concat([g.devices for g in self.groups])
 
     @property
     def num_devices(self) -> int:
         """Return the number of devices the strategy uses."""
-        return len(self.devices)
+        return sum(len(g.devices) for g in self.groups)
 
     def check_devices(self, n: int) -> None:
         """Return None if the strategy uses exactly devices 0..n-1; else raise StrategyError."""
         devs = self.devices
-        if sorted(devs) == list(range(n)):
+        if devs.same_set(DeviceRange.iota(n)):
             return
         count = f"{len(devs)} device{'s' if len(devs) != 1 else ''}"
-        if sorted(devs) == list(range(len(devs))):
+        if devs.same_set(DeviceRange.iota(len(devs))):
             raise StrategyError(f"strategy '{self}' uses {count} ({_describe(devs)}) but the run has -n {n}")
         raise StrategyError(f"strategy '{self}' uses devices {_describe(devs)} but the run has -n {n}, "
                             f"which needs devices {_describe(tuple(range(n)))} exactly")
@@ -312,8 +320,8 @@ def parse_strategy(text: str) -> Strategy:
         raise syntax_error(err, text, "strategy", _WORDS, StrategyError) from None
     groups = []
     for sg in tree.children:
-        devlist, *kvs = sg.children
-        devices = devices_of(devlist, text, _err)
+        devset, *kvs = sg.children
+        devices = devices_of(devset, text, _err)
         values: dict[str, int | tuple[int, ...]] = {}
         for kv in kvs:
             key, value, *more = kv.children

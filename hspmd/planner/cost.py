@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hspmd.ir.devices import DeviceRange
 from hspmd.planner.facts import ModelFacts, TensorParallelFacts
 from hspmd.planner.machine import Machine
 
@@ -67,7 +68,7 @@ BACKWARD_SHARE = 2 / 3
 class GroupConfig:
     """One device group of a candidate strategy."""
 
-    devices: tuple[int, ...]
+    devices: DeviceRange
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -75,6 +76,10 @@ class GroupConfig:
     sp: int = 0  # sequence parallelism over the tp ranks (needs tp > 1)
     ep: int = 1  # expert parallelism (a mixture-of-experts model): the batch splits over dp * ep
     recompute: str = "none"  # activation recompute: "block" or "selective" (`transforms/recompute.py`)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, DeviceRange):
+            object.__setattr__(self, "devices", DeviceRange.of(self.devices))
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,8 @@ def group_cost(facts: ModelFacts, machine: Machine, config: GroupConfig, rows: i
     part = frac / dp  # one rank's part of the batch
     shard = tp * pp
     per_call = facts.mean_matmul_flops() * frac / (dp * tp * m)
-    mm_rate = min(machine.matmul_rate(r, per_call) for r in config.devices)
-    ew_rate = min(machine.elementwise[r] for r in config.devices)
+    mm_rate = machine.slowest_matmul_rate(config.devices, per_call)
+    ew_rate = machine.slowest_elementwise(config.devices)
     imbalance = math.ceil(facts.layers / pp) * pp / facts.layers if pp > 1 else 1.0
     imbalance *= facts.tp_busiest(tp)  # uneven tp pieces: the rank with the most heads sets the pace
     probe = (facts.sp if config.sp else facts.tp) if tp > 1 else None

@@ -311,7 +311,7 @@ def model_facts(script: ModelScript, max_devices: int) -> ModelFacts:
     Raises the compiler's errors (`PassError`, `ScriptError`, ...) when the script itself does not
     compile on one device.
     """
-    first = next(script.batches())
+    first = next(script.batches(shapes_only=True))
     rows = int(np.shape(next(iter(first.values())))[0])
     logical = trace_script(script)
     run_passes(logical, training_passes(script_optimizer(script), loss_scale(script)))

@@ -10,7 +10,7 @@
    ...), the slower ones idle: an idle rank costs nothing, so where the slower ranks' compute
    and the gradient sum across groups (across kinds beside a GPU) cost more than their rows
    save, the strategy leaves them out (`[0]: dp=1 device=cuda` beside a slow CPU rank 1;
-   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.idle`).
+   `Candidate.idle_ranks`; the runtime side is `hspmd.runtime.launcher.idle`).
 2. **Configurations per group.** Every (dp, tp, pp) whose product is the group's size, with tp
    a degree the model allows and pp at most its layer count; ZeRO-1 where dp > 1 and ZeRO-3
    where also pp = 1; each of them with and without activation recompute (`block`,
@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 from functools import reduce
 
+from hspmd.ir.devices import DeviceRange
 from hspmd.ir.strategy import Strategy, StrategyGroup
 from hspmd.planner.cost import GroupConfig, GroupCost, group_cost
 from hspmd.planner.facts import ModelFacts
@@ -53,6 +54,13 @@ LIKE_SPEED = 0.85
 MICROBATCHES = (1, 2, 4, 8)
 #: how much faster a ZeRO candidate must be predicted than its plain twin to rank above it
 ZERO_MARGIN = 0.02
+#: clusters of at most this many ranks are also cut into groups of powers of two (a size such as 3
+#: or 6 divides no batch); a larger cluster is whole nodes of a large machine, which tp and pp
+#: divide and whose uneven rows the compiler evens
+BINARY_PIECES_UP_TO = 64
+#: beside other groups, a group of more ranks than BINARY_PIECES_UP_TO tries its KEEP_CONFIGS best
+#: configurations (each priced alone on its share of the batch) in the coordinate descent, not all
+KEEP_CONFIGS = 12
 
 
 class PlanError(Exception):
@@ -71,10 +79,14 @@ class Candidate:
     # every rank's kind of device where some rank is a GPU (each group then says its `device=`)
     kinds: tuple[str, ...] | None = None
     n: int = 0  # the machine's ranks; those no group names are idle (0: every rank is in a group)
+    # per group, the host memory of each rank's peer copies (`--redundancy peer`; empty without)
+    copies: tuple[float, ...] = ()
 
     @property
     def idle_ranks(self) -> tuple[int, ...]:
-        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.idle`)."""
+        """Return the ranks of the machine that no group names: they run nothing (`hspmd.runtime.launcher.idle`)."""
+        if sum(len(g.devices) for g in self.groups) >= self.n:
+            return ()
         named = {d for g in self.groups for d in g.devices}
         return tuple(r for r in range(self.n) if r not in named)
 
@@ -84,7 +96,16 @@ class Candidate:
 
     @property
     def memory_bytes(self) -> float:
-        return max(c.memory_bytes for c in self.costs)
+        """Return the most memory a rank needs: its step's, and on a CPU rank (whose memory is the
+        host's) its peer copies too."""
+        copies = self.copies or (0.0,) * len(self.costs)
+        return max(c.memory_bytes + (k if self.device(g) != "cuda" else 0.0)
+                   for c, k, g in zip(self.costs, copies, self.groups))
+
+    @property
+    def copies_bytes(self) -> float:
+        """Return the most host memory a rank's peer copies take (0 without `--redundancy peer`)."""
+        return max(self.copies, default=0.0)
 
     @property
     def schedule(self) -> str:
@@ -97,7 +118,7 @@ class Candidate:
             return str(Strategy((StrategyGroup(g.devices, g.dp, g.tp, g.pp, zero=g.zero, sp=g.sp, ep=g.ep,
                                                recompute=g.recompute, device=self.device(g)),)))
         common = reduce(math.gcd, self.rows)
-        pairs = sorted(zip(self.groups, self.rows), key=lambda gr: min(gr[0].devices))  # in device order
+        pairs = sorted(zip(self.groups, self.rows), key=lambda gr: gr[0].devices.min)  # in device order
         return str(Strategy(tuple(StrategyGroup(g.devices, g.dp, g.tp, g.pp, share=r // common, zero=g.zero, sp=g.sp,
                                                 recompute=g.recompute, device=self.device(g))
                                   for g, r in pairs)))
@@ -133,10 +154,10 @@ def clusters(machine: Machine, flops_per_call: float) -> list[tuple[int, ...]]:
             out[-1].append(r)
         else:
             out.append([r])
-    return [tuple(sorted(c)) for c in out]
+    return [DeviceRange.of(sorted(c)) for c in out]
 
 
-def _binary_pieces(devices: tuple[int, ...]) -> list[tuple[int, ...]]:
+def _binary_pieces(devices: DeviceRange) -> list[DeviceRange]:
     """Return `devices` cut into runs whose sizes are the powers of two of its size (6: 4 + 2)."""
     out, start = [], 0
     for bit in reversed(range(len(devices).bit_length())):
@@ -193,7 +214,20 @@ def _runs(groups: tuple[GroupConfig, ...], m: int) -> bool:
     return True
 
 
-def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> tuple[int, ...] | None:
+def _cost(memo: dict | None, facts: ModelFacts, machine: Machine, g: GroupConfig, rows: int, m: int,
+          schedule: str = "gpipe") -> GroupCost:
+    """Return `group_cost`, once per (configuration, rows, m, schedule) where `memo` keeps them."""
+    if memo is None:
+        return group_cost(facts, machine, g, rows, m, schedule)
+    key = (g, rows, m, schedule)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = group_cost(facts, machine, g, rows, m, schedule)
+    return found
+
+
+def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int,
+             memo: dict | None = None) -> tuple[int, ...] | None:
     """Return rows per group (a pipelined group's a multiple of dp * m, any other at least dp;
     summing to the batch) by min-max greedy."""
     # rows need not divide dp (even_out_rows), but must divide the ranks of an ep split
@@ -212,7 +246,7 @@ def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...
         best, best_t = None, math.inf
         for i, (g, u) in enumerate(zip(groups, units)):
             if u <= left:
-                t = group_cost(facts, machine, g, rows[i] + u, m).step_s
+                t = _cost(memo, facts, machine, g, rows[i] + u, m).step_s
                 if t < best_t:
                     best, best_t = i, t
         if best is None:
@@ -222,37 +256,40 @@ def _balance(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...
     return tuple(rows)
 
 
-def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int) -> Candidate | None:
+def _price(facts: ModelFacts, machine: Machine, groups: tuple[GroupConfig, ...], m: int,
+           memo: dict | None = None) -> Candidate | None:
     if not _runs(groups, m):
         return None
-    rows = _balance(facts, machine, groups, m)
+    rows = _balance(facts, machine, groups, m, memo)
     if rows is None:
         return None
     schedule = "1f1b" if any(g.pp > 1 for g in groups) else "gpipe"
-    costs = tuple(group_cost(facts, machine, g, r, m, schedule) for g, r in zip(groups, rows))
+    costs = tuple(_cost(memo, facts, machine, g, r, m, schedule) for g, r in zip(groups, rows))
     cross = 0.0
     if len(groups) > 1:
         shard = min(g.tp * g.pp for g in groups)
         cross = machine.collective("all_reduce", tuple(g.devices[0] for g in groups), facts.param_bytes / shard)
-    return Candidate(groups, rows, m, costs, cross, machine.kinds if "cuda" in machine.kinds else None, machine.n)
+    return Candidate(groups, rows, m, costs, cross, machine.kinds if machine.has_gpus else None, machine.n)
 
 
-def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[int, ...]]) -> list[Candidate]:
+def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[DeviceRange]) -> list[Candidate]:
     alone = len(parts) == 1
     options = [_configs(p, facts, alone) for p in parts]
+    memo: dict = {}  # a group's price at some rows recurs while the others' configurations vary
     out: list[Candidate] = []
     for m in MICROBATCHES:
         if alone:
             out.extend(c for g in options[0] if (c := _price(facts, machine, (g,), m)) is not None)
             continue
+        opts_m = [_best_alone(facts, machine, p, opts, parts, m) for p, opts in zip(parts, options)]
         # coordinate descent from the plain data-parallel choice of every group
-        chosen = [next((g for g in opts if g.tp == 1 and g.pp == 1 and g.zero == 0), opts[0]) for opts in options]
-        best = _price(facts, machine, tuple(chosen), m)
+        chosen = [next((g for g in opts if g.tp == 1 and g.pp == 1 and g.zero == 0), opts[0]) for opts in opts_m]
+        best = _price(facts, machine, tuple(chosen), m, memo)
         for _ in range(2):
-            for i, opts in enumerate(options):
+            for i, opts in enumerate(opts_m):
                 for g in opts:
                     trial = tuple(chosen[:i] + [g] + chosen[i + 1:])
-                    c = _price(facts, machine, trial, m)
+                    c = _price(facts, machine, trial, m, memo)
                     if c is not None:
                         out.append(c)
                         if best is None or c.step_s < best.step_s:
@@ -260,6 +297,31 @@ def _grouping_candidates(facts: ModelFacts, machine: Machine, parts: list[tuple[
         if best is not None:
             out.append(best)
     return out
+
+
+def _best_alone(facts: ModelFacts, machine: Machine, part: DeviceRange, options: list[GroupConfig],
+                parts: list[DeviceRange], m: int) -> list[GroupConfig]:
+    """Return the configurations of `part` the coordinate descent tries beside the other parts:
+    all of them for a small part; for a large one (whole nodes of a large machine) the
+    KEEP_CONFIGS fastest, each priced alone on the part's share of the batch by its speed, and
+    the plain data-parallel one the descent starts from. Symmetry: the configurations of a group
+    depend on its size and its ranks' class, not on which ranks they are."""
+    if len(part) <= BINARY_PIECES_UP_TO or len(options) <= KEEP_CONFIGS:
+        return options
+    per_call = facts.mean_matmul_flops()
+    speed = [machine.slowest_matmul_rate(p, per_call) * len(p) for p in parts]
+    share = speed[parts.index(part)] / sum(speed)
+
+    def alone(g: GroupConfig) -> float:
+        rows = max(g.dp * g.ep * (m if g.pp > 1 else 1), round(facts.rows * share))
+        if g.pp > 1:
+            unit = g.dp * g.ep * m
+            rows = max(unit, rows // unit * unit)
+        return group_cost(facts, machine, g, rows, m, "1f1b" if g.pp > 1 else "gpipe").step_s
+
+    ranked = sorted(options, key=alone)[:KEEP_CONFIGS]
+    plain = next((g for g in options if g.tp == 1 and g.pp == 1 and g.zero == 0), None)
+    return ranked + ([plain] if plain is not None and plain not in ranked else [])
 
 
 def _nothing_fits(facts: ModelFacts, n: int) -> str:
@@ -288,10 +350,10 @@ def _groupings(machine: Machine, parts: list[tuple[int, ...]]) -> list[list[tupl
     one group (where they are of one kind: GPU and CPU ranks never share a group), one group per
     cluster (where there are several), and clusters cut into groups of powers of two (where a
     size divides nothing: 3, 6, ...)."""
-    devices = tuple(sorted(d for p in parts for d in p))
-    one_kind = len({machine.kinds[d] for d in devices}) == 1
+    devices = DeviceRange.of(sorted(d for p in parts for d in p))
+    one_kind = not machine.has_gpus or len({machine.kinds[d] for d in devices}) == 1
     groupings = ([[devices]] if one_kind else []) + ([list(parts)] if len(parts) > 1 else [])
-    split = [piece for p in parts for piece in _binary_pieces(p)]
+    split = [piece for p in parts for piece in (_binary_pieces(p) if len(p) <= BINARY_PIECES_UP_TO else [p])]
     if len(split) > len(parts):
         groupings.append(split)
     return groupings
@@ -308,8 +370,10 @@ def _working_clusters(machine: Machine, facts: ModelFacts, parts: list[tuple[int
     return [sorted(fastest_first[:k], key=parts.index) for k in range(1, len(parts))]
 
 
-def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None) -> tuple[list[Candidate], list[Candidate]]:
+def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = None,
+         redundancy: bool = False) -> tuple[list[Candidate], list[Candidate]]:
     """Return (candidates that fit, fastest first; those over `memory_per_rank`, fastest first).
+    With `redundancy` (`--redundancy peer`), each rank's peer copies count too (`redundancy.py`).
 
     Raises PlanError when no candidate runs on these devices at all.
     """
@@ -323,9 +387,15 @@ def plan(facts: ModelFacts, machine: Machine, memory_per_rank: float | None = No
             key = (c.strategy(), c.microbatches if c.settings() else 1)
             if key not in seen or c.step_s < seen[key].step_s:
                 seen[key] = c
+    if redundancy:
+        from dataclasses import replace
+
+        from hspmd.planner.redundancy import copies_bytes
+
+        seen = {k: replace(c, copies=tuple(copies_bytes(facts, g) for g in c.groups)) for k, c in seen.items()}
     ranked = sorted(seen.values(), key=preference)
     if not ranked:
         raise PlanError(_nothing_fits(facts, machine.n))
     fits = [c for c in ranked if memory_per_rank is None or c.memory_bytes <= memory_per_rank]
-    over = [c for c in ranked if c not in fits]
+    over = [c for c in ranked if memory_per_rank is not None and c.memory_bytes > memory_per_rank]
     return fits, over

@@ -14,6 +14,7 @@ import numpy as np
 from xdsl.ir import Operation
 
 from hspmd.dialects import comm
+from hspmd.ir.devices import RankGroups
 from hspmd.ir.types import dtype_name
 from hspmd.runtime.comm.base import Communicator
 
@@ -27,17 +28,18 @@ def contiguous(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else x.copy(order="C")
 
 
-def _group_of(groups: tuple[tuple[int, ...], ...], rank: int, op: Operation) -> tuple[int, ...]:
-    for g in groups:
-        if rank in g:
-            return g
-    raise CommKernelError(f"rank {rank} is in no group of '{op.name}' {list(groups)}")
+def _group_of(groups: RankGroups, rank: int, op: Operation) -> tuple[int, ...]:
+    """Return the group holding `rank`, found from its id (not by a search through the groups)."""
+    found = groups.group_holding(rank)
+    if found is None:
+        raise CommKernelError(f"rank {rank} is in no group of '{op.name}' {groups}")
+    return tuple(found)
 
 
 def comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callable[..., np.ndarray]:
     """Return the call that performs collective `op` for `rank`."""
     if isinstance(op, comm.SendOp):  # non-blocking: the plan's last step waits for its sends
-        dest = {s: d for s, d in comm.groups_of(op.pairs)}.get(rank)
+        dest = comm.pair_partner(op.pairs, rank, "src")
         tag = op.tag_value
         pending: list = []
 
@@ -48,7 +50,7 @@ def comm_kernel(op: Operation, rank: int, communicator: Communicator) -> Callabl
         send.pending = pending  # type: ignore[attr-defined]
         return send
     if isinstance(op, comm.RecvOp):
-        src = {d: s for s, d in comm.groups_of(op.pairs)}.get(rank)
+        src = comm.pair_partner(op.pairs, rank, "dst")
         shape, dtype, tag = op.result.type.get_shape(), dtype_name(op.result.type), op.tag_value
         return lambda: communicator.recv(np.empty(shape, dtype), src, tag)
     if isinstance(op, comm.ExchangeOp):

@@ -9,7 +9,7 @@ rank records its events (`trace.Tracer`) and rank 0 gathers them into one trace 
 
 With a checkpoint directory each rank writes `D/.ranks/rank-<r>.pid` ("<host> <pid>") at
 start-up, for launchers and tests that watch or kill ranks (`hspmd run --elastic`), and the
-environment variable `HSPMD_FAULT=rank:step` kills that rank at that step (`hspmd.runtime.fault`).
+environment variable `HSPMD_FAULT=rank:step` kills that rank at that step (`hspmd.runtime.launcher.fault`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import sys
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from hspmd.runtime.stacked import layer_leaves, per_layer, stacked
 from hspmd.runtime.checkpoint.manifest import CheckpointError, read_manifest as read_checkpoint_manifest, resolve_checkpoint
 from hspmd.runtime.checkpoint.reader import CheckpointElsewhere, load_global_file, load_state
 from hspmd.runtime.checkpoint.writer import CheckpointWriter, RunInfo
-from hspmd.runtime.fault import fault_point
+from hspmd.runtime.launcher.fault import fault_point
 from hspmd.runtime.kernel_exec import BACKENDS, select_program
 from hspmd.runtime.comm.base import CommError, Communicator
 from hspmd.dialects import graph
@@ -50,10 +50,15 @@ from hspmd.runtime.cuda.plan import DevicePlanError
 from hspmd.runtime.plan import Plan, PlanError, build_plan
 from hspmd.runtime.progress import Progress
 from hspmd.runtime.switch import SwitchStats, Switcher, bundle_holdings
-from hspmd.runtime.idle import RankSubset, idle_ranks
-from hspmd.runtime.leave import LeaveError, LeaveSignal, leave_target, parse_leave
+from hspmd.runtime.launcher.idle import RankSubset, idle_ranks
+from hspmd.runtime.launcher.leave import LeaveError, LeaveSignal, leave_target, parse_leave
 from hspmd.ir.switch_plan import SwitchError
 from hspmd.runtime.trace import Tracer, traced, write_trace
+from hspmd.runtime.comm.nodes import node_aware
+from hspmd.runtime.launcher.heartbeat import Heartbeat
+from hspmd.runtime.launcher.standby import StandbyDismissed
+from hspmd.runtime.launcher.peer.copier import PeerCopyError
+from hspmd.runtime.launcher.peer.session import PeerOptions, PeerRestoreError, restart_line, restore as restore_from_peers, start_copies
 from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.ir.lr_schedule import ScheduleError, schedule_from_spec
 
@@ -94,7 +99,7 @@ class RunResult:
     switches: list[tuple[int, int, int, SwitchStats]] = field(default_factory=list)  # (step, from, to, stats)
     step_s: list[float] = field(default_factory=list)  # each step's time in the plan (as the log's time_s)
     left: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, ranks that left before it)
-    idle: bool = False  # the strategy left this rank out: it ran no step (hspmd.runtime.idle)
+    idle: bool = False  # the strategy left this rank out: it ran no step (hspmd.runtime.launcher.idle)
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,9 @@ def train(
     leave_at: tuple[int, int] | None = None,
     device: str = "cpu",
     cuda_graph: bool = True,
+    peer: PeerOptions | None = None,
+    standby=None,
+    ranks_per_node: int | None = None,
 ) -> RunResult:
     """Run `steps` training steps of `bundle` as `comm.rank` and return what this rank saw.
 
@@ -203,9 +211,14 @@ def train(
     where the script's `strategy_for(batch, config)` names another, or, given `strategy_order`,
     step k under strategy `strategy_order[k - 1]`; the state moves in memory
     (`hspmd.runtime.switch`). A bundle with strategies on fewer ranks lets a rank leave
-    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.leave`).
+    gracefully (SIGTERM, or `leave_at` = (rank, step) for tests; `hspmd.runtime.launcher.leave`).
+
+    `peer` (`hspmd.runtime.launcher.peer`): keep in-memory copies of the state for an elastic restart, start
+    from such copies, and write the restart's `--log` line. `standby` (a standby rank,
+    `hspmd.runtime.launcher.standby`): called once the program is built, it returns where to start from.
     """
     manifest = read_manifest(bundle)
+    world_rank = comm.rank  # the launcher's numbering (idle ranks aside, the working ranks get their own)
     if comm.size != (manifest.world_size or manifest.num_devices):
         raise RunError(
             f"the bundle was compiled for {manifest.world_size or manifest.num_devices} devices (strategy "
@@ -220,8 +233,12 @@ def train(
             print(f"rank{'s' if len(idle) > 1 else ''} {','.join(map(str, idle))} idle: the strategy runs on "
                   f"rank{'s' if comm.size > 1 else ''} {','.join(map(str, manifest.ranks))}", flush=True)
     places = rank_places(comm, device)
+    # ranks on several nodes (hosts, or simulated: ranks_per_node): all-reduces across them in two tiers
+    comm = node_aware(comm, [p.host for p in places] if places else None, ranks_per_node)
     cuda_graph = cuda_graph and trace is None  # traced steps run call by call: nothing is captured
-    program = load_rank_program(bundle, manifest, comm, kernels, quiet, device, cuda_graph, places)
+    # a standby rank (hspmd.runtime.launcher.standby) says nothing of its plan: it may never train
+    program = load_rank_program(bundle, manifest, comm, kernels, quiet or standby is not None, device, cuda_graph,
+                                places)
     plan, gather = program.plan, program.gather
     programs, switcher = switching_programs(bundle, manifest, program, comm, kernels, switch_every, device, cuda_graph,
                                             places)
@@ -238,8 +255,16 @@ def train(
             f"steps={steps}: a run trains at least 1 step (--steps, or the script's config 'steps')")
     seed = int(config.get("seed", 0))
     state = plan.initial_state(seed)
-    ck = checkpoints or CheckpointOptions()
+    ck, peer = checkpoints or CheckpointOptions(), peer or PeerOptions()
+    if standby is not None:  # ready: wait here for where this attempt starts from
+        orders = standby()
+        ck = replace(ck, resume=orders.get("resume"))
+        peer = replace(peer, directory=orders.get("peer_dir"), restore=orders.get("peer_restore"),
+                       restart=orders.get("restart_record"))
+        log_append = bool(orders.get("log_append", log_append))
+    beat = Heartbeat(peer.heartbeat, world_rank) if peer.heartbeat else None  # hspmd.runtime.launcher.heartbeat
     done = 0  # steps already trained (by the run a checkpoint comes from)
+    peer_position: dict | None = None  # what the peer copies recorded beside the state (hspmd.runtime.launcher.peer)
     try:  # what every rank finds alike: rank 0 says it
         where = resolve_checkpoint(ck.resume) if ck.resume else None
         saved = read_checkpoint_manifest(where) if where else None
@@ -252,7 +277,11 @@ def train(
     except (CheckpointError, OSError) as err:
         raise (AgreedRunError if comm.rank == 0 else QuietRunError)(str(err)) from None
     try:  # the ranks agree before loading (reader._agree); the one that found a fault says it
-        if where and saved:
+        if peer.restore:  # a restart from the peer copies in host memory (hspmd.runtime.launcher.peer)
+            state, done, peer_position = restore_from_peers(peer.restore, plan.params, comm)
+            if comm.rank == 0 and not quiet:
+                print(f"resumed from the peer copies of step {done} (in host memory)", flush=True)
+        elif where and saved:
             state = stacked(load_state(where, saved, layer_leaves(plan.params), comm.rank, comm), plan.params)
             done = saved.step
             if comm.rank == 0 and not quiet:
@@ -265,11 +294,18 @@ def train(
         raise QuietRunError(str(err)) from None
     except CheckpointError as err:
         raise AgreedRunError(str(err)) from None
+    except PeerRestoreError as err:
+        raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
+    try:
+        copies = start_copies(peer, comm, plan.params, manifest.strategy) if len(programs) == 1 else None
+    except PeerCopyError as err:
+        raise (QuietRunError if err.elsewhere else RunError)(str(err)) from None
     try:  # the data: this rank's rows of each batch, at the checkpoint's data position (runtime/data/feed.py)
         feed = open_feed(load_script_module(manifest.script), config, comm.rank,
                          plan if len(programs) == 1 else None, staging=_staging(plan, device, config))
         verify_data(feed, comm)
-        feed.restore(saved.data if saved else None, done)
+        # the loader's position saved with the checkpoint, or with the peer copies (their stamp's "data")
+        feed.restore(saved.data if saved else (peer_position or {}).get("data"), done)
     except DataElsewhere as err:
         raise QuietRunError(str(err)) from None
     except DataError as err:
@@ -356,11 +392,20 @@ def train(
             result.losses.append(loss)
             if keep_outputs:  # per layer, as the parameters are named (a stacked gradient: each layer's)
                 result.outputs.append(per_layer(outputs))
+            copy_s = None
+            if copies is not None and copies.due(step):  # before the log says the step is done
+                copy_s = time.perf_counter()
+                copies.after_step(step, state, {"data_position": step, "data": feed.state_dict()})
+                copy_s = time.perf_counter() - copy_s
             if comm.rank == 0:
                 if progress is not None:
                     progress.step(step, loss, elapsed, items)
                 if log_file:
+                    if peer.restart is not None and step == done + 1:  # beside the first step after a restart
+                        log_file.write(restart_line(peer.restart) + "\n")
                     record = {"step": step, "loss": loss, "time_s": elapsed, "data_s": waited, "ranks": comm.size}
+                    if copy_s is not None:  # the training thread's part of the peer copies
+                        record["copy_s"] = copy_s
                     if "lr" in scalars:
                         record["lr"] = result.lrs[-1]
                     if scale is not None:  # dynamic loss scaling: the scale this step's loss was multiplied by
@@ -379,6 +424,8 @@ def train(
                             data=feed.state_dict())
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
+        if copies is not None:
+            copies.close()
         if writer is not None:
             with traced(tracer, "checkpoint.wait", "checkpoint"):
                 writer.close()
@@ -386,6 +433,8 @@ def train(
     except CheckpointError as err:
         raise RunError(str(err)) from None
     finally:
+        if beat is not None:  # training is over, on this rank: its end is near, not a silence
+            beat.stop()
         feed.close()
         if progress is not None:
             progress.close()
@@ -639,6 +688,13 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
     parser.add_argument("--cpu-bind", help="one core per rank, e.g. 0,0,1: rank r runs on core LIST[r]")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or one of them per rank (cuda,cuda,cpu)")
     parser.add_argument("--cuda-graph", choices=("on", "off"), default="on")
+    parser.add_argument("--peer-dir", help="keep in-memory peer copies, their index here (hspmd.runtime.launcher.peer)")
+    parser.add_argument("--peer-every", type=int, help="a peer copy after every K-th step (default 1)")
+    parser.add_argument("--peer-restore", help="start from this recovery of the peer copies")
+    parser.add_argument("--restart-record", help="the restart's facts (JSON), for the --log line beside the first step")
+    parser.add_argument("--ranks-per-node", type=int, help="simulate nodes of K ranks (hspmd.runtime.comm.nodes)")
+    parser.add_argument("--heartbeat", metavar="DIR", help="beat in DIR for --silent-after (hspmd.runtime.launcher.heartbeat)")
+    parser.add_argument("--standby", metavar="ORDERS", help="build the plan, then wait for ORDERS (hspmd.runtime.launcher.standby)")
     args = parser.parse_args(argv)
     if comm is None:
         from hspmd.runtime.comm.mpi import MPICommunicator
@@ -649,12 +705,21 @@ def main(argv: list[str] | None = None, comm: Communicator | None = None) -> int
 
         bind_cpu(parse_cpu_bind(args.cpu_bind, comm.size)[comm.rank])
     checkpoints = CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume, args.init_from)
+    peer = PeerOptions.from_args(args.peer_dir, args.peer_every, args.peer_restore, args.restart_record,
+                                 args.heartbeat)
+    standby = None
+    if args.standby:
+        from hspmd.runtime.launcher.standby import wait_for_orders
+
+        standby = lambda: wait_for_orders(args.standby)  # noqa: E731
     try:
         train(args.bundle, comm, args.steps, args.log, args.checkpoint, kernels=args.kernels,
               checkpoints=checkpoints, log_append=args.log_append, trace=args.trace,
               progress_bar=args.progress == "bar", switch_every=args.switch_every,
               device=worker_device(args.device, comm.rank),
-              cuda_graph=args.cuda_graph == "on")
+              cuda_graph=args.cuda_graph == "on", peer=peer, standby=standby, ranks_per_node=args.ranks_per_node)
+    except StandbyDismissed:  # a standby rank the run did not need
+        return 0
     except QuietRunError:  # every rank knows; the one that found it has said why
         return 1
     except AgreedRunError as err:

@@ -49,11 +49,12 @@ from hspmd.codegen.schedule import DEFAULT_BUCKET_BYTES
 from hspmd.codegen.schedule.model import nbytes
 from hspmd.dialects import comm, graph
 from hspmd.dialects.levels import physical_groups
+from hspmd.ir.devices import DeviceRange, RankGroups
 from hspmd.ir.types import dtype_name
 
 __all__ = ["CoalesceGroupSums"]
 
-Key = tuple[tuple[int, ...], ...]
+Key = RankGroups  # a collective's rank groups
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,12 @@ def _symbols(value: Attribute) -> list[str]:
     return []
 
 
-def _outside(op: Operation, devices: frozenset[int], funcs: dict[str, func.FuncOp], memo: dict[str, bool]) -> bool:
+def _outside(op: Operation, devices: DeviceRange, funcs: dict[str, func.FuncOp], memo: dict[str, bool]) -> bool:
     """Return whether `op`, a body it holds or a function it refers to (a call, a pipeline's
     forward and backward, any op naming a function) communicates with a rank outside `devices`."""
     if op.dialect_name() == "comm":
-        return not comm.talks_with(op) <= devices
+        parts = comm.members(op)
+        return parts is not None and not all(p.issubset(devices) for p in parts)
     if op.name == "pipeline.run":
         return True  # its forward and backward send to and receive from other stages
     for name in (n for v in (*op.properties.values(), *op.attributes.values()) for n in _symbols(v)):
@@ -96,7 +98,7 @@ def _outside(op: Operation, devices: frozenset[int], funcs: dict[str, func.FuncO
     return any(_outside(o, devices, funcs, memo) for region in op.regions for o in region.walk())
 
 
-def _sequence(module: ModuleOp, devices: frozenset[int]) -> list[tuple[Key, _Sum] | None] | None:
+def _sequence(module: ModuleOp, devices: DeviceRange) -> list[tuple[Key, _Sum] | None] | None:
     """Return the module's step as what communicates outside it, in order: (groups, sum) for an
     all-reduce, None for anything else that does; None when the module has no `@train_step`."""
     funcs = {f.sym_name.data: f for f in module.body.block.ops if isinstance(f, func.FuncOp)}
@@ -159,14 +161,15 @@ class CoalesceGroupSums(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         sequences = []  # (devices, what communicates outside them) per module with a step
         for devices, module in physical_groups(op):
-            seq = _sequence(module, frozenset(devices))
+            seq = _sequence(module, devices)
             if seq is not None:
-                sequences.append((frozenset(devices), seq))
-        keys = sorted({e[0] for _, seq in sequences for e in seq if e is not None})
+                sequences.append((devices, seq))
+        # in one order in every program: by the groups' first member, size and text (not listed)
+        keys = sorted({e[0] for _, seq in sequences for e in seq if e is not None},
+                      key=lambda k: (k.members.min, len(k.members), k.size, str(k)))
         run_id = 0
         for key in keys:
-            members = frozenset(r for g in key for r in g)
-            taking_part = [seq for devices, seq in sequences if members & devices]
+            taking_part = [seq for devices, seq in sequences if not key.members.isdisjoint(devices)]
             found = [_cuts(seq, key, self.bucket_bytes) for seq in taking_part]
             shapes = {tuple((s.nbytes, s.dtype) for s in sums) for sums, _ in found}
             if len(shapes) != 1:

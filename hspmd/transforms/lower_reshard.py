@@ -25,7 +25,8 @@ from xdsl.passes import ModulePass
 from hspmd.dialects import comm, dist
 from hspmd.dialects.graph import i64_array
 from hspmd.ir.layout import Layout, LayoutError, split
-from hspmd.dialects.levels import DEVICES_ATTR
+from hspmd.dialects.levels import DEVICES_ATTR, devices_of
+from hspmd.ir.devices import DeviceRange
 from hspmd.ir.reshard_plan import CommStep, plan_transition
 from hspmd.transforms.util import PassError
 
@@ -35,7 +36,7 @@ def _step_op(step: CommStep, value: SSAValue, sizes: tuple[int, ...] | None = No
     typ = value.type
     assert isinstance(typ, TensorType)
     shape = list(typ.get_shape())
-    n = len(step.groups[0])
+    n = step.groups.size
     kind = step.kind
     if kind == "all_gather" and sizes is not None:
         shape[step.dim] = sum(sizes)
@@ -91,8 +92,7 @@ class LowerReshard(ModulePass):
             block = reshard.parent_block()
             assert block is not None
             for k, step in enumerate(steps):
-                members = [r for g in step.groups for r in g]
-                if devices is not None and not set(devices) & set(members):
+                if devices is not None and devices.isdisjoint(step.groups.members):
                     continue  # a step inside another device group of the union
                 if step.kind == "exchange":
                     step_op = _exchange_op(step, value, reshard, devices, src, dst, shape)
@@ -115,12 +115,12 @@ class LowerReshard(ModulePass):
             reshard.erase()
 
 
-def _module_devices(op: Operation) -> tuple[int, ...] | None:
+def _module_devices(op: Operation) -> DeviceRange | None:
     """Return the devices of the physical group module holding `op` (None outside one)."""
     parent = op.parent_op()
     while parent is not None:
         if isinstance(parent, ModuleOp) and DEVICES_ATTR in parent.attributes:
-            return tuple(parent.attributes[DEVICES_ATTR].get_values())  # type: ignore[union-attr]
+            return devices_of(parent.attributes[DEVICES_ATTR])
         parent = parent.parent_op()
     return None
 
@@ -132,7 +132,8 @@ def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dis
     holds a dim whole (the uneven gather makes the hetero-split dim whole); only a first step
     sees `src`'s pieces.
     """
-    if all(len({src.group_index(r) for r in g}) == 1 for g in step.groups):
+    if any(step.groups.members.issubset(g.devices) for g in src.groups) or all(
+            len({src.group_index(r) for r in g}) == 1 for g in step.groups):
         return None  # each rank group inside one device group: an even gather
     if k != 0:
         raise PassError(f"lower-reshard: '{src}' -> '{dst}': an all_gather across groups must be the first step")
@@ -149,7 +150,7 @@ def _gather_sizes(step: CommStep, k: int, src: Layout, dst: Layout, reshard: dis
 
 
 def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
-                 devices: tuple[int, ...] | None, src: Layout, dst: Layout, shape: tuple[int, ...]) -> Operation:
+                 devices: DeviceRange | None, src: Layout, dst: Layout, shape: tuple[int, ...]) -> Operation:
     """Return the `comm.exchange` performing `step`; its result is this group's local piece."""
     typ = value.type
     assert isinstance(typ, TensorType)
@@ -162,7 +163,7 @@ def _exchange_op(step: CommStep, value: SSAValue, reshard: dist.ReshardOp,
 
 
 def _global_shape(src: Layout, dst: Layout, reshard: dist.ReshardOp,
-                  devices: tuple[int, ...] | None) -> tuple[int, ...]:
+                  devices: DeviceRange | None) -> tuple[int, ...]:
     """Return the global shape of the reshard: the one specialize-groups recorded, else the one the
     reshard's local types imply for one of this module's devices (IR written without it).
 

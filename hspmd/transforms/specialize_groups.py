@@ -20,22 +20,26 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import dist, graph
 from hspmd.dialects.dist import LayoutAttr, layout_of, without_layout
-from hspmd.ir.layout import LayoutError
+from hspmd.ir.devices import DeviceRange
+from hspmd.ir.layout import Layout, LayoutError
 from hspmd.dialects.levels import DEVICES_ATTR, devices_attr
 from hspmd.transforms.util import PassError, step_function
 
 
-def device_groups(functions: list[func.FuncOp]) -> list[tuple[int, ...]]:
-    """Return the device groups of the layouts in `functions`, in first-seen order."""
-    groups: list[tuple[int, ...]] = []
+def device_groups(functions: list[func.FuncOp]) -> list[DeviceRange]:
+    """Return the device groups of the layouts in `functions`, in first-seen order (ranges: found
+    per group, never per device)."""
+    groups: list[DeviceRange] = []
+    seen: set[Layout] = set()
     for fn in functions:
         for v in (*fn.body.block.args, *(r for op in fn.walk() for r in op.results)):
             lay = layout_of(v)
-            if lay is None:
+            if lay is None or lay in seen:
                 continue
+            seen.add(lay)
             for g in lay.groups:
                 if g.devices not in groups:
-                    if any(set(g.devices) & set(h) for h in groups):
+                    if any(not g.devices.isdisjoint(h) for h in groups):
                         raise PassError(
                             f"specialize-groups: device group {list(g.devices)} overlaps another group; "
                             "layouts that regroup devices are not supported yet"
@@ -44,11 +48,11 @@ def device_groups(functions: list[func.FuncOp]) -> list[tuple[int, ...]]:
     return groups
 
 
-def _local_type(typ: TensorType, group: tuple[int, ...], what: str) -> TensorType:
+def _local_type(typ: TensorType, group: DeviceRange, what: str) -> TensorType:
     lay = layout_of(typ)
     if lay is None:
         raise PassError(f"specialize-groups: {what} has no layout; run propagate-layouts first")
-    if group[0] not in lay.devices:
+    if not any(group[0] in g.devices for g in lay.groups):
         raise PassError(f"specialize-groups: {what} with layout '{lay}' does not live on devices {list(group)}")
     try:
         return without_layout(typ, lay.local_shape(group[0], typ.get_shape()))
@@ -81,7 +85,7 @@ class SpecializeGroups(ModulePass):
             op.body.block.add_op(m)
 
     @staticmethod
-    def _localize(fn: func.FuncOp, group: tuple[int, ...]) -> func.FuncOp:
+    def _localize(fn: func.FuncOp, group: DeviceRange) -> func.FuncOp:
         """Return `fn` with every type made local to `group` (arguments and signature included)."""
         for o in fn.walk():  # record global facts before any type becomes local
             if isinstance(o, (graph.ParameterOp, graph.InputOp)) or getattr(o, "RECORDS_GLOBAL_TYPE", False):

@@ -10,7 +10,7 @@
 // again overwrites the same numbers.
 
 builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=1 pp=2", microbatches = 1, schedule = "gpipe">]} {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">} {
     func.func @train_step() {
       %w0 = graph.parameter "layers.0.weight" {init = "normal:0.1", global_type = tensor<4x4xf32, #dist.layout<"[0]: dup=1">>} : tensor<4x4xf32>
       %w1 = graph.parameter "layers.1.weight" {init = "normal:0.1", global_type = tensor<4x3xf32, #dist.layout<"[0]: dup=1">>} : tensor<4x3xf32>

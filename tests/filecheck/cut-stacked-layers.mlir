@@ -6,7 +6,7 @@
 // backward scan two reverse scans (the last layers' first), the update one op per piece.
 
 builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=1 pp=2", microbatches = 1, schedule = "gpipe">]} {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">} {
     func.func @train_step() {
       %0 = graph.parameter "layers.[0:4].fc.weight" {init = "uniform:-0.5:0.5", global_type = tensor<4x4x4xf32, #dist.layout<"[0]: dup=1">>} : tensor<4x4x4xf32>
       %1 = graph.input "x" {global_type = tensor<2x4xf32, #dist.layout<"[0]: dup=1">>} : tensor<2x4xf32>

@@ -23,21 +23,21 @@ builtin.module {
   }
 }
 
-// CHECK:       builtin.module @group0 attributes {hspmd.devices = array<i64: 0>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:       builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         %[[X:.*]] = graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<6x4xf32>
 // CHECK-NEXT:    %[[MB:.*]] = graph.reshape %[[X]] : (tensor<6x4xf32>) -> tensor<2x3x4xf32>
 // CHECK:         %[[SUM0:.*]] = pipeline.run @pipeline_forward, @pipeline_backward(%w0, %{{.*}}) (%[[MB]]) {schedule = "gpipe", stage = 0 : i64, stages = 2 : i64, microbatches = 2 : i64, stash = 1 : i64}
-// CHECK:         %[[G0:.*]] = comm.all_reduce %[[SUM0]] {groups = [array<i64: 0, 2>]} : tensor<4x4xf32> -> tensor<4x4xf32>
+// CHECK:         %[[G0:.*]] = comm.all_reduce %[[SUM0]] {groups = #dist.groups<"{0,2}">} : tensor<4x4xf32> -> tensor<4x4xf32>
 // CHECK:         optim.sgd %w0, %[[G0]]
 // CHECK:       func.func private @pipeline_forward
-// CHECK:         comm.send %r {pairs = [array<i64: 0, 1>], tag = {{[0-9]+}} : i64} : tensor<3x4xf32>
-// CHECK:       builtin.module @group1 attributes {hspmd.devices = array<i64: 1>, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:         comm.send %r {pairs = #dist.pairs<"0->1">, tag = {{[0-9]+}} : i64} : tensor<3x4xf32>
+// CHECK:       builtin.module @group1 attributes {hspmd.devices = #dist.devices<"1">, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         %[[LOSSES:.*]], %[[SUM1:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
-// CHECK-NEXT:    %[[LOSS:.*]] = comm.all_reduce %[[LOSSES]] {groups = [array<i64: 1, 2>]} : tensor<f32> -> tensor<f32>
-// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = [array<i64: 1, 0>], tag = {{[0-9]+}} : i64} : tensor<f32>
-// CHECK:         %[[G1:.*]] = comm.all_reduce %[[SUM1]] {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
-// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
+// CHECK-NEXT:    %[[LOSS:.*]] = comm.all_reduce %[[LOSSES]] {groups = #dist.groups<"{1,2}">} : tensor<f32> -> tensor<f32>
+// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = #dist.pairs<"1->0">, tag = {{[0-9]+}} : i64} : tensor<f32>
+// CHECK:         %[[G1:.*]] = comm.all_reduce %[[SUM1]] {groups = #dist.groups<"{1,2}">} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK:       builtin.module @group2 attributes {hspmd.devices = #dist.devices<"2">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
 // CHECK:           graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<2x4xf32>
-// CHECK:           comm.all_reduce %l {groups = [array<i64: 1, 2>]} : tensor<f32> -> tensor<f32>
-// CHECK:           comm.all_reduce %{{.*}} {groups = [array<i64: 0, 2>]} : tensor<4x4xf32> -> tensor<4x4xf32>
-// CHECK:           comm.all_reduce %{{.*}} {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK:           comm.all_reduce %l {groups = #dist.groups<"{1,2}">} : tensor<f32> -> tensor<f32>
+// CHECK:           comm.all_reduce %{{.*}} {groups = #dist.groups<"{0,2}">} : tensor<4x4xf32> -> tensor<4x4xf32>
+// CHECK:           comm.all_reduce %{{.*}} {groups = #dist.groups<"{1,2}">} : tensor<4x3xf32> -> tensor<4x3xf32>

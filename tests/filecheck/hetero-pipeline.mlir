@@ -25,30 +25,30 @@ builtin.module {
   }
 }
 
-// CHECK:       builtin.module @group0 attributes {hspmd.devices = array<i64: 0>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64} {
+// CHECK:       builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64} {
 // CHECK:         graph.parameter "layers.0.weight" {{.*}}#dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=dup">
 // CHECK-NEXT:    graph.input "x@mb" {global_type = tensor<1x8x4xf32, #dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=split(1), shares=3:1">>} : tensor<1x6x4xf32>
 // CHECK:         %[[G0:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
 // CHECK:         optim.sgd %w0, %[[G0]]
 // CHECK:       func.func private @pipeline_forward
-// CHECK:         comm.send %r {pairs = [array<i64: 0, 1>], tag = {{[0-9]+}} : i64} : tensor<6x4xf32>
+// CHECK:         comm.send %r {pairs = #dist.pairs<"0->1">, tag = {{[0-9]+}} : i64} : tensor<6x4xf32>
 // CHECK:       func.func private @pipeline_backward
-// CHECK:         %[[G:.*]] = comm.all_reduce %{{.*}} {groups = [array<i64: 0, 2>]} : tensor<4x4xf32> -> tensor<4x4xf32>
+// CHECK:         %[[G:.*]] = comm.all_reduce %{{.*}} {groups = #dist.groups<"{0,2}">} : tensor<4x4xf32> -> tensor<4x4xf32>
 // CHECK-NEXT:    func.return %[[G]]
 // CHECK-NOT:     layers.1.weight
-// CHECK:       builtin.module @group1 attributes {hspmd.devices = array<i64: 1>, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 1 : i64} {
+// CHECK:       builtin.module @group1 attributes {hspmd.devices = #dist.devices<"1">, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 1 : i64} {
 // CHECK:         graph.parameter "layers.1.weight" {{.*}}#dist.layout<"[1]: dup=1 | [2]: dup=1 ; hetero=dup">
 // CHECK:         %[[LOSS:.*]], %[[G1:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
-// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = [array<i64: 1, 0>], tag = {{[0-9]+}} : i64} : tensor<f32>
+// CHECK-NEXT:    comm.send %[[LOSS]] {pairs = #dist.pairs<"1->0">, tag = {{[0-9]+}} : i64} : tensor<f32>
 // CHECK:         optim.sgd %w1, %[[G1]]
 // CHECK:       func.func private @pipeline_forward
-// CHECK:         comm.all_reduce %l {groups = [array<i64: 1, 2>]} : tensor<f32> -> tensor<f32>
+// CHECK:         comm.all_reduce %l {groups = #dist.groups<"{1,2}">} : tensor<f32> -> tensor<f32>
 // CHECK:       func.func private @pipeline_backward
-// CHECK:         comm.all_reduce %{{.*}} {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
-// CHECK:       builtin.module @group2 attributes {hspmd.devices = array<i64: 2>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
+// CHECK:         comm.all_reduce %{{.*}} {groups = #dist.groups<"{1,2}">} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK:       builtin.module @group2 attributes {hspmd.devices = #dist.devices<"2">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 1 : i64, hspmd.single_stage} {
 // CHECK-NEXT:    func.func @train_step() {
 // CHECK-NEXT:      graph.parameter "layers.0.weight" {{.*}}#dist.layout<"[0]: dup=1 | [2]: dup=1 ; hetero=dup">
 // CHECK-NEXT:      graph.parameter "layers.1.weight" {{.*}}#dist.layout<"[1]: dup=1 | [2]: dup=1 ; hetero=dup">
-// CHECK:           comm.all_reduce %l {groups = [array<i64: 1, 2>]} : tensor<f32> -> tensor<f32>
-// CHECK:           comm.all_reduce %{{.*}} {groups = [array<i64: 0, 2>]} : tensor<4x4xf32> -> tensor<4x4xf32>
-// CHECK:           comm.all_reduce %{{.*}} {groups = [array<i64: 1, 2>]} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK:           comm.all_reduce %l {groups = #dist.groups<"{1,2}">} : tensor<f32> -> tensor<f32>
+// CHECK:           comm.all_reduce %{{.*}} {groups = #dist.groups<"{0,2}">} : tensor<4x4xf32> -> tensor<4x4xf32>
+// CHECK:           comm.all_reduce %{{.*}} {groups = #dist.groups<"{1,2}">} : tensor<4x3xf32> -> tensor<4x3xf32>

@@ -8,7 +8,7 @@
 // `sizes` and its result (16 rows) is the same on every rank.
 
 builtin.module {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">} {
     func.func @train_step() {
       %x = graph.input "x" {global_type = tensor<16x4xf32, #dist.layout<"[0,1]: split(0)=2 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<6x4xf32>
       %p = graph.reduce_sum %x {dims = array<i64: 0>} : (tensor<6x4xf32>) -> tensor<4xf32>
@@ -19,7 +19,7 @@ builtin.module {
       func.return
     }
   }
-  builtin.module @group1 attributes {hspmd.devices = array<i64: 2>} {
+  builtin.module @group1 attributes {hspmd.devices = #dist.devices<"2">} {
     func.func @train_step() {
       %x = graph.input "x" {global_type = tensor<16x4xf32, #dist.layout<"[0,1]: split(0)=2 | [2]: dup=1 ; hetero=split(0), shares=3:1">>} : tensor<4x4xf32>
       %p = graph.reduce_sum %x {dims = array<i64: 0>} : (tensor<4x4xf32>) -> tensor<4xf32>
@@ -33,12 +33,12 @@ builtin.module {
 }
 
 // CHECK-LABEL: builtin.module @group0
-// CHECK:         [[Z:%.*]] = comm.local_zero %p {groups = [array<i64: 0, 1>]} : tensor<4xf32> -> tensor<4xf32>
-// CHECK-NEXT:    [[A:%.*]] = comm.all_reduce [[Z]] {groups = [array<i64: 0, 1, 2>]} : tensor<4xf32> -> tensor<4xf32>
-// CHECK-NEXT:    [[G:%.*]] = comm.all_gather %x {groups = [array<i64: 0, 1, 2>], dim = 0 : i64, sizes = array<i64: 6, 6, 4>} : tensor<6x4xf32> -> tensor<16x4xf32>
+// CHECK:         [[Z:%.*]] = comm.local_zero %p {groups = #dist.groups<"{0,1}">} : tensor<4xf32> -> tensor<4xf32>
+// CHECK-NEXT:    [[A:%.*]] = comm.all_reduce [[Z]] {groups = #dist.groups<"{0-2}">} : tensor<4xf32> -> tensor<4xf32>
+// CHECK-NEXT:    [[G:%.*]] = comm.all_gather %x {groups = #dist.groups<"{0-2}">, dim = 0 : i64, sizes = array<i64: 6, 6, 4>} : tensor<6x4xf32> -> tensor<16x4xf32>
 // CHECK-NEXT:    graph.output "a", [[A]] : tensor<4xf32>
 // CHECK-LABEL: builtin.module @group1
 // CHECK-NOT:     comm.local_zero
-// CHECK:         [[A1:%.*]] = comm.all_reduce %p {groups = [array<i64: 0, 1, 2>]} : tensor<4xf32> -> tensor<4xf32>
-// CHECK-NEXT:    [[G1:%.*]] = comm.all_gather %x {groups = [array<i64: 0, 1, 2>], dim = 0 : i64, sizes = array<i64: 6, 6, 4>} : tensor<4x4xf32> -> tensor<16x4xf32>
+// CHECK:         [[A1:%.*]] = comm.all_reduce %p {groups = #dist.groups<"{0-2}">} : tensor<4xf32> -> tensor<4xf32>
+// CHECK-NEXT:    [[G1:%.*]] = comm.all_gather %x {groups = #dist.groups<"{0-2}">, dim = 0 : i64, sizes = array<i64: 6, 6, 4>} : tensor<4x4xf32> -> tensor<16x4xf32>
 // CHECK-NEXT:    graph.output "a", [[A1]] : tensor<4xf32>

@@ -6,7 +6,7 @@
 // group. A transition between unlike groups is one comm.exchange naming its layouts and shape.
 
 builtin.module {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">} {
     func.func @train_step() {
       %g = graph.input "g" {global_type = tensor<4x6xf32, #dist.layout<"[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=split(0), shares=1:1">>} : tensor<2x3xf32>
       %p = graph.scale %g {factor = 1.0 : f64} : (tensor<2x3xf32>) -> tensor<2x3xf32>
@@ -17,7 +17,7 @@ builtin.module {
       func.return
     }
   }
-  builtin.module @group1 attributes {hspmd.devices = array<i64: 2, 3>} {
+  builtin.module @group1 attributes {hspmd.devices = #dist.devices<"2,3">} {
     func.func @train_step() {
       %g = graph.input "g" {global_type = tensor<4x6xf32, #dist.layout<"[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=split(0), shares=1:1">>} : tensor<2x3xf32>
       %p = graph.scale %g {factor = 1.0 : f64} : (tensor<2x3xf32>) -> tensor<2x3xf32>
@@ -33,8 +33,8 @@ builtin.module {
 }
 
 // CHECK-LABEL: builtin.module @group0
-// CHECK:         %a = comm.all_reduce %p {groups = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<2x3xf32> -> tensor<2x3xf32>
-// CHECK-NEXT:    [[S:%.*]] = comm.all_reduce %p {groups = [array<i64: 0, 2>, array<i64: 1, 3>]} : tensor<2x3xf32> -> tensor<2x3xf32>
-// CHECK-NEXT:    %b = comm.all_gather [[S]] {groups = [array<i64: 0, 1>, array<i64: 2, 3>], dim = 1 : i64} : tensor<2x3xf32> -> tensor<2x6xf32>
+// CHECK:         %a = comm.all_reduce %p {groups = #dist.groups<"{0,2},{1,3}">} : tensor<2x3xf32> -> tensor<2x3xf32>
+// CHECK-NEXT:    [[S:%.*]] = comm.all_reduce %p {groups = #dist.groups<"{0,2},{1,3}">} : tensor<2x3xf32> -> tensor<2x3xf32>
+// CHECK-NEXT:    %b = comm.all_gather [[S]] {groups = #dist.groups<"[2,2]<=[4]">, dim = 1 : i64} : tensor<2x3xf32> -> tensor<2x6xf32>
 // CHECK-LABEL: builtin.module @group1
 // CHECK:         %c = comm.exchange %p {src = #dist.layout<"[0,1]: split(1)=2 | [2,3]: split(1)=2 ; hetero=partial">, dst = #dist.layout<"[0,1]: split(0)=2 | [2,3]: split(1)=2 ; hetero=dup">, shape = array<i64: 2, 6>} : tensor<2x3xf32> -> tensor<2x3xf32>

@@ -7,7 +7,7 @@
 // now use the last comm op's result.
 
 builtin.module {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">} {
     func.func @train_step() {
       %x = graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0,1]: split(0)=2">>} : tensor<4x4xf32>
       %p = graph.reduce_sum %x {dims = array<i64: 0>} : (tensor<4x4xf32>) -> tensor<4xf32>
@@ -23,14 +23,14 @@ builtin.module {
   }
 }
 
-// CHECK-LABEL: builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>}
+// CHECK-LABEL: builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">}
 // CHECK-NOT:     dist.reshard
 // CHECK:         %p = graph.reduce_sum
-// CHECK-NEXT:    [[A:%.*]] = comm.all_reduce %p {groups = [array<i64: 0, 1>]} : tensor<4xf32> -> tensor<4xf32>
-// CHECK-NEXT:    [[G:%.*]] = comm.all_gather %x {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<8x4xf32>
-// CHECK-NEXT:    [[S:%.*]] = comm.local_split [[G]] {groups = [array<i64: 0, 1>], dim = 1 : i64} : tensor<8x4xf32> -> tensor<8x2xf32>
-// CHECK-NEXT:    [[T:%.*]] = comm.all_to_all %x {groups = [array<i64: 0, 1>], split_dim = 1 : i64, concat_dim = 0 : i64} : tensor<4x4xf32> -> tensor<8x2xf32>
-// CHECK-NEXT:    {{%.*}} = comm.reduce_scatter %p {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4xf32> -> tensor<2xf32>
+// CHECK-NEXT:    [[A:%.*]] = comm.all_reduce %p {groups = #dist.groups<"{0,1}">} : tensor<4xf32> -> tensor<4xf32>
+// CHECK-NEXT:    [[G:%.*]] = comm.all_gather %x {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x4xf32> -> tensor<8x4xf32>
+// CHECK-NEXT:    [[S:%.*]] = comm.local_split [[G]] {groups = #dist.groups<"{0,1}">, dim = 1 : i64} : tensor<8x4xf32> -> tensor<8x2xf32>
+// CHECK-NEXT:    [[T:%.*]] = comm.all_to_all %x {groups = #dist.groups<"{0,1}">, split_dim = 1 : i64, concat_dim = 0 : i64} : tensor<4x4xf32> -> tensor<8x2xf32>
+// CHECK-NEXT:    {{%.*}} = comm.reduce_scatter %p {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4xf32> -> tensor<2xf32>
 // CHECK-NEXT:    graph.output "a", [[A]] : tensor<4xf32>
 // CHECK-NEXT:    %st = graph.add [[S]], [[T]] : (tensor<8x2xf32>, tensor<8x2xf32>) -> tensor<8x2xf32>
 // CHECK-NEXT:    func.return
@@ -41,7 +41,7 @@ builtin.module {
 // (ranks 0,1 | 2,3 share the inner axis, ranks 0,2 | 1,3 the outer one).
 
 builtin.module {
-  builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1, 2, 3>} {
+  builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0-3">} {
     func.func @train_step() {
       %w = graph.parameter "w" {init = "zeros", global_type = tensor<8x6xf32, #dist.layout<"[0-3]: dup=4">>} : tensor<8x6xf32>
       %ws = dist.reshard %w {src = #dist.layout<"[0-3]: dup=4">, dst = #dist.layout<"[0-3]: split(0)=2, split(1)=2">} : tensor<8x6xf32> -> tensor<4x3xf32>
@@ -53,12 +53,12 @@ builtin.module {
   }
 }
 
-// CHECK-LABEL: builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1, 2, 3>}
+// CHECK-LABEL: builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0-3">}
 // CHECK:         %w = graph.parameter "w"
-// CHECK-NEXT:    [[W0:%.*]] = comm.local_split %w {groups = [array<i64: 0, 2>, array<i64: 1, 3>], dim = 0 : i64} : tensor<8x6xf32> -> tensor<4x6xf32>
-// CHECK-NEXT:    [[W1:%.*]] = comm.local_split [[W0]] {groups = [array<i64: 0, 1>, array<i64: 2, 3>], dim = 1 : i64} : tensor<4x6xf32> -> tensor<4x3xf32>
+// CHECK-NEXT:    [[W0:%.*]] = comm.local_split %w {groups = #dist.groups<"{0,2},{1,3}">, dim = 0 : i64} : tensor<8x6xf32> -> tensor<4x6xf32>
+// CHECK-NEXT:    [[W1:%.*]] = comm.local_split [[W0]] {groups = #dist.groups<"[2,2]<=[4]">, dim = 1 : i64} : tensor<4x6xf32> -> tensor<4x3xf32>
 // CHECK-NEXT:    %r = graph.reduce_sum [[W1]] {dims = array<i64: 1>} : (tensor<4x3xf32>) -> tensor<4xf32>
-// CHECK-NEXT:    [[R0:%.*]] = comm.all_reduce %r {groups = [array<i64: 0, 1>, array<i64: 2, 3>]} : tensor<4xf32> -> tensor<4xf32>
-// CHECK-NEXT:    [[R1:%.*]] = comm.all_gather [[R0]] {groups = [array<i64: 0, 2>, array<i64: 1, 3>], dim = 0 : i64} : tensor<4xf32> -> tensor<8xf32>
+// CHECK-NEXT:    [[R0:%.*]] = comm.all_reduce %r {groups = #dist.groups<"[2,2]<=[4]">} : tensor<4xf32> -> tensor<4xf32>
+// CHECK-NEXT:    [[R1:%.*]] = comm.all_gather [[R0]] {groups = #dist.groups<"{0,2},{1,3}">, dim = 0 : i64} : tensor<4xf32> -> tensor<8xf32>
 // CHECK-NEXT:    graph.output "r", [[R1]] : tensor<8xf32>
 // CHECK-NOT:     dist.reshard

@@ -34,7 +34,7 @@ builtin.module {
 
 // PHYS:          graph.transpose
 // PHYS-NEXT:     graph.matmul {{.*}} -> tensor<4x3xf32>
-// PHYS-NEXT:     [[GD:%.*]] = comm.all_reduce {{%.*}} {groups = [array<i64: 0, 1>]} : tensor<4x3xf32> -> tensor<4x3xf32>
+// PHYS-NEXT:     [[GD:%.*]] = comm.all_reduce {{%.*}} {groups = #dist.groups<"{0,1}">} : tensor<4x3xf32> -> tensor<4x3xf32>
 // PHYS-NEXT:     optim.sum_squares [[GD]]
 // PHYS-NOT:      comm.
 // PHYS:          func.return

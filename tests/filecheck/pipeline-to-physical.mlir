@@ -21,7 +21,7 @@ builtin.module {
 }
 
 // CHECK:       builtin.module attributes {dist.strategies = [#dist.strategy<id = 0, "[0,1]: dp=2", microbatches = 1, schedule = "gpipe">]} {
-// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
+// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">} {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {init = "normal:0.1", global_type = tensor<4x3xf32, #dist.layout<"[0,1]: dup=2">>} : tensor<4x3xf32>
 // CHECK-NEXT:        %b = graph.parameter "b" {init = "zeros", global_type = tensor<3xf32, #dist.layout<"[0,1]: dup=2">>} : tensor<3xf32>
@@ -29,12 +29,12 @@ builtin.module {
 // CHECK-NEXT:        %y = graph.matmul %x, %w : (tensor<4x4xf32>, tensor<4x3xf32>) -> tensor<4x3xf32>
 // CHECK-NOT:         {{dist\.reshard|comm\.}}
 // CHECK:             %l = graph.scale %s {{.*}} : (tensor<f32>) -> tensor<f32>
-// CHECK-NEXT:        [[LOSS:%.*]] = comm.all_reduce %l {groups = [array<i64: 0, 1>]} : tensor<f32> -> tensor<f32>
+// CHECK-NEXT:        [[LOSS:%.*]] = comm.all_reduce %l {groups = #dist.groups<"{0,1}">} : tensor<f32> -> tensor<f32>
 // CHECK-NEXT:        graph.output "loss", [[LOSS]] : tensor<f32>
-// CHECK:             [[GW:%.*]] = comm.all_reduce %7 {groups = [array<i64: 0, 1>]} : tensor<4x3xf32> -> tensor<4x3xf32>
+// CHECK:             [[GW:%.*]] = comm.all_reduce %7 {groups = #dist.groups<"{0,1}">} : tensor<4x3xf32> -> tensor<4x3xf32>
 // CHECK-NEXT:        [[NW:%.*]] = optim.sgd %w, [[GW]], {{%.*}} {{.*}} : (tensor<4x3xf32>, tensor<4x3xf32>, tensor<f64>) -> tensor<4x3xf32>
 // CHECK-NEXT:        graph.assign "w", [[NW]] : tensor<4x3xf32>
-// CHECK-NEXT:        [[GB:%.*]] = comm.all_reduce %5 {groups = [array<i64: 0, 1>]} : tensor<3xf32> -> tensor<3xf32>
+// CHECK-NEXT:        [[GB:%.*]] = comm.all_reduce %5 {groups = #dist.groups<"{0,1}">} : tensor<3xf32> -> tensor<3xf32>
 // CHECK-NEXT:        [[NB:%.*]] = optim.sgd %b, [[GB]], {{%.*}} {{.*}} : (tensor<3xf32>, tensor<3xf32>, tensor<f64>) -> tensor<3xf32>
 // CHECK-NEXT:        graph.assign "b", [[NB]] : tensor<3xf32>
 // CHECK-NEXT:        func.return

@@ -35,10 +35,10 @@ builtin.module {
 // CHECK-NEXT: graph.parameter "opt.v.b" {init = "zeros"} : tensor<3xf32, #dist.layout<"[0,1]: dup=2">>
 
 // PHYS:      graph.parameter "opt.m.w" {{.*}} : tensor<2x3xf32>
-// PHYS:      comm.local_split %w {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
-// PHYS-NEXT: comm.reduce_scatter {{%.*}} {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
+// PHYS:      comm.local_split %w {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
+// PHYS-NEXT: comm.reduce_scatter {{%.*}} {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
 // PHYS-NEXT: [[NW:%.*]], {{%.*}}, {{%.*}} = optim.adam {{.*}} -> (tensor<2x3xf32>, tensor<2x3xf32>, tensor<2x3xf32>)
-// PHYS-NEXT: [[NWD:%.*]] = comm.all_gather [[NW]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
+// PHYS-NEXT: [[NWD:%.*]] = comm.all_gather [[NW]] {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
 // PHYS-NEXT: graph.assign "w", [[NWD]] : tensor<4x3xf32>
 // PHYS-NOT:  comm.
 // PHYS:      func.return

@@ -20,20 +20,20 @@ builtin.module {
   }
 }
 
-// CHECK:       builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:       builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         %[[P:.*]] = graph.parameter "layers.0.weight" {init = "normal:0.1", global_type = tensor<4x4xf32, #dist.layout<"[0,1]: split(0)=2">>} : tensor<2x4xf32>
 // CHECK:         %[[M:.*]] = graph.parameter "opt.m.layers.0.weight" {init = "zeros", global_type = tensor<4x4xf32, #dist.layout<"[0,1]: split(0)=2">>} : tensor<2x4xf32>
-// CHECK:         %[[FULL:.*]] = comm.all_gather %[[P]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<2x4xf32> -> tensor<4x4xf32>
+// CHECK:         %[[FULL:.*]] = comm.all_gather %[[P]] {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<2x4xf32> -> tensor<4x4xf32>
 // CHECK-NEXT:    %[[G:.*]] = pipeline.run @pipeline_forward, @pipeline_backward(%[[FULL]],
-// CHECK:         %[[GS:.*]] = comm.reduce_scatter %[[G]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
+// CHECK:         %[[GS:.*]] = comm.reduce_scatter %[[G]] {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
 // CHECK-NOT:     comm.local_split
 // CHECK:         %[[NEW:.*]], %[[NM:.*]], %[[NV:.*]] = optim.adam %[[P]], %[[GS]], %[[M]]
 // CHECK-NOT:     comm.all_gather
 // CHECK:         graph.assign "layers.0.weight", %[[NEW]] : tensor<2x4xf32>
 // CHECK:         graph.assign "opt.m.layers.0.weight", %[[NM]] : tensor<2x4xf32>
-// CHECK:       builtin.module @group1 attributes {hspmd.devices = array<i64: 2, 3>, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:       builtin.module @group1 attributes {hspmd.devices = #dist.devices<"2,3">, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         graph.parameter "layers.1.weight" {init = "normal:0.1", global_type = tensor<4x3xf32, #dist.layout<"[2,3]: split(0)=2">>} : tensor<2x3xf32>
-// CHECK:         comm.all_gather %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
+// CHECK:         comm.all_gather %{{.*}} {groups = #dist.groups<"{2,3}">, dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
 // CHECK:         pipeline.run
-// CHECK:         comm.reduce_scatter %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
+// CHECK:         comm.reduce_scatter %{{.*}} {groups = #dist.groups<"{2,3}">, dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
 // CHECK-NOT:     comm.all_gather

@@ -21,17 +21,17 @@ builtin.module {
   }
 }
 
-// CHECK:       builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:       builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">, hspmd.pipeline_stage = 0 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         %[[M:.*]] = graph.parameter "opt.m.layers.0.weight" {init = "zeros", global_type = tensor<4x4xf32, #dist.layout<"[0,1]: split(0)=2">>} : tensor<2x4xf32>
 // CHECK:         %[[G:.*]] = pipeline.run @pipeline_forward, @pipeline_backward
-// CHECK:         %[[GS:.*]] = comm.reduce_scatter %[[G]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
+// CHECK:         %[[GS:.*]] = comm.reduce_scatter %[[G]] {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
 // CHECK-NOT:     comm.all_reduce %[[G]]
-// CHECK:         %[[W:.*]] = comm.local_split %w0 {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
+// CHECK:         %[[W:.*]] = comm.local_split %w0 {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<4x4xf32> -> tensor<2x4xf32>
 // CHECK-NEXT:    %[[NEW:.*]], %[[NM:.*]], %[[NV:.*]] = optim.adam %[[W]], %[[GS]], %[[M]]
-// CHECK-NEXT:    %[[FULL:.*]] = comm.all_gather %[[NEW]] {groups = [array<i64: 0, 1>], dim = 0 : i64} : tensor<2x4xf32> -> tensor<4x4xf32>
+// CHECK-NEXT:    %[[FULL:.*]] = comm.all_gather %[[NEW]] {groups = #dist.groups<"{0,1}">, dim = 0 : i64} : tensor<2x4xf32> -> tensor<4x4xf32>
 // CHECK:         graph.assign "layers.0.weight", %[[FULL]] : tensor<4x4xf32>
 // CHECK:         graph.assign "opt.m.layers.0.weight", %[[NM]] : tensor<2x4xf32>
-// CHECK:       builtin.module @group1 attributes {hspmd.devices = array<i64: 2, 3>, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
+// CHECK:       builtin.module @group1 attributes {hspmd.devices = #dist.devices<"2,3">, hspmd.pipeline_stage = 1 : i64, hspmd.microbatches = 2 : i64} {
 // CHECK:         graph.parameter "opt.v.layers.1.weight" {init = "zeros", global_type = tensor<4x3xf32, #dist.layout<"[2,3]: split(0)=2">>} : tensor<2x3xf32>
-// CHECK:         comm.reduce_scatter %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
-// CHECK:         comm.all_gather %{{.*}} {groups = [array<i64: 2, 3>], dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>
+// CHECK:         comm.reduce_scatter %{{.*}} {groups = #dist.groups<"{2,3}">, dim = 0 : i64} : tensor<4x3xf32> -> tensor<2x3xf32>
+// CHECK:         comm.all_gather %{{.*}} {groups = #dist.groups<"{2,3}">, dim = 0 : i64} : tensor<2x3xf32> -> tensor<4x3xf32>

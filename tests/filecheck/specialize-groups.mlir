@@ -23,7 +23,7 @@ builtin.module {
 }
 
 // CHECK:       builtin.module {
-// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1, 2, 3>} {
+// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0-3">} {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {init = "zeros", global_type = tensor<8x6xf32, #dist.layout<"[0-3]: dup=4">>} : tensor<8x6xf32>
 // CHECK-NEXT:        %x = graph.input "x" {global_type = tensor<8x6xf32, #dist.layout<"[0-3]: split(0)=2, split(1)=2">>} : tensor<4x3xf32>
@@ -54,7 +54,7 @@ builtin.module {
 }
 
 // CHECK:       builtin.module {
-// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = array<i64: 0, 1>} {
+// CHECK-NEXT:    builtin.module @group0 attributes {hspmd.devices = #dist.devices<"0,1">} {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {{.*}} : tensor<4x3xf32>
 // CHECK-NEXT:        %x = graph.input "x" {global_type = tensor<8x4xf32, #dist.layout<"[0,1]: split(0)=2 | [2]: dup=1 ; hetero=split(0), shares=1:1">>} : tensor<2x4xf32>
@@ -62,7 +62,7 @@ builtin.module {
 // CHECK-NEXT:        func.return
 // CHECK-NEXT:      }
 // CHECK-NEXT:    }
-// CHECK-NEXT:    builtin.module @group1 attributes {hspmd.devices = array<i64: 2>} {
+// CHECK-NEXT:    builtin.module @group1 attributes {hspmd.devices = #dist.devices<"2">} {
 // CHECK-NEXT:      func.func @train_step() {
 // CHECK-NEXT:        %w = graph.parameter "w" {{.*}} : tensor<4x3xf32>
 // CHECK-NEXT:        %x = graph.input "x" {{.*}} : tensor<4x4xf32>

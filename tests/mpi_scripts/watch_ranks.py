@@ -1,4 +1,4 @@
-"""A stand-in for the worker in tests of `hspmd.runtime.watch`: a few steps of all-reduces, and
+"""A stand-in for the worker in tests of `hspmd.runtime.launcher.watch`: a few steps of all-reduces, and
 one way of ending chosen on the command line.
 
     mpiexec -n 3 python watch_ranks.py STATUS_DIR MODE

@@ -27,18 +27,19 @@ from hspmd.codegen.schedule.flatten import flatten
 from hspmd.codegen.schedule.memory import assemble
 from hspmd.codegen.schedule.model import Schedule
 from hspmd.codegen.schedule.prefetch import plan_prefetch
+from hspmd.ir.devices import DeviceRange
 
 #: default size of a gradient all-reduce bucket
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
-def _devices(fn: func.FuncOp) -> frozenset[int] | None:
+def _devices(fn: func.FuncOp) -> DeviceRange | None:
     """Return the devices of the group module holding `fn` (None when it says nothing)."""
-    from hspmd.dialects.levels import DEVICES_ATTR
+    from hspmd.dialects.levels import DEVICES_ATTR, devices_of
 
     module = fn.parent_op()
     attr = module.attributes.get(DEVICES_ATTR) if module is not None else None
-    return frozenset(int(d) for d in attr.get_values()) if attr is not None else None  # type: ignore[attr-defined]
+    return devices_of(attr) if attr is not None else None
 
 
 def build_schedule(fn: func.FuncOp, rank: int, *, bucket_bytes: int | None = -1,

@@ -49,14 +49,21 @@ import numpy as np
 from hspmd.codegen.schedule.flatten import Flat, Node
 from hspmd.codegen.schedule.model import BucketSpec, ScheduleError
 from hspmd.dialects import comm
+from hspmd.ir.devices import RankGroups
 
 
-def group_of(groups: tuple[tuple[int, ...], ...], rank: int, op) -> tuple[int, ...]:
-    """Return the group of `groups` holding `rank` (ScheduleError naming `op` if none does)."""
-    for g in groups:
-        if rank in g:
-            return g
-    raise ScheduleError(f"rank {rank} is in no group of '{op.name}' {list(groups)}")
+def group_of(groups, rank: int, op) -> tuple[int, ...]:
+    """Return the group of `groups` (RankGroups, or listed groups) holding `rank`, found from the
+    rank's id (ScheduleError naming `op` if none does)."""
+    if isinstance(groups, RankGroups):
+        found = groups.group_holding(rank)
+        if found is not None:
+            return tuple(found)
+    else:
+        for g in groups:
+            if rank in g:
+                return tuple(g)
+    raise ScheduleError(f"rank {rank} is in no group of '{op.name}' {groups}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class _Candidate:
     run: int | None = None  # the `coalesce` run of an all-reduce across programs
 
 
-def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> tuple[list[_Candidate], dict[int, int]]:
+def _candidates(flat: Flat, rank: int, devices) -> tuple[list[_Candidate], dict[int, int]]:
     """Return the bucketable all-reduces in ready order, and the node defining each slot."""
     nodes, types = flat.nodes, flat.types
     defined: dict[int, int] = {}
@@ -88,7 +95,7 @@ def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> tuple[list[_C
         group = group_of(node.op.rank_groups, rank, node.op)
         mark = node.op.attributes.get(comm.COALESCE_ATTR)
         run = mark.value.data if mark is not None else None  # type: ignore[attr-defined]
-        if len(group) < 2 or (not set(group) <= devices and run is None) or types[node.ins[0]] != types[node.outs[0]]:
+        if len(group) < 2 or (not all(d in devices for d in group) and run is None) or types[node.ins[0]] != types[node.outs[0]]:
             continue
         ready = defined.get(node.ins[0], -1) + 1
         candidates.append(_Candidate(ready, i, first_use.get(node.outs[0], len(nodes)), group, node, run))
@@ -130,7 +137,7 @@ def _marked_runs(flat: Flat, candidates: list[_Candidate]) -> list[tuple[list[_C
         if c.run is not None:
             runs.setdefault(c.run, []).append(c)
     talking = [i for i, node in enumerate(flat.nodes)  # the sends' wait at the end of the step too
-               if node.kind == "wait-sends" or (node.op is not None and comm.talks_with(node.op))]
+               if node.kind == "wait-sends" or (node.op is not None and comm.members(node.op) is not None)]
     out = []
     for run in runs.values():
         own = {m.position for m in run}
@@ -144,7 +151,7 @@ def _marked_runs(flat: Flat, candidates: list[_Candidate]) -> list[tuple[list[_C
     return out
 
 
-def plan_buckets(flat: Flat, rank: int, devices: frozenset[int] | None, bucket_bytes: int) -> list[BucketSpec]:
+def plan_buckets(flat: Flat, rank: int, devices, bucket_bytes: int) -> list[BucketSpec]:
     """Rewrite `flat.nodes` with bucketed, overlapped all-reduces; return the buckets, by index."""
     nodes, types = flat.nodes, flat.types
     if devices is None or bucket_bytes <= 0:

@@ -105,13 +105,12 @@ class _Inliner:
     def own_group(self, op: comm.AllReduceOp) -> bool:
         """Return whether every group of `op` lies inside this program's devices (its members all
         run this program, so they all cut it the same way)."""
-        from hspmd.dialects.levels import DEVICES_ATTR
+        from hspmd.dialects.levels import DEVICES_ATTR, devices_of
 
         attr = self.module.attributes.get(DEVICES_ATTR) if self.module is not None else None
         if attr is None:
             return False
-        devices = set(attr.get_values())  # type: ignore[attr-defined]
-        return all(set(g) <= devices for g in op.rank_groups)
+        return op.rank_groups.members.issubset(devices_of(attr))
 
     def real(self, slot: int) -> int:
         """Return `slot`, first stacking its iterations' values where it is a scan's stacked result

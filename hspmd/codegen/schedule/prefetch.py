@@ -33,7 +33,7 @@ from hspmd.codegen.schedule.flatten import Flat, Node
 from hspmd.dialects import comm
 
 
-def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> list[int]:
+def _candidates(flat: Flat, rank: int, devices) -> list[int]:
     """Return the positions of the all-gathers that may start early (module docstring), in order."""
     params = {p.slot for p in flat.params}
     weights = set(params)  # a parameter's slot, or a scan iteration's slice of it
@@ -47,7 +47,7 @@ def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> list[int]:
             continue  # an activation's gather (tp, sp) stands right after what makes it
         piece, whole = flat.types[node.ins[0]], flat.types[node.outs[0]]
         group = group_of(op.rank_groups, rank, op)
-        if piece is None or whole is None or len(group) < 2 or not set(group) <= devices:
+        if piece is None or whole is None or len(group) < 2 or not all(d in devices for d in group):
             continue
         dim = op.dim.value.data
         if whole[0][dim] != len(group) * piece[0][dim]:
@@ -56,7 +56,7 @@ def _candidates(flat: Flat, rank: int, devices: frozenset[int]) -> list[int]:
     return out
 
 
-def plan_prefetch(flat: Flat, rank: int, devices: frozenset[int] | None) -> int:
+def plan_prefetch(flat: Flat, rank: int, devices) -> int:
     """Rewrite `flat.nodes` with gathers started ahead (module docstring); return how many were."""
     nodes = flat.nodes
     if devices is None:

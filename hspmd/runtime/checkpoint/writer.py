@@ -40,6 +40,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hspmd.codegen.schedule.model import Leaf
+from hspmd.ir.layout import DUP
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.checkpoint.manifest import (
     MANIFEST, CheckpointError, Manifest, Piece, Region, TensorEntry, piece_key, step_dirs,
@@ -71,14 +72,35 @@ def _writer_devices(leaf: Leaf) -> dict[Region, int]:
     return {region: devices[turn % len(devices)] for region, devices in holders.items()}
 
 
+def _writes(leaf: Leaf, rank: int) -> Region | None:
+    """Return the region `rank` writes of `leaf` (None: none), from the rank's coordinates alone:
+    the holders of its region are its replicas (the devices of its group that differ from it on
+    the dup axis only, by dup coordinate), and the one at the leaf's turn writes it. The same
+    answer as `_writer_devices`, without listing the layout's devices."""
+    layout = leaf.layout
+    groups = layout.groups[:1] if layout.hetero.kind == "dup" else layout.groups
+    if layout.hetero.kind == "partial" or any(g.states.is_partial for g in groups):
+        return None
+    where = next((g for g in groups if rank in g.devices), None)
+    if where is None:
+        return None
+    holders = where.subgroup(rank, DUP)
+    turn = zlib.crc32(leaf.name.encode())
+    return region_of(leaf, rank) if holders[turn % len(holders)] == rank else None
+
+
 def owned_pieces(leaves: Iterable[Leaf], rank: int) -> list[tuple[Leaf, Region]]:
     """Return the (leaf, region) pieces that `rank` writes; every piece of every tensor is written
     by exactly one of the ranks holding it."""
     out = []
     for leaf in leaves:
-        for region, device in _writer_devices(leaf).items():
-            if device == rank:
-                out.append((leaf, region))
+        if any(0 in leaf.layout.group_shape(g, leaf.global_shape) for g in range(len(leaf.layout.groups))):
+            # empty pieces are alike whatever their coordinates: list the holders
+            out += [(leaf, region) for region, device in _writer_devices(leaf).items() if device == rank]
+            continue
+        region = _writes(leaf, rank)
+        if region is not None:
+            out.append((leaf, region))
     return out
 
 

@@ -174,11 +174,32 @@ class Request:
         self._result = result
 
     def test(self) -> bool:
-        """Return whether the operation has completed (and let it progress if not)."""
+        """Return whether the operation has completed (and let it progress if not). A request whose
+        last step is itself a collective (MPI's sum of more than two members by pieces: its
+        all-gather) says so only once `wait` ran it, since members must reach collectives in the
+        same order: call `wait` where the program needs the result, on every member alike."""
         return True
 
     def wait(self) -> np.ndarray:
         """Return the result once the operation has completed."""
+        return self._result  # type: ignore[return-value]
+
+
+class _DeferredRecv(Request):
+    """A receive made when it is waited for (`Communicator.irecv`'s default)."""
+
+    def __init__(self, comm: "Communicator", out: np.ndarray, source: int, tag: int) -> None:
+        super().__init__()
+        self._args, self._done = (comm, out, source, tag), False
+
+    def test(self) -> bool:
+        return self._done
+
+    def wait(self) -> np.ndarray:
+        if not self._done:
+            comm, out, source, tag = self._args
+            self._result = comm.recv(out, source, tag)
+            self._done = True
         return self._result  # type: ignore[return-value]
 
 
@@ -347,6 +368,12 @@ class Communicator(ABC):
 
         The message must have as many elements as ``out`` and the same dtype.
         """
+
+    def irecv(self, out: np.ndarray, source: int, tag: int = 0) -> Request:
+        """Return a request that fills ``out`` with the message from global rank ``source`` with
+        ``tag``; ``out`` must not be read until ``wait()`` returns it. This default receives in
+        ``wait()`` (a message sent with :meth:`isend` waits for it); MPI's receives at once."""
+        return _DeferredRecv(self, out, source, tag)
 
     @abstractmethod
     def sendrecv(

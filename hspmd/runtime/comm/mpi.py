@@ -54,6 +54,9 @@ __all__ = ["MPICommunicator", "SMALL_ALL_REDUCE_BYTES"]
 #: Below this many bytes, all_reduce gathers whole buffers (fewer steps, more bytes).
 SMALL_ALL_REDUCE_BYTES = 256 * 1024
 
+#: persistent two-member sums kept per communicator (one per bucket buffer)
+PERSISTENT_SUMS = 64
+
 _TAG_CREATE_GROUP = 7301
 
 
@@ -106,6 +109,7 @@ class MPICommunicator(Communicator):
         self._groups: dict[Any, Group] = {}
         self._closed = False
         self._scratch_bufs: dict[int, np.ndarray] = {}
+        self._persistent: dict[tuple, Any] = {}  # (group, address, bytes, dtype) -> a persistent sum
         # dtypes whose MPI_SUM of two buffers is NumPy's a + b, and their MPI datatypes
         self._sum_types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
                            np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T}
@@ -174,6 +178,9 @@ class MPICommunicator(Communicator):
         if self._closed:
             return
         self._closed = True
+        for req in self._persistent.values():
+            req.Free()
+        self._persistent.clear()
         for g in sorted(self._subcomms):
             c = self._subcomms[g]
             if c is not self._comm:
@@ -255,7 +262,8 @@ class MPICommunicator(Communicator):
             g = self._groups.get(group)  # the hot path of gradient buckets: in place, two members
             mpi_type = self._sum_types.get(buf.dtype)
             if g is not None and len(g) == 2 and mpi_type is not None:
-                req = self._sub(g).Iallreduce(self._MPI.IN_PLACE, [buf.reshape(-1), mpi_type], op=self._MPI.SUM)
+                req = self._persistent_sum(g, buf, mpi_type)
+                req.Start()
                 return _MPIRequest(req, lambda: buf)
         buf, g = self.check_all_reduce(buf, group, out)
         n = len(g)
@@ -307,7 +315,21 @@ class MPICommunicator(Communicator):
                 return out
             return flat.reshape(buf.shape)
 
-        return _MPIRequest(req, finish)
+        return _MPIRequest(req, finish, collective_finish=True)
+
+    def _persistent_sum(self, g: Group, buf: np.ndarray, mpi_type: Any) -> Any:
+        """Return the persistent in-place sum of `buf` over the two members `g` (MPI-4's
+        `Allreduce_init`, made at the first sum of this buffer, then only started): a bucket sums
+        the same buffer every step, and a started persistent request skips the set-up that every
+        `Iallreduce` call makes again. At most `PERSISTENT_SUMS` are kept (the oldest freed)."""
+        key = (g, buf.ctypes.data, buf.nbytes, buf.dtype)
+        req = self._persistent.get(key)
+        if req is None:
+            if len(self._persistent) >= PERSISTENT_SUMS:
+                self._persistent.pop(next(iter(self._persistent))).Free()
+            req = self._persistent[key] = self._sub(g).Allreduce_init(
+                self._MPI.IN_PLACE, [buf.reshape(-1), mpi_type], op=self._MPI.SUM)
+        return req
 
     def all_gather(self, buf, group, axis, out=None, sizes: Sequence[int] | None = None):
         """Return the concatenation of the members' ``buf`` along ``axis``, in group order.
@@ -469,6 +491,21 @@ class MPICommunicator(Communicator):
             np.copyto(out, target)
         return out
 
+    def irecv(self, out, source, tag=0):
+        """Post the receive at once (MPI's Irecv) into ``out`` itself where it is C-contiguous."""
+        source = self._check_peer(source, "irecv")
+        target = self._recv_target(out)
+        status = self._MPI.Status()
+        req = self._p2p.Irecv(_bytes(target), source=source, tag=int(tag))
+
+        def finish() -> np.ndarray:
+            self._check_count(status, target, source, tag)
+            if target is not out:
+                np.copyto(out, target)
+            return out
+
+        return _MPIRequest(req, finish, status)
+
     def sendrecv(self, buf, dest, out, source, sendtag=0, recvtag=0):
         buf = as_buffer(buf, "sendrecv")
         dest = self._check_peer(dest, "sendrecv")
@@ -495,18 +532,29 @@ class MPICommunicator(Communicator):
 
 
 class _MPIRequest(Request):
-    """A started MPI collective: its MPI request and the local work that completes it."""
+    """A started MPI collective: its MPI request and the local work that completes it.
 
-    def __init__(self, req: Any, finish: Any) -> None:
+    Where that work is itself a collective (`collective_finish`: the all-gather after an all-to-all),
+    `test` lets the first part progress but never says done: the rest must run at `wait`, which
+    every member calls at the same point of its program, since MPI matches collectives on a
+    communicator by their order. (Finished from `test`, where the first part happened to complete
+    early on one member, two buckets in flight ran their all-gathers in different orders on
+    different members, and the run hung.)"""
+
+    def __init__(self, req: Any, finish: Any, status: Any = None, collective_finish: bool = False) -> None:
         super().__init__()
-        self._req, self._finish, self._done = req, finish, False
+        self._req, self._finish, self._done, self._status = req, finish, False, status
+        self._collective_finish = collective_finish
 
     def test(self) -> bool:
-        return self._done or bool(self._req.Test())
+        if self._done:
+            return True
+        complete = bool(self._req.Test())
+        return complete and not self._collective_finish
 
     def wait(self) -> np.ndarray:
         if not self._done:
-            self._req.Wait()
+            self._req.Wait() if self._status is None else self._req.Wait(self._status)
             self._result = self._finish()
             self._done = True
         return self._result  # type: ignore[return-value]

@@ -485,7 +485,8 @@ class _Binder:
         its group is not on distinct GPUs or NCCL's flat layout is not the op's (see the module docstring)."""
         if self.nccl is None or len(step.ins) != 1 or len(step.outs) != 1:
             return None
-        group = next((g for g in getattr(op, "rank_groups", ()) if self.schedule.rank in g), None)
+        groups = getattr(op, "rank_groups", None)
+        group = groups.group_holding(self.schedule.rank) if groups is not None else None
         if group is None or self.transport(tuple(group)) != "nccl":
             return None
         x, y = (DeviceArray(self.device, self.where[v], tuple(self.types[v][0]), np.dtype(self.types[v][1]))  # type: ignore[index]

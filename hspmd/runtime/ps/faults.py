@@ -1,7 +1,7 @@
 """What a rank that dies means for a parameter-server run, as `hspmd run --servers` sees it.
 
 `hspmd run` starts the ranks under guards with `mpiexec -disable-auto-cleanup`
-(`hspmd.runtime.watch.launch_watched`), so it learns at once which rank ended and how, and a
+(`hspmd.runtime.launcher.watch.launch_watched`), so it learns at once which rank ended and how, and a
 rank's death does not end the others. Then:
 
 - a rank that ended on an error it said (an exit code) stops the run: its message is the error;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from hspmd.ir.ps_plan import PSPlan
 from hspmd.runtime.ps.server import loss_message, tolerates_loss
-from hspmd.runtime.watch import RankEnd, WatchedRun
+from hspmd.runtime.launcher.watch import RankEnd, WatchedRun
 
 __all__ = ["outcome", "stops_the_run"]
 

@@ -34,7 +34,7 @@ import sys
 import time
 
 from hspmd.ir.ps_plan import PSPlan
-from hspmd.runtime.fault import fault_point
+from hspmd.runtime.launcher.fault import fault_point
 from hspmd.runtime.ps import protocol
 from hspmd.runtime.ps.clocks import Clocks
 from hspmd.runtime.ps.update import UpdateStep

@@ -33,7 +33,7 @@ from hspmd.ir.ps_plan import PSPlan
 from hspmd.runtime.comm.base import Communicator
 from hspmd.runtime.ps import protocol
 from hspmd.runtime.ps.cache import RowCache
-from hspmd.runtime.fault import fault_point
+from hspmd.runtime.launcher.fault import fault_point
 from hspmd.runtime.ps.update import GRAD_PREFIX, UpdateStep
 
 

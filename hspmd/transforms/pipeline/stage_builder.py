@@ -16,6 +16,7 @@ from xdsl.dialects import func
 from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 from hspmd.dialects import comm, graph, pipeline
+from hspmd.ir.devices import RankPairs
 from hspmd.transforms.pipeline.devices import rank_groups, remap_op
 from hspmd.transforms.pipeline.group import Collectives
 from hspmd.transforms.pipeline.microbatches import (global_type, stack_input, stack_split,
@@ -72,9 +73,10 @@ class StagePlan:
         """A source of one slice per micro-batch: a batch input, or a split over the micro-batches."""
         return self.leaves.get(o, False) or self.coll(o) == SPLIT
 
-    def pairs(self, t: int, c: int) -> list[list[int]]:
-        """Return the (src, dst) pairs from stage t to stage c: the same position on both."""
-        return [[a, b] for a, b in zip(self.mesh.stages[t], self.mesh.stages[c])]
+    def pairs(self, t: int, c: int) -> RankPairs:
+        """Return the (src, dst) pairs from stage t to stage c: the same position on both
+        (the two stages' ranges, `0-2047->2048-4095`, not listed)."""
+        return RankPairs(self.mesh.stages[t], self.mesh.stages[c])
 
     def set_messages(self, messages: dict[Message, int]) -> None:
         self.messages = messages

@@ -19,6 +19,7 @@ from xdsl.ir import Operation
 from hspmd.dialects import comm, graph
 from hspmd.dialects.dist import layout_of, with_layout
 from hspmd.dialects.graph import i64_array
+from hspmd.ir.devices import DeviceRange, RankGroups
 from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout
 from hspmd.transforms.pipeline.devices import comm_devices, partners, rank_groups, remap_layout
 from hspmd.transforms.util import PassError, StrategyLimitError
@@ -36,8 +37,8 @@ class StageMesh:
     `p % size`; stage position q is real device `stages[s][q]` on stage s (q = d*tp + t).
     """
 
-    stages: tuple[tuple[int, ...], ...]
-    virtual: tuple[int, ...]
+    stages: tuple[DeviceRange, ...]
+    virtual: DeviceRange
     microbatches: int
     #: the devices of the other groups of a heterogeneous strategy (`virtual=...`)
     foreign: frozenset[int] = frozenset()
@@ -48,6 +49,10 @@ class StageMesh:
     layouts: dict[tuple[Layout | None, int], tuple[Layout, int | None]] = field(
         default_factory=dict, compare=False, hash=False, repr=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(DeviceRange.of(st) for st in self.stages))
+        object.__setattr__(self, "virtual", DeviceRange.of(self.virtual))
+
     def device_map(self, s: int) -> dict[int, int]:
         """Return virtual device -> stage s's real device (one micro-batch: position p is `stages[s][p]`)."""
         return {v: self.stages[s][p % self.size] for p, v in enumerate(self.virtual)}
@@ -55,11 +60,12 @@ class StageMesh:
     def collapse(self, s: int, group: Sequence[int]) -> list[int]:
         """Return a rank group with virtual devices on stage s's real devices (position p -> p % size),
         each once, in first-seen order; other groups' devices stay."""
-        where = {v: p for p, v in enumerate(self.virtual)}
         out: list[int] = []
+        seen: set[int] = set()
         for d in group:
-            real = self.stages[s][where[d] % self.size] if d in where else d
-            if real not in out:
+            real = self.stages[s][self.virtual.index(d) % self.size] if d in self.virtual else d
+            if real not in seen:
+                seen.add(real)
                 out.append(real)
         return out
 
@@ -80,8 +86,11 @@ class StageMesh:
             raise PassError(f"pipeline-split: rank group {list(group)} names a device outside the "
                             f"one-group program's devices {list(self.virtual)}") from None
 
-    def real(self, s: int, groups: Iterable[Sequence[int]]) -> list[list[int]]:
-        """Return stage `s`'s real devices for groups of stage positions."""
+    def real(self, s: int, groups: Iterable[Sequence[int]] | RankGroups) -> list[list[int]] | RankGroups:
+        """Return stage `s`'s real devices for groups of stage positions (computed from the stage's
+        range where the positions are rank groups)."""
+        if isinstance(groups, RankGroups):
+            return RankGroups(self.stages[s].take(groups.members), groups.size)
         return [[self.stages[s][q] for q in g] for g in groups]
 
 
@@ -137,6 +146,23 @@ def _sums_microbatches(o: comm.ExchangeOp, mesh: StageMesh) -> bool:
             and (dst is None or (dst[0] == DUP and dst[1] % m == 0)))
 
 
+def _one_microbatch(o: Operation, mesh: StageMesh) -> RankGroups | None:
+    """Return the stage positions of a collective in a pipeline of one micro-batch and one group
+    (each group inside the one micro-batch), computed from the groups' range; None where the
+    general classification must list them (micro-batches, other groups, groups listed, or groups
+    whose order differs from the listed positions' sorted order)."""
+    groups = getattr(o, "rank_groups", None)
+    if mesh.microbatches != 1 or mesh.foreign or not isinstance(groups, RankGroups) or groups.members.ids is not None:
+        return None
+    if not groups.members.issubset(mesh.virtual) or len(groups.members) != mesh.size:
+        return None
+    positions = RankGroups(mesh.virtual.positions(groups.members), groups.size)
+    firsts = positions.members.take(DeviceRange.span(0, len(positions), groups.size)) if len(positions) > 1 else None
+    if positions.members.ids is not None or (firsts is not None and (firsts.ids is not None or len(firsts.shape) > 1)):
+        return None  # listed, or groups not in increasing order of their first position
+    return positions
+
+
 def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple[int, ...], ...]]:
     """Return how the stages run a collective of the one-group program, and over which stage positions.
 
@@ -153,6 +179,9 @@ def classify_collective(o: Operation, mesh: StageMesh) -> tuple[str, tuple[tuple
     over the micro-batches (of a value every micro-batch holds whole).
     """
     size, m = mesh.size, mesh.microbatches
+    fast = _one_microbatch(o, mesh)
+    if fast is not None:
+        return LOCAL, fast
     if mesh.foreign and comm_devices(o) & mesh.foreign:
         crossing = partners(o, frozenset(mesh.virtual))
         if m == 1:

@@ -109,7 +109,7 @@ def pipelines(strategy: Strategy, microbatches: int = 1) -> list[Pipeline]:
         if len(strategy.groups) > 1:
             union = tuple("{}" if h is g else str(h) for h in strategy.groups)
         others = tuple(d for h in strategy.groups if h is not g for d in h.devices)
-        pipe = Pipeline(tuple(g.devices), g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero,
+        pipe = Pipeline(g.devices, g.pp, g.dp, g.tp, g.sp, g.layers, union, g.share, others, fresh, g.zero,
                         g.ep, g.experts)
         fresh += microbatches * g.dp * g.ep * g.tp
         out.append(pipe)

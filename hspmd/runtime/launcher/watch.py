@@ -1,9 +1,9 @@
 """Watching the ranks of a run: which ones died, and stopping the others cleanly.
 
-:func:`launch_watched` is :func:`hspmd.runtime.launch.launch` for elastic runs. It starts
+:func:`launch_watched` is :func:`hspmd.runtime.launcher.launch.launch` for elastic runs. It starts
 ``mpiexec -disable-auto-cleanup`` (MPICH's Hydra: when a rank dies the others are left running,
 instead of Hydra killing them at once) with every rank under a guard
-(:mod:`hspmd.runtime.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
+(:mod:`hspmd.runtime.launcher.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
 ends. The launcher polls those files. A rank that ends with a non-zero code before the
 launcher stops the run is a failure: killed by a signal, it is a lost device (``WatchedRun.lost``:
 killed from outside, crashed, out of memory); with an exit code, the program failed
@@ -33,10 +33,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hspmd.runtime import rank_guard
-from hspmd.runtime.launch import LaunchError, mpiexec_command, rank_environment
+from hspmd.runtime.launcher import rank_guard
+from hspmd.runtime.launcher.launch import LaunchError, mpiexec_command, rank_environment
 
-__all__ = ["RankEnd", "WatchedRun", "launch_watched", "read_rank_ends"]
+__all__ = ["RankEnd", "WatchedRun", "launch_watched", "read_rank_ends", "start_watched", "stop_started", "watch_started"]
 
 #: the path of the guard script (started by path: it imports nothing of hspmd)
 GUARD = os.path.abspath(rank_guard.__file__)
@@ -156,6 +156,69 @@ def _stop(proc: subprocess.Popen, status_dir: str) -> None:
     proc.wait()
 
 
+def start_watched(
+    n: int,
+    python_args: Sequence[str],
+    status_dir: str,
+    env: Mapping[str, str] | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+) -> subprocess.Popen:
+    """Return the mpiexec process running ``python *python_args`` on ``n`` ranks, each under a
+    guard that records its end in ``status_dir`` (cleared first); :func:`watch_started` watches it."""
+    _clear(status_dir)
+    guarded = [GUARD, status_dir, "--", sys.executable, *map(str, python_args)]
+    cmd = mpiexec_command(n, guarded, hosts, hostfile, options=("-disable-auto-cleanup",))
+    try:
+        return subprocess.Popen(cmd, env=rank_environment(n, env, one_host=not (hosts or hostfile)),
+                                start_new_session=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
+
+
+def watch_started(
+    proc: subprocess.Popen,
+    status_dir: str,
+    before_stop: Callable[[tuple[RankEnd, ...]], None] | None = None,
+    stop_if: Callable[[RankEnd], bool] | None = None,
+    check: Callable[[], tuple[RankEnd, ...]] | None = None,
+) -> WatchedRun:
+    """Watch the run `start_watched` started until all its ranks end or one fails (see
+    :func:`launch_watched`). `check`, called at every look, returns ends the launcher found
+    itself (a rank it killed for its silence, `hspmd.runtime.launcher.heartbeat`), counted as failures."""
+    failed: dict[int, RankEnd] = {}  # the ends that made the launcher stop the run
+    try:
+        while True:
+            try:
+                code = proc.wait(POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            ends = read_rank_ends(status_dir)
+            # before the launcher stops the run, a rank asked to stop was asked by someone else
+            failed = {e.rank: replace(e, stopped=False) for e in ends
+                      if e.returncode != 0 and (stop_if is None or stop_if(replace(e, stopped=False)))}
+            if check is not None:
+                failed.update({e.rank: e for e in check() if e.rank not in failed})
+            if failed:
+                if before_stop is not None:
+                    before_stop(tuple(failed.values()))
+                _stop(proc, status_dir)
+                code = proc.returncode
+                break
+    except BaseException:
+        _stop(proc, status_dir)
+        raise
+    ends = {e.rank: e for e in read_rank_ends(status_dir)} | failed
+    return WatchedRun(code, tuple(ends[r] for r in sorted(ends)))
+
+
+def stop_started(proc: subprocess.Popen, status_dir: str) -> None:
+    """Stop the run `start_watched` started (SIGTERM to its ranks, SIGKILL to what is left)."""
+    if proc.poll() is None:
+        _stop(proc, status_dir)
+
+
 def launch_watched(
     n: int,
     python_args: Sequence[str],
@@ -173,36 +236,7 @@ def launch_watched(
     KeyboardInterrupt all are stopped and it propagates. ``stop_if`` (given an end) narrows which
     ends stop the run (a parameter-server run goes on without a lost worker); the others' are
     reported all the same. ``env``, ``hosts`` and ``hostfile`` are
-    as for :func:`hspmd.runtime.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
+    as for :func:`hspmd.runtime.launcher.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
     """
-    _clear(status_dir)
-    guarded = [GUARD, status_dir, "--", sys.executable, *map(str, python_args)]
-    cmd = mpiexec_command(n, guarded, hosts, hostfile, options=("-disable-auto-cleanup",))
-    try:
-        proc = subprocess.Popen(cmd, env=rank_environment(n, env, one_host=not (hosts or hostfile)),
-                                start_new_session=True)
-    except OSError as exc:
-        raise LaunchError(f"cannot start {cmd[0]}: {exc}") from exc
-    failed: dict[int, RankEnd] = {}  # the ends that made the launcher stop the run
-    try:
-        while True:
-            try:
-                code = proc.wait(POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            ends = read_rank_ends(status_dir)
-            # before the launcher stops the run, a rank asked to stop was asked by someone else
-            failed = {e.rank: replace(e, stopped=False) for e in ends
-                      if e.returncode != 0 and (stop_if is None or stop_if(replace(e, stopped=False)))}
-            if failed:
-                if before_stop is not None:
-                    before_stop(tuple(failed.values()))
-                _stop(proc, status_dir)
-                code = proc.returncode
-                break
-    except BaseException:
-        _stop(proc, status_dir)
-        raise
-    ends = {e.rank: e for e in read_rank_ends(status_dir)} | failed
-    return WatchedRun(code, tuple(ends[r] for r in sorted(ends)))
+    proc = start_watched(n, python_args, status_dir, env, hosts, hostfile)
+    return watch_started(proc, status_dir, before_stop, stop_if)
