@@ -32,7 +32,6 @@ def pytest_report_header(config):
 BIN = os.path.dirname(sys.executable)
 
 
-
 def pytest_assertrepr_compare(op, left, right):
     """A failed `==` of two long byte strings (arrays' `tobytes()`) explained in three lines: pytest's
     own explanation diffs their reprs line by line, which takes minutes for a few megabytes."""
