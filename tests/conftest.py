@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 #: this run's seed for the tests that sample a large sweep (`HSPMD_TEST_SEED` fixes it)
 RUN_SEED = int(os.environ.get("HSPMD_TEST_SEED", int.from_bytes(os.urandom(4), "little") % 100_000))
+# the same seed in the processes started after this one (pytest-xdist's workers collect the same
+# sampled test ids; the ranks and command lines a test starts)
+os.environ["HSPMD_TEST_SEED"] = str(RUN_SEED)
 
 
 def sampled(items, k: int, salt: str) -> list:

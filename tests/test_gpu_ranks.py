@@ -202,7 +202,7 @@ def test_collectives_of_ranks_on_distinct_gpus_go_through_nccl_with_the_same_los
 @pytest.mark.mpi
 def test_gpu_ranks_restart_elastically_on_the_ranks_left_with_the_one_device_losses(tmp_path):
     """`--elastic` with `--device cuda`: rank 1 killed at step 6 of 3 GPU ranks, the run resumes
-    from the step-3 checkpoint on 2 and logs each step once, with the CPU's 1-device losses."""
+    from the step-3 checkpoint on 2 (the log appended: steps 4 and 5 again), with the CPU's 1-device losses."""
     gpt, log = os.path.join(EXAMPLES, "gpt.py"), tmp_path / "e.jsonl"
     ref = tmp_path / "ref.jsonl"
     run_cli("hspmd", "run", "-n", "1", gpt, "--device", "cpu", "--steps", "7", "--log", str(ref), *_sets(SMALL),
@@ -213,9 +213,12 @@ def test_gpu_ranks_restart_elastically_on_the_ranks_left_with_the_one_device_los
     said = [line for line in proc.stderr.splitlines() if line.startswith("hspmd run: ")]
     assert said == [f"hspmd run: rank 1 died at step ~6 (SIGKILL); resuming from {tmp_path / 'D' / 'step-3'} "
                     f"on 2 ranks under '[0,1]: dp=2' (restart 1 of 3)"]
-    got = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [g["step"] for g in got] == list(range(1, 8)) and [g["ranks"] for g in got] == [3] * 3 + [2] * 4
-    np.testing.assert_allclose([g["loss"] for g in got], _log(ref), rtol=1e-5)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    got = [r for r in rows if "event" not in r]  # the log is appended to: steps 4 and 5 twice, a restart line
+    assert [r["event"] for r in rows if "event" in r] == ["restart"]
+    assert [g["step"] for g in got] == [1, 2, 3, 4, 5, 4, 5, 6, 7] and [g["ranks"] for g in got] == [3] * 5 + [2] * 4
+    want = _log(ref)
+    np.testing.assert_allclose([g["loss"] for g in got], [want[g["step"] - 1] for g in got], rtol=1e-5)
 
 
 @pytest.mark.mpi

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BIN, EXAMPLES, ROOT
+from conftest import BIN, EXAMPLES, ROOT, RUN_SEED
 from hspmd.codegen.schedule.model import Leaf
 from hspmd.ir.layout_text import parse_layout
 from hspmd.runtime.launcher.peer.placement import buddies, holders, kept_pieces, wards
@@ -254,8 +254,9 @@ def _losses(log) -> dict[int, float]:
 
 
 #: a launcher run takes ~10-30 s on 2 cores: each run kills a rank of one family, drawn anew
-#: (HSPMD_KILL_SEED=S draws as run S did; every family is recovered in process above, each run)
-KILL_SEED = int(os.environ.get("HSPMD_KILL_SEED") or random.randrange(2**32))
+#: by the run's seed (HSPMD_KILL_SEED=S, or HSPMD_TEST_SEED, draws as run S did; every family is
+#: recovered in process above, each run)
+KILL_SEED = int(os.environ.get("HSPMD_KILL_SEED") or RUN_SEED)
 
 
 @pytest.mark.mpi

@@ -371,6 +371,9 @@ def train(
                     plan, gather = programs[current].plan, programs[current].gather
                 scalars, local = step_batch(step, batch, plan)
             ahead, waited = None, time.perf_counter() - waited
+            # the data position after this step's batch: read now, before the next batch is made
+            # during the step (`make_next`), for a checkpoint or peer copy of this step
+            position = feed.state_dict()
             if "lr" in scalars:
                 result.lrs.append(float(scalars["lr"]))
             scale = _loss_scale(state) if log_file and comm.rank == 0 else None
@@ -395,7 +398,7 @@ def train(
             copy_s = None
             if copies is not None and copies.due(step):  # before the log says the step is done
                 copy_s = time.perf_counter()
-                copies.after_step(step, state, {"data_position": step, "data": feed.state_dict()})
+                copies.after_step(step, state, {"data_position": step, "data": position})
                 copy_s = time.perf_counter() - copy_s
             if comm.rank == 0:
                 if progress is not None:
@@ -421,7 +424,7 @@ def train(
                     log_file.flush()
             if writer is not None and (step % every == 0 or step == steps):
                 writer.save(step, per_layer(state), step, result.lrs[-1] if "lr" in scalars else None,
-                            data=feed.state_dict())
+                            data=position)
             if tracer is not None:
                 tracer.complete("train_step", "step", step_start, tracer.clock(), args={"loss": loss})
         if copies is not None:
