@@ -25,6 +25,7 @@ KEPT = (
 #: Core ATen ops without a translator, and why (an exported graph holding one stops the import there)
 NOT_TRANSLATED: dict[str, str] = {
     **dict.fromkeys((
+        "aten.adaptive_avg_pool1d.default", "aten.avg_pool1d.default",
         "aten._adaptive_avg_pool2d.default", "aten._adaptive_avg_pool3d.default", "aten.avg_pool2d.default",
         "aten.avg_pool3d.default", "aten.max_pool2d_with_indices.default", "aten.max_pool3d_with_indices.default",
         "aten.reflection_pad1d.default", "aten.reflection_pad2d.default", "aten.reflection_pad3d.default",
@@ -50,7 +51,7 @@ NOT_TRANSLATED: dict[str, str] = {
                     "random numbers drawn by the model (hspmd draws its own, for dropout only)"),
     **dict.fromkeys(("aten.empty.memory_format", "aten.empty_strided.default", "aten.as_strided.default",
                      "aten.sym_numel.default", "aten.sym_size.int", "aten.sym_storage_offset.default",
-                     "aten.sym_stride.int"),
+                     "aten.sym_stride.int", "aten.sym_is_contiguous.default", "aten.resize_.default"),
                     "memory layout or symbolic sizes: concrete at import (evaluated by PyTorch), never "
                     "of a traced value in a static graph"),
     **dict.fromkeys(("aten.arange.start_step", "aten.full.default", "aten.scalar_tensor.default"),
@@ -64,11 +65,14 @@ NOT_TRANSLATED: dict[str, str] = {
 
 
 def core_aten_ops() -> list[str]:
-    """Return the names of PyTorch's Core ATen ops (the overloads tagged `core`), sorted."""
+    """Return the names of PyTorch's Core ATen ops (the overloads tagged `core`), sorted: every ATen
+    op of the registry (`dir(torch.ops.aten)` lists only those already looked up, which depends on
+    what ran before in the process)."""
     import torch
 
     names = []
-    for name in dir(torch.ops.aten):
+    every = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::")}
+    for name in sorted(every | set(dir(torch.ops.aten))):
         packet = getattr(torch.ops.aten, name, None)
         if packet is None or not hasattr(packet, "overloads"):
             continue
