@@ -189,3 +189,14 @@ def test_script_with_shape_error_names_its_line(tmp_path):
     proc = run_cli("hspmd", "compile", str(s))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"{s}:" in proc.stderr
+
+
+def test_a_run_leaves_no_bundle_behind(tmp_path):
+    """`hspmd run` without --dump-dir compiles into a scratch directory that it removes when it
+    ends (each run used to leave its bundle in the temporary directory)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    run_cli("hspmd", "run", "-n", "2", MLP, "--strategy", "[0,1]: dp=2", "--steps", "1", env=env, check=True)
+    left = [p for p in scratch.iterdir() if p.name.startswith("hspmd-")]
+    assert not left, left

@@ -299,7 +299,8 @@ def compile_for_run(args, n: int, strategy: str | None) -> str:
         compiled, ranks = compile_working(script, strategy, n, passes=passes)
     else:
         compiled = compile_script(script, default_strategy(n), n, passes=passes)
-    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-")
+    # without --dump-dir, the bundle lives in the command's scratch directory, removed when it ends
+    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-bundle-", dir=getattr(args, "scratch", None))
     from hspmd.runtime.cuda.select import rank_device
 
     if strategy == "auto" and getattr(args, "device_asked", None) is not None:
@@ -617,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     from hspmd.compiler import InternalError
 
     try:
-        return args.func(args)
+        with tempfile.TemporaryDirectory(prefix="hspmd-") as args.scratch:  # bundles nobody asked to keep
+            return args.func(args)
     except InternalError as err:
         report_internal_error(err)
         return INTERNAL_ERROR_EXIT

@@ -68,7 +68,7 @@ def run_outside(args, job: OutsideJob, compile_for_run: Callable, worker_argumen
         share_bundle(world, bundle)
     else:
         try:
-            bundle = share_bundle(world, None)
+            bundle = share_bundle(world, None, directory=getattr(args, "scratch", None))
         except BundleNotShared:
             return 1
     from hspmd.runtime.comm.mpi import MPICommunicator

@@ -55,7 +55,7 @@ def run_parameter_servers(args) -> int:
             raise SystemExit(f"hspmd: error: {err}") from None
     script = load_script(args.script, parse_overrides(args.set))
     compiled = compile_ps(script, args.strategy, args.servers)
-    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-")
+    bundle = args.dump_dir or tempfile.mkdtemp(prefix="hspmd-ps-bundle-", dir=getattr(args, "scratch", None))
     on_gpu = getattr(args, "device", "cpu") == "cuda"  # every worker (hspmd.cli.main.run_device); servers on the host
     write_ps_bundle(compiled, bundle, device=on_gpu)
     argv = ["-m", "hspmd.runtime.ps.main", bundle, "--kernels", args.kernels, "--device", "cuda" if on_gpu else "cpu"]

@@ -109,10 +109,10 @@ def _wait(request) -> None:
         time.sleep(0.005)
 
 
-def share_bundle(comm, bundle: str | None, error: str | None = None) -> str:
+def share_bundle(comm, bundle: str | None, error: str | None = None, directory: str | None = None) -> str:
     """Return the path of the bundle on this rank: rank 0 gives its directory `bundle` (or the
     `error` it met compiling it); every other rank gets the files over MPI (`comm`: mpi4py's
-    world) and writes them to a temporary directory. BundleNotShared on the other ranks where
+    world) and writes them to a new temporary directory (in `directory`, where given). BundleNotShared on the other ranks where
     rank 0 gives an error."""
     if comm.Get_rank() == 0:
         names, blobs = [], []
@@ -141,7 +141,7 @@ def share_bundle(comm, bundle: str | None, error: str | None = None) -> str:
     header, offset = data[:sizes[0]].decode(), int(sizes[0])
     if header.startswith("error:"):
         raise BundleNotShared(header[len("error:"):])
-    out = tempfile.mkdtemp(prefix=f"hspmd-bundle-r{comm.Get_rank()}-")
+    out = tempfile.mkdtemp(prefix=f"hspmd-bundle-r{comm.Get_rank()}-", dir=directory)
     for name, size in zip(header.split("\n") if header else [], sizes[1:]):
         path = os.path.join(out, name)
         if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
