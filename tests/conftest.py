@@ -28,6 +28,22 @@ def sampled(items, k: int, salt: str) -> list:
     return sorted(random.Random(f"{RUN_SEED}:{salt}").sample(items, min(k, len(items))))
 
 
+def sampled_kinds(items, kind, salt: str, extra: int = 0) -> list:
+    """Return one of `items` of every kind (`kind(item)`: the cases that test the same path), chosen
+    by this run's seed and `salt` (a test's name), and `extra` more of the others, in the order of
+    `items`: every run tests every kind, and successive runs test every case; the test ids name them."""
+    import random
+
+    rng = random.Random(f"{RUN_SEED}:{salt}")
+    groups: dict = {}
+    for i, item in enumerate(items):
+        groups.setdefault(kind(item), []).append(i)
+    chosen = {rng.choice(group) for group in groups.values()}
+    rest = [i for i in range(len(items)) if i not in chosen]
+    chosen |= set(rng.sample(rest, min(extra, len(rest))))
+    return [items[i] for i in sorted(chosen)]
+
+
 def pytest_report_header(config):
     return f"HSPMD_TEST_SEED={RUN_SEED} (the sampled sweeps of this run)"
 

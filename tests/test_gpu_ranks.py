@@ -7,6 +7,11 @@ global position (a dropout mask, a vocabulary range, an embedding's rows) built 
 values. What the GPU machine runs with two ranks on one GPU (`benchmarks/gpu_check.sh`), here
 without one. A GPU group beside a CPU group (`device=` per group) sums across them as CPU
 groups do.
+
+Sampled per run (`HSPMD_TEST_SEED`, printed in pytest's header; the test ids name the cases):
+`CASES` runs one case of each kind (`_kind`: dp, dropout, tp, a pipeline, ep, a GPU group beside
+a CPU group), the parameter-server workers on GPUs one of ps and hybrid; successive runs cover
+every case.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, sampled_kinds
 
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
@@ -67,9 +72,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("script,strategy,config", CASES, ids=[f"{c[0]}:{c[1]}{'+drop' if c[2].get('model.dropout') else ''}"
-                                                                for c in CASES])
+def _kind(case) -> str:
+    """The path a case tests: a dropout mask of each rank's piece, a GPU group beside a CPU group,
+    ep, a pipeline, tp or dp."""
+    _, strategy, config = case
+    if config.get("model.dropout"):
+        return "dropout"
+    return next(k for k in ("device=", "ep=", "pp=", "tp=", "dp=") if k in strategy)
+
+
+RUN_CASES = sampled_kinds(CASES, _kind, "gpu-ranks")
+
+
+@pytest.mark.parametrize("script,strategy,config", RUN_CASES,
+                         ids=[f"{c[0]}:{c[1]}{'+drop' if c[2].get('model.dropout') else ''}" for c in RUN_CASES])
 def test_two_gpu_ranks_give_the_one_device_losses(tmp_path, one_device, script, strategy, config):
+    """A run tests one case of each kind (`_kind`) of `CASES`, sampled by its seed."""
     log = tmp_path / "gpu.jsonl"
     device = [] if "device=" in strategy else ["--device", "cuda"]  # the groups say which kind each is
     out = run_cli("hspmd", "run", "-n", "2", os.path.join(EXAMPLES, script), "--strategy", strategy, *device,
@@ -277,10 +295,12 @@ def test_the_emulated_side_stream_runs_its_work_when_the_plan_joins_it():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["[0,1]: dp=2 comm=ps consistency=bsp", "[0,1]: dp=2 comm=hybrid consistency=bsp"])
+@pytest.mark.parametrize("strategy", sampled_kinds(["[0,1]: dp=2 comm=ps consistency=bsp",
+                                                   "[0,1]: dp=2 comm=hybrid consistency=bsp"], lambda s: "ps", "gpu-ps"))
 def test_parameter_server_workers_on_gpus_log_the_cpu_workers_losses(tmp_path, strategy):
     """`--servers 1 --device cuda`: the workers run the worker's GPU program (the state pulled on
-    the host, uploaded each step; the gradients downloaded and pushed), the server on the host."""
+    the host, uploaded each step; the gradients downloaded and pushed), the server on the host.
+    A run tests comm=ps or comm=hybrid (the same worker program), sampled by its seed."""
     ctr, logs = os.path.join(EXAMPLES, "ctr.py"), {}
     for device in ("cpu", "cuda"):
         logs[device] = tmp_path / f"{device}.jsonl"

@@ -7,6 +7,11 @@ each stage's cross-group collectives (gradient sums, the loss sum) name its own 
 and the other group issues the same collectives, per stage, in the same order. A rendezvous
 simulation of every rank's blocking operations (collectives, sends, receives, exchanges) over
 the compiled programs finds no deadlock for random strategies. Bad inputs end in one message.
+
+Sampled per run (`HSPMD_TEST_SEED`, printed in pytest's header; the test ids name the cases): the
+training sweeps run one case of each kind (per example; with micro-batches: the MLP, GPT with tp
+stages, GPT with dropout, another GPT pipeline) and one of the pipelines with different stage
+counts; successive runs cover every case.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import sampled_kinds
 from test_pipeline import _one_device, _script, _stage_params, _train
 from xdsl.dialects import func
 
@@ -26,14 +32,15 @@ from hspmd.dialects.pipeline import STAGE_ATTR
 from hspmd.transforms.util import PassError
 
 
-@pytest.mark.parametrize("example, strategy, n", [
+@pytest.mark.parametrize("example, strategy, n", sampled_kinds([
     ("mlp.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1", 3),
     ("mlp.py", "[0]: dp=1 share=3 | [1-3]: pp=3 share=1", 4),  # the pipelined group second, 3 stages
     ("mlp.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1 | [3]: dp=1 share=2", 4),  # two groups beside it
     ("gpt.py", "[0,1]: pp=2 share=3 | [2]: pp=1 share=1", 3),
     ("gpt.py", "[0-3]: tp=2 pp=2 share=1 | [4,5]: tp=2 share=1", 6),
-])
+], lambda case: case[0], "hetero-pipeline"))
 def test_hetero_pipeline_equals_one_device(tmp_path, example, strategy, n):
+    """A run tests one case of each example, sampled by its seed."""
     ref = _one_device(tmp_path, example)
     ranks = _train(tmp_path, example, strategy, n)
     for r in ranks:
@@ -46,12 +53,14 @@ def test_hetero_pipeline_equals_one_device(tmp_path, example, strategy, n):
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("strategy, n, m, schedule", [
+@pytest.mark.parametrize("strategy, n, m, schedule", sampled_kinds([
     ("[0,1]: pp=2 share=1 | [2-5]: pp=4 share=1", 6, 2, "1f1b"),
     ("[0-3]: dp=2 pp=2 share=1 | [4-7]: pp=4 share=1", 8, 1, "gpipe"),
     ("[0-3]: pp=4 share=3 | [4-6]: pp=3 layers=2:1:1 share=1", 7, 2, "1f1b"),
-])
+], lambda case: "stage counts", "hetero-pipeline-stages"))
 def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strategy, n, m, schedule):
+    """A run tests one of the three (6 to 8 ranks of a 4-layer GPT: the longest cases here),
+    sampled by its seed."""
     extra = ["model.layers=4", "data.batch_size=8"]
     ref = _train(tmp_path, "gpt.py", "[0]: dp=1", 1, extra)[0]
     compiled = compile_script(_script("gpt.py", extra), strategy, n, microbatches=m, pipeline_schedule=schedule)
@@ -61,7 +70,13 @@ def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strate
         np.testing.assert_allclose(r.losses, ref.losses, rtol=1e-4)
 
 
-@pytest.mark.parametrize("example, strategy, n, m, schedule, extra", [
+def _microbatch_kind(case) -> str:
+    example, strategy, *_, extra = case
+    return "mlp" if example == "mlp.py" else "dropout" if extra[:1] == ["model.dropout=0.2"] else \
+        "tp" if "tp=" in strategy else "gpt"
+
+
+@pytest.mark.parametrize("example, strategy, n, m, schedule, extra", sampled_kinds([
     ("gpt.py", "[0,1]: pp=2 share=1 | [2]: dp=1 share=1", 3, 2, "gpipe", []),
     ("gpt.py", "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3, 3, "1f1b", []),
     ("gpt.py", "[0-3]: dp=2 pp=2 share=1 | [4,5]: dp=2 share=1", 6, 2, "1f1b", ["data.batch_size=8"]),
@@ -70,8 +85,9 @@ def test_pipelines_with_different_stage_counts_equal_one_device(tmp_path, strate
     ("gpt.py", "[0-3]: tp=2 pp=2 share=2 | [4,5]: tp=2 share=1", 6, 2, "1f1b", ["data.batch_size=12"]),
     # dropout: each micro-batch draws its rows' masks as its virtual device (one device's masks)
     ("gpt.py", "[0,1]: pp=2 share=3 | [2]: dp=1 share=1", 3, 2, "gpipe", ["model.dropout=0.2", "data.batch_size=8"]),
-])
+], _microbatch_kind, "hetero-pipeline-microbatches"))
 def test_hetero_pipeline_with_micro_batches_equals_one_device(tmp_path, example, strategy, n, m, schedule, extra):
+    """A run tests one case of each kind (`_microbatch_kind`), sampled by its seed."""
     ref = _train(tmp_path, example, "[0]: dp=1", 1, extra)[0] if extra else _one_device(tmp_path, example)
     ranks = _train(tmp_path, example, strategy, n, extra, microbatches=m, pipeline_schedule=schedule)
     for r in ranks:

@@ -1,6 +1,11 @@
 """Mixture of experts: routing with capacity, the MoE layer against PyTorch, and expert
 parallelism (`ep=`) equal to one device, dropped tokens included.
 
+Sampled per run (`HSPMD_TEST_SEED`, printed in pytest's header; the test ids name the cases): the
+in-process strategy sweeps run one strategy of each kind (ep alone, with dp, with tp, with a
+pipeline, with ZeRO 1/2, with ZeRO 3; uneven placements plain, with shares, with ZeRO), and the
+`hspmd run` sweep over mpiexec runs the uneven placement and one of the other strategies.
+
 The routing is defined per sequence (one routing group), so the tokens dropped at an
 expert's capacity do not depend on how the batch is split: `[0,1]: ep=2` and
 `[0-3]: dp=2 ep=2` train the numbers of one device.
@@ -19,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hspmd as hs
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, sampled_kinds
 from test_ops_grad import compile_plan
 from test_spmd_property import check_outputs, compile_step, run_step
 from hspmd.compiler import compile_script, run_passes, write_bundle
@@ -247,26 +252,42 @@ def _check_equal(tmp_path, strategy: str, n: int, extra=()):
         np.testing.assert_allclose(ranks[0].params[name], value, rtol=1e-5, atol=5e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("n,strategy", [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"),
-                                        (4, "[0-3]: ep=2 tp=2"), (4, "[0-3]: ep=2 pp=2"),
-                                        (8, "[0-7]: dp=2 ep=2 tp=2"), (2, "[0,1]: ep=2 zero=1"),
-                                        (4, "[0-3]: dp=2 ep=2 zero=1"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=2"),
-                                        (5, "[0-3]: ep=2 pp=2 | [4]: dp=1"), (4, "[0-3]: dp=2 ep=2 zero=3"),
-                                        (2, "[0,1]: ep=2 zero=3 recompute=block"),
-                                        (8, "[0-7]: dp=2 ep=2 tp=2 zero=3")])
+#: every strategy of the in-process sweep; a run tests one of each kind (`_ep_kind`)
+EP_STRATEGIES = [(2, "[0,1]: ep=2"), (4, "[0-3]: dp=2 ep=2"), (4, "[0-3]: ep=4"), (4, "[0-3]: ep=2 tp=2"),
+                 (4, "[0-3]: ep=2 pp=2"), (8, "[0-7]: dp=2 ep=2 tp=2"), (2, "[0,1]: ep=2 zero=1"),
+                 (4, "[0-3]: dp=2 ep=2 zero=1"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=2"),
+                 (5, "[0-3]: ep=2 pp=2 | [4]: dp=1"), (4, "[0-3]: dp=2 ep=2 zero=3"),
+                 (2, "[0,1]: ep=2 zero=3 recompute=block"), (8, "[0-7]: dp=2 ep=2 tp=2 zero=3")]
+
+
+def _ep_kind(case) -> str:
+    """The path a strategy tests beside ep: ZeRO 3, ZeRO 1/2, a pipeline, tp, dp, or ep alone."""
+    return next(k for k in ("zero=3", "zero", "pp=", "tp=", "dp=", "") if k in case[-1])
+
+
+@pytest.mark.parametrize("n,strategy", sampled_kinds(EP_STRATEGIES, _ep_kind, "moe-ep"))
 def test_expert_parallel_equals_one_device(tmp_path, n, strategy):
+    """A run tests one strategy of each kind (`_ep_kind`) of `EP_STRATEGIES`, sampled by its seed."""
     _check_equal(tmp_path, strategy, n)
 
 
-@pytest.mark.parametrize("strategy", ["[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2",
-                                      "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
-                                      "[0]: experts=2 | [1,2]: ep=2 experts=6",
-                                      "[0,1]: ep=2 share=3 | [2]: dp=1 share=1",
-                                      "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2",
-                                      "[0,1]: ep=2 experts=6 zero=3 | [2]: ep=1 experts=2"])
+UNEVEN_PLACEMENTS = ["[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2",
+                     "[0,1]: ep=2 experts=6 share=3 | [2]: experts=2 share=1",
+                     "[0]: experts=2 | [1,2]: ep=2 experts=6",
+                     "[0,1]: ep=2 share=3 | [2]: dp=1 share=1",
+                     "[0,1]: ep=2 experts=6 zero=1 | [2]: ep=1 experts=2",
+                     "[0,1]: ep=2 experts=6 zero=3 | [2]: ep=1 experts=2"]
+
+
+def _placement_kind(strategy: str) -> str:
+    return next(k for k in ("zero=", "share=", "") if k in strategy)
+
+
+@pytest.mark.parametrize("strategy", sampled_kinds(UNEVEN_PLACEMENTS, _placement_kind, "moe-uneven"))
 def test_uneven_expert_placement_equals_one_device(tmp_path, strategy):
     """Unlike groups hold different numbers of experts (split across groups by experts=, as the
-    batch is by share=): the tokens reach them by uneven exchanges."""
+    batch is by share=): the tokens reach them by uneven exchanges. A run tests one placement of
+    each kind (plain, with shares, with ZeRO), sampled by its seed."""
     _check_equal(tmp_path, strategy, 3, ["model.experts=8"])
 
 
@@ -386,13 +407,19 @@ def _mpi_losses(tmp_path, n: int, strategy: str, experts: str) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("n,strategy,experts", [
+#: `hspmd run` over mpiexec: the in-process tests above check each strategy's numbers; this sweep
+#: checks the command's path, so a run tests the uneven placement and one of the others
+MPI_STRATEGIES = [
     (2, "[0,1]: ep=2", "4"), (4, "[0-3]: dp=2 ep=2", "4"), (4, "[0-3]: ep=2 tp=2", "4"), (4, "[0-3]: ep=2 pp=2", "4"),
     (4, "[0-3]: dp=2 ep=2 zero=1", "4"), (4, "[0-3]: dp=2 ep=2 zero=3", "4"),
     (3, "[0,1]: ep=2 experts=6 | [2]: ep=1 experts=2", "8"),
-])
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,strategy,experts", sampled_kinds(MPI_STRATEGIES, lambda c: c[2], "moe-mpi"))
 def test_moe_over_mpi_logs_the_single_device_losses(tmp_path, n, strategy, experts):
+    """A run tests the uneven placement (8 experts) and one strategy of 4 experts, sampled by its seed."""
     if experts not in _mpi_reference:
         _mpi_reference[experts] = _mpi_losses(tmp_path, 1, "[0]: dp=1", experts)
     got = _mpi_losses(tmp_path, n, strategy, experts)

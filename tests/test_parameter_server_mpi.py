@@ -1,4 +1,10 @@
-"""Parameter servers end to end over MPI: `hspmd run -n N --servers K` against all-reduce data parallelism."""
+"""Parameter servers end to end over MPI: `hspmd run -n N --servers K` against all-reduce data parallelism.
+
+The runs two tests compare with are made once per module (the MLP's all-reduce losses, its
+parameter-server runs under BSP). The CTR sweep is sampled per run (`HSPMD_TEST_SEED`, printed in
+pytest's header; the test ids name the cases): one case of comm=ps and one of comm=hybrid;
+successive runs cover every case.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, sampled_kinds
 
 MLP = os.path.join(EXAMPLES, "mlp.py")
 CTR = os.path.join(EXAMPLES, "ctr.py")
@@ -30,12 +36,26 @@ def _losses(rows):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def mlp_all_reduce(tmp_path_factory):
+    return _losses(_run(tmp_path_factory.mktemp("mlp-ar"), MLP, 2, 10))
+
+
+#: 10 steps of the MLP on parameter servers under BSP, by server count (made once: two tests compare with them)
+_mlp_bsp_rows: dict[int, list[dict]] = {}
+
+
+def _mlp_bsp(tmp_path, servers: int) -> list[dict]:
+    if servers not in _mlp_bsp_rows:
+        _mlp_bsp_rows[servers] = _run(tmp_path, MLP, 2, 10, "[0,1]: dp=2 comm=ps consistency=bsp", servers)
+    return _mlp_bsp_rows[servers]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("servers", [1, 2])
-def test_mlp_ps_bsp_equals_all_reduce(tmp_path, servers):
-    reference = _losses(_run(tmp_path, MLP, 2, 10))
-    rows = _run(tmp_path, MLP, 2, 10, "[0,1]: dp=2 comm=ps consistency=bsp", servers)
-    np.testing.assert_allclose(_losses(rows), reference, rtol=1e-4)
+def test_mlp_ps_bsp_equals_all_reduce(tmp_path, mlp_all_reduce, servers):
+    rows = _mlp_bsp(tmp_path, servers)
+    np.testing.assert_allclose(_losses(rows), mlp_all_reduce, rtol=1e-4)
     assert all(r["staleness"] == 0 for r in rows if "loss" in r)
 
 
@@ -45,9 +65,11 @@ def ctr_all_reduce(tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("keys,servers", [("comm=ps", 1), ("comm=hybrid", 1), ("comm=ps", 2),
-                                          ("comm=hybrid cache=1000", 2)])  # bsp: a cache bound of 0
+@pytest.mark.parametrize("keys,servers", sampled_kinds([("comm=ps", 1), ("comm=hybrid", 1), ("comm=ps", 2),
+                                                       ("comm=hybrid cache=1000", 2)],  # bsp: a cache bound of 0
+                                                      lambda case: case[0].split()[0], "ps-ctr"))
 def test_ctr_bsp_equals_all_reduce(tmp_path, ctr_all_reduce, keys, servers):
+    """A run tests one case of comm=ps and one of comm=hybrid, sampled by its seed."""
     rows = _run(tmp_path, CTR, 2, 10, f"[0,1]: dp=2 {keys} consistency=bsp", servers)
     np.testing.assert_allclose(_losses(rows), ctr_all_reduce, rtol=1e-4)
 
@@ -141,7 +163,7 @@ def test_a_server_lost_is_one_clear_error(tmp_path):
 @pytest.mark.mpi
 def test_a_run_whose_server_died_resumes_from_its_checkpoint_with_the_losses_of_an_unbroken_run(tmp_path):
     bsp = "[0,1]: dp=2 comm=ps consistency=bsp"
-    unbroken = _losses(_run(tmp_path, MLP, 2, 10, bsp, 2))
+    unbroken = _losses(_mlp_bsp(tmp_path, 2))  # the run test_mlp_ps_bsp_equals_all_reduce[2] compares
     ck = tmp_path / "ck"
     proc, _ = _run_with_fault(tmp_path, MLP, "3:8", bsp, 10,
                               ("--checkpoint-dir", str(ck), "--checkpoint-every", "5"), servers=2)  # server 1 dies at step 8

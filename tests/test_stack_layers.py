@@ -3,7 +3,9 @@
 * stacked names and `Layout.shift_dims` (hypothesis);
 * training with the layers stacked gives bit-identical parameters to the calls, for random
   models under each kind of strategy (1 device, dp, tp, sp, ZeRO, unlike groups, dp over rows
-  it does not divide) on the in-process communicator;
+  it does not divide, pipelines) on the in-process communicator: a run tests one case of each
+  kind (`_kind`), sampled by its seed (`HSPMD_TEST_SEED`, printed in pytest's header; the test ids
+  name the cases), and successive runs cover every case;
 * the physical IR does not grow with the layer count;
 * a pipeline cuts the stacks at its stage boundaries;
 * what stays calls: pipelines beside other groups, mixtures of experts, and chains that differ
@@ -19,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, sampled_kinds
 from hspmd.compiler import compile_script, write_bundle
 from hspmd.dialects import graph
 from hspmd.dialects.levels import physical_groups
@@ -114,8 +116,15 @@ CASES = [(1, "[0]: dp=1", "gpt.py", 3, 4, "numpy", []),
          (4, "[0-3]: tp=2 pp=2", "llama.py", 4, 2, "cpu", ["pipeline_schedule=1f1b"])]
 
 
-@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels, extra", CASES)
+def _kind(case) -> str:
+    """The kind of strategy of a case: one device, dp, tp, sp, ZeRO, unlike groups or a pipeline."""
+    strategy = case[1]
+    return next(k for k in ("|", "pp=", "zero=", "sp=", "tp=", "dp=1", "dp=") if k in strategy)
+
+
+@pytest.mark.parametrize("n, strategy, example, layers, heads, kernels, extra", sampled_kinds(CASES, _kind, "stack"))
 def test_stacked_layers_train_the_bits_of_calls(tmp_path, n, strategy, example, layers, heads, kernels, extra):
+    """A run tests one case of each kind (`_kind`) of `CASES`, sampled by its seed."""
     script = _script(example, layers, [f"model.heads={heads}", *extra])
     calls = _train(tmp_path, script, strategy, n, False, "a", kernels)
     stacked = _train(tmp_path, script, strategy, n, True, "b", kernels)

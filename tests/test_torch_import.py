@@ -6,6 +6,10 @@ small configs: the loss and every gradient equal PyTorch's (relative error per t
 and three AdamW steps equal `torch.optim.AdamW`'s. Also: repeated blocks become one function and
 one stacked scan, a tp plan in PyTorch's terms lays the weights out, an unsupported op is one
 line naming it, and an exported checkpoint loads into the module.
+
+The strategy sweep is sampled per run: the three models take turns (by the run's seed,
+`HSPMD_TEST_SEED`, printed in pytest's header; the test ids name the pairs), so that every run
+trains each strategy on one model and successive runs every model under every strategy.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, RUN_SEED
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[torch]')")
@@ -101,14 +105,21 @@ STRATEGIES = [(2, "[0,1]: dp=2"), (2, "[0,1]: tp=2"), (2, "[0,1]: pp=2"), (3, "[
               (3, "[0,1]: dp=2 share=3 | [2]: dp=1 share=1")]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_every_strategy_trains_with_the_one_device_losses(tmp_path, case):
-    """dp, tp (from the model's tp plan), pp, uneven dp and unlike groups with shares: in-process ranks."""
+#: this run's strategies per model: strategy i goes to model (i + seed) mod 3, each once per run
+TURNS = {case: [s for i, s in enumerate(STRATEGIES) if (i + RUN_SEED) % len(CASES) == k]
+         for k, case in enumerate(sorted(CASES))}
+
+
+@pytest.mark.parametrize("case,strategies", sorted(TURNS.items()),
+                         ids=[f"{c}:{'+'.join(s for _, s in v)}" for c, v in sorted(TURNS.items())])
+def test_every_strategy_trains_with_the_one_device_losses(tmp_path, case, strategies):
+    """dp, tp (from the model's tp plan), pp, uneven dp and unlike groups with shares: in-process ranks.
+    A run trains each strategy on one of the models (`TURNS`)."""
     path, overrides = CASES[case]
     script = load_script(path, parse_overrides([o for o in overrides if not o.startswith("data.")]
                                                + ["data.batch_size=8"]))
     one = run_hspmd(script, tmp_path, steps=2).losses
-    for n, strategy in STRATEGIES:
+    for n, strategy in strategies:
         got = run_hspmd(script, tmp_path / strategy.replace(" ", "").replace("|", "_"), steps=2, strategy=strategy,
                         n=n).losses
         assert max(abs(a - b) / abs(b) for a, b in zip(got, one)) <= 1e-4, (strategy, got, one)

@@ -1,6 +1,11 @@
 """ZeRO stage 3 (`zero=3`, `shard-parameters`): parameters split over dp, gathered in each layer's
 forward and again in its backward, gradients reduce-scattered into the shards, the update on the
-shards only; the 1-device losses; checkpoints that resume under zero=3 and under dp=1."""
+shards only; the 1-device losses; checkpoints that resume under zero=3 and under dp=1.
+
+Sampled per run (`HSPMD_TEST_SEED`, printed in pytest's header; the test ids name the cases): the
+pipeline sweep runs one case of each example, the `hspmd run` sweep over mpiexec one case of each
+kind (one group, unlike groups, a pipeline); successive runs cover every case.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import sampled_kinds
 from models import Parallel, Reference, check_pair
 
 from generated_model import DEFAULT_SPEC
@@ -151,17 +157,18 @@ def _pipe_train(tmp_path, example: str, strategy: str, n: int, extra=(), **kw):
     return compiled, run_spmd(n, lambda comm: train(bundle, comm, steps=4, quiet=True), timeout=300)
 
 
-@pytest.mark.parametrize("example,strategy,schedule", [
+@pytest.mark.parametrize("example,strategy,schedule", sampled_kinds([
     ("gpt.py", "[0-3]: dp=2 pp=2 zero=3", "gpipe"),
     ("gpt.py", "[0-3]: dp=2 pp=2 zero=3 recompute=block", "1f1b"),
     ("llama.py", "[0-3]: dp=2 pp=2 zero=3 recompute=block", "1f1b"),
     ("llama.py", "[0-7]: dp=2 tp=2 pp=2 zero=3", "gpipe"),
     ("mlp.py", "[0-3]: dp=2 pp=2 zero=3", "1f1b"),
-])
+], lambda case: case[0], "zero3-pipeline"))
 def test_pipeline_stages_shard_their_parameters(tmp_path, example, strategy, schedule):
     """zero=3 in a pipeline (4 micro-batches, dropout): each stage holds 1/dp of its parameters
     between steps, gathers them once per step before its `pipeline.run`, reduce-scatters the
-    micro-batches' summed gradients into the slices and updates the slices; the 1-device numbers."""
+    micro-batches' summed gradients into the slices and updates the slices; the 1-device numbers.
+    A run tests one case of each example, sampled by its seed."""
     _, (ref,) = _pipe_train(tmp_path, example, "[0]: dp=1", 1)
     n = 8 if "[0-7]" in strategy else 4
     compiled, ranks = _pipe_train(tmp_path, example, strategy, n, microbatches=4, pipeline_schedule=schedule)
@@ -235,8 +242,17 @@ def _mpi_losses(tmp_path, example: str, n: int, strategy: str, extra: list[str])
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
+#: the 1-device losses of `hspmd run` per example (every case compares with the same run)
+_mpi_one: dict[str, list[float]] = {}
+
+
+def _mpi_kind(case) -> str:
+    strategy = case[2]
+    return "pipeline" if "pp=" in strategy else "groups" if "|" in strategy else "one group"
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("example,n,strategy,extra", [
+@pytest.mark.parametrize("example,n,strategy,extra", sampled_kinds([
     ("gpt.py", 2, "[0,1]: dp=2 zero=3 recompute=block", []),
     ("llama.py", 4, "[0-3]: dp=2 tp=2 zero=3 recompute=selective", []),
     ("llama.py", 2, "[0,1]: pp=2 recompute=block", ["--set", "microbatches=4", "--set", "pipeline_schedule=1f1b"]),
@@ -244,7 +260,10 @@ def _mpi_losses(tmp_path, example: str, n: int, strategy: str, extra: list[str])
     ("gpt.py", 4, "[0-3]: pp=2 dp=2 zero=3", ["--set", "microbatches=4", "--set", "pipeline_schedule=gpipe"]),
     ("llama.py", 4, "[0-3]: pp=2 dp=2 zero=3 recompute=block",
      ["--set", "microbatches=4", "--set", "pipeline_schedule=1f1b"]),
-])
+], _mpi_kind, "zero3-mpi"))
 def test_over_mpi_the_single_device_losses(tmp_path, example, n, strategy, extra):
-    one = _mpi_losses(tmp_path, example, 1, "[0]: dp=1", [])
+    """A run tests one case of each kind (`_mpi_kind`), sampled by its seed."""
+    if example not in _mpi_one:
+        _mpi_one[example] = _mpi_losses(tmp_path, example, 1, "[0]: dp=1", [])
+    one = _mpi_one[example]
     np.testing.assert_allclose(_mpi_losses(tmp_path, example, n, strategy, extra), one, rtol=1e-4)
