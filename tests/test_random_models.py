@@ -2,8 +2,10 @@
 1-device losses, or the strategy checks refuse them with one message naming what does not fit.
 
 `test_random_models_...` draws `MODELS` models (`tests/models.py`) and `STRATEGIES` strategies for
-each: at least 200 model-strategy pairs per run, trained in memory on the in-process
-communicator (every eighth through a written bundle and `worker.train`, as `hspmd run` does).
+each: 200 model-strategy pairs per run (issue 31's floor), trained in memory on the in-process
+communicator (every sixteenth, 12 a run, through a written bundle and `worker.train`, as `hspmd
+run` does: printing and parsing the levels doubles a pair's time; the pairs that take that path
+vary with the seed, and every test of `hspmd run` and of bundles takes it too).
 The hypothesis seed changes from run to run; a failure prints it (`HSPMD_RANDOM_MODEL_SEED=S`
 runs the same pairs again) and the command that runs the failing pair alone. The larger sweep
 is `python tools/random_model_sweep.py --models 500`.
@@ -25,9 +27,9 @@ from models import Parallel, PairFailed, Reference, check_pair, model_specs, par
 
 from generated_model import DEFAULT_SPEC
 
-MODELS = int(os.environ.get("HSPMD_RANDOM_MODELS", "44"))
+MODELS = int(os.environ.get("HSPMD_RANDOM_MODELS", "40"))  # 200 pairs: issue 31's floor per CI run
 STRATEGIES = 5
-BUNDLE_EVERY = 8  # every eighth pair through a written bundle (slower: the levels printed and parsed)
+BUNDLE_EVERY = 16  # every sixteenth pair through a written bundle (slower: the levels printed and parsed)
 
 
 def test_random_models_train_as_on_one_device_or_are_refused():

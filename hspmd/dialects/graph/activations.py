@@ -3,6 +3,7 @@ tanh, sigmoid, silu, gelu, erf."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -302,16 +303,23 @@ def erf_series(x: np.ndarray) -> np.ndarray:
     return np.sign(x) * np.where(a < 3.0, series, tail)
 
 
-try:  # SciPy's erf is faster and exact; it is optional
-    from scipy.special import erf as _scipy_erf
-except ImportError:  # pragma: no cover - depends on the environment
-    _scipy_erf = None
+@functools.cache
+def _scipy_erf():
+    """Return SciPy's erf (faster and exact; SciPy is optional), None without SciPy. Imported on
+    first use: `scipy.special` takes a third of a second to import, and most processes (every
+    command line, every rank) never compute an erf."""
+    try:
+        from scipy.special import erf
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return erf
 
 
 def erf_values(x: np.ndarray) -> np.ndarray:
     """Elementwise error function (SciPy's where installed, else `erf_series`), in x's dtype."""
-    if _scipy_erf is not None:
-        return _scipy_erf(x).astype(x.dtype, copy=False)
+    erf = _scipy_erf()
+    if erf is not None:
+        return erf(x).astype(x.dtype, copy=False)
     return erf_series(x).astype(x.dtype, copy=False)
 
 
