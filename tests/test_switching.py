@@ -1,7 +1,10 @@
 """Graph switching (docs/switching.md): one bundle of several strategies, switched at step boundaries
 with parameters and optimizer states moved in memory, gives the 1-device losses and parameters
 whatever the order; in process (random orders among dp, tp, pp with micro-batches, unequal shares
-and ZeRO) and over MPI (`hspmd run --strategy ... --switch-every K`)."""
+and ZeRO) and over MPI (`hspmd run --strategy ... --switch-every K`).
+
+The random order is one per run, drawn from the run's seed (`HSPMD_TEST_SEED`, printed in pytest's
+header; the test id names it); `test_every_strategy_reached_from_every_other` runs every switch."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, RUN_SEED, run_cli
 from hspmd.compiler import compile_script, compile_strategies, write_bundle
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.codegen.bundle import read_manifest
@@ -50,12 +53,14 @@ def test_bundle_holds_one_program_per_distinct_strategy(tmp_path):
     assert read_manifest(str(tmp_path / "strategy-1")).strategy == "[0,1]: dp=1 tp=2"
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [RUN_SEED])
 def test_random_switch_orders_equal_one_device(bundles, seed):
+    """One random order of `STRATEGIES` per run (the run's seed), starting in the bundle's first
+    strategy on even seeds."""
     switching, one = bundles
     rng = random.Random(seed)
     order = [rng.randrange(len(STRATEGIES)) for _ in range(STEPS)]
-    order[0] = 0 if seed == 0 else order[0]
+    order[0] = 0 if seed % 2 == 0 else order[0]
     ranks = run_spmd(2, lambda c: train(switching, c, steps=STEPS, quiet=True, strategy_order=order), timeout=300)
     print(f"\norder {order}: losses {ranks[0].losses}\n1 device {one.losses}")
     switches = [(a, b) for _, a, b, _ in ranks[0].switches]
