@@ -58,19 +58,21 @@ def zoo() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def small_config(model_type: str):
-    """Return `model_type`'s default config made small (the settings above it has, kv heads
-    fewer than heads where the default has fewer, dropout 0, special tokens inside the
-    vocabulary; the same for each of its sub-configs, a text model's for instance)."""
+def small_config(model_type: str, layers: int = LAYERS):
+    """Return `model_type`'s default config made small (the settings above it has, `layers`
+    layers, kv heads fewer than heads where the default has fewer, dropout 0, special tokens
+    inside the vocabulary; the same for each of its sub-configs, a text model's for instance)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type).to_dict()
-    return AutoConfig.for_model(model_type, **_small(default))
+    return AutoConfig.for_model(model_type, **_small(default, layers))
 
 
-def _small(default: dict) -> dict:
-    """Return the settings that make a config (as a dict) small."""
+def _small(default: dict, layers: int = LAYERS) -> dict:
+    """Return the settings that make a config (as a dict) small, with `layers` layers (a per-layer
+    list of the default's length is cut to its first `layers` entries, or repeated to that length)."""
     kw = {k: v for k, v in SIZES.items() if k in default and not isinstance(default[k], (dict, list))}
+    kw.update({k: layers for k in LAYER_COUNTS if k in kw})
     if "q_lora_rank" in default and default["q_lora_rank"] is not None:
         kw["q_lora_rank"] = 16
     for k in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"):
@@ -89,30 +91,30 @@ def _small(default: dict) -> dict:
         kw = {k: v for k, v in kw.items() if v is not None}
         if "qk_head_dim" in default:
             kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
-    layers = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
+    count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
-        if isinstance(v, list) and layers and len(v) == layers and k not in kw:
-            kw[k] = v[:LAYERS]
+        if isinstance(v, list) and count and len(v) == count and k not in kw:
+            kw[k] = (v * -(-layers // len(v)))[:layers]
         if k == "per_layer_config" and isinstance(v, dict):
-            kw[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
+            kw[k] = {i: c for i, c in v.items() if int(i) < layers}
     for k, v in default.items():  # sub-configs (a text model's, a vision model's)
         if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):
-            kw[k] = {**v, **_small(v)}
+            kw[k] = {**v, **_small(v, layers)}
     return kw
 
 
-def build(model_type: str, seed: int = 0):
-    """Return (model, loss_fn) of `model_type` from its small config; raise `NotInZoo` with the
-    reason where it is not a decoder-only model of input ids."""
+def build(model_type: str, seed: int = 0, layers: int = LAYERS):
+    """Return (model, loss_fn) of `model_type` from its small config with `layers` layers; raise
+    `NotInZoo` with the reason where it is not a decoder-only model of input ids."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if zoo()[model_type].endswith(MULTIMODAL):
         raise NotInZoo("a multi-modal model (its text model is an entry of its own)")
-    config = small_config(model_type)
+    config = small_config(model_type, layers)
     with torch.device("meta"):  # count first: a setting the small config missed must not fill the memory
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    if size > MAX_PARAMETERS:
+    if size > MAX_PARAMETERS * max(1, layers // LAYERS):
         raise NotInZoo(f"its small config still has {size:,} parameters (a size setting of its own)")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -215,6 +217,27 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True) -> dict:
     return row
 
 
+def depth(arch: str, layers: tuple[int, int] = (LAYERS, 48)) -> dict:
+    """Return how `arch`'s compile grows with depth: {"arch", "ops": the op counts of the logical
+    and physical programs, "seconds": `compile_script`'s time (the import included), each at the
+    two depths of `layers` (after one compile that warms the imports and caches), "ratio": the
+    deeper's time over the shallower's}."""
+    import time
+
+    from hspmd.compiler import compile_script
+    from hspmd.frontend.script import load_script
+
+    ops, seconds = [], []
+    compile_script(load_script(ZOO_SCRIPT, {"arch": arch, "layers": layers[0]}), "[0]: dp=1", 1)  # warm: imports, caches
+    for n in layers:
+        script = load_script(ZOO_SCRIPT, {"arch": arch, "layers": n})
+        start = time.perf_counter()
+        compiled = compile_script(script, "[0]: dp=1", 1)
+        seconds.append(round(time.perf_counter() - start, 2))
+        ops.append([sum(1 for _ in getattr(compiled, level).walk()) for level in ("logical", "physical")])
+    return {"arch": arch, "ops": ops, "seconds": seconds, "ratio": round(seconds[1] / seconds[0], 2)}
+
+
 def first_plan(model) -> dict:
     """Return the model's own tp plan ({} where it defines none)."""
     from hspmd.frontend.torch_import import default_tp_plan
@@ -243,8 +266,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """`python tests/torch_zoo.py [ARCH ...] [--json FILE]`: check every architecture of the zoo (or
-    those named), print each row as it is found and the table at the end; `--json` appends the rows."""
+    """`python tests/torch_zoo.py [ARCH ...] [--json FILE] [--depth]`: check every architecture of the
+    zoo (or those named), print each row as it is found and the table at the end; `--json` appends
+    the rows; `--depth` measures the compile at 2 and 48 layers instead (`depth`)."""
     import json
     import tempfile
     import time
@@ -253,6 +277,18 @@ def main(argv: list[str]) -> None:
     if "--json" in argv:
         i = argv.index("--json")
         out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    if "--depth" in argv:
+        argv = [a for a in argv if a != "--depth"]
+        for arch in argv or sorted(zoo()):
+            try:
+                row = depth(arch)
+            except Exception as err:  # noqa: BLE001 - a row, not the end of the table
+                row = {"arch": arch, "reason": _line(err)}
+            print(json.dumps(row), flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for arch in argv or sorted(zoo()):

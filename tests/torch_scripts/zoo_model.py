@@ -11,11 +11,11 @@ import torch_zoo  # noqa: E402
 
 import hspmd as hs  # noqa: E402
 
-config = {"arch": "llama", "seed": 0, "steps": 1, "optim": {"lr": 1e-2, "weight_decay": 0.1}}
+config = {"arch": "llama", "layers": 2, "seed": 0, "steps": 1, "optim": {"lr": 1e-2, "weight_decay": 0.1}}
 
 
 def torch_model(config):
-    return torch_zoo.build(config["arch"], config["seed"])[0]
+    return torch_zoo.build(config["arch"], config["seed"], config["layers"])[0]
 
 
 def torch_loss(model, batch):
