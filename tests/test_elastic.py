@@ -21,7 +21,7 @@ import pytest
 
 from hspmd.cli.elastic import choose_strategy, describe_losses, last_logged_step
 from hspmd.runtime.launcher.fault import FaultSpecError, parse_faults
-from hspmd.runtime.launcher.watch import RankEnd, WatchedRun, launch_watched
+from hspmd.runtime.launcher.watch import RankEnd, WatchedRun, start_watched, watch_started
 
 from conftest import BIN, ROOT
 
@@ -110,7 +110,8 @@ def test_a_signal_is_a_lost_device_and_an_exit_code_an_error():
 def _watch(tmp_path, mode: str, n: int = 3) -> tuple[WatchedRun, float]:
     seen = []
     start = time.monotonic()
-    run = launch_watched(n, [STAND_IN, str(tmp_path), mode], str(tmp_path), before_stop=seen.append)
+    run = watch_started(start_watched(n, [STAND_IN, str(tmp_path), mode], str(tmp_path)), str(tmp_path),
+                        before_stop=seen.append)
     assert all(e.returncode != 0 for ends in seen for e in ends)
     return run, time.monotonic() - start
 

@@ -6,6 +6,7 @@ import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_devices import boxes
 from test_layout import layouts
 from xdsl.dialects.builtin import TensorType, f32
 
@@ -15,8 +16,9 @@ from hspmd.dialects.dist import LayoutAttr, layout_of, with_layout
 from hspmd.compiler import compile_script
 from hspmd.frontend.script import load_script
 from hspmd.frontend.tracing import Tracer
-from hspmd.dialects.context import module_text, parse_module
+from hspmd.dialects.context import make_context, module_text, parse_module
 from hspmd.dialects.levels import devices_attr
+from hspmd.ir.devices import RankGroups, RankPairs
 
 
 def _roundtrip(module):
@@ -83,3 +85,39 @@ def test_compiled_levels_roundtrip():
     compiled = compile_script(load_script(os.path.join(EXAMPLES, "mlp.py")), "[0-3]: dp=4", 4)
     for level in (compiled.logical, compiled.annotated, compiled.physical):
         _roundtrip(level)
+
+
+def _attr_text(attr) -> str:
+    from io import StringIO
+
+    from xdsl.printer import Printer
+
+    out = StringIO()
+    Printer(stream=out).print_attribute(attr)
+    return out.getvalue()
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=boxes(), data=st.data())
+def test_device_set_attributes_roundtrip_and_name_their_bad_text(case, data):
+    """`#dist.devices`, `#dist.groups` and `#dist.pairs` print their data's text, parse it back, and
+    name what a bad text is meant to be."""
+    from xdsl.parser import Parser
+    from xdsl.utils.exceptions import ParseError
+
+    devices, ids = case
+    size = data.draw(st.sampled_from([k for k in range(1, len(ids) + 1) if len(ids) % k == 0]))
+    groups = RankGroups.along(devices, (len(ids) // size, size), data.draw(st.integers(0, 1)))
+    attrs = [dist.DevicesAttr(devices), dist.RankGroupsAttr(groups), dist.RankPairsAttr(RankPairs(devices, devices.sorted()))]
+    for attr in attrs:
+        text = _attr_text(attr)
+        assert text == f'#{attr.name}<"{attr.data}">'
+        again = Parser(make_context(), text).parse_attribute()
+        assert again == attr and hash(again) == hash(attr) and _attr_text(again) == text
+        bad = f'#{attr.name}<"{attr.data}-">'
+        try:
+            Parser(make_context(), bad).parse_attribute()
+        except ParseError as err:
+            assert f"bad {attr.TEXT_NAME}: " in str(err), str(err)
+        else:
+            raise AssertionError(f"{bad} parsed")

@@ -3,7 +3,7 @@
     hspmd run -n N SCRIPT --elastic --checkpoint-dir D [--checkpoint-every K]
               [--fallback-strategy S ...] [--max-restarts R] [--hosts H1,H2 | --hostfile F] ...
 
-Each attempt runs under :func:`hspmd.runtime.launcher.watch.launch_watched`, which tells how every rank
+Each attempt runs under :mod:`hspmd.runtime.launcher.watch`, which tells how every rank
 ended. When ranks die by a signal (killed, crashed, out of memory; `HSPMD_FAULT` in tests), the
 launcher waits up to `CHECKPOINT_WAIT_S` for a checkpoint that is still being written, stops the
 other ranks, and starts again on the `n` ranks that are left:

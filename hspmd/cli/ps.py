@@ -2,7 +2,7 @@
 
 The strategy names one group of N data-parallel workers with `comm=ps` or `comm=hybrid`; the
 run is one `mpiexec` of N + K ranks (`hspmd.runtime.ps.main`): workers 0..N-1, servers N..N+K-1,
-each under a guard (`hspmd.runtime.launcher.watch.launch_watched`), so that a worker that dies under ASP or
+each under a guard (`hspmd.runtime.launcher.watch`), so that a worker that dies under ASP or
 SSP leaves the others running; what a death means is `hspmd.runtime.ps.faults`.
 """
 
@@ -29,7 +29,7 @@ def run_parameter_servers(args) -> int:
     from hspmd.ir.strategy import StrategyError, parse_strategy
     from hspmd.ir.ps_plan import PLAN_FILE, PSPlan
     from hspmd.runtime.ps import faults
-    from hspmd.runtime.launcher.watch import launch_watched
+    from hspmd.runtime.launcher.watch import start_watched, watch_started
 
     if not args.strategy or not uses_servers(args.strategy):
         raise SystemExit("hspmd: error: --servers needs a strategy with comm=ps or comm=hybrid, "
@@ -85,8 +85,9 @@ def run_parameter_servers(args) -> int:
     if getattr(args, "silent_after", None):
         argv += ["--silent", str(args.silent_after)]
     plan = PSPlan.from_json(open(os.path.join(bundle, PLAN_FILE)).read())
-    run = launch_watched(args.n + args.servers, argv, os.path.join(bundle, "ranks"), hosts=args.hosts,
-                         hostfile=args.hostfile, stop_if=lambda end: faults.stops_the_run(plan, end))
+    status_dir = os.path.join(bundle, "ranks")
+    proc = start_watched(args.n + args.servers, argv, status_dir, hosts=args.hosts, hostfile=args.hostfile)
+    run = watch_started(proc, status_dir, stop_if=lambda end: faults.stops_the_run(plan, end))
     code, message = faults.outcome(plan, run)
     if message:
         print(f"hspmd run: error: {message}", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ quotes is the layout grammar of `hspmd.ir.layout_text`, the same text users writ
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
 from xdsl.ir import Attribute, Data, Dialect, Operation, SSAValue, TypeAttribute
@@ -33,28 +33,39 @@ from hspmd.ir.layout import Layout, LayoutError
 from hspmd.ir.layout_text import LayoutSyntaxError, parse_layout
 from hspmd.ir.strategy import StrategyError, StrategyRecord, parse_strategy
 
-__all__ = ["AnnotateOp", "DevicesAttr", "Dist", "LayoutAttr", "RankGroupsAttr", "RankPairsAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
+__all__ = ["AnnotateOp", "DevicesAttr", "Dist", "LayoutAttr", "QuotedTextAttr", "RankGroupsAttr", "RankPairsAttr", "MESH_AXES", "ReshardOp", "STRATEGIES_ATTR", "StrategyAttr",
            "layout_of", "module_strategies", "record_strategy", "with_layout", "without_layout"]
 
 # the mesh axes a strategy gives each device group, which `dist.annotate` may name per dim
 MESH_AXES = ("dp", "tp")
 
 
-@irdl_attr_definition
-class LayoutAttr(Data[Layout]):
-    """`#dist.layout<"TEXT">`: one HSPMD layout (groups, per-group states, hetero axis, shares)."""
+_T = TypeVar("_T")
 
-    name = "dist.layout"
+
+class QuotedTextAttr(Data[_T]):
+    """An attribute written as one quoted text, `#dist.NAME<"TEXT">`, whose data `read` makes from
+    the text and `str()` writes back: a subclass says only what its text is and how to read it."""
+
+    #: what the text is, as a parse error names it (`bad device set: ...`)
+    TEXT_NAME: ClassVar[str]
+    #: what `read` raises on a bad text
+    TEXT_ERRORS: ClassVar[tuple[type[Exception], ...]] = (DeviceSetError,)
+
+    @staticmethod
+    def read(text: str) -> _T:
+        """Return the data that `text` writes (`TEXT_ERRORS` if it writes none)."""
+        raise NotImplementedError
 
     @classmethod
-    def parse_parameter(cls, parser: AttrParser) -> Layout:
+    def parse_parameter(cls, parser: AttrParser) -> _T:
         with parser.in_angle_brackets():
             pos = parser.pos
-            text = parser.parse_str_literal("layout text")
+            text = parser.parse_str_literal(f" (the {cls.TEXT_NAME})")
             try:
-                return parse_layout(text)
-            except (LayoutSyntaxError, LayoutError) as err:
-                parser.raise_error(f"bad layout: {err}", pos, parser.pos)
+                return cls.read(text)
+            except cls.TEXT_ERRORS as err:
+                parser.raise_error(f"bad {cls.TEXT_NAME}: {err}", pos, parser.pos)
 
     def print_parameter(self, printer: Printer) -> None:
         with printer.in_angle_brackets():
@@ -62,70 +73,44 @@ class LayoutAttr(Data[Layout]):
 
 
 @irdl_attr_definition
-class DevicesAttr(Data[DeviceRange]):
+class LayoutAttr(QuotedTextAttr[Layout]):
+    """`#dist.layout<"TEXT">`: one HSPMD layout (groups, per-group states, hetero axis, shares)."""
+
+    name = "dist.layout"
+    TEXT_NAME = "layout"
+    TEXT_ERRORS = (LayoutSyntaxError, LayoutError)
+    read = staticmethod(parse_layout)
+
+
+@irdl_attr_definition
+class DevicesAttr(QuotedTextAttr[DeviceRange]):
     """`#dist.devices<"0-4095">`: a set of devices as a range (`hspmd.ir.devices.DeviceRange`): a
     physical group module's devices (`hspmd.devices`), as short for 65,536 devices as for 4."""
 
     name = "dist.devices"
-
-    @classmethod
-    def parse_parameter(cls, parser: AttrParser) -> DeviceRange:
-        with parser.in_angle_brackets():
-            pos = parser.pos
-            text = parser.parse_str_literal("device set")
-            try:
-                return parse_devices(text)
-            except DeviceSetError as err:
-                parser.raise_error(f"bad device set: {err}", pos, parser.pos)
-
-    def print_parameter(self, printer: Printer) -> None:
-        with printer.in_angle_brackets():
-            printer.print_string_literal(str(self.data))
+    TEXT_NAME = "device set"
+    read = staticmethod(parse_devices)
 
 
 @irdl_attr_definition
-class RankGroupsAttr(Data[RankGroups]):
+class RankGroupsAttr(QuotedTextAttr[RankGroups]):
     """`#dist.groups<"[8,2]<=[16]">`: the disjoint, equal rank groups of a collective, in XLA's iota
     form (`[groups,size]<=[reshape]T(perm)`) or, where irregular or shorter, listed (`{0,2},{1,3}`);
     a rank finds its group and its position in it from its id (`RankGroups.group_of`)."""
 
     name = "dist.groups"
-
-    @classmethod
-    def parse_parameter(cls, parser: AttrParser) -> RankGroups:
-        with parser.in_angle_brackets():
-            pos = parser.pos
-            text = parser.parse_str_literal("rank groups")
-            try:
-                return parse_rank_groups(text)
-            except DeviceSetError as err:
-                parser.raise_error(f"bad rank groups: {err}", pos, parser.pos)
-
-    def print_parameter(self, printer: Printer) -> None:
-        with printer.in_angle_brackets():
-            printer.print_string_literal(str(self.data))
+    TEXT_NAME = "rank groups"
+    read = staticmethod(parse_rank_groups)
 
 
 @irdl_attr_definition
-class RankPairsAttr(Data[RankPairs]):
+class RankPairsAttr(QuotedTextAttr[RankPairs]):
     """`#dist.pairs<"0-2047->2048-4095">`: a send's or receive's [src, dst] pairs, sources and
     destinations as two ranges (`src[i]` sends to `dst[i]`)."""
 
     name = "dist.pairs"
-
-    @classmethod
-    def parse_parameter(cls, parser: AttrParser) -> RankPairs:
-        with parser.in_angle_brackets():
-            pos = parser.pos
-            text = parser.parse_str_literal("rank pairs")
-            try:
-                return parse_rank_pairs(text)
-            except DeviceSetError as err:
-                parser.raise_error(f"bad rank pairs: {err}", pos, parser.pos)
-
-    def print_parameter(self, printer: Printer) -> None:
-        with printer.in_angle_brackets():
-            printer.print_string_literal(str(self.data))
+    TEXT_NAME = "rank pairs"
+    read = staticmethod(parse_rank_pairs)
 
 
 @irdl_attr_definition
@@ -150,13 +135,13 @@ class StrategyAttr(Data[StrategyRecord]):
             sid = parser.parse_integer(allow_boolean=False, allow_negative=False)
             parser.parse_punctuation(",")
             text_pos = parser.pos
-            text = parser.parse_str_literal("strategy text")
+            text = parser.parse_str_literal(" (the strategy text)")
             parser.parse_punctuation(",")
             key("microbatches")
             m = parser.parse_integer(allow_boolean=False, allow_negative=False)
             parser.parse_punctuation(",")
             key("schedule")
-            schedule = parser.parse_str_literal("pipeline schedule name")
+            schedule = parser.parse_str_literal(" (the pipeline schedule name)")
             try:
                 strategy = parse_strategy(text)
             except StrategyError as err:

@@ -1,7 +1,7 @@
 """The guard of one rank of an elastic run: run the rank as a child and record how it ended.
 
 ``python .../hspmd/runtime/launcher/rank_guard.py STATUS_DIR -- PROGRAM [ARGS...]`` is what
-:func:`hspmd.runtime.launcher.watch.launch_watched` starts under ``mpiexec`` for every rank, in place of
+:func:`hspmd.runtime.launcher.watch.start_watched` starts under ``mpiexec`` for every rank, in place of
 the rank's own program. The guard starts ``PROGRAM ARGS...`` as its child (which inherits the
 environment and file descriptors, so it is the MPI rank), waits for it, and writes
 ``STATUS_DIR/rank-<r>.exit``, one JSON object::

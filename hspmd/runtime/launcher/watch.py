@@ -1,10 +1,10 @@
 """Watching the ranks of a run: which ones died, and stopping the others cleanly.
 
-:func:`launch_watched` is :func:`hspmd.runtime.launcher.launch.launch` for elastic runs. It starts
-``mpiexec -disable-auto-cleanup`` (MPICH's Hydra: when a rank dies the others are left running,
-instead of Hydra killing them at once) with every rank under a guard
-(:mod:`hspmd.runtime.launcher.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
-ends. The launcher polls those files. A rank that ends with a non-zero code before the
+:func:`start_watched` then :func:`watch_started` are :func:`hspmd.runtime.launcher.launch.launch`
+for elastic runs. The first starts ``mpiexec -disable-auto-cleanup`` (MPICH's Hydra: when a rank
+dies the others are left running, instead of Hydra killing them at once) with every rank under a
+guard (:mod:`hspmd.runtime.launcher.rank_guard`), which writes ``STATUS_DIR/rank-<r>.exit`` when its rank
+ends; the second polls those files. A rank that ends with a non-zero code before the
 launcher stops the run is a failure: killed by a signal, it is a lost device (``WatchedRun.lost``:
 killed from outside, crashed, out of memory); with an exit code, the program failed
 (``WatchedRun.errors``). Then the launcher runs the caller's ``before_stop`` (an elastic run
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from hspmd.runtime.launcher import rank_guard
 from hspmd.runtime.launcher.launch import LaunchError, mpiexec_command, rank_environment
 
-__all__ = ["RankEnd", "WatchedRun", "launch_watched", "read_rank_ends", "start_watched", "stop_started", "watch_started"]
+__all__ = ["RankEnd", "WatchedRun", "read_rank_ends", "start_watched", "stop_started", "watch_started"]
 
 #: the path of the guard script (started by path: it imports nothing of hspmd)
 GUARD = os.path.abspath(rank_guard.__file__)
@@ -165,7 +165,11 @@ def start_watched(
     hostfile: str | None = None,
 ) -> subprocess.Popen:
     """Return the mpiexec process running ``python *python_args`` on ``n`` ranks, each under a
-    guard that records its end in ``status_dir`` (cleared first); :func:`watch_started` watches it."""
+    guard that records its end in ``status_dir`` (cleared first); :func:`watch_started` watches it.
+
+    ``env``, ``hosts`` and ``hostfile`` are as for :func:`hspmd.runtime.launcher.launch.launch`.
+    Needs MPICH's Hydra ``mpiexec``.
+    """
     _clear(status_dir)
     guarded = [GUARD, status_dir, "--", sys.executable, *map(str, python_args)]
     cmd = mpiexec_command(n, guarded, hosts, hostfile, options=("-disable-auto-cleanup",))
@@ -183,9 +187,15 @@ def watch_started(
     stop_if: Callable[[RankEnd], bool] | None = None,
     check: Callable[[], tuple[RankEnd, ...]] | None = None,
 ) -> WatchedRun:
-    """Watch the run `start_watched` started until all its ranks end or one fails (see
-    :func:`launch_watched`). `check`, called at every look, returns ends the launcher found
-    itself (a rank it killed for its silence, `hspmd.runtime.launcher.heartbeat`), counted as failures."""
+    """Watch the run `start_watched` started until all its ranks end or one fails; return how they ended.
+
+    When a rank fails (a non-zero exit code or a signal it was not asked to stop by),
+    ``before_stop`` gets the ends recorded so far, then the other ranks are stopped. On
+    KeyboardInterrupt all are stopped and it propagates. ``stop_if`` (given an end) narrows which
+    ends stop the run (a parameter-server run goes on without a lost worker); the others' are
+    reported all the same. ``check``, called at every look, returns ends the launcher found
+    itself (a rank it killed for its silence, `hspmd.runtime.launcher.heartbeat`), counted as failures.
+    """
     failed: dict[int, RankEnd] = {}  # the ends that made the launcher stop the run
     try:
         while True:
@@ -217,26 +227,3 @@ def stop_started(proc: subprocess.Popen, status_dir: str) -> None:
     """Stop the run `start_watched` started (SIGTERM to its ranks, SIGKILL to what is left)."""
     if proc.poll() is None:
         _stop(proc, status_dir)
-
-
-def launch_watched(
-    n: int,
-    python_args: Sequence[str],
-    status_dir: str,
-    env: Mapping[str, str] | None = None,
-    hosts: str | None = None,
-    hostfile: str | None = None,
-    before_stop: Callable[[tuple[RankEnd, ...]], None] | None = None,
-    stop_if: Callable[[RankEnd], bool] | None = None,
-) -> WatchedRun:
-    """Run ``python *python_args`` on ``n`` ranks, each under a guard, until all end or one fails.
-
-    When a rank fails (a non-zero exit code or a signal it was not asked to stop by),
-    ``before_stop`` gets the ends recorded so far, then the other ranks are stopped. On
-    KeyboardInterrupt all are stopped and it propagates. ``stop_if`` (given an end) narrows which
-    ends stop the run (a parameter-server run goes on without a lost worker); the others' are
-    reported all the same. ``env``, ``hosts`` and ``hostfile`` are
-    as for :func:`hspmd.runtime.launcher.launch.launch`. Needs MPICH's Hydra ``mpiexec``.
-    """
-    proc = start_watched(n, python_args, status_dir, env, hosts, hostfile)
-    return watch_started(proc, status_dir, before_stop, stop_if)

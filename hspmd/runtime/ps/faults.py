@@ -1,7 +1,7 @@
 """What a rank that dies means for a parameter-server run, as `hspmd run --servers` sees it.
 
 `hspmd run` starts the ranks under guards with `mpiexec -disable-auto-cleanup`
-(`hspmd.runtime.launcher.watch.launch_watched`), so it learns at once which rank ended and how, and a
+(`hspmd.runtime.launcher.watch`), so it learns at once which rank ended and how, and a
 rank's death does not end the others. Then:
 
 - a rank that ended on an error it said (an exit code) stops the run: its message is the error;
