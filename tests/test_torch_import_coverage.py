@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from conftest import run_imported
+
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
 import hspmd as hs  # noqa: E402
@@ -231,21 +233,7 @@ def test_each_translated_core_op_equals_pytorch():
     assert not untested, f"translated Core ATen ops without a case here: {sorted(untested)}"
 
     program = hs.from_torch(model, ints, lambda m, b: m(b))
-    from hspmd.compiler import annotate, run_passes, to_physical
-    from hspmd.dialects.levels import physical_groups
-    from hspmd.runtime.comm import InProcessCommunicator
-    from hspmd.runtime.plan import build_plan
-
-    module = program.module
-    run_passes(module, "autodiff")
-    annotate(module, "[0]: dp=1")
-    to_physical(module)
-    ((_, group),) = physical_groups(module)
-    fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
-    (comm,) = InProcessCommunicator.create_world(1)
-    plan = build_plan(fn, 0, comm)
-    state = {k: v.copy() for k, v in program.weights.items()}
-    out = plan.run(state, plan.local_batch({k: np.asarray(v) for k, v in ints.items()}))
+    out = run_imported(program, ints)
 
     loss = model(batch)
     loss.backward()
