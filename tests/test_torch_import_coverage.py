@@ -12,6 +12,7 @@ tensor by tensor. The seed varies from run to run (`HSPMD_TEST_SEED` fixes it) a
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -122,6 +123,9 @@ def _cases(rng):
         ("aten.mean.dim", [n(3, 4)], lambda x, i: A.mean.dim(x[0], [1], True)),
         ("aten.sum.dim_IntList", [n(3, 4)], lambda x, i: A.sum.dim_IntList(x[0], [0])),
         ("aten.var.correction", [n(3, 4)], lambda x, i: A.var.correction(x[0], [1], correction=1)),
+        ("aten.linalg_vector_norm.default", [n(3, 4)], lambda x, i: A.linalg_vector_norm.default(x[0], 2, [1], True)),
+        ("aten.linalg_vector_norm.default", [n(3, 4)], lambda x, i: A.linalg_vector_norm.default(x[0], 3.0)),
+        ("aten.linalg_vector_norm.default", [n(2, 5)], lambda x, i: A.linalg_vector_norm.default(x[0], math.inf, [0])),
         ("aten.var.dim", [n(3, 4)], lambda x, i: A.var.dim(x[0], [0], False)),
         ("aten.addmm.default", [n(4), n(3, 5), n(5, 4)], lambda x, i: A.addmm.default(*x, beta=0.5, alpha=2.0)),
         ("aten.mm.default", [n(3, 5), n(5, 4)], lambda x, i: A.mm.default(*x)),
