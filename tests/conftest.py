@@ -182,3 +182,24 @@ def train_step(module):
     """Return the `@train_step` function of a (group) module."""
     return next(op for op in module.walk() if getattr(op, "sym_name", None) is not None
                 and op.sym_name.data == "train_step")
+
+
+def run_imported(program, batch: dict) -> dict:
+    """Return the outputs ("loss", "grad:<parameter>") of one step of an imported program
+    (`hs.from_torch`) on one device, with its own weights, through the physical plan."""
+    import numpy as np
+
+    from hspmd.compiler import annotate, run_passes, to_physical
+    from hspmd.dialects.levels import physical_groups
+    from hspmd.runtime.comm import InProcessCommunicator
+    from hspmd.runtime.plan import build_plan
+
+    module = program.module
+    run_passes(module, "autodiff")
+    annotate(module, "[0]: dp=1")
+    to_physical(module)
+    ((_, group),) = physical_groups(module)
+    (comm,) = InProcessCommunicator.create_world(1)
+    plan = build_plan(train_step(group), 0, comm)
+    state = {k: v.copy() for k, v in program.weights.items()}
+    return plan.run(state, plan.local_batch({k: np.asarray(v) for k, v in batch.items()}))

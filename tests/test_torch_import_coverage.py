@@ -12,11 +12,14 @@ tensor by tensor. The seed varies from run to run (`HSPMD_TEST_SEED` fixes it) a
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import numpy as np
 import pytest
+
+from conftest import run_imported
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
@@ -120,6 +123,9 @@ def _cases(rng):
         ("aten.mean.dim", [n(3, 4)], lambda x, i: A.mean.dim(x[0], [1], True)),
         ("aten.sum.dim_IntList", [n(3, 4)], lambda x, i: A.sum.dim_IntList(x[0], [0])),
         ("aten.var.correction", [n(3, 4)], lambda x, i: A.var.correction(x[0], [1], correction=1)),
+        ("aten.linalg_vector_norm.default", [n(3, 4)], lambda x, i: A.linalg_vector_norm.default(x[0], 2, [1], True)),
+        ("aten.linalg_vector_norm.default", [n(3, 4)], lambda x, i: A.linalg_vector_norm.default(x[0], 3.0)),
+        ("aten.linalg_vector_norm.default", [n(2, 5)], lambda x, i: A.linalg_vector_norm.default(x[0], math.inf, [0])),
         ("aten.var.dim", [n(3, 4)], lambda x, i: A.var.dim(x[0], [0], False)),
         ("aten.addmm.default", [n(4), n(3, 5), n(5, 4)], lambda x, i: A.addmm.default(*x, beta=0.5, alpha=2.0)),
         ("aten.mm.default", [n(3, 5), n(5, 4)], lambda x, i: A.mm.default(*x)),
@@ -231,21 +237,7 @@ def test_each_translated_core_op_equals_pytorch():
     assert not untested, f"translated Core ATen ops without a case here: {sorted(untested)}"
 
     program = hs.from_torch(model, ints, lambda m, b: m(b))
-    from hspmd.compiler import annotate, run_passes, to_physical
-    from hspmd.dialects.levels import physical_groups
-    from hspmd.runtime.comm import InProcessCommunicator
-    from hspmd.runtime.plan import build_plan
-
-    module = program.module
-    run_passes(module, "autodiff")
-    annotate(module, "[0]: dp=1")
-    to_physical(module)
-    ((_, group),) = physical_groups(module)
-    fn = next(o for o in group.walk() if o.name == "func.func" and o.sym_name.data == "train_step")
-    (comm,) = InProcessCommunicator.create_world(1)
-    plan = build_plan(fn, 0, comm)
-    state = {k: v.copy() for k, v in program.weights.items()}
-    out = plan.run(state, plan.local_batch({k: np.asarray(v) for k, v in ints.items()}))
+    out = run_imported(program, ints)
 
     loss = model(batch)
     loss.backward()

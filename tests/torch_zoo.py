@@ -70,7 +70,7 @@ def small_config(model_type: str, layers: int = LAYERS):
 
 def _small(default: dict, layers: int = LAYERS) -> dict:
     """Return the settings that make a config (as a dict) small, with `layers` layers (a per-layer
-    list of the default's length is cut to its first `layers` entries, or repeated to that length)."""
+    list of the default's length is cut to its first `layers` entries, or its pattern carried on)."""
     kw = {k: v for k, v in SIZES.items() if k in default and not isinstance(default[k], (dict, list))}
     kw.update({k: layers for k in LAYER_COUNTS if k in kw})
     if "q_lora_rank" in default and default["q_lora_rank"] is not None:
@@ -94,13 +94,22 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
     count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
         if isinstance(v, list) and count and len(v) == count and k not in kw:
-            kw[k] = (v * -(-layers // len(v)))[:layers]
+            kw[k] = _layers(v, layers)
         if k == "per_layer_config" and isinstance(v, dict):
             kw[k] = {i: c for i, c in v.items() if int(i) < layers}
     for k, v in default.items():  # sub-configs (a text model's, a vision model's)
         if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):
             kw[k] = {**v, **_small(v, layers)}
     return kw
+
+
+def _layers(values: list, layers: int) -> list:
+    """Return a per-layer list for `layers` layers: its first entries, or its pattern (those before
+    the repeats, then the period: `hspmd.frontend.torch_repeats.repeat_pattern`) carried on."""
+    from hspmd.frontend.torch_repeats import repeat_pattern
+
+    start, period = repeat_pattern([repr(v) for v in values])
+    return [values[i if i < start else start + (i - start) % period] for i in range(layers)]
 
 
 def build(model_type: str, seed: int = 0, layers: int = LAYERS):
@@ -163,11 +172,12 @@ def _run(script, bundle: str, strategy: str, n: int, steps: int, optimizer: bool
     return run_spmd(n, lambda comm: train(bundle, comm, steps=steps, quiet=True, keep_outputs=True))[0]
 
 
-def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True) -> dict:
+def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True, layers: int = LAYERS) -> dict:
     """Return the zoo's row of `arch`: {"arch", "status" ("imported", "refused", "not in zoo",
     "differs"), "reason", "loss", "grad", "adamw", "tp"} (relative errors against PyTorch; "tp"
     the largest relative difference of two tp=2 losses from one device's, None without a plan or
-    with `tp` False; "adamw" None with `adamw` False, which leaves the tp check out too)."""
+    with `tp` False; "adamw" None with `adamw` False, which leaves the tp check out too), the model
+    built with `layers` layers."""
     import os
 
     import torch
@@ -176,12 +186,12 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True) -> dict:
 
     row = {"arch": arch, "status": "", "reason": "", "loss": None, "grad": None, "adamw": None, "tp": None}
     try:
-        model, _ = build(arch)
+        model, _ = build(arch, layers=layers)
     except NotInZoo as err:
         return {**row, "status": "not in zoo", "reason": str(err)}
     except Exception as err:  # noqa: BLE001 - transformers' own code fails on the small config
         return {**row, "status": "not in zoo", "reason": f"does not build from a small config: {_line(err)}"}
-    script = load_script(ZOO_SCRIPT, {"arch": arch})
+    script = load_script(ZOO_SCRIPT, {"arch": arch, "layers": layers})
     try:
         first = _run(script, os.path.join(workdir, f"{arch}-grad"), "[0]: dp=1", 1, 1, False)
     except Exception as err:  # noqa: BLE001 - the import's one line
@@ -202,7 +212,7 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True) -> dict:
         row["status"] = "imported" if row["loss"] <= 1e-5 and row["grad"] <= 1e-4 else "differs"
         return row
     trained = _run(script, os.path.join(workdir, f"{arch}-adamw"), "[0]: dp=1", 1, 2, True)
-    model, _ = build(arch)
+    model, _ = build(arch, layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=script.config["optim"]["lr"],
                             weight_decay=script.config["optim"]["weight_decay"])
     loss(model, b).backward()
@@ -221,7 +231,8 @@ def depth(arch: str, layers: tuple[int, int] = (LAYERS, 48)) -> dict:
     """Return how `arch`'s compile grows with depth: {"arch", "ops": the op counts of the logical
     and physical programs, "seconds": `compile_script`'s time (the import included), each at the
     two depths of `layers` (after one compile that warms the imports and caches), "ratio": the
-    deeper's time over the shallower's}."""
+    deeper's time over the shallower's, "repeated": {list: [start, period]} of the deeper's lists
+    exported in part}."""
     import time
 
     from hspmd.compiler import compile_script
@@ -235,7 +246,9 @@ def depth(arch: str, layers: tuple[int, int] = (LAYERS, 48)) -> dict:
         compiled = compile_script(script, "[0]: dp=1", 1)
         seconds.append(round(time.perf_counter() - start, 2))
         ops.append([sum(1 for _ in getattr(compiled, level).walk()) for level in ("logical", "physical")])
-    return {"arch": arch, "ops": ops, "seconds": seconds, "ratio": round(seconds[1] / seconds[0], 2)}
+    repeated = {path: [p.start, p.period] for path, p in script.imported.repeated.items()}
+    return {"arch": arch, "ops": ops, "seconds": seconds, "ratio": round(seconds[1] / seconds[0], 2),
+            "repeated": repeated}
 
 
 def first_plan(model) -> dict:

@@ -163,7 +163,7 @@ def write_bundle(directory: str, *, script: str, config: dict, strategy: str, lo
         from safetensors.numpy import save_file
 
         weights_file = "weights.safetensors"
-        arrays = {k: np.ascontiguousarray(v) for k, v in weights.items()}
+        arrays = {k: np.require(v, None, "C") for k, v in weights.items()}  # 0-d stays 0-d (ascontiguousarray makes 1-d)
         meta = {"format": "hspmd-global", **{f"crc32/{k}": str(zlib.crc32(v.data)) for k, v in arrays.items()}}
         tmp = os.path.join(directory, f"{weights_file}.tmp{os.getpid()}")
         save_file(arrays, tmp, metadata=meta)

@@ -59,7 +59,7 @@ class RowPlan:
                 raise DataError(f"input '{t.base}': the data gives rows of shape {list(value.shape[1:])}, the program "
                                 f"was compiled for {list(t.shape)}")
             piece = value[t.positions].reshape(*t.lead, *t.shape)
-            out[t.name] = np.ascontiguousarray(piece[(slice(None),) * len(t.lead) + t.rest], dtype=t.dtype)
+            out[t.name] = np.require(piece[(slice(None),) * len(t.lead) + t.rest], t.dtype, "C")
         return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from hspmd.dialects import graph
 from hspmd.dialects.graph import elementary as el
-from hspmd.dialects.graph.activations import exp, log
+from hspmd.dialects.graph.activations import exp, log, sqrt
 from hspmd.dialects.graph.arithmetic import divide, power
 from hspmd.dialects.graph.positions import dropout
 from hspmd.dialects.graph.reductions import max as reduce_max
@@ -279,6 +279,32 @@ def var(cx: Context, x, dims=None, *args, correction=None, keepdim=False, unbias
     return ((dev * dev).sum(dims) * (1.0 / max(n - c, 0.0) if n > c else math.inf)).reshape(cx.shape)
 
 
+def vector_norm(cx: Context, x, ord=2, dims=None, keepdim=False, dtype=None):
+    """`torch.linalg.vector_norm`: the `ord`-norm of `x` along `dims` (all dims: None): sqrt of
+    the sum of squares for 2, the sum of |x| for 1, the largest (smallest) |x| for inf (-inf),
+    the count of nonzeros for 0, else `sum(|x| ** ord) ** (1 / ord)`."""
+    dims = list(range(x.ndim)) if dims is None or dims == [] else sorted({d % x.ndim for d in
+                                                                          ([dims] if isinstance(dims, int) else dims)})
+    x = cast_to(x, dtype or cx.dtype)
+    if not x.ndim:
+        dims = []
+    a = el.abs(x)
+    p = float(ord)
+    if p == 2:
+        y = sqrt((x * x).sum(dims))
+    elif p == 1:
+        y = a.sum(dims)
+    elif p == math.inf:
+        y = reduce_max(a, dims)
+    elif p == -math.inf:
+        y = reduce_max(a * -1.0, dims) * -1.0
+    elif p == 0:
+        y = compare_to(cx, x, 0.0, "ne").sum(dims)
+    else:
+        y = power(power(a, p).sum(dims), 1.0 / p)
+    return y.reshape(cx.shape)
+
+
 def native_layer_norm(cx: Context, x, shape, weight=None, bias=None, eps=1e-5):
     """(layer_norm(x), mean, 1 / std) over the last dim, the statistics kept as [..., 1]."""
     from hspmd.frontend import aten
@@ -356,6 +382,7 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.where.self": where, "aten.masked_fill.Scalar": masked_fill, "aten.masked_fill.Tensor": masked_fill,
     "aten.any.default": any_, "aten.any.dim": any_, "aten.any.dims": any_,
     "aten.amin.default": amin, "aten.var.correction": var, "aten.var.dim": var,
+    "aten.linalg_vector_norm.default": vector_norm,
     "aten.full_like.default": full_like, "aten.fill.Scalar": fill, "aten.fill.Tensor": fill,
     "aten.copy.default": copy, "aten.native_dropout.default": native_dropout, "aten.detach.default": detach,
     "hspmd.stop_gradient.default": detach,

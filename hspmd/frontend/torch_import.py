@@ -50,6 +50,7 @@ from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
+from hspmd.frontend.torch_repeats import RepeatPattern, digest, repeatable_lists
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 
@@ -76,6 +77,9 @@ class TorchProgram:
     tp_split: dict[str, int] = field(default_factory=dict)  # parameter -> the dim tp splits
     #: a transformers model's `config.json` and what `save_pretrained` leaves out (`hugging_face`), else None
     hf: dict | None = None
+    #: the ModuleLists exported in part, each with its pattern (the blocks after `exported` called
+    #: as the exported ones); empty where every block was exported
+    repeated: dict[str, RepeatPattern] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the module tree
@@ -137,8 +141,9 @@ class _Importer:
         self.blocks: dict[str, _Block] = {}
         self.runs: dict = {}  # id(block module) -> (nodes, dynamic inputs, outputs)
         self.param_nodes: dict = {}  # placeholder node -> program parameter name
-        self.repeats: dict[str, list[str]] = {}  # exported block -> the blocks called as it is, in order
-        self.made: dict[str, tuple] = {}  # block path -> (signature, output nodes) of the blocks called
+        # the last exported block of a list -> [(a block left out, the exported block it is called as)]
+        self.repeats: dict[str, list[tuple[str, str]]] = {}
+        self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
 
@@ -334,7 +339,7 @@ class _Importer:
                     if x not in inputs:
                         inputs.append(x)
                     return ("in", inputs.index(x))
-                return ("s", _digest(v))
+                return ("s", digest(v))
             if isinstance(x, (list, tuple)):
                 return tuple(ref(v) for v in x)
             if isinstance(x, dict):
@@ -347,22 +352,35 @@ class _Importer:
         parts.append(("out", tuple(local[n] for n in outputs)))
         return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16], nodes
 
-    def repeat(self, path: str, inputs: list, args: list, results: tuple) -> tuple:
-        """Call the blocks `self.repeats[path]` in turn, each on the one before's result where
-        block `path` takes its predecessor's (the carry), the other arguments as `path` has them;
-        return the last one's results. _NotRepeatable where the two exported blocks differ, or
-        do not chain by one carried value."""
-        before = path.rpartition(".")[0] + ".0"
-        if before not in self.made or self.made[before][0] != self.made[path][0] or len(results) != 1:
+    def repeat(self, path: str, results: tuple) -> tuple:
+        """Call the blocks left out after block `path` (`self.repeats[path]`) in turn, each with the
+        arguments of the exported block it is called as, the one before's result in place of that
+        block's predecessor's; return the last one's results. _NotRepeatable where an exported
+        block of the second period differs from the one a period before it, or where one does not
+        chain by one carried value from its predecessor alone."""
+        more = self.repeats[path]
+        list_path, _, last = path.rpartition(".")
+        period = int(last) + 1 - min(int(t.rpartition(".")[2]) for _, t in more)
+        calls = {}
+        for template in {t for _, t in more}:
+            k = int(template.rpartition(".")[2])
+            first, before = f"{list_path}.{k - period}", f"{list_path}.{k - 1}"
+            if any(b not in self.made for b in (template, first, before)) or self.made[first][0] != self.made[template][0]:
+                raise _NotRepeatable(path)
+            _, inputs, args, outputs = self.made[template]
+            carried = [i for i, x in enumerate(inputs) if x in self.made[before][3]]
+            others = {x for name, made in self.made.items() if name.startswith(list_path + ".") and name != before
+                      for x in made[3]}
+            if len(carried) != 1 or len(outputs) != 1 or any(x in others for x in inputs):
+                raise _NotRepeatable(path)
+            calls[template] = (carried[0], list(args))
+        if len(results) != 1:
             raise _NotRepeatable(path)
-        carried = [i for i, x in enumerate(inputs) if x in self.made[before][1]]
-        if len(carried) != 1:
-            raise _NotRepeatable(path)
-        args = list(args)
-        for name in self.repeats[path]:
+        for name, template in more:
+            carried, args = calls[template]
             block = self.blocks[name]
-            block.signature = self.blocks[path].signature
-            args[carried[0]] = results[0]
+            block.signature = self.blocks[template].signature
+            args[carried] = results[0]
             out = block(*args)
             results = out if isinstance(out, tuple) else (out,)
         return results
@@ -430,8 +448,8 @@ class _Importer:
                 continue
             block.signature = sig_text
             self.runs[id(block)] = (nodes, inputs, outputs)
-            self.made[path] = (sig_text, outputs)
             args = [self.env[x] for x in inputs]
+            self.made[path] = (sig_text, inputs, args, outputs)
             try:
                 results = block(*args)
             except _Inline:
@@ -442,28 +460,13 @@ class _Importer:
                 continue
             results = results if isinstance(results, tuple) else (results,)
             if path in self.repeats:  # the blocks left out of the export: called as this one is
-                results = self.repeat(path, inputs, args, results)
+                results = self.repeat(path, results)
             for n, r in zip(outputs, results):
                 self.env[n] = r
         loss = self.env[output.args[0][0]]
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise TorchImportError(f"the loss function must return a scalar tensor, got {loss!r}")
         return loss
-
-
-def _digest(value) -> str:
-    """Return a short digest of a concrete value (two blocks share a function only where their
-    constants are equal)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        arr = value.detach().cpu()
-        return hashlib.sha1(repr((str(arr.dtype), tuple(arr.shape))).encode() +
-                            arr.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                            if arr.numel() else b"empty" + repr(tuple(arr.shape)).encode()).hexdigest()[:16]
-    if isinstance(value, (list, tuple)):
-        return repr(tuple(_digest(v) for v in value))
-    return repr(value)
 
 
 def where(node, message: str) -> str:
@@ -558,10 +561,11 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
 
     `example_batch` is a dict of arrays or tensors (the global batch the program is compiled
     for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
-    module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` of alike
-    blocks is exported with its first two only and the others called as the second is
-    (`repeatable_lists`), so the import's time, as the rest of the compile's, does not grow with
-    the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does
+    module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` whose
+    blocks repeat (all alike, or alike after some first ones with a period: `repeatable_lists`)
+    is exported with its first blocks only (those before the repeats and two periods) and the
+    others called as the block of the second period at their place is, so the import's time, as
+    the rest of the compile's, does not grow with the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does
     under `torch.autocast` in that dtype (`hspmd.frontend.autocast`), on float32 master weights.
     See the module docstring.
     """
@@ -582,44 +586,10 @@ class _Inline(Exception):
 
 
 class _NotRepeatable(Exception):
-    """A ModuleList's first two blocks do not chain as the others would need (export them all)."""
+    """A ModuleList's exported blocks do not chain as the others would need (export them all)."""
 
 
-def repeatable_lists(module) -> dict[str, int]:
-    """Return {path: length} of the top-level `nn.ModuleList`s of at least 3 blocks that are alike:
-    one class, the same parameters (names, shapes, dtypes), equal buffers and equal plain settings
-    (numbers, strings, flags of every submodule; `layer_idx` aside), and a config with no per-layer
-    list that differs between them (transformers' `layer_types`, say)."""
-    import torch
-
-    config = getattr(module, "config", None)
-    per_layer = [v for v in (vars(config).values() if config is not None else ())
-                 if isinstance(v, (list, tuple)) and len({repr(x) for x in v}) > 1]
-    out: dict[str, int] = {}
-    for path, m in module.named_modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
-            continue
-        if any(len(v) == len(m) for v in per_layer):
-            continue
-        keys = {_block_key(b) for b in m}
-        if len(keys) == 1:
-            out[path] = len(m)
-    return out
-
-
-def _block_key(block) -> str:
-    """Return what two blocks must share to compute alike (see `repeatable_lists`)."""
-    parts = [type(block).__qualname__]
-    for name, sub in block.named_modules():
-        parts.append((name, type(sub).__qualname__, sorted(
-            (k, repr(v)) for k, v in vars(sub).items()
-            if not k.startswith("_") and k not in ("training", "layer_idx") and isinstance(v, (bool, int, float, str, type(None))))))
-    parts += [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
-    parts += [(n, _digest(b)) for n, b in block.named_buffers()]
-    return repr(parts)
-
-
-def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, int],
+def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, RepeatPattern],
             precision: str | None = None) -> TorchProgram:
     import torch
 
@@ -633,11 +603,11 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
 
     saved = {}
     try:
-        for path, n in lists.items():  # export the first two blocks of each repeatable list
+        for path, pattern in lists.items():  # export the first blocks of each repeatable list
             parent, _, key = path.rpartition(".")
             owner = module.get_submodule(parent) if parent else module
             saved[path] = (owner, key, owner._modules[key])
-            owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:2])
+            owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:pattern.exported])
         with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
             ep = torch.export.export(_Step(), (batch,), strict=False)
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
@@ -663,10 +633,12 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
             aliases[name] = first
     used = {canonical[s.target] for s in ep.graph_signature.input_specs
             if s.kind.name == "PARAMETER" and ep.graph.find_nodes(op="placeholder", target=s.arg.name)[0].users}
-    repeats = {f"{path}.1": [f"{path}.{k}" for k in range(2, n)] for path, n in lists.items()}
-    for last, more in repeats.items():  # the repeated blocks use what the second one uses
-        own = [u[len(last) + 1:] for u in used if u.startswith(last + ".")]
-        used |= {f"{m}.{u}" for m in more for u in own}
+    # the last exported block -> [(a block left out, the exported block it is called as)]
+    repeats = {f"{path}.{p.exported - 1}": [(f"{path}.{k}", f"{path}.{p.template(k)}") for k in range(p.exported, p.length)]
+               for path, p in lists.items()}
+    for more in repeats.values():  # a block left out uses what its exported block uses
+        for name, template in more:
+            used |= {f"{name}.{u[len(template) + 1:]}" for u in list(used) if u.startswith(template + ".")}
     tracer = Tracer()
     values = dict(module.named_parameters())
     master = (lambda t: "float32" if precision and _dtype(t) in ("float16", "bfloat16") else _dtype(t))
@@ -701,7 +673,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, in
         record_tp_splits(program, splits)
     weights = {n: _numpy(values[n], params[n].dtype) for n in params}
     aliases = {a: n for a, n in aliases.items() if n in used}
-    return TorchProgram(program, weights, aliases, splits, hugging_face(module, set(params), aliases))
+    return TorchProgram(program, weights, aliases, splits, hugging_face(module, set(params), aliases), dict(lists))
 
 
 def hugging_face(module, params: set[str], aliases: dict[str, str]) -> dict | None:

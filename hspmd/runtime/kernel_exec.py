@@ -217,7 +217,10 @@ def cpu_call(op: kernel.FusedOp, lib: cpu_compile.Library, team: int = 1) -> Cal
         alive = []  # arrays made here (conversions, results, scratch): alive until the launches end
         for k, (a, (shape, dt)) in enumerate(zip(args, in_types)):
             if k in scalars:
-                scalars[k][()] = a
+                try:
+                    scalars[k][()] = a
+                except ValueError:
+                    raise ValueError(f"kernel {name}: operand {k} is compiled as a scalar, got shape {np.shape(a)}") from None
                 continue
             h = held[k]
             if h is not None and h() is a:

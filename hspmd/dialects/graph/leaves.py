@@ -176,7 +176,7 @@ class LiteralOp(IRDLOperation):
         values = self.values()
         layout = layout_of(self.global_type) if self.global_type is not None else None
         if layout is not None:
-            values = np.ascontiguousarray(values[layout.slices(ctx.rank, values.shape)])
+            values = np.require(values[layout.slices(ctx.rank, values.shape)], None, "C")
         return lambda: values.copy()
 
     def cuda_kernel(self, name: str) -> KernelCode:
@@ -242,7 +242,7 @@ class IotaOp(IRDLOperation):
         values = (np.arange(n, dtype=np.int64) * self.step.value.data + self.start.value.data).astype(result_dtype(self))
         layout = layout_of(typ) if self.global_type is not None else None
         if layout is not None:
-            values = np.ascontiguousarray(values[layout.slices(ctx.rank, (n,))])
+            values = np.require(values[layout.slices(ctx.rank, (n,))], None, "C")
         return lambda: values.copy()
 
     def cuda_kernel(self, name: str) -> KernelCode:

@@ -140,7 +140,7 @@ def export_hugging_face(path: str, directory: str) -> str:
         raise CheckpointError(f"{path}: the checkpoint lacks {len(hf['absent'])} entr"
                               f"{'y' if len(hf['absent']) == 1 else 'ies'} of the model's state_dict ({names}): "
                               "parameters the loss does not use or buffers are not trained, so not saved")
-    tensors = {k: np.ascontiguousarray(v, dtype=np.float32 if v.dtype.name == "bfloat16" else v.dtype)
+    tensors = {k: np.require(v, np.float32 if v.dtype.name == "bfloat16" else v.dtype, "C")
                for k, v in tensors.items() if k not in set(hf.get("tied") or ())}
     dtypes = {v.dtype.name for v in tensors.values() if v.dtype.kind == "f"}
     config = dict(hf["config"])

@@ -136,7 +136,7 @@ class DevicePlan:
             if value.shape != leaf.global_shape:
                 raise DevicePlanError(f"input '{leaf.name}' has shape {value.shape}, the program was compiled "
                                       f"for {leaf.global_shape}")
-            out[leaf.name] = np.ascontiguousarray(value[leaf.layout.slices(self.rank, leaf.global_shape)])
+            out[leaf.name] = np.require(value[leaf.layout.slices(self.rank, leaf.global_shape)], None, "C")
         return out
 
     def _bind_state(self, state: dict) -> None:

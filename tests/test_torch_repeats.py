@@ -1,0 +1,87 @@
+"""Blocks that repeat with a period (`hspmd.frontend.torch_repeats`): the importer exports the
+first blocks of a ModuleList (those before the repeats and two periods), calls the others as the
+exported block at their place in the pattern, and computes PyTorch's numbers; where the blocks'
+graphs do not repeat after all (a block computing with its own number), it exports every block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import run_imported
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
+
+import hspmd as hs  # noqa: E402
+from hspmd.frontend.torch_repeats import RepeatPattern, repeat_pattern  # noqa: E402
+
+
+def _holds(items, start, period) -> bool:
+    return all(items[i] == items[i + period] for i in range(start, len(items) - period))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=4), st.lists(st.integers(0, 2), min_size=1, max_size=4),
+       st.integers(0, 14))
+def test_the_pattern_found_holds_and_is_the_shortest(prefix, period_items, more):
+    items = prefix + [period_items[i % len(period_items)] for i in range(len(period_items) + more)]
+    start, period = repeat_pattern(items)
+    assert _holds(items, start, period)
+    shortest = min([(s + 2 * p, p) for p in range(1, len(items) + 1) for s in range(len(items) + 1)
+                    if _holds(items, s, p) and s + 2 * p <= len(items)], default=None)
+    assert (start + 2 * period, period) == shortest if shortest else (start, period) == (len(items), 1)
+    pattern = RepeatPattern(len(items), start, period)
+    assert all(items[pattern.template(k)] == items[k] for k in range(pattern.exported, len(items)))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, kind: str, layer_idx: int, by_depth: bool) -> None:
+        super().__init__()
+        self.kind, self.layer_idx, self.by_depth = kind, layer_idx, by_depth
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        y = self.fc(x) + (bias if self.kind != "c" else 0.0)
+        y = torch.tanh(y) if self.kind == "a" else torch.nn.functional.gelu(y)
+        return x + (y * (self.layer_idx + 1) if self.by_depth else y)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, kinds: str, by_depth: bool = False) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(8) * 0.1)
+        self.blocks = torch.nn.ModuleList(Block(k, i, by_depth) for i, k in enumerate(kinds))
+
+    def forward(self, batch):
+        x = batch["x"]
+        for block in self.blocks:
+            x = block(x, self.bias * 2)
+        return (x ** 2).mean()
+
+
+@pytest.mark.parametrize("kinds,by_depth,repeated", [
+    ("abababa", False, RepeatPattern(7, 0, 2)),  # two kinds taking turns (sliding and full attention)
+    ("cbbbbbb", False, RepeatPattern(7, 1, 1)),  # a first block of its own (a dense layer before experts)
+    ("abcabcab", False, RepeatPattern(8, 0, 3)),
+    ("aaaaaa", True, None),  # each block scales by its number: the graphs differ, every block is exported
+])
+def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated):
+    torch.manual_seed(0)
+    model = Net(kinds, by_depth)
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert program.repeated == ({"blocks": repeated} if repeated else {})
+    from xdsl.dialects import func
+
+    calls = [o for o in program.module.walk() if isinstance(o, func.CallOp)]
+    assert len(calls) == len(kinds)
+    assert len({c.callee.root_reference.data for c in calls}) == (len(set(kinds)) if not by_depth else len(kinds))
+    out = run_imported(program, batch)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    for name, p in model.named_parameters():
+        g = p.grad.numpy()
+        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
