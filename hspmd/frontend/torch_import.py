@@ -130,6 +130,21 @@ def blocks_above(prefix: str, blocks: dict) -> bool:
 # ----------------------------------------------------------------------------- the importer
 
 
+def compact(arr: np.ndarray) -> np.ndarray:
+    """Return `arr` with each dim along which its values repeat (bit for bit) cut to size 1: a
+    mask broadcast to a batch's and heads' dims is a literal of the mask's own size, broadcast in
+    the program (a chunked scan's [B, H, C, L, L] masks are not 64 MiB constants)."""
+    if arr.dtype.itemsize not in (1, 2, 4, 8):
+        return arr
+    bits, cut = arr.view(f"u{arr.dtype.itemsize}"), False
+    for d in range(arr.ndim):
+        if bits.shape[d] > 1:
+            first = bits[(slice(None),) * d + (slice(0, 1),)]
+            if np.array_equal(bits, np.broadcast_to(first, bits.shape)):
+                bits, cut = first, True
+    return np.array(bits).view(arr.dtype) if cut else arr
+
+
 class _Importer:
     def __init__(self, ep, params: dict[str, Parameter], canonical: dict[str, str], tracer: Tracer) -> None:
         self.ep = ep
@@ -166,7 +181,8 @@ class _Importer:
         flat = arr.reshape(-1)
         if flat.size and np.all(flat == flat[0]) and np.isfinite(flat[0]) or flat.size == 0:
             return tracer.constant(float(flat[0]) if flat.size else 0.0, arr.shape, arr.dtype.name)
-        return tracer.literal(arr)
+        small = compact(arr)
+        return tracer.literal(small).broadcast_to(arr.shape) if small.size < arr.size else tracer.literal(arr)
 
     def value(self, x, env: dict):
         """Return the value of an FX argument (nodes looked up in `env`, containers mapped)."""
