@@ -44,9 +44,9 @@ SIZES = {
     **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size", "pronunciation_vocab_size",
                      "shape_vocab_size"), VOCAB),
     "zero_expert_num": 1,
-    # state-space (Mamba-style) layers: SSM_HEADS heads of HEAD_DIM (their product the expanded width
+    # state-space (Mamba-style) layers: 8 heads of HEAD_DIM (their product the expanded width
     # 2 * D), a small state, and chunks shorter than the batch's sequence (the scan crosses a chunk)
-    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 8),
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads"), 8),
     **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim"), HEAD_DIM),
     **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size"), 16),
     **dict.fromkeys(("mamba_chunk_size", "chunk_size"), SEQ // 2),
@@ -101,6 +101,8 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
             kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
     if "expand" in default and "num_heads" in kw and "head_dim" in kw:  # Mamba-2: heads x head dim = expand x D
         kw["num_heads"] = int(default["expand"]) * D // kw["head_dim"]
+    if "conv_L_cache" in default:  # LFM2: short-convolution and attention layers taking turns (the default has none)
+        kw["layer_types"] = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
     count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
         if isinstance(v, list) and count and len(v) == count and k not in kw:
