@@ -52,6 +52,12 @@ def rule_for(op: Operation) -> OpRule | None:
     return own() if callable(own) else None
 
 
+def has_rule(op: Operation) -> bool:
+    """Return whether `op` has a sharding rule (`rule_for(op) is not None`, without building the
+    rule: every `sharding_rule()` returns one, and the layout sweeps ask this of each op per sweep)."""
+    return callable(getattr(op, "sharding_rule", None))
+
+
 # ----------------------------------------------------------------------------- inference
 
 

@@ -43,7 +43,7 @@ from xdsl.rewriter import Rewriter
 
 from hspmd.dialects import graph
 from hspmd.dialects.dist import layout_of, with_layout
-from hspmd.dialects.sharding import ShardingError, infer, rule_for
+from hspmd.dialects.sharding import ShardingError, has_rule, infer
 from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Group, Layout, LayoutError
 from hspmd.transforms.util import PassError, callee_of, step_function
 
@@ -67,7 +67,7 @@ def required_operand_layouts(
         return [layout_of(arg) for arg in callee_of(op).body.block.args]
     if isinstance(op, graph.ScanOp):
         return scan_operand_layouts(op, [layout_of(arg) for arg in callee_of(op).body.block.args])
-    if rule_for(op) is None:
+    if not has_rule(op):
         return [None] * len(op.operands)
     ins = [layouts.get(v) for v in op.operands]
     hint = layouts.get(op.results[0]) if len(op.results) == 1 else None
@@ -251,7 +251,7 @@ class PropagateLayouts(ModulePass):
         every consumer's rule still gives its results the layouts they have.
         """
         for o in ops:
-            if rule_for(o) is None or len(o.results) != 1 or o.results[0] not in layouts:
+            if not has_rule(o) or len(o.results) != 1 or o.results[0] not in layouts:
                 continue
             v = o.results[0]
             ins = [layouts.get(x) for x in o.operands]
@@ -277,7 +277,7 @@ class PropagateLayouts(ModulePass):
     @staticmethod
     def _still_gives(op: Operation, layouts: dict[SSAValue, Layout]) -> bool:
         """Return whether `op`'s rule still gives its results the layouts they have."""
-        if rule_for(op) is None:
+        if not has_rule(op):
             return True
         hint = layouts.get(op.results[0]) if len(op.results) == 1 else None
         try:
@@ -290,7 +290,7 @@ class PropagateLayouts(ModulePass):
     def _forward(ops: list[Operation], layouts: dict[SSAValue, Layout], why: Provenance) -> bool:
         changed = False
         for o in ops:
-            if rule_for(o) is None or all(v in layouts for v in o.results):
+            if not has_rule(o) or all(v in layouts for v in o.results):
                 continue
             ins = [layouts.get(v) for v in o.operands]
             if all(x is None for x in ins):
@@ -325,7 +325,7 @@ class PropagateLayouts(ModulePass):
                 for use in v.uses:
                     needs = required_operand_layouts(use.operation, layouts, params)
                     need = needs[use.index]
-                    if need is None and rule_for(use.operation) is not None:
+                    if need is None and has_rule(use.operation):
                         ins = [layouts.get(x) for x in use.operation.operands]
                         hint = layouts.get(use.operation.results[0]) if use.operation.results else None
                         if hint is not None:
@@ -335,7 +335,7 @@ class PropagateLayouts(ModulePass):
                         why[v] = f"backward: needed by {use.operation.name}"
                         changed = True
                         break
-            if rule_for(o) is not None and o.results and o.results[0] in layouts:
+            if has_rule(o) and o.results and o.results[0] in layouts:
                 ins = [layouts.get(x) for x in o.operands]
                 if any(x is None for x in ins):
                     inference = infer(o, ins, layouts[o.results[0]])
