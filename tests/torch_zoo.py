@@ -43,7 +43,8 @@ SIZES = {
                      "index_head_dim", "hidden_size_per_layer_input", "attention_head_dim"), HEAD_DIM),
     **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size", "pronunciation_vocab_size",
                      "shape_vocab_size"), VOCAB),
-    "zero_expert_num": 1,
+    "zero_expert_num": 1, "adapter_in_dim": D, "adapter_input_size": D,
+    "num_kv_shared_layers": 0,  # the last layers reading earlier layers' keys and values: none of 2
 }
 #: the settings that name a count of layers (per-layer lists of that length are cut to LAYERS)
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
@@ -93,7 +94,9 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
             kw["qk_head_dim"] = kw["qk_rope_head_dim"] + kw["qk_nope_head_dim"]
     count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
-        if isinstance(v, list) and count and len(v) == count and k not in kw:
+        if isinstance(v, list) and count and len(v) == count and k in SIZES:  # a size per layer
+            kw[k] = [SIZES[k]] * layers
+        elif isinstance(v, list) and count and len(v) == count and k not in kw:
             kw[k] = _layers(v, layers)
         if k == "per_layer_config" and isinstance(v, dict):
             kw[k] = {i: c for i, c in v.items() if int(i) < layers}
@@ -129,6 +132,19 @@ def build(model_type: str, seed: int = 0, layers: int = LAYERS):
     model = AutoModelForCausalLM.from_config(config)
     model.eval()  # no dropout anywhere (hspmd's random masks are not PyTorch's)
     return model, loss
+
+
+def _which_config(model_type: str) -> str:
+    """Return which config of `model_type` fails to build: "its default config either" or "a small config"."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001 - transformers' own code
+        return "its default config either"
+    return "a small config"
 
 
 def loss(model, batch):
@@ -190,7 +206,7 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True, layers: 
     except NotInZoo as err:
         return {**row, "status": "not in zoo", "reason": str(err)}
     except Exception as err:  # noqa: BLE001 - transformers' own code fails on the small config
-        return {**row, "status": "not in zoo", "reason": f"does not build from a small config: {_line(err)}"}
+        return {**row, "status": "not in zoo", "reason": f"does not build from {_which_config(arch)}: {_line(err)}"}
     script = load_script(ZOO_SCRIPT, {"arch": arch, "layers": layers})
     try:
         first = _run(script, os.path.join(workdir, f"{arch}-grad"), "[0]: dp=1", 1, 1, False)
