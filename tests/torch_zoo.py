@@ -16,6 +16,8 @@ D, FF, MOE_FF, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 64, 128, 32
 BATCH, SEQ = 2, 16
 #: a small config's model has fewer parameters than this, or is not built
 MAX_PARAMETERS = 3_000_000
+#: the experts of a small config's mixture-of-experts layer, and those each token picks
+EXPERTS, TOP_K = 4, 2
 
 #: every spelling of a size, in transformers' configs, and its small value
 SIZES = {
@@ -30,8 +32,8 @@ SIZES = {
     **dict.fromkeys(("vocab_size", "n_vocab"), VOCAB),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                      "max_sequence_length"), POSITIONS),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts"), TOP_K),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "first_k_dense_replace": 1, "rotary_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
@@ -131,6 +133,7 @@ def build(model_type: str, seed: int = 0, layers: int = LAYERS):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.eval()  # no dropout anywhere (hspmd's random masks are not PyTorch's)
+    untie_routers(model, getattr(config, "initializer_range", 0.02), seed)
     return model, loss
 
 
@@ -145,6 +148,30 @@ def _which_config(model_type: str) -> str:
     except Exception:  # noqa: BLE001 - transformers' own code
         return "its default config either"
     return "a small config"
+
+
+def untie_routers(model, std: float, seed: int = 0) -> list[str]:
+    """Give every router weight that starts at zero small random values (normal, `std`); return
+    their names.
+
+    AFMoE initialises its router to zero: every expert then scores alike for every token, and the
+    top-k meets a tie in every row. PyTorch orders ties as its sort happens to (unspecified: the
+    CPU's `nth_element` takes experts 2 and 3 of 4, CUDA others), hspmd the lower expert first, so
+    the two would route every token to other experts and the comparison would be of two
+    different, equally valid, routings. A trained checkpoint's router is never zero; with random
+    values the routing is defined and the check compares the same one. A router weight here is a
+    matrix named `router` or `gate` whose rows are the experts."""
+    import torch
+
+    names = [name for name, p in model.named_parameters()
+             if p.ndim == 2 and p.shape[0] == EXPERTS and not p.detach().any()
+             and any(part in ("router", "gate") for part in name.split(".")[:-1])]
+    rng = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(torch.randn(params[name].shape, generator=rng) * std)
+    return names
 
 
 def loss(model, batch):
