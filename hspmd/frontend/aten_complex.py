@@ -237,9 +237,10 @@ def conj(cx: Context, x):
 
 def sum_dims(cx: Context, x, dims=None, keepdim=False, dtype=None):
     """A sum of complex values over `dims`: each part summed."""
-    n = len(x.shape) - 1
-    dims = list(range(n)) if dims is None or dims == [] else [d % n for d in ([dims] if isinstance(dims, int) else dims)]
     z = pairs(cx, x, _part_dtype(cx))
+    n = z.ndim - 1
+    dims = [dims] if isinstance(dims, int) else list(dims or range(n))
+    dims = [d % n for d in dims]
     return as_complex(z.sum(sorted(dims)).reshape((*cx.shape, 2)))
 
 
