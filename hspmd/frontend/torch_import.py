@@ -663,7 +663,6 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         b._importer = importer
     importer.inputs = {k: tracer.input(k, tuple(v.shape), _dtype(v)) for k, v in batch.items()}
     try:
-        _check_padding_rows(module, ep)
         loss = importer.import_graph(list(batch))
         if loss.dtype in ("float16", "bfloat16"):
             loss = aten.cast(loss, "float32")
@@ -769,17 +768,3 @@ def _dtype(t) -> str:
     if name not in ("float32", "float64", "float16", "bfloat16", "int64", "int32"):
         raise TorchImportError(f"a tensor of dtype {name} (hspmd takes float16/32/64, bfloat16, int32, int64)")
     return name
-
-
-def _check_padding_rows(module, ep) -> None:
-    """Raise TorchImportError where an embedding's `padding_idx` row is not zero: hspmd keeps its
-    gradient zero by masking its lookups, which gives PyTorch's values only for a zero row."""
-    import torch
-
-    for name, mod in module.named_modules():
-        if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None:
-            if bool(mod.weight.detach()[mod.padding_idx].abs().max() > 0):
-                raise TorchImportError(f"module '{name}' (Embedding): row padding_idx={mod.padding_idx} of the table "
-                                       "is not zero; hspmd keeps it out of the gradient by masking its lookups, "
-                                       "which needs it zero (as PyTorch initialises it)")
-
