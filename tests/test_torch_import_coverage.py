@@ -24,7 +24,7 @@ from conftest import run_imported
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
 import hspmd as hs  # noqa: E402
-from hspmd.frontend import translators  # noqa: E402
+from hspmd.frontend import aten_complex, translators  # noqa: E402
 from hspmd.frontend.decompose import KEPT, NOT_TRANSLATED, core_aten_ops  # noqa: E402
 
 A = torch.ops.aten
@@ -174,7 +174,57 @@ def _cases(rng):
         ("aten.alias.default", [n(3, 4)], lambda x, i: A.alias.default(x[0])),
         ("aten.clone.default", [n(3, 4)], lambda x, i: A.clone.default(x[0])),
     ]
-    return c, ints
+    return c + _complex_cases(n, pos), ints
+
+
+def _complex_cases(n, pos):
+    """Ops on complex values (`aten_complex`: traced as (real, imaginary) pairs), each made complex
+    from its float parameters (`view_as_complex`, `complex`, `polar`) and back (`view_as_real`)."""
+    C, R = A.view_as_complex.default, A.view_as_real.default  # noqa: N806
+    table = torch.polar(torch.linspace(0.5, 1.5, 4), torch.arange(4.0))  # a concrete complex tensor
+    return [(f"complex {name}", args, fn) for name, args, fn in [
+        ("aten.view_as_complex.default", [n(3, 2)], lambda x, i: R(C(x[0]))),
+        ("aten.view_as_real.default", [n(3, 4, 2)], lambda x, i: R(C(x[0])) * 2.0),
+        ("aten.mul.Tensor", [n(3, 4, 2), n(4, 2), n(3, 4)],
+         lambda x, i: torch.cat([R(A.mul.Tensor(C(x[0]), C(x[1]))), R(A.mul.Tensor(C(x[0]), table)),
+                                 R(A.mul.Tensor(x[2], C(x[0]))), R(C(x[0]) * 1j)])),
+        ("aten.mul.Scalar", [n(3, 2)], lambda x, i: R(A.mul.Scalar(C(x[0]), -0.5))),
+        ("aten.div.Tensor", [n(3, 4, 2), n(3, 4, 2), pos(4)],
+         lambda x, i: torch.cat([R(A.div.Tensor(C(x[0]), C(x[1]))), R(A.div.Tensor(C(x[0]), x[2])),
+                                 R(A.div.Tensor(x[2], C(x[1]))), R(C(x[0]) / (1 + 2j))])),
+        ("aten.div.Scalar", [n(3, 2)], lambda x, i: R(A.div.Scalar(C(x[0]), 4.0))),
+        ("aten.add.Tensor", [n(3, 4, 2), n(4, 2), n(3, 4)],
+         lambda x, i: torch.cat([R(A.add.Tensor(C(x[0]), C(x[1]), alpha=0.5)), R(A.add.Tensor(x[2], C(x[0]))),
+                                 R(C(x[0]) + 2j)])),
+        ("aten.add.Scalar", [n(3, 2)], lambda x, i: R(A.add.Scalar(C(x[0]), 0.25))),
+        ("aten.sub.Tensor", [n(3, 4, 2), n(3, 4, 2), n(4)],
+         lambda x, i: torch.cat([R(A.sub.Tensor(C(x[0]), C(x[1]))), R(A.sub.Tensor(C(x[0]), x[2], alpha=2))])),
+        ("aten.sub.Scalar", [n(3, 2)], lambda x, i: R(A.sub.Scalar(C(x[0]), 1.5))),
+        ("aten.rsub.Scalar", [n(3, 2)], lambda x, i: R(A.rsub.Scalar(C(x[0]), 1.0))),
+        ("aten.rsub.Tensor", [n(3, 2), n(3, 2)], lambda x, i: R(A.rsub.Tensor(C(x[0]), C(x[1]), alpha=3))),
+        ("aten.neg.default", [n(3, 2)], lambda x, i: R(A.neg.default(C(x[0])))),
+        ("aten._conj.default", [n(3, 2)], lambda x, i: R(A._conj.default(C(x[0])) * 1.0)),
+        ("aten.conj_physical.default", [n(3, 2)], lambda x, i: R(A.conj_physical.default(C(x[0])))),
+        ("aten.sum.dim_IntList", [n(3, 4, 2)], lambda x, i: R(A.sum.dim_IntList(C(x[0]), [-1], True))),
+        ("aten.polar.default", [pos(3, 4), n(3, 4)], lambda x, i: R(A.polar.default(x[0], x[1]))),
+        ("aten.complex.default", [n(3, 4), n(4)], lambda x, i: R(A.complex.default(x[0], x[1].expand(3, 4)))),
+        ("aten._to_copy.default", [n(3, 4, 2), n(3, 4)],
+         lambda x, i: torch.cat([R(A._to_copy.default(C(x[0]), dtype=torch.complex128)).float(),
+                                 R(A._to_copy.default(x[1], dtype=torch.complex64)),
+                                 A._to_copy.default(C(x[0]), dtype=torch.float32)[..., None].expand(3, 4, 2)])),
+        ("aten.view.default", [n(2, 6, 2)], lambda x, i: R(A.view.default(C(x[0]), [3, 2, 2]))),
+        ("aten.unsqueeze.default", [n(3, 2)], lambda x, i: R(A.unsqueeze.default(C(x[0]), -1))),
+        ("aten.expand.default", [n(3, 1, 2)], lambda x, i: R(A.expand.default(C(x[0]), [2, 3, 4]))),
+        ("aten.permute.default", [n(2, 3, 4, 2)], lambda x, i: R(A.permute.default(C(x[0]), [2, 0, -2]))),
+        ("aten.transpose.int", [n(2, 3, 4, 2)], lambda x, i: R(A.transpose.int(C(x[0]), 0, -1))),
+        ("aten.t.default", [n(3, 4, 2)], lambda x, i: R(A.t.default(C(x[0])))),
+        ("aten.select.int", [n(3, 4, 2)], lambda x, i: R(A.select.int(C(x[0]), -1, 2))),
+        ("aten.slice.Tensor", [n(3, 9, 2)], lambda x, i: R(A.slice.Tensor(C(x[0]), -1, 1, 8, 2))),
+        ("aten.split.Tensor", [n(3, 5, 2)], lambda x, i: R(A.split.Tensor(C(x[0]), 2, -1)[2])),
+        ("aten.split_with_sizes.default", [n(3, 5, 2)],
+         lambda x, i: R(A.split_with_sizes.default(C(x[0]), [1, 2], 0)[1])),
+        ("aten.cat.default", [n(3, 4, 2)], lambda x, i: R(A.cat.default([C(x[0]), table[None]], 0))),
+    ]]
 
 
 def _pair(values_indices):
@@ -235,6 +285,10 @@ def test_each_translated_core_op_equals_pytorch():
     translated = {n for n in core if n in translators.TRANSLATORS or n in translators.IDENTITY}
     untested = translated - covered
     assert not untested, f"translated Core ATen ops without a case here: {sorted(untested)}"
+    checked = {aten_complex.TRANSLATORS[name[len("complex "):]] for name in covered if name.startswith("complex ")}
+    untested = {name for name, fn in aten_complex.TRANSLATORS.items()
+                if fn not in checked and name != "operator.getitem"}  # split's cases take pieces
+    assert not untested, f"translators of complex values without a case here: {sorted(untested)}"
 
     program = hs.from_torch(model, ints, lambda m, b: m(b))
     out = run_imported(program, ints)

@@ -16,6 +16,8 @@ D, FF, MOE_FF, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 64, 128, 32
 BATCH, SEQ = 2, 16
 #: a small config's model has fewer parameters than this, or is not built
 MAX_PARAMETERS = 3_000_000
+#: the experts of a small config's mixture-of-experts layer, and those each token picks
+EXPERTS, TOP_K = 4, 2
 
 #: every spelling of a size, in transformers' configs, and its small value
 SIZES = {
@@ -30,8 +32,8 @@ SIZES = {
     **dict.fromkeys(("vocab_size", "n_vocab"), VOCAB),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                      "max_sequence_length"), POSITIONS),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_selected_experts"), TOP_K),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "first_k_dense_replace": 1, "rotary_dim": 8, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
@@ -43,7 +45,8 @@ SIZES = {
                      "index_head_dim", "hidden_size_per_layer_input", "attention_head_dim"), HEAD_DIM),
     **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size", "pronunciation_vocab_size",
                      "shape_vocab_size"), VOCAB),
-    "zero_expert_num": 1,
+    "zero_expert_num": 1, "adapter_in_dim": D, "adapter_input_size": D,
+    "num_kv_shared_layers": 0,  # the last layers reading earlier layers' keys and values: none of 2
     # state-space (Mamba-style) layers: 8 heads of HEAD_DIM (their product the expanded width
     # 2 * D), a small state, and chunks shorter than the batch's sequence (the scan crosses a chunk)
     **dict.fromkeys(("mamba_n_heads", "mamba_num_heads"), 8),
@@ -105,7 +108,9 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
         kw["layer_types"] = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
     count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
-        if isinstance(v, list) and count and len(v) == count and k not in kw:
+        if isinstance(v, list) and count and len(v) == count and k in SIZES:  # a size per layer
+            kw[k] = [SIZES[k]] * layers
+        elif isinstance(v, list) and count and len(v) == count and k not in kw:
             kw[k] = _layers(v, layers)
         if k == "per_layer_config" and isinstance(v, dict):
             kw[k] = {i: c for i, c in v.items() if int(i) < layers}
@@ -140,7 +145,58 @@ def build(model_type: str, seed: int = 0, layers: int = LAYERS):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.eval()  # no dropout anywhere (hspmd's random masks are not PyTorch's)
+    untie_routers(model, getattr(config, "initializer_range", 0.02), seed)
     return model, loss
+
+
+#: the zoo's table as last run over the whole mapping (rows as `check` returns them, with "seconds")
+TABLE = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)),
+                                   "zoo_table.json")
+
+
+def recorded_rows() -> list[dict]:
+    """Return the rows of `TABLE`."""
+    import json
+
+    with open(TABLE) as f:
+        return json.load(f)
+
+
+def _which_config(model_type: str) -> str:
+    """Return which config of `model_type` fails to build: "its default config either" or "a small config"."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001 - transformers' own code
+        return "its default config either"
+    return "a small config"
+
+
+def untie_routers(model, std: float, seed: int = 0) -> list[str]:
+    """Give every router weight that starts at zero small random values (normal, `std`); return
+    their names.
+
+    AFMoE initialises its router to zero: every expert then scores alike for every token, and the
+    top-k meets a tie in every row. PyTorch orders ties as its sort happens to (unspecified: the
+    CPU's `nth_element` takes experts 2 and 3 of 4, CUDA others), hspmd the lower expert first, so
+    the two would route every token to other experts and the comparison would be of two
+    different, equally valid, routings. A trained checkpoint's router is never zero; with random
+    values the routing is defined and the check compares the same one. A router weight here is a
+    matrix named `router` or `gate` whose rows are the experts."""
+    import torch
+
+    names = [name for name, p in model.named_parameters()
+             if p.ndim == 2 and p.shape[0] == EXPERTS and not p.detach().any()
+             and any(part in ("router", "gate") for part in name.split(".")[:-1])]
+    rng = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(torch.randn(params[name].shape, generator=rng) * std)
+    return names
 
 
 def loss(model, batch):
@@ -202,7 +258,7 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True, layers: 
     except NotInZoo as err:
         return {**row, "status": "not in zoo", "reason": str(err)}
     except Exception as err:  # noqa: BLE001 - transformers' own code fails on the small config
-        return {**row, "status": "not in zoo", "reason": f"does not build from a small config: {_line(err)}"}
+        return {**row, "status": "not in zoo", "reason": f"does not build from {_which_config(arch)}: {_line(err)}"}
     script = load_script(ZOO_SCRIPT, {"arch": arch, "layers": layers})
     try:
         first = _run(script, os.path.join(workdir, f"{arch}-grad"), "[0]: dp=1", 1, 1, False)

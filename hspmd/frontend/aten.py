@@ -235,15 +235,18 @@ def mm(cx: Context, a, b):
 
 
 def _embedding(cx: Context, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    """`weight[ids]`; a `padding_idx` row gets no gradient, as in PyTorch: its lookups are
-    multiplied by `ids != padding_idx` (exact where the row holds zeros, as PyTorch initialises
-    it; the importer checks that it does)."""
+    """`weight[ids]`; a `padding_idx` row gets no gradient, as in PyTorch: its lookups are taken
+    without their gradient (`select(ids != padding_idx, y, stop_gradient(y))`: the values are the
+    row's, zero or not)."""
+    from hspmd.dialects.graph import elementary as el
+    from hspmd.dialects.graph.shape import stop_gradient
+
     weight, ids = cx.tensor(weight), cx.tensor(ids, "int64")
     y = embedding(weight, ids)
     if padding_idx is None or padding_idx < 0:
         return y
     keep = ids.tracer.emit(graph.LabelMaskOp(ids.value, int(padding_idx), _typed(weight, ids.shape)))
-    return y * keep.reshape((*ids.shape, 1))
+    return el.where(keep.reshape((*ids.shape, 1)).broadcast_to(y.shape), y, stop_gradient(y))
 
 
 def _typed(like: Tensor, shape: Sequence[int]):

@@ -24,6 +24,10 @@ Each routing group G is one sequence of the batch (its rows `S` tokens); the cap
 holds every token, so no choice is dropped and the layer computes what transformers computes
 (the empty slots hold zeros, which the combine weighs by zero). Under `ep=` the expert weights
 split along E and the tokens move by all-to-all, as for `hs.nn.MoE`.
+
+The router's `topk` breaks ties by the lower expert; PyTorch's order of ties is unspecified, so
+a router that ties (a weight of zero, as AFMoE's starts) can route to other experts than
+PyTorch does (`docs/torch-import.md`).
 """
 
 from __future__ import annotations

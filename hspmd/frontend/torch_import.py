@@ -47,7 +47,7 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
-from hspmd.frontend import aten, aten_math, translators
+from hspmd.frontend import aten, aten_complex, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
 from hspmd.frontend.torch_repeats import RepeatPattern, digest, repeatable_lists
@@ -214,6 +214,9 @@ class _Importer:
         for arg in node.all_input_nodes:  # PyTorch's booleans (also a function block's arguments) are masks
             if isinstance(env.get(arg), Tensor) and str(getattr(arg.meta.get("val"), "dtype", "")) == "torch.bool":
                 env[arg].boolean = True
+            if isinstance(env.get(arg), Tensor) and getattr(getattr(arg.meta.get("val"), "dtype", None),
+                                                            "is_complex", False):
+                env[arg].complex = True  # complex values are traced as (real, imaginary) pairs (`aten_complex`)
         args, kwargs = self.value(node.args, env), self.value(node.kwargs, env)
         if name in translators.ASSERTS:
             return None
@@ -221,11 +224,13 @@ class _Importer:
             return self.evaluate(node, args, kwargs)
         if name in translators.IDENTITY:
             return args[0]
-        translate = translators.TRANSLATORS.get(name)
-        if translate is None:
-            raise TorchImportError(where(node, f"the ATen op {name} is not supported by the importer"))
         meta = node.meta.get("val")
-        if self.autocast is not None:  # PyTorch's autocast decides the op's dtypes
+        complex_values = aten_complex.involves(meta, args, kwargs)
+        translate = (aten_complex.TRANSLATORS if complex_values else translators.TRANSLATORS).get(name)
+        if translate is None:
+            on = " on complex values" if complex_values else ""
+            raise TorchImportError(where(node, f"the ATen op {name}{on} is not supported by the importer"))
+        if self.autocast is not None and not complex_values:  # PyTorch's autocast decides the op's dtypes
             under = self.autocast.result(node.target, args, kwargs)
             meta = meta if under is None else under
             args, kwargs = self.autocast.cast_inputs(meta, args, kwargs)
@@ -238,7 +243,8 @@ class _Importer:
             raise
         except TraceError as err:
             raise TorchImportError(where(node, f"{name}: {err}")) from None
-        out = aten_math.coerce(out, getattr(meta, "dtype", None))  # the dtype PyTorch (under autocast) gives it
+        if not complex_values:
+            out = aten_math.coerce(out, getattr(meta, "dtype", None))  # the dtype PyTorch (under autocast) gives it
         self.check(node, out)
         boolean = str(getattr(meta, "dtype", "")) == "torch.bool"
         if isinstance(out, Tensor) and boolean != aten.is_bool(out):  # a value of its own, marked as PyTorch types it
@@ -258,11 +264,10 @@ class _Importer:
     @staticmethod
     def check(node, out) -> None:
         """Raise TorchImportError unless a translated tensor has the shape PyTorch gave the node."""
-        meta = node.meta.get("val")
-        if isinstance(out, Tensor) and meta is not None and hasattr(meta, "shape"):
-            if tuple(out.shape) != tuple(int(s) for s in meta.shape):
-                raise TorchImportError(where(node, f"{aten.aten_name(node.target)}: translated to shape "
-                                                   f"{list(out.shape)}, PyTorch has {list(meta.shape)}"))
+        shape = aten_complex.traced_shape(node.meta.get("val"))  # a complex value: its pairs' shape
+        if isinstance(out, Tensor) and shape is not None and tuple(out.shape) != shape:
+            raise TorchImportError(where(node, f"{aten.aten_name(node.target)}: translated to shape "
+                                               f"{list(out.shape)}, PyTorch has {list(shape)}"))
 
     # -- blocks
     def plan_blocks(self, nodes: list) -> list:
@@ -674,7 +679,6 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         b._importer = importer
     importer.inputs = {k: tracer.input(k, tuple(v.shape), _dtype(v)) for k, v in batch.items()}
     try:
-        _check_padding_rows(module, ep)
         loss = importer.import_graph(list(batch))
         if loss.dtype in ("float16", "bfloat16"):
             loss = aten.cast(loss, "float32")
@@ -780,17 +784,3 @@ def _dtype(t) -> str:
     if name not in ("float32", "float64", "float16", "bfloat16", "int64", "int32"):
         raise TorchImportError(f"a tensor of dtype {name} (hspmd takes float16/32/64, bfloat16, int32, int64)")
     return name
-
-
-def _check_padding_rows(module, ep) -> None:
-    """Raise TorchImportError where an embedding's `padding_idx` row is not zero: hspmd keeps its
-    gradient zero by masking its lookups, which gives PyTorch's values only for a zero row."""
-    import torch
-
-    for name, mod in module.named_modules():
-        if isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None:
-            if bool(mod.weight.detach()[mod.padding_idx].abs().max() > 0):
-                raise TorchImportError(f"module '{name}' (Embedding): row padding_idx={mod.padding_idx} of the table "
-                                       "is not zero; hspmd keeps it out of the gradient by masking its lookups, "
-                                       "which needs it zero (as PyTorch initialises it)")
-

@@ -52,7 +52,8 @@ class ReduceSumOp(_Reduce):
 
     name = "graph.reduce_sum"
     ATEN: ClassVar[tuple[str, ...]] = ("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim",
-                                       "aten.mean.default", "aten.var.correction", "aten.var.dim")
+                                       "aten.mean.default", "aten.var.correction", "aten.var.dim",
+                                       "aten.linalg_vector_norm.default")
     FRONTEND: ClassVar[tuple[str, ...]] = ("Tensor.sum", "Tensor.mean")
 
     def sharding_rule(self) -> OpRule:
