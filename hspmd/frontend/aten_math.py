@@ -265,6 +265,18 @@ def amin(cx: Context, x, dims=(), keepdim=False):
     return (reduce_max(x * -1.0, dims) * -1.0).reshape(cx.shape)
 
 
+def extremum_all(sign: float) -> Callable:
+    """The largest (`sign` 1) or smallest (-1) element (`torch.max(x)`, `torch.min(x)` without a
+    dim); an integer tensor's through float64 (exact up to 2**53)."""
+    def translate(cx: Context, x):
+        if not x.ndim:
+            return x
+        y = x if is_float(x.dtype) else cast_to(x, "float64")
+        m = (reduce_max(y * sign, list(range(y.ndim))) * sign).reshape(cx.shape)
+        return m if y is x else cast_to(m, x.dtype)
+    return translate
+
+
 def var(cx: Context, x, dims=None, *args, correction=None, keepdim=False, unbiased=None):
     """Variance along `dims`: mean of squared deviations times n / (n - correction)."""
     if args:  # var.dim(x, dims, unbiased, keepdim)
@@ -383,6 +395,7 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.any.default": any_, "aten.any.dim": any_, "aten.any.dims": any_,
     "aten.amin.default": amin, "aten.var.correction": var, "aten.var.dim": var,
     "aten.linalg_vector_norm.default": vector_norm,
+    "aten.max.default": extremum_all(1.0), "aten.min.default": extremum_all(-1.0),
     "aten.full_like.default": full_like, "aten.fill.Scalar": fill, "aten.fill.Tensor": fill,
     "aten.copy.default": copy, "aten.native_dropout.default": native_dropout, "aten.detach.default": detach,
     "hspmd.stop_gradient.default": detach,

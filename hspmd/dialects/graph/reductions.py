@@ -161,7 +161,7 @@ class ReduceMaxOp(_Reduce):
 
     name = "graph.reduce_max"
     ATEN: ClassVar[tuple[str, ...]] = ("aten.amax.default", "aten.any.default", "aten.any.dim", "aten.any.dims",
-                                       "aten.amin.default")
+                                       "aten.amin.default", "aten.max.default", "aten.min.default")
     FRONTEND: ClassVar[tuple[str, ...]] = ("max", "Tensor.max")
 
     def sharding_rule(self) -> OpRule:  # a max of pieces is not a sum: reduced dims stay whole
