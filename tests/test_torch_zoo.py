@@ -39,7 +39,7 @@ NAMED = sampled(MUST_IMPORT, 1, "zoo-named")
 #: samples the entries whose rows took at most a minute; an entry that imported must still import
 ROWS = {r["arch"]: r for r in torch_zoo.recorded_rows()}
 OTHER = sampled(sorted(a for a, r in ROWS.items() if a in torch_zoo.zoo() and r["status"] in ("imported", "refused")
-                       and r.get("seconds", 999) <= 60), 1, "zoo-other")
+                       and (r.get("seconds") or 999) <= 60), 1, "zoo-other")
 MOE_ARCH = sampled(MOE, 1, "zoo-moe")
 
 
