@@ -184,22 +184,29 @@ def train_step(module):
                 and op.sym_name.data == "train_step")
 
 
-def run_imported(program, batch: dict) -> dict:
+def run_imported(program, batch: dict, stack: bool = False) -> dict:
     """Return the outputs ("loss", "grad:<parameter>") of one step of an imported program
-    (`hs.from_torch`) on one device, with its own weights, through the physical plan."""
+    (`hs.from_torch`) on one device, with its own weights, through the physical plan; with
+    `stack`, its repeated layers stacked (`stack-layers`; the outputs still name each layer)."""
     import numpy as np
 
     from hspmd.compiler import annotate, run_passes, to_physical
+    from hspmd.dialects import graph
     from hspmd.dialects.levels import physical_groups
+    from hspmd.ir.stacked_names import is_stacked, layer_names
     from hspmd.runtime.comm import InProcessCommunicator
     from hspmd.runtime.plan import build_plan
+    from hspmd.runtime.stacked import per_layer
 
     module = program.module
-    run_passes(module, "autodiff")
+    run_passes(module, "stack-layers,autodiff" if stack else "autodiff")
     annotate(module, "[0]: dp=1")
     to_physical(module)
     ((_, group),) = physical_groups(module)
     (comm,) = InProcessCommunicator.create_world(1)
     plan = build_plan(train_step(group), 0, comm)
     state = {k: v.copy() for k, v in program.weights.items()}
-    return plan.run(state, plan.local_batch({k: np.asarray(v) for k, v in batch.items()}))
+    for name in [o.tensor_name.data for o in module.walk() if isinstance(o, graph.ParameterOp)]:
+        if is_stacked(name):  # `stack` made it: the layers' weights as one array
+            state[name] = np.stack([state.pop(n) for n in layer_names(name)])
+    return per_layer(plan.run(state, plan.local_batch({k: np.asarray(v) for k, v in batch.items()})))

@@ -27,7 +27,7 @@ from hspmd.dialects import graph
 from hspmd.dialects.levels import physical_groups
 from hspmd.frontend.script import load_script, parse_overrides
 from hspmd.ir.layout import DUP, PARTIAL, DistributedStates, Layout, LayoutError, split
-from hspmd.ir.stacked_names import is_stacked, layer_names, layer_range, stack_name, sub_range
+from hspmd.ir.stacked_names import is_stacked, layer_names, layer_range, slice_name, stack_name
 from hspmd.runtime.comm import run_spmd
 from hspmd.dialects.dist import layout_of
 from hspmd.runtime.worker import CheckpointOptions, train
@@ -38,20 +38,26 @@ SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "data.batch_siz
 # ----------------------------------------------------------------------------- names and layouts
 
 @given(st.lists(st.sampled_from(["blocks", "h", "attn", "w", "b0"]), min_size=1, max_size=4),
-       st.integers(0, 3), st.integers(0, 50), st.integers(2, 30))
-def test_stack_name_round_trips(parts, where, start, count):
+       st.integers(0, 3), st.integers(0, 50), st.integers(2, 30), st.integers(1, 6), st.data())
+def test_stack_name_round_trips(parts, where, start, count, step, data):
     where = min(where, len(parts))
-    names = [".".join([*parts[:where], str(start + i), *parts[where:]]) for i in range(count)]
+    names = [".".join([*parts[:where], str(start + i * step), *parts[where:]]) for i in range(count)]
     stacked = stack_name(names)
     assert stacked is not None and is_stacked(stacked)
     assert layer_names(stacked) == names
-    assert layer_range(stacked) == (start, start + count)
-    assert layer_names(sub_range(stacked, start + 1, start + count)) == names[1:]
+    assert list(layer_range(stacked)) == [start + i * step for i in range(count)]
+    assert (f":{step}]" in stacked) == (step > 1)  # a step only where the layers skip some
+    a = data.draw(st.integers(0, count - 1))
+    b = data.draw(st.integers(a + 1, count))
+    piece = slice_name(stacked, a, b)
+    assert layer_names(piece) == names[a:b]
+    assert b - a == 1 or piece == stack_name(names[a:b])  # a piece is named as its layers stacked
 
 
 @pytest.mark.parametrize("names", [
     ["a.0.w"],                    # one layer is no stack
-    ["a.0.w", "a.2.w"],           # not counting up by one
+    ["a.0.w", "a.2.w", "a.3.w"],  # not counting up by one step
+    ["a.2.w", "a.0.w"],           # counting down
     ["a.0.w", "b.1.w"],           # two components differ
     ["a.0.w", "a.1.v"],
     ["a.00.w", "a.01.w"],         # not plain decimals

@@ -1,7 +1,8 @@
 """Blocks that repeat with a period (`hspmd.frontend.torch_repeats`): the importer exports the
-first blocks of a ModuleList (those before the repeats and two periods), calls the others as the
-exported block at their place in the pattern, and computes PyTorch's numbers; where the blocks'
-graphs do not repeat after all (a block computing with its own number), it exports every block."""
+first blocks of a ModuleList (those before the repeats, a period and the next block), calls the
+others as the exported block at their place in the pattern, and computes PyTorch's numbers, its
+layers stacked a period per scan iteration (`stack-layers`); where the blocks' graphs do not
+repeat after all (a block computing with its own number), it exports every block."""
 
 from __future__ import annotations
 
@@ -55,19 +56,21 @@ class Net(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(k, i, by_depth) for i, k in enumerate(kinds))
 
     def forward(self, batch):
-        x = batch["x"]
+        x, bias = batch["x"], self.bias * 2
         for block in self.blocks:
-            x = block(x, self.bias * 2)
+            x = block(x, bias)
         return (x ** 2).mean()
 
 
-@pytest.mark.parametrize("kinds,by_depth,repeated", [
-    ("abababa", False, RepeatPattern(7, 0, 2)),  # two kinds taking turns (sliding and full attention)
-    ("cbbbbbb", False, RepeatPattern(7, 1, 1)),  # a first block of its own (a dense layer before experts)
-    ("abcabcab", False, RepeatPattern(8, 0, 3)),
-    ("aaaaaa", True, None),  # each block scales by its number: the graphs differ, every block is exported
+# stacked: (layers per scan iteration, iterations) of each scan `stack-layers` makes, the calls left
+@pytest.mark.parametrize("kinds,by_depth,repeated,stacked", [
+    ("abababa", False, RepeatPattern(7, 0, 2), ([(2, 3)], 1)),  # two kinds taking turns (sliding, full attention)
+    ("cbbbbbb", False, RepeatPattern(7, 1, 1), ([(1, 6)], 1)),  # a first block of its own (a dense layer)
+    ("abcabcab", False, RepeatPattern(8, 0, 3), ([(3, 2)], 2)),
+    ("aaaaaa", True, None, ([], 6)),  # each block scales by its number: the graphs differ, every block is exported
 ])
-def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated):
+def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated, stacked):
+    """... and with their layers stacked: a period of blocks is one scan iteration."""
     torch.manual_seed(0)
     model = Net(kinds, by_depth)
     batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
@@ -78,7 +81,16 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
     calls = [o for o in program.module.walk() if isinstance(o, func.CallOp)]
     assert len(calls) == len(kinds)
     assert len({c.callee.root_reference.data for c in calls}) == (len(set(kinds)) if not by_depth else len(kinds))
-    out = run_imported(program, batch)
+    out = run_imported(program, batch, stack=True)
+    from hspmd.dialects import graph
+
+    funcs = {o.sym_name.data: o for o in program.module.walk() if isinstance(o, func.FuncOp)}
+    scans = [o for o in program.module.walk() if isinstance(o, graph.ScanOp) and not o.is_reverse]
+    per = [sum(1 for o in funcs[s.callee.root_reference.data].walk() if isinstance(o, graph.TanhOp))
+           + sum(1 for o in funcs[s.callee.root_reference.data].walk() if o.name == "graph.gelu") for s in scans]
+    assert ([(p, s.num_iterations) for p, s in zip(per, scans)], sum(
+        1 for o in funcs["train_step"].walk() if isinstance(o, func.CallOp) and "bwd" not in o.callee.root_reference.data)
+    ) == stacked
     loss = model({"x": torch.as_tensor(batch["x"])})
     loss.backward()
     assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())

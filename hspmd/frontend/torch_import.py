@@ -158,6 +158,7 @@ class _Importer:
         self.param_nodes: dict = {}  # placeholder node -> program parameter name
         # the last exported block of a list -> [(a block left out, the exported block it is called as)]
         self.repeats: dict[str, list[tuple[str, str]]] = {}
+        self.patterns: dict[str, RepeatPattern] = {}  # list path -> its pattern (those exported in part)
         self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
@@ -376,17 +377,20 @@ class _Importer:
     def repeat(self, path: str, results: tuple) -> tuple:
         """Call the blocks left out after block `path` (`self.repeats[path]`) in turn, each with the
         arguments of the exported block it is called as, the one before's result in place of that
-        block's predecessor's; return the last one's results. _NotRepeatable where an exported
-        block of the second period differs from the one a period before it, or where one does not
+        block's predecessor's; return the last one's results. _NotRepeatable where the second
+        period's first block differs from the first period's, or where an exported block does not
         chain by one carried value from its predecessor alone."""
         more = self.repeats[path]
-        list_path, _, last = path.rpartition(".")
-        period = int(last) + 1 - min(int(t.rpartition(".")[2]) for _, t in more)
+        list_path = path.rpartition(".")[0]
+        pattern = self.patterns[list_path]
+        second, first = (f"{list_path}.{pattern.start + k}" for k in (pattern.period, 0))
+        if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
+            raise _NotRepeatable(path)  # the blocks compute with their numbers, say
         calls = {}
         for template in {t for _, t in more}:
             k = int(template.rpartition(".")[2])
-            first, before = f"{list_path}.{k - period}", f"{list_path}.{k - 1}"
-            if any(b not in self.made for b in (template, first, before)) or self.made[first][0] != self.made[template][0]:
+            before = f"{list_path}.{k - 1}"
+            if any(b not in self.made for b in (template, before)):
                 raise _NotRepeatable(path)
             _, inputs, args, outputs = self.made[template]
             carried = [i for i, x in enumerate(inputs) if x in self.made[before][3]]
@@ -584,8 +588,8 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
     module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` whose
     blocks repeat (all alike, or alike after some first ones with a period: `repeatable_lists`)
-    is exported with its first blocks only (those before the repeats and two periods) and the
-    others called as the block of the second period at their place is, so the import's time, as
+    is exported with its first blocks only (those before the repeats, a period and the next
+    block) and the others called as the exported block at their place is, so the import's time, as
     the rest of the compile's, does not grow with the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does
     under `torch.autocast` in that dtype (`hspmd.frontend.autocast`), on float32 master weights.
     See the module docstring.
@@ -670,7 +674,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
     for name, p in root.named_parameters():
         p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
     importer = _Importer(ep, params, canonical, tracer)
-    importer.blocks, importer.repeats = blocks, repeats
+    importer.blocks, importer.repeats, importer.patterns = blocks, repeats, dict(lists)
     if precision:
         from hspmd.frontend.autocast import Autocast
 

@@ -6,10 +6,12 @@ DeepSeek-style models start with dense layers before the expert ones. What they 
 pattern: after `start` layers, the layers repeat with a `period`. `repeat_pattern` finds the
 shortest such pattern of a sequence (the blocks' settings, with the config's per-layer lists,
 transformers' `layer_types`, say), and `repeatable_lists` the lists worth cutting: those whose
-pattern leaves at least one block out of `start + 2 * period`. The importer
-(`hspmd.frontend.torch_import`) exports those first blocks, checks that the second period's
-graphs equal the first's, and calls each block left out as the block of the second period at
-its place in the pattern is called (`RepeatPattern.template`), on the one before's result.
+pattern leaves at least one block out of `start + period + 1`. The importer
+(`hspmd.frontend.torch_import`) exports those first blocks (one period, and the first block of
+the next), checks that the second period's first block has the first's graph (a block that
+computes with its number shows there), and calls each block left out as the exported block at
+its place in the pattern is called (`RepeatPattern.template`), on the one before's result. The
+export, the import's dearest part, so holds one block more than a period however deep the model.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ class RepeatPattern:
 
     @property
     def exported(self) -> int:
-        """How many of the first blocks the export keeps: `start` and two periods."""
-        return self.start + 2 * self.period
+        """How many of the first blocks the export keeps: `start`, a period and the next block."""
+        return self.start + self.period + 1
 
     def template(self, k: int) -> int:
-        """Return the exported block of the second period that block `k` is called as."""
-        return self.start + self.period + (k - self.start) % self.period
+        """Return the exported block that block `k` is called as: the one at its place in the first
+        period, or the second period's first (`start + period`) in the first's place."""
+        r = (k - self.start) % self.period
+        return self.start + (r if r else self.period)
 
 
 def repeat_pattern(items: Sequence) -> tuple[int, int]:

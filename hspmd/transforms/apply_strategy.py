@@ -571,10 +571,15 @@ def lay_out(op: ModuleOp, strategy: Strategy, uneven: bool = False) -> None:
 
 def param_text(name: str, shape) -> str:
     """Return how messages name parameter `name` of (per-layer) shape `shape`: `'w' of shape [4, 8]`,
-    for a stacked parameter `'blocks.[0:2].w' of shape [4, 8] (each of layers 0 to 1)`."""
+    for a stacked parameter `'blocks.[0:2].w' of shape [4, 8] (each of layers 0 to 1)`, `(each of
+    layers 1, 3, ... 47)` for every other layer."""
     text = f"'{name}' of shape {_shape_text(shape)}"
     layers = layer_range(name)
-    return text if layers is None else f"{text} (each of layers {layers[0]} to {layers[1] - 1})"
+    if layers is None:
+        return text
+    if layers.step == 1:
+        return f"{text} (each of layers {layers[0]} to {layers[-1]})"
+    return f"{text} (each of layers {layers[0]}, {layers[1]}, ... {layers[-1]})"
 
 
 def layer_shape(param: graph.ParameterOp) -> tuple[int, ...]:

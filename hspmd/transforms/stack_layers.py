@@ -27,6 +27,15 @@ unused; an operand that differs per call is a parameter, or a per-call counter `
 with constants c_k counting up by one step (a dropout's random stream: `step + (k << 32)`),
 which becomes one stacked operand `broadcast(base) + graph.iota`. Chains of fewer than
 `min_length` calls are left too.
+
+Layers that repeat with a period stack too. Gemma-3 calls its block as sliding-window attention
+five times, then as full attention (two functions, `@L_0` x5 then `@L_1`); Cohere-2 and SmolLM3
+take turns of 3 and 1. A chain of calls whose callees repeat with period p (after some first
+calls that do not, which stay calls) becomes one function `@L_0_period6` that runs one period's
+p calls in turn (their bodies inlined, each call's carry fed by the one before), and a scan
+of it over the periods: parameter k of period member m is stacked over the layers m, m + p,
+m + 2p, ... (`blocks.[1:49:2].mlp.w`, `hspmd.ir.stacked_names`). The period is the one that
+covers the most calls (the shortest of those), so a plain chain stays period 1.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerType, ModuleOp
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph
@@ -46,39 +55,70 @@ from hspmd.transforms.util import PassError, step_function
 
 @dataclass
 class _Chain:
-    """Consecutive calls of one callee and how their operands relate."""
+    """Consecutive periods of calls, each period's p calls in turn, and how their operands relate.
 
-    calls: list[func.CallOp]
-    carries: list[tuple[int, int]]  # (argument index, result index)
+    A period's operands (`row`) are its first call's, then each later call's but those its
+    predecessor in the period made (the period's own carries, `inner`)."""
+
+    groups: list[list[func.CallOp]]
+    inner: list[dict[int, int]]  # per member m > 0: {argument index: result index of member m-1}
+
+    def row(self, k: int) -> list[SSAValue]:
+        """Return period k's operands."""
+        calls = self.groups[k]
+        out = list(calls[0].operands)
+        for m in range(1, len(calls)):
+            out += [v for j, v in enumerate(calls[m].operands) if j not in self.inner[m]]
+        return out
 
 
-def _carries(prev: func.CallOp, call: func.CallOp) -> list[tuple[int, int]]:
-    """Return (argument of `call`, result of `prev`) for each operand of `call` that `prev` made."""
-    return [(j, v.index) for j, v in enumerate(call.operands) if v.owner is prev]  # type: ignore[attr-defined]
+def _carries(prev: func.CallOp, operands: list[SSAValue]) -> list[tuple[int, int]]:
+    """Return (operand index, result of `prev`) for each of `operands` that `prev` made."""
+    return [(j, v.index) for j, v in enumerate(operands) if v.owner is prev]  # type: ignore[attr-defined]
 
 
-def _chains(block) -> list[_Chain]:
-    """Return the maximal chains of calls in `block` (see the module docstring for what links them)."""
-    chains: list[_Chain] = []
-    current: _Chain | None = None
+def _runs(block) -> list[list[func.CallOp]]:
+    """Return the maximal runs of calls in `block`: each call reads some results of the one
+    before, and nothing else reads that one's results."""
+    runs: list[list[func.CallOp]] = []
     for op in block.ops:
         if not isinstance(op, func.CallOp):
             continue
-        if current is not None:
-            prev = current.calls[-1]
-            links = _carries(prev, op)
-            same_callee = op.callee == prev.callee
-            if same_callee and links and (len(current.calls) == 1 or links == current.carries) and all(
-                    all(u.operation is op for u in r.uses) for k, r in enumerate(prev.results)
-                    if k in {res for _, res in links}):
-                current.carries = links
-                current.calls.append(op)
+        if runs and runs[-1]:
+            prev = runs[-1][-1]
+            if _carries(prev, list(op.operands)) and all(u.operation is op for r in prev.results for u in r.uses):
+                runs[-1].append(op)
                 continue
-            chains.append(current)
-        current = _Chain([op], [])
-    if current is not None:
-        chains.append(current)
-    return [c for c in chains if len(c.calls) > 1]
+        runs.append([op])
+    return [r for r in runs if len(r) > 1]
+
+
+def _periods(keys: list[str], min_length: int) -> list[tuple[int, int, int]]:
+    """Return the (start, period, count) of `keys` that repeat: keys[start:start + period] then
+    `count - 1` copies of it, count >= min_length; those covering most keys first, then the
+    shortest period, then the earliest start."""
+    n, found = len(keys), []
+    for start in range(n):
+        for period in range(1, (n - start) // min_length + 1):
+            count = 1
+            while (start + (count + 1) * period <= n
+                   and keys[start + count * period:start + (count + 1) * period] == keys[start:start + period]):
+                count += 1
+            if count >= min_length:
+                found.append((start, period, count))
+    return sorted(found, key=lambda f: (-f[1] * f[2], f[1], f[0]))
+
+
+def _inner(groups: list[list[func.CallOp]]) -> list[dict[int, int]] | None:
+    """Return each member's arguments made by the member before it (alike in every period), or
+    None where the periods differ in how their members pass values on."""
+    inner: list[dict[int, int]] = [{}]
+    for m in range(1, len(groups[0])):
+        links = [dict(_carries(g[m - 1], list(g[m].operands))) for g in groups]
+        if any(link != links[0] for link in links) or not links[0]:
+            return None
+        inner.append(links[0])
+    return inner
 
 
 def _counter(values: list[SSAValue]) -> tuple[SSAValue, int, int] | None:
@@ -116,9 +156,55 @@ def _source(value: SSAValue) -> tuple[graph.ParameterOp, graph.CastOp | None] | 
     return op, cast
 
 
+def _period_function(module: ModuleOp, chain: _Chain) -> func.FuncOp:
+    """Add to `module` a function that makes one period's calls in turn (their bodies inlined),
+    its arguments a period's row (`_Chain.row`), its results the last call's; return it."""
+    funcs = {o.sym_name.data: o for o in module.body.block.ops if isinstance(o, func.FuncOp)}
+    members = [funcs[c.callee.root_reference.data] for c in chain.groups[0]]
+    row = chain.row(0)
+    body = Block(arg_types=[v.type for v in row])
+    args = iter(body.args)
+    results: list[SSAValue] = []
+    for m, callee in enumerate(members):
+        mapping: dict[SSAValue, SSAValue] = {}
+        for j, a in enumerate(callee.body.block.args):
+            mapping[a] = results[chain.inner[m][j]] if j in chain.inner[m] else next(args)
+        for o in callee.body.block.ops:
+            if isinstance(o, func.ReturnOp):
+                results = [mapping.get(v, v) for v in o.arguments]
+                break
+            body.add_op(o.clone(value_mapper=mapping))
+    body.add_op(func.ReturnOp(*results))
+    name, k = f"{members[0].sym_name.data}_period{len(members)}", 1
+    while name in funcs:
+        k += 1
+        name = f"{members[0].sym_name.data}_period{len(members)}_{k}"
+    made = func.FuncOp(name, ([v.type for v in row], [v.type for v in results]), Region(body),
+                       visibility="private")
+    module.body.block.insert_op_after(made, members[-1])
+    return made
+
+
+def _call_periods(made: func.FuncOp, chain: _Chain) -> list[func.CallOp]:
+    """Replace each period's calls of `chain` by one call of `made` (at its last call's place)."""
+    calls = []
+    for k, group in enumerate(chain.groups):
+        last = group[-1]
+        call = func.CallOp(made.sym_name.data, chain.row(k), [r.type for r in last.results])
+        last.parent_block().insert_op_before(call, last)  # type: ignore[union-attr]
+        for old, new in zip(last.results, call.results):
+            old.replace_all_uses_with(new)
+        for c in reversed(group):
+            c.detach()
+            c.erase()
+        calls.append(call)
+    return calls
+
+
 @dataclass(frozen=True)
 class StackLayers(ModulePass):
-    """Replace chains of calls of one layer function by `graph.scan` over stacked parameters."""
+    """Replace chains of calls of layer functions, one function or a period of them repeating,
+    by `graph.scan` over stacked parameters."""
 
     name = "stack-layers"
     min_length: int = 2
@@ -127,24 +213,56 @@ class StackLayers(ModulePass):
         if self.min_length < 2:
             raise PassError(f"stack-layers: option min_length={self.min_length} must be >= 2")
         block = step_function(op).body.block
-        for chain in _chains(block):
-            if len(chain.calls) >= self.min_length:
-                self._stack(chain)
+        merged: set[str] = set()
+        for run in _runs(block):
+            self._stack_run(op, run, merged)
+        used = {o.callee.root_reference.data for o in op.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
+        for o in list(op.body.block.ops):  # the functions now inlined in a period's, if nothing else calls them
+            if isinstance(o, func.FuncOp) and o.sym_name.data in merged - used:
+                o.detach()
+                o.erase()
+
+    def _stack_run(self, module: ModuleOp, run: list[func.CallOp], merged: set[str]) -> None:
+        """Stack the calls of `run` that repeat (the period covering most of them first; then
+        what is left before and after it)."""
+        keys = [c.callee.root_reference.data for c in run]
+        tried: set[int] = set()
+        for start, period, count in _periods(keys, self.min_length):
+            if period in tried:
+                continue  # one try per period: its longest stretch
+            tried.add(period)
+            groups = [run[start + k * period:start + (k + 1) * period] for k in range(count)]
+            if self._stack(module, groups, merged):
+                for part in (run[:start], run[start + period * count:]):
+                    if len(part) >= self.min_length:
+                        self._stack_run(module, part, merged)
+                return
 
     @staticmethod
-    def _stack(chain: _Chain) -> bool:
-        """Replace `chain` by a scan if it can be stacked; return whether it was."""
-        calls, first, last = chain.calls, chain.calls[0], chain.calls[-1]
-        carry_args = [j for j, _ in chain.carries]
-        carry_results = {r for _, r in chain.carries}
-        if any(r.uses for c in calls for k, r in enumerate(c.results) if k not in carry_results):
-            return False  # a per-layer result used outside the chain: it would have to be stacked
+    def _stack(module: ModuleOp, groups: list[list[func.CallOp]], merged: set[str]) -> bool:
+        """Replace the periods `groups` by a scan if they can be stacked; return whether they were."""
+        period = len(groups[0])
+        inner = _inner(groups) if period > 1 else [{}]
+        if inner is None:
+            return False
+        chain = _Chain(groups, inner)
+        rows = [chain.row(k) for k in range(len(groups))]
+        carries = _carries(groups[0][-1], rows[1])
+        if not carries or any(_carries(groups[k - 1][-1], rows[k]) != carries for k in range(2, len(groups))):
+            return False
+        carry_args = [j for j, _ in carries]
+        carry_results = {r for _, r in carries}
+        for group in groups:
+            for m, c in enumerate(group):
+                passed = set(inner[m + 1].values()) if m + 1 < period else carry_results
+                if any(r.uses for k, r in enumerate(c.results) if k not in passed):
+                    return False  # a per-layer result used outside the chain: it would have to be stacked
         stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]] = {}
         counters: dict[int, tuple[SSAValue, int, int]] = {}
-        for j in range(len(first.operands)):
+        for j in range(len(rows[0])):
             if j in carry_args:
                 continue
-            values = [c.operands[j] for c in calls]
+            values = [row[j] for row in rows]
             if all(v is values[0] for v in values):
                 continue  # an invariant
             if (counter := _counter(values)) is not None:
@@ -160,54 +278,70 @@ class StackLayers(ModulePass):
                     or len({None if c is None else c.result.type for c in casts}) != 1):
                 return False
             stacked[j] = sources  # type: ignore[assignment]
-        length = len(calls)
-        operands: list[SSAValue] = list(first.operands)
-        made: list[Operation] = []
-        for j, sources in stacked.items():
-            params = [p for p, _ in sources]
-            head, cast = params[0], sources[0][1]
-            new = graph.ParameterOp(stack_name([p.tensor_name.data for p in params]), head.init.data,
-                                    graph.stacked_type(head.result.type, length))
-            head.parent_block().insert_op_before(new, head)  # type: ignore[union-attr]
-            value = new.result
-            if cast is not None:
-                stacked_cast = graph.CastOp(value, graph.stacked_type(cast.result.type, length))
-                made.append(stacked_cast)
-                value = stacked_cast.result
-            operands[j] = value
-        for j, (base, start, step) in counters.items():  # [base + start, base + start + step, ...]
-            typ = graph.stacked_type(base.type, length)
-            spread = graph.BroadcastOp(base, [], typ)
-            iota = graph.IotaOp(start, step, typ)
-            total = graph.AddOp(spread.result, iota.result)
-            made += [spread, iota, total]
-            operands[j] = total.result
-        results = [graph.stacked_type(r.type, length) if k not in carry_results else r.type
-                   for k, r in enumerate(first.results)]
-        scan = graph.ScanOp(first.callee.root_reference.data, operands, results, length=length,
-                            stacked=sorted([*stacked, *counters]), carry_args=carry_args,
-                            carry_results=[r for _, r in chain.carries])
-        block = first.parent_block()
-        for o in made:
-            block.insert_op_before(o, first)  # type: ignore[union-attr]
-        block.insert_op_before(scan, first)  # type: ignore[union-attr]
-        for k in carry_results:
-            last.results[k].replace_all_uses_with(scan.results[k])
-        dead = [c.operands[j].owner for c in calls for j in counters]  # the per-call counters
-        for c in reversed(calls):
-            c.detach()
-            c.erase()
-        for sources in stacked.values():
-            for p, cast in sources:
-                for o in (cast, p):
-                    if o is not None:
-                        o.detach()
-                        o.erase()
-        for add in dead:  # then their constants, if nothing else reads them
-            const = add.rhs.owner  # type: ignore[union-attr]
-            add.detach()  # type: ignore[union-attr]
-            add.erase()  # type: ignore[union-attr]
-            if isinstance(const, graph.ConstantOp) and not const.result.uses:
-                const.detach()
-                const.erase()
+        if period > 1:
+            merged.update(c.callee.root_reference.data for c in groups[0])
+            calls = _call_periods(_period_function(module, chain), chain)
+        else:
+            calls = [g[0] for g in groups]
+        _scan(calls, carries, stacked, counters)
         return True
+
+
+def _scan(calls: list[func.CallOp], carries: list[tuple[int, int]],
+          stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]],
+          counters: dict[int, tuple[SSAValue, int, int]]) -> None:
+    """Replace `calls` (of one function) by a scan: operands `carries` carried, `stacked` made
+    stacked parameters, `counters` made one stacked counter."""
+    first, last = calls[0], calls[-1]
+    carry_args = [j for j, _ in carries]
+    carry_results = {r for _, r in carries}
+    length = len(calls)
+    operands: list[SSAValue] = list(first.operands)
+    made: list[Operation] = []
+    for j, sources in stacked.items():
+        params = [p for p, _ in sources]
+        head, cast = params[0], sources[0][1]
+        new = graph.ParameterOp(stack_name([p.tensor_name.data for p in params]), head.init.data,
+                                graph.stacked_type(head.result.type, length))
+        head.parent_block().insert_op_before(new, head)  # type: ignore[union-attr]
+        value = new.result
+        if cast is not None:
+            stacked_cast = graph.CastOp(value, graph.stacked_type(cast.result.type, length))
+            made.append(stacked_cast)
+            value = stacked_cast.result
+        operands[j] = value
+    for j, (base, start, step) in counters.items():  # [base + start, base + start + step, ...]
+        typ = graph.stacked_type(base.type, length)
+        spread = graph.BroadcastOp(base, [], typ)
+        iota = graph.IotaOp(start, step, typ)
+        total = graph.AddOp(spread.result, iota.result)
+        made += [spread, iota, total]
+        operands[j] = total.result
+    results = [graph.stacked_type(r.type, length) if k not in carry_results else r.type
+               for k, r in enumerate(first.results)]
+    scan = graph.ScanOp(first.callee.root_reference.data, operands, results, length=length,
+                        stacked=sorted([*stacked, *counters]), carry_args=carry_args,
+                        carry_results=[r for _, r in carries])
+    block = first.parent_block()
+    for o in made:
+        block.insert_op_before(o, first)  # type: ignore[union-attr]
+    block.insert_op_before(scan, first)  # type: ignore[union-attr]
+    for k in carry_results:
+        last.results[k].replace_all_uses_with(scan.results[k])
+    dead = [c.operands[j].owner for c in calls for j in counters]  # the per-call counters
+    for c in reversed(calls):
+        c.detach()
+        c.erase()
+    for sources in stacked.values():
+        for p, cast in sources:
+            for o in (cast, p):
+                if o is not None:
+                    o.detach()
+                    o.erase()
+    for add in dead:  # then their constants, if nothing else reads them
+        const = add.rhs.owner  # type: ignore[union-attr]
+        add.detach()  # type: ignore[union-attr]
+        add.erase()  # type: ignore[union-attr]
+        if isinstance(const, graph.ConstantOp) and not const.result.uses:
+            const.detach()
+            const.erase()

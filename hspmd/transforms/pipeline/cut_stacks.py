@@ -35,7 +35,7 @@ from xdsl.ir import Attribute, Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from hspmd.dialects import comm, graph, optim
-from hspmd.ir.stacked_names import layer_range, sub_range
+from hspmd.ir.stacked_names import layer_range, slice_name
 from hspmd.transforms.pipeline.balance import balanced_counts, op_cost, stage_of_layers
 from hspmd.transforms.pipeline.group import PipelinedGroup, find_group, forward_end
 from hspmd.transforms.pipeline.virtual import Pipeline, selected_pipelines
@@ -149,7 +149,7 @@ class _Cutter:
         gtype = p.properties.get("global_type")
         made = []
         for a, b in self.pieces:
-            new = graph.ParameterOp(sub_range(name, span[0] + a, span[0] + b), p.init.data,
+            new = graph.ParameterOp(slice_name(name, a, b), p.init.data,
                                     _piece_type(p.result.type, a, b),
                                     _piece_type(gtype, a, b) if gtype is not None else None)
             new.attributes.update(p.attributes)
@@ -237,7 +237,7 @@ class _Cutter:
         if span is None:
             raise PassError(f"cut-stacked-layers: '{o.name}' \"{name}\" of a stack has no layer range in its name")
         for (a, b), piece in zip(self.pieces, self.of(o.operands[0], o)):
-            piece_name = prefix + sub_range(name[len(prefix):], span[0] + a, span[0] + b)
+            piece_name = prefix + slice_name(name[len(prefix):], a, b)
             new = type(o)(piece_name, piece)
             o.parent_block().insert_op_before(new, o)  # type: ignore[union-attr]
         self.done.append(o)
