@@ -16,7 +16,7 @@ from conftest import run_imported
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
 import hspmd as hs  # noqa: E402
-from hspmd.frontend.torch_repeats import RepeatPattern, repeat_pattern  # noqa: E402
+from hspmd.frontend.torch_repeats import RepeatPattern, repeat_pattern, repeatable_lists  # noqa: E402
 
 
 def _holds(items, start, period) -> bool:
@@ -97,3 +97,21 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
     for name, p in model.named_parameters():
         g = p.grad.numpy()
         assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
+class Numbered(torch.nn.Module):
+    """A block holding settings that count with its number (Beam's residual-add indices, BigBird's
+    seed) besides one that does not."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.add_idx, self.seed, self.width = 2 * i + 3, i, 8
+        self.fc = torch.nn.Linear(8, 8)
+
+
+def test_settings_that_count_with_the_block_number_do_not_break_the_repeats():
+    blocks = torch.nn.Module()
+    blocks.layers = torch.nn.ModuleList(Numbered(i) for i in range(6))
+    assert repeatable_lists(blocks) == {"layers": RepeatPattern(6, 0, 1)}
+    blocks.layers[4].width = 9  # a setting that differs otherwise: the blocks from 4 on differ
+    assert repeatable_lists(blocks) == {}

@@ -23,7 +23,8 @@ from typing import Sequence
 
 #: a block's settings that only number it (a block that computes with its number shows it in its
 #: graph, which the importer compares a period apart)
-LAYER_INDEX = frozenset(("training", "layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx"))
+LAYER_INDEX = frozenset(("training", "layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx",
+                         "seed"))
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
         if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
             continue
         per_layer = [v for v in lists if len(v) == len(m)]
-        keys = [(block_key(b), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
+        counting = numbering(list(m))
+        keys = [(block_key(b, counting), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
         start, period = repeat_pattern(keys)
         pattern = RepeatPattern(len(m), start, period)
         if pattern.exported < len(m):
@@ -83,13 +85,37 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
     return out
 
 
-def block_key(block) -> str:
-    """Return what two blocks must share to compute alike (see `repeatable_lists`)."""
-    parts = [type(block).__qualname__]
+def _settings(block) -> dict[tuple[str, str], object]:
+    """Return the plain settings (numbers, strings, flags) of `block` and its submodules by
+    (submodule, name), its number (`LAYER_INDEX`) aside."""
+    return {(name, k): v for name, sub in block.named_modules() for k, v in vars(sub).items()
+            if not k.startswith("_") and k not in LAYER_INDEX and isinstance(v, (bool, int, float, str, type(None)))}
+
+
+def numbering(blocks: Sequence) -> frozenset[tuple[str, str]]:
+    """Return the integer settings of `blocks` that count with the block's number (`a + i * d`,
+    d != 0, in block i; Beam numbers its residual adds so): the block's number under another name,
+    aside as `LAYER_INDEX` is (a block that computes with it shows it in its graph)."""
+    settings = [_settings(b) for b in blocks]
+    out = set()
+    for key, first in settings[0].items():
+        values = [s.get(key) for s in settings]
+        if not all(type(v) is int for v in values):
+            continue
+        step = values[1] - values[0]
+        if step and values == [first + i * step for i in range(len(values))]:
+            out.add(key)
+    return frozenset(out)
+
+
+def block_key(block, counting: frozenset[tuple[str, str]] = frozenset()) -> str:
+    """Return what two blocks must share to compute alike (see `repeatable_lists`), the settings
+    `counting` (`numbering`) aside."""
+    parts: list = [type(block).__qualname__]
+    settings = _settings(block)
     for name, sub in block.named_modules():
         parts.append((name, type(sub).__qualname__, sorted(
-            (k, repr(v)) for k, v in vars(sub).items()
-            if not k.startswith("_") and k not in LAYER_INDEX and isinstance(v, (bool, int, float, str, type(None))))))
+            (k, repr(v)) for (n, k), v in settings.items() if n == name and (n, k) not in counting)))
     parts += [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
     parts += [(n, digest(b)) for n, b in block.named_buffers()]
     return repr(parts)
