@@ -42,10 +42,12 @@ class Block(torch.nn.Module):
         super().__init__()
         self.kind, self.layer_idx, self.by_depth = kind, layer_idx, by_depth
         self.fc = torch.nn.Linear(8, 8)
+        if kind in "pq":  # a constant table, other values per kind (Gemma-3's local and global rotary tables)
+            self.register_buffer("table", torch.arange(8.0) * (0.1 if kind == "p" else -0.2), persistent=False)
 
     def forward(self, x, bias):
-        y = self.fc(x) + (bias if self.kind != "c" else 0.0)
-        y = torch.tanh(y) if self.kind == "a" else torch.nn.functional.gelu(y)
+        y = self.fc(x) + (bias if self.kind != "c" else 0.0) + (self.table if self.kind in "pq" else 0.0)
+        y = torch.tanh(y) if self.kind in "apq" else torch.nn.functional.gelu(y)
         return x + (y * (self.layer_idx + 1) if self.by_depth else y)
 
 
@@ -67,6 +69,7 @@ class Net(torch.nn.Module):
     ("abababa", False, RepeatPattern(7, 0, 2), ([(2, 3)], 1)),  # two kinds taking turns (sliding, full attention)
     ("cbbbbbb", False, RepeatPattern(7, 1, 1), ([(1, 6)], 1)),  # a first block of its own (a dense layer)
     ("abcabcab", False, RepeatPattern(8, 0, 3), ([(3, 2)], 2)),
+    ("ppqppqp", False, RepeatPattern(7, 0, 3), ([(1, 7)], 0)),  # alike but for a table: one function, period 1
     ("aaaaaa", True, None, ([], 6)),  # each block scales by its number: the graphs differ, every block is exported
 ])
 def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated, stacked):

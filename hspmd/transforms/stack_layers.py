@@ -36,12 +36,17 @@ p calls in turn (their bodies inlined, each call's carry fed by the one before),
 of it over the periods: parameter k of period member m is stacked over the layers m, m + p,
 m + 2p, ... (`blocks.[1:49:2].mlp.w`, `hspmd.ir.stacked_names`). The period is the one that
 covers the most calls (the shortest of those), so a plain chain stays period 1.
+
+Functions alike but for their literals (Gemma-3's sliding and full layers read different rotary
+tables) are first made one function that takes them (`hspmd.transforms.layer_literals`), so
+their calls stack with period 1, the per-call table numbers stacked as one literal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerType, ModuleOp
@@ -50,6 +55,7 @@ from xdsl.passes import ModulePass
 
 from hspmd.dialects import graph
 from hspmd.ir.stacked_names import stack_name
+from hspmd.transforms.layer_literals import unify_literals
 from hspmd.transforms.util import PassError, step_function
 
 
@@ -142,6 +148,16 @@ def _counter(values: list[SSAValue]) -> tuple[SSAValue, int, int] | None:
     return found[0][0], offsets[0], step
 
 
+def _literals(values: list[SSAValue]) -> list[graph.LiteralOp] | None:
+    """Return the literals `values` are when each is a literal of one type used once (a per-call
+    number `layer_literals` made), else None."""
+    owners = [v.owner for v in values]
+    if (not all(isinstance(o, graph.LiteralOp) for o in owners) or any(v.uses.get_length() != 1 for v in values)
+            or len({v.type for v in values}) != 1):
+        return None
+    return owners  # type: ignore[return-value]
+
+
 def _source(value: SSAValue) -> tuple[graph.ParameterOp, graph.CastOp | None] | None:
     """Return (parameter, cast or None) when `value` is a parameter (or its cast) used once."""
     op = value.owner
@@ -214,6 +230,8 @@ class StackLayers(ModulePass):
             raise PassError(f"stack-layers: option min_length={self.min_length} must be >= 2")
         block = step_function(op).body.block
         merged: set[str] = set()
+        for run in _runs(block):  # functions alike but for literals: one function first
+            merged |= unify_literals(op, run)
         for run in _runs(block):
             self._stack_run(op, run, merged)
         used = {o.callee.root_reference.data for o in op.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
@@ -259,6 +277,7 @@ class StackLayers(ModulePass):
                     return False  # a per-layer result used outside the chain: it would have to be stacked
         stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]] = {}
         counters: dict[int, tuple[SSAValue, int, int]] = {}
+        constants: dict[int, list[graph.LiteralOp]] = {}
         for j in range(len(rows[0])):
             if j in carry_args:
                 continue
@@ -267,6 +286,9 @@ class StackLayers(ModulePass):
                 continue  # an invariant
             if (counter := _counter(values)) is not None:
                 counters[j] = counter
+                continue
+            if (literals := _literals(values)) is not None:
+                constants[j] = literals
                 continue
             sources = [_source(v) for v in values]
             if any(s is None for s in sources):
@@ -283,15 +305,15 @@ class StackLayers(ModulePass):
             calls = _call_periods(_period_function(module, chain), chain)
         else:
             calls = [g[0] for g in groups]
-        _scan(calls, carries, stacked, counters)
+        _scan(calls, carries, stacked, counters, constants)
         return True
 
 
 def _scan(calls: list[func.CallOp], carries: list[tuple[int, int]],
           stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]],
-          counters: dict[int, tuple[SSAValue, int, int]]) -> None:
+          counters: dict[int, tuple[SSAValue, int, int]], constants: dict[int, list[graph.LiteralOp]]) -> None:
     """Replace `calls` (of one function) by a scan: operands `carries` carried, `stacked` made
-    stacked parameters, `counters` made one stacked counter."""
+    stacked parameters, `counters` made one stacked counter, `constants` one stacked literal."""
     first, last = calls[0], calls[-1]
     carry_args = [j for j, _ in carries]
     carry_results = {r for _, r in carries}
@@ -317,10 +339,15 @@ def _scan(calls: list[func.CallOp], carries: list[tuple[int, int]],
         total = graph.AddOp(spread.result, iota.result)
         made += [spread, iota, total]
         operands[j] = total.result
+    for j, literals in constants.items():
+        whole = graph.LiteralOp(np.stack([lit.values() for lit in literals]),
+                                graph.stacked_type(literals[0].result.type, length))
+        made.append(whole)
+        operands[j] = whole.result
     results = [graph.stacked_type(r.type, length) if k not in carry_results else r.type
                for k, r in enumerate(first.results)]
     scan = graph.ScanOp(first.callee.root_reference.data, operands, results, length=length,
-                        stacked=sorted([*stacked, *counters]), carry_args=carry_args,
+                        stacked=sorted([*stacked, *counters, *constants]), carry_args=carry_args,
                         carry_results=[r for _, r in carries])
     block = first.parent_block()
     for o in made:
@@ -338,6 +365,10 @@ def _scan(calls: list[func.CallOp], carries: list[tuple[int, int]],
                 if o is not None:
                     o.detach()
                     o.erase()
+    for literals in constants.values():
+        for lit in literals:
+            lit.detach()
+            lit.erase()
     for add in dead:  # then their constants, if nothing else reads them
         const = add.rhs.owner  # type: ignore[union-attr]
         add.detach()  # type: ignore[union-attr]
