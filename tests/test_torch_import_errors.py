@@ -120,17 +120,22 @@ def test_every_config_check_is_a_message(setting, message):
 
 class _NoGrad(torch.nn.Module):
     """A loss with a `torch.no_grad()` region and a `detach()`: PyTorch gives the weights inside
-    them no gradient from there."""
+    them no gradient from there. `u.to(u.dtype)` in the region is `u` itself, with its gradient
+    (Dots-3's indexer converts the hidden states so, and the export hands the result on to the
+    attention's gate after the region)."""
 
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Linear(4, 4)
         self.b = torch.nn.Linear(4, 4)
+        self.c = torch.nn.Linear(4, 4)
 
     def forward(self, x):
+        u = self.c(x)
         with torch.no_grad():
             scale = torch.sigmoid(self.b(x)).mean(0)
-        h = self.a(x) * scale + self.b(x).detach() * self.b(x)
+            same = u.to(u.dtype)
+        h = self.a(x) * scale + self.b(x).detach() * self.b(x) + same * same
         return (h * h).mean()
 
 

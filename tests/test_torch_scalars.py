@@ -89,3 +89,31 @@ def test_a_scalar_parameter_and_a_scalar_constant_keep_their_shape(tmp_path):
         theirs.append(loss.item())
     np.testing.assert_allclose(result.losses, theirs, rtol=1e-5)
     assert np.shape(result.params["temperature"]) == ()
+
+
+class _Filled(torch.nn.Module):
+    """A buffer allocated without values (`new_empty`) and filled piece by piece, as rotary
+    helpers do: the export evaluates the allocation at import."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        out = y.new_empty(y.shape)
+        out[:, :4] = y[:, 4:]
+        out[:, 4:] = -y[:, :4]
+        return (out * y).mean()
+
+
+def test_a_buffer_allocated_empty_imports_the_same_every_time():
+    """Its values are zeros in the program (not the memory PyTorch handed out), so two imports
+    print the same IR; the numbers are PyTorch's."""
+    torch.manual_seed(0)
+    model = _Filled()
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    texts = [str(hs.from_torch(model, {"x": x}, lambda m, b: m(b["x"])).module) for _ in range(2)]
+    assert texts[0] == texts[1]
+    out = run_imported(hs.from_torch(model, {"x": x}, lambda m, b: m(b["x"])), {"x": x})
+    assert abs(float(out["loss"]) - model(torch.as_tensor(x)).item()) <= 1e-6

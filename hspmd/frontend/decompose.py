@@ -178,7 +178,10 @@ def _stop_op():
 
 def _inline(gm, node, sub, args, stop) -> None:
     """Put the nodes of submodule `sub` (called with `args`) in place of `node`; its results
-    (through `stop`, where given, for the float ones) replace `node`'s (a tuple: its getitems)."""
+    (through `stop`, where given, for the float ones it computes) replace `node`'s (a tuple: its
+    getitems). A result that is one of `args` passed through is the caller's tensor itself: under
+    `torch.no_grad()`, `x.to(x.dtype)` returns `x`, and the export hands that result on to the
+    code after the region, which uses `x` with its gradient (DeepSeek-V3.2-style indexers do)."""
     import torch
 
     graph = gm.graph
@@ -203,8 +206,10 @@ def _inline(gm, node, sub, args, stop) -> None:
                 continue
             env[n] = graph.node_copy(n, lambda x: env[x])
         outs = list(results) if isinstance(results, (list, tuple)) else [results]
-        if stop is not None:
-            outs = [graph.call_function(stop, (o,)) if _is_float(o) else o for o in outs]
+        if stop is not None:  # a result that is an argument passed through (`x.to(x.dtype)` is `x`) keeps its gradient
+            passed = {id(env[p]) for p in placeholders}
+            outs = [graph.call_function(stop, (o,)) if _is_float(o) and id(_same_tensor(o)) not in passed else o
+                    for o in outs]
             for o, src in zip(outs, results if isinstance(results, (list, tuple)) else [results]):
                 if o is not src:
                     o.meta = dict(src.meta)
@@ -215,6 +220,18 @@ def _inline(gm, node, sub, args, stop) -> None:
     if node.users:
         node.replace_all_uses_with(outs[0] if len(outs) == 1 else outs)
     graph.erase_node(node)
+
+
+#: conversions that return their input itself where it has the dtype already (`Tensor.to`)
+_CONVERSIONS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other")
+
+
+def _same_tensor(node):
+    """Return the node whose tensor `node`'s is: through conversions to the dtype it has."""
+    while (getattr(node, "op", None) == "call_function" and str(node.target) in _CONVERSIONS and node.args
+           and getattr(node.meta.get("val"), "dtype", None) == getattr(node.args[0].meta.get("val"), "dtype", 0)):
+        node = node.args[0]
+    return node
 
 
 def _is_float(node) -> bool:

@@ -255,9 +255,14 @@ class _Importer:
         return out
 
     def evaluate(self, node, args, kwargs):
-        """Evaluate a node of concrete inputs with PyTorch."""
+        """Evaluate a node of concrete inputs with PyTorch. A tensor allocated without values
+        (`empty`, `new_empty`, ...: a buffer the graph writes pieces into) is zeros, so that what a
+        program holds of it does not depend on the memory PyTorch happened to hand out."""
         try:
-            return node.target(*args, **kwargs)
+            out = node.target(*args, **kwargs)
+            if _UNINITIALIZED.match(aten.aten_name(node.target)) and hasattr(out, "zero_"):
+                out = out.zero_()
+            return out
         except Exception as err:  # noqa: BLE001 - the model's own code: report where it failed
             raise TorchImportError(where(node, f"evaluating {aten.aten_name(node.target)} at import failed: "
                                                f"{type(err).__name__}: {err}")) from None
@@ -604,6 +609,10 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
         except _NotRepeatable:
             pass  # the blocks' graphs differ after all: export every one
     return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
+
+
+#: the ATen ops that allocate a tensor without setting its values
+_UNINITIALIZED = re.compile(r"aten\.(new_)?empty(_like|_strided|_permuted)?\.")
 
 
 class _Inline(Exception):
