@@ -77,3 +77,11 @@ def test_an_imported_expert_layer_splits_its_experts_under_ep(tmp_path, arch):
         write_bundle(compiled, str(tmp_path / str(n)))
         losses[n] = run_spmd(n, lambda comm, b=str(tmp_path / str(n)): train(b, comm, steps=2, quiet=True))[0].losses
     assert max(abs(a - b) / abs(b) for a, b in zip(losses[2], losses[1])) <= 1e-5, losses
+
+
+def test_gradients_agree_within_1e4_or_as_close_to_float64_as_pytorchs():
+    row = {"grad": 3e-5}
+    assert torch_zoo.grads_agree(row)
+    assert not torch_zoo.grads_agree({"grad": 2e-4})  # no float64 reference: other numbers
+    assert torch_zoo.grads_agree({"grad": 2e-4, "grad64": [1.2e-4, 1.2e-4]})  # PyTorch's own float32 rounding
+    assert not torch_zoo.grads_agree({"grad": 2e-4, "grad64": [5e-4, 1e-5]})  # PyTorch close to exact, hspmd not

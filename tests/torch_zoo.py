@@ -276,8 +276,10 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True, layers: 
         g = p.grad.numpy()
         grads.append(0.0 if np.abs(g).max() < 1e-9 and np.abs(ours).max() < 1e-9 else rel(ours, g))
     row["grad"] = max(grads, default=0.0)
+    if row["grad"] > 1e-4:  # an ill-conditioned loss? measured against float64, as PyTorch's float32 is
+        row["grad64"] = float64_errors(arch, layers, first.outputs[0], b)
     if not adamw:
-        row["status"] = "imported" if row["loss"] <= 1e-5 and row["grad"] <= 1e-4 else "differs"
+        row["status"] = "imported" if row["loss"] <= 1e-5 and grads_agree(row) else "differs"
         return row
     trained = _run(script, os.path.join(workdir, f"{arch}-adamw"), "[0]: dp=1", 1, 2, True)
     model, _ = build(arch, layers=layers)
@@ -290,9 +292,45 @@ def check(arch: str, workdir: str, tp: bool = True, adamw: bool = True, layers: 
     if tp and first_plan(model):
         two = _run(script, os.path.join(workdir, f"{arch}-tp"), "[0,1]: tp=2", 2, 2, True).losses
         row["tp"] = max(abs(a - c) / abs(c) for a, c in zip(two, trained.losses))
-    ok = row["loss"] <= 1e-5 and row["grad"] <= 1e-4 and row["adamw"] <= 1e-4 and (row["tp"] is None or row["tp"] <= 1e-4)
+    ok = (row["loss"] <= 1e-5 and grads_agree(row) and row["adamw"] <= 1e-4
+          and (row["tp"] is None or row["tp"] <= 1e-4))
     row["status"] = "imported" if ok else "differs"
+    if row.get("grad64") and row["grad"] > 1e-4:
+        ours, theirs = row["grad64"]
+        row["reason"] = (f"gradients {ours:.1e} from float64's, PyTorch's float32 ones {theirs:.1e} (an ill-conditioned "
+                         "loss: float32 rounding)")
     return row
+
+
+def grads_agree(row: dict) -> bool:
+    """Return whether hspmd's gradients are PyTorch's: within 1e-4 of them, or, where PyTorch's
+    float32 gradients are themselves that far from float64's (a peaked softmax, a large loss),
+    as close to float64's as PyTorch's are (`grad64`: hspmd's and PyTorch's float32 errors)."""
+    if row["grad"] is not None and row["grad"] <= 1e-4:
+        return True
+    ours, theirs = row.get("grad64") or (None, None)
+    return ours is not None and ours <= max(1e-4, 1.5 * theirs)
+
+
+def float64_errors(arch: str, layers: int, outputs: dict, batch) -> tuple[float, float] | None:
+    """Return (hspmd's, PyTorch's float32) largest relative gradient errors against PyTorch's
+    gradients in float64 of the same model and batch; None where the model does not run in float64."""
+    errors = []
+    try:
+        exact, _ = build(arch, layers=layers)
+        exact = exact.double()
+        loss(exact, batch).backward()
+        single, _ = build(arch, layers=layers)
+        loss(single, batch).backward()
+    except Exception:  # noqa: BLE001 - kernels without float64 (grouped matmuls): no reference
+        return None
+    for (name, p), q in zip(exact.named_parameters(), single.parameters()):
+        ours = outputs.get(f"grad:{name}")
+        if p.grad is None or ours is None or p.grad.abs().max() < 1e-9:
+            continue
+        g = p.grad.numpy()
+        errors.append((rel(ours, g), rel(q.grad.numpy(), g)))
+    return (max(e[0] for e in errors), max(e[1] for e in errors)) if errors else None
 
 
 def depth(arch: str, layers: tuple[int, int] = (LAYERS, 48), tries: int = 2) -> dict:
