@@ -388,9 +388,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """`python tests/torch_zoo.py [ARCH ...] [--json FILE] [--depth]`: check every architecture of the
-    zoo (or those named), print each row as it is found and the table at the end; `--json` appends
-    the rows; `--depth` measures the compile at 2 and 48 layers instead (`depth`)."""
+    """`python tests/torch_zoo.py [ARCH ...] [--json FILE] [--depth [--at 2,48]]`: check every
+    architecture of the zoo (or those named), print each row as it is found and the table at the
+    end; `--json` appends the rows; `--depth` measures the compile at 2 and 48 layers (`--at`: at
+    those two depths) instead (`depth`)."""
     import json
     import tempfile
     import time
@@ -399,11 +400,15 @@ def main(argv: list[str]) -> None:
     if "--json" in argv:
         i = argv.index("--json")
         out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    at = (LAYERS, 48)
+    if "--at" in argv:  # the two depths, `--at 48,96`
+        i = argv.index("--at")
+        at, argv = tuple(int(n) for n in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]
     if "--depth" in argv:
         argv = [a for a in argv if a != "--depth"]
         for arch in argv or sorted(zoo()):
             try:
-                row = depth(arch)
+                row = depth(arch, at)
             except Exception as err:  # noqa: BLE001 - a row, not the end of the table
                 row = {"arch": arch, "reason": _line(err)}
             print(json.dumps(row), flush=True)
