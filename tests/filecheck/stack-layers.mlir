@@ -35,7 +35,7 @@ builtin.module {
 // -----
 
 // A weight shared by every layer (tied) is an invariant operand; the names need not start at 0.
-// Names that do not count up by one ("a.1.w", "a.3.w") leave the calls as they are.
+// Names that do not count up ("a.1.w", "a.0.w") leave the calls as they are.
 
 builtin.module {
   func.func @train_step() {
@@ -43,7 +43,7 @@ builtin.module {
     %w0 = graph.parameter "b.5.w" {init = "zeros"} : tensor<4x4xf32>
     %w1 = graph.parameter "b.6.w" {init = "zeros"} : tensor<4x4xf32>
     %v0 = graph.parameter "a.1.w" {init = "zeros"} : tensor<4x4xf32>
-    %v1 = graph.parameter "a.3.w" {init = "zeros"} : tensor<4x4xf32>
+    %v1 = graph.parameter "a.0.w" {init = "zeros"} : tensor<4x4xf32>
     %x = graph.input "x" : tensor<2x4xf32>
     %h1 = func.call @L(%s, %w0, %x) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
     %h2 = func.call @L(%s, %w1, %h1) : (tensor<4xf32>, tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
@@ -65,7 +65,7 @@ builtin.module {
 // CHECK-LABEL: func.func @train_step
 // CHECK:         [[W:%.*]] = graph.parameter "b.[5:7].w" {init = "zeros"} : tensor<2x4x4xf32>
 // CHECK:         graph.parameter "a.1.w"
-// CHECK:         graph.parameter "a.3.w"
+// CHECK:         graph.parameter "a.0.w"
 // CHECK:         graph.scan @L(%s, [[W]], %x) {length = 2 : i64, stacked = array<i64: 1>, carry_args = array<i64: 2>, carry_results = array<i64: 0>}
 // CHECK:         func.call @L
 // CHECK:         func.call @L
@@ -106,3 +106,46 @@ builtin.module {
 // CHECK-NEXT:    graph.scan @L([[W]], %x, [[K]]) {length = 2 : i64, stacked = array<i64: 0, 2>, carry_args = array<i64: 1>, carry_results = array<i64: 0>}
 // CHECK-NOT:     func.call
 // CHECK-NOT:     graph.constant
+
+// -----
+
+// Two layer functions taking turns (sliding and full attention): one function runs a period's
+// calls (their bodies inlined), and a scan runs it; each weight is stacked over every other layer.
+
+builtin.module {
+  func.func @train_step() {
+    %w0 = graph.parameter "h.0.w" {init = "zeros"} : tensor<4x4xf32>
+    %w1 = graph.parameter "h.1.w" {init = "zeros"} : tensor<4x4xf32>
+    %w2 = graph.parameter "h.2.w" {init = "zeros"} : tensor<4x4xf32>
+    %w3 = graph.parameter "h.3.w" {init = "zeros"} : tensor<4x4xf32>
+    %x = graph.input "x" : tensor<2x4xf32>
+    %h0 = func.call @A(%w0, %x) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h1 = func.call @B(%w1, %h0) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h2 = func.call @A(%w2, %h1) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %h3 = func.call @B(%w3, %h2) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %l = graph.reduce_sum %h3 {dims = array<i64: 0, 1>} : (tensor<2x4xf32>) -> tensor<f32>
+    graph.output "loss", %l : tensor<f32>
+    func.return
+  }
+  func.func private @A(%w: tensor<4x4xf32>, %x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+    %y = graph.matmul %x, %w : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    func.return %y : tensor<2x4xf32>
+  }
+  func.func private @B(%w: tensor<4x4xf32>, %x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+    %y = graph.matmul %x, %w : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    %z = graph.tanh %y : (tensor<2x4xf32>) -> tensor<2x4xf32>
+    func.return %z : tensor<2x4xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @train_step
+// CHECK-DAG:     [[A:%.*]] = graph.parameter "h.[0:4:2].w" {init = "zeros"} : tensor<2x4x4xf32>
+// CHECK-DAG:     [[B:%.*]] = graph.parameter "h.[1:5:2].w" {init = "zeros"} : tensor<2x4x4xf32>
+// CHECK:         graph.scan @A_period2([[A]], %x, [[B]]) {length = 2 : i64, stacked = array<i64: 0, 2>, carry_args = array<i64: 1>, carry_results = array<i64: 0>}
+// CHECK-NOT:     func.call
+// CHECK:         func.func private @A_period2(%{{.*}}: tensor<4x4xf32>, %{{.*}}: tensor<2x4xf32>, %{{.*}}: tensor<4x4xf32>)
+// CHECK-NEXT:      graph.matmul
+// CHECK-NEXT:      graph.matmul
+// CHECK-NEXT:      graph.tanh
+// CHECK-NEXT:      func.return
+// CHECK-NOT:     func.func private @B
