@@ -116,5 +116,8 @@ def test_settings_that_count_with_the_block_number_do_not_break_the_repeats():
     blocks = torch.nn.Module()
     blocks.layers = torch.nn.ModuleList(Numbered(i) for i in range(6))
     assert repeatable_lists(blocks) == {"layers": RepeatPattern(6, 0, 1)}
+    # a config list of layer numbers as long as the blocks (Llama-4's `moe_layers`) is no setting per layer
+    blocks.config = __import__("types").SimpleNamespace(moe_layers=list(range(6)), kinds=["s", "f"] * 3)
+    assert repeatable_lists(blocks) == {"layers": RepeatPattern(6, 0, 2)}
     blocks.layers[4].width = 9  # a setting that differs otherwise: the blocks from 4 on differ
     assert repeatable_lists(blocks) == {}

@@ -66,7 +66,7 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
     docstring) and that hold more blocks than the pattern's `exported`. What must repeat of a
     block: its class, parameters (names, shapes, dtypes), buffers and plain settings (numbers,
     strings, flags of every submodule; its number, `LAYER_INDEX`, aside), and its entry of each per-layer list of
-    the model's config (a list or tuple as long as the ModuleList)."""
+    the model's config (a list or tuple as long as the ModuleList, not one of layer numbers)."""
     import torch
 
     config = getattr(module, "config", None)
@@ -75,7 +75,7 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
     for path, m in module.named_modules():
         if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
             continue
-        per_layer = [v for v in lists if len(v) == len(m)]
+        per_layer = [v for v in lists if len(v) == len(m) and not _counting(list(v))]
         counting = numbering(list(m))
         keys = [(block_key(b, counting), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
         start, period = repeat_pattern(keys)
@@ -92,20 +92,21 @@ def _settings(block) -> dict[tuple[str, str], object]:
             if not k.startswith("_") and k not in LAYER_INDEX and isinstance(v, (bool, int, float, str, type(None)))}
 
 
+def _counting(values: list) -> bool:
+    """Return whether `values` are integers `a + i * d`, d != 0: layer numbers (Llama-4's
+    `moe_layers` lists every layer's), not a setting per layer."""
+    if len(values) < 2 or not all(type(v) is int for v in values):
+        return False
+    step = values[1] - values[0]
+    return step != 0 and values == [values[0] + i * step for i in range(len(values))]
+
+
 def numbering(blocks: Sequence) -> frozenset[tuple[str, str]]:
     """Return the integer settings of `blocks` that count with the block's number (`a + i * d`,
     d != 0, in block i; Beam numbers its residual adds so): the block's number under another name,
     aside as `LAYER_INDEX` is (a block that computes with it shows it in its graph)."""
     settings = [_settings(b) for b in blocks]
-    out = set()
-    for key, first in settings[0].items():
-        values = [s.get(key) for s in settings]
-        if not all(type(v) is int for v in values):
-            continue
-        step = values[1] - values[0]
-        if step and values == [first + i * step for i in range(len(values))]:
-            out.add(key)
-    return frozenset(out)
+    return frozenset(key for key in settings[0] if _counting([s.get(key) for s in settings]))
 
 
 def block_key(block, counting: frozenset[tuple[str, str]] = frozenset()) -> str:
