@@ -41,12 +41,17 @@ SMALL = ["model.d_model=32", "model.seq_len=8", "model.heads=4", "data.batch_siz
        st.integers(0, 3), st.integers(0, 50), st.integers(2, 30), st.integers(1, 6), st.data())
 def test_stack_name_round_trips(parts, where, start, count, step, data):
     where = min(where, len(parts))
-    names = [".".join([*parts[:where], str(start + i * step), *parts[where:]]) for i in range(count)]
+    regular = data.draw(st.booleans())
+    numbers = ([start + i * step for i in range(count)] if regular
+               else sorted(data.draw(st.sets(st.integers(0, 200), min_size=2, max_size=30))))
+    count = len(numbers)
+    names = [".".join([*parts[:where], str(k), *parts[where:]]) for k in numbers]
     stacked = stack_name(names)
     assert stacked is not None and is_stacked(stacked)
     assert layer_names(stacked) == names
-    assert list(layer_range(stacked)) == [start + i * step for i in range(count)]
-    assert (f":{step}]" in stacked) == (step > 1)  # a step only where the layers skip some
+    assert list(layer_range(stacked)) == numbers
+    if regular:
+        assert (f":{step}]" in stacked) == (step > 1) and "," not in stacked  # one range, a step where it skips
     a = data.draw(st.integers(0, count - 1))
     b = data.draw(st.integers(a + 1, count))
     piece = slice_name(stacked, a, b)
@@ -54,9 +59,15 @@ def test_stack_name_round_trips(parts, where, start, count, step, data):
     assert b - a == 1 or piece == stack_name(names[a:b])  # a piece is named as its layers stacked
 
 
+def test_layers_numbered_irregularly_stack_as_several_ranges():
+    assert stack_name(["a.0.w", "a.2.w", "a.3.w"]) == "a.[0:4:2,3:4].w"
+    assert stack_name([f"m.layers.{k}.w" for k in (0, 1, 2, 4, 5, 6, 7, 9, 10)]) == "m.layers.[0:3,4:8,9:11].w"
+    assert layer_names("x.[0:2,5:9:2].w") == ["x.0.w", "x.1.w", "x.5.w", "x.7.w"]
+    assert layer_range("x.[0:2,1:3].w") is None  # not counting up: no stacked name
+
+
 @pytest.mark.parametrize("names", [
     ["a.0.w"],                    # one layer is no stack
-    ["a.0.w", "a.2.w", "a.3.w"],  # not counting up by one step
     ["a.2.w", "a.0.w"],           # counting down
     ["a.0.w", "b.1.w"],           # two components differ
     ["a.0.w", "a.1.v"],

@@ -5,7 +5,9 @@
 the dotted component that numbers the layers becomes the half-open range `[start:stop]`, and
 slice i of the tensor is layer `start + i`. Layers that repeat with a period (Gemma-2's sliding
 and full attention taking turns) stack every period-th layer: `layers.[1:49:2].mlp.up.weight`
-holds layers 1, 3, ..., 47, a range with a step as Python writes one. The name says which per-layer names it holds, so
+holds layers 1, 3, ..., 47, a range with a step as Python writes one. Layers numbered
+irregularly (Mllama's text layers, its cross-attention ones between them left out) are several
+ranges: `layers.[0:3,4:8,9:48].mlp.up.weight`. The name says which per-layer names it holds, so
 checkpoints, `--init-from` files and initial values keep the per-layer names (`layer_names`),
 and optimizer state follows (`opt.m.blocks.[0:48].attn.proj.weight`).
 
@@ -15,6 +17,8 @@ and optimizer state follows (`opt.m.blocks.[0:48].attn.proj.weight`).
     ['opt.m.blocks.2.ln1.weight', 'opt.m.blocks.3.ln1.weight']
     >>> stack_name(["h.1.w", "h.3.w", "h.5.w"])
     'h.[1:7:2].w'
+    >>> stack_name(["h.0.w", "h.1.w", "h.3.w", "h.4.w", "h.9.w"])
+    'h.[0:2,3:5,9:10].w'
 """
 
 from __future__ import annotations
@@ -22,27 +26,51 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-_RANGE = re.compile(r"^\[(\d+):(\d+)(?::(\d+))?\]$")
+_SLICE = r"\d+:\d+(?::\d+)?"
+_RANGE = re.compile(rf"^\[{_SLICE}(?:,{_SLICE})*\]$")
 
 
-def _range_text(layers: range) -> str:
-    step = "" if layers.step == 1 else f":{layers.step}"
-    return f"[{layers.start}:{layers.stop}{step}]"
+def _runs(layers: Sequence[int]) -> list[range]:
+    """Return increasing `layers` as ranges, each as long as it can be, in order."""
+    runs: list[range] = []
+    i = 0
+    while i < len(layers):
+        step = layers[i + 1] - layers[i] if i + 1 < len(layers) else 1
+        j = i + 1
+        while j < len(layers) and layers[j] - layers[j - 1] == step:
+            j += 1
+        runs.append(range(layers[i], layers[j - 1] + step, step))
+        i = j
+    return runs
 
 
-def _range_component(parts: Sequence[str]) -> tuple[int, range] | None:
+def _range_text(layers: Sequence[int]) -> str:
+    def text(r: range) -> str:
+        return f"{r.start}:{r.stop}" + ("" if r.step == 1 else f":{r.step}")
+
+    return "[" + ",".join(text(r) for r in _runs(layers)) + "]"
+
+
+def _range_component(parts: Sequence[str]) -> tuple[int, Sequence[int]] | None:
     """Return (index of the range component, the layers it names) of a split name, or None."""
-    found = [(i, m) for i, p in enumerate(parts) if (m := _RANGE.match(p))]
+    found = [i for i, p in enumerate(parts) if _RANGE.match(p)]
     if len(found) != 1:
         return None
-    i, m = found[0]
-    step = int(m.group(3)) if m.group(3) is not None else 1
-    layers = range(int(m.group(1)), int(m.group(2)), step) if step > 0 else range(0)
-    return (i, layers) if len(layers) > 0 else None
+    i = found[0]
+    ranges = []
+    for piece in parts[i][1:-1].split(","):
+        numbers = [int(x) for x in piece.split(":")]
+        step = numbers[2] if len(numbers) == 3 else 1
+        ranges.append(range(numbers[0], numbers[1], step) if step > 0 else range(0))
+    layers: Sequence[int] = ranges[0] if len(ranges) == 1 else tuple(k for r in ranges for k in r)
+    if not layers or any(not r for r in ranges) or any(b <= a for a, b in zip(layers, layers[1:])):
+        return None
+    return i, layers
 
 
-def layer_range(name: str) -> range | None:
-    """Return the layer numbers a stacked name holds, in slice order, or None for a plain name."""
+def layer_range(name: str) -> Sequence[int] | None:
+    """Return the layer numbers a stacked name holds, in slice order (a `range` where they count
+    up by one step), or None for a plain name."""
     found = _range_component(name.split("."))
     return None if found is None else found[1]
 
@@ -65,9 +93,10 @@ def layer_names(name: str) -> list[str]:
 def stack_name(names: Sequence[str]) -> str | None:
     """Return the stacked name of per-layer `names` (at least two), or None if they do not form one.
 
-    They must split into the same dotted components but one, which counts up by one step from
-    name to name in decimal (`0`, `1`, `2`, ... or, every other layer, `1`, `3`, `5`, ...); no name
-    may already be stacked.
+    They must split into the same dotted components but one, which counts up from name to name
+    in decimal (`0`, `1`, `2`, ... or, every other layer, `1`, `3`, `5`, ...; where the step
+    changes, the range is written as several: `[0:3,4:8]` holds layers 0 to 2 and 4 to 7); no
+    name may already be stacked.
     """
     if len(names) < 2 or any(is_stacked(n) for n in names):
         return None
@@ -82,11 +111,9 @@ def stack_name(names: Sequence[str]) -> str | None:
     if not all(v.isdigit() and str(int(v)) == v for v in values):
         return None
     numbers = [int(v) for v in values]
-    step = numbers[1] - numbers[0]
-    layers = range(numbers[0], numbers[0] + step * len(numbers), step) if step > 0 else range(0)
-    if list(layers) != numbers:
+    if any(b <= a for a, b in zip(numbers, numbers[1:])):
         return None
-    return ".".join([*split[0][:i], _range_text(layers), *split[0][i + 1:]])
+    return ".".join([*split[0][:i], _range_text(numbers), *split[0][i + 1:]])
 
 
 def slice_name(name: str, start: int, stop: int) -> str:

@@ -577,7 +577,7 @@ def param_text(name: str, shape) -> str:
     layers = layer_range(name)
     if layers is None:
         return text
-    if layers.step == 1:
+    if isinstance(layers, range) and layers.step == 1:
         return f"{text} (each of layers {layers[0]} to {layers[-1]})"
     return f"{text} (each of layers {layers[0]}, {layers[1]}, ... {layers[-1]})"
 
