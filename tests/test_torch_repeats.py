@@ -16,7 +16,7 @@ from conftest import run_imported
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
 import hspmd as hs  # noqa: E402
-from hspmd.frontend.torch_repeats import RepeatPattern, repeat_pattern, repeatable_lists  # noqa: E402
+from hspmd.frontend.torch_repeats import RepeatPattern, pattern_of, repeat_pattern, repeatable_lists  # noqa: E402
 
 
 def _holds(items, start, period) -> bool:
@@ -33,8 +33,24 @@ def test_the_pattern_found_holds_and_is_the_shortest(prefix, period_items, more)
     shortest = min([(s + 2 * p, p) for p in range(1, len(items) + 1) for s in range(len(items) + 1)
                     if _holds(items, s, p) and s + 2 * p <= len(items)], default=None)
     assert (start + 2 * period, period) == shortest if shortest else (start, period) == (len(items), 1)
-    pattern = RepeatPattern(len(items), start, period)
-    assert all(items[pattern.template(k)] == items[k] for k in range(pattern.exported, len(items)))
+    pattern = pattern_of(items)
+    assert (pattern.start, pattern.period) == (start, period)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=30))
+def test_the_export_keeps_one_block_per_kind_and_calls_the_others_as_one_before(items):
+    pattern, kept = pattern_of(items), pattern_of(items).blocks
+    assert {items[k] for k in kept} == set(items) and kept[0] == 0
+    repeats = len(set(items)) < len(items)
+    assert len(kept) == len(set(items)) + repeats  # one per kind, and a second of the checked kind
+    if repeats:
+        a, b = pattern.checked
+        assert items[a] == items[b] and a < b and {a, b} <= set(kept)
+    for k in set(range(len(items))) - set(kept):  # a block left out is called as an exported block before it
+        t = pattern.template(k)
+        assert items[t] == items[k] and t in kept and 0 < t < k
+    assert sorted([*kept, *(k for ks in pattern.left_out().values() for k in ks)]) == list(range(len(items)))
 
 
 class Block(torch.nn.Module):
@@ -66,10 +82,12 @@ class Net(torch.nn.Module):
 
 # stacked: (layers per scan iteration, iterations) of each scan `stack-layers` makes, the calls left
 @pytest.mark.parametrize("kinds,by_depth,repeated,stacked", [
-    ("abababa", False, RepeatPattern(7, 0, 2), ([(2, 3)], 1)),  # two kinds taking turns (sliding, full attention)
-    ("cbbbbbb", False, RepeatPattern(7, 1, 1), ([(1, 6)], 1)),  # a first block of its own (a dense layer)
-    ("abcabcab", False, RepeatPattern(8, 0, 3), ([(3, 2)], 2)),
-    ("ppqppqp", False, RepeatPattern(7, 0, 3), ([(1, 7)], 0)),  # alike but for a table: one function, period 1
+    ("abababa", False, pattern_of("abababa"), ([(2, 3)], 1)),  # two kinds taking turns (sliding, full attention)
+    ("cbbbbbb", False, pattern_of("cbbbbbb"), ([(1, 6)], 1)),  # a first block of its own (a dense layer)
+    ("abcabcab", False, pattern_of("abcabcab"), ([(3, 2)], 2)),
+    ("ppqppqp", False, pattern_of("ppqppqp"), ([(1, 7)], 0)),  # alike but for a table: one function, period 1
+    ("aaabaaabaaab", False, pattern_of("aaab" * 3), ([(4, 3)], 0)),  # 3 kept (Cohere-2's NoPE layers)
+    ("aabaaaabaaaaaa", False, pattern_of("aabaaaabaaaaaa"), ([(5, 2), (1, 4)], 0)),  # kinds at a list of places (Mllama)
     ("aaaaaa", True, None, ([], 6)),  # each block scales by its number: the graphs differ, every block is exported
 ])
 def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated, stacked):
@@ -89,8 +107,12 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
 
     funcs = {o.sym_name.data: o for o in program.module.walk() if isinstance(o, func.FuncOp)}
     scans = [o for o in program.module.walk() if isinstance(o, graph.ScanOp) and not o.is_reverse]
-    per = [sum(1 for o in funcs[s.callee.root_reference.data].walk() if isinstance(o, graph.TanhOp))
-           + sum(1 for o in funcs[s.callee.root_reference.data].walk() if o.name == "graph.gelu") for s in scans]
+
+    def layers(name: str) -> int:  # the layers a function computes: its tanh and gelu ops, its calls' too
+        return sum(isinstance(o, graph.TanhOp) or o.name == "graph.gelu" for o in funcs[name].walk()) + sum(
+            layers(o.callee.root_reference.data) for o in funcs[name].walk() if isinstance(o, func.CallOp))
+
+    per = [layers(s.callee.root_reference.data) for s in scans]
     assert ([(p, s.num_iterations) for p, s in zip(per, scans)], sum(
         1 for o in funcs["train_step"].walk() if isinstance(o, func.CallOp) and "bwd" not in o.callee.root_reference.data)
     ) == stacked
@@ -100,6 +122,61 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
     for name, p in model.named_parameters():
         g = p.grad.numpy()
         assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
+class Typed(Net):
+    """Alike blocks that the model's loop treats by the config's per-layer list, read at the loop's
+    place (transformers' `config.layer_types[i]`): the export, which keeps blocks 0, 1 and 3 of
+    "sssf" * 3, must cut the list as it cuts the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__("a" * 12)
+        self.config = __import__("types").SimpleNamespace(layer_types=["s", "s", "s", "f"] * 3)
+
+    def forward(self, batch):
+        x, bias = batch["x"], self.bias * 2
+        for i, block in enumerate(self.blocks):
+            x = block(x, bias if self.config.layer_types[i] == "s" else -bias)
+        return (x ** 2).mean()
+
+
+def test_a_per_layer_list_read_at_the_loops_place_is_cut_as_the_blocks():
+    torch.manual_seed(0)
+    model = Typed()
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert program.repeated == {"blocks": pattern_of("aaab" * 3)}
+    assert program.repeated["blocks"].blocks == (0, 1, 3)
+    assert model.config.layer_types == ["s", "s", "s", "f"] * 3 and len(model.blocks) == 12  # restored
+    out = run_imported(program, batch, stack=True)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    for name, p in model.named_parameters():
+        g = p.grad.numpy()
+        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
+class Between(Net):
+    """Alike blocks with a value computed between each two by the model's loop: the blocks left
+    out would skip it, so every block is exported."""
+
+    def forward(self, batch):
+        x, bias = batch["x"], self.bias * 2
+        for block in self.blocks:
+            x = block(x, bias) * 0.5
+        return (x ** 2).mean()
+
+
+def test_a_value_the_loop_computes_between_blocks_exports_every_block():
+    torch.manual_seed(0)
+    model = Between("a" * 6)
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert program.repeated == {}
+    out = run_imported(program, batch, stack=True)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
 
 
 class Numbered(torch.nn.Module):
@@ -115,9 +192,12 @@ class Numbered(torch.nn.Module):
 def test_settings_that_count_with_the_block_number_do_not_break_the_repeats():
     blocks = torch.nn.Module()
     blocks.layers = torch.nn.ModuleList(Numbered(i) for i in range(6))
-    assert repeatable_lists(blocks) == {"layers": RepeatPattern(6, 0, 1)}
+    assert repeatable_lists(blocks) == {"layers": pattern_of("aaaaaa")}
     # a config list of layer numbers as long as the blocks (Llama-4's `moe_layers`) is no setting per layer
     blocks.config = __import__("types").SimpleNamespace(moe_layers=list(range(6)), kinds=["s", "f"] * 3)
-    assert repeatable_lists(blocks) == {"layers": RepeatPattern(6, 0, 2)}
-    blocks.layers[4].width = 9  # a setting that differs otherwise: the blocks from 4 on differ
+    assert repeatable_lists(blocks) == {"layers": pattern_of("ababab")}
+    blocks.layers[4].width = 9  # a setting that differs otherwise: block 4 is a kind of its own
+    assert repeatable_lists(blocks) == {"layers": pattern_of("ababcb")}
+    for block, width in zip(blocks.layers, (8, 9, 11, 14, 18, 23)):  # each a kind of its own: nothing to cut
+        block.width = width
     assert repeatable_lists(blocks) == {}

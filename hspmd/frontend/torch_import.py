@@ -50,7 +50,7 @@ from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten, aten_complex, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
-from hspmd.frontend.torch_repeats import RepeatPattern, digest, repeatable_lists
+from hspmd.frontend.torch_repeats import NotRepeatable, RepeatPattern, blocks_kept, digest, repeatable_lists
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 
@@ -156,9 +156,10 @@ class _Importer:
         self.blocks: dict[str, _Block] = {}
         self.runs: dict = {}  # id(block module) -> (nodes, dynamic inputs, outputs)
         self.param_nodes: dict = {}  # placeholder node -> program parameter name
-        # the last exported block of a list -> [(a block left out, the exported block it is called as)]
+        # an exported block of a list -> [(a block left out after it, the exported block it is called as)]
         self.repeats: dict[str, list[tuple[str, str]]] = {}
         self.patterns: dict[str, RepeatPattern] = {}  # list path -> its pattern (those exported in part)
+        self.orders: dict[str, list[int]] = {}  # list path -> its blocks called in the export, in turn
         self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
@@ -380,40 +381,55 @@ class _Importer:
         return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16], nodes
 
     def repeat(self, path: str, results: tuple) -> tuple:
-        """Call the blocks left out after block `path` (`self.repeats[path]`) in turn, each with the
-        arguments of the exported block it is called as, the one before's result in place of that
-        block's predecessor's; return the last one's results. _NotRepeatable where the second
-        period's first block differs from the first period's, or where an exported block does not
-        chain by one carried value from its predecessor alone."""
+        """Call the blocks left out after kept block `path` (`self.repeats[path]`) in turn, each
+        with the arguments of the kept block it is called as, the one before's result in place of
+        that block's predecessor's; return the last one's results. NotRepeatable where a kept
+        block called as another does not chain by one carried value from the kept block called
+        before it alone; after the last kept block, where the list's two `checked` blocks differ
+        (a block that computes with its number, say) or a kept block called after left-out ones
+        does not take the one carried value of the kept block before."""
         more = self.repeats[path]
         list_path = path.rpartition(".")[0]
         pattern = self.patterns[list_path]
-        second, first = (f"{list_path}.{pattern.start + k}" for k in (pattern.period, 0))
-        if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
-            raise _NotRepeatable(path)  # the blocks compute with their numbers, say
+        name = (lambda k: f"{list_path}.{k}")
+        called = [name(k) for k in self.orders[list_path] if k in pattern.blocks]  # kept blocks, in turn
+        if path == [b for b in called if b in self.repeats][-1]:  # the last: every kept block is made
+            first, second = (name(k) for k in pattern.checked)
+            if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
+                raise NotRepeatable(path)
+            for before, block in zip(called, called[1:]):
+                if before in self.repeats and (block not in self.made or self._carried(before, block) is None):
+                    raise NotRepeatable(block)
         calls = {}
         for template in {t for _, t in more}:
-            k = int(template.rpartition(".")[2])
-            before = f"{list_path}.{k - 1}"
-            if any(b not in self.made for b in (template, before)):
-                raise _NotRepeatable(path)
-            _, inputs, args, outputs = self.made[template]
-            carried = [i for i, x in enumerate(inputs) if x in self.made[before][3]]
-            others = {x for name, made in self.made.items() if name.startswith(list_path + ".") and name != before
-                      for x in made[3]}
-            if len(carried) != 1 or len(outputs) != 1 or any(x in others for x in inputs):
-                raise _NotRepeatable(path)
-            calls[template] = (carried[0], list(args))
+            at = called.index(template) if template in called else 0
+            carried = self._carried(called[at - 1], template) if at else None
+            if carried is None:
+                raise NotRepeatable(path)
+            calls[template] = (carried, list(self.made[template][2]))
         if len(results) != 1:
-            raise _NotRepeatable(path)
-        for name, template in more:
+            raise NotRepeatable(path)
+        for name_, template in more:
             carried, args = calls[template]
-            block = self.blocks[name]
+            block = self.blocks[name_]
             block.signature = self.blocks[template].signature
             args[carried] = results[0]
             out = block(*args)
             results = out if isinstance(out, tuple) else (out,)
         return results
+
+    def _carried(self, before: str, block: str) -> int | None:
+        """Return the one input of made `block` (of one result) that made `before` hands it; None
+        where `block` takes another block's result, or not one of `before`'s."""
+        if before not in self.made or block not in self.made:
+            return None
+        _, inputs, _, outputs = self.made[block]
+        carried = [i for i, x in enumerate(inputs) if x in self.made[before][3]]
+        list_path = block.rpartition(".")[0] + "."
+        others = {x for b, made in self.made.items() if b.startswith(list_path) and b != before for x in made[3]}
+        if len(carried) != 1 or len(outputs) != 1 or any(x in others for x in inputs):
+            return None
+        return carried[0]
 
     def replay_block(self, block: _Block, args) -> tuple:
         """Trace a block's nodes with `args` standing for its dynamic inputs (the function's body)."""
@@ -484,7 +500,7 @@ class _Importer:
                 results = block(*args)
             except _Inline:
                 if path in self.repeats:
-                    raise _NotRepeatable(path) from None
+                    raise NotRepeatable(path) from None
                 for n in run:
                     self.env[n] = self.run_node(n, self.env, self.tracer)
                 continue
@@ -593,8 +609,8 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
     module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` whose
     blocks repeat (all alike, or alike after some first ones with a period: `repeatable_lists`)
-    is exported with its first blocks only (those before the repeats, a period and the next
-    block) and the others called as the exported block at their place is, so the import's time, as
+    is exported with its first block of each kind only (and a second of one kind, `RepeatPattern.
+    blocks`) and the others called as the exported block of their kind is, so the import's time, as
     the rest of the compile's, does not grow with the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does
     under `torch.autocast` in that dtype (`hspmd.frontend.autocast`), on float32 master weights.
     See the module docstring.
@@ -606,7 +622,7 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     if lists:
         try:
             return _import(module, batch, loss_fn or _default_loss, tp_plan, lists, precision)
-        except _NotRepeatable:
+        except NotRepeatable:
             pass  # the blocks' graphs differ after all: export every one
     return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
 
@@ -617,10 +633,6 @@ _UNINITIALIZED = re.compile(r"aten\.(new_)?empty(_like|_strided|_permuted)?\.")
 
 class _Inline(Exception):
     """A block that cannot be a function (it hands on a value other than a tensor it computed)."""
-
-
-class _NotRepeatable(Exception):
-    """A ModuleList's exported blocks do not chain as the others would need (export them all)."""
 
 
 def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, RepeatPattern],
@@ -635,21 +647,22 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         def forward(self, b):
             return loss_fn(self.model, b)
 
-    saved = {}
     try:
-        for path, pattern in lists.items():  # export the first blocks of each repeatable list
-            parent, _, key = path.rpartition(".")
-            owner = module.get_submodule(parent) if parent else module
-            saved[path] = (owner, key, owner._modules[key])
-            owner._modules[key] = torch.nn.ModuleList(list(owner._modules[key])[:pattern.exported])
-        with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
-            ep = torch.export.export(_Step(), (batch,), strict=False)
+        with contextlib.ExitStack() as stack:
+            calls = {}
+            for path, pattern in lists.items():  # export the blocks `pattern.blocks` of each repeatable list
+                parent, _, key = path.rpartition(".")
+                calls[path] = stack.enter_context(blocks_kept(module.get_submodule(parent) if parent else module,
+                                                              key, pattern))
+            with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
+                ep = torch.export.export(_Step(), (batch,), strict=False)
+    except NotRepeatable:
+        raise
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
+        if isinstance(err.__cause__ or err.__context__, NotRepeatable):
+            raise NotRepeatable(str(err)) from None
         raise TorchImportError(f"{failing_frame(err)}torch.export of the model's loss failed: "
                                f"{type(err).__name__}: {_first_line(err)}") from None
-    finally:
-        for owner, key, full in saved.values():
-            owner._modules[key] = full
     try:
         with quiet_torch():
             ep = decompose(ep)
@@ -667,9 +680,9 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
             aliases[name] = first
     used = {canonical[s.target] for s in ep.graph_signature.input_specs
             if s.kind.name == "PARAMETER" and ep.graph.find_nodes(op="placeholder", target=s.arg.name)[0].users}
-    # the last exported block -> [(a block left out, the exported block it is called as)]
-    repeats = {f"{path}.{p.exported - 1}": [(f"{path}.{k}", f"{path}.{p.template(k)}") for k in range(p.exported, p.length)]
-               for path, p in lists.items()}
+    # a kept block -> [(a block left out called after it, the kept block it is called as)]
+    repeats = {f"{path}.{a}": [(f"{path}.{k}", f"{path}.{p.template(k)}") for k in ks]
+               for path, p in lists.items() for a, ks in calls[path].left_out(p.blocks).items()}
     for more in repeats.values():  # a block left out uses what its exported block uses
         for name, template in more:
             used |= {f"{name}.{u[len(template) + 1:]}" for u in list(used) if u.startswith(template + ".")}
@@ -684,6 +697,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
     importer = _Importer(ep, params, canonical, tracer)
     importer.blocks, importer.repeats, importer.patterns = blocks, repeats, dict(lists)
+    importer.orders = {path: c.order for path, c in calls.items()}
     if precision:
         from hspmd.frontend.autocast import Autocast
 

@@ -2,50 +2,84 @@
 
 A transformer's `nn.ModuleList` of decoder layers is rarely all alike: Gemma-2 alternates
 sliding-window and full attention, Gemma-3 puts one full layer after five sliding ones,
-DeepSeek-style models start with dense layers before the expert ones. What they share is a
-pattern: after `start` layers, the layers repeat with a `period`. `repeat_pattern` finds the
-shortest such pattern of a sequence (the blocks' settings, with the config's per-layer lists,
-transformers' `layer_types`, say), and `repeatable_lists` the lists worth cutting: those whose
-pattern leaves at least one block out of `start + period + 1`. The importer
-(`hspmd.frontend.torch_import`) exports those first blocks (one period, and the first block of
-the next), checks that the second period's first block has the first's graph (a block that
-computes with its number shows there), and calls each block left out as the exported block at
-its place in the pattern is called (`RepeatPattern.template`), on the one before's result. The
-export, the import's dearest part, so holds one block more than a period however deep the model.
+DeepSeek-style models start with dense layers before the expert ones, Mllama puts a
+cross-attention layer at a list of places. Each is a sequence of a few kinds of block (a block's
+settings, with the config's per-layer lists, transformers' `layer_types`, say: `block_key`).
+`repeatable_lists` finds the lists worth cutting: those where some block is of a kind met before.
+
+The importer (`hspmd.frontend.torch_import`) exports `RepeatPattern.blocks` only: the first
+block of each kind and the second of one kind (the config's per-layer lists cut to match, the
+blocks keeping their numbers). It checks that those two have one graph (a block that computes
+with its number shows there), and calls each block left out as an exported block of its kind is
+called (`RepeatPattern.template`), on the one before's result. The export, the import's dearest
+part, so holds one block per kind and one more, however deep the model.
+`repeat_pattern` names the pattern (`start` first blocks, then a `period`), for reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 
 #: a block's settings that only number it (a block that computes with its number shows it in its
-#: graph, which the importer compares a period apart)
+#: graph, which the importer compares between two blocks of a kind)
 LAYER_INDEX = frozenset(("training", "layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx",
                          "seed"))
 
 
 @dataclass(frozen=True)
 class RepeatPattern:
-    """A ModuleList of `length` blocks where block i equals block i + `period` for every i >=
-    `start`."""
+    """A ModuleList's blocks by kind: `kinds[i]` is the first block alike to block i (i itself
+    for the first of its kind)."""
 
-    length: int
-    start: int
-    period: int
+    kinds: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        """How many blocks the list holds."""
+        return len(self.kinds)
+
+    @property
+    def start(self) -> int:
+        """How many first blocks come before the repeats (`repeat_pattern`)."""
+        return repeat_pattern(self.kinds)[0]
+
+    @property
+    def period(self) -> int:
+        """After `start`, block i is alike to block i + `period` (`repeat_pattern`)."""
+        return repeat_pattern(self.kinds)[1]
+
+    @property
+    def checked(self) -> tuple[int, int] | None:
+        """The two blocks of one kind whose graphs the importer compares: the first block and the
+        next of its kind, else the first two of the first kind that repeats (None: no kind does)."""
+        again = [i for i, kind in enumerate(self.kinds) if kind != i]
+        return next(((0, i) for i in again if self.kinds[i] == 0), (self.kinds[again[0]], again[0]) if again else None)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The blocks the export keeps, in order: the first of each kind and the second of the
+        `checked` kind (the first block, whose input is not a block's, is no template)."""
+        return tuple(sorted({i for i, kind in enumerate(self.kinds) if kind == i} | set(self.checked or ())))
 
     @property
     def exported(self) -> int:
-        """How many of the first blocks the export keeps: `start`, a period and the next block."""
-        return self.start + self.period + 1
+        """How many blocks the export keeps."""
+        return len(self.blocks)
 
     def template(self, k: int) -> int:
-        """Return the exported block that block `k` is called as: the one at its place in the first
-        period, or the second period's first (`start + period`) in the first's place."""
-        r = (k - self.start) % self.period
-        return self.start + (r if r else self.period)
+        """Return the exported block that block `k` (left out) is called as: the first of its kind,
+        the second for the `checked` kind (so never the first block)."""
+        kind, checked = self.kinds[k], self.checked
+        return checked[1] if checked and kind == checked[0] else kind
+
+    def left_out(self) -> dict[int, list[int]]:
+        """Return {exported block: the blocks left out between it and the next exported one}."""
+        kept = self.blocks
+        return {a: list(range(a + 1, b)) for a, b in zip(kept, kept[1:] + (self.length,)) if b > a + 1}
 
 
 def repeat_pattern(items: Sequence) -> tuple[int, int]:
@@ -61,6 +95,12 @@ def repeat_pattern(items: Sequence) -> tuple[int, int]:
     return n, 1
 
 
+def pattern_of(items: Sequence) -> RepeatPattern:
+    """Return the `RepeatPattern` of `items` (items alike: blocks alike)."""
+    first: dict = {}
+    return RepeatPattern(tuple(first.setdefault(item, i) for i, item in enumerate(items)))
+
+
 def repeatable_lists(module) -> dict[str, RepeatPattern]:
     """Return {path: pattern} of the top-level `nn.ModuleList`s whose blocks repeat (see the module
     docstring) and that hold more blocks than the pattern's `exported`. What must repeat of a
@@ -70,19 +110,24 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
     import torch
 
     config = getattr(module, "config", None)
-    lists = [v for v in (vars(config).values() if config is not None else ()) if isinstance(v, (list, tuple))]
     out: dict[str, RepeatPattern] = {}
     for path, m in module.named_modules():
         if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
             continue
-        per_layer = [v for v in lists if len(v) == len(m) and not _counting(list(v))]
+        per_layer = [getattr(config, k) for k in per_layer_lists(config, len(m))]
         counting = numbering(list(m))
         keys = [(block_key(b, counting), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
-        start, period = repeat_pattern(keys)
-        pattern = RepeatPattern(len(m), start, period)
+        pattern = pattern_of(keys)
         if pattern.exported < len(m):
             out[path] = pattern
     return out
+
+
+def per_layer_lists(config, length: int) -> list[str]:
+    """Return the names of `config`'s per-layer lists for a ModuleList of `length` blocks: lists or
+    tuples as long as it, not of layer numbers (`_counting`)."""
+    return [k for k, v in (vars(config).items() if config is not None else ())
+            if isinstance(v, (list, tuple)) and len(v) == length and not _counting(list(v))]
 
 
 def _settings(block) -> dict[tuple[str, str], object]:
@@ -135,3 +180,95 @@ def digest(value) -> str:
     if isinstance(value, (list, tuple)):
         return repr(tuple(digest(v) for v in value))
     return repr(value)
+
+
+class NotRepeatable(Exception):
+    """A ModuleList's blocks do not repeat as its `RepeatPattern` says, or do not chain as the
+    blocks left out of the export would need (the importer then exports every block)."""
+
+
+@dataclass
+class ExportedCalls:
+    """What the export saw of a list's blocks: `order`, the blocks called (kept and left out) in
+    turn; `outputs`, per kind, the result of its first kept block called."""
+
+    order: list[int]
+    outputs: dict[int, object]  # kind -> its first kept block's result
+
+    def left_out(self, kept: Sequence[int]) -> dict[int, list[int]]:
+        """Return {kept block: the blocks left out that were called after it, before the next kept one}."""
+        out: dict[int, list[int]] = {}
+        last = None
+        for k in self.order:
+            if k in kept:
+                last = k
+            elif last is None:
+                raise NotRepeatable(f"block {k} is called before the first block")
+            else:
+                out.setdefault(last, []).append(k)
+        return out
+
+
+def _shape(result) -> object:
+    """Return how a block's `result` is shaped, for a block left out to hand its input on the
+    same way: "tensor", or the length of a tuple holding a tensor then Nones (transformers'
+    `(hidden_states,)`, `(hidden_states, None)`); NotRepeatable for another result."""
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return "tensor"
+    if type(result) is tuple and result and isinstance(result[0], torch.Tensor) and all(r is None for r in result[1:]):
+        return len(result)
+    raise NotRepeatable(f"a block returns {type(result).__name__}")
+
+
+def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
+    """Return a module standing for block `k` (of `kind`) in the export: it hands its input on as
+    its kind's kept block hands on its result (it computes nothing: the importer calls the block
+    there), notes that it was called, and reads as `block` otherwise (the model's loop may ask a
+    block for its settings: Gemma-3's `attention_type`)."""
+    import torch
+
+    class LeftOut(torch.nn.Module):
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(block, name)
+
+        def forward(self, *args, **kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(x, torch.Tensor) or kind not in calls.outputs:
+                raise NotRepeatable(f"block {k} is not called on a tensor after its kind's first")
+            calls.order.append(k)
+            shape = _shape(calls.outputs[kind])
+            return x if shape == "tensor" else (x, *[None] * (shape - 1))
+
+    return LeftOut()
+
+
+@contextlib.contextmanager
+def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCalls]:
+    """Within the block, the ModuleList `owner.<key>` holds only the blocks `pattern.blocks`, the
+    others stand-ins that hand their input on (`_left_out_block`), so that an export of the model
+    traces those blocks only while the model's loop still sees every block at its place (its
+    number, the config's per-layer lists read by it); yields the `ExportedCalls` it records."""
+    import torch
+
+    full = owner._modules[key]
+    calls = ExportedCalls([], {})
+    kept = set(pattern.blocks)
+    hooks = []
+    for k in kept:
+        kind = pattern.kinds[k]
+        hooks.append(full[k].register_forward_pre_hook(lambda _m, _a, k=k: calls.order.append(k)))
+        hooks.append(full[k].register_forward_hook(  # (returns None: the result stays the block's)
+            lambda _m, _a, result, kind=kind: None if kind in calls.outputs else calls.outputs.update({kind: result})))
+    owner._modules[key] = torch.nn.ModuleList(
+        full[k] if k in kept else _left_out_block(full[k], k, pattern.kinds[k], calls) for k in range(len(full)))
+    try:
+        yield calls
+    finally:
+        owner._modules[key] = full
+        for h in hooks:
+            h.remove()
