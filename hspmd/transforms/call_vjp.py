@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType, _FloatType
-from xdsl.ir import SSAValue
+from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from hspmd.dialects import graph
 from hspmd.transforms.recompute import RECOMPUTE_ATTR, recompute_mode, recomputed_ops
@@ -60,9 +60,7 @@ class CallDifferentiator:
 
     def _split(self, callee: func.FuncOp) -> SplitFunction:
         name = callee.sym_name.data
-        to_combined: dict[SSAValue, SSAValue] = {}
-        combined = callee.clone(value_mapper=to_combined)
-        to_callee = {c: v for v, c in to_combined.items()}
+        combined = callee.clone()
         block = combined.body.block
         ret = block.last_op
         assert isinstance(ret, func.ReturnOp)
@@ -75,7 +73,9 @@ class CallDifferentiator:
             if any(v in needs for v in o.operands) and not graph.stops_gradient(o):
                 needs.update(r for r in o.results if is_float(r))
         seeds: dict[SSAValue, SSAValue] = {}
+        fence = graph.ConstantOp(0.0, TensorType(ys[0].type.element_type, ()))  # the forward ends here
         marker = graph.ConstantOp(0.0, TensorType(ys[0].type.element_type, ()))  # insertion point
+        block.insert_op_before(fence, ret)
         block.insert_op_before(marker, ret)
         for y, dy in zip(ys, dys):
             if y in seeds:
@@ -94,24 +94,45 @@ class CallDifferentiator:
                 block.insert_op_before(zero, marker)
                 g = zero.result
             arg_grads.append(g)
+        forward_ops = []  # the sweep made a call's forward a call of its callee's forward
+        for o in block.ops:
+            if o is fence:
+                break
+            forward_ops.append(o)
+            if isinstance(o, func.CallOp):
+                self._pass_through(o)
         forward_set = set(forward_ops)
-        backward_ops = [o for o in block.ops if o not in forward_set and o is not ret and o is not marker]
+        backward_ops = [o for o in block.ops if o not in forward_set and o not in (ret, marker, fence)]
         residuals = self._residuals(backward_ops, dys, arg_grads)
         mode = recompute_mode(callee)
         again = recomputed_ops(forward_ops, residuals, mode)
         if again:  # computed again in the backward: their operands are the residuals instead
             backward_ops = again + backward_ops
             residuals = self._residuals(backward_ops, dys, arg_grads)
-        marker.detach()
-        marker.erase()
+        for o in (marker, fence):
+            o.detach()
+            o.erase()
 
-        fwd = self._forward(callee, [to_callee[r] for r in residuals], f"{name}_fwd")
+        fwd = self._forward(callee, params, forward_ops, [*ret.operands, *residuals], f"{name}_fwd")
         bwd = self._backward(combined, backward_ops, residuals, dys, arg_grads, ret, f"{name}_bwd")
         if mode != "none":
             bwd.attributes[RECOMPUTE_ATTR] = StringAttr(mode)
         for f in (fwd, bwd):
             self.module.body.block.insert_op_after(f, callee)
         return SplitFunction(fwd, bwd, len(ys), len(residuals), float_args)
+
+    def _pass_through(self, call: func.CallOp) -> None:
+        """Let the backward read an argument of `call` (a call of a split forward in a function)
+        where the callee returns it as is (a weight kept for the backward), not the call's result:
+        so a scan over the function keeps no stacked copy of a weight it already has."""
+        split = next((s for s in self.splits.values() if s.forward.sym_name.data == call.callee.root_reference.data), None)
+        if split is None:
+            return
+        ret = split.forward.body.block.last_op
+        assert isinstance(ret, func.ReturnOp)
+        for r, v in enumerate(ret.operands):
+            if isinstance(v, BlockArgument) and v.block is split.forward.body.block:
+                call.results[r].replace_all_uses_with(call.operands[v.index])
 
     @staticmethod
     def _residuals(backward_ops: list, dys: list[SSAValue], arg_grads: list[SSAValue]) -> list[SSAValue]:
@@ -128,17 +149,21 @@ class CallDifferentiator:
         return residuals
 
     @staticmethod
-    def _forward(callee: func.FuncOp, residuals: list[SSAValue], name: str) -> func.FuncOp:
-        """Return a copy of `callee` that also returns `residuals` (values of `callee`'s body)."""
-        mapper: dict[SSAValue, SSAValue] = {}
-        fwd = callee.clone(value_mapper=mapper)
+    def _forward(callee: func.FuncOp, params: list[SSAValue], forward_ops: list[Operation],
+                 outputs: list[SSAValue], name: str) -> func.FuncOp:
+        """Return a function as `callee` (its attributes) computing `forward_ops` (of a copy of it
+        with arguments `params`: the calls in it now of their callees' forwards) and returning
+        `outputs` (its results, then the residuals)."""
+        fwd = callee.clone()
+        block = fwd.body.block
+        for o in reversed(list(block.ops)):
+            o.detach()
+            o.erase()
+        mapper: dict[SSAValue, SSAValue] = dict(zip(params, block.args))
+        for o in forward_ops:
+            block.add_op(o.clone(value_mapper=mapper))
+        block.add_op(func.ReturnOp(*[mapper.get(v, v) for v in outputs]))
         fwd.sym_name = StringAttr(name)
-        ret = fwd.body.block.last_op
-        assert isinstance(ret, func.ReturnOp)
-        new_ret = func.ReturnOp(*ret.operands, *[mapper[v] for v in residuals])
-        fwd.body.block.insert_op_before(new_ret, ret)
-        ret.detach()
-        ret.erase()
         fwd.update_function_type()
         fwd.sym_visibility = StringAttr("private")
         return fwd
@@ -176,7 +201,7 @@ class CallDifferentiator:
 
     def forward_call(self, call: func.CallOp) -> func.CallOp:
         """Replace forward `call` by a call of the callee's forward; return the new call."""
-        split = self.split(callee_of(call))
+        split = self.split(callee_of(call, self.module))
         types = split.forward.function_type.outputs.data
         new = func.CallOp(split.forward.sym_name.data, list(call.operands), types)
         call.parent_block().insert_op_before(new, call)  # type: ignore[union-attr]
@@ -197,12 +222,17 @@ class CallDifferentiator:
         return dict(zip(split.float_args, call.results))
 
     def drop_unused(self) -> None:
-        """Erase the callees that were split and are no longer called."""
-        called = {o.callee.root_reference.data for o in self.module.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
-        for f in list(self.module.body.block.ops):
-            if isinstance(f, func.FuncOp) and f.sym_name.data in self.splits and f.sym_name.data not in called:
-                f.detach()
-                f.erase()
+        """Erase the callees that were split and are no longer called (a function that only an
+        erased one called, too)."""
+        erased = True
+        while erased:
+            called = {o.callee.root_reference.data for o in self.module.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
+            erased = False
+            for f in list(self.module.body.block.ops):
+                if isinstance(f, func.FuncOp) and f.sym_name.data in self.splits and f.sym_name.data not in called:
+                    f.detach()
+                    f.erase()
+                    erased = True
 
     def is_forward(self, call: func.CallOp) -> bool:
         """Return whether `call` already calls a split forward."""

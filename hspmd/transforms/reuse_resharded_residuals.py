@@ -9,8 +9,9 @@ per such residual and call, the same numbers.
 
 Only where it costs no memory: the resharded piece must be no larger than the residual's
 (an all-to-all or a local split, not a gather: sequence parallelism keeps its residuals split
-and gathers them again, on purpose). Only residuals that every call of `@F_fwd` passes to
-calls of `@F_bwd` alone, at one argument, whose every use in `@F_bwd` is such a reshard.
+and gathers them again, on purpose). Only residuals that every call of `@F_fwd` (in any
+function) passes to calls of `@F_bwd` alone, at one argument, whose every use in `@F_bwd` is
+such a reshard.
 
     func.func private @F_fwd(...) -> (..., L1) { %r = dist.reshard %v : L1 -> L2 ... return ..., %v }
     func.func private @F_bwd(..., %a: L1) { %s = dist.reshard %a : L1 -> L2 ... uses of %s }
@@ -53,7 +54,10 @@ class ReuseReshardedResiduals(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         funcs = {f.sym_name.data: f for f in op.body.block.ops if isinstance(f, func.FuncOp)}
-        calls = [c for c in step_function(op).body.block.ops if isinstance(c, func.CallOp)]
+        step_function(op)  # the module must have a step function
+        # every call, those in functions too (a period of stacked layers calls its layers'): a
+        # result another function returns is used otherwise, so its residual stays as it is
+        calls = [c for c in op.walk() if isinstance(c, func.CallOp)]
         # (fwd, result k) -> the set of (bwd, argument j) its uses are; None if used otherwise
         links: dict[tuple[str, int], set[tuple[str, int]] | None] = defaultdict(set)
         for call in calls:

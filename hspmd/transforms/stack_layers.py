@@ -31,9 +31,10 @@ which becomes one stacked operand `broadcast(base) + graph.iota`. Chains of fewe
 Layers that repeat with a period stack too. Gemma-3 calls its block as sliding-window attention
 five times, then as full attention (two functions, `@L_0` x5 then `@L_1`); Cohere-2 and SmolLM3
 take turns of 3 and 1. A chain of calls whose callees repeat with period p (after some first
-calls that do not, which stay calls) becomes one function `@L_0_period6` that runs one period's
-p calls in turn (their bodies inlined, each call's carry fed by the one before), and a scan
-of it over the periods: parameter k of period member m is stacked over the layers m, m + p,
+calls that do not, which stay calls) becomes one function `@L_0_period6` that makes one period's
+p calls in turn (each call's carry fed by the one before; the callees stay functions, so the
+program holds each layer function once however long the period), and a scan of it over the
+periods: parameter k of period member m is stacked over the layers m, m + p,
 m + 2p, ... (`blocks.[1:49:2].mlp.w`, `hspmd.ir.stacked_names`). The period is the one that
 covers the most calls (the shortest of those), so a plain chain stays period 1.
 
@@ -173,8 +174,8 @@ def _source(value: SSAValue) -> tuple[graph.ParameterOp, graph.CastOp | None] | 
 
 
 def _period_function(module: ModuleOp, chain: _Chain) -> func.FuncOp:
-    """Add to `module` a function that makes one period's calls in turn (their bodies inlined),
-    its arguments a period's row (`_Chain.row`), its results the last call's; return it."""
+    """Add to `module` a function that makes one period's calls in turn, its arguments a period's
+    row (`_Chain.row`), its results the last call's; return it."""
     funcs = {o.sym_name.data: o for o in module.body.block.ops if isinstance(o, func.FuncOp)}
     members = [funcs[c.callee.root_reference.data] for c in chain.groups[0]]
     row = chain.row(0)
@@ -182,14 +183,11 @@ def _period_function(module: ModuleOp, chain: _Chain) -> func.FuncOp:
     args = iter(body.args)
     results: list[SSAValue] = []
     for m, callee in enumerate(members):
-        mapping: dict[SSAValue, SSAValue] = {}
-        for j, a in enumerate(callee.body.block.args):
-            mapping[a] = results[chain.inner[m][j]] if j in chain.inner[m] else next(args)
-        for o in callee.body.block.ops:
-            if isinstance(o, func.ReturnOp):
-                results = [mapping.get(v, v) for v in o.arguments]
-                break
-            body.add_op(o.clone(value_mapper=mapping))
+        operands = [results[chain.inner[m][j]] if j in chain.inner[m] else next(args)
+                    for j in range(len(callee.body.block.args))]
+        call = func.CallOp(callee.sym_name.data, operands, list(callee.function_type.outputs.data))
+        body.add_op(call)
+        results = list(call.results)
     body.add_op(func.ReturnOp(*results))
     name, k = f"{members[0].sym_name.data}_period{len(members)}", 1
     while name in funcs:
@@ -235,7 +233,7 @@ class StackLayers(ModulePass):
         for run in _runs(block):
             self._stack_run(op, run, merged)
         used = {o.callee.root_reference.data for o in op.walk() if isinstance(o, (func.CallOp, graph.ScanOp))}
-        for o in list(op.body.block.ops):  # the functions now inlined in a period's, if nothing else calls them
+        for o in list(op.body.block.ops):  # the functions merged into one, if nothing else calls them
             if isinstance(o, func.FuncOp) and o.sym_name.data in merged - used:
                 o.detach()
                 o.erase()

@@ -59,11 +59,12 @@ def terminator(fn: func.FuncOp) -> Operation:
     return last
 
 
-def callee_of(call: Operation) -> func.FuncOp:
-    """Return the `func.func` that `call` (a `func.call` or a `graph.scan`) calls."""
+def callee_of(call: Operation, module: Operation | None = None) -> func.FuncOp:
+    """Return the `func.func` that `call` (a `func.call` or a `graph.scan`) calls: of `module`
+    where given (`call` may be in a copy of a function, outside any module), else of `call`'s."""
     from xdsl.traits import SymbolTable
 
-    callee = SymbolTable.lookup_symbol(call, call.callee)  # type: ignore[attr-defined]
+    callee = SymbolTable.lookup_symbol(module or call, call.callee)  # type: ignore[attr-defined]
     if not isinstance(callee, func.FuncOp):
         raise PassError(f"{call.name} of @{call.callee.root_reference.data}: no such function")  # type: ignore
     return callee
