@@ -391,10 +391,9 @@ class _Importer:
         more = self.repeats[path]
         list_path = path.rpartition(".")[0]
         pattern = self.patterns[list_path]
-        name = (lambda k: f"{list_path}.{k}")
-        called = [name(k) for k in self.orders[list_path] if k in pattern.blocks]  # kept blocks, in turn
+        called = [f"{list_path}.{k}" for k in self.orders[list_path] if k in pattern.blocks]  # kept, in turn
         if path == [b for b in called if b in self.repeats][-1]:  # the last: every kept block is made
-            first, second = (name(k) for k in pattern.checked)
+            first, second = (f"{list_path}.{k}" for k in pattern.checked)
             if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
                 raise NotRepeatable(path)
             for before, block in zip(called, called[1:]):
@@ -409,9 +408,9 @@ class _Importer:
             calls[template] = (carried, list(self.made[template][2]))
         if len(results) != 1:
             raise NotRepeatable(path)
-        for name_, template in more:
+        for left, template in more:
             carried, args = calls[template]
-            block = self.blocks[name_]
+            block = self.blocks[left]
             block.signature = self.blocks[template].signature
             args[carried] = results[0]
             out = block(*args)
@@ -608,7 +607,7 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
     `example_batch` is a dict of arrays or tensors (the global batch the program is compiled
     for); `tp_plan` maps module-name patterns to `parallelize_module` styles (default: the
     module's own plan, `default_tp_plan`). With `repeat_blocks`, an `nn.ModuleList` whose
-    blocks repeat (all alike, or alike after some first ones with a period: `repeatable_lists`)
+    blocks repeat (some alike: `repeatable_lists`)
     is exported with its first block of each kind only (and a second of one kind, `RepeatPattern.
     blocks`) and the others called as the exported block of their kind is, so the import's time, as
     the rest of the compile's, does not grow with the depth. With `precision` ("bfloat16" or "float16") the program computes as the loss does

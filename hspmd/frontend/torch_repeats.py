@@ -76,11 +76,6 @@ class RepeatPattern:
         kind, checked = self.kinds[k], self.checked
         return checked[1] if checked and kind == checked[0] else kind
 
-    def left_out(self) -> dict[int, list[int]]:
-        """Return {exported block: the blocks left out between it and the next exported one}."""
-        kept = self.blocks
-        return {a: list(range(a + 1, b)) for a, b in zip(kept, kept[1:] + (self.length,)) if b > a + 1}
-
 
 def repeat_pattern(items: Sequence) -> tuple[int, int]:
     """Return the (start, period) of `items` with the smallest `start + 2 * period`, then the
