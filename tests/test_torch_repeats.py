@@ -51,7 +51,7 @@ def test_the_export_keeps_one_block_per_kind_and_calls_the_others_as_one_before(
     for k in set(range(len(items))) - set(kept):  # a block left out is called as an exported block before it
         t = pattern.template(k)
         assert items[t] == items[k] and t in kept and 0 < t < k
-    left = ExportedCalls(list(range(len(items))), {}).left_out(kept)  # a loop calling every block
+    left = ExportedCalls(list(range(len(items)))).left_out(kept)  # a loop calling every block
     assert sorted([*kept, *(k for ks in left.values() for k in ks)]) == list(range(len(items)))
     assert all(a in kept and min(ks) > a for a, ks in left.items())
 
@@ -180,6 +180,49 @@ def test_a_value_the_loop_computes_between_blocks_exports_every_block():
     out = run_imported(program, batch, stack=True)
     loss = model({"x": torch.as_tensor(batch["x"])})
     assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+
+
+class Pair(Block):
+    """A block handing on a second value the next block takes by keyword (GLM-MoE-DSA's top-k
+    indices, `prev_topk_indices`); `uses` whether it computes with it."""
+
+    def __init__(self, uses: bool) -> None:
+        super().__init__("a", 0, False)
+        self.uses = uses
+
+    def forward(self, x, bias, prev=None):
+        y = x + torch.tanh(self.fc(x) + bias + (prev.float() if self.uses and prev is not None else 0.0))
+        return y, (y > 0).long()
+
+
+class Pairs(Net):
+    def __init__(self, uses: bool) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Pair(uses) for _ in range(6))
+
+    def forward(self, batch):
+        x, bias, prev = batch["x"], self.bias * 2, None
+        for block in self.blocks:
+            x, prev = block(x, bias, prev=prev)
+        return (x ** 2).mean()
+
+
+@pytest.mark.parametrize("uses,repeated", [(False, True), (True, False)])
+def test_blocks_handing_on_two_values(uses, repeated):
+    """The stand-ins hand the second value on as the blocks take it; where a block computes
+    with it (two values carried), every block is exported."""
+    torch.manual_seed(0)
+    model = Pairs(uses)
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert bool(program.repeated) == repeated
+    out = run_imported(program, batch, stack=True)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    for name, p in model.named_parameters():
+        g = p.grad.numpy()
+        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
 
 
 class Numbered(torch.nn.Module):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 
@@ -185,10 +185,15 @@ class NotRepeatable(Exception):
 @dataclass
 class ExportedCalls:
     """What the export saw of a list's blocks: `order`, the blocks called (kept and left out) in
-    turn; `outputs`, per kind, the result of its first kept block called."""
+    turn; `outputs`, per kind, the result of its first kept block called; `slots`, for each item
+    j > 0 of a block's result (a tuple), where the next block takes it (a positional index or a
+    keyword: GLM-MoE-DSA hands its top-k indices on as `prev_topk_indices`); `last`, the result
+    of the block called last."""
 
-    order: list[int]
-    outputs: dict[int, object]  # kind -> its first kept block's result
+    order: list[int] = field(default_factory=list)
+    outputs: dict[int, object] = field(default_factory=dict)
+    slots: dict[int, int | str] = field(default_factory=dict)
+    last: object = None
 
     def left_out(self, kept: Sequence[int]) -> dict[int, list[int]]:
         """Return {kept block: the blocks left out that were called after it, before the next kept one}."""
@@ -203,24 +208,52 @@ class ExportedCalls:
                 out.setdefault(last, []).append(k)
         return out
 
+    def called(self, k: int, args: tuple, kwargs: dict) -> None:
+        """Note that kept block `k` is called with `args`, `kwargs`: where it takes the items of
+        the result of the block before."""
+        self.order.append(k)
+        if type(self.last) is tuple:
+            for j, item in enumerate(self.last[1:], 1):
+                slot = next((i for i, a in enumerate(args) if a is item), None)
+                slot = next((key for key, a in kwargs.items() if a is item), slot)
+                if item is not None and slot is not None:
+                    self.slots.setdefault(j, slot)
 
-def _shape(result) -> object:
-    """Return how a block's `result` is shaped, for a block left out to hand its input on the
-    same way: "tensor", or the length of a tuple holding a tensor then Nones (transformers'
-    `(hidden_states,)`, `(hidden_states, None)`); NotRepeatable for another result."""
-    import torch
+    def hand_on(self, k: int, kind: int, args: tuple, kwargs: dict):
+        """Return what left-out block `k` of `kind`, called with `args`, `kwargs`, hands on: its
+        input in its kind's result's shape (a tensor, or a tuple of its input and the inputs
+        the next block takes of it, or Nones); NotRepeatable where it cannot."""
+        import torch
 
-    if isinstance(result, torch.Tensor):
-        return "tensor"
-    if type(result) is tuple and result and isinstance(result[0], torch.Tensor) and all(r is None for r in result[1:]):
-        return len(result)
-    raise NotRepeatable(f"a block returns {type(result).__name__}")
+        x = args[0] if args else kwargs.get("hidden_states")
+        like = self.outputs.get(kind)
+        if not isinstance(x, torch.Tensor) or like is None:
+            raise NotRepeatable(f"block {k} is not called on a tensor after its kind's first")
+        self.order.append(k)
+        if isinstance(like, torch.Tensor):
+            self.last = x
+            return x
+        if type(like) is not tuple or not like or not isinstance(like[0], torch.Tensor):
+            raise NotRepeatable(f"a block returns {type(like).__name__}")
+        items = [x]
+        for j, item in enumerate(like[1:], 1):
+            slot = self.slots.get(j)
+            if item is None:
+                items.append(None)
+            elif isinstance(slot, int) and slot < len(args):
+                items.append(args[slot])
+            elif isinstance(slot, str) and slot in kwargs:
+                items.append(kwargs[slot])
+            else:
+                raise NotRepeatable(f"block {k}: item {j} of its result is no input of the next block")
+        self.last = tuple(items)
+        return self.last
 
 
 def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
     """Return a module standing for block `k` (of `kind`) in the export: it hands its input on as
-    its kind's kept block hands on its result (it computes nothing: the importer calls the block
-    there), notes that it was called, and reads as `block` otherwise (the model's loop may ask a
+    its kind's kept block hands on its result (`ExportedCalls.hand_on`: it computes nothing, the
+    importer calls the block there), and reads as `block` otherwise (the model's loop may ask a
     block for its settings: Gemma-3's `attention_type`)."""
     import torch
 
@@ -232,12 +265,7 @@ def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
                 return getattr(block, name)
 
         def forward(self, *args, **kwargs):
-            x = args[0] if args else kwargs.get("hidden_states")
-            if not isinstance(x, torch.Tensor) or kind not in calls.outputs:
-                raise NotRepeatable(f"block {k} is not called on a tensor after its kind's first")
-            calls.order.append(k)
-            shape = _shape(calls.outputs[kind])
-            return x if shape == "tensor" else (x, *[None] * (shape - 1))
+            return calls.hand_on(k, kind, args, kwargs)
 
     return LeftOut()
 
@@ -251,14 +279,19 @@ def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCal
     import torch
 
     full = owner._modules[key]
-    calls = ExportedCalls([], {})
+    calls = ExportedCalls()
     kept = set(pattern.blocks)
+
+    def after(kind: int, result) -> None:  # returns None: the result stays the block's
+        calls.outputs.setdefault(kind, result)
+        calls.last = result
+
     hooks = []
     for k in kept:
-        kind = pattern.kinds[k]
-        hooks.append(full[k].register_forward_pre_hook(lambda _m, _a, k=k: calls.order.append(k)))
-        hooks.append(full[k].register_forward_hook(  # (returns None: the result stays the block's)
-            lambda _m, _a, result, kind=kind: None if kind in calls.outputs else calls.outputs.update({kind: result})))
+        hooks.append(full[k].register_forward_pre_hook(
+            lambda _m, args, kwargs, k=k: calls.called(k, args, kwargs), with_kwargs=True))
+        hooks.append(full[k].register_forward_hook(
+            lambda _m, _a, result, kind=pattern.kinds[k]: after(kind, result)))
     owner._modules[key] = torch.nn.ModuleList(
         full[k] if k in kept else _left_out_block(full[k], k, pattern.kinds[k], calls) for k in range(len(full)))
     try:

@@ -143,8 +143,7 @@ class ScanDifferentiator:
         carry_args, carry_results = [], []
         for k, j in carries.items():
             if j not in split.float_args:
-                raise PassError(f"autodiff: graph.scan @{fwd.callee.root_reference.data} carries argument {j}, "
-                                "which is not floating point: its gradient cannot be carried back")
+                continue  # an integer carried (indices a layer hands on): no gradient flows back through it
             carry_args.append(k)
             carry_results.append(split.float_args.index(j))
         types = [t if r in carry_results else graph.stacked_type(t, n) for r, t in enumerate(bwd_outputs)]

@@ -22,7 +22,7 @@ becomes one cast of the stacked parameter.
 
 A chain is left as calls (and the program is the same as without the pass) when any of this
 does not hold: the per-layer parameter names differ in one dotted component that counts up
-by one (`hspmd.ir.stacked_names`), with one `init`; a call result other than the carry is
+(`hspmd.ir.stacked_names`), with one `init`; a call result other than the carry is
 unused; an operand that differs per call is a parameter, or a per-call counter `base + c_k`
 with constants c_k counting up by one step (a dropout's random stream: `step + (k << 32)`),
 which becomes one stacked operand `broadcast(base) + graph.iota`. Chains of fewer than
