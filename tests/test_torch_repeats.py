@@ -225,6 +225,49 @@ def test_blocks_handing_on_two_values(uses, repeated):
         assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
 
 
+class Weighted(Block):
+    """A block returning a second value no block takes (attention weights) that the loop may use."""
+
+    def forward(self, x, bias):
+        y = Block.forward(self, x, bias)
+        return y, torch.softmax(y, -1)
+
+
+class Tail(Net):
+    """Alike blocks but the last (GPT-NeoX-Japanese's last layer has a bias of its own), each
+    returning (hidden, weights); `collect`: the loss also reads every block's weights."""
+
+    def __init__(self, collect: bool) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Weighted(k, i, False) for i, k in enumerate("aaaaab"))
+        self.collect = collect
+
+    def forward(self, batch):
+        x, bias, extra = batch["x"], self.bias * 2, 0.0
+        for block in self.blocks:
+            x, weights = block(x, bias)
+            extra = extra + (weights.mean() if self.collect else 0.0)
+        return (x ** 2).mean() + extra
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_a_last_block_of_its_own_and_a_second_value_no_block_takes(collect):
+    """The last block is a kind of its own (kept); the stand-ins hand on a placeholder for the
+    weights, and where the loss reads them every block is exported."""
+    torch.manual_seed(0)
+    model = Tail(collect)
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert program.repeated == ({} if collect else {"blocks": pattern_of("aaaaab")})
+    out = run_imported(program, batch, stack=True)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    for name, p in model.named_parameters():
+        g = p.grad.numpy()
+        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
 class Numbered(torch.nn.Module):
     """A block holding settings that count with its number (Beam's residual-add indices, BigBird's
     seed) besides one that does not."""

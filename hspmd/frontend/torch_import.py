@@ -385,20 +385,11 @@ class _Importer:
         with the arguments of the kept block it is called as, the one before's result in place of
         that block's predecessor's; return the last one's results. NotRepeatable where a kept
         block called as another does not chain by one carried value from the kept block called
-        before it alone; after the last kept block, where the list's two `checked` blocks differ
-        (a block that computes with its number, say) or a kept block called after left-out ones
-        does not take the one carried value of the kept block before."""
+        before it alone (`check_repeats` checks the rest once every block is made)."""
         more = self.repeats[path]
         list_path = path.rpartition(".")[0]
         pattern = self.patterns[list_path]
-        called = [f"{list_path}.{k}" for k in self.orders[list_path] if k in pattern.blocks]  # kept, in turn
-        if path == [b for b in called if b in self.repeats][-1]:  # the last: every kept block is made
-            first, second = (f"{list_path}.{k}" for k in pattern.checked)
-            if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
-                raise NotRepeatable(path)
-            for before, block in zip(called, called[1:]):
-                if before in self.repeats and (block not in self.made or self._carried(before, block) is None):
-                    raise NotRepeatable(block)
+        called = self._kept_called(list_path)
         calls = {}
         for template in {t for _, t in more}:
             at = called.index(template) if template in called else 0
@@ -416,6 +407,24 @@ class _Importer:
             out = block(*args)
             results = out if isinstance(out, tuple) else (out,)
         return results
+
+    def _kept_called(self, list_path: str) -> list[str]:
+        """Return the kept blocks of a list the export called, in turn."""
+        kept = self.patterns[list_path].blocks
+        return [f"{list_path}.{k}" for k in self.orders[list_path] if k in kept]
+
+    def check_repeats(self) -> None:
+        """Raise NotRepeatable where a list's two `checked` blocks differ (a block that computes
+        with its number, say) or a kept block called after left-out ones does not take the one
+        carried value of the kept block before (the loop computes a value between blocks, say)."""
+        for list_path, pattern in self.patterns.items():
+            first, second = (f"{list_path}.{k}" for k in pattern.checked)
+            if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
+                raise NotRepeatable(second)
+            called = self._kept_called(list_path)
+            for before, block in zip(called, called[1:]):
+                if before in self.repeats and (block not in self.made or self._carried(before, block) is None):
+                    raise NotRepeatable(block)
 
     def _carried(self, before: str, block: str) -> int | None:
         """Return the one input of made `block` (of one result) that made `before` hands it; None
@@ -508,6 +517,7 @@ class _Importer:
                 results = self.repeat(path, results)
             for n, r in zip(outputs, results):
                 self.env[n] = r
+        self.check_repeats()
         loss = self.env[output.args[0][0]]
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise TorchImportError(f"the loss function must return a scalar tensor, got {loss!r}")
@@ -658,8 +668,8 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
     except NotRepeatable:
         raise
     except Exception as err:  # noqa: BLE001 - the model's code failed under export: one line
-        if isinstance(err.__cause__ or err.__context__, NotRepeatable):
-            raise NotRepeatable(str(err)) from None
+        if lists:  # with stand-ins for some blocks: the export of every block tells
+            raise NotRepeatable(f"{type(err).__name__}: {_first_line(err)}") from None
         raise TorchImportError(f"{failing_frame(err)}torch.export of the model's loss failed: "
                                f"{type(err).__name__}: {_first_line(err)}") from None
     try:

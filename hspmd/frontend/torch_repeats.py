@@ -221,8 +221,9 @@ class ExportedCalls:
 
     def hand_on(self, k: int, kind: int, args: tuple, kwargs: dict):
         """Return what left-out block `k` of `kind`, called with `args`, `kwargs`, hands on: its
-        input in its kind's result's shape (a tensor, or a tuple of its input and the inputs
-        the next block takes of it, or Nones); NotRepeatable where it cannot."""
+        input in its kind's result's shape (a tensor, or a tuple of its input and the inputs the
+        next block takes of it, Nones, and `_Unused` for an item no block takes); NotRepeatable
+        where it cannot."""
         import torch
 
         x = args[0] if args else kwargs.get("hidden_states")
@@ -244,10 +245,28 @@ class ExportedCalls:
                 items.append(args[slot])
             elif isinstance(slot, str) and slot in kwargs:
                 items.append(kwargs[slot])
-            else:
-                raise NotRepeatable(f"block {k}: item {j} of its result is no input of the next block")
+            else:  # no block takes it (GPT-NeoX-Japanese's attention weights): the loop must not use it
+                items.append(_Unused(f"item {j} of block {k}'s result"))
         self.last = tuple(items)
         return self.last
+
+
+class _Unused:
+    """What a stand-in hands on for an item of its result that no block takes: the export of the
+    model fails (NotRepeatable, so every block is exported) where the loop computes with it."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise NotRepeatable(f"the model computes with {next(a._what for a in args if isinstance(a, cls))}")
+
+    def __getattr__(self, name):
+        raise NotRepeatable(f"the model reads .{name} of {self._what}")
+
+    def __bool__(self):
+        raise NotRepeatable(f"the model tests {self._what}")
 
 
 def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
