@@ -268,6 +268,35 @@ def test_a_last_block_of_its_own_and_a_second_value_no_block_takes(collect):
         assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
 
 
+class Skipped(Block):
+    """A block the loop skips by its class (Mllama's text loop skips its cross-attention layers)."""
+
+
+class Skipping(Net):
+    def __init__(self) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList((Skipped if k == "c" else Block)(k, i, False) for i, k in enumerate("aacaacaa"))
+
+    def forward(self, batch):
+        x, bias = batch["x"], self.bias * 2
+        for block in self.blocks:
+            if isinstance(block, Skipped):
+                continue
+            x = block(x, bias)
+        return (x ** 2).mean()
+
+
+def test_a_loop_that_skips_blocks_by_their_class_sees_the_stand_ins_as_them():
+    torch.manual_seed(0)
+    model = Skipping()
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    assert program.repeated == {"blocks": pattern_of("aacaacaa")}
+    out = run_imported(program, batch, stack=True)
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+
+
 class Numbered(torch.nn.Module):
     """A block holding settings that count with its number (Beam's residual-add indices, BigBird's
     seed) besides one that does not."""

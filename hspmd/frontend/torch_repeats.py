@@ -272,21 +272,24 @@ class _Unused:
 def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
     """Return a module standing for block `k` (of `kind`) in the export: it hands its input on as
     its kind's kept block hands on its result (`ExportedCalls.hand_on`: it computes nothing, the
-    importer calls the block there), and reads as `block` otherwise (the model's loop may ask a
-    block for its settings: Gemma-3's `attention_type`)."""
+    importer calls the block there), and is the block otherwise: an instance of its class (the
+    model's loop may ask `isinstance(layer, ...)`) without parameters, reading the block's settings
+    (Gemma-3's `attention_type`)."""
     import torch
 
-    class LeftOut(torch.nn.Module):
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(block, name)
+    def getattr_(self, name):
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            return getattr(block, name)
 
-        def forward(self, *args, **kwargs):
-            return calls.hand_on(k, kind, args, kwargs)
+    def forward(self, *args, **kwargs):
+        return calls.hand_on(k, kind, args, kwargs)
 
-    return LeftOut()
+    cls = type(f"LeftOut{type(block).__name__}", (type(block),), {"__getattr__": getattr_, "forward": forward})
+    stand_in = cls.__new__(cls)
+    torch.nn.Module.__init__(stand_in)  # not the block's own __init__: no parameters, no submodules
+    return stand_in
 
 
 @contextlib.contextmanager
