@@ -83,6 +83,24 @@ class Net(torch.nn.Module):
         return (x ** 2).mean()
 
 
+def _imported(model):
+    """Return (the import of `model`'s loss on a batch, the batch)."""
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    return hs.from_torch(model, batch, lambda m, b: m(b)), batch
+
+
+def _agrees(model, batch, out, grads: bool = True) -> None:
+    """Assert that `out` (the imported program's outputs on `batch`) has PyTorch's loss (1e-6)
+    and, with `grads`, every gradient (1e-5)."""
+    loss = model({"x": torch.as_tensor(batch["x"])})
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    if grads:
+        loss.backward()
+        for name, p in model.named_parameters():
+            g = p.grad.numpy()
+            assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+
+
 # stacked: (layers per scan iteration, iterations) of each scan `stack-layers` makes, the calls left
 @pytest.mark.parametrize("kinds,by_depth,repeated,stacked", [
     ("abababa", False, pattern_of("abababa"), ([(2, 3)], 1)),  # two kinds taking turns (sliding, full attention)
@@ -97,8 +115,7 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
     """... and with their layers stacked: a period of blocks is one scan iteration."""
     torch.manual_seed(0)
     model = Net(kinds, by_depth)
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert program.repeated == ({"blocks": repeated} if repeated else {})
     from xdsl.dialects import func
 
@@ -119,12 +136,7 @@ def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated
     assert ([(p, s.num_iterations) for p, s in zip(per, scans)], sum(
         1 for o in funcs["train_step"].walk() if isinstance(o, func.CallOp) and "bwd" not in o.callee.root_reference.data)
     ) == stacked
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    loss.backward()
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
-    for name, p in model.named_parameters():
-        g = p.grad.numpy()
-        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+    _agrees(model, batch, out)
 
 
 class Typed(Net):
@@ -146,18 +158,12 @@ class Typed(Net):
 def test_a_per_layer_list_read_at_the_loops_place_is_cut_as_the_blocks():
     torch.manual_seed(0)
     model = Typed()
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert program.repeated == {"blocks": pattern_of("aaab" * 3)}
     assert program.repeated["blocks"].blocks == (0, 1, 3)
     assert model.config.layer_types == ["s", "s", "s", "f"] * 3 and len(model.blocks) == 12  # restored
     out = run_imported(program, batch, stack=True)
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    loss.backward()
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
-    for name, p in model.named_parameters():
-        g = p.grad.numpy()
-        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+    _agrees(model, batch, out)
 
 
 class Between(Net):
@@ -174,12 +180,10 @@ class Between(Net):
 def test_a_value_the_loop_computes_between_blocks_exports_every_block():
     torch.manual_seed(0)
     model = Between("a" * 6)
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert program.repeated == {}
     out = run_imported(program, batch, stack=True)
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    _agrees(model, batch, out, grads=False)
 
 
 class Pair(Block):
@@ -213,16 +217,10 @@ def test_blocks_handing_on_two_values(uses, repeated):
     with it (two values carried), every block is exported."""
     torch.manual_seed(0)
     model = Pairs(uses)
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert bool(program.repeated) == repeated
     out = run_imported(program, batch, stack=True)
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    loss.backward()
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
-    for name, p in model.named_parameters():
-        g = p.grad.numpy()
-        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+    _agrees(model, batch, out)
 
 
 class Weighted(Block):
@@ -256,16 +254,10 @@ def test_a_last_block_of_its_own_and_a_second_value_no_block_takes(collect):
     weights, and where the loss reads them every block is exported."""
     torch.manual_seed(0)
     model = Tail(collect)
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert program.repeated == ({} if collect else {"blocks": pattern_of("aaaaab")})
     out = run_imported(program, batch, stack=True)
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    loss.backward()
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
-    for name, p in model.named_parameters():
-        g = p.grad.numpy()
-        assert np.linalg.norm(out[f"grad:{name}"] - g) <= 1e-5 * np.linalg.norm(g), name
+    _agrees(model, batch, out)
 
 
 class Skipped(Block):
@@ -289,12 +281,10 @@ class Skipping(Net):
 def test_a_loop_that_skips_blocks_by_their_class_sees_the_stand_ins_as_them():
     torch.manual_seed(0)
     model = Skipping()
-    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    program = hs.from_torch(model, batch, lambda m, b: m(b))
+    program, batch = _imported(model)
     assert program.repeated == {"blocks": pattern_of("aacaacaa")}
     out = run_imported(program, batch, stack=True)
-    loss = model({"x": torch.as_tensor(batch["x"])})
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-6 * abs(loss.item())
+    _agrees(model, batch, out, grads=False)
 
 
 class Numbered(torch.nn.Module):
