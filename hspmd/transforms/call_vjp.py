@@ -125,7 +125,7 @@ class CallDifferentiator:
         """Let the backward read an argument of `call` (a call of a split forward in a function)
         where the callee returns it as is (a weight kept for the backward), not the call's result:
         so a scan over the function keeps no stacked copy of a weight it already has."""
-        split = next((s for s in self.splits.values() if s.forward.sym_name.data == call.callee.root_reference.data), None)
+        split = self.forward_of(call)
         if split is None:
             return
         ret = split.forward.body.block.last_op
@@ -213,8 +213,8 @@ class CallDifferentiator:
 
     def backward_call(self, fwd_call: func.CallOp, dys: list[SSAValue], emit) -> dict[int, SSAValue]:
         """Emit the backward call for `fwd_call` and return {operand index: its gradient}."""
-        name = fwd_call.callee.root_reference.data
-        split = next(s for s in self.splits.values() if s.forward.sym_name.data == name)
+        split = self.forward_of(fwd_call)
+        assert split is not None
         residuals = list(fwd_call.results[split.num_results :])
         types = split.backward.function_type.outputs.data
         call = func.CallOp(split.backward.sym_name.data, [*dys, *residuals], types)
@@ -234,8 +234,12 @@ class CallDifferentiator:
                     f.erase()
                     erased = True
 
+    def forward_of(self, call: func.CallOp) -> SplitFunction | None:
+        """Return the split whose forward `call` calls (None: it calls no split forward)."""
+        name = call.callee.root_reference.data
+        return next((s for s in self.splits.values() if s.forward.sym_name.data == name), None)
+
     def is_forward(self, call: func.CallOp) -> bool:
         """Return whether `call` already calls a split forward."""
-        name = call.callee.root_reference.data
-        return any(s.forward.sym_name.data == name for s in self.splits.values())
+        return self.forward_of(call) is not None
 
