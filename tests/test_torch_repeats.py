@@ -6,6 +6,8 @@ repeat after all (a block computing with its own number), it exports every block
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,7 +19,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import hspmd as hs  # noqa: E402
 from hspmd.frontend.torch_repeats import (  # noqa: E402
-    ExportedCalls, pattern_of, repeat_pattern, repeatable_lists)
+    ExportedCalls, RepeatPattern, pattern_of, repeat_pattern, repeatable_lists)
 
 
 def _holds(items, start, period) -> bool:
@@ -54,6 +56,19 @@ def test_the_export_keeps_one_block_per_kind_and_calls_the_others_as_one_before(
     left = ExportedCalls(list(range(len(items)))).left_out(kept)  # a loop calling every block
     assert sorted([*kept, *(k for ks in left.values() for k in ks)]) == list(range(len(items)))
     assert all(a in kept and min(ks) > a for a, ks in left.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=30))
+def test_with_per_layer_values_two_blocks_of_every_kind_that_repeats_are_kept(items):
+    pattern = RepeatPattern(pattern_of(items).kinds, ("scale",))
+    kept = pattern.blocks
+    repeating = {x for x in items if items.count(x) > 1}
+    assert {items[k] for k in kept} == set(items) and len(kept) == len(set(items)) + len(repeating)
+    assert sorted(items[a] for a, _ in pattern.pairs) == sorted(repeating)
+    for k in set(range(len(items))) - set(kept):  # called as the second kept block of its kind
+        t = pattern.template(k)
+        assert items[t] == items[k] and t in kept and 0 < t < k and any(t == b for _, b in pattern.pairs)
 
 
 class Block(torch.nn.Module):
@@ -300,12 +315,72 @@ class Numbered(torch.nn.Module):
 def test_settings_that_count_with_the_block_number_do_not_break_the_repeats():
     blocks = torch.nn.Module()
     blocks.layers = torch.nn.ModuleList(Numbered(i) for i in range(6))
-    assert repeatable_lists(blocks) == {"layers": pattern_of("aaaaaa")}
+    per_layer = lambda items: RepeatPattern(pattern_of(items).kinds, ("add_idx",))  # noqa: E731
+    assert repeatable_lists(blocks) == {"layers": per_layer("aaaaaa")}
     # a config list of layer numbers as long as the blocks (Llama-4's `moe_layers`) is no setting per layer
     blocks.config = __import__("types").SimpleNamespace(moe_layers=list(range(6)), kinds=["s", "f"] * 3)
-    assert repeatable_lists(blocks) == {"layers": pattern_of("ababab")}
+    assert repeatable_lists(blocks) == {"layers": per_layer("ababab")}
     blocks.layers[4].width = 9  # a setting that differs otherwise: block 4 is a kind of its own
-    assert repeatable_lists(blocks) == {"layers": pattern_of("ababcb")}
+    assert repeatable_lists(blocks) == {"layers": per_layer("ababcb")}
     for block, width in zip(blocks.layers, (8, 9, 11, 14, 18, 23)):  # each a kind of its own: nothing to cut
         block.width = width
     assert repeatable_lists(blocks) == {}
+
+
+class Scaled(Block):
+    """A block computing with numbers of its layer: a float setting made from its number
+    (DiffLlama's `lambda_init`), an integer counting with it (Beam's residual-add index), a buffer
+    of its own (MiniMax's decay rates); "clash": block 0's number is also a constant every block
+    takes, so the importer cannot tell it by its value."""
+
+    def __init__(self, how: str, i: int) -> None:
+        super().__init__("a", i, False)
+        self.how = how
+        if how == "float":
+            self.lam = 0.8 - 0.6 * math.exp(-0.3 * i)
+        elif how == "count":
+            self.add_idx = 2 * (i + 1)
+        elif how == "buffer":
+            self.register_buffer("rate", torch.linspace(0.1, 1.0, 8) * (1 - i / 10), persistent=False)
+        else:
+            self.lam = 0.5 + 0.1 * i
+
+    def forward(self, x, bias):
+        y = torch.tanh(self.fc(x) + bias)
+        if self.how == "float":
+            return x + y * (1 - self.lam) + self.lam
+        if self.how == "count":
+            return x * math.sqrt((self.add_idx - 1) / self.add_idx) + y / math.sqrt(self.add_idx)
+        if self.how == "buffer":
+            return x + y * torch.exp(-self.rate)
+        return x + y * self.lam + 0.5
+
+
+class ScaledNet(Net):
+    def __init__(self, how: str, layers: int = 6) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Scaled(how, i) for i in range(layers))
+
+
+@pytest.mark.parametrize("how,per_layer", [("float", ("lam",)), ("count", ("add_idx",)), ("buffer", ("rate",)),
+                                           ("clash", None)])
+def test_blocks_computing_with_numbers_of_their_layer_take_them_as_inputs(how, per_layer):
+    """Each block's own numbers are inputs of the one function the blocks share, stacked with the
+    layers (one scan of 6); where a number cannot be told by its value, every block is exported."""
+    torch.manual_seed(0)
+    model = ScaledNet(how)
+    program, batch = _imported(model)
+    assert program.repeated == ({"blocks": RepeatPattern((0,) * 6, per_layer)} if per_layer else {})
+    from xdsl.dialects import func
+
+    from hspmd.dialects import graph
+
+    calls = [o for o in program.module.walk() if isinstance(o, func.CallOp)]
+    assert len(calls) == 6 and len({c.callee.root_reference.data for c in calls}) == (1 if per_layer else 6)
+    _agrees(model, batch, run_imported(program, batch))
+    program, _ = _imported(model)
+    out = run_imported(program, batch, stack=True)
+    scans = [o for o in program.module.walk() if isinstance(o, graph.ScanOp) and not o.is_reverse]
+    assert [s.num_iterations for s in scans] == ([6] if per_layer else [])
+    model.zero_grad()
+    _agrees(model, batch, out)

@@ -50,6 +50,7 @@ from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten, aten_complex, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
+from hspmd.frontend.torch_layer_values import BlockFloats, record_floats
 from hspmd.frontend.torch_repeats import NotRepeatable, RepeatPattern, blocks_kept, digest, repeatable_lists
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
@@ -162,6 +163,10 @@ class _Importer:
         self.orders: dict[str, list[int]] = {}  # list path -> its blocks called in the export, in turn
         self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
+        self.lists: dict = {}  # list path -> its ModuleList (those of `patterns`)
+        self.floats: dict[str, BlockFloats] = {}  # list path -> its blocks' floats (with per-layer values)
+        # an input of a kept block standing for a per-layer value -> that value of block k (`layer_value`)
+        self.layer_values: dict = {}
         self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
 
     # -- values
@@ -404,6 +409,10 @@ class _Importer:
             block = self.blocks[left]
             block.signature = self.blocks[template].signature
             args[carried] = results[0]
+            k = int(left.rpartition(".")[2])
+            for i, x in enumerate(self.made[template][1]):
+                if x in self.layer_values:  # block k's own number or buffer
+                    args[i] = self.layer_input(self.layer_values[x](k))
             out = block(*args)
             results = out if isinstance(out, tuple) else (out,)
         return results
@@ -414,13 +423,13 @@ class _Importer:
         return [f"{list_path}.{k}" for k in self.orders[list_path] if k in kept]
 
     def check_repeats(self) -> None:
-        """Raise NotRepeatable where a list's two `checked` blocks differ (a block that computes
+        """Raise NotRepeatable where two blocks of a list's `pairs` differ (a block that computes
         with its number, say) or a kept block called after left-out ones does not take the one
         carried value of the kept block before (the loop computes a value between blocks, say)."""
         for list_path, pattern in self.patterns.items():
-            first, second = (f"{list_path}.{k}" for k in pattern.checked)
-            if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
-                raise NotRepeatable(second)
+            for first, second in ([f"{list_path}.{k}" for k in pair] for pair in pattern.pairs):
+                if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
+                    raise NotRepeatable(second)
             called = self._kept_called(list_path)
             for before, block in zip(called, called[1:]):
                 if before in self.repeats and (block not in self.made or self._carried(before, block) is None):
@@ -438,6 +447,62 @@ class _Importer:
         if len(carried) != 1 or len(outputs) != 1 or any(x in others for x in inputs):
             return None
         return carried[0]
+
+    # -- per-layer values (`hspmd.frontend.torch_layer_values`)
+    def layer_buffer(self, node, target: str) -> None:
+        """Where buffer `target` is a kept block's per-layer buffer (`RepeatPattern.per_layer`),
+        make `node` an input of the block's function (each block its own buffer)."""
+        path = target[len(_PREFIX):]
+        for list_path, pattern in self.patterns.items():
+            index, _, name = path[len(list_path) + 1:].partition(".") if path.startswith(list_path + ".") else ("", "", "")
+            if index.isdigit() and name in pattern.per_layer:
+                owner = self.lists[list_path]
+                self.env[node] = self.layer_input(self.env[node])
+                self.layer_values[node] = lambda k, owner=owner, name=name: owner[k].get_buffer(name)
+
+    def layer_input(self, value) -> Tensor:
+        """Return a per-layer value (a Python float: float32; a buffer) as a literal of the top
+        level, one for each call, which `stack-layers` stacks with the other layers' (a constant
+        or a broadcast one would not stack)."""
+        import torch
+
+        t = torch.as_tensor(value).detach().cpu()
+        arr = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+        return self.tracer.literal(arr if arr.dtype.name in _LITERAL_DTYPES else arr.astype(np.float32))
+
+    def layer_floats(self, list_path: str, floats: BlockFloats) -> None:
+        """Make the per-layer floats of the kept blocks of a list inputs of their functions: in
+        each kept block's nodes, a float argument of the value the block's own per-layer float
+        has (`BlockFloats.per_layer`) becomes a node of its own, a top-level constant (each block
+        its own); NotRepeatable where the graph holds no such float (a decomposition changed it)."""
+        import torch.fx
+
+        pattern = self.patterns[list_path]
+        graph = self.ep.graph
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        for kept in pattern.blocks:
+            members = [i for i, kind in enumerate(pattern.kinds) if kind == pattern.kinds[kept]]
+            values = floats.per_layer(kept, members) if len(members) > 1 else {}
+            if not values:
+                continue
+            path = f"{list_path}.{kept}"
+            inputs: dict[float, object] = {}
+
+            def input_for(x):
+                if type(x) is not float or x not in values:
+                    return x
+                if x not in inputs:
+                    with graph.inserting_before(first):
+                        inputs[x] = graph.placeholder("layer_value")
+                    self.env[inputs[x]] = self.layer_input(x)
+                    self.layer_values[inputs[x]] = values[x]
+                return inputs[x]
+
+            for n in [n for n in graph.nodes if n.op == "call_function" and self.block_path(n) == path]:
+                n.args = torch.fx.node.map_aggregate(n.args, input_for)
+                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, input_for)
+            if len(inputs) < len(values):
+                raise NotRepeatable(f"{path}'s per-layer numbers are not in its graph as the block takes them")
 
     def replay_block(self, block: _Block, args) -> tuple:
         """Trace a block's nodes with `args` standing for its dynamic inputs (the function's body)."""
@@ -481,11 +546,14 @@ class _Importer:
             elif spec.kind == InputKind.BUFFER:
                 self.env[node] = self.ep.state_dict[spec.target] if spec.target in self.ep.state_dict \
                     else self.ep.constants[spec.target]
+                self.layer_buffer(node, spec.target)
             elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
                 self.env[node] = self.ep.constants[spec.target]
             elif spec.kind == InputKind.USER_INPUT:
                 self.env[node] = self.inputs[batch_names[users]]
                 users += 1
+        for list_path, floats in self.floats.items():
+            self.layer_floats(list_path, floats)
         nodes = [n for n in self.ep.graph.nodes if n.op == "call_function"]
         (output,) = [n for n in self.ep.graph.nodes if n.op == "output"]
         outside = set(output.all_input_nodes)
@@ -633,6 +701,9 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
             return _import(module, batch, loss_fn or _default_loss, tp_plan, lists, precision)
         except NotRepeatable:
             pass  # the blocks' graphs differ after all: export every one
+        except TorchImportError:
+            if not any(p.per_layer for p in lists.values()):
+                raise  # (a per-layer value the importer cannot take as an input: export every block)
     return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
 
 
@@ -656,6 +727,11 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         def forward(self, b):
             return loss_fn(self.model, b)
 
+    floats = {}
+    for path, pattern in lists.items():  # the floats of blocks that take numbers of their own
+        if pattern.per_layer:
+            with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
+                floats[path] = record_floats(lambda: _Step()(batch), module.get_submodule(path))
     try:
         with contextlib.ExitStack() as stack:
             calls = {}
@@ -707,6 +783,8 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
     importer = _Importer(ep, params, canonical, tracer)
     importer.blocks, importer.repeats, importer.patterns = blocks, repeats, dict(lists)
     importer.orders = {path: c.order for path, c in calls.items()}
+    importer.lists = {path: module.get_submodule(path) for path in lists}
+    importer.floats = floats
     if precision:
         from hspmd.frontend.autocast import Autocast
 

@@ -33,9 +33,12 @@ LAYER_INDEX = frozenset(("training", "layer_idx", "layer_id", "layer_index", "la
 @dataclass(frozen=True)
 class RepeatPattern:
     """A ModuleList's blocks by kind: `kinds[i]` is the first block alike to block i (i itself
-    for the first of its kind)."""
+    for the first of its kind). `per_layer`: the blocks' settings and buffers (dotted names within
+    a block) that take a value of their own in every block (`per_layer_values`): blocks alike but
+    for them, which the importer hands each block's values (`hspmd.frontend.torch_layer_values`)."""
 
     kinds: tuple[int, ...]
+    per_layer: tuple[str, ...] = ()
 
     @property
     def length(self) -> int:
@@ -60,10 +63,23 @@ class RepeatPattern:
         return next(((0, i) for i in again if self.kinds[i] == 0), (self.kinds[again[0]], again[0]) if again else None)
 
     @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """The blocks whose graphs the importer compares, two of a kind: `checked`; with `per_layer`
+        values, the first two blocks of every kind that repeats (each block's values may enter its
+        graph in another place, which a second block of the kind shows)."""
+        if not self.per_layer:
+            return (self.checked,) if self.checked else ()
+        seconds = {}
+        for i, kind in enumerate(self.kinds):
+            if kind != i:
+                seconds.setdefault(kind, i)
+        return tuple(sorted(seconds.items()))
+
+    @property
     def blocks(self) -> tuple[int, ...]:
-        """The blocks the export keeps, in order: the first of each kind and the second of the
-        `checked` kind (the first block, whose input is not a block's, is no template)."""
-        return tuple(sorted({i for i, kind in enumerate(self.kinds) if kind == i} | set(self.checked or ())))
+        """The blocks the export keeps, in order: the first of each kind and the second of each of
+        `pairs` (the first block, whose input is not a block's, is no template)."""
+        return tuple(sorted({i for i, kind in enumerate(self.kinds) if kind == i} | {b for p in self.pairs for b in p}))
 
     @property
     def exported(self) -> int:
@@ -71,10 +87,10 @@ class RepeatPattern:
         return len(self.blocks)
 
     def template(self, k: int) -> int:
-        """Return the exported block that block `k` (left out) is called as: the first of its kind,
-        the second for the `checked` kind (so never the first block)."""
-        kind, checked = self.kinds[k], self.checked
-        return checked[1] if checked and kind == checked[0] else kind
+        """Return the exported block that block `k` (left out) is called as: the second of its kind
+        where it is one of `pairs` (so never the first block), else the first of its kind."""
+        kind = self.kinds[k]
+        return next((second for first, second in self.pairs if first == kind), kind)
 
 
 def repeat_pattern(items: Sequence) -> tuple[int, int]:
@@ -101,7 +117,9 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
     docstring) and that hold more blocks than the pattern's `exported`. What must repeat of a
     block: its class, parameters (names, shapes, dtypes), buffers and plain settings (numbers,
     strings, flags of every submodule; its number, `LAYER_INDEX`, aside), and its entry of each per-layer list of
-    the model's config (a list or tuple as long as the ModuleList, not one of layer numbers)."""
+    the model's config (a list or tuple as long as the ModuleList, not one of layer numbers).
+    Settings and buffers of a value of their own in every block (`per_layer_values`) are the
+    pattern's `per_layer`: their shapes and types must repeat, not their values."""
     import torch
 
     config = getattr(module, "config", None)
@@ -110,9 +128,11 @@ def repeatable_lists(module) -> dict[str, RepeatPattern]:
         if not isinstance(m, torch.nn.ModuleList) or len(m) < 3 or any(path.startswith(p + ".") for p in out):
             continue
         per_layer = [getattr(config, k) for k in per_layer_lists(config, len(m))]
-        counting = numbering(list(m))
-        keys = [(block_key(b, counting), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
+        settings, buffers = per_layer_values(list(m))
+        keys = [(block_key(b, settings, buffers), *(repr(v[i]) for v in per_layer)) for i, b in enumerate(m)]
         pattern = pattern_of(keys)
+        names = tuple(sorted({f"{n}.{k}".lstrip(".") for n, k in settings} | buffers))
+        pattern = RepeatPattern(pattern.kinds, names)
         if pattern.exported < len(m):
             out[path] = pattern
     return out
@@ -141,24 +161,36 @@ def _counting(values: list) -> bool:
     return step != 0 and values == [values[0] + i * step for i in range(len(values))]
 
 
-def numbering(blocks: Sequence) -> frozenset[tuple[str, str]]:
-    """Return the integer settings of `blocks` that count with the block's number (`a + i * d`,
-    d != 0, in block i; Beam numbers its residual adds so): the block's number under another name,
-    aside as `LAYER_INDEX` is (a block that computes with it shows it in its graph)."""
+def per_layer_values(blocks: Sequence) -> tuple[frozenset[tuple[str, str]], frozenset[str]]:
+    """Return (settings, buffers) of `blocks` that take a value of their own in every block:
+    integer settings that count with the block's number (`a + i * d`, d != 0, in block i: Beam
+    numbers its residual adds so), float settings all different (DiffLlama's `lambda_init`, made
+    from the layer's number), buffers all different where blocks hold them (MiniMax's decay rates): the block's number
+    under another name, or values made from it."""
     settings = [_settings(b) for b in blocks]
-    return frozenset(key for key in settings[0] if _counting([s.get(key) for s in settings]))
+    found = set()
+    for key in settings[0]:
+        values = [s.get(key) for s in settings]
+        if _counting(values) or all(type(v) is float for v in values) and len(set(values)) == len(values):
+            found.add(key)
+    digests: dict[str, list] = {}
+    for b in blocks:
+        for name, buf in b.named_buffers():
+            digests.setdefault(name, []).append(digest(buf))
+    buffers = {n for n, d in digests.items() if len(d) > 1 and len(set(d)) == len(d)}
+    return frozenset(found), frozenset(buffers)
 
 
-def block_key(block, counting: frozenset[tuple[str, str]] = frozenset()) -> str:
+def block_key(block, counting: frozenset[tuple[str, str]] = frozenset(), buffers: frozenset[str] = frozenset()) -> str:
     """Return what two blocks must share to compute alike (see `repeatable_lists`), the settings
-    `counting` (`numbering`) aside."""
+    `counting` aside and the values of the `buffers` (`per_layer_values`) aside."""
     parts: list = [type(block).__qualname__]
     settings = _settings(block)
     for name, sub in block.named_modules():
         parts.append((name, type(sub).__qualname__, sorted(
             (k, repr(v)) for (n, k), v in settings.items() if n == name and (n, k) not in counting)))
     parts += [(n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()]
-    parts += [(n, digest(b)) for n, b in block.named_buffers()]
+    parts += [(n, tuple(b.shape), str(b.dtype)) if n in buffers else (n, digest(b)) for n, b in block.named_buffers()]
     return repr(parts)
 
 
