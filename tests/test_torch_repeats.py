@@ -384,3 +384,24 @@ def test_blocks_computing_with_numbers_of_their_layer_take_them_as_inputs(how, p
     assert [s.num_iterations for s in scans] == ([6] if per_layer else [])
     model.zero_grad()
     _agrees(model, batch, out)
+
+
+class Drifting(Scaled):
+    """A block that updates a buffer (as BatchNorm's running statistics) and draws random numbers."""
+
+    def forward(self, x, bias):
+        self.rate.add_(1.0)
+        return torch.nn.functional.dropout(super().forward(x, bias), 0.1)
+
+
+def test_the_eager_run_that_records_the_floats_leaves_buffers_and_random_state_as_they_were():
+    from hspmd.frontend.torch_layer_values import record_floats
+
+    model = ScaledNet("buffer", 3)
+    model.blocks = torch.nn.ModuleList(Drifting("buffer", i) for i in range(3))
+    rates, rng = [b.rate.clone() for b in model.blocks], torch.random.get_rng_state()
+    record = record_floats(model, lambda: model({"x": torch.ones(4, 8)}), model.blocks)
+    assert all(torch.equal(b.rate, r) for b, r in zip(model.blocks, rates))
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    # the blocks run one sequence of ops, dropout's `1 - p` among their floats, none of them a block's own
+    assert record.ops[0] == record.ops[2] and 0.9 in record.floats[1] and record.varying([0, 1, 2]) == []

@@ -165,7 +165,7 @@ class _Importer:
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.lists: dict = {}  # list path -> its ModuleList (those of `patterns`)
         self.floats: dict[str, BlockFloats] = {}  # list path -> its blocks' floats (with per-layer values)
-        # an input of a kept block standing for a per-layer value -> that value of block k (`layer_value`)
+        # an input of a kept block standing for a per-layer value -> that value of block k (`layer_input`)
         self.layer_values: dict = {}
         self.free: dict = {}  # node -> whether it is gradient-free (`gradient_free`)
 
@@ -473,7 +473,7 @@ class _Importer:
     def layer_floats(self, list_path: str, floats: BlockFloats) -> None:
         """Make the per-layer floats of the kept blocks of a list inputs of their functions: in
         each kept block's nodes, a float argument of the value the block's own per-layer float
-        has (`BlockFloats.per_layer`) becomes a node of its own, a top-level constant (each block
+        has (`BlockFloats.per_layer`) becomes a node of its own, a top-level literal (each block
         its own); NotRepeatable where the graph holds no such float (a decomposition changed it)."""
         import torch.fx
 
@@ -703,7 +703,8 @@ def from_torch(module, example_batch: Mapping, loss_fn: Callable | None = None,
             pass  # the blocks' graphs differ after all: export every one
         except TorchImportError:
             if not any(p.per_layer for p in lists.values()):
-                raise  # (a per-layer value the importer cannot take as an input: export every block)
+                raise
+            # a block's per-layer number the importer cannot take as an input: export every block
     return _import(module, batch, loss_fn or _default_loss, tp_plan, {}, precision)
 
 
@@ -731,7 +732,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
     for path, pattern in lists.items():  # the floats of blocks that take numbers of their own
         if pattern.per_layer:
             with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
-                floats[path] = record_floats(lambda: _Step()(batch), module.get_submodule(path))
+                floats[path] = record_floats(module, lambda: _Step()(batch), module.get_submodule(path))
     try:
         with contextlib.ExitStack() as stack:
             calls = {}

@@ -59,10 +59,10 @@ class BlockFloats:
         return out
 
 
-def record_floats(run: Callable[[], object], blocks) -> BlockFloats:
-    """Run `run()` (the model's loss, once, eagerly, no gradients) and return the ATen ops and
+def record_floats(module, run: Callable[[], object], blocks) -> BlockFloats:
+    """Run `run()` (`module`'s loss, once, eagerly, without gradients) and return the ATen ops and
     floats of each block of ModuleList `blocks` (`BlockFloats`; a block's nested blocks' ops are
-    its own)."""
+    its own). The run leaves `module`'s buffers and PyTorch's random state as they were."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -95,8 +95,9 @@ def record_floats(run: Callable[[], object], blocks) -> BlockFloats:
     for k, block in enumerate(blocks):
         hooks.append(block.register_forward_pre_hook(lambda _m, _a, k=k: inside.append(k)))
         hooks.append(block.register_forward_hook(leave))
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     try:
-        with torch.no_grad(), Recorder():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), Recorder():
             run()
     except NotRepeatable:
         raise
@@ -105,4 +106,7 @@ def record_floats(run: Callable[[], object], blocks) -> BlockFloats:
     finally:
         for h in hooks:
             h.remove()
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
     return record

@@ -12,7 +12,10 @@ block of each kind and the second of one kind (the config's per-layer lists cut 
 blocks keeping their numbers). It checks that those two have one graph (a block that computes
 with its number shows there), and calls each block left out as an exported block of its kind is
 called (`RepeatPattern.template`), on the one before's result. The export, the import's dearest
-part, so holds one block per kind and one more, however deep the model.
+part, so holds one block per kind and one more, however deep the model. Blocks alike but for
+settings or buffers of a value of their own in every block (`per_layer_values`: numbers made from
+the layer's number) are of a kind too; the importer hands each its own numbers
+(`hspmd.frontend.torch_layer_values`) and compares two blocks of every kind.
 `repeat_pattern` names the pattern (`start` first blocks, then a `period`), for reports.
 """
 
