@@ -405,3 +405,31 @@ def test_the_eager_run_that_records_the_floats_leaves_buffers_and_random_state_a
     assert torch.equal(torch.random.get_rng_state(), rng)
     # the blocks run one sequence of ops, dropout's `1 - p` among their floats, none of them a block's own
     assert record.ops[0] == record.ops[2] and 0.9 in record.floats[1] and record.varying([0, 1, 2]) == []
+
+
+@pytest.mark.parametrize("strategy,n", [("[0,1]: pp=2", 2), ("[0,1]: dp=2", 2)])
+def test_layers_with_numbers_of_their_own_train_as_on_one_device(strategy, n, tmp_path):
+    """Stacked, the per-layer numbers, the bias's gradient summed over the layers and each layer's
+    0-d scalar cut into pipeline stages (`cut-stacked-layers`) and run there: the gradients are
+    one device's."""
+    import os
+
+    from hspmd.compiler import compile_script, write_bundle
+    from hspmd.frontend.script import load_script
+    from hspmd.runtime.comm import run_spmd
+    from hspmd.runtime.worker import train
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_scripts", "layer_numbers.py")
+
+    def grads(strategy: str, n: int) -> dict:
+        s = load_script(script)
+        bundle = str(tmp_path / f"b{n}")
+        write_bundle(compile_script(s, strategy, n, optimizer=False, stack_layers=True), bundle)
+        ranks = run_spmd(n, lambda c: train(bundle, c, steps=1, quiet=True, keep_outputs=True), timeout=300)
+        assert s.imported.repeated["blocks"].per_layer == ("lam",)
+        return {k: v for r in ranks for k, v in r.outputs[0].items() if k.startswith("grad:")}
+
+    one, many = grads("[0]: dp=1", 1), grads(strategy, n)
+    assert sorted(one) == sorted(many) and len(one) == 1 + 4 * 6
+    for k in one:
+        assert np.allclose(many[k], one[k], rtol=1e-5, atol=1e-7), k

@@ -272,7 +272,7 @@ class _Binder:
                 return k
             case "take":
                 i = step.microbatch
-                return lambda x: x[i]
+                return lambda x: x[i, ...]  # a view, also of a 1-d stack (x[i] would copy a NumPy scalar out)
             case "sum":
                 return np.add
             case "stack":
@@ -435,7 +435,7 @@ def _stack(*parts: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if out is None:
         return np.stack(parts)
     for i, part in enumerate(parts):
-        slot = out[i]
+        slot = out[i, ...]  # a view, also of a 1-d stack
         if not (part.__array_interface__["data"][0] == slot.__array_interface__["data"][0]
                 and part.strides == slot.strides and part.shape == slot.shape and part.dtype == slot.dtype):
             np.copyto(slot, part)

@@ -118,8 +118,8 @@ class Destination:
         """Return this buffer destination's array in buffer `raw` (bytes)."""
         shape = self.shape if self.stored is None else self.stored
         array = raw[: nbytes((shape, self.dtype))].view(self.dtype).reshape(shape)
-        if self.at is not None:
-            array = array[self.at]
+        if self.at is not None:  # a view also of a 1-d stack (array[at] would copy a NumPy scalar out)
+            array = array[self.at, ...]
         if self.select is not None:
             d, start, stop = self.select
             array = array[(slice(None),) * d + (slice(start, stop),)]

@@ -145,8 +145,12 @@ class _Assignment:
             floor = max({stage[u] for u in users if u not in post} - {FREE, _UNDECIDED}, default=0)
             if stages:
                 stage[o] = max(stages) if o in views else max(min(stages), floor)
-            else:
-                stage[o] = max(self.value_stage(v) for v in o.operands)
+            else:  # nothing decided reads it (a gradient's last sum, read by its output only)
+                backward = {self.value_stage(v) for v in o.operands
+                            if v.owner not in self.forward_ops and v.owner not in post} - {FREE, _UNDECIDED}
+                # backward values of several stages meet on the earliest (its action runs last)
+                stage[o] = min(backward) if len(backward) > 1 and o not in post else \
+                    max(self.value_stage(v) for v in o.operands)
         for o in resolved:  # then up to where its forward operands (else its operands) live, where allowed
             made = [v for v in o.operands if self.value_stage(v) != FREE]
             forward = {self.value_stage(v) for v in made if v.owner in self.forward_ops}

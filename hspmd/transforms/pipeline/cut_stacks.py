@@ -13,7 +13,9 @@ counts, else ranges balanced by forward cost) and cuts every stacked value at th
     optim.adam / mul_scalar / where_finite / comm.all_reduce / graph.cast of a stack -> one per piece
     a collective along another dim than 0 (comm.local_split, ...)   ->  one per piece
     optim.sum_squares of a stack                                    ->  one per piece, added in order
+    graph.reduce_sum over the layers (an invariant's gradient)      ->  one per piece, added as they are made
     graph.iota (a per-layer counter)                                ->  one per piece, from its first layer's
+    graph.literal (per-layer numbers of imported blocks)            ->  one per piece, its layers' rows
     graph.assign "blocks.[0:8].w"                                   ->  "blocks.[0:5].w", "blocks.[5:8].w"
 
 Each piece of a forward scan is marked with its stage (`pipeline.layer_stage`), which
@@ -216,6 +218,21 @@ class _Cutter:
         self.parts[o.result] = pieces
         self.done.append(o)
 
+    def literal(self, o: graph.LiteralOp) -> None:
+        values = o.values()
+        gtype = o.global_type
+        pieces = []
+        for a, b in self.pieces:
+            new = graph.LiteralOp(values[a:b], _piece_type(gtype if gtype is not None else o.result.type, a, b))
+            if gtype is not None:  # the rows of the whole, this rank's piece of them
+                new = graph.LiteralOp.create(properties={**new.properties, "global_type": _piece_type(gtype, a, b)},
+                                             attributes=dict(o.attributes),
+                                             result_types=[_piece_type(o.result.type, a, b)])
+            o.parent_block().insert_op_before(new, o)  # type: ignore[union-attr]
+            pieces.append(new.result)
+        self.parts[o.result] = pieces
+        self.done.append(o)
+
     def sum_squares(self, o: optim.SumSquaresOp) -> None:
         total = None
         for piece in self.of(o.operands[0], o):
@@ -225,6 +242,26 @@ class _Cutter:
                 total = sq.result
             else:
                 add = graph.AddOp(total, sq.result)
+                o.parent_block().insert_op_before(add, o)  # type: ignore[union-attr]
+                total = add.result
+        o.result.replace_all_uses_with(total)  # type: ignore[arg-type]
+        self.done.append(o)
+
+    def sum_layers(self, o: graph.ReduceSumOp) -> None:
+        """A sum over the stacking dim (the gradient of a scan's invariant float argument, summed
+        over the layers): the pieces' sums, added in the order the pieces are made (a backward
+        scan's from the last layers down, so that each stage adds its own to what the stage
+        after it handed back)."""
+        total = None
+        pieces = self.of(o.input, o)
+        backward = isinstance(o.input.owner, graph.ScanOp) and o.input.owner.is_reverse
+        for piece in (reversed(pieces) if backward else pieces):
+            part = graph.ReduceSumOp(piece, [0], o.result.type)
+            o.parent_block().insert_op_before(part, o)  # type: ignore[union-attr]
+            if total is None:
+                total = part.result
+            else:
+                add = graph.AddOp(total, part.result)
                 o.parent_block().insert_op_before(add, o)  # type: ignore[union-attr]
                 total = add.result
         o.result.replace_all_uses_with(total)  # type: ignore[arg-type]
@@ -307,6 +344,8 @@ def _cut_family(g: PipelinedGroup, forward: graph.ScanOp, pieces: Pieces, owners
             cutter.scan(o, owners if o is forward else None)
         elif isinstance(o, graph.IotaOp):
             cutter.iota(o)
+        elif isinstance(o, graph.LiteralOp):
+            cutter.literal(o)
         elif isinstance(o, graph.BroadcastOp) and o.input in family:
             raise PassError(f"cut-stacked-layers: '{o.name}' broadcasts a stack of {forward.num_iterations} layers; "
                             "a pipeline cannot cut it into its stages' layers")
@@ -314,6 +353,8 @@ def _cut_family(g: PipelinedGroup, forward: graph.ScanOp, pieces: Pieces, owners
             cutter.slicewise(o)
         elif isinstance(o, optim.SumSquaresOp):
             cutter.sum_squares(o)
+        elif isinstance(o, graph.ReduceSumOp) and list(o.dims.get_values()) == [0] and o.input in family:
+            cutter.sum_layers(o)
         elif isinstance(o, (graph.AssignOp, graph.OutputOp)):
             cutter.named(o)
         else:
