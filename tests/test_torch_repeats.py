@@ -433,3 +433,28 @@ def test_layers_with_numbers_of_their_own_train_as_on_one_device(strategy, n, tm
     assert sorted(one) == sorted(many) and len(one) == 1 + 4 * 6
     for k in one:
         assert np.allclose(many[k], one[k], rtol=1e-5, atol=1e-7), k
+
+
+class Mixing(Block):
+    """A block whose product takes a buffer (MiniMax's decays): under autocast both operands of
+    the matmul are cast to 16 bits, the concrete buffer as well."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__("a", i, False)
+        self.register_buffer("mix", torch.eye(8) * (1 - i / 10) + 0.01, persistent=False)
+
+    def forward(self, x, bias):
+        return x + torch.matmul(torch.tanh(self.fc(x) + bias), self.mix)
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+def test_a_buffer_a_product_takes_is_cast_as_autocast_casts_it(repeat):
+    torch.manual_seed(0)
+    model = Net("")
+    model.blocks = torch.nn.ModuleList(Mixing(i) for i in range(4))
+    batch = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    program = hs.from_torch(model, batch, lambda m, b: m(b), repeat_blocks=repeat, precision="bfloat16")
+    assert bool(program.repeated) == repeat  # the buffers per layer: inputs of the blocks' function
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model({"x": torch.as_tensor(batch["x"])}).item()
+    assert abs(float(run_imported(program, batch)["loss"]) / loss - 1) <= 1e-2

@@ -56,19 +56,24 @@ class Autocast:
             return None
 
     def cast_inputs(self, result, args, kwargs):
-        """Return `args`, `kwargs` with every floating traced tensor (masks aside) in the floating
-        dtype of `result` (autocast's cast of a product's inputs, or type promotion's)."""
+        """Return `args`, `kwargs` with every floating tensor, traced or concrete (masks aside), in
+        the floating dtype of `result` (autocast's cast of a product's inputs, or type promotion's)."""
+        import torch
+
         from hspmd.dialects.graph.arithmetic import cast
 
         want = _float_dtype(result)
         if want is None:
             return args, kwargs
+        dtype = getattr(torch, want)
 
         def convert(x):
             if isinstance(x, Tensor):
                 if getattr(x, "boolean", False) or x.dtype not in FLOAT_DTYPES or x.dtype == want:
                     return x
                 return cast(x, want)
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)  # a concrete input (a buffer, a value made from buffers alone) as well
             if isinstance(x, (list, tuple)):
                 return type(x)(convert(v) for v in x)
             if isinstance(x, dict):
