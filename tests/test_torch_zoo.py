@@ -6,7 +6,8 @@ The whole mapping (about 200 entries) is too long for CI, so each run samples: o
 architecture of those the importer must take (the decoders issue 39 names, each of which once
 stopped at one op or already matched), with an AdamW step and tp=2; one entry of the whole
 mapping (`tests/zoo_table.json`, the table as last run), which must import with PyTorch's loss and
-gradients (where it did) or be refused in one line (never import with other numbers); and one expert layer (Mixtral's or Qwen-MoE's) under ep=2. The
+gradients (where it did) or be refused in one line (never import with other numbers); one expert layer (Mixtral's or Qwen-MoE's) under ep=2; and one entry that imported, under
+`precision=bfloat16`, its step-1 loss within 1e-2 of PyTorch's under `torch.autocast`. The
 seed varies from run to run (`HSPMD_TEST_SEED` fixes it; pytest's header prints it).
 `python tests/torch_zoo.py [ARCH ...]` prints the table (`docs/torch-import.md` holds one).
 """
@@ -41,6 +42,9 @@ ROWS = {r["arch"]: r for r in torch_zoo.recorded_rows()}
 OTHER = sampled(sorted(a for a, r in ROWS.items() if a in torch_zoo.zoo() and r["status"] in ("imported", "refused")
                        and (r.get("seconds") or 999) <= 60), 1, "zoo-other")
 MOE_ARCH = sampled(MOE, 1, "zoo-moe")
+#: an entry that imported, under `precision=bfloat16`
+BF16 = sampled(sorted(a for a, r in ROWS.items() if a in torch_zoo.zoo() and r["status"] == "imported"
+                      and (r.get("seconds") or 999) <= 60), 1, "zoo-bf16")
 
 
 @pytest.mark.parametrize("arch", NAMED)
@@ -85,3 +89,18 @@ def test_gradients_agree_within_1e4_or_as_close_to_float64_as_pytorchs():
     assert not torch_zoo.grads_agree({"grad": 2e-4})  # no float64 reference: other numbers
     assert torch_zoo.grads_agree({"grad": 2e-4, "grad64": [1.2e-4, 1.2e-4]})  # PyTorch's own float32 rounding
     assert not torch_zoo.grads_agree({"grad": 2e-4, "grad64": [5e-4, 1e-5]})  # PyTorch close to exact, hspmd not
+
+
+@pytest.mark.parametrize("arch", BF16)
+def test_an_imported_entry_computes_in_bfloat16_as_torch_autocast(arch):
+    import numpy as np
+
+    import hspmd as hs
+    from conftest import run_imported
+
+    model, batch = torch_zoo.build(arch)[0], torch_zoo.batch(0)
+    program = hs.from_torch(model, batch, torch_zoo.loss, precision="bfloat16")
+    ours = float(run_imported(program, batch)["loss"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = torch_zoo.loss(model, {k: torch.as_tensor(np.asarray(v)) for k, v in batch.items()}).item()
+    assert abs(ours / theirs - 1) <= 1e-2, (ours, theirs)
