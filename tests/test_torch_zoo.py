@@ -6,7 +6,8 @@ The whole mapping (about 200 entries) is too long for CI, so each run samples: o
 architecture of those the importer must take (the decoders issue 39 names, each of which once
 stopped at one op or already matched), with an AdamW step and tp=2; one entry of the whole
 mapping (`tests/zoo_table.json`, the table as last run), which must import with PyTorch's loss and
-gradients (where it did) or be refused in one line (never import with other numbers); one expert layer (Mixtral's or Qwen-MoE's) under ep=2; and one entry that imported, under
+gradients (where it did) or be refused in one line (never import with other numbers); one
+expert layer (Mixtral's or Qwen-MoE's) under ep=2; and one entry that imported, under
 `precision=bfloat16`, its step-1 loss within 1e-2 of PyTorch's under `torch.autocast`. The
 seed varies from run to run (`HSPMD_TEST_SEED` fixes it; pytest's header prints it).
 `python tests/torch_zoo.py [ARCH ...]` prints the table (`docs/torch-import.md` holds one).

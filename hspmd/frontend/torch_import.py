@@ -454,7 +454,9 @@ class _Importer:
         make `node` an input of the block's function (each block its own buffer)."""
         path = target[len(_PREFIX):]
         for list_path, pattern in self.patterns.items():
-            index, _, name = path[len(list_path) + 1:].partition(".") if path.startswith(list_path + ".") else ("", "", "")
+            if not path.startswith(list_path + "."):
+                continue
+            index, _, name = path[len(list_path) + 1:].partition(".")
             if index.isdigit() and name in pattern.per_layer:
                 owner = self.lists[list_path]
                 self.env[node] = self.layer_input(self.env[node])

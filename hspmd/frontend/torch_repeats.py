@@ -168,8 +168,8 @@ def per_layer_values(blocks: Sequence) -> tuple[frozenset[tuple[str, str]], froz
     """Return (settings, buffers) of `blocks` that take a value of their own in every block:
     integer settings that count with the block's number (`a + i * d`, d != 0, in block i: Beam
     numbers its residual adds so), float settings all different (DiffLlama's `lambda_init`, made
-    from the layer's number), buffers all different where blocks hold them (MiniMax's decay rates): the block's number
-    under another name, or values made from it."""
+    from the layer's number), buffers all different where blocks hold them (MiniMax's decay
+    rates): the block's number under another name, or values made from it."""
     settings = [_settings(b) for b in blocks]
     found = set()
     for key in settings[0]:

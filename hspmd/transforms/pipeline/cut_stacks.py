@@ -234,37 +234,31 @@ class _Cutter:
         self.done.append(o)
 
     def sum_squares(self, o: optim.SumSquaresOp) -> None:
-        total = None
-        for piece in self.of(o.operands[0], o):
-            sq = optim.SumSquaresOp(piece, o.result.type)
-            o.parent_block().insert_op_before(sq, o)  # type: ignore[union-attr]
-            if total is None:
-                total = sq.result
-            else:
-                add = graph.AddOp(total, sq.result)
-                o.parent_block().insert_op_before(add, o)  # type: ignore[union-attr]
-                total = add.result
-        o.result.replace_all_uses_with(total)  # type: ignore[arg-type]
-        self.done.append(o)
+        self._summed(o, self.of(o.operands[0], o), lambda piece: optim.SumSquaresOp(piece, o.result.type))
 
     def sum_layers(self, o: graph.ReduceSumOp) -> None:
         """A sum over the stacking dim (the gradient of a scan's invariant float argument, summed
         over the layers): the pieces' sums, added in the order the pieces are made (a backward
         scan's from the last layers down, so that each stage adds its own to what the stage
         after it handed back)."""
-        total = None
         pieces = self.of(o.input, o)
         backward = isinstance(o.input.owner, graph.ScanOp) and o.input.owner.is_reverse
-        for piece in (reversed(pieces) if backward else pieces):
-            part = graph.ReduceSumOp(piece, [0], o.result.type)
-            o.parent_block().insert_op_before(part, o)  # type: ignore[union-attr]
+        self._summed(o, list(reversed(pieces)) if backward else pieces,
+                     lambda piece: graph.ReduceSumOp(piece, [0], o.result.type))
+
+    def _summed(self, o: Operation, pieces: list[SSAValue], part) -> None:
+        """Replace reduction `o` of a stack by `part(piece)` of each of `pieces`, added in turn."""
+        total = None
+        for piece in pieces:
+            made = part(piece)
+            o.parent_block().insert_op_before(made, o)  # type: ignore[union-attr]
             if total is None:
-                total = part.result
+                total = made.results[0]
             else:
-                add = graph.AddOp(total, part.result)
+                add = graph.AddOp(total, made.results[0])
                 o.parent_block().insert_op_before(add, o)  # type: ignore[union-attr]
                 total = add.result
-        o.result.replace_all_uses_with(total)  # type: ignore[arg-type]
+        o.results[0].replace_all_uses_with(total)  # type: ignore[arg-type]
         self.done.append(o)
 
     def named(self, o: graph.AssignOp | graph.OutputOp) -> None:
