@@ -201,6 +201,28 @@ def test_a_value_the_loop_computes_between_blocks_exports_every_block():
     _agrees(model, batch, out, grads=False)
 
 
+class KeepAll(Net):
+    """Alike blocks whose every result the loss reads (as a loop keeping `all_hidden_states`
+    does): the blocks left out would not be in it, so every block is exported (this was a wrong
+    loss, silently, before the importer checked who reads the blocks' values)."""
+
+    def forward(self, batch):
+        x, bias, kept = batch["x"], self.bias * 2, 0.0
+        for block in self.blocks:
+            x = block(x, bias)
+            kept = kept + x.mean()
+        return (x ** 2).mean() + kept
+
+
+def test_a_loss_reading_every_blocks_result_exports_every_block():
+    torch.manual_seed(0)
+    model = KeepAll("a" * 6)
+    program, batch = _imported(model)
+    assert program.repeated == {}
+    out = run_imported(program, batch, stack=True)
+    _agrees(model, batch, out)
+
+
 class Pair(Block):
     """A block handing on a second value the next block takes by keyword (GLM-MoE-DSA's top-k
     indices, `prev_topk_indices`); `uses` whether it computes with it."""
@@ -458,3 +480,51 @@ def test_a_buffer_a_product_takes_is_cast_as_autocast_casts_it(repeat):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model({"x": torch.as_tensor(batch["x"])}).item()
     assert abs(float(run_imported(program, batch)["loss"]) / loss - 1) <= 1e-2
+
+
+class Indexed(Block):
+    """A block of HY-v4's kinds: "f" picks the top-k features of its input (int indices), "s"
+    (shared) takes the indices of the block before and hands them on untouched, "g" is "f" of
+    another activation (HY-v4's first, dense layer); each computes through a mask made from the
+    indices."""
+
+    def forward(self, x, bias, prev=None):
+        index = torch.topk(x * self.fc.weight[0], 3, dim=-1).indices if self.kind in "fg" else prev
+        mask = torch.zeros_like(x).scatter(-1, index, 1.0)
+        act = torch.nn.functional.gelu if self.kind == "g" else torch.tanh
+        return x + act(self.fc(x) * mask + bias), index
+
+
+class IndexedNet(Net):
+    def __init__(self, kinds: str, keep: bool = False) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Indexed(k, i, False) for i, k in enumerate(kinds))
+        self.keep = keep  # the loss reads every block's result, as `output_hidden_states` keeps them
+
+    def forward(self, batch):
+        x, bias, index, kept = batch["x"], self.bias * 2, None, 0.0
+        for block in self.blocks:
+            x, index = block(x, bias, prev=index)
+            kept = kept + (x.mean() if self.keep else 0.0)
+        return (x ** 2).mean() + kept
+
+
+@pytest.mark.parametrize("kinds,keep,repeated", [
+    ("gfsssfsssfss", False, True),  # the indices of the last "f" block, handed on through "s" blocks (HY-v4)
+    ("fsssfsssfss", False, True),
+    ("fsfsfsfs", False, True),
+    ("ffsssfsssfss", False, False),  # block 0's indices no block takes: its graph is not block 1's
+    ("fsssfsssfss", True, False),  # the loss reads every block's result: the blocks left out would miss
+])
+def test_blocks_carrying_two_values_one_handed_on_untouched(kinds, keep, repeated):
+    """The blocks hand on two values by slot (their shape and dtype): the shared blocks take the
+    indices of the last block that made them, not of the block before; the loop keeping every
+    block's result exports every block."""
+    torch.manual_seed(0)
+    model = IndexedNet(kinds, keep)
+    program, batch = _imported(model)
+    assert bool(program.repeated) == repeated
+    if repeated:
+        assert program.repeated["blocks"].exported < len(kinds)
+    out = run_imported(program, batch, stack=True)
+    _agrees(model, batch, out)

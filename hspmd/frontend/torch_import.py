@@ -51,7 +51,8 @@ from hspmd.frontend import aten, aten_complex, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
 from hspmd.frontend.torch_layer_values import BlockFloats, record_floats
-from hspmd.frontend.torch_repeats import NotRepeatable, RepeatPattern, blocks_kept, digest, repeatable_lists
+from hspmd.frontend.torch_repeats import (ExportedCalls, NotRepeatable, RepeatPattern, blocks_kept, digest,
+                                          repeatable_lists)
 from hspmd.frontend.nn import Module, Parameter
 from hspmd.frontend.tracing import Tensor, TraceError, Tracer
 
@@ -160,7 +161,8 @@ class _Importer:
         # an exported block of a list -> [(a block left out after it, the exported block it is called as)]
         self.repeats: dict[str, list[tuple[str, str]]] = {}
         self.patterns: dict[str, RepeatPattern] = {}  # list path -> its pattern (those exported in part)
-        self.orders: dict[str, list[int]] = {}  # list path -> its blocks called in the export, in turn
+        self.calls: dict[str, ExportedCalls] = {}  # list path -> what the export saw of its blocks
+        self.slots_read: dict[str, set] = {}  # list path -> `read_slots`
         self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.lists: dict = {}  # list path -> its ModuleList (those of `patterns`)
@@ -385,68 +387,124 @@ class _Importer:
         parts.append(("out", tuple(local[n] for n in outputs)))
         return inputs, outputs, hashlib.sha1(repr(parts).encode()).hexdigest()[:16], nodes
 
-    def repeat(self, path: str, results: tuple) -> tuple:
+    def repeat(self, path: str) -> None:
         """Call the blocks left out after kept block `path` (`self.repeats[path]`) in turn, each
-        with the arguments of the kept block it is called as, the one before's result in place of
-        that block's predecessor's; return the last one's results. NotRepeatable where a kept
-        block called as another does not chain by one carried value from the kept block called
-        before it alone (`check_repeats` checks the rest once every block is made)."""
+        with the arguments of the kept block it is called as, the values the blocks hand on
+        (`chain`: by slot) the latest of the blocks before it; then the nodes of the chain's state
+        after `path` stand for the last values of their slots. NotRepeatable where a kept block
+        called as another does not take the blocks' values by slot alone (`check_repeats` checks
+        the rest once every block is made)."""
         more = self.repeats[path]
         list_path = path.rpartition(".")[0]
-        pattern = self.patterns[list_path]
-        called = self._kept_called(list_path)
-        calls = {}
+        reads, after, _ = self.chain(list_path)
         for template in {t for _, t in more}:
-            at = called.index(template) if template in called else 0
-            carried = self._carried(called[at - 1], template) if at else None
-            if carried is None:
-                raise NotRepeatable(path)
-            calls[template] = (carried, list(self.made[template][2]))
-        if len(results) != 1:
-            raise NotRepeatable(path)
+            if not isinstance(reads.get(template), dict) or not reads[template]:
+                raise NotRepeatable(f"{template}: {reads.get(template) or 'takes no value of the blocks before'}")
+            k = int(template.rpartition(".")[2])
+            if self.calls[list_path].handed_on(k) & self.read_slots(list_path) - {self._slot(o) for o in
+                                                                              self.made[template][3]}:
+                # it computes a value the blocks take that no block after it in the export takes
+                raise NotRepeatable(f"{template} hands on a value its function does not return")
+        state = {slot: self.env[n] for slot, n in after[path].items()}
         for left, template in more:
-            carried, args = calls[template]
+            args = list(self.made[template][2])
+            for i, slot in reads[template].items():
+                if slot not in state:
+                    raise NotRepeatable(f"{left} takes a value no block before it hands on")
+                args[i] = state[slot]
             block = self.blocks[left]
             block.signature = self.blocks[template].signature
-            args[carried] = results[0]
             k = int(left.rpartition(".")[2])
             for i, x in enumerate(self.made[template][1]):
                 if x in self.layer_values:  # block k's own number or buffer
                     args[i] = self.layer_input(self.layer_values[x](k))
             out = block(*args)
-            results = out if isinstance(out, tuple) else (out,)
-        return results
+            for o, value in zip(self.made[template][3], out if isinstance(out, tuple) else (out,)):
+                state[self._slot(o)] = value
+        for slot, n in after[path].items():
+            self.env[n] = state[slot]
 
     def _kept_called(self, list_path: str) -> list[str]:
         """Return the kept blocks of a list the export called, in turn."""
         kept = self.patterns[list_path].blocks
-        return [f"{list_path}.{k}" for k in self.orders[list_path] if k in kept]
+        return [f"{list_path}.{k}" for k in self.calls[list_path].order if k in kept]
 
     def check_repeats(self) -> None:
         """Raise NotRepeatable where two blocks of a list's `pairs` differ (a block that computes
-        with its number, say) or a kept block called after left-out ones does not take the one
-        carried value of the kept block before (the loop computes a value between blocks, say)."""
+        with its number, say), a kept block called after left-out ones does not take the blocks'
+        values by slot (`chain`), or a node outside the list's blocks reads a value of theirs
+        other than the last of its slot (the loop computes between blocks, or keeps every block's
+        result: the blocks left out would not be in it)."""
         for list_path, pattern in self.patterns.items():
             for first, second in ([f"{list_path}.{k}" for k in pair] for pair in pattern.pairs):
                 if any(b not in self.made for b in (first, second)) or self.made[first][0] != self.made[second][0]:
                     raise NotRepeatable(second)
+            reads, after, produced = self.chain(list_path)
             called = self._kept_called(list_path)
             for before, block in zip(called, called[1:]):
-                if before in self.repeats and (block not in self.made or self._carried(before, block) is None):
-                    raise NotRepeatable(block)
+                if before in self.repeats and (block not in self.made or not isinstance(reads.get(block), dict)):
+                    raise NotRepeatable(f"{block}: {reads.get(block, 'not made')}")
+            last = set(after[next(reversed(after))].values()) if after else set()
+            inside = {n for b in after for n in self.runs[id(self.blocks[b])][0] if self.block_path(n) == b}
+            tainted: set = set()
+            for n in self.ep.graph.nodes:
+                if n in inside:
+                    continue
+                read = [a for a in n.all_input_nodes if a in produced or a in tainted]
+                if any(a in produced and a not in last for a in read):
+                    raise NotRepeatable(f"{where(n, 'reads a value of a block of ' + list_path)} other than the "
+                                        "last the blocks hand on")
+                if read:
+                    tainted.add(n)
+            for b in after:
+                if any(x in tainted for x in self.made[b][1]):
+                    raise NotRepeatable(f"{b} takes a value computed from the blocks' outside them")
 
-    def _carried(self, before: str, block: str) -> int | None:
-        """Return the one input of made `block` (of one result) that made `before` hands it; None
-        where `block` takes another block's result, or not one of `before`'s."""
-        if before not in self.made or block not in self.made:
-            return None
-        _, inputs, _, outputs = self.made[block]
-        carried = [i for i, x in enumerate(inputs) if x in self.made[before][3]]
-        list_path = block.rpartition(".")[0] + "."
-        others = {x for b, made in self.made.items() if b.startswith(list_path) and b != before for x in made[3]}
-        if len(carried) != 1 or len(outputs) != 1 or any(x in others for x in inputs):
-            return None
-        return carried[0]
+    def chain(self, list_path: str) -> tuple[dict, dict, set]:
+        """Follow the kept blocks of a list made so far, in turn, as a chain of slots (a value's
+        shape and dtype, `_slot`): what the blocks hand on (the hidden states; HY-v4's top-k indices,
+        which its "shared" layers hand on untouched) is the latest value of each slot. Return
+        (reads: block -> {index of an input: the slot it takes}, or why it does not take the
+        latest values by slot; after: block -> {slot: node}, the chain's state after it; the nodes
+        the blocks made)."""
+        state: dict = {}
+        reads: dict = {}
+        after: dict = {}
+        produced: set = set()
+        for b, (_, inputs, _, outputs) in self.made.items():
+            if b.rpartition(".")[0] != list_path:
+                continue
+            taken = {}
+            for i, x in enumerate(inputs):
+                if x in produced:
+                    taken[i] = self._slot(x)
+                    if state.get(taken[i]) is not x:
+                        taken = f"{b} takes a value of a block before other than the latest of its shape"
+                        break
+            slots = [self._slot(o) for o in outputs]
+            if len(set(slots)) < len(slots) and isinstance(taken, dict):
+                taken = f"{b} hands on two values of one shape and dtype"
+            reads[b] = taken
+            state = {**state, **dict(zip(slots, outputs))}
+            after[b] = state
+            produced.update(outputs)
+        return reads, after, produced
+
+    def read_slots(self, list_path: str) -> set[tuple]:
+        """Return the slots (`_slot`) of the values a block of a list takes from another."""
+        if list_path not in self.slots_read:
+            own = list_path + "."
+            self.slots_read[list_path] = {
+                self._slot(a) for n in self.ep.graph.nodes if (self.block_path(n) or "").startswith(own)
+                for a in n.all_input_nodes
+                if (self.block_path(a) or "").startswith(own) and self.block_path(a) != self.block_path(n)}
+        return self.slots_read[list_path]
+
+    def _slot(self, node) -> tuple:
+        """Return the slot of a value blocks hand on: its shape and dtype (PyTorch's; a slot of its
+        own where the export did not note them)."""
+        val = node.meta.get("val")
+        return (tuple(val.shape), str(val.dtype)) if hasattr(val, "shape") and hasattr(val, "dtype") else (node.name,)
 
     # -- per-layer values (`hspmd.frontend.torch_layer_values`)
     def layer_buffer(self, node, target: str) -> None:
@@ -556,9 +614,21 @@ class _Importer:
                 users += 1
         for list_path, floats in self.floats.items():
             self.layer_floats(list_path, floats)
-        nodes = [n for n in self.ep.graph.nodes if n.op == "call_function"]
         (output,) = [n for n in self.ep.graph.nodes if n.op == "output"]
-        outside = set(output.all_input_nodes)
+        loss_node, *handed = output.args[0]
+        # the values the last blocks hand on are outputs (the blocks making them return them) where
+        # a block takes them from another; the others, and what the export computed for them alone, go
+        needed = [n for n in handed if any(self._slot(n) in self.read_slots(p) for p in self.patterns)]
+        output.args = ((loss_node, *needed),)
+        dead, erased = [n for n in handed if n not in needed], set()
+        while dead:
+            n = dead.pop()
+            if n.op == "call_function" and not n.users and n not in erased:
+                erased.add(n)
+                dead += n.all_input_nodes
+                self.ep.graph.erase_node(n)
+        nodes = [n for n in self.ep.graph.nodes if n.op == "call_function"]
+        outside = {loss_node, *needed}
         for item in self.plan_blocks(nodes):
             if isinstance(item, torch.fx.Node):
                 self.env[item] = self.run_node(item, self.env, self.tracer)
@@ -583,12 +653,12 @@ class _Importer:
                     self.env[n] = self.run_node(n, self.env, self.tracer)
                 continue
             results = results if isinstance(results, tuple) else (results,)
-            if path in self.repeats:  # the blocks left out of the export: called as this one is
-                results = self.repeat(path, results)
             for n, r in zip(outputs, results):
                 self.env[n] = r
+            if path in self.repeats:  # the blocks left out of the export: called as this one is
+                self.repeat(path)
         self.check_repeats()
-        loss = self.env[output.args[0][0]]
+        loss = self.env[loss_node]
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise TorchImportError(f"the loss function must return a scalar tensor, got {loss!r}")
         return loss
@@ -728,8 +798,14 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
             self.model = module
 
         def forward(self, b):
-            return loss_fn(self.model, b)
+            loss = loss_fn(self.model, b)
+            # the values the last block hands on besides its first (HY-v4's top-k indices) are
+            # outputs too, so the last kept block to make one returns it (`ExportedCalls.handed_on`)
+            handed = [item for c in calls.values() if type(c.last) is tuple
+                      for j, item in enumerate(c.last[1:], 1) if j in c.slots and isinstance(item, torch.Tensor)]
+            return (loss, *handed) if handed else loss
 
+    calls: dict[str, ExportedCalls] = {}
     floats = {}
     for path, pattern in lists.items():  # the floats of blocks that take numbers of their own
         if pattern.per_layer:
@@ -737,7 +813,6 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
                 floats[path] = record_floats(module, lambda: _Step()(batch), module.get_submodule(path))
     try:
         with contextlib.ExitStack() as stack:
-            calls = {}
             for path, pattern in lists.items():  # export the blocks `pattern.blocks` of each repeatable list
                 parent, _, key = path.rpartition(".")
                 calls[path] = stack.enter_context(blocks_kept(module.get_submodule(parent) if parent else module,
@@ -785,7 +860,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         p._traced = tracer.parameter(name, p.shape, p.init, p.dtype)
     importer = _Importer(ep, params, canonical, tracer)
     importer.blocks, importer.repeats, importer.patterns = blocks, repeats, dict(lists)
-    importer.orders = {path: c.order for path, c in calls.items()}
+    importer.calls = dict(calls)
     importer.lists = {path: module.get_submodule(path) for path in lists}
     importer.floats = floats
     if precision:

@@ -223,12 +223,20 @@ class ExportedCalls:
     turn; `outputs`, per kind, the result of its first kept block called; `slots`, for each item
     j > 0 of a block's result (a tuple), where the next block takes it (a positional index or a
     keyword: GLM-MoE-DSA hands its top-k indices on as `prev_topk_indices`); `last`, the result
-    of the block called last."""
+    of the block called last; `made`, per kept block, (index, slot) of each item of its result
+    it computes (a tensor, not one it was handed: HY-v4's "shared" layers hand their top-k indices
+    on untouched), a slot being a value's shape and dtype."""
 
     order: list[int] = field(default_factory=list)
     outputs: dict[int, object] = field(default_factory=dict)
     slots: dict[int, int | str] = field(default_factory=dict)
     last: object = None
+    made: dict[int, tuple[tuple[int, tuple], ...]] = field(default_factory=dict)
+
+    def handed_on(self, k: int) -> set[tuple]:
+        """Return the slots of the values kept block `k` computes that the blocks hand on (the
+        first item of its result, and each item the next block takes)."""
+        return {slot for j, slot in self.made.get(k, ()) if j == 0 or j in self.slots}
 
     def left_out(self, kept: Sequence[int]) -> dict[int, list[int]]:
         """Return {kept block: the blocks left out that were called after it, before the next kept one}."""
@@ -339,16 +347,20 @@ def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCal
     calls = ExportedCalls()
     kept = set(pattern.blocks)
 
-    def after(kind: int, result) -> None:  # returns None: the result stays the block's
-        calls.outputs.setdefault(kind, result)
+    def after(k: int, args: tuple, kwargs: dict, result) -> None:  # returns None: the result stays the block's
+        calls.outputs.setdefault(pattern.kinds[k], result)
         calls.last = result
+        given = [*args, *kwargs.values()]
+        items = result if type(result) is tuple else (result,)
+        calls.made[k] = tuple((j, (tuple(item.shape), str(item.dtype))) for j, item in enumerate(items)
+                              if isinstance(item, torch.Tensor) and not any(item is a for a in given))
 
     hooks = []
     for k in kept:
         hooks.append(full[k].register_forward_pre_hook(
             lambda _m, args, kwargs, k=k: calls.called(k, args, kwargs), with_kwargs=True))
         hooks.append(full[k].register_forward_hook(
-            lambda _m, _a, result, kind=pattern.kinds[k]: after(kind, result)))
+            lambda _m, args, kwargs, result, k=k: after(k, args, kwargs, result), with_kwargs=True))
     owner._modules[key] = torch.nn.ModuleList(
         full[k] if k in kept else _left_out_block(full[k], k, pattern.kinds[k], calls) for k in range(len(full)))
     try:
