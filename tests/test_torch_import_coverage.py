@@ -159,6 +159,9 @@ def _cases(rng):
         ("aten.repeat.default", [n(2, 3)], lambda x, i: A.repeat.default(x[0], [2, 1, 2])),
         ("aten.flip.default", [n(3, 4)], lambda x, i: A.flip.default(x[0], [0, 1])),
         ("aten.diagonal.default", [n(4, 5)], lambda x, i: A.diagonal.default(x[0], 1)),
+        # not Core ATen, but the decompositions keep it (Inkling-2's short convolutions)
+        ("aten.unfold.default", [n(2, 11, 3)], lambda x, i: A.unfold.default(x[0], 1, 4, 2)),
+        ("aten.unfold.default", [n(6, 2)], lambda x, i: A.unfold.default(x[0], -2, 3, 1)),
         ("aten.cat.default", [n(3, 4), n(2, 4)], lambda x, i: A.cat.default(x, 0)),
         ("aten.convolution.default", [n(2, 4, 7), n(4, 1, 3), n(4), n(6, 2, 2)],  # depthwise, padded; grouped
          lambda x, i: torch.cat([A.convolution.default(x[0], x[1], x[2], [1], [2], [1], False, [0], 4).flatten(),

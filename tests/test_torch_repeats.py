@@ -46,10 +46,14 @@ def test_the_export_keeps_one_block_per_kind_and_calls_the_others_as_one_before(
     pattern, kept = pattern_of(items), pattern_of(items).blocks
     assert {items[k] for k in kept} == set(items) and kept[0] == 0
     repeats = len(set(items)) < len(items)
-    assert len(kept) == len(set(items)) + repeats  # one per kind, and a second of the checked kind
+    first_again = items.count(items[0]) > 1
+    assert len(kept) == len(set(items)) + first_again  # one per kind, and a second of the first block's
     if repeats:
         a, b = pattern.checked
-        assert items[a] == items[b] and a < b and {a, b} <= set(kept)
+        assert items[a] == items[b] and a < b and a in kept
+        # the first block's kind: its second block is the template (kept, its graph compared);
+        # another kind: its first block is, and the second is compared eagerly (left out)
+        assert (b in kept) == first_again and (pattern.eager_checked == (a, b)) == (not first_again)
     for k in set(range(len(items))) - set(kept):  # a block left out is called as an exported block before it
         t = pattern.template(k)
         assert items[t] == items[k] and t in kept and 0 < t < k
@@ -125,6 +129,7 @@ def _agrees(model, batch, out, grads: bool = True) -> None:
     ("aaabaaabaaab", False, pattern_of("aaab" * 3), ([(4, 3)], 0)),  # 3 kept (Cohere-2's NoPE layers)
     ("aabaaaabaaaaaa", False, pattern_of("aabaaaabaaaaaa"), ([(5, 2), (1, 4)], 0)),  # kinds at a list of places (Mllama)
     ("aaaaaa", True, None, ([], 6)),  # each block scales by its number: the graphs differ, every block is exported
+    ("cbbbbbb", True, None, ([], 7)),  # so, compared eagerly (blocks 1 and 2: only 1 is exported)
 ])
 def test_repeating_blocks_import_with_pytorchs_numbers(kinds, by_depth, repeated, stacked):
     """... and with their layers stacked: a period of blocks is one scan iteration."""
@@ -528,3 +533,38 @@ def test_blocks_carrying_two_values_one_handed_on_untouched(kinds, keep, repeate
         assert program.repeated["blocks"].exported < len(kinds)
     out = run_imported(program, batch, stack=True)
     _agrees(model, batch, out)
+
+
+class Offset(Block):
+    """A block adding a tensor it holds as a plain attribute (no buffer: `block_key` does not see
+    it) of a value of its own, or scaling by a float made from its number: what the eager
+    comparison must see."""
+
+    def __init__(self, kind: str, i: int, how: str) -> None:
+        super().__init__(kind, i, False)
+        self.offset = torch.full((8,), 0.5 if how != "tensor" else 0.1 * i)
+        self.how = how
+
+    def forward(self, x, bias):
+        scale = 1.0 + self.layer_idx / 10 if self.how == "float" else 1.0
+        return Block.forward(self, x, bias) * scale + self.offset
+
+
+@pytest.mark.parametrize("how,alike", [("same", True), ("tensor", False), ("float", False)])
+def test_two_blocks_are_compared_eagerly_where_the_first_blocks_kind_does_not_repeat(how, alike):
+    """A first block of its own (a dense layer): the export keeps the first of the other kind
+    only, and the importer compares it with the next of its kind by what they compute eagerly
+    (`eager_signatures`: ops, arguments, where each tensor comes from)."""
+    from hspmd.frontend.torch_layer_values import eager_signatures
+
+    torch.manual_seed(0)
+    model = Net("c")
+    model.blocks.extend(Offset("b", i, how) for i in range(1, 6))
+    pattern = pattern_of("cbbbbb")
+    assert pattern.eager_checked == (1, 2) and pattern.blocks == (0, 1)
+    batch = {"x": torch.randn(4, 8)}
+    first, second = eager_signatures(model, lambda: model(batch), model.blocks, (1, 2))
+    assert (first == second) == alike and len(first) > 5
+    program, batch = _imported(model)
+    assert (program.repeated == {"blocks": pattern}) == alike
+    _agrees(model, batch, run_imported(program, batch, stack=True))

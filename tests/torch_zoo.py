@@ -106,14 +106,25 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
         kw["num_heads"] = int(default["expand"]) * D // kw["head_dim"]
     if "conv_L_cache" in default:  # LFM2: short-convolution and attention layers taking turns (the default has none)
         kw["layer_types"] = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        kw["full_attn_idxs"] = [i for i in range(layers) if i % 2]
+    if "indexer_budget" in default and default["indexer_budget"] is None:  # Qwen4-exp: its indexed layers need these
+        kw.update(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=8,
+                  indexer_compress_ratio=4)
+    hidden = next((default[k] for k in ("hidden_size", "d_model") if isinstance(default.get(k), int)), None)
+    if isinstance(default.get("attention_hidden_size"), int) and hidden and default["attention_hidden_size"] % hidden == 0:
+        kw["attention_hidden_size"] = D * default["attention_hidden_size"] // hidden  # Zamba's: twice the hidden size
     count = next((default[k] for k in LAYER_COUNTS if isinstance(default.get(k), int)), None)
     for k, v in default.items():  # per-layer settings: those of the first layers
         if isinstance(v, list) and count and len(v) == count and k in SIZES:  # a size per layer
             kw[k] = [SIZES[k]] * layers
         elif isinstance(v, list) and count and len(v) == count and k not in kw:
             kw[k] = _layers(v, layers)
-        if k == "per_layer_config" and isinstance(v, dict):
-            kw[k] = {i: c for i, c in v.items() if int(i) < layers}
+            if kw[k] is None:
+                raise NotInZoo(f"its per-layer setting {k} does not repeat: no config of {layers} layers from it")
+        if k == "per_layer_config" and isinstance(v, dict) and count:  # Gemma-4's overrides, by layer number
+            width = len(next(iter(v), ""))
+            overrides = _layers([v.get(f"{i:0{width}d}", v.get(str(i))) for i in range(count)], layers)
+            kw[k] = {f"{i:0{width}d}": c for i, c in enumerate(overrides) if c is not None}
     for k, v in default.items():  # sub-configs (a text model's, a vision model's)
         if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):
             kw[k] = {**v, **_small(v, layers)}
@@ -126,6 +137,8 @@ def _layers(values: list, layers: int) -> list:
     from hspmd.frontend.torch_repeats import repeat_pattern
 
     start, period = repeat_pattern([repr(v) for v in values])
+    if start + period > len(values):  # nothing repeats: its first entries only
+        return list(values[:layers]) if layers <= len(values) else None
     return [values[i if i < start else start + (i - start) % period] for i in range(layers)]
 
 

@@ -359,6 +359,20 @@ def diagonal(cx: Context, x, offset=0, dim1=0, dim2=1):
     return take(flat, cx.tracer.literal(rows * n2 + rows + offset), flat.ndim - 1)
 
 
+def unfold(cx: Context, x, dim, size, step):
+    """`Tensor.unfold`: the windows of `size` along `dim`, `step` apart, in a new last dim (a short
+    causal convolution's windows: Inkling-2's), one take of their positions."""
+    d = dim % x.ndim if x.ndim else 0
+    if x.ndim == 0:
+        return x.reshape((1,))
+    count = (x.shape[d] - size) // step + 1
+    positions = (np.arange(count)[:, None] * step + np.arange(size)[None, :]).reshape(-1).astype(np.int64)
+    windows = take(x, cx.tracer.literal(positions), d)
+    shape = (*x.shape[:d], count, size, *x.shape[d + 1:])
+    perm = [k for k in range(len(shape)) if k != d + 1] + [d + 1]
+    return windows.reshape(shape).transpose(perm)
+
+
 def slice_any_step(cx: Context, x, dim=0, start=None, end=None, step=1):
     """`aten.slice.Tensor` of any step."""
     from hspmd.frontend import aten
@@ -386,5 +400,6 @@ TRANSLATORS: dict[str, Callable] = {
     "aten.cumsum.default": cumsum, "aten.slice.Tensor": slice_any_step, "aten.slice_scatter.default": slice_scatter,
     "aten.select_scatter.default": select_scatter, "aten.constant_pad_nd.default": constant_pad_nd,
     "aten.repeat.default": repeat, "aten.flip.default": flip, "aten.diagonal.default": diagonal,
+    "aten.unfold.default": unfold,
 }
 

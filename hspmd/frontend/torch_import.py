@@ -50,7 +50,7 @@ from hspmd.dialects.dist import TP_SPLIT_ATTR, record_tp_splits
 from hspmd.frontend import aten, aten_complex, aten_math, translators
 from hspmd.frontend.decompose import HigherOrderOpError, decompose
 from hspmd.frontend.torch_experts import experts_as_moe_ops
-from hspmd.frontend.torch_layer_values import BlockFloats, record_floats
+from hspmd.frontend.torch_layer_values import BlockFloats, eager_signatures, record_floats
 from hspmd.frontend.torch_repeats import (ExportedCalls, NotRepeatable, RepeatPattern, blocks_kept, digest,
                                           repeatable_lists)
 from hspmd.frontend.nn import Module, Parameter
@@ -811,6 +811,12 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         if pattern.per_layer:
             with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
                 floats[path] = record_floats(module, lambda: _Step()(batch), module.get_submodule(path))
+        if pattern.eager_checked:  # two blocks of a kind the export leaves one of out: alike eagerly
+            with experts_as_moe_ops(module, _groups(batch)), quiet_torch():
+                first, second = eager_signatures(module, lambda: _Step()(batch), module.get_submodule(path),
+                                                 pattern.eager_checked)
+            if first != second:
+                raise NotRepeatable(f"blocks {pattern.eager_checked} of {path} compute otherwise")
     try:
         with contextlib.ExitStack() as stack:
             for path, pattern in lists.items():  # export the blocks `pattern.blocks` of each repeatable list

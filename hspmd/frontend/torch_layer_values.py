@@ -64,41 +64,127 @@ def record_floats(module, run: Callable[[], object], blocks) -> BlockFloats:
     floats of each block of ModuleList `blocks` (`BlockFloats`; a block's nested blocks' ops are
     its own). The run leaves `module`'s buffers and PyTorch's random state as they were."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     record = BlockFloats()
+
+    def note(k: int, func, args, kwargs, out) -> None:
+        leaves, _ = tree_flatten((args, kwargs))
+        shape = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                shape.append((str(x.dtype), tuple(x.shape)))
+            elif type(x) is float:
+                shape.append("float")
+                record.floats.setdefault(k, []).append(x)
+            else:
+                shape.append(repr(x))
+        record.ops.setdefault(k, []).append((str(func), tuple(shape)))
+
+    _eager(module, run, blocks, range(len(blocks)), note)
+    return record
+
+
+def eager_signatures(module, run: Callable[[], object], blocks, pair: tuple[int, int]) -> tuple[list, list]:
+    """Run `run()` as `record_floats` does, up to the end of block `pair[1]` of ModuleList
+    `blocks`, and return what the two blocks of `pair` computed, each a list that is equal for two
+    blocks that compute alike on inputs alike (what their exported graphs would show): each ATen
+    op with its arguments, a tensor named by where it comes from (an op of the block before it;
+    a parameter or buffer of the block, by name; else an input, by its first use, with its dtype
+    and shape), other arguments by value; then the tensors the block returns. An input of one
+    block that is neither the other's input at its place, nor a result of a block before it (a
+    value the blocks hand on), nor equal to the other's in value, makes the lists differ."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    first, second = pair
+    records: dict[int, list] = {first: [], second: []}
+    made: dict[int, dict[int, tuple]] = {first: {}, second: {}}  # id(tensor) -> (op, item)
+    inputs: dict[int, list] = {first: [], second: []}  # the block's inputs, in first use
+    keep: list = []  # every tensor noted, alive until the end (their ids stay theirs)
+    handed: set[int] = set()  # ids of the results of the blocks run so far
+    own = {k: {id(t): name for name, t in [*blocks[k].named_parameters(), *blocks[k].named_buffers()]}
+           for k in pair}
+
+    def name(k: int, x):
+        if not isinstance(x, torch.Tensor):
+            return ("f", x) if type(x) is float else repr(x)
+        if id(x) in own[k]:
+            return ("p", own[k][id(x)])
+        if id(x) in made[k]:
+            return ("n", *made[k][id(x)])
+        if not any(x is y for y in inputs[k]):
+            inputs[k].append(x)
+            keep.append(x)
+        return ("in", next(i for i, y in enumerate(inputs[k]) if y is x), str(x.dtype), tuple(x.shape))
+
+    def note(k: int, func, args, kwargs, out) -> None:
+        leaves, spec = tree_flatten((args, kwargs))
+        records[k].append((str(func), str(spec), tuple(name(k, x) for x in leaves)))
+        for j, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor):
+                made[k][id(t)] = (len(records[k]) - 1, j)
+                keep.append(t)
+
+    def ended(k: int, result) -> None:
+        if k in records:
+            records[k].append(("out", tuple(name(k, t) for t in tree_flatten(result)[0])))
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, torch.Tensor):
+                handed.add(id(t))
+                keep.append(t)
+        if k == second:
+            raise _Enough
+
+    _eager(module, run, blocks, pair, note, ended)
+    a, b = records[first], records[second]
+    for x, y in zip(inputs[first], inputs[second]):  # where each block's inputs come from
+        alike = x is y or (id(x) in handed and id(y) in handed) or (
+            x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
+        if not alike:
+            return a, [*b, ("input unlike", str(x.dtype), tuple(x.shape))]
+    return a, b
+
+
+class _Enough(Exception):
+    """The eager run has recorded what it was for."""
+
+
+def _eager(module, run: Callable[[], object], blocks, which, note: Callable, ended: Callable | None = None) -> None:
+    """Run `run()` eagerly without gradients, calling `note(k, func, args, kwargs, result)` for each
+    ATen op of block k of `which` (of ModuleList `blocks`; a block's nested blocks' ops are its own)
+    and `ended(k, result)` after each block of `blocks` (it may raise `_Enough` to stop the run);
+    `module`'s buffers and PyTorch's random state are as they were after. NotRepeatable where the
+    model's code fails eagerly."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     inside: list[int] = []
+    which = set(which)
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if inside:
-                k = inside[0]
-                leaves, _ = tree_flatten((args, kwargs))
-                shape = []
-                for x in leaves:
-                    if isinstance(x, torch.Tensor):
-                        shape.append((str(x.dtype), tuple(x.shape)))
-                    elif type(x) is float:
-                        shape.append("float")
-                        record.floats.setdefault(k, []).append(x)
-                    else:
-                        shape.append(repr(x))
-                record.ops.setdefault(k, []).append((str(func), tuple(shape)))
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if inside and inside[0] in which:
+                note(inside[0], func, args, kwargs, out)
+            return out
 
-    def leave(_module, _args, _result) -> None:  # None: the result stays the block's
+    def leave(k: int, result) -> None:  # None: the result stays the block's
         inside.pop()
+        if ended is not None and not inside:
+            ended(k, result)
 
     hooks = []
     for k, block in enumerate(blocks):
         hooks.append(block.register_forward_pre_hook(lambda _m, _a, k=k: inside.append(k)))
-        hooks.append(block.register_forward_hook(leave))
+        hooks.append(block.register_forward_hook(lambda _m, _a, result, k=k: leave(k, result)))
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), Recorder():
             run()
+    except _Enough:
+        pass
     except NotRepeatable:
         raise
     except Exception as err:  # noqa: BLE001 - the model's code failed eagerly: export every block
@@ -109,4 +195,3 @@ def record_floats(module, run: Callable[[], object], blocks) -> BlockFloats:
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
-    return record

@@ -66,12 +66,23 @@ class RepeatPattern:
         return next(((0, i) for i in again if self.kinds[i] == 0), (self.kinds[again[0]], again[0]) if again else None)
 
     @property
+    def eager_checked(self) -> tuple[int, int] | None:
+        """`checked` where the importer compares the two blocks by what they compute eagerly
+        (`hspmd.frontend.torch_layer_values.eager_signatures`) rather than by their exported
+        graphs, so the export leaves the second out: where the first block's kind does not
+        repeat (DeepSeek-style dense first layers; the first block of a kind that repeats is
+        its blocks' template then, its input a block's), without `per_layer` values."""
+        checked = self.checked
+        return checked if checked and checked[0] != 0 and not self.per_layer else None
+
+    @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
-        """The blocks whose graphs the importer compares, two of a kind: `checked`; with `per_layer`
-        values, the first two blocks of every kind that repeats (each block's values may enter its
-        graph in another place, which a second block of the kind shows)."""
+        """The blocks whose graphs the importer compares, two of a kind: `checked` (unless
+        `eager_checked`); with `per_layer` values, the first two blocks of every kind that repeats
+        (each block's values may enter its graph in another place, which a second block of the
+        kind shows)."""
         if not self.per_layer:
-            return (self.checked,) if self.checked else ()
+            return (self.checked,) if self.checked and not self.eager_checked else ()
         seconds = {}
         for i, kind in enumerate(self.kinds):
             if kind != i:
@@ -81,7 +92,8 @@ class RepeatPattern:
     @property
     def blocks(self) -> tuple[int, ...]:
         """The blocks the export keeps, in order: the first of each kind and the second of each of
-        `pairs` (the first block, whose input is not a block's, is no template)."""
+        `pairs` (the first block, whose input is not a block's, is no template; the second of
+        `eager_checked` is compared eagerly instead)."""
         return tuple(sorted({i for i, kind in enumerate(self.kinds) if kind == i} | {b for p in self.pairs for b in p}))
 
     @property
