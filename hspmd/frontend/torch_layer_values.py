@@ -12,6 +12,10 @@ notes, for each block of the list, the floats its ATen ops take, in turn (`Block
 floats that differ between the blocks of a kind are the per-layer numbers; the importer finds
 each in a kept block's exported graph by its value (`BlockFloats.per_layer`), and compares two
 blocks of the kind with them as inputs (their graphs must then be one).
+
+The same eager run (`_eager`) compares two blocks of a kind without exporting the second
+(`eager_signatures`, for `RepeatPattern.eager_checked`): their ATen ops, arguments, and where
+each tensor comes from must agree.
 """
 
 from __future__ import annotations

@@ -8,11 +8,14 @@ settings, with the config's per-layer lists, transformers' `layer_types`, say: `
 `repeatable_lists` finds the lists worth cutting: those where some block is of a kind met before.
 
 The importer (`hspmd.frontend.torch_import`) exports `RepeatPattern.blocks` only: the first
-block of each kind and the second of one kind (the config's per-layer lists cut to match, the
-blocks keeping their numbers). It checks that those two have one graph (a block that computes
-with its number shows there), and calls each block left out as an exported block of its kind is
-called (`RepeatPattern.template`), on the one before's result. The export, the import's dearest
-part, so holds one block per kind and one more, however deep the model. Blocks alike but for
+block of each kind, and the second of the first block's kind where it repeats (the config's
+per-layer lists cut to match, the blocks keeping their numbers). It checks that two blocks of a
+kind compute alike (a block that computes with its number shows): by their graphs, or, where
+the second is not exported (`RepeatPattern.eager_checked`), by what they compute eagerly; and
+calls each block left out as an exported block of its kind is called (`RepeatPattern.template`),
+with the latest values the blocks before it hand on (by slot: a value's shape and dtype). The
+export, the import's dearest part, so holds one block per kind and at most one more, however
+deep the model. Blocks alike but for
 settings or buffers of a value of their own in every block (`per_layer_values`: numbers made from
 the layer's number) are of a kind too; the importer hands each its own numbers
 (`hspmd.frontend.torch_layer_values`) and compares two blocks of every kind.
