@@ -533,6 +533,14 @@ def test_blocks_carrying_two_values_one_handed_on_untouched(kinds, keep, repeate
         assert program.repeated["blocks"].exported < len(kinds)
     out = run_imported(program, batch, stack=True)
     _agrees(model, batch, out)
+    from hspmd.dialects import graph
+
+    # the layers stack (exported in part or not), a period of "fsss" (or "fs") a scan iteration:
+    # the shared blocks take the indices of the period's "f" block, inside the period's function;
+    # where the loss reads every block's result, they stay calls
+    scans = [o for o in program.module.walk() if isinstance(o, graph.ScanOp) and not o.is_reverse]
+    periods = [s for s in scans if "period" in s.callee.root_reference.data]
+    assert bool(periods) == (not keep) and all(s.num_iterations >= 2 for s in periods)
 
 
 class Offset(Block):
@@ -567,4 +575,67 @@ def test_two_blocks_are_compared_eagerly_where_the_first_blocks_kind_does_not_re
     assert (first == second) == alike and len(first) > 5
     program, batch = _imported(model)
     assert (program.repeated == {"blocks": pattern}) == alike
+    _agrees(model, batch, run_imported(program, batch, stack=True))
+
+
+class Skip(Block):
+    def forward(self, x, older):
+        return x + torch.tanh(self.fc(x)) * 0.5 + older * 0.25
+
+
+class SkipNet(Net):
+    """Blocks each reading the results of the two blocks before it (a skip over one layer): no
+    scan hands a value on two iterations, so the calls stay calls, with PyTorch's numbers."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Skip("a", i, False) for i in range(6))
+
+    def forward(self, batch):
+        x, older = batch["x"] + self.bias, batch["x"] * 0.0
+        for block in self.blocks:
+            x, older = block(x, older), x
+        return (x ** 2).mean()
+
+
+def test_blocks_reading_two_blocks_back_stay_calls():
+    torch.manual_seed(0)
+    model = SkipNet()
+    program, batch = _imported(model)
+    assert program.repeated == {}  # two values of one shape and dtype handed on
+    out = run_imported(program, batch, stack=True)
+    from hspmd.dialects import graph
+
+    assert not [o for o in program.module.walk() if isinstance(o, graph.ScanOp)]
+    _agrees(model, batch, out)
+
+
+class Fed(Block):
+    def forward(self, x, bias, mine):
+        return Block.forward(self, x, bias) + torch.tanh(mine)
+
+
+class FedNet(Net):
+    """Blocks each handed a slice of their own of one tensor (Gemma-4's per-layer inputs): a
+    block left out takes its own slice, not its template's (which it took, silently, before)."""
+
+    def __init__(self, kinds: str) -> None:
+        super().__init__("")
+        self.blocks = torch.nn.ModuleList(Fed(k, i, False) for i, k in enumerate(kinds))
+        self.per_layer = torch.nn.Linear(8, 8 * len(kinds))
+
+    def forward(self, batch):
+        x, bias = batch["x"], self.bias * 2
+        mine = self.per_layer(x).reshape(x.shape[0], len(self.blocks), 8)
+        for i, block in enumerate(self.blocks):
+            x = block(x, bias, mine[:, i, :])
+        return (x ** 2).mean()
+
+
+@pytest.mark.parametrize("kinds", ["aaaaaa", "cbbbbbb", "ppqppqp"])
+def test_blocks_handed_tensors_of_their_own_take_theirs(kinds):
+    torch.manual_seed(0)
+    model = FedNet(kinds)
+    program, batch = _imported(model)
+    assert program.repeated == {"blocks": pattern_of(kinds)}
     _agrees(model, batch, run_imported(program, batch, stack=True))

@@ -163,6 +163,8 @@ class _Importer:
         self.patterns: dict[str, RepeatPattern] = {}  # list path -> its pattern (those exported in part)
         self.calls: dict[str, ExportedCalls] = {}  # list path -> what the export saw of its blocks
         self.slots_read: dict[str, set] = {}  # list path -> `read_slots`
+        self.extras: list[tuple[str, int, int]] = []  # the keys of the export's last outputs (`own`)
+        self.own: dict[tuple[str, int, int], object] = {}  # (list, block, argument leaf) -> its node
         self.made: dict[str, tuple] = {}  # block path -> (signature, input nodes, args, output nodes)
         self.autocast = None  # an `Autocast` where the program computes in float16/bfloat16
         self.lists: dict = {}  # list path -> its ModuleList (those of `patterns`)
@@ -418,6 +420,13 @@ class _Importer:
             for i, x in enumerate(self.made[template][1]):
                 if x in self.layer_values:  # block k's own number or buffer
                     args[i] = self.layer_input(self.layer_values[x](k))
+            t = int(template.rpartition(".")[2])
+            for (path_, block_, at), node in self.own.items():  # block k's own tensors (Gemma-4's per-layer inputs)
+                if path_ == list_path and block_ == k:
+                    theirs = self.own.get((list_path, t, at))
+                    if theirs not in self.made[template][1]:
+                        raise NotRepeatable(f"{template} does not take its own tensor as an input")
+                    args[self.made[template][1].index(theirs)] = self.own_value(node)
             out = block(*args)
             for o, value in zip(self.made[template][3], out if isinstance(out, tuple) else (out,)):
                 state[self._slot(o)] = value
@@ -489,6 +498,26 @@ class _Importer:
             after[b] = state
             produced.update(outputs)
         return reads, after, produced
+
+    def own_value(self, node):
+        """Return the value of top-level `node` (a block's own tensor), evaluating it and what it
+        reads first where the walk has not yet (it comes after the block whose left-out blocks
+        take it); NotRepeatable where it reads a block's value."""
+        if node in self.env:
+            return self.env[node]
+        order = {n: i for i, n in enumerate(self.ep.graph.nodes)}
+        todo, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in self.env or n in todo:
+                continue
+            if n.op != "call_function" or self.block_path(n) is not None:
+                raise NotRepeatable(f"a block's own tensor is made from a block's value ({n.name})")
+            todo.add(n)
+            stack += n.all_input_nodes
+        for n in sorted(todo, key=order.__getitem__):
+            self.env[n] = self.run_node(n, self.env, self.tracer)
+        return self.env[node]
 
     def read_slots(self, list_path: str) -> set[tuple]:
         """Return the slots (`_slot`) of the values a block of a list takes from another."""
@@ -616,10 +645,13 @@ class _Importer:
             self.layer_floats(list_path, floats)
         (output,) = [n for n in self.ep.graph.nodes if n.op == "output"]
         loss_node, *handed = output.args[0]
+        if self.extras:  # the tensors of their own the blocks take (`ExportedCalls.own`), last
+            handed, own = handed[:-len(self.extras)], handed[-len(self.extras):]
+            self.own = dict(zip(self.extras, own))
         # the values the last blocks hand on are outputs (the blocks making them return them) where
         # a block takes them from another; the others, and what the export computed for them alone, go
         needed = [n for n in handed if any(self._slot(n) in self.read_slots(p) for p in self.patterns)]
-        output.args = ((loss_node, *needed),)
+        output.args = ((loss_node, *needed, *self.own.values()),)
         dead, erased = [n for n in handed if n not in needed], set()
         while dead:
             n = dead.pop()
@@ -631,7 +663,8 @@ class _Importer:
         outside = {loss_node, *needed}
         for item in self.plan_blocks(nodes):
             if isinstance(item, torch.fx.Node):
-                self.env[item] = self.run_node(item, self.env, self.tracer)
+                if item not in self.env:  # (not evaluated already for a block left out: `own_value`)
+                    self.env[item] = self.run_node(item, self.env, self.tracer)
                 continue
             path, run = item
             block = self.blocks[path]
@@ -800,12 +833,16 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
         def forward(self, b):
             loss = loss_fn(self.model, b)
             # the values the last block hands on besides its first (HY-v4's top-k indices) are
-            # outputs too, so the last kept block to make one returns it (`ExportedCalls.handed_on`)
+            # outputs too, so the last kept block to make one returns it (`ExportedCalls.handed_on`);
+            # so are the tensors of their own the blocks take (`ExportedCalls.own`), so they stay
             handed = [item for c in calls.values() if type(c.last) is tuple
                       for j, item in enumerate(c.last[1:], 1) if j in c.slots and isinstance(item, torch.Tensor)]
-            return (loss, *handed) if handed else loss
+            extras[:] = [(path, k, at) for path, c in calls.items() for k, at in c.own]
+            own = [calls[path].own[(k, at)] for path, k, at in extras]
+            return (loss, *handed, *own) if handed or own else loss
 
     calls: dict[str, ExportedCalls] = {}
+    extras: list[tuple[str, int, int]] = []  # (list, block, argument leaf) of each own tensor the export returns
     floats = {}
     for path, pattern in lists.items():  # the floats of blocks that take numbers of their own
         if pattern.per_layer:
@@ -867,6 +904,7 @@ def _import(module, batch: dict, loss_fn: Callable, tp_plan, lists: dict[str, Re
     importer = _Importer(ep, params, canonical, tracer)
     importer.blocks, importer.repeats, importer.patterns = blocks, repeats, dict(lists)
     importer.calls = dict(calls)
+    importer.extras = list(extras)
     importer.lists = {path: module.get_submodule(path) for path in lists}
     importer.floats = floats
     if precision:

@@ -97,7 +97,9 @@ def eager_signatures(module, run: Callable[[], object], blocks, pair: tuple[int,
     a parameter or buffer of the block, by name; else an input, by its first use, with its dtype
     and shape), other arguments by value; then the tensors the block returns. An input of one
     block that is neither the other's input at its place, nor a result of a block before it (a
-    value the blocks hand on), nor equal to the other's in value, makes the lists differ."""
+    value the blocks hand on), nor a tensor the loop hands the block as its own (Gemma-4's slice
+    of per-layer inputs, of the other's shape and dtype), nor equal to the other's in value (a
+    tensor the block holds), makes the lists differ."""
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -107,6 +109,7 @@ def eager_signatures(module, run: Callable[[], object], blocks, pair: tuple[int,
     inputs: dict[int, list] = {first: [], second: []}  # the block's inputs, in first use
     keep: list = []  # every tensor noted, alive until the end (their ids stay theirs)
     handed: set[int] = set()  # ids of the results of the blocks run so far
+    given: dict[int, set[int]] = {}  # ids of the tensors each block of `pair` is called with
     own = {k: {id(t): name for name, t in [*blocks[k].named_parameters(), *blocks[k].named_buffers()]}
            for k in pair}
 
@@ -130,6 +133,12 @@ def eager_signatures(module, run: Callable[[], object], blocks, pair: tuple[int,
                 made[k][id(t)] = (len(records[k]) - 1, j)
                 keep.append(t)
 
+    def began(k: int, args: tuple, kwargs: dict) -> None:
+        if k in records:
+            leaves = tree_flatten((args, kwargs))[0]
+            given[k] = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
+            keep.extend(leaves)
+
     def ended(k: int, result) -> None:
         if k in records:
             records[k].append(("out", tuple(name(k, t) for t in tree_flatten(result)[0])))
@@ -140,11 +149,12 @@ def eager_signatures(module, run: Callable[[], object], blocks, pair: tuple[int,
         if k == second:
             raise _Enough
 
-    _eager(module, run, blocks, pair, note, ended)
+    _eager(module, run, blocks, pair, note, ended, began)
     a, b = records[first], records[second]
     for x, y in zip(inputs[first], inputs[second]):  # where each block's inputs come from
-        alike = x is y or (id(x) in handed and id(y) in handed) or (
-            x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
+        alike = x is y or (id(x) in handed and id(y) in handed) or x.dtype == y.dtype and x.shape == y.shape and (
+            (id(x) in given[first] and id(y) in given[second])  # tensors of their own the loop hands them
+            or torch.equal(x, y))
         if not alike:
             return a, [*b, ("input unlike", str(x.dtype), tuple(x.shape))]
     return a, b
@@ -154,10 +164,12 @@ class _Enough(Exception):
     """The eager run has recorded what it was for."""
 
 
-def _eager(module, run: Callable[[], object], blocks, which, note: Callable, ended: Callable | None = None) -> None:
+def _eager(module, run: Callable[[], object], blocks, which, note: Callable, ended: Callable | None = None,
+           began: Callable | None = None) -> None:
     """Run `run()` eagerly without gradients, calling `note(k, func, args, kwargs, result)` for each
-    ATen op of block k of `which` (of ModuleList `blocks`; a block's nested blocks' ops are its own)
-    and `ended(k, result)` after each block of `blocks` (it may raise `_Enough` to stop the run);
+    ATen op of block k of `which` (of ModuleList `blocks`; a block's nested blocks' ops are its own),
+    `began(k, args, kwargs)` before each block and `ended(k, result)` after it (it may raise
+    `_Enough` to stop the run);
     `module`'s buffers and PyTorch's random state are as they were after. NotRepeatable where the
     model's code fails eagerly."""
     import torch
@@ -179,9 +191,14 @@ def _eager(module, run: Callable[[], object], blocks, which, note: Callable, end
         if ended is not None and not inside:
             ended(k, result)
 
+    def enter(k: int, args: tuple, kwargs: dict) -> None:  # None: the arguments stay
+        if began is not None and not inside:
+            began(k, args, kwargs)
+        inside.append(k)
+
     hooks = []
     for k, block in enumerate(blocks):
-        hooks.append(block.register_forward_pre_hook(lambda _m, _a, k=k: inside.append(k)))
+        hooks.append(block.register_forward_pre_hook(lambda _m, a, kw, k=k: enter(k, a, kw), with_kwargs=True))
         hooks.append(block.register_forward_hook(lambda _m, _a, result, k=k: leave(k, result)))
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     try:

@@ -247,6 +247,11 @@ class ExportedCalls:
     slots: dict[int, int | str] = field(default_factory=dict)
     last: object = None
     made: dict[int, tuple[tuple[int, tuple], ...]] = field(default_factory=dict)
+    given: dict[int, tuple] = field(default_factory=dict)  # kept block -> (its arguments' leaves, their structure)
+    handed: dict[int, object] = field(default_factory=dict)  # id -> each tensor a block returned or handed on
+    # (block, leaf) -> a tensor argument of a block's own (Gemma-4's slice of per-layer inputs),
+    # for the left-out blocks and their templates: the export returns them (so they stay in its graph)
+    own: dict[tuple[int, int], object] = field(default_factory=dict)
 
     def handed_on(self, k: int) -> set[tuple]:
         """Return the slots of the values kept block `k` computes that the blocks hand on (the
@@ -270,12 +275,46 @@ class ExportedCalls:
         """Note that kept block `k` is called with `args`, `kwargs`: where it takes the items of
         the result of the block before."""
         self.order.append(k)
+        self.given[k] = _leaves(args, kwargs)
         if type(self.last) is tuple:
             for j, item in enumerate(self.last[1:], 1):
                 slot = next((i for i, a in enumerate(args) if a is item), None)
                 slot = next((key for key, a in kwargs.items() if a is item), slot)
                 if item is not None and slot is not None:
                     self.slots.setdefault(j, slot)
+
+    def note_handed(self, result) -> None:
+        """Note the tensors of a block's result (`same_origins`)."""
+        import torch
+
+        for item in (result if type(result) is tuple else (result,)):
+            if isinstance(item, torch.Tensor):
+                self.handed[id(item)] = item
+
+    def same_origins(self, k: int, template: int, args: tuple, kwargs: dict) -> None:
+        """Check that left-out block `k` is called as kept block `template` was in all but the
+        values the blocks hand on and tensors of its own: each argument a value a block
+        returned where the template's was one; else the template's own (the same tensor, an equal
+        setting), or a tensor of the block's own of the template's shape and dtype where the
+        template's is one too (Gemma-4 hands each layer its slice of per-layer inputs: `own`, which
+        the importer hands each block); NotRepeatable otherwise."""
+        import torch
+
+        leaves, spec = _leaves(args, kwargs)
+        theirs, their_spec = self.given.get(template, ((), None))
+        if spec != their_spec:
+            raise NotRepeatable(f"block {k} is called otherwise than block {template}")
+        for at, (a, b) in enumerate(zip(leaves, theirs)):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if (id(a) in self.handed) != (id(b) in self.handed):
+                    raise NotRepeatable(f"block {k} takes a tensor of its own where block {template} takes a "
+                                        "block's result, or the other way")
+                if id(a) not in self.handed and a is not b:
+                    if a.shape != b.shape or a.dtype != b.dtype:
+                        raise NotRepeatable(f"block {k} takes a tensor unlike block {template}'s")
+                    self.own[(k, at)], self.own[(template, at)] = a, b
+            elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or not _same_setting(a, b):
+                raise NotRepeatable(f"block {k} is called with {a!r} where block {template} is with {b!r}")
 
     def hand_on(self, k: int, kind: int, args: tuple, kwargs: dict):
         """Return what left-out block `k` of `kind`, called with `args`, `kwargs`, hands on: its
@@ -291,6 +330,7 @@ class ExportedCalls:
         self.order.append(k)
         if isinstance(like, torch.Tensor):
             self.last = x
+            self.note_handed(x)
             return x
         if type(like) is not tuple or not like or not isinstance(like[0], torch.Tensor):
             raise NotRepeatable(f"a block returns {type(like).__name__}")
@@ -306,7 +346,24 @@ class ExportedCalls:
             else:  # no block takes it (GPT-NeoX-Japanese's attention weights): the loop must not use it
                 items.append(_Unused(f"item {j} of block {k}'s result"))
         self.last = tuple(items)
+        self.note_handed(self.last)
         return self.last
+
+
+def _leaves(args: tuple, kwargs: dict) -> tuple[tuple, object]:
+    """Return a call's arguments as (their leaves, their structure) (`torch.utils._pytree`)."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    return tuple(leaves), spec
+
+
+def _same_setting(a, b) -> bool:
+    """Return whether two arguments that are not tensors are one setting (equal, of one type)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without equality: the same object only
+        return a is b
 
 
 class _Unused:
@@ -327,7 +384,7 @@ class _Unused:
         raise NotRepeatable(f"the model tests {self._what}")
 
 
-def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
+def _left_out_block(block, k: int, kind: int, calls: ExportedCalls, template: int):
     """Return a module standing for block `k` (of `kind`) in the export: it hands its input on as
     its kind's kept block hands on its result (`ExportedCalls.hand_on`: it computes nothing, the
     importer calls the block there), and is the block otherwise: an instance of its class (the
@@ -342,6 +399,7 @@ def _left_out_block(block, k: int, kind: int, calls: ExportedCalls):
             return getattr(block, name)
 
     def forward(self, *args, **kwargs):
+        calls.same_origins(k, template, args, kwargs)
         return calls.hand_on(k, kind, args, kwargs)
 
     cls = type(f"LeftOut{type(block).__name__}", (type(block),), {"__getattr__": getattr_, "forward": forward})
@@ -365,6 +423,7 @@ def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCal
     def after(k: int, args: tuple, kwargs: dict, result) -> None:  # returns None: the result stays the block's
         calls.outputs.setdefault(pattern.kinds[k], result)
         calls.last = result
+        calls.note_handed(result)
         given = [*args, *kwargs.values()]
         items = result if type(result) is tuple else (result,)
         calls.made[k] = tuple((j, (tuple(item.shape), str(item.dtype))) for j, item in enumerate(items)
@@ -377,7 +436,8 @@ def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCal
         hooks.append(full[k].register_forward_hook(
             lambda _m, args, kwargs, result, k=k: after(k, args, kwargs, result), with_kwargs=True))
     owner._modules[key] = torch.nn.ModuleList(
-        full[k] if k in kept else _left_out_block(full[k], k, pattern.kinds[k], calls) for k in range(len(full)))
+        full[k] if k in kept else _left_out_block(full[k], k, pattern.kinds[k], calls, pattern.template(k))
+        for k in range(len(full)))
     try:
         yield calls
     finally:

@@ -64,11 +64,13 @@ from hspmd.transforms.util import PassError, step_function
 class _Chain:
     """Consecutive periods of calls, each period's p calls in turn, and how their operands relate.
 
-    A period's operands (`row`) are its first call's, then each later call's but those its
-    predecessor in the period made (the period's own carries, `inner`)."""
+    A period's operands (`row`) are its first call's, then each later call's but those the calls
+    before it in the period made (the period's own carries, `inner`: HY-v4's second "shared"
+    layer reads the hidden states of the one before and the top-k indices of the full layer
+    before that)."""
 
     groups: list[list[func.CallOp]]
-    inner: list[dict[int, int]]  # per member m > 0: {argument index: result index of member m-1}
+    inner: list[dict[int, tuple[int, int]]]  # per member m: {argument index: (member m' < m, its result index)}
 
     def row(self, k: int) -> list[SSAValue]:
         """Return period k's operands."""
@@ -86,14 +88,17 @@ def _carries(prev: func.CallOp, operands: list[SSAValue]) -> list[tuple[int, int
 
 def _runs(block) -> list[list[func.CallOp]]:
     """Return the maximal runs of calls in `block`: each call reads some results of the one
-    before, and nothing else reads that one's results."""
+    before, and only calls read that one's results (HY-v4's "shared" layers read the top-k
+    indices of the last full layer; `StackLayers._stack` checks that each is read where a scan
+    can hand it on)."""
     runs: list[list[func.CallOp]] = []
     for op in block.ops:
         if not isinstance(op, func.CallOp):
             continue
         if runs and runs[-1]:
             prev = runs[-1][-1]
-            if _carries(prev, list(op.operands)) and all(u.operation is op for r in prev.results for u in r.uses):
+            if _carries(prev, list(op.operands)) and all(isinstance(u.operation, func.CallOp)
+                                                         for r in prev.results for u in r.uses):
                 runs[-1].append(op)
                 continue
         runs.append([op])
@@ -116,16 +121,45 @@ def _periods(keys: list[str], min_length: int) -> list[tuple[int, int, int]]:
     return sorted(found, key=lambda f: (-f[1] * f[2], f[1], f[0]))
 
 
-def _inner(groups: list[list[func.CallOp]]) -> list[dict[int, int]] | None:
-    """Return each member's arguments made by the member before it (alike in every period), or
-    None where the periods differ in how their members pass values on."""
-    inner: list[dict[int, int]] = [{}]
+def _inner(groups: list[list[func.CallOp]]) -> list[dict[int, tuple[int, int]]] | None:
+    """Return each member's arguments made by members before it in its period, {argument: (member,
+    result)} (alike in every period; the member before among them), or None where the periods
+    differ in how their members pass values on."""
+    inner: list[dict[int, tuple[int, int]]] = [{}]
     for m in range(1, len(groups[0])):
-        links = [dict(_carries(g[m - 1], list(g[m].operands))) for g in groups]
-        if any(link != links[0] for link in links) or not links[0]:
+        links = [{j: (m2, r) for m2 in range(m) for j, r in _carries(g[m2], list(g[m].operands))} for g in groups]
+        if any(link != links[0] for link in links) or not any(m2 == m - 1 for m2, _ in links[0].values()):
             return None
         inner.append(links[0])
     return inner
+
+
+def _handed_on_only(chain: _Chain, rows: list[list[SSAValue]], carries: list[tuple[int, int]]) -> bool:
+    """Return whether every result of the chain's calls is read only where a scan of its periods
+    hands it on: by a later member of its period (`_Chain.inner`), a last member's carried result
+    by the next period at a carried argument, or after the chain (the last period's)."""
+    period, count = len(chain.groups[0]), len(chain.groups)
+    carried_at = {}  # (period k, id of its row's operand value) -> carried result index
+    for k in range(1, count):
+        for j, r in carries:
+            carried_at.setdefault((k, id(rows[k][j])), set()).add(r)
+    for k, group in enumerate(chain.groups):
+        for m, call in enumerate(group):
+            later = {(m2, j) for m2 in range(m + 1, period) for j, (src, _) in chain.inner[m2].items() if src == m}
+            for r, result in enumerate(call.results):
+                for use in result.uses:
+                    op = use.operation
+                    inside = [m2 for m2 in range(m + 1, period) if group[m2] is op]
+                    if inside and (inside[0], use.index) in later and chain.inner[inside[0]][use.index] == (m, r):
+                        continue
+                    if m == period - 1 and k + 1 < count and r in carried_at.get((k + 1, id(result)), ()):
+                        if any(c is op for c in chain.groups[k + 1]):
+                            continue
+                    if m == period - 1 and k + 1 == count and r in {c for _, c in carries}:
+                        if not any(c is op for g in chain.groups for c in g):
+                            continue
+                    return False
+    return True
 
 
 def _counter(values: list[SSAValue]) -> tuple[SSAValue, int, int] | None:
@@ -182,12 +216,14 @@ def _period_function(module: ModuleOp, chain: _Chain) -> func.FuncOp:
     body = Block(arg_types=[v.type for v in row])
     args = iter(body.args)
     results: list[SSAValue] = []
+    made: list[list[SSAValue]] = []
     for m, callee in enumerate(members):
-        operands = [results[chain.inner[m][j]] if j in chain.inner[m] else next(args)
+        operands = [made[chain.inner[m][j][0]][chain.inner[m][j][1]] if j in chain.inner[m] else next(args)
                     for j in range(len(callee.body.block.args))]
         call = func.CallOp(callee.sym_name.data, operands, list(callee.function_type.outputs.data))
         body.add_op(call)
         results = list(call.results)
+        made.append(results)
     body.add_op(func.ReturnOp(*results))
     name, k = f"{members[0].sym_name.data}_period{len(members)}", 1
     while name in funcs:
@@ -268,11 +304,11 @@ class StackLayers(ModulePass):
             return False
         carry_args = [j for j, _ in carries]
         carry_results = {r for _, r in carries}
-        for group in groups:
-            for m, c in enumerate(group):
-                passed = set(inner[m + 1].values()) if m + 1 < period else carry_results
-                if any(r.uses for k, r in enumerate(c.results) if k not in passed):
-                    return False  # a per-layer result used outside the chain: it would have to be stacked
+        if len(carry_results) < len(carries) or any(
+                _carries(groups[k - 1][m], rows[k]) for k in range(1, len(groups)) for m in range(period - 1)):
+            return False  # a result carried to two arguments, or one of a period's other calls: not one carry each
+        if not _handed_on_only(chain, rows, carries):
+            return False  # a per-layer result used outside the chain: it would have to be stacked
         stacked: dict[int, list[tuple[graph.ParameterOp, graph.CastOp | None]]] = {}
         counters: dict[int, tuple[SSAValue, int, int]] = {}
         constants: dict[int, list[graph.LiteralOp]] = {}
