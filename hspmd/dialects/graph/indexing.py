@@ -74,7 +74,7 @@ class TakeOp(TensorOp):
 
     name = "graph.take"
     ATEN: ClassVar[tuple[str, ...]] = ("aten.index.Tensor", "aten.index_select.default", "aten.flip.default",
-                                       "aten.diagonal.default")
+                                       "aten.diagonal.default", "aten.unfold.default")
     x = operand_def(TensorType)
     indices = operand_def(TensorType)
     result = result_def(TensorType)
