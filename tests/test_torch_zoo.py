@@ -7,8 +7,9 @@ architecture of those the importer must take (the decoders issue 39 names, each 
 stopped at one op or already matched), with an AdamW step and tp=2; one entry of the whole
 mapping (`tests/zoo_table.json`, the table as last run), which must import with PyTorch's loss and
 gradients (where it did) or be refused in one line (never import with other numbers); one
-expert layer (Mixtral's or Qwen-MoE's) under ep=2; and one entry that imported, under
-`precision=bfloat16`, its step-1 loss within 1e-2 of PyTorch's under `torch.autocast`. The
+expert layer (Mixtral's or Qwen-MoE's) under ep=2; one entry that imported, under
+`precision=bfloat16`, its step-1 loss within 1e-2 of PyTorch's under `torch.autocast`; and one
+deeper entry whose layers the export keeps in part, with PyTorch's loss and gradients. The
 seed varies from run to run (`HSPMD_TEST_SEED` fixes it; pytest's header prints it).
 `python tests/torch_zoo.py [ARCH ...]` prints the table (`docs/torch-import.md` holds one).
 """
@@ -43,6 +44,11 @@ ROWS = {r["arch"]: r for r in torch_zoo.recorded_rows()}
 OTHER = sampled(sorted(a for a, r in ROWS.items() if a in torch_zoo.zoo() and r["status"] in ("imported", "refused")
                        and (r.get("seconds") or 999) <= 60), 1, "zoo-other")
 MOE_ARCH = sampled(MOE, 1, "zoo-moe")
+#: deeper entries whose layers the importer exports in part (`hspmd.frontend.torch_repeats`), at a depth
+#: where blocks are left out: a dense first layer (compared eagerly), per-layer inputs (Gemma-4),
+#: top-k indices handed on through shared layers (HY-v4), per-layer numbers (DiffLlama), two kinds
+DEEP = sampled(("gemma4_text:12", "hy_v4:8", "deepseek_v3:6", "exaone_moe:9", "diffllama:6", "gemma3_text:8"), 1,
+               "zoo-deep")
 #: an entry that imported, under `precision=bfloat16`
 BF16 = sampled(sorted(a for a, r in ROWS.items() if a in torch_zoo.zoo() and r["status"] == "imported"
                       and (r.get("seconds") or 999) <= 60), 1, "zoo-bf16")
@@ -105,3 +111,17 @@ def test_an_imported_entry_computes_in_bfloat16_as_torch_autocast(arch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         theirs = torch_zoo.loss(model, {k: torch.as_tensor(np.asarray(v)) for k, v in batch.items()}).item()
     assert abs(ours / theirs - 1) <= 1e-2, (ours, theirs)
+
+
+@pytest.mark.parametrize("spec", DEEP)
+def test_a_deeper_entry_exported_in_part_has_pytorchs_numbers(tmp_path, spec):
+    """The blocks left out of the export compute as PyTorch's: each takes the values the blocks
+    before it hand on and its own inputs (silently its template's once, for Gemma-4)."""
+    import hspmd as hs
+
+    arch, layers = spec.split(":")
+    model = torch_zoo.build(arch, layers=int(layers))[0]
+    program = hs.from_torch(model, torch_zoo.batch(0), torch_zoo.loss)
+    assert program.repeated and all(p.exported < p.length for p in program.repeated.values()), program.repeated
+    row = torch_zoo.check(arch, str(tmp_path), tp=False, adamw=False, layers=int(layers))
+    assert row["status"] == "imported" and row["loss"] <= 1e-5 and torch_zoo.grads_agree(row), row
