@@ -403,9 +403,9 @@ class _Importer:
             if not isinstance(reads.get(template), dict) or not reads[template]:
                 raise NotRepeatable(f"{template}: {reads.get(template) or 'takes no value of the blocks before'}")
             k = int(template.rpartition(".")[2])
-            if self.calls[list_path].handed_on(k) & self.read_slots(list_path) - {self._slot(o) for o in
-                                                                              self.made[template][3]}:
-                # it computes a value the blocks take that no block after it in the export takes
+            returned = {self._slot(o) for o in self.made[template][3]}
+            if (self.calls[list_path].handed_on(k) & self.read_slots(list_path)) - returned:
+                # it computes a value the blocks take that no block after it in the export took
                 raise NotRepeatable(f"{template} hands on a value its function does not return")
         state = {slot: self.env[n] for slot, n in after[path].items()}
         for left, template in more:
