@@ -197,15 +197,6 @@ class Between(Net):
         return (x ** 2).mean()
 
 
-def test_a_value_the_loop_computes_between_blocks_exports_every_block():
-    torch.manual_seed(0)
-    model = Between("a" * 6)
-    program, batch = _imported(model)
-    assert program.repeated == {}
-    out = run_imported(program, batch, stack=True)
-    _agrees(model, batch, out, grads=False)
-
-
 class KeepAll(Net):
     """Alike blocks whose every result the loss reads (as a loop keeping `all_hidden_states`
     does): the blocks left out would not be in it, so every block is exported (this was a wrong
@@ -219,13 +210,14 @@ class KeepAll(Net):
         return (x ** 2).mean() + kept
 
 
-def test_a_loss_reading_every_blocks_result_exports_every_block():
+@pytest.mark.parametrize("net,grads", [(Between, False), (KeepAll, True)])
+def test_a_loop_computing_between_blocks_or_reading_each_blocks_result_exports_every_block(net, grads):
     torch.manual_seed(0)
-    model = KeepAll("a" * 6)
+    model = net("a" * 6)
     program, batch = _imported(model)
     assert program.repeated == {}
     out = run_imported(program, batch, stack=True)
-    _agrees(model, batch, out)
+    _agrees(model, batch, out, grads=grads)
 
 
 class Pair(Block):

@@ -124,6 +124,8 @@ def _small(default: dict, layers: int = LAYERS) -> dict:
         if k == "per_layer_config" and isinstance(v, dict) and count:  # Gemma-4's overrides, by layer number
             width = len(next(iter(v), ""))
             overrides = _layers([v.get(f"{i:0{width}d}", v.get(str(i))) for i in range(count)], layers)
+            if overrides is None:
+                raise NotInZoo(f"its {k} does not repeat: no config of {layers} layers from it")
             kw[k] = {f"{i:0{width}d}": c for i, c in enumerate(overrides) if c is not None}
     for k, v in default.items():  # sub-configs (a text model's, a vision model's)
         if isinstance(v, dict) and ("model_type" in v or any(key in v for key in SIZES)):

@@ -362,9 +362,9 @@ def diagonal(cx: Context, x, offset=0, dim1=0, dim2=1):
 def unfold(cx: Context, x, dim, size, step):
     """`Tensor.unfold`: the windows of `size` along `dim`, `step` apart, in a new last dim (a short
     causal convolution's windows: Inkling-2's), one take of their positions."""
-    d = dim % x.ndim if x.ndim else 0
     if x.ndim == 0:
         return x.reshape((1,))
+    d = dim % x.ndim
     count = (x.shape[d] - size) // step + 1
     positions = (np.arange(count)[:, None] * step + np.arange(size)[None, :]).reshape(-1).astype(np.int64)
     windows = take(x, cx.tracer.literal(positions), d)

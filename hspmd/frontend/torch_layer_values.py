@@ -169,9 +169,8 @@ def _eager(module, run: Callable[[], object], blocks, which, note: Callable, end
     """Run `run()` eagerly without gradients, calling `note(k, func, args, kwargs, result)` for each
     ATen op of block k of `which` (of ModuleList `blocks`; a block's nested blocks' ops are its own),
     `began(k, args, kwargs)` before each block and `ended(k, result)` after it (it may raise
-    `_Enough` to stop the run);
-    `module`'s buffers and PyTorch's random state are as they were after. NotRepeatable where the
-    model's code fails eagerly."""
+    `_Enough` to stop the run); `module`'s buffers and PyTorch's random state are as they were
+    after. NotRepeatable where the model's code fails eagerly."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -424,7 +424,7 @@ def blocks_kept(owner, key: str, pattern: RepeatPattern) -> Iterator[ExportedCal
         calls.outputs.setdefault(pattern.kinds[k], result)
         calls.last = result
         calls.note_handed(result)
-        given = [*args, *kwargs.values()]
+        given = calls.given[k][0]  # its arguments' leaves (`ExportedCalls.called`)
         items = result if type(result) is tuple else (result,)
         calls.made[k] = tuple((j, (tuple(item.shape), str(item.dtype))) for j, item in enumerate(items)
                               if isinstance(item, torch.Tensor) and not any(item is a for a in given))
